@@ -1,0 +1,195 @@
+"""Everything about Flint attention that is not a projection.
+
+Masks are written once, as FlexAttention `mask_mod` functions, and realised two ways:
+  * a FlexAttention `BlockMask` for the `flex` backend (the GPU path, compiled), and
+  * a dense boolean mask for the `sdpa` backend (the CPU path, and decoding).
+Both backends implement learned sinks: one extra softmax column per query head whose logit is the
+sink `s_h` and whose value is zero, so  p_j = exp(a_j) / (exp(s_h) + sum_j exp(a_j)).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable, Union
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import (
+    AuxRequest,
+    BlockMask,
+    and_masks,
+    create_block_mask,
+    flex_attention,
+)
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
+BACKENDS = ("auto", "flex", "sdpa")
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Mask = Union[BlockMask, torch.Tensor]  # BlockMask -> flex backend; bool [B, 1, T, S] -> sdpa backend
+
+
+# ----------------------------------------------------------------------------- mask functions
+# Each takes broadcastable index tensors (batch, head, query, key) and returns True where the
+# query may attend the key. Written with tensor ops only, so the same function builds a
+# BlockMask and, evaluated on index grids, a dense mask.
+
+def causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def sliding_window(window: int) -> MaskMod:
+    """The window counts the current token: window 513 sees keys q-512 .. q."""
+    def mask(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < window
+    return mask
+
+
+def same_document(doc_ids: torch.Tensor) -> MaskMod:
+    """doc_ids [B, T]: attend only inside the query's document; ids < 0 mark padding, never attended.
+
+    A padding query therefore sees no key at all and, thanks to the sink column, outputs exact zeros.
+    """
+    def mask(b, h, q_idx, kv_idx):
+        key_doc = doc_ids[b, kv_idx]
+        return (doc_ids[b, q_idx] == key_doc) & (key_doc >= 0)
+    return mask
+
+
+def layer_mask_mod(layer_type: str, window: int | None, doc_ids: torch.Tensor | None) -> MaskMod:
+    """The full mask of one layer type: causal, plus the window on sliding layers, plus documents."""
+    if layer_type not in LAYER_TYPES:
+        raise ValueError(f"layer type must be one of {LAYER_TYPES}, got {layer_type!r}")
+    mods = [causal]
+    if layer_type == SLIDING and window is not None:
+        mods.append(sliding_window(window))
+    if doc_ids is not None:
+        mods.append(same_document(doc_ids))
+    return and_masks(*mods) if len(mods) > 1 else causal
+
+
+# ----------------------------------------------------------------------------- realisations
+
+def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+    """Evaluate a mask_mod on index grids: bool [B, 1, Tq, Tk] (broadcasts over heads)."""
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    q = torch.arange(q_len, device=device).view(1, 1, q_len, 1)
+    kv = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+    return mask_mod(b, h, q, kv).expand(batch, 1, q_len, kv_len)
+
+
+@lru_cache(maxsize=32)
+def _cached_block_mask(layer_type: str, window: int | None, seq_len: int, device: str) -> BlockMask:
+    """Masks without documents depend only on the shape: build them once per shape."""
+    mod = layer_mask_mod(layer_type, window, None)
+    return create_block_mask(mod, None, None, seq_len, seq_len, device=device)
+
+
+def block_mask(layer_type: str, window: int | None, doc_ids: torch.Tensor | None,
+               batch: int, seq_len: int, device) -> BlockMask:
+    if doc_ids is None:
+        return _cached_block_mask(layer_type, window, seq_len, str(device))
+    mod = layer_mask_mod(layer_type, window, doc_ids)
+    return create_block_mask(mod, batch, None, seq_len, seq_len, device=device)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """`auto` picks flex on GPUs (fused, compiled) and sdpa on the CPU (flex has no CPU backward)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    return backend
+
+
+def build_masks(layer_types: list[str], window: int | None, doc_ids: torch.Tensor | None,
+                batch: int, seq_len: int, device, backend: str) -> dict[str, Mask]:
+    """One mask per layer type present, built once per batch outside the layers."""
+    masks: dict[str, Mask] = {}
+    for layer_type in sorted(set(layer_types)):
+        if backend == "flex":
+            masks[layer_type] = block_mask(layer_type, window, doc_ids, batch, seq_len, device)
+        else:
+            mod = layer_mask_mod(layer_type, window, doc_ids)
+            masks[layer_type] = dense_mask(mod, batch, seq_len, seq_len, device)
+    return masks
+
+
+# ----------------------------------------------------------------------------- attention with sinks
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, mask: BlockMask, scale: float):
+    """Compiled FlexAttention on GPUs; eager on the CPU, where compiled flex cannot return the lse."""
+    global _compiled_flex
+    if q.device.type == "cpu":
+        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True,
+                              return_aux=AuxRequest(lse=True))
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True,
+                          return_aux=AuxRequest(lse=True))
+
+
+def flex_sink_attention(q, k, v, sinks: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+    """Plain attention, then the sink: out * sigmoid(lse - s_h), in FP32 so lse carries gradients."""
+    out, aux = _flex(q, k, v, mask, q.shape[-1] ** -0.5)  # out [B, Hq, T, D], lse [B, Hq, T]
+    keep = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1))
+    return (out.float() * keep.unsqueeze(-1)).to(q.dtype)
+
+
+def sdpa_sink_attention(q, k, v, sinks: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """SDPA over one extra zero key/value whose additive bias is the sink logit.
+
+    q [B, Hq, T, D], k/v [B, Hkv, S, D], allowed bool [B, 1, T, S]. The score of the extra key is
+    q . 0 + s_h = s_h, and since the bias is a differentiable input the sink gets its gradient.
+    """
+    batch, heads, q_len, _ = q.shape
+    zero = k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3])
+    k = torch.cat([k, zero], dim=2)  # [B, Hkv, S + 1, D]
+    v = torch.cat([v, zero], dim=2)
+    bias = torch.where(allowed, 0.0, float("-inf")).expand(batch, heads, q_len, allowed.shape[-1])
+    sink_column = sinks.float().view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
+    bias = torch.cat([bias, sink_column], dim=-1).to(q.dtype)  # [B, Hq, T, S + 1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+
+
+def sink_attention(q, k, v, sinks: torch.Tensor, mask: Mask) -> torch.Tensor:
+    """The backend follows the mask's realisation: BlockMask -> flex, dense bool -> sdpa."""
+    if isinstance(mask, BlockMask):
+        return flex_sink_attention(q, k, v, sinks, mask)
+    return sdpa_sink_attention(q, k, v, sinks, mask)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+class KVCache:
+    """Keys and values of one layer during generation.
+
+    Sliding layers keep only the last `window - 1` keys between steps: with the new token that is
+    exactly the `window` keys its query may see. Keys are stored after RoPE.
+    """
+
+    def __init__(self, window: int | None):
+        self.window = window
+        self.k = self.v = None
+        self.positions = None  # [S] absolute position of each stored key
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Append k/v [B, Hkv, t, D] at `positions` [t]; return all keys, values and the bool mask."""
+        if self.k is not None:
+            k = torch.cat([self.k, k], dim=2)
+            v = torch.cat([self.v, v], dim=2)
+            key_positions = torch.cat([self.positions, positions])
+        else:
+            key_positions = positions
+        q_pos, k_pos = positions.view(-1, 1), key_positions.view(1, -1)
+        allowed = k_pos <= q_pos
+        if self.window is not None:
+            allowed &= q_pos - k_pos < self.window
+        first = 0 if self.window is None else max(k.shape[2] - (self.window - 1), 0)
+        self.k, self.v, self.positions = k[:, :, first:], v[:, :, first:], key_positions[first:]
+        return k, v, allowed.view(1, 1, *allowed.shape)  # allowed [1, 1, t, S]

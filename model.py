@@ -1,0 +1,509 @@
+"""The Flint network: configuration, decoder layers, FP32 head, loss and generation.
+
+Flint is a decoder-only mixture-of-experts transformer. Most layers attend inside a sliding window
+of 513 tokens with NeoX RoPE; every fourth layer (and the first two and the last) attends to the
+whole causal context with no positional encoding at all. Every attention head has a learned sink.
+All layers but the first two are MoE: 256 sigmoid-routed experts, top 6, plus one shared expert.
+See ../shared/SPEC.md for the contract this file implements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from attention import (BACKENDS, FULL, LAYER_TYPES, SLIDING, KVCache, build_masks, resolve_backend,
+                       sink_attention)
+from moe import EXPERT_BACKENDS, MoE, SwiGLU
+
+
+# ============================================================================= configuration
+
+def default_layer_types(num_layers: int) -> list[str]:
+    """Full attention at 0, 1, every i with i % 4 == 1, and the last layer; sliding elsewhere."""
+    return [FULL if i < 2 or i % 4 == 1 or i == num_layers - 1 else SLIDING for i in range(num_layers)]
+
+
+# Hugging Face keys that carry no meaning for this implementation.
+IGNORED_HF_KEYS = {"architectures", "dtype", "torch_dtype", "transformers_version", "auto_map",
+                   "use_cache", "model_type", "keys_to_ignore_at_inference", "_name_or_path",
+                   "rope_scaling", "rope_theta"}
+# Fields of ours that are runtime choices, not part of the published config.
+RUNTIME_FIELDS = ("attention_backend", "experts_backend", "loss_chunk_size")
+
+
+@dataclass
+class FlintConfig:
+    """Every field of the published Flint config (defaults: the released model) plus runtime knobs."""
+
+    vocab_size: int = 150144
+    hidden_size: int = 2048
+    intermediate_size: int = 6144
+    num_hidden_layers: int = 49
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 4
+    head_dim: int = 128
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 262144
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    sliding_window: int | None = 513
+    use_sliding_window: bool = True
+    layer_types: list[str] | None = None
+    no_rope_layer_indices: list[int] | None = None
+    schedule_num_hidden_layers: int | None = None
+    mlp_only_layers: list[int] = field(default_factory=lambda: [0, 1])
+    decoder_sparse_step: int = 1
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 1024
+    num_experts: int = 256
+    num_experts_per_tok: int = 6
+    norm_topk_prob: bool = True
+    router_score_function: str = "sigmoid"
+    router_aux_loss_coef: float = 0.0005
+    softmax_type: str = "learnable"
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    tie_word_embeddings: bool = False
+    residual_dtype: str | None = None
+    attention_compute_dtype: str | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    output_router_logits: bool = False
+    # Runtime choices (not written to config.json).
+    attention_backend: str = "auto"  # auto | flex | sdpa
+    experts_backend: str = "grouped"  # grouped | loop
+    loss_chunk_size: int = 4096  # tokens whose FP32 logits exist at once in the loss
+
+    def __post_init__(self) -> None:
+        schedule = self.schedule_num_hidden_layers or self.num_hidden_layers
+        if self.layer_types is None:
+            self.layer_types = default_layer_types(schedule)
+        if len(self.layer_types) not in (self.num_hidden_layers, schedule):
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected "
+                             f"num_hidden_layers={self.num_hidden_layers} or schedule_num_hidden_layers={schedule}")
+        # A prefix of a deeper model keeps the source schedule of its first layers.
+        self.layer_types = list(self.layer_types[: self.num_hidden_layers])
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "moe_intermediate_size",
+                     "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok",
+                     "max_position_embeddings", "decoder_sparse_step", "loss_chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})")
+        bad_types = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad_types:
+            raise ValueError(f"layer_types may only hold {LAYER_TYPES}, got {bad_types[0]!r}")
+        full = [i for i, t in enumerate(self.layer_types) if t == FULL]
+        if self.no_rope_layer_indices is not None:
+            given = sorted(i for i in self.no_rope_layer_indices if i < self.num_hidden_layers)
+            if given != full:
+                raise ValueError(f"no_rope_layer_indices must equal the full-attention layers {full}, got {given}")
+        choices = {"hidden_act": ("silu",), "router_score_function": ("sigmoid",),
+                   "softmax_type": ("learnable",), "tie_word_embeddings": (False,),
+                   "attention_bias": (False,), "attention_compute_dtype": (None,),
+                   "residual_dtype": (None, "float32", "bfloat16"),
+                   "attention_backend": BACKENDS, "experts_backend": EXPERT_BACKENDS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed} in this implementation, got {getattr(self, name)!r}")
+        if self.attention_dropout != 0.0:
+            raise ValueError(f"attention_dropout must be 0.0 (Flint trains without it), got {self.attention_dropout!r}")
+        if self.rope_parameters.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_parameters.rope_type must be 'default', got {self.rope_parameters['rope_type']!r}")
+        if not self.rope_parameters.get("rope_theta", 0) > 0:
+            raise ValueError(f"rope_parameters.rope_theta must be > 0, got {self.rope_parameters.get('rope_theta')!r}")
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def window(self) -> int | None:
+        """The attention window of sliding layers (None: they see the whole causal context)."""
+        return self.sliding_window if self.use_sliding_window else None
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters["rope_theta"])
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    # ------------------------------------------------------------------ presets and HF configs
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "FlintConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_hf_config(cls, source: dict | str | Path, **overrides: Any) -> "FlintConfig":
+        """From a config.json dict or path (file or checkpoint directory); errors name the field."""
+        where = "config"
+        if not isinstance(source, dict):
+            path = Path(source)
+            path = path / "config.json" if path.is_dir() else path
+            where = str(path)
+            try:
+                source = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as error:
+                raise ValueError(f"{where}: cannot read a JSON config: {error}") from error
+        if source.get("model_type", "flint") != "flint":
+            raise ValueError(f"{where}: model_type must be 'flint', got {source['model_type']!r}")
+        known = {f.name for f in dataclasses.fields(cls)} - set(RUNTIME_FIELDS)
+        unknown = sorted(set(source) - known - IGNORED_HF_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown field {unknown[0]!r} for a Flint config")
+        kwargs = {k: v for k, v in source.items() if k in known}
+        rope = dict(kwargs.get("rope_parameters") or {"rope_type": "default", "rope_theta": 10000.0})
+        if "rope_theta" in source:  # older configs give it at the top level
+            rope["rope_theta"] = source["rope_theta"]
+        kwargs["rope_parameters"] = rope
+        try:
+            return cls(**{**kwargs, **overrides})
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: {error}") from error
+
+    def to_hf_config(self) -> dict:
+        config = {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_FIELDS}
+        config["no_rope_layer_indices"] = [i for i, t in enumerate(self.layer_types) if t == FULL]
+        return {"architectures": ["FlintForCausalLM"], "model_type": "flint", **config}
+
+
+_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=9,
+             moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+             num_experts_per_tok=2, router_aux_loss_coef=0.0, max_position_embeddings=4096)
+PRESETS: dict[str, dict] = {
+    "flint": {},
+    "tiny": _TINY,
+    # The CPU benchmark shape (bench.py): released schedule, small widths.
+    "bench-cpu": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, sliding_window=65,
+                      moe_intermediate_size=128, shared_expert_intermediate_size=256, num_experts=32,
+                      num_experts_per_tok=4, router_aux_loss_coef=0.0),
+    # Released widths, head counts and experts, shallow enough for one GPU.
+    "flint-shallow": dict(num_hidden_layers=6, schedule_num_hidden_layers=49, router_aux_loss_coef=0.0),
+}
+
+
+# ============================================================================= building blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * y).to(x.dtype)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX RoPE over all head_dim channels: positions [B, T] -> cos, sin [B, 1, T, D] in FP32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float().unsqueeze(-1) * inv_freq  # [B, T, D/2]
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # [B, 1, T, D]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half convention: pairs channel i with channel i + D/2."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 where each packed document begins: doc_ids [B, T] -> [B, T]."""
+    batch, seq_len = doc_ids.shape
+    index = torch.arange(seq_len, device=doc_ids.device).expand(batch, seq_len)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start_index = torch.where(starts, index, torch.zeros_like(index))
+    return index - torch.cummax(start_index, dim=1).values
+
+
+class Sinks(nn.Module):
+    """The learned sink logits [Hq] in FP32, and the attention core that uses them.
+
+    Attention runs inside this module's forward so that, sharded as its own FP32 unit, the
+    sinks are gathered and used in FP32 while the projections around it run in the bulk dtype.
+    """
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_heads, dtype=torch.float32))
+
+    def forward(self, q, k, v, mask) -> torch.Tensor:
+        return sink_attention(q, k, v, self.weight, mask)
+
+
+class Attention(nn.Module):
+    """GQA with per-head q/k RMSNorm, RoPE on sliding layers only (full layers are NoPE), sinks."""
+
+    def __init__(self, config: FlintConfig, layer_type: str, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.layer_type = layer_type
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, q_dim, kv_dim = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_dim, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, kv_dim, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, kv_dim, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(q_dim, hidden, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.sinks = Sinks(self.num_heads)
+
+    def forward(self, x: torch.Tensor, rope, mask, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        # [B, T, H] -> [B, heads, T, D]
+        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.layer_type == SLIDING:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            k, v, mask = cache.update(k, v, positions)
+        out = self.sinks(q, k, v, mask)  # [B, Hq, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm: h = x + attn(norm(x)); y = h + mlp(norm(h)). The MLP is dense or MoE by schedule."""
+
+    def __init__(self, config: FlintConfig, index: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.layer_type = config.layer_types[index]
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, self.layer_type, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if config.is_moe_layer(index):
+            self.mlp = MoE(config.hidden_size, config.moe_intermediate_size,
+                           config.shared_expert_intermediate_size, config.num_experts,
+                           config.num_experts_per_tok, config.norm_topk_prob, config.experts_backend, dtype)
+        else:
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype)
+
+    def forward(self, x: torch.Tensor, rope, masks: dict, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        compute_dtype = self.input_layernorm.weight.dtype  # the residual stream may be wider
+        attn_in = self.input_layernorm(x).to(compute_dtype)
+        mask = None if cache is not None else masks[self.layer_type]
+        h = x + self.self_attn(attn_in, rope, mask, cache, positions).to(x.dtype)
+        mlp_in = self.post_attention_layernorm(h).to(compute_dtype)
+        return h + self.mlp(mlp_in).to(x.dtype)
+
+
+class Head(nn.Module):
+    """Untied FP32 output head [V, H], with a chunked cross-entropy.
+
+    The loss never holds more than `chunk_size` rows of FP32 logits: each chunk's logits are
+    recomputed in backward instead of saved (150k vocab x 8k tokens would be 4.9 GB).
+    """
+
+    def __init__(self, hidden: int, vocab: int, chunk_size: int):
+        super().__init__()
+        self.chunk_size = chunk_size
+        self.weight = nn.Parameter(torch.empty(vocab, hidden, dtype=torch.float32))
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """h [B, T, H] -> FP32 logits [B, T, V], or with targets [B, T] the mean loss (scalar)."""
+        h = h.float()
+        if targets is None:
+            return h @ self.weight.float().T
+        h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # [N, H], [N]
+        total = h.new_zeros(())
+        for start in range(0, h.shape[0], self.chunk_size):
+            rows = slice(start, start + self.chunk_size)
+            total = total + checkpoint(_chunk_loss_sum, h[rows], self.weight, targets[rows], use_reentrant=False)
+        return total / (targets != -100).sum().clamp(min=1)
+
+
+def _chunk_loss_sum(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = h @ weight.float().T  # [chunk, V] in FP32
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+
+
+# ============================================================================= the model
+
+class Flint(nn.Module):
+    def __init__(self, config: FlintConfig, dtype: torch.dtype | None = None):
+        """Bulk parameters in `dtype`; sinks, routers and the head are always FP32.
+
+        Build on the meta device and call `init_weights()` (see `build_model`).
+        """
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)})
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = Head(config.hidden_size, config.vocab_size, config.loss_chunk_size)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, initializer_range) for matrices, ones for norms, small normal for sinks."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, Sinks):
+                module.weight.normal_(0.0, std, generator=generator)
+        for name, param in self.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, std, generator=generator)
+        for buffer in self.buffers():
+            buffer.zero_()
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> FP32 logits [B, T, V], or the mean loss when targets are given.
+
+        doc_ids [B, T] marks packed documents (< 0: padding); positions default to restarting at
+        each document. Masks and RoPE tables are built once here, outside the layers.
+        """
+        self._check_inputs(input_ids, targets, doc_ids, positions)
+        batch, seq_len = input_ids.shape
+        if positions is None:
+            positions = (document_positions(doc_ids) if doc_ids is not None
+                         else torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len))
+        backend = resolve_backend(self.config.attention_backend, input_ids.device)
+        masks = build_masks(self.config.layer_types, self.config.window, doc_ids, batch, seq_len,
+                            input_ids.device, backend)
+        rope = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        h = self.embed(input_ids)
+        for layer in self.layers.values():
+            h = layer(h, rope, masks)
+        return self.lm_head(self.norm(h.float()), targets)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        return h.to(getattr(torch, self.config.residual_dtype)) if self.config.residual_dtype else h
+
+    def _check_inputs(self, input_ids, targets, doc_ids, positions) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise ValueError(f"input_ids must be an integer tensor [batch, seq], got "
+                             f"{getattr(input_ids, 'dtype', type(input_ids))} {tuple(getattr(input_ids, 'shape', ()))}")
+        if input_ids.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        for name, tensor in (("targets", targets), ("doc_ids", doc_ids), ("positions", positions)):
+            if tensor is None:
+                continue
+            if tensor.shape != input_ids.shape or tensor.is_floating_point():
+                raise ValueError(f"{name} must be an integer tensor of shape {tuple(input_ids.shape)} like "
+                                 f"input_ids, got {tensor.dtype} {tuple(tensor.shape)}")
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 eos_token_id: int | None = None) -> torch.Tensor:
+        """Extend prompt [B, T] by up to max_new_tokens with a KV cache -> [B, T + n].
+
+        temperature 0 is greedy; otherwise sample from softmax(logits / temperature), optionally
+        restricted to the top_k tokens. Sliding layers cache only the last `window - 1` keys.
+        """
+        self._check_inputs(prompt, None, None, None)
+        caches = {name: KVCache(self.config.window if layer.layer_type == SLIDING else None)
+                  for name, layer in self.layers.items()}
+        tokens, step_input, start = prompt, prompt, 0
+        for _ in range(max_new_tokens):
+            logits = self.decode_step(step_input, caches, start)  # [B, V] for the last position
+            start += step_input.shape[1]
+            next_token = sample(logits, temperature, top_k, generator)  # [B, 1]
+            tokens = torch.cat([tokens, next_token], dim=1)
+            step_input = next_token
+            if eos_token_id is not None and bool((next_token == eos_token_id).all()):
+                break
+        return tokens
+
+    def decode_step(self, input_ids: torch.Tensor, caches: dict[str, KVCache], start: int) -> torch.Tensor:
+        """Run new tokens [B, t] at positions start.. through the cached layers -> last logits [B, V]."""
+        batch, seq_len = input_ids.shape
+        positions = torch.arange(start, start + seq_len, device=input_ids.device)
+        rope = rope_tables(positions.expand(batch, seq_len), self.config.head_dim, self.config.rope_theta)
+        h = self.embed(input_ids)
+        for name, layer in self.layers.items():
+            h = layer(h, rope, {}, caches[name], positions)
+        return self.lm_head(self.norm(h[:, -1:].float()))[:, -1]
+
+    # ------------------------------------------------------------------ accounting
+    def num_params(self, active: bool = False) -> int:
+        """All parameters, or those one token uses (top-k of the routed experts, not all E)."""
+        total = sum(p.numel() for p in self.parameters())
+        if not active:
+            return total
+        c = self.config
+        idle_experts = c.num_experts - c.num_experts_per_tok
+        per_expert = 3 * c.hidden_size * c.moe_intermediate_size
+        moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+        return total - moe_layers * idle_experts * per_expert
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward), checkable by hand.
+
+        Matmuls: 6 FLOPs per active weight per token (2 forward, 4 backward), counting every
+        active matrix except the embedding lookup. Attention: QK^T and PV each take
+        2 * Hq * D FLOPs per attended key in forward, so 12 * Hq * D per key for training, times
+        the mean number of keys a query attends: (T + 1) / 2 on full layers, and on sliding layers
+        the mean of min(i + 1, window) over positions i.
+        """
+        c = self.config
+        matmul_params = self.num_params(active=True) - c.vocab_size * c.hidden_size - self._norm_and_sink_params()
+        flops = 6.0 * matmul_params
+        for layer_type in c.layer_types:
+            window = c.window if layer_type == SLIDING and c.window else seq_len
+            mean_keys = sum(min(i + 1, window) for i in range(seq_len)) / seq_len
+            flops += 12.0 * c.num_attention_heads * c.head_dim * mean_keys
+        return flops
+
+    def _norm_and_sink_params(self) -> int:
+        return sum(m.weight.numel() for m in self.modules() if isinstance(m, (RMSNorm, Sinks)))
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [B, V] -> next tokens [B, 1]: greedy at temperature 0, else top-k sampling."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+
+
+def build_model(config: FlintConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int | None = None) -> Flint:
+    """Construct on the meta device (no memory), materialise on `device`, then initialise."""
+    with torch.device("meta"):
+        model = Flint(config, dtype)
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    model.init_weights(generator)
+    return model

@@ -1,0 +1,163 @@
+"""Flint's mixture of experts: sigmoid router, grouped experts, shared expert, dense SwiGLU.
+
+Routed experts hold native grouped weights so that `x @ w` needs no transpose:
+    gate_up_proj [E, H, 2 * Im]   (gate columns first, then up)
+    down_proj    [E, Im, H]
+Tokens are sorted by expert, each projection is one grouped GEMM over the sorted rows, and the
+results are weighted after the down projection and added back to their tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+EXPERT_BACKENDS = ("grouped", "loop")
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): the dense MLP of `mlp_only_layers` and the ungated shared expert."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores over experts, top-k, optionally renormalised. An FP32 module of its own.
+
+    It also records how many tokens each expert received in its last forward, as a buffer, so the
+    trainer can read routing statistics without a host sync per layer.
+    """
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> FP32 weights [N, k] and expert indices [N, k]."""
+        logits = x.float() @ self.weight.float().T  # [N, E]
+        weights, indices = torch.topk(torch.sigmoid(logits), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        with torch.no_grad():
+            counts = torch.bincount(indices.flatten(), minlength=self.weight.shape[0])
+            self.tokens_per_expert.copy_(counts)  # copy, not add: activation recompute stays exact
+        return weights, indices
+
+
+@torch.compiler.disable
+def _grouped_mm_eager(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x, w, offs=offsets)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rows sorted by group, w [G, K, N], offsets int32 [G] cumulative ends -> [M, N].
+
+    In torch 2.13 an FP32 grouped GEMM cannot be compiled on the CPU, so there it stays out of the
+    graph (one graph break) while the rest of the block is still compiled.
+    """
+    if x.device.type == "cpu":
+        return _grouped_mm_eager(x, w, offsets)
+    return torch._grouped_mm(x, w, offs=offsets)
+
+
+def group_alignment(device: torch.device) -> int:
+    """Rows per expert group are padded to a multiple of this: CUDA's bf16/fp8 grouped GEMMs need
+    aligned groups (16 covers both); the CPU kernel needs none."""
+    return 16 if device.type == "cuda" else 1
+
+
+def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int):
+    """Plan the grouped GEMM without a host sync.
+
+    indices [N, k] -> (order [N*k]: assignment ids sorted by expert,
+                       slots [N*k]: row of each sorted assignment in the padded buffer,
+                       offsets int32 [E]: cumulative padded group ends,
+                       rows: static buffer length, N*k + E*(align-1)).
+    """
+    flat = indices.flatten()  # [N*k]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + align - 1) // align * align
+    starts = torch.cumsum(counts, 0) - counts
+    padded_ends = torch.cumsum(padded, 0)
+    expert_of_sorted = flat[order]
+    rank_in_group = torch.arange(flat.numel(), device=flat.device) - starts[expert_of_sorted]
+    slots = padded_ends[expert_of_sorted] - padded[expert_of_sorted] + rank_in_group
+    rows = flat.numel() + num_experts * (align - 1)
+    return order, slots, padded_ends.to(torch.int32), rows
+
+
+class GroupedExperts(nn.Module):
+    """E routed SwiGLU experts held as two grouped weights, run with one grouped GEMM each."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int,
+                 backend: str = "grouped", dtype: torch.dtype | None = None):
+        super().__init__()
+        if backend not in EXPERT_BACKENDS:
+            raise ValueError(f"experts_backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self.group_align: int | None = None  # None: group_alignment(device); tests force padding
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """x [N, H], weights/indices [N, k] -> [N, H]."""
+        if self.backend == "loop":
+            return self.forward_loop(x, weights, indices)
+        return self.forward_grouped(x, weights, indices)
+
+    def forward_grouped(self, x, weights, indices):
+        num_experts, top_k = self.gate_up_proj.shape[0], indices.shape[1]
+        align = self.group_align or group_alignment(x.device)
+        order, slots, offsets, rows = sort_by_expert(indices, num_experts, align)
+        token_of = order // top_k  # [N*k]: which token each sorted assignment came from
+        routed = x.new_zeros(rows, x.shape[1]) if align > 1 else None
+        xs = x[token_of] if routed is None else routed.index_copy(0, slots, x[token_of])
+        gate, up = grouped_mm(xs, self.gate_up_proj, offsets).chunk(2, dim=-1)  # [rows, Im] each
+        out = grouped_mm(F.silu(gate) * up, self.down_proj, offsets)  # [rows, H]
+        out = out if routed is None else out[slots]  # drop the padding rows: [N*k, H]
+        out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(x).index_add(0, token_of, out)
+
+    def forward_loop(self, x, weights, indices):
+        """The plain per-expert loop: the readable reference for the grouped path (host syncs)."""
+        intermediate = self.down_proj.shape[1]
+        y = torch.zeros_like(x)
+        for expert in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(indices == expert)
+            if token.numel() == 0:
+                continue
+            gate_up = x[token] @ self.gate_up_proj[expert]  # [n, 2*Im]
+            hidden = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+            out = (hidden @ self.down_proj[expert]) * weights[token, slot].unsqueeze(-1).to(x.dtype)
+            y = y.index_add(0, token, out)
+        return y
+
+
+class MoE(nn.Module):
+    """Routed experts plus one shared expert that is always added in full, with no gate."""
+
+    def __init__(self, hidden: int, intermediate: int, shared_intermediate: int, num_experts: int,
+                 top_k: int, norm_topk_prob: bool, backend: str = "grouped",
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.router = Router(hidden, num_experts, top_k, norm_topk_prob)
+        self.experts = GroupedExperts(hidden, intermediate, num_experts, backend, dtype)
+        self.shared_expert = SwiGLU(hidden, shared_intermediate, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [B, T, H] -> [N, H]
+        weights, indices = self.router(x)
+        y = self.experts(x, weights, indices) + self.shared_expert(x)
+        return y.view(shape)
