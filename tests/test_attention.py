@@ -1,0 +1,136 @@
+"""attention.py against the plain reference: masks, both backends, values and gradients.
+
+FlexAttention refuses to run backward on the CPU (`_validate_device` raises before the call), although
+its eager implementation is differentiable. The `flex_cpu_backward` fixture lifts that one check for
+the duration of a test, so flex gradients are checked here against the reference too.
+"""
+
+import pytest
+import torch
+import torch.nn.attention.flex_attention as flex_module
+
+import attention as A
+from reference import reference_attention, reference_mask
+
+
+@pytest.fixture
+def flex_cpu_backward(monkeypatch):
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
+
+
+def random_qkv(batch, q_heads, kv_heads, seq_len, head_dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, q_heads, seq_len, head_dim, generator=g)
+    k = torch.randn(batch, kv_heads, seq_len, head_dim, generator=g)
+    v = torch.randn(batch, kv_heads, seq_len, head_dim, generator=g)
+    sinks = torch.randn(q_heads, generator=g)
+    return [t.requires_grad_() for t in (q, k, v, sinks)]
+
+
+def packed_doc_ids(seq_len):
+    """Row 0: three documents; row 1: two documents then padding (-1)."""
+    row0 = [0] * (seq_len // 3) + [1] * (seq_len // 3)
+    row0 += [2] * (seq_len - len(row0))
+    row1 = [5] * (seq_len // 2) + [6] * (seq_len // 4)
+    row1 += [-1] * (seq_len - len(row1))
+    return torch.tensor([row0, row1])
+
+
+CASES = {  # name: (layer type, window, with documents)
+    "causal": (A.FULL, None, False),
+    "sliding": (A.SLIDING, 7, False),
+    "documents": (A.FULL, None, True),
+    "sliding+documents+padding": (A.SLIDING, 5, True),
+}
+
+
+def check_against_reference(backend, case, heads=(8, 2), head_dim=64, seq_len=40):
+    layer_type, window, with_docs = CASES[case]
+    batch = 2
+    doc_ids = packed_doc_ids(seq_len) if with_docs else None
+    q, k, v, sinks = random_qkv(batch, *heads, seq_len, head_dim)
+    masks = A.build_masks([layer_type], window, doc_ids, batch, seq_len, "cpu", backend)
+    out = A.sink_attention(q, k, v, sinks, masks[layer_type])
+
+    ref_inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    allowed = reference_mask(layer_type, window if window else seq_len, doc_ids, seq_len, batch)
+    expected = reference_attention(*ref_inputs, allowed)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    expected.backward(grad_out)
+    for name, fast, ref in zip("q k v sinks".split(), (q, k, v, sinks), ref_inputs):
+        torch.testing.assert_close(fast.grad, ref.grad, rtol=1e-5, atol=1e-5, msg=f"grad of {name}")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sdpa_matches_reference(case):
+    check_against_reference("sdpa", case)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_flex_matches_reference(case, flex_cpu_backward):
+    check_against_reference("flex", case)
+
+
+def test_head_dim_and_gqa_variants():
+    check_against_reference("sdpa", "sliding+documents+padding", heads=(4, 4), head_dim=16)
+    check_against_reference("sdpa", "causal", heads=(6, 1), head_dim=32)
+
+
+def test_window_edge_counts_the_current_token():
+    mod = A.layer_mask_mod(A.SLIDING, 513, None)
+    q, key = torch.tensor(600), torch.tensor([600 - 512, 600 - 513])
+    zero = torch.tensor(0)
+    assert mod(zero, zero, q, key).tolist() == [True, False]
+    dense = A.dense_mask(mod, 1, 600, 600, "cpu")[0, 0]
+    assert dense.sum(-1).max().item() == 513
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_window_edge_through_attention(backend):
+    """Key q-512 contributes to the output, key q-513 does not (window 513, both backends)."""
+    seq_len, q_pos = 530, 529
+    q = torch.zeros(1, 1, seq_len, 8)
+    k = torch.zeros(1, 1, seq_len, 8)
+    v = torch.zeros(1, 1, seq_len, 8)
+    v[0, 0, q_pos - 512, 0] = 1.0  # inside the window
+    v[0, 0, q_pos - 513, 1] = 1.0  # just outside
+    masks = A.build_masks([A.SLIDING], 513, None, 1, seq_len, "cpu", backend)
+    out = A.sink_attention(q, k, v, torch.zeros(1), masks[A.SLIDING])[0, 0, q_pos]
+    assert out[0].item() == pytest.approx(1 / 514)  # 513 equal keys plus the sink column
+    assert out[1].item() == 0.0
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_padding_query_outputs_zeros(backend, flex_cpu_backward):
+    q, k, v, sinks = random_qkv(1, 2, 1, 8, 4)
+    doc_ids = torch.tensor([[0, 0, 0, 0, 0, -1, -1, -1]])
+    masks = A.build_masks([A.FULL], None, doc_ids, 1, 8, "cpu", backend)
+    out = A.sink_attention(q, k, v, sinks, masks[A.FULL])
+    assert torch.isfinite(out).all()
+    assert out[0, :, 5:].abs().max().item() == 0.0
+
+
+def test_block_masks_without_documents_are_cached():
+    first = A.build_masks([A.SLIDING], 5, None, 2, 256, "cpu", "flex")[A.SLIDING]
+    second = A.build_masks([A.SLIDING], 5, None, 2, 256, "cpu", "flex")[A.SLIDING]
+    assert first is second
+
+
+def test_backend_resolution():
+    assert A.resolve_backend("auto", torch.device("cpu")) == "sdpa"
+    assert A.resolve_backend("auto", torch.device("cuda")) == "flex"
+    with pytest.raises(ValueError, match="attention_backend"):
+        A.resolve_backend("xformers", torch.device("cpu"))
+
+
+def test_kv_cache_keeps_window_minus_one_keys():
+    cache = A.KVCache(window=4)
+    k = torch.randn(1, 1, 10, 2)
+    _, _, allowed = cache.update(k, k, torch.arange(10))
+    assert cache.k.shape[2] == 3 and cache.positions.tolist() == [7, 8, 9]
+    assert allowed[0, 0].sum(-1).tolist() == [1, 2, 3, 4, 4, 4, 4, 4, 4, 4]
+    keys, _, allowed = cache.update(k[:, :, :1], k[:, :, :1], torch.tensor([10]))
+    assert keys.shape[2] == 4 and allowed.all()

@@ -1,0 +1,274 @@
+"""model.py: config contract, whole-model parity with the plain reference, loss, generation."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.attention.flex_attention as flex_module
+
+from model import FlintConfig, Flint, build_model, document_positions
+from reference import layer_types_from_schedule, reference_forward, reference_loss, reference_positions
+
+# ============================================================================= config
+
+
+def test_released_schedule():
+    config = FlintConfig()
+    full = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
+    assert full == [0, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 48]
+    assert config.layer_types == layer_types_from_schedule(49)
+    assert [config.is_moe_layer(i) for i in range(4)] == [False, False, True, True]
+
+
+def test_prefix_keeps_source_schedule():
+    prefix = FlintConfig.from_name("tiny", num_hidden_layers=4, schedule_num_hidden_layers=49)
+    assert prefix.layer_types == ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    alone = FlintConfig.from_name("tiny", num_hidden_layers=4)
+    assert alone.layer_types[3] == "full_attention"
+
+
+def test_released_size_counts():
+    with torch.device("meta"):
+        model = Flint(FlintConfig())
+    assert model.num_params() == pytest.approx(39.8e9, rel=0.01)
+    embedding = 150144 * 2048  # a lookup, not a matmul: not counted as active
+    assert model.num_params(active=True) - embedding == pytest.approx(2.5e9, rel=0.02)
+
+
+def test_hf_config_round_trip_and_ignored_keys(tmp_path):
+    config = FlintConfig.from_name("tiny")
+    hf = config.to_hf_config()
+    hf.update(transformers_version="5.0", torch_dtype="bfloat16", use_cache=False, auto_map={"x": "y"})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    loaded = FlintConfig.from_hf_config(tmp_path)
+    assert loaded.to_hf_config() == config.to_hf_config()
+
+
+def test_top_level_rope_theta():
+    hf = FlintConfig.from_name("tiny").to_hf_config()
+    del hf["rope_parameters"]
+    hf["rope_theta"] = 500000.0
+    assert FlintConfig.from_hf_config(hf).rope_theta == 500000.0
+
+
+def tiny_hf(**changes):
+    hf = FlintConfig.from_name("tiny").to_hf_config()
+    hf.update(changes)
+    return hf
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(layer_types=["full_attention"] * 3), "layer_types"),
+    (dict(layer_types=["full_attention"] * 5 + ["local"]), "layer_types"),
+    (dict(no_rope_layer_indices=[0, 1]), "no_rope_layer_indices"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
+    (dict(tie_word_embeddings=True), "tie_word_embeddings"),
+    (dict(router_score_function="softmax"), "router_score_function"),
+    (dict(softmax_type="vanilla"), "softmax_type"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    (dict(hidden_size=0), "hidden_size"),
+    (dict(moe_intermediate_size=-4), "moe_intermediate_size"),
+    (dict(model_type="llama"), "model_type"),
+    (dict(some_new_field=1), "some_new_field"),
+])
+def test_contract_violations_name_the_field(changes, field):
+    with pytest.raises(ValueError, match=field):
+        FlintConfig.from_hf_config(tiny_hf(**changes))
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="preset"):
+        FlintConfig.from_name("gigantic")
+
+
+# ============================================================================= parity with the reference
+
+PARITY_CONFIG = dict(num_hidden_layers=7, sliding_window=6, mlp_only_layers=[0, 1], decoder_sparse_step=1)
+
+
+def parity_inputs(seq_len=20):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (2, seq_len), generator=g)
+    targets = torch.randint(0, 256, (2, seq_len), generator=g)
+    doc_ids = torch.tensor([[0] * 8 + [1] * 7 + [2] * (seq_len - 15),
+                            [4] * 13 + [-1] * (seq_len - 13)])
+    targets[doc_ids < 0] = -100
+    return ids, targets, doc_ids
+
+
+def perturbed_model(**overrides):
+    """A tiny model whose norms are not all ones, so norm weights are really tested."""
+    config = FlintConfig.from_name("tiny", **{**PARITY_CONFIG, **overrides})
+    model = build_model(config, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                param.add_(0.1 * torch.randn(param.shape, generator=g))
+            if name.endswith("sinks.weight"):
+                param.normal_(0.0, 1.0, generator=g)
+    return model
+
+
+def reference_params(model):
+    return {k: v.detach().clone().requires_grad_() for k, v in model.state_dict().items()}
+
+
+def test_parity_setup_covers_the_contract():
+    config = perturbed_model().config
+    assert {"full_attention", "sliding_attention"} == set(config.layer_types)
+    assert config.layer_types.count("sliding_attention") >= 2
+    assert any(config.is_moe_layer(i) for i in range(7)) and not config.is_moe_layer(0)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_logits_match_reference(backend, monkeypatch):
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
+    model = perturbed_model(attention_backend=backend)
+    ids, _, doc_ids = parity_inputs()
+    params = reference_params(model)
+    hf = model.config.to_hf_config()
+    for docs in (None, doc_ids):
+        logits = model(ids, doc_ids=docs)
+        expected = reference_forward(hf, params, ids, doc_ids=docs)
+        assert logits.dtype == torch.float32
+        assert (logits - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_gradients_match_reference(backend, monkeypatch):
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
+    model = perturbed_model(attention_backend=backend, loss_chunk_size=7)
+    ids, targets, doc_ids = parity_inputs()
+    params = reference_params(model)
+    loss = model(ids, targets, doc_ids=doc_ids)
+    expected = reference_loss(model.config.to_hf_config(), params, ids, targets, doc_ids=doc_ids)
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+    loss.backward()
+    expected.backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, params[name].grad, rtol=1e-4, atol=2e-6, msg=name)
+
+
+def test_documents_do_not_see_each_other():
+    model = perturbed_model()
+    ids, _, doc_ids = parity_inputs()
+    changed = ids.clone()
+    changed[0, :8] = (changed[0, :8] + 1) % 256  # rewrite document 0 of row 0
+    before, after = model(ids, doc_ids=doc_ids), model(changed, doc_ids=doc_ids)
+    # Equal up to rounding: the grouped GEMM sees the other tokens in a different order.
+    torch.testing.assert_close(before[0, 8:], after[0, 8:], rtol=0, atol=1e-6)
+    assert not torch.allclose(before[0, :8], after[0, :8])
+
+
+def test_positions_restart_per_document():
+    _, _, doc_ids = parity_inputs()
+    real = doc_ids >= 0  # padding positions produce no loss: their positions do not matter
+    assert torch.equal(document_positions(doc_ids)[real], reference_positions(doc_ids, *doc_ids.shape)[real])
+    assert document_positions(doc_ids)[0].tolist()[:10] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+
+
+def test_untrained_loss_is_near_log_vocab():
+    model = build_model(FlintConfig.from_name("tiny"), seed=0)
+    ids = torch.randint(0, 256, (4, 32))
+    assert model(ids, ids).item() == pytest.approx(math.log(256), abs=0.05)
+
+
+def test_chunked_loss_equals_dense_loss():
+    ids, targets, doc_ids = parity_inputs()
+    losses, grads = [], []
+    for chunk in (5, 10_000):
+        model = perturbed_model(loss_chunk_size=chunk)
+        loss = model(ids, targets, doc_ids=doc_ids)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(model.lm_head.weight.grad)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-8)
+
+
+def test_dtypes_of_fp32_units_with_bf16_bulk():
+    model = build_model(FlintConfig.from_name("tiny"), dtype=torch.bfloat16, seed=0)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert dtypes["embed_tokens.weight"] == torch.bfloat16
+    assert dtypes["layers.3.mlp.experts.gate_up_proj"] == torch.bfloat16
+    assert dtypes["layers.0.self_attn.sinks.weight"] == torch.float32
+    assert dtypes["layers.3.mlp.router.weight"] == torch.float32
+    assert dtypes["lm_head.weight"] == torch.float32
+    loss = model(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16)))
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(input_ids=torch.zeros(2, 4)), "input_ids"),
+    (dict(input_ids=torch.zeros(8, dtype=torch.long)), "input_ids"),
+    (dict(targets=torch.zeros(2, 5, dtype=torch.long)), "targets"),
+    (dict(doc_ids=torch.zeros(2, 4)), "doc_ids"),
+])
+def test_bad_inputs_are_named(bad, message):
+    model = build_model(FlintConfig.from_name("tiny"), seed=0)
+    args = dict(input_ids=torch.zeros(2, 4, dtype=torch.long), **{k: v for k, v in bad.items() if k != "input_ids"})
+    if "input_ids" in bad:
+        args["input_ids"] = bad["input_ids"]
+    with pytest.raises(ValueError, match=message):
+        model(**args)
+
+
+def test_flops_per_token_by_hand():
+    config = FlintConfig.from_name("tiny", num_hidden_layers=3)  # layers: full, full, full (last)
+    model = build_model(config, seed=0)
+    H, V, D, Hq, Hkv = 64, 256, 16, 4, 2
+    attn = H * Hq * D * 2 + H * Hkv * D * 2
+    dense = 3 * H * 128
+    moe = 8 * H + 2 * 3 * H * 32 + 3 * H * 64  # router, top-2 experts, shared expert
+    matmul_params = 3 * attn + 2 * dense + moe + V * H
+    mean_keys = (10 + 1) / 2
+    expected = 6 * matmul_params + 3 * 12 * Hq * D * mean_keys
+    assert model.flops_per_token(10) == pytest.approx(expected)
+
+
+# ============================================================================= generation
+
+
+def recompute_greedy(model, prompt, steps):
+    tokens = prompt
+    for _ in range(steps):
+        tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens
+
+
+def test_generate_equals_full_recompute_beyond_the_window():
+    model = perturbed_model(sliding_window=4)
+    prompt = torch.randint(0, 256, (2, 6))
+    generated = model.generate(prompt, max_new_tokens=12)
+    assert torch.equal(generated, recompute_greedy(model, prompt, 12))
+
+
+def test_sampling_respects_top_k_and_seed():
+    model = perturbed_model()
+    prompt = torch.randint(0, 256, (1, 3))
+    first = model.generate(prompt, 8, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(7))
+    second = model.generate(prompt, 8, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(first, second)
+    logits = model(first[:, :3])[:, -1]
+    assert first[0, 3].item() in torch.topk(logits, 3).indices[0].tolist()
+
+
+def test_compiled_block_matches_eager():
+    """torch.compile of a decoder block (grouped GEMM kept out of the graph on the CPU)."""
+    model = perturbed_model()
+    ids, targets, doc_ids = parity_inputs()
+    eager_loss = model(ids, targets, doc_ids=doc_ids)
+    eager_loss.backward()
+    eager_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for name, layer in model.layers.items():
+        model.layers[name] = torch.compile(layer)
+    compiled_loss = model(ids, targets, doc_ids=doc_ids)
+    compiled_loss.backward()
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for name, param in model.named_parameters():
+        key = name.replace("._orig_mod", "")
+        torch.testing.assert_close(param.grad, eager_grads[key], rtol=1e-4, atol=1e-6, msg=name)
