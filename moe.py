@@ -161,3 +161,73 @@ class MoE(nn.Module):
         weights, indices = self.router(x)
         y = self.experts(x, weights, indices) + self.shared_expert(x)
         return y.view(shape)
+
+
+# ============================================================================= expert parallel
+# Used only when parallel.py shards the experts over an expert-parallel mesh: the one place where
+# tokens cross ranks. Everything above stays single-device code.
+
+def _local_shard(weight: torch.Tensor) -> torch.Tensor:
+    """The experts this rank holds: a DTensor sharded over experts -> its local [E/ep, ...] part."""
+    from torch.distributed.tensor import DTensor
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def local_experts_forward(xs: torch.Tensor, expert_of_row: torch.Tensor, gate_up_proj: torch.Tensor,
+                          down_proj: torch.Tensor, align: int) -> torch.Tensor:
+    """SwiGLU of each row with its expert, one grouped GEMM per projection.
+
+    xs [R, H] in any order, expert_of_row [R] local expert ids, gate_up_proj [El, H, 2Im],
+    down_proj [El, Im, H] -> [R, H] in the order of xs.
+    """
+    order, slots, offsets, rows = sort_by_expert(expert_of_row.unsqueeze(1), gate_up_proj.shape[0], align)
+    sorted_rows = xs[order] if align == 1 else xs.new_zeros(rows, xs.shape[1]).index_copy(0, slots, xs[order])
+    gate, up = grouped_mm(sorted_rows, gate_up_proj, offsets).chunk(2, dim=-1)  # [rows, Im] each
+    out = grouped_mm(F.silu(gate) * up, down_proj, offsets)  # [rows, H]
+    out = out if align == 1 else out[slots]  # drop the padding rows: [R, H], sorted by expert
+    return torch.zeros_like(out).index_copy(0, order, out)  # back to the order of xs
+
+
+class ExpertParallelExperts(nn.Module):
+    """GroupedExperts sharded over the expert dimension: the expert rank r holds experts
+    [r * E / ep, (r + 1) * E / ep) and exchanges tokens with the other expert ranks.
+
+    Forward: sort this rank's (token, expert) assignments by expert, send each expert's rows to
+    the rank that owns it (all-to-all: counts first, then rows), run the grouped GEMM on the local
+    experts, send the results back the same way, weight them and add them to their tokens.
+    Autograd runs through both all-to-alls. Parameter names match GroupedExperts.
+    """
+
+    def __init__(self, experts: GroupedExperts, group, num_experts: int):
+        super().__init__()
+        if experts.backend != "grouped":
+            raise ValueError(f"expert parallelism needs experts_backend 'grouped', got {experts.backend!r}")
+        self.group, self.num_experts = group, num_experts
+        self.group_align = experts.group_align
+        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """x [N, H], weights/indices [N, k] -> [N, H]."""
+        import torch.distributed as dist
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        ep = dist.get_world_size(self.group)
+        gate_up, down = _local_shard(self.gate_up_proj), _local_shard(self.down_proj)
+        local_experts = gate_up.shape[0]
+        flat = indices.flatten()  # [N*k]
+        order = torch.argsort(flat, stable=True)  # assignments sorted by expert, so by owning rank
+        token_of = order // indices.shape[1]
+        counts = torch.bincount(flat, minlength=self.num_experts)  # [E] rows this rank sends
+        received_counts = torch.empty_like(counts)  # [ep * El]: rows from source s for local expert j
+        dist.all_to_all_single(received_counts, counts, group=self.group)
+        send_splits = counts.view(ep, local_experts).sum(1).tolist()  # host sync: split sizes
+        receive_splits = received_counts.view(ep, local_experts).sum(1).tolist()
+        # [N*k, H] -> [R, H], ordered by source rank, then local expert
+        received = all_to_all_single_autograd(x[token_of], receive_splits, send_splits, self.group)
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(local_experts, device=x.device).repeat(ep), received_counts)
+        align = self.group_align or group_alignment(x.device)
+        out = local_experts_forward(received, expert_of_row, gate_up, down, align)
+        returned = all_to_all_single_autograd(out, send_splits, receive_splits, self.group)  # [N*k, H]
+        returned = returned * weights.flatten()[order].unsqueeze(-1).to(returned.dtype)
+        return torch.zeros_like(x).index_add(0, token_of, returned.to(x.dtype))

@@ -1,0 +1,543 @@
+"""Lay the single-device Flint model across a device mesh, from outside the model files.
+
+    world size = pp * dp_replicate * dp_shard * ep * cp
+
+Each (dp_replicate, dp_shard, ep) coordinate reads its own batch. The ep ranks are data-parallel
+for everything but the routed experts, which they split between them (tokens travel to their
+experts with an all-to-all, in moe.py). The cp ranks of a group share a batch and split its
+sequence; the pp ranks split the layers. `parallelize` applies, in torchtitan's order: pipeline
+split, expert parallel, activation checkpointing, compile per block, then FSDP per block (the FP32
+units first), on the embedding and on the root. Parameter names never change, so a checkpoint
+written with one layout loads into any other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+import os
+import tomllib
+from dataclasses import dataclass
+from functools import lru_cache, partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._composable import checkpoint as checkpoint_module
+from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B)
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.nn.attention.flex_attention import create_block_mask
+
+from attention import build_masks, dense_mask, layer_mask_mod, resolve_backend
+from model import Flint, FlintConfig, Sinks, document_positions, rope_tables
+from moe import ExpertParallelExperts, MoE
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp")
+SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
+AC_MODES = ("none", "full", "selective")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+# ============================================================================= configuration
+
+@dataclass
+class ParallelConfig:
+    """The `[parallel]` section of a training config."""
+
+    dp_replicate: int = 1  # HSDP: full replicas, each sharded over dp_shard
+    dp_shard: int = -1  # -1: the world size divided by all other degrees
+    ep: int = 1  # expert parallel: must divide num_experts
+    pp: int = 1
+    cp: int = 1  # context parallel: the sequence length must divide by 2 * cp
+    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B
+    pp_stages_per_rank: int = 0  # 0: 1, or 2 for Interleaved1F1B
+    pp_microbatches: int = 0  # 0: as many as pipeline stages
+    activation_checkpointing: str = "none"  # none | full (every block) | selective (every 2nd block)
+    compile: bool = False  # torch.compile each block
+    param_dtype: str = "bfloat16"  # bulk compute dtype; sinks, routers and the head stay FP32
+    reshard_after_forward: bool | None = None  # None: True, but False for pipeline stages
+    backend: str = "auto"  # process group: auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
+
+    @classmethod
+    def from_dict(cls, section: dict, where: str = "[parallel]") -> "ParallelConfig":
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(section) - set(known))
+        if unknown:
+            raise ValueError(f"{where}: unknown key {unknown[0]!r}; expected one of {known}")
+        return cls(**section)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.pp_stages_per_rank or (2 if self.pp_schedule == "Interleaved1F1B" else 1)
+
+    def resolve(self, world_size: int, num_experts: int | None = None) -> "ParallelConfig":
+        """Check every degree; return a copy with dp_shard filled in. Errors name the key."""
+        where = "[parallel]"
+        for name in ("dp_replicate", "ep", "pp", "cp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where} {name} must be an integer >= 1, got {value!r}")
+        others = self.dp_replicate * self.ep * self.pp * self.cp
+        dp_shard = self.dp_shard
+        if dp_shard == -1:
+            if world_size % others:
+                raise ValueError(f"{where} pp * dp_replicate * ep * cp = {others} does not divide the world "
+                                 f"size {world_size}, so dp_shard = -1 cannot fill it")
+            dp_shard = world_size // others
+        if not isinstance(dp_shard, int) or dp_shard < 1 or dp_shard * others != world_size:
+            raise ValueError(f"{where} pp * dp_replicate * dp_shard * ep * cp = {self.pp} * {self.dp_replicate} * "
+                             f"{dp_shard} * {self.ep} * {self.cp} must equal the world size {world_size}")
+        if num_experts is not None and num_experts % self.ep:
+            raise ValueError(f"{where} ep = {self.ep} must divide the model's num_experts = {num_experts}")
+        if self.pp_schedule not in SCHEDULES:
+            raise ValueError(f"{where} pp_schedule must be one of {list(SCHEDULES)}, got {self.pp_schedule!r}")
+        looped = self.pp_schedule == "Interleaved1F1B"
+        if (self.stages_per_rank < 2) if looped else (self.stages_per_rank != 1):
+            raise ValueError(f"{where} pp_stages_per_rank = {self.stages_per_rank} does not fit pp_schedule "
+                             f"{self.pp_schedule!r}: Interleaved1F1B needs >= 2, the others exactly 1")
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(f"{where} activation_checkpointing must be one of {AC_MODES}, "
+                             f"got {self.activation_checkpointing!r}")
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"{where} backend must be auto, nccl or gloo, got {self.backend!r}")
+        if self.param_dtype not in DTYPES:
+            raise ValueError(f"{where} param_dtype must be one of {list(DTYPES)}, got {self.param_dtype!r}")
+        return dataclasses.replace(self, dp_shard=dp_shard)
+
+
+# ============================================================================= process group and mesh
+
+def init_distributed(backend: str = "auto") -> torch.device:
+    """Start the process group from torchrun's environment: NCCL on CUDA, gloo on the CPU."""
+    cuda = torch.cuda.is_available() and backend != "gloo"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = backend if backend != "auto" else ("nccl" if cuda else "gloo")
+        dist.init_process_group(backend, device_id=device if cuda else None)
+    return device
+
+
+def build_mesh(cfg: ParallelConfig, device_type: str, num_experts: int | None = None) -> DeviceMesh:
+    """One mesh with dims (pp, dp_replicate, dp_shard, ep, cp), plus flattened views:
+    dp (ranks reading distinct batches), dp_cp (ranks over which the loss is averaged),
+    fsdp (sharding of everything but the experts) and efsdp (sharding of the experts)."""
+    cfg = cfg.resolve(dist.get_world_size(), num_experts)
+    shape = tuple(getattr(cfg, name) for name in MESH_DIMS)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    for name, dims in (("dp", ("dp_replicate", "dp_shard", "ep")),
+                       ("dp_cp", ("dp_replicate", "dp_shard", "ep", "cp")),
+                       ("fsdp", ("dp_shard", "ep", "cp")), ("efsdp", ("dp_shard", "cp"))):
+        mesh[dims]._flatten(name)
+    return mesh
+
+
+# ============================================================================= the model, stage- and context-aware
+
+class ParallelFlint(Flint):
+    """Flint whose forward also serves pipeline stages and context parallelism.
+
+    A pipeline stage is this module with the layers of other stages deleted (and the embedding,
+    or the final norm and head, set to None): parameter names stay the same. Under context
+    parallelism every rank receives the whole batch and computes the positions `cp_token_index`
+    gives it; attention gathers keys and values over the cp group (see `_gather_context_kv`).
+    """
+
+    cp_group = None
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x: token ids [B, T] on the first stage, else hidden states [B, T / cp, H] -> the next
+        stage's hidden states, FP32 logits of this rank's positions, or the loss."""
+        first = self.embed_tokens is not None
+        if first:
+            self._check_inputs(x, targets, doc_ids, positions)
+        cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        batch, seq_len = x.shape[0], x.shape[1] * (1 if first else cp)
+        if positions is None:
+            positions = (document_positions(doc_ids) if doc_ids is not None
+                         else torch.arange(seq_len, device=x.device).expand(batch, seq_len))
+        mine = cp_token_index(seq_len, cp, dist.get_rank(self.cp_group) if cp > 1 else 0, x.device)
+        masks = context_masks(self.config, doc_ids, batch, seq_len, mine, x.device)
+        rope = rope_tables(positions[:, mine], self.config.head_dim, self.config.rope_theta)
+        h = self.embed(x[:, mine]) if first else x
+        for layer in self.layers.values():
+            h = layer(h, rope, masks)
+        if self.lm_head is None:
+            return h
+        h = self.norm(h.float())
+        if targets is None:
+            return self.lm_head(h)
+        loss = self.lm_head(h, targets[:, mine])
+        if cp == 1:
+            return loss
+        # The head averaged this rank's tokens; rescale so the mean over the cp ranks is the mean
+        # over all tokens of the sequence (every cp rank holds all targets: no communication).
+        local_tokens = (targets[:, mine] != -100).sum()
+        return loss * local_tokens * cp / (targets != -100).sum().clamp(min=1)
+
+
+@lru_cache(maxsize=64)
+def _cp_index(seq_len: int, cp: int, rank: int, device: str) -> torch.Tensor:
+    if seq_len % (2 * cp):
+        raise ValueError(f"context parallel: sequence length {seq_len} must be divisible by 2 * cp = {2 * cp}")
+    chunk = seq_len // (2 * cp)
+    chunks = (rank, 2 * cp - 1 - rank)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunks])
+
+
+def cp_token_index(seq_len: int, cp: int, rank: int, device) -> torch.Tensor:
+    """Positions [T / cp] that cp rank `rank` computes: chunks rank and 2*cp-1-rank of 2*cp equal
+    chunks, so every rank gets the same amount of causal attention work."""
+    if cp == 1:
+        return torch.arange(seq_len, device=device)
+    return _cp_index(seq_len, cp, rank, str(device))
+
+
+def context_masks(config: FlintConfig, doc_ids, batch: int, seq_len: int, mine: torch.Tensor, device) -> dict:
+    """One mask per layer type for the queries at positions `mine` against all seq_len keys."""
+    backend = resolve_backend(config.attention_backend, device)
+    if mine.numel() == seq_len:
+        return build_masks(config.layer_types, config.window, doc_ids, batch, seq_len, device, backend)
+    masks = {}
+    for layer_type in sorted(set(config.layer_types)):
+        mod = layer_mask_mod(layer_type, config.window, doc_ids)
+
+        def local_mod(b, h, q_idx, kv_idx, mod=mod):
+            return mod(b, h, mine[q_idx], kv_idx)
+        if backend == "flex":
+            masks[layer_type] = create_block_mask(local_mod, batch, None, mine.numel(), seq_len, device=device)
+        else:
+            masks[layer_type] = dense_mask(local_mod, batch, mine.numel(), seq_len, device)
+    return masks
+
+
+def _gather_context_kv(cp_group, module, args):
+    """Forward pre-hook on Sinks: all-gather keys and values [B, Hkv, T/cp, D] over the cp group
+    (backward: reduce-scatter) and put them in sequence order -> [B, Hkv, T, D]. With 4 KV heads
+    they are small; each rank then attends with its own queries only."""
+    q, k, v, mask = args
+    cp = dist.get_world_size(cp_group)
+    seq_len = k.shape[2] * cp
+    gathered_order = torch.cat([cp_token_index(seq_len, cp, r, k.device) for r in range(cp)])
+    natural = torch.argsort(gathered_order)
+    k, v = (all_gather_tensor_autograd(t.contiguous(), 2, cp_group).index_select(2, natural) for t in (k, v))
+    return q, k, v, mask
+
+
+# ============================================================================= pipeline stages
+
+def pipeline_stage(model: ParallelFlint, stage: int, num_stages: int) -> ParallelFlint:
+    """A copy of the model holding only the layers of `stage` (contiguous, as even as possible);
+    the embedding stays on the first stage, norm and head on the last."""
+    layers = len(model.layers)
+    if num_stages > layers:
+        raise ValueError(f"[parallel] {num_stages} pipeline stages need at least as many layers, got {layers}")
+    owned = set(range(stage * layers // num_stages, (stage + 1) * layers // num_stages))
+    part = copy.deepcopy(model)
+    for name in list(part.layers):
+        if int(name) not in owned:
+            del part.layers[name]
+    if stage > 0:
+        part.embed_tokens = None
+    if stage < num_stages - 1:
+        part.norm = part.lm_head = None
+    return part
+
+
+def merged_view(parts: list[nn.Module]) -> nn.Module:
+    """One module with the native parameter names over all of this rank's pipeline stages, for
+    the optimizer and for checkpoints (it shares, not copies, the stages' modules)."""
+    if len(parts) == 1:
+        return parts[0]
+    view = nn.Module()
+    view.layers = nn.ModuleDict()
+    for part in parts:
+        for name, child in part.named_children():
+            if name == "layers":
+                view.layers.update(child)
+            elif child is not None:
+                setattr(view, name, child)
+    return view
+
+
+# ============================================================================= expert parallel, AC, compile, FSDP
+
+def apply_expert_parallel(model: Flint, ep_mesh: DeviceMesh) -> None:
+    """Shard every MoE layer's experts over the ep mesh (DTensor Shard(0) on the expert dim)."""
+    for layer in model.layers.values():
+        if isinstance(layer.mlp, MoE):
+            experts = layer.mlp.experts
+            num_experts = experts.gate_up_proj.shape[0]
+            for name in ("gate_up_proj", "down_proj"):
+                param = getattr(experts, name)
+                setattr(experts, name, nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)])))
+            layer.mlp.experts = ExpertParallelExperts(experts, ep_mesh.get_group(), num_experts)
+
+
+def apply_activation_checkpointing(model: Flint, mode: str) -> None:
+    """In place, names unchanged (composable API). `full` recomputes every block in backward,
+    `selective` every second block (half the recompute for about half the saving). Masks and RoPE
+    tables are block inputs built once per batch, so a recomputed block sees the same values.
+
+    Op-level selective checkpointing is not offered: its replay check fails on the nested FSDP
+    hooks of the FP32 units inside each block."""
+    for index, layer in enumerate(model.layers.values()):
+        if mode == "full" or (mode == "selective" and index % 2 == 0):
+            checkpoint_module(layer)
+
+
+def apply_compile(model: Flint) -> None:
+    """Compile each block in place (names unchanged). Errors are raised, never hidden by eager."""
+    torch._dynamo.config.suppress_errors = False
+    for layer in model.layers.values():
+        layer.compile()
+
+
+def apply_fsdp(model: Flint, mesh: DeviceMesh, param_dtype: torch.dtype, reshard: bool) -> None:
+    """FSDP2 per unit, innermost first: sinks, routers and head in FP32 (stored, gathered and
+    computed in FP32), experts over the expert-data-parallel ranks, then each block, the embedding
+    and the root in the bulk policy. HSDP when dp_replicate > 1."""
+    def dp_mesh(shard_dim: str) -> DeviceMesh:
+        return mesh["dp_replicate", shard_dim] if mesh["dp_replicate"].size() > 1 else mesh[shard_dim]
+    bulk = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # No input cast: the projections around Sinks stay in the bulk dtype and the head and router
+    # cast their inputs to FP32 themselves.
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    fsdp_mesh, experts_mesh = dp_mesh("fsdp"), dp_mesh("efsdp")
+    for layer in model.layers.values():
+        fully_shard(layer.self_attn.sinks, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
+        if isinstance(layer.mlp, MoE):
+            fully_shard(layer.mlp.router, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
+            if isinstance(layer.mlp.experts, ExpertParallelExperts):
+                fully_shard(layer.mlp.experts, mesh=experts_mesh, mp_policy=bulk, reshard_after_forward=reshard)
+                # Expert gradients already sum over the ep ranks (their tokens came by all-to-all)
+                # and FSDP averages them over the efsdp ranks only: divide by ep as well, so they
+                # average over all data-parallel ranks like every other gradient.
+                ep = mesh["ep"].size()
+                layer.mlp.experts.set_all_reduce_hook(lambda reduced_grad: reduced_grad.div_(ep))
+        fully_shard(layer, mesh=fsdp_mesh, mp_policy=bulk, reshard_after_forward=reshard)
+    if model.embed_tokens is not None:
+        fully_shard(model.embed_tokens, mesh=fsdp_mesh, mp_policy=bulk, reshard_after_forward=reshard)
+    if model.lm_head is not None:  # backward starts here: keep it gathered after forward
+        fully_shard(model.lm_head, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=False)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=bulk, reshard_after_forward=reshard)
+
+
+def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "ParallelModel":
+    """Lay `model` (FP32 master weights, on its device or on meta) across `mesh`; see the module
+    docstring. With pp > 1 this rank keeps only its stages' layers."""
+    cfg = ParallelConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
+    cfg = cfg.resolve(mesh.size(), model.config.num_experts)
+    model.__class__ = ParallelFlint  # same module, a forward that knows stages and cp (no copy)
+    parts, stage_ids = [model], [0]
+    if cfg.pp > 1:
+        num_stages = cfg.pp * cfg.stages_per_rank
+        pp_rank = mesh["pp"].get_local_rank()
+        stage_ids = [pp_rank + k * cfg.pp for k in range(cfg.stages_per_rank)]  # looped placement
+        parts = [pipeline_stage(model, s, num_stages) for s in stage_ids]
+    reshard = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else cfg.pp == 1
+    for part in parts:
+        if mesh["cp"].size() > 1:
+            part.cp_group = mesh["cp"].get_group()
+            for module in part.modules():
+                if isinstance(module, Sinks):
+                    module.register_forward_pre_hook(partial(_gather_context_kv, part.cp_group))
+        if cfg.ep > 1:
+            apply_expert_parallel(part, mesh["ep"])
+        apply_activation_checkpointing(part, cfg.activation_checkpointing)
+        if cfg.compile:
+            apply_compile(part)
+        if mesh["dp_cp"].size() > 1:
+            apply_fsdp(part, mesh, DTYPES[cfg.param_dtype], reshard)
+    schedule = None
+    if cfg.pp > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+        stages = [PipelineStage(part, s, cfg.pp * cfg.stages_per_rank, device, group=mesh["pp"].get_group())
+                  for part, s in zip(parts, stage_ids)]
+        schedule_cls = SCHEDULES[cfg.pp_schedule]
+        microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
+        loss_fn = _stage_output_is_loss
+        schedule = (schedule_cls(stages, microbatches, loss_fn=loss_fn) if cfg.stages_per_rank > 1
+                    else schedule_cls(stages[0], microbatches, loss_fn=loss_fn))
+    return ParallelModel(parts, mesh, schedule)
+
+
+def _stage_output_is_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The last stage's head already computed the loss (chunked, in FP32) from its targets."""
+    return output
+
+
+# ============================================================================= the training surface
+
+class ParallelModel:
+    """What train.py holds: `module` (native parameter names, for the optimizer and checkpoints),
+    `forward_backward` for one step on this rank's batch, and `clip_grad_norm_`."""
+
+    def __init__(self, parts: list[nn.Module], mesh: DeviceMesh, schedule=None):
+        self.parts, self.mesh, self.schedule = parts, mesh, schedule
+        self.module = merged_view(parts)
+
+    def forward_backward(self, input_ids: torch.Tensor, targets: torch.Tensor,
+                         doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward on this rank's batch [B, T] -> the loss averaged over all
+        data-parallel ranks (detached; the same value on every rank)."""
+        kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
+        if self.schedule is None:
+            loss = self.parts[0](input_ids, targets, **kwargs)
+            loss.backward()
+            loss = loss.detach()
+        else:
+            losses: list[torch.Tensor] = []
+            self.schedule.step(input_ids, target=targets, losses=losses, return_outputs=False,
+                               targets=targets, **kwargs)
+            # Only the last stage holds the microbatch losses: sum them over the pp group.
+            loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=input_ids.device)
+            dist.all_reduce(loss, group=self.mesh["pp"].get_group())
+        if self.mesh["dp_cp"].size() > 1:
+            dist.all_reduce(loss, group=self.mesh["dp_cp"].get_group())  # gloo has no AVG
+            loss = loss / self.mesh["dp_cp"].size()
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(list(self.module.parameters()), max_norm, self.mesh)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """Clip by the global L2 norm of all gradients; returns that norm (FP32).
+
+    Gradients live on different meshes (the experts on (efsdp, ep), the rest on fsdp) and pipeline
+    stages hold different parameters, so a per-mesh norm is not the norm: sum the squares of the
+    local shards per (mesh, placements), all-reduce over the dims that shard them, add the groups,
+    then all-reduce over the pipeline group.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else (None, None)
+        groups.setdefault(key, []).append(grad.to_local() if isinstance(grad, DTensor) else grad)
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    for (grad_mesh, placements), local in groups.items():
+        squares = sum(g.float().pow(2).sum() for g in local)
+        if grad_mesh is not None:
+            for dim, placement in enumerate(placements):
+                if not placement.is_replicate():  # Shard and _StridedShard split the tensor
+                    dist.all_reduce(squares, group=grad_mesh.get_group(dim))
+        total += squares
+    if mesh is not None and mesh["pp"].size() > 1:
+        dist.all_reduce(total, group=mesh["pp"].get_group())
+    norm = total.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for grad in grads:
+        (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale.to(grad.dtype))
+    return norm
+
+
+# ============================================================================= memory per GPU, before renting GPUs
+
+GIB = 2 ** 30
+
+
+def _stage_params(config: FlintConfig, pp: int) -> list[tuple[int, int]]:
+    """(expert, other) parameter counts of each pipeline stage, counted on the meta device."""
+    with torch.device("meta"):
+        model = ParallelFlint(config)
+    stages = [pipeline_stage(model, s, pp) if pp > 1 else model for s in range(pp)]
+    return [(sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." in n),
+             sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." not in n)) for part in stages]
+
+
+def _activation_bytes_per_token(config: FlintConfig, layers: int, checkpointing: str) -> float:
+    """Saved activations of `layers` blocks for one token, in BF16 (FP32 router scores and lse)."""
+    c = config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attention = 2 * (4 * c.hidden_size + 2 * q + 2 * kv) + 4 * c.num_attention_heads
+    k = c.num_experts_per_tok
+    moe = (2 * (2 * k * c.hidden_size + 3 * k * c.moe_intermediate_size + 3 * c.shared_expert_intermediate_size)
+           + 4 * c.num_experts)
+    block = attention + moe
+    kept = {"none": layers, "full": 0, "selective": layers // 2}[checkpointing]
+    # Checkpointed blocks keep their input only; one block at a time is recomputed in full.
+    return kept * block + (layers - kept) * 2 * c.hidden_size + (block if kept < layers else 0)
+
+
+def memory_per_gpu(config: FlintConfig, cfg: ParallelConfig, seq_len: int, batch_size: int) -> dict[str, float]:
+    """GiB per GPU on the busiest pipeline stage: FP32 master weights, FP32 gradients, AdamW
+    moments (2 x FP32), the BF16 blocks FSDP gathers (the current block and the prefetched next),
+    and activations of the micro-batches in flight. An estimate: no allocator slack or buffers."""
+    other_shards = cfg.dp_shard * cfg.ep * cfg.cp
+    expert_shards = cfg.ep * cfg.dp_shard * cfg.cp
+    stages = _stage_params(config, cfg.pp)
+    layers_per_stage = math.ceil(config.num_hidden_layers / cfg.pp)
+    sharded = max(e / expert_shards + o / other_shards for e, o in stages)
+    expert_block = max(e for e, _ in stages) / layers_per_stage / cfg.ep
+    other_block = (max(o for _, o in stages) - 2 * config.vocab_size * config.hidden_size / cfg.pp) / layers_per_stage
+    microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
+    in_flight = 1 if cfg.pp == 1 else (microbatches if cfg.pp_schedule == "GPipe" else cfg.pp)
+    tokens = batch_size * seq_len / cfg.cp / (microbatches if cfg.pp > 1 else 1)
+    activations = tokens * in_flight * _activation_bytes_per_token(config, layers_per_stage, cfg.activation_checkpointing)
+    logits = 2 * 4 * min(config.loss_chunk_size, tokens) * config.vocab_size  # one FP32 chunk and its grad
+    row = {"params": 4 * sharded, "grads": 4 * sharded, "optimizer": 8 * sharded,
+           "gathered": 2 * 2 * (expert_block + other_block), "activations": activations + logits}
+    row = {name: value / GIB for name, value in row.items()}
+    row["total"] = sum(row.values())
+    return row
+
+
+def candidate_layouts(gpus: int, num_experts: int) -> list[ParallelConfig]:
+    """FSDP alone, FSDP with expert parallel, with a pipeline, and HSDP across nodes of 8."""
+    layouts = [ParallelConfig(dp_shard=gpus)]
+    layouts += [ParallelConfig(dp_shard=gpus // ep, ep=ep) for ep in (2, 4, 8, 16, 32)
+                if gpus % ep == 0 and num_experts % ep == 0 and gpus > ep]
+    layouts += [ParallelConfig(dp_shard=gpus // pp, pp=pp) for pp in (2, 4) if gpus % pp == 0 and gpus > pp]
+    if gpus > 8 and gpus % 8 == 0:
+        layouts += [ParallelConfig(dp_replicate=gpus // 8, dp_shard=8 // ep, ep=ep) for ep in (1, 8)]
+    return layouts
+
+
+def memory_table(config: FlintConfig, layouts: list[ParallelConfig], seq_len: int, batch_size: int) -> str:
+    names = ("params", "grads", "optimizer", "gathered", "activations", "total")
+    lines = [f"Memory per GPU (GiB, estimate) for seq_len {seq_len}, batch_size {batch_size} rows per "
+             f"data-parallel rank, {config.num_hidden_layers} layers, {config.num_experts} experts",
+             "| layout | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for cfg in layouts:
+        layout = " ".join(f"{d}={getattr(cfg, d)}" for d in MESH_DIMS if getattr(cfg, d) > 1)
+        layout += f" ac={cfg.activation_checkpointing}"
+        row = memory_per_gpu(config, cfg, seq_len, batch_size)
+        lines.append(f"| {layout} | " + " | ".join(f"{row[n]:.1f}" for n in names) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Memory per GPU of parallel layouts (no GPU needed).")
+    parser.add_argument("--memory-table", action="store_true", required=True)
+    parser.add_argument("--config", required=True, help="a training TOML: [model] preset, [data] seq_len, "
+                        "[training] batch_size, [parallel] layout")
+    parser.add_argument("--gpus", type=int, help="also list candidate layouts for this many GPUs")
+    args = parser.parse_args()
+    with open(args.config, "rb") as f:
+        toml = tomllib.load(f)
+    model = dict(toml.get("model", {}))
+    config = FlintConfig.from_name(model.pop("preset", "flint"), **model)
+    seq_len = toml.get("data", {}).get("seq_len", 4096)
+    batch_size = toml.get("training", {}).get("batch_size", 1)
+    parallel = ParallelConfig.from_dict(toml.get("parallel", {}), f"{args.config} [parallel]")
+    gpus = args.gpus or parallel.dp_replicate * max(parallel.dp_shard, 1) * parallel.ep * parallel.pp * parallel.cp
+    layouts = [parallel.resolve(gpus, config.num_experts)]
+    if args.gpus:
+        layouts += candidate_layouts(gpus, config.num_experts)
+        layouts += [dataclasses.replace(c, activation_checkpointing="full") for c in layouts[1:]]
+    print(memory_table(config, layouts, seq_len, batch_size))
+
+
+if __name__ == "__main__":
+    main()

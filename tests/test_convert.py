@@ -1,0 +1,475 @@
+"""convert.py: published safetensors <-> native DCP checkpoints, bad input, and the tokenizer.
+
+The published checkpoints here are written by hand from SPEC.md's layout (not by convert.py), so
+the converter is checked against the spec rather than against itself.
+"""
+
+import json
+import pickle
+import random
+import re
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import tiktoken.load
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import convert
+from convert import (hf_to_native, load_hf, load_native, load_tokenizer, main, native_to_hf, save_hf,
+                     save_native)
+from model import FlintConfig, build_model
+
+CONFIG = FlintConfig.from_name("tiny", num_hidden_layers=4)  # layers 0, 1 dense; 2, 3 MoE
+
+
+# ============================================================================= helpers
+
+def published_from_model(model, fused=False, sinks="softmax_offset", head_dtype=None) -> dict:
+    """The published state dict of a model, written out from SPEC.md's table."""
+    inter, out = model.config.moe_intermediate_size, {}
+    for name, t in model.state_dict().items():
+        key = name if name == "lm_head.weight" else "model." + name
+        experts = key.rsplit(".", 1)[0]
+        if name.endswith("self_attn.sinks.weight"):
+            out[key.replace("sinks.weight", sinks)] = t.clone()
+        elif name.endswith("mlp.router.weight"):
+            out[key.replace("router.weight", "gate.weight")] = t.clone()
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")) and fused:
+            out[key] = t.transpose(1, 2).contiguous()  # [E, 2Im, H] gate rows first / [E, H, Im]
+        elif name.endswith("experts.gate_up_proj"):
+            for e in range(t.shape[0]):
+                out[f"{experts}.{e}.gate_proj.weight"] = t[e, :, :inter].T.contiguous()  # [Im, H]
+                out[f"{experts}.{e}.up_proj.weight"] = t[e, :, inter:].T.contiguous()
+        elif name.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[f"{experts}.{e}.down_proj.weight"] = t[e].T.contiguous()  # [H, Im]
+        else:
+            out[key] = t.clone()
+    if head_dtype is not None:
+        out["lm_head.weight"] = out["lm_head.weight"].to(head_dtype)
+    return out
+
+
+def write_published(directory: Path, state: dict, config=CONFIG, shards: int = 1) -> Path:
+    """model.safetensors, or `shards` files with model.safetensors.index.json, plus config.json."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({**config.to_hf_config(), "dtype": "bfloat16"}))
+    if shards == 1:
+        save_file(state, directory / "model.safetensors")
+        return directory
+    keys, weight_map = list(state), {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        chunk = keys[i * len(keys) // shards:(i + 1) * len(keys) // shards]
+        save_file({k: state[k] for k in chunk}, directory / name)
+        weight_map.update({k: name for k in chunk})
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    return directory
+
+
+def read_published(directory: Path) -> dict:
+    index = directory / "model.safetensors.index.json"
+    files = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else {"model.safetensors"}
+    return {k: v for f in sorted(files) for k, v in load_file(directory / f).items()}
+
+
+def read_native(directory: Path) -> dict:
+    """Every tensor entry of a DCP checkpoint, by its flattened key ("model.embed_tokens.weight", ...)."""
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
+             if isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+    return state
+
+
+def assert_bit_exact(got: dict, want: dict) -> None:
+    assert list(sorted(got)) == list(sorted(want))
+    for key in want:
+        assert got[key].dtype == want[key].dtype and got[key].shape == want[key].shape, key
+        assert torch.equal(got[key].contiguous().view(torch.uint8), want[key].contiguous().view(torch.uint8)), key
+
+
+def logits(model) -> torch.Tensor:
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model(ids)
+
+
+# ============================================================================= state dicts and models
+
+def test_state_dict_conversion_follows_the_published_table():
+    model = build_model(CONFIG, dtype=torch.float32, seed=0)
+    native = model.state_dict()
+    assert_bit_exact(native_to_hf(native, CONFIG), published_from_model(model))
+    assert_bit_exact(hf_to_native(published_from_model(model), CONFIG), native)
+    assert_bit_exact(hf_to_native(published_from_model(model, fused=True, sinks="sinks"), CONFIG), native)
+
+
+@pytest.mark.parametrize("dtype, fused, sinks, shards, head_dtype", [
+    (torch.bfloat16, False, "softmax_offset", 3, torch.bfloat16),
+    (torch.bfloat16, True, "sinks", 2, None),
+    (torch.float32, True, "softmax_offset", 1, None),
+    (torch.float32, False, "sinks", 3, None),
+])
+def test_load_hf_matches_the_model_built_directly(tmp_path, dtype, fused, sinks, shards, head_dtype):
+    model = build_model(CONFIG, dtype=dtype, seed=0)
+    if head_dtype is not None:  # the release ships a BF16 head; the model upcasts it exactly
+        model.lm_head.weight.data = model.lm_head.weight.data.to(head_dtype).float()
+    state = published_from_model(model, fused, sinks, head_dtype)
+    loaded = load_hf(write_published(tmp_path / "hf", state, shards=shards))
+    for name, param in model.state_dict().items():
+        assert loaded.state_dict()[name].dtype == param.dtype, name
+        assert torch.equal(loaded.state_dict()[name], param), name
+    assert loaded.layers["2"].mlp.router.weight.dtype == torch.float32
+    assert torch.equal(logits(loaded), logits(model))
+
+
+def test_load_hf_casts_bulk_weights_when_asked(tmp_path):
+    model = build_model(CONFIG, dtype=torch.float32, seed=0)
+    loaded = load_hf(write_published(tmp_path / "hf", published_from_model(model)), dtype=torch.bfloat16)
+    assert loaded.embed_tokens.weight.dtype == torch.bfloat16
+    assert loaded.layers["0"].self_attn.sinks.weight.dtype == torch.float32
+    assert loaded.lm_head.weight.dtype == torch.float32
+    assert torch.equal(loaded.layers["3"].mlp.experts.down_proj, model.layers["3"].mlp.experts.down_proj.bfloat16())
+
+
+# ============================================================================= command line and round trips
+
+def test_round_trip_hf_native_hf_is_bit_exact(tmp_path, capsys):
+    model = build_model(CONFIG, dtype=torch.bfloat16, seed=0)
+    original = published_from_model(model, head_dtype=torch.bfloat16)
+    hf = write_published(tmp_path / "hf", original, shards=3)
+    main(["to-native", str(hf), str(tmp_path / "native")])
+    main(["to-hf", str(tmp_path / "native"), str(tmp_path / "back"), "--max-shard-size", "60KB"])
+    assert_bit_exact(read_published(tmp_path / "back"), original)
+    printed = capsys.readouterr().out
+    assert printed.count("read shard") == 3 and "shard 3/" in printed
+    assert re.search(rf"wrote {len(original)} tensors, [\d.]+ GB to .*back in [\d.]+ s", printed)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "hf", "native"]  # no temporary leftovers
+    # A fused checkpoint comes back in the per-expert form with the same bytes.
+    fused = write_published(tmp_path / "fused", published_from_model(model, fused=True, sinks="sinks"))
+    main(["to-native", str(fused), str(tmp_path / "fused-native")])
+    main(["to-hf", str(tmp_path / "fused-native"), str(tmp_path / "fused-back")])
+    assert_bit_exact(read_published(tmp_path / "fused-back"), published_from_model(model))
+
+
+def test_round_trip_native_hf_native_is_bit_exact(tmp_path):
+    model = build_model(CONFIG, dtype=torch.bfloat16, seed=0)
+    save_native(model, CONFIG, tmp_path / "native")
+    main(["to-hf", str(tmp_path / "native"), str(tmp_path / "hf")])
+    main(["to-native", str(tmp_path / "hf"), str(tmp_path / "again")])
+    assert_bit_exact(read_native(tmp_path / "again"), read_native(tmp_path / "native"))
+    assert FlintConfig.from_hf_config(tmp_path / "again").to_hf_config() == CONFIG.to_hf_config()
+    loaded = load_native(tmp_path / "again")
+    assert loaded.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(logits(loaded), logits(model))
+    assert load_native(tmp_path / "again", dtype=torch.float32).embed_tokens.weight.dtype == torch.float32
+
+
+def test_to_hf_reads_only_the_model_of_a_training_checkpoint(tmp_path):
+    model = build_model(CONFIG, dtype=torch.float32, seed=0)
+    state = {"model": model.state_dict(), "optimizer": {"state.embed_tokens.weight.exp_avg": torch.ones(3)},
+             "train": {"step": torch.tensor(7)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "step-7"), no_dist=True)
+    (tmp_path / "step-7" / "config.json").write_text(json.dumps(CONFIG.to_hf_config()))
+    main(["to-hf", str(tmp_path / "step-7"), str(tmp_path / "hf"), "--dtype", "bfloat16"])
+    exported = read_published(tmp_path / "hf")
+    want = published_from_model(model)
+    assert sorted(exported) == sorted(want)
+    for key, tensor in want.items():  # the published layout keeps sinks and routers in FP32
+        fp32 = key.endswith(("softmax_offset", "mlp.gate.weight"))
+        assert torch.equal(exported[key], tensor if fp32 else tensor.bfloat16()), key
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_save_hf_writes_loadable_shards(tmp_path):
+    model = build_model(CONFIG, dtype=torch.bfloat16, seed=0)
+    save_hf(model, tmp_path / "hf", max_shard_size=100_000)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors")) == shards
+    tensors = read_published(tmp_path / "hf")
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
+    assert sorted(index["weight_map"]) == sorted(tensors) == sorted(published_from_model(model))
+    assert torch.equal(logits(load_hf(tmp_path / "hf")), logits(model))
+    with pytest.raises(FileExistsError, match="already exists"):
+        save_hf(model, tmp_path / "hf")
+
+
+def test_conversions_hold_at_most_two_native_tensors(tmp_path, monkeypatch):
+    live = []  # weak references to the storage of every native tensor made so far (DCP holds aliases)
+
+    def tracked(function):
+        def wrapper(*args):
+            assert sum(not ref.expired() for ref in live) <= 1, "an earlier native tensor is still held"
+            result = function(*args)
+            tensors = result.values() if isinstance(result, dict) else [result]
+            live.extend(StorageWeakRef(t.untyped_storage()) for t in tensors)
+            return result
+        return wrapper
+
+    model = build_model(CONFIG, dtype=torch.bfloat16, seed=0)
+    hf = write_published(tmp_path / "hf", published_from_model(model), shards=2)
+    monkeypatch.setattr(convert, "build_native", tracked(convert.build_native))
+    main(["to-native", str(hf), str(tmp_path / "native")])
+    assert len(live) == len(model.state_dict())
+    live.clear()
+    monkeypatch.setattr(convert.NativeDir, "read", tracked(convert.NativeDir.read))
+    main(["to-hf", str(tmp_path / "native"), str(tmp_path / "back")])
+    assert len(live) == len(model.state_dict())
+
+
+# ============================================================================= bad input
+
+def _drop(key):
+    return lambda state, d: state.pop(key)
+
+
+def _set(key, value):
+    return lambda state, d: state.__setitem__(key, value(state))
+
+
+def _config_layers(count):
+    config = FlintConfig.from_name("tiny", num_hidden_layers=count)
+    return lambda state, d: (d / "config.json").write_text(json.dumps(config.to_hf_config()))
+
+
+def _edit_index(key, shard):
+    def edit(state, d):
+        path = d / "model.safetensors.index.json"
+        index = json.loads(path.read_text())
+        index["weight_map"][key] = shard
+        path.write_text(json.dumps(index))
+    return edit
+
+
+def _damage(shard, how):
+    def edit(state, d):
+        data = (d / shard).read_bytes()
+        (d / shard).write_bytes(data[:-100] if how == "truncate" else b"\xff" * 16 + data[16:])
+    return edit
+
+
+S1, S2, S3 = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
+INDEX = "model.safetensors.index.json"
+EXPERT = "model.layers.3.mlp.experts.5.up_proj.weight"
+BAD_INPUT = {  # name: (edit before writing (state) or after (directory), file named, key named)
+    "missing expert": (_drop(EXPERT), None, INDEX, EXPERT),
+    "unexpected key": (_set("model.layers.0.self_attn.bias", lambda s: torch.zeros(4)), None, S3,
+                       "model.layers.0.self_attn.bias"),
+    "wrong shape": (_set("model.layers.1.self_attn.k_proj.weight", lambda s: torch.zeros(64, 32)), None, S1,
+                    "model.layers.1.self_attn.k_proj.weight"),
+    "wrong dtype": (_set("model.norm.weight", lambda s: s["model.norm.weight"].half()), None, S3,
+                    "model.norm.weight"),
+    "fused and per-expert": (_set("model.layers.2.mlp.experts.down_proj", lambda s: torch.zeros(8, 64, 32)), None,
+                             S2, "model.layers.2.mlp.experts.0.down_proj.weight"),
+    "fewer layers in config": (None, _config_layers(3), S2, "model.layers.3."),
+    "more layers in config": (None, _config_layers(5), INDEX, "layers.4."),
+    "missing shard": (None, lambda s, d: (d / S2).unlink(), S2, "model.layers."),
+    "truncated shard": (None, _damage(S3, "truncate"), S3, "model.norm.weight"),  # the last bytes of S3
+    "corrupt shard": (None, _damage(S2, "corrupt"), S2, "model.layers."),
+    "pickle shard": (None, _edit_index("model.norm.weight", "pytorch_model-00004.bin"), "pytorch_model-00004.bin",
+                     "model.norm.weight"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_published_checkpoints_stop_with_file_and_key_and_write_nothing(tmp_path, case):
+    edit_state, edit_dir, file, key = BAD_INPUT[case]
+    state = published_from_model(build_model(CONFIG, dtype=torch.bfloat16, seed=0))
+    if edit_state:
+        edit_state(state, None)
+    hf = write_published(tmp_path / "hf", state, shards=3)
+    if edit_dir:
+        edit_dir(state, hf)
+    with pytest.raises(SystemExit) as stop:
+        main(["to-native", str(hf), str(tmp_path / "out")])
+    message = str(stop.value.code)
+    assert file in message and key in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no output, no temporary directory
+    with pytest.raises(ValueError, match=re.escape(file)):
+        load_hf(hf)
+
+
+def test_pickle_checkpoints_are_refused_unread(tmp_path):
+    marker = tmp_path / "unpickled"
+
+    class Trap:  # unpickling this would create `marker`
+        def __reduce__(self):
+            return open, (str(marker), "w")
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(CONFIG.to_hf_config()))
+    (tmp_path / "hf" / "pytorch_model.bin").write_bytes(pickle.dumps(Trap()))
+    with pytest.raises(SystemExit, match="pytorch_model.bin: pickle checkpoints are refused"):
+        main(["to-native", str(tmp_path / "hf"), str(tmp_path / "out")])
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["missing", "shape"])
+def test_bad_native_checkpoints_stop_with_file_and_key(tmp_path, case):
+    state = build_model(CONFIG, dtype=torch.float32, seed=0).state_dict()
+    key = "layers.1.self_attn.q_norm.weight"
+    if case == "missing":
+        del state[key]
+    else:
+        state[key] = torch.ones(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": state}, checkpoint_id=str(tmp_path / "native"), no_dist=True)
+    (tmp_path / "native" / "config.json").write_text(json.dumps(CONFIG.to_hf_config()))
+    with pytest.raises(SystemExit, match=rf"native/\.metadata.*{case} key '{re.escape(key)}'|"
+                                         rf"native/\.metadata: key '{re.escape(key)}' has {case}"):
+        main(["to-hf", str(tmp_path / "native"), str(tmp_path / "hf")])
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(ValueError, match=re.escape(key)):
+        save_native(state, CONFIG, tmp_path / "other")
+
+
+def test_existing_output_is_never_overwritten(tmp_path):
+    hf = write_published(tmp_path / "hf", published_from_model(build_model(CONFIG, dtype=torch.float32, seed=0)))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="out: already exists"):
+        main(["to-native", str(hf), str(tmp_path / "out")])
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+# ============================================================================= tokenizer
+
+# Pre-tokenizer split that Python's re and tiktoken's regex engine read the same way on the test text:
+# contractions, letters (with "_"), up to 3 digits, other symbols, and whitespace runs.
+SPLIT = r"""'s|'t| ?[^\W\d]+| ?\d{1,3}| ?[^\s\w]+|\s+(?!\S)|\s+"""
+SPECIALS = ["<|endoftext|>", "<|im_start|>"]
+CORPUS = ("The quick brown fox jumps over the lazy dog. It's 2024 and the dog's 3 friends said 'hello'!\n"
+          "Numbers like 123456 and 7 go in groups; tabs\tand  double  spaces too. Café, naïve, déjà vu.\n"
+          "東京 and 東京タワー are in Tokyo. snake_case_names and CamelCase. ") * 3
+TEXT = ("Hello the lazy fox!!  It's 98765 o'clock\t\tat Café déjà-vu — 東京タワー 🚀🚀 "
+        "snake_case<|endoftext|>  new\n\n  lines <|im_start|>x   ")
+
+
+def gpt2_byte_table() -> dict[int, str]:
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    moved = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(moved)}}
+
+
+def test_byte_table_is_gpt2s():
+    table = gpt2_byte_table()
+    assert (table[ord(" ")], table[ord("\n")], table[0], table[ord("a")], table[173]) == ("Ġ", "Ċ", "Ā", "a", "Ń")
+    assert convert.bytes_to_unicode() == table
+
+
+def merge_word(word: list[str], pair: tuple[str, str]) -> list[str]:
+    out, i = [], 0
+    while i < len(word):
+        if tuple(word[i:i + 2]) == pair:
+            out.append(pair[0] + pair[1])
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return out
+
+
+def train_bpe(corpus: str, pattern: str, num_merges: int) -> list[tuple[str, str]]:
+    """Plain BPE training: repeatedly merge the most frequent adjacent pair (new tokens only)."""
+    table = gpt2_byte_table()
+    words = Counter(tuple(table[b] for b in piece.encode()) for piece in re.findall(pattern, corpus))
+    merges, tokens = [], set(table.values())
+    for _ in range(num_merges):
+        pairs = Counter()
+        for word, count in words.items():
+            for pair in zip(word, word[1:]):
+                pairs[pair] += count
+        candidates = [p for p in pairs if p[0] + p[1] not in tokens]
+        if not candidates:
+            break
+        best = max(candidates, key=lambda p: (pairs[p], p))
+        merges.append(best)
+        tokens.add(best[0] + best[1])
+        words = Counter({tuple(merge_word(list(w), best)): c for w, c in words.items()})
+    return merges
+
+
+def bpe_by_hand(text: str, merges, vocab: dict, pattern: str) -> list[int]:
+    """Hugging Face BPE semantics: specials first, split, bytes -> chars, lowest-ranked listed merge first."""
+    table, ranks, ids = gpt2_byte_table(), {pair: i for i, pair in enumerate(merges)}, []
+    for chunk in re.split("(" + "|".join(map(re.escape, SPECIALS)) + ")", text):
+        if chunk in SPECIALS:
+            ids.append(vocab[chunk])
+            continue
+        for piece in re.findall(pattern, chunk):
+            word = [table[b] for b in piece.encode()]
+            while len(word) > 1:
+                pair = min(zip(word, word[1:]), key=lambda p: ranks.get(p, len(ranks)))
+                if pair not in ranks:
+                    break
+                word = merge_word(word, pair)
+            ids += [vocab[token] for token in word]
+    return ids
+
+
+def write_tokenizer(directory: Path, pre_tokenizer: dict, pattern: str, pair_lists: bool = False):
+    merges = train_bpe(CORPUS, pattern, 300)
+    byte_tokens = list(gpt2_byte_table().values())
+    random.Random(0).shuffle(byte_tokens)  # byte ids need not follow byte order
+    vocab = {token: i for i, token in enumerate(byte_tokens + [a + b for a, b in merges])}
+    added = [{"id": len(vocab) + i, "content": t, "special": True} for i, t in enumerate(SPECIALS)]
+    spec = {"version": "1.0", "added_tokens": added, "normalizer": None, "pre_tokenizer": pre_tokenizer,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "byte_fallback": False, "vocab": vocab,
+                      "merges": [list(m) if pair_lists else " ".join(m) for m in merges]}}
+    directory.mkdir(exist_ok=True)
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    return merges, {**vocab, **{t["content"]: t["id"] for t in added}}
+
+
+@pytest.mark.parametrize("pair_lists", [False, True])
+def test_tokenizer_matches_bpe_by_hand(tmp_path, monkeypatch, pair_lists):
+    def no_downloads(*args, **kwargs):
+        raise AssertionError("tiktoken tried to download")
+
+    monkeypatch.setattr(tiktoken.load, "read_file", no_downloads)
+    pre = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": SPLIT}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    merges, vocab = write_tokenizer(tmp_path, pre, SPLIT, pair_lists)
+    encoding = load_tokenizer(tmp_path)
+    ids = encoding.encode(TEXT, allowed_special="all")
+    assert ids == bpe_by_hand(TEXT, merges, vocab, SPLIT)
+    assert len(ids) < len(TEXT.encode())  # merges did apply
+    assert encoding.decode(ids) == TEXT
+    assert encoding.encode(CORPUS) == bpe_by_hand(CORPUS, merges, vocab, SPLIT)
+
+
+def test_byte_level_pre_tokenizer_uses_the_gpt2_split(tmp_path):
+    ascii_gpt2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+"""
+    merges, vocab = write_tokenizer(tmp_path, {"type": "ByteLevel", "add_prefix_space": False}, ascii_gpt2)
+    text = "It's the lazy dog's 12345 friends,  they'll jump!!\n\n over  it "
+    assert load_tokenizer(tmp_path / "tokenizer.json").encode(text) == bpe_by_hand(text, merges, vocab, ascii_gpt2)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.__setitem__("normalizer", {"type": "NFC"}), "normalizer must be null"),
+    (lambda s: s["model"]["merges"].reverse(), "merge 1 "),
+    (lambda s: s["model"]["vocab"].__setitem__("∑x", 10_000), "'∑x' is not byte-level"),
+    (lambda s: s.__setitem__("pre_tokenizer", {"type": "Whitespace"}), "pre_tokenizer step"),
+])
+def test_unsupported_tokenizers_are_refused(tmp_path, edit, message):
+    write_tokenizer(tmp_path, {"type": "ByteLevel", "add_prefix_space": False}, SPLIT)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    edit(spec)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_tokenizer(tmp_path)
