@@ -1,0 +1,302 @@
+"""Training configuration: a TOML file, dotted command-line overrides, and every check before any work.
+
+    [model]       preset = "tiny" | hf_config = "path" | init_from = "checkpoint dir", plus FlintConfig fields
+    [data]        what to read and how to tokenize and pack it
+    [training]    steps, batch, device and dtype, compile, evaluation, the sample at the end
+    [optim]       AdamW and the learning-rate schedule
+    [checkpoint]  where, how often, how many to keep, resume, Hugging Face export
+    [logging]     how often, the JSONL file, the peak FLOP/s used for MFU
+    [parallel]    the process-group backend
+
+An override `--training.steps=200` replaces one key; its value is read as TOML (`--training.compile=true`,
+`--optim.lr=1e-3`), and as a plain string when it is not valid TOML (`--data.path=notes/`).
+Every error names the key and where it was set: the file, or the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from model import FlintConfig
+
+MODEL_SOURCES = ("preset", "hf_config", "init_from")
+# What [model] may change about an init_from checkpoint: training choices, not the architecture.
+INIT_FROM_SETTINGS = ("router_aux_loss_coef", "attention_backend")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, found before any work starts."""
+
+
+@dataclass
+class ModelSection:
+    preset: str = ""  # a FlintConfig.from_name preset
+    hf_config: str = ""  # a Hugging Face config.json (or its directory): that architecture, fresh weights
+    init_from: str = ""  # a checkpoint directory (Hugging Face or native): its architecture and weights
+    overrides: dict = field(default_factory=dict)  # every other key of [model]: a FlintConfig field
+
+
+@dataclass
+class DataSection:
+    path: str = "data/python_reference.jsonl"  # file, directory, JSONL, or a prepared directory
+    tokenizer: str = "byte"  # byte | checkpoint | tokenizer.json dir | .tiktoken file | cached name
+    eos_token: str = "<|endoftext|>"  # appended to every document
+    text_key: str = "text"  # the JSONL field holding a document
+    cache_dir: str = "data/cache"  # prepared shards of raw text go here
+    seq_len: int = 256
+    val_fraction: float = 0.05  # of the documents, held out for validation
+    epochs: int = 1  # passes over the training documents that a run may take
+
+
+@dataclass
+class TrainingSection:
+    steps: int = 100  # optimizer steps
+    batch_size: int = 8  # rows per micro-batch on each data-parallel rank
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bfloat16 on GPUs, float32 on the CPU) | float32 | bfloat16
+    compile: bool = False  # torch.compile each decoder block
+    eval_every: int = 0  # steps between validation losses; 0: only after the last step
+    eval_batches: int = 4  # validation micro-batches per evaluation
+    sample_tokens: int = 200  # tokens generated after training; 0: none
+    sample_prompt: str = "The "
+    sample_temperature: float = 0.8
+
+
+@dataclass
+class OptimSection:
+    lr: float = 3e-4
+    min_lr: float = 3e-5  # where the decay ends
+    schedule: str = "cosine"  # cosine | wsd (warmup, stable, linear decay) | constant
+    warmup_steps: int = 0
+    decay_fraction: float = 0.2  # wsd: the share of steps spent decaying
+    weight_decay: float = 0.1  # on matrices only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0: no clipping
+
+
+@dataclass
+class CheckpointSection:
+    dir: str = "runs/default/checkpoints"
+    every: int = 0  # steps between checkpoints; 0: only after the last step
+    keep_last: int = 2
+    resume: str = "auto"  # auto (latest in dir, if any) | never (start afresh, removing dir's) | a checkpoint
+    export_hf: str = ""  # write the final model here in Hugging Face format
+    export_dtype: str = ""  # "" keeps the training dtype | bfloat16 | float32
+
+
+@dataclass
+class LoggingSection:
+    every: int = 10
+    jsonl: str = "runs/default/metrics.jsonl"
+    peak_tflops: float = 0.0  # per device, for MFU; 0: measured on the CPU, looked up on GPUs
+
+
+@dataclass
+class ParallelSection:
+    backend: str = "auto"  # auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
+
+
+SECTIONS = {"model": ModelSection, "data": DataSection, "training": TrainingSection, "optim": OptimSection,
+            "checkpoint": CheckpointSection, "logging": LoggingSection, "parallel": ParallelSection}
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection
+    data: DataSection
+    training: TrainingSection
+    optim: OptimSection
+    checkpoint: CheckpointSection
+    logging: LoggingSection
+    parallel: ParallelSection
+    model_config: FlintConfig  # the architecture, resolved from [model]
+    source: str  # the TOML file
+    origins: dict[str, str]  # "section.key" -> where it was set, for error messages
+
+    def where(self, key: str) -> str:
+        return self.origins.get(key, f"{self.source} (default)")
+
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+
+# ============================================================================= reading
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
+    """Read the TOML file, apply `--section.key=value` overrides, check everything."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {path}: {error.strerror}") from error
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: not valid TOML: {error}") from error
+    origins = {f"{section}.{key}": str(path) for section, table in raw.items() if isinstance(table, dict)
+               for key in table}
+    for override in overrides:
+        section, key, value = parse_override(override)
+        raw.setdefault(section, {})[key] = value
+        origins[f"{section}.{key}"] = f"command line {override.split('=')[0]}"
+    sections = {name: build_section(name, raw.pop(name, {}), origins, path) for name in SECTIONS}
+    if raw:
+        name = next(iter(raw))
+        raise ConfigError(f"{path}: unknown section [{name}]; sections are {', '.join(SECTIONS)}")
+    cfg = TrainConfig(**sections, model_config=None, source=str(path), origins=origins)
+    cfg.model_config = resolve_model_config(cfg)
+    validate(cfg)
+    return cfg
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    if not text.startswith("--") or "=" not in text or "." not in text.split("=")[0]:
+        raise ConfigError(f"command line: expected --section.key=value, got {text!r}")
+    dotted, value = text[2:].split("=", 1)
+    section, key = dotted.split(".", 1)
+    try:
+        return section, key, tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return section, key, value  # not a TOML value: a plain string such as a path
+
+
+def build_section(name: str, table: Any, origins: dict[str, str], path: Path):
+    cls = SECTIONS[name]
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [{name}] must be a table, got {table!r}")
+    known = {f.name: f for f in dataclasses.fields(cls) if f.name != "overrides"}
+    values, extra = {}, {}
+    for key, value in table.items():
+        where = origins.get(f"{name}.{key}", str(path))
+        if key in known:
+            check_type(f"[{name}].{key}", value, type(known[key].default), where)
+            values[key] = float(value) if known[key].type == "float" else value
+        elif name == "model":
+            extra[key] = value
+        else:
+            raise ConfigError(f"{where}: unknown key [{name}].{key}; [{name}] keys are {', '.join(known)}")
+    section = cls(**values)
+    if name == "model":
+        section.overrides = extra
+    return section
+
+
+def check_type(key: str, value: Any, expected: type, where: str) -> None:
+    """bool, int, float (an int is fine), str, list or dict, as the default's type says."""
+    if expected is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif expected is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, expected)
+    if not ok:
+        raise ConfigError(f"{where}: {key} must be {expected.__name__}, got {type(value).__name__} {value!r}")
+
+
+# ============================================================================= the model architecture
+
+def resolve_model_config(cfg: TrainConfig) -> FlintConfig:
+    """Exactly one of preset / hf_config / init_from names the architecture; other keys override it.
+
+    With init_from the checkpoint's config.json decides the architecture: other keys may only
+    repeat its values, except the training-time settings in INIT_FROM_SETTINGS.
+    """
+    section = cfg.model
+    chosen = [name for name in MODEL_SOURCES if getattr(section, name)]
+    if len(chosen) != 1:
+        raise ConfigError(f"{cfg.source}: [model] needs exactly one of {', '.join(MODEL_SOURCES)}, got "
+                          f"{chosen or 'none'}")
+    defaults, fields = FlintConfig(), {f.name for f in dataclasses.fields(FlintConfig)}
+    for key, value in section.overrides.items():
+        if key not in fields:
+            raise ConfigError(f"{cfg.where('model.' + key)}: unknown key [model].{key}; it must be one of "
+                              f"{', '.join(MODEL_SOURCES)} or a FlintConfig field")
+        if getattr(defaults, key) is not None:
+            check_type(f"[model].{key}", value, type(getattr(defaults, key)), cfg.where(f"model.{key}"))
+    where = cfg.where(f"model.{chosen[0]}")
+    source = section.hf_config or section.init_from
+    if source and not Path(source).exists():
+        raise ConfigError(f"{where}: [model].{chosen[0]} {source} does not exist")
+    try:
+        if not section.init_from:
+            return (FlintConfig.from_name(section.preset, **section.overrides) if section.preset
+                    else FlintConfig.from_hf_config(source, **section.overrides))
+        saved = FlintConfig.from_hf_config(source)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{where}: [model]: {error}") from error
+    for key, value in section.overrides.items():
+        if key not in INIT_FROM_SETTINGS and value != getattr(saved, key):
+            raise ConfigError(f"{cfg.where('model.' + key)}: [model].{key} = {value!r} cannot be set with init_from: "
+                              f"the architecture comes from {source}/config.json, which says {getattr(saved, key)!r}")
+    return dataclasses.replace(saved, **section.overrides)
+
+
+# ============================================================================= checks
+
+def validate(cfg: TrainConfig) -> None:
+    t, d, o, c, log = cfg.training, cfg.data, cfg.optim, cfg.checkpoint, cfg.logging
+    rules = [
+        ("training.steps", t.steps >= 1, "be >= 1"),
+        ("training.batch_size", t.batch_size >= 1, "be >= 1"),
+        ("training.grad_accum", t.grad_accum >= 1, "be >= 1"),
+        ("training.device", t.device in ("auto", "cpu", "cuda"), "be auto, cpu or cuda"),
+        ("training.dtype", t.dtype in ("auto", "float32", "bfloat16"), "be auto, float32 or bfloat16"),
+        ("training.eval_every", t.eval_every >= 0, "be >= 0"),
+        ("training.eval_batches", t.eval_batches >= 1, "be >= 1"),
+        ("training.sample_tokens", t.sample_tokens >= 0, "be >= 0"),
+        ("training.sample_temperature", t.sample_temperature >= 0, "be >= 0"),
+        ("data.path", d.path != "", "name a file or directory"),
+        ("data.seq_len", 1 <= d.seq_len <= cfg.model_config.max_position_embeddings,
+         f"be in [1, max_position_embeddings = {cfg.model_config.max_position_embeddings}]"),
+        ("data.val_fraction", 0 <= d.val_fraction < 1, "be in [0, 1)"),
+        ("data.epochs", d.epochs >= 1, "be >= 1"),
+        ("optim.lr", o.lr > 0, "be > 0"),
+        ("optim.min_lr", 0 <= o.min_lr <= o.lr, f"be in [0, optim.lr = {o.lr}]"),
+        ("optim.schedule", o.schedule in ("cosine", "wsd", "constant"), "be cosine, wsd or constant"),
+        ("optim.warmup_steps", o.warmup_steps >= 0, "be >= 0"),
+        ("optim.decay_fraction", 0 < o.decay_fraction <= 1, "be in (0, 1]"),
+        ("optim.weight_decay", o.weight_decay >= 0, "be >= 0"),
+        ("optim.beta1", 0 <= o.beta1 < 1, "be in [0, 1)"),
+        ("optim.beta2", 0 <= o.beta2 < 1, "be in [0, 1)"),
+        ("optim.eps", o.eps > 0, "be > 0"),
+        ("optim.grad_clip", o.grad_clip >= 0, "be >= 0 (0: no clipping)"),
+        ("checkpoint.every", c.every >= 0, "be >= 0"),
+        ("checkpoint.keep_last", c.keep_last >= 1, "be >= 1"),
+        ("checkpoint.export_dtype", c.export_dtype in ("", "float32", "bfloat16"), 'be "", float32 or bfloat16'),
+        ("checkpoint.dir", c.dir != "", "name a directory"),
+        ("logging.every", log.every >= 1, "be >= 1"),
+        ("logging.peak_tflops", log.peak_tflops >= 0, "be >= 0 (0: measure or look up)"),
+        ("parallel.backend", cfg.parallel.backend in ("auto", "nccl", "gloo"), "be auto, nccl or gloo"),
+    ]
+    for key, ok, expected in rules:
+        if not ok:
+            section, name = key.split(".")
+            raise ConfigError(f"{cfg.where(key)}: [{section}].{name} must {expected}, "
+                              f"got {getattr(getattr(cfg, section), name)!r}")
+    if d.val_fraction == 0 and t.eval_every > 0:
+        raise ConfigError(f"{cfg.where('training.eval_every')}: [training].eval_every = {t.eval_every} needs a "
+                          f"validation split, but data.val_fraction = 0")
+    check_router_aux_loss(cfg)
+
+
+def check_router_aux_loss(cfg: TrainConfig) -> None:
+    """No load-balancing objective of ours exists yet, so the coefficient must be exactly 0.0."""
+    coef = cfg.model_config.router_aux_loss_coef
+    if coef == 0.0:
+        return
+    if "router_aux_loss_coef" in cfg.model.overrides:
+        raise ConfigError(f"{cfg.where('model.router_aux_loss_coef')}: [model].router_aux_loss_coef must be 0.0: "
+                          f"this trainer has no load-balancing objective, got {coef!r}")
+    came_from = (f"preset {cfg.model.preset!r}" if cfg.model.preset
+                 else f"{cfg.model.hf_config or cfg.model.init_from} config.json")
+    raise ConfigError(f"{cfg.source}: the {came_from} carries router_aux_loss_coef = {coef} (the released "
+                      f"checkpoint's value; its balancing objective is not published). This trainer has no "
+                      f"load-balancing objective: set [model].router_aux_loss_coef = 0.0 explicitly to train "
+                      f"without one")
+

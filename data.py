@@ -1,0 +1,451 @@
+"""Data for train.py: tokenizers, the prepare step and the packed, resumable loader.
+
+    text files, directories, JSONL  --prepare-->  token shards (numpy memmaps + document index)
+    token shards  --PackedLoader-->  batches of input_ids, targets, doc_ids, each [B, T]
+
+Each epoch, the loader concatenates the training documents in a seeded order and cuts that stream into
+rows of seq_len tokens, so every training token is an input exactly once per epoch (the last row is
+padded). A document cut by a row boundary continues in the next row. doc_ids tell the model where
+documents begin, so attention never crosses them, and a target that belongs to the next document is
+-100: no token is predicted from another document's context.
+
+Command line: `python data.py prepare INPUT... --out DIR [--tokenizer byte]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+import tiktoken.load
+import torch
+
+# The Python Language Reference topics that CPython ships as pydoc_data/topics.py (see data/README.md).
+EMBEDDED_CORPUS = Path(__file__).resolve().parent / "data" / "python_reference.jsonl"
+END_OF_TEXT = "<|endoftext|>"
+# The split pattern of the cl100k family, for .tiktoken rank files (which store ranks only).
+CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++"""
+                  r"""[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
+SHARDS_FORMAT = "flint-token-shards-v1"
+SPLIT_SEED = 1234  # fixed, so the validation documents do not change with the training seed
+
+
+class DataError(ValueError):
+    """Bad or missing data: the message names the path and what was expected."""
+
+
+# ============================================================================= tokenizers
+
+@dataclass(frozen=True)
+class Tokenizer:
+    encoding: tiktoken.Encoding
+    eos_id: int  # appended to every document
+    fingerprint: str  # identifies the vocabulary; prepared shards record it
+
+    @property
+    def vocab_size(self) -> int:
+        return self.encoding.n_vocab
+
+    def encode_documents(self, texts: list[str]) -> list[list[int]]:
+        return [ids + [self.eos_id] for ids in self.encoding.encode_ordinary_batch(texts, num_threads=4)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.encoding.decode(ids, errors="replace")
+
+
+def byte_encoding() -> tiktoken.Encoding:
+    """256 single-byte tokens plus <|endoftext|> (id 256): any UTF-8 text, nothing to download.
+
+    With no merges, the split pattern does not change the result; \\S+|\\s+ keeps pieces short.
+    """
+    ranks = {bytes([b]): b for b in range(256)}
+    return tiktoken.Encoding(name="byte", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
+                             special_tokens={END_OF_TEXT: 256})
+
+
+def tiktoken_file_encoding(path: Path) -> tiktoken.Encoding:
+    """A .tiktoken ranks file ("<base64 token> <rank>" per line) with the cl100k split pattern;
+    <|endoftext|> is added after the last rank."""
+    ranks = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError as error:
+            raise DataError(f"{path}:{number}: expected '<base64 token> <rank>', got {line[:60]!r}") from error
+    return tiktoken.Encoding(name=path.stem, pat_str=CL100K_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={END_OF_TEXT: max(ranks.values()) + 1})
+
+
+@contextmanager
+def _no_downloads(name: str):
+    """tiktoken fetches a named encoding's file on a cache miss; refuse instead of downloading."""
+    original = tiktoken.load.read_file
+
+    def read_local_only(blobpath: str) -> bytes:
+        if "://" in blobpath:
+            cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or "<tmp>/data-gym-cache"
+            raise DataError(f"tiktoken encoding {name!r} is not in the tiktoken cache ({cache}) and this "
+                            f"program never downloads; use data.tokenizer = \"byte\", a .tiktoken file, or "
+                            f"a checkpoint directory with tokenizer.json")
+        return original(blobpath)
+
+    tiktoken.load.read_file = read_local_only
+    try:
+        yield
+    finally:
+        tiktoken.load.read_file = original
+
+
+def load_tokenizer(spec: str, eos_token: str = END_OF_TEXT, checkpoint_dir: str = "") -> Tokenizer:
+    """spec: "byte" | "checkpoint" (the tokenizer.json of [model].init_from) | a directory with
+    tokenizer.json | a .tiktoken file | a tiktoken encoding name that is already cached."""
+    names = tiktoken.list_encoding_names()
+    if spec == "byte":
+        encoding, fingerprint = byte_encoding(), "byte-v1"
+    elif spec == "checkpoint" or Path(spec).is_dir():
+        if spec == "checkpoint" and not checkpoint_dir:
+            raise DataError('data.tokenizer = "checkpoint" needs [model].init_from to name a checkpoint directory')
+        encoding, fingerprint = checkpoint_encoding(Path(checkpoint_dir if spec == "checkpoint" else spec))
+    elif spec.endswith(".tiktoken") and Path(spec).is_file():
+        encoding, fingerprint = tiktoken_file_encoding(Path(spec)), "tiktoken:" + _file_digest(Path(spec))
+    elif spec in names:
+        with _no_downloads(spec):
+            encoding = tiktoken.get_encoding(spec)
+        fingerprint = f"named:{spec}:{encoding.n_vocab}"
+    else:
+        raise DataError(f"data.tokenizer {spec!r} is not \"byte\", \"checkpoint\", a directory with tokenizer.json, "
+                        f"an existing .tiktoken file, or a tiktoken encoding ({', '.join(names)})")
+    if eos_token not in encoding.special_tokens_set:
+        raise DataError(f"data.eos_token {eos_token!r} is not a special token of tokenizer {spec!r}; it has "
+                        f"{sorted(encoding.special_tokens_set)[:8]}")
+    eos_id = encoding.encode_single_token(eos_token)
+    return Tokenizer(encoding, eos_id, f"{fingerprint}|eos={eos_id}")
+
+
+def checkpoint_encoding(directory: Path) -> tuple[tiktoken.Encoding, str]:
+    """The checkpoint's own tokenizer.json, through convert.py (only this path needs it)."""
+    if not (directory / "tokenizer.json").is_file():
+        raise DataError(f"{directory}: no tokenizer.json to load the checkpoint's tokenizer from")
+    from convert import load_tokenizer as load_checkpoint_tokenizer
+    try:
+        encoding = load_checkpoint_tokenizer(directory)
+    except ValueError as error:
+        raise DataError(f"data.tokenizer: {error}") from error
+    return encoding, "tokenizer.json:" + _file_digest(directory / "tokenizer.json")
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+# ============================================================================= reading text
+
+def source_files(path: Path) -> list[Path]:
+    """A file, or every non-hidden file under a directory in sorted order."""
+    if not path.exists():
+        raise DataError(f"data.path {path} does not exist (relative paths start at {Path.cwd()})")
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not any(
+        part.startswith(".") for part in p.relative_to(path).parts))
+    if not files:
+        raise DataError(f"data.path {path} is an empty directory: no text or JSONL files in it")
+    return files
+
+
+def iter_documents(files: list[Path], text_key: str) -> Iterator[str]:
+    """A .jsonl file holds one document per line in field `text_key`; any other file is one document."""
+    for path in files:
+        if path.suffix != ".jsonl":
+            yield _read_text(path)
+            continue
+        with open(path, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)[text_key]
+                except (json.JSONDecodeError, KeyError, TypeError) as error:
+                    raise DataError(f"{path}:{number}: expected a JSON object with a string field "
+                                    f"{text_key!r} (data.text_key): {error!r}") from error
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{number}: field {text_key!r} must be a string, got {type(text).__name__}")
+                yield text
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start})") from error
+
+
+# ============================================================================= prepare: text -> shards
+
+def prepare(source: Path, tokenizer: Tokenizer, out_dir: Path, text_key: str = "text",
+            shard_tokens: int = 1 << 28) -> Path:
+    """Tokenize every document under `source` into `out_dir`, atomically (temp dir, then rename).
+
+    out_dir/tokens_00000.bin   token ids (uint16, or uint32 for vocabularies over 65536), documents
+                               back to back, each ending with the eos token
+    out_dir/docs_00000.npy     int64 [docs + 1]: where each document of that shard starts, then the end
+    out_dir/meta.json          written last: format, tokenizer fingerprint, counts, shard names
+    """
+    files = source_files(source)
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        writer = ShardWriter(tmp, np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32, shard_tokens)
+        batch: list[str] = []
+        for text in iter_documents(files, text_key):
+            if text.strip():
+                batch.append(text)
+            if len(batch) == 256:
+                writer.add(tokenizer.encode_documents(batch))
+                batch = []
+        writer.add(tokenizer.encode_documents(batch))
+        if writer.num_docs == 0:
+            raise DataError(f"data.path {source}: no documents with text in {len(files)} file(s)")
+        writer.finish({"tokenizer": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
+                       "eos_id": tokenizer.eos_id, "sources": [str(f) for f in files]})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+        raise
+    if out_dir.exists():  # another process prepared the same data meanwhile: keep theirs
+        shutil.rmtree(tmp)
+    else:
+        tmp.rename(out_dir)
+    return out_dir
+
+
+class ShardWriter:
+    """Appends tokenized documents to shard files; a document never spans two shards."""
+
+    def __init__(self, directory: Path, dtype: type, shard_tokens: int):
+        self.directory, self.dtype, self.shard_tokens = directory, np.dtype(dtype), shard_tokens
+        self.shards: list[str] = []
+        self.num_docs = self.num_tokens = 0
+        self._file = None
+        self._starts: list[int] = []
+
+    def add(self, documents: list[list[int]]) -> None:
+        for ids in documents:
+            shard_full = len(self._starts) > 1 and self._starts[-1] + len(ids) > self.shard_tokens
+            if self._file is None or shard_full:
+                self._close_shard()
+                self._open_shard()
+            self._file.write(np.asarray(ids, dtype=self.dtype).tobytes())
+            self._starts.append(self._starts[-1] + len(ids))
+            self.num_docs += 1
+            self.num_tokens += len(ids)
+
+    def finish(self, meta: dict) -> None:
+        self._close_shard()
+        meta = {"format": SHARDS_FORMAT, "dtype": self.dtype.name, "num_docs": self.num_docs,
+                "num_tokens": self.num_tokens, "shards": self.shards, **meta}
+        (self.directory / "meta.json").write_text(json.dumps(meta, indent=1))
+
+    def _open_shard(self) -> None:
+        name = f"{len(self.shards):05d}"
+        self.shards.append(name)
+        self._file = open(self.directory / f"tokens_{name}.bin", "wb")
+        self._starts = [0]
+
+    def _close_shard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            np.save(self.directory / f"docs_{self.shards[-1]}.npy", np.asarray(self._starts, dtype=np.int64))
+            self._file = None
+
+
+def prepared_dir(source: Path, tokenizer: Tokenizer, cache_dir: Path, text_key: str) -> Path:
+    """Where prepared shards of `source` live: `source` itself when it already is a prepared
+    directory, else a cache entry keyed by the files (path, size, mtime) and the tokenizer."""
+    if (source / "meta.json").is_file():
+        return source
+    key = hashlib.sha256(json.dumps([SHARDS_FORMAT, tokenizer.fingerprint, text_key] + [
+        (str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in source_files(source)]).encode())
+    return cache_dir / f"{source.stem}-{key.hexdigest()[:16]}"
+
+
+# ============================================================================= reading shards
+
+class TokenShards:
+    """Prepared shards as one list of documents: document(i) is a memmap view, no copy."""
+
+    def __init__(self, directory: Path, tokenizer: Tokenizer | None = None):
+        meta_path = directory / "meta.json"
+        try:
+            self.meta = json.loads(meta_path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise DataError(f"{meta_path}: not a prepared data directory ({error})") from error
+        if self.meta.get("format") != SHARDS_FORMAT:
+            raise DataError(f"{meta_path}: format {self.meta.get('format')!r}, expected {SHARDS_FORMAT!r}")
+        if tokenizer is not None and self.meta["tokenizer"] != tokenizer.fingerprint:
+            raise DataError(f"{directory} was prepared with tokenizer {self.meta['tokenizer']}, but this run "
+                            f"uses {tokenizer.fingerprint}; prepare it again or change data.tokenizer")
+        self.tokens, shard_of, starts, ends = [], [], [], []
+        for index, name in enumerate(self.meta["shards"]):
+            self.tokens.append(np.memmap(directory / f"tokens_{name}.bin", dtype=self.meta["dtype"], mode="r"))
+            bounds = np.load(directory / f"docs_{name}.npy")
+            if bounds[-1] != len(self.tokens[-1]):
+                raise DataError(f"{directory}/tokens_{name}.bin holds {len(self.tokens[-1])} tokens but "
+                                f"docs_{name}.npy ends at {bounds[-1]}: the shard is damaged, prepare again")
+            shard_of.append(np.full(len(bounds) - 1, index, dtype=np.int32))
+            starts.append(bounds[:-1])
+            ends.append(bounds[1:])
+        self.doc_shard, self.doc_start = np.concatenate(shard_of), np.concatenate(starts)
+        self.doc_len = np.concatenate(ends) - self.doc_start
+        self.vocab_size = int(self.meta["vocab_size"])
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_start)
+
+    def document(self, i: int) -> np.ndarray:
+        start = self.doc_start[i]
+        return self.tokens[self.doc_shard[i]][start:start + self.doc_len[i]]
+
+
+def split_documents(num_docs: int, val_fraction: float, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Hold out round(val_fraction * docs) whole documents (at least one), chosen by a fixed seed."""
+    if val_fraction == 0:
+        return np.arange(num_docs), np.arange(0)
+    num_val = max(1, round(val_fraction * num_docs))
+    if num_val >= num_docs:
+        raise DataError(f"{where} has {num_docs} document(s): too few to hold out {val_fraction:.0%} for "
+                        f"validation and keep some for training; add documents or set data.val_fraction = 0")
+    order = np.random.default_rng(SPLIT_SEED).permutation(num_docs)
+    return np.sort(order[num_val:]), np.sort(order[:num_val])
+
+
+# ============================================================================= the packed loader
+
+class PackedLoader:
+    """Fixed-length rows of packed documents for one data-parallel rank; deterministic and resumable.
+
+    Rows are numbered globally: micro-batch m is rows [m*W*B, (m+1)*W*B) of the global row sequence
+    and rank r takes the B rows starting at m*W*B + r*B, so the data order does not depend on the
+    layout and a position saved by one world size is valid for another. Row g is row g % R of
+    epoch g // R (R = rows_per_epoch); an epoch shuffles the document order with (seed, epoch).
+    The state is one integer, the next global row, so a restart resumes at the exact token.
+    """
+
+    def __init__(self, shards: TokenShards, doc_indices: np.ndarray, seq_len: int, batch_size: int,
+                 seed: int, shuffle: bool = True, epochs: int | None = None, rank: int = 0,
+                 world_size: int = 1, name: str = "train"):
+        if len(doc_indices) == 0:
+            raise DataError(f"the {name} split has no documents")
+        self.shards, self.docs, self.seq_len, self.batch_size = shards, doc_indices, seq_len, batch_size
+        self.seed, self.shuffle, self.epochs, self.name = seed, shuffle, epochs, name
+        self.rank, self.world_size = rank, world_size
+        self.num_tokens = int(shards.doc_len[doc_indices].sum())
+        self.rows_per_epoch = math.ceil(self.num_tokens / seq_len)
+        self.next_row = 0
+        self._epoch_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def rows_available(self) -> int | None:
+        return None if self.epochs is None else self.epochs * self.rows_per_epoch
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """-> input_ids, targets, doc_ids: int64 [B, T]; doc_ids -1 and targets -100 on padding."""
+        global_rows = self.world_size * self.batch_size
+        available = self.rows_available()
+        if available is not None and self.next_row + global_rows > available:
+            raise DataError(f"ran out of data: the {self.name} split has {self.rows_per_epoch} rows of "
+                            f"{self.seq_len} tokens per epoch and data.epochs = {self.epochs} allows "
+                            f"{available} rows; raise data.epochs, add data, or train fewer steps")
+        batch = self.peek()
+        self.next_row += global_rows
+        return batch
+
+    def peek(self) -> dict[str, torch.Tensor]:
+        """This rank's batch at the current position, without moving on."""
+        first = self.next_row + self.rank * self.batch_size
+        rows = [self.row(g) for g in range(first, first + self.batch_size)]
+        return {key: torch.from_numpy(np.stack([row[key] for row in rows])) for key in rows[0]}
+
+    def row(self, g: int) -> dict[str, np.ndarray]:
+        """Global row g: tokens at stream positions [s, s + T] of its epoch (s = (g % R) * T);
+        the extra token only serves as the last target."""
+        epoch, start = divmod(g, self.rows_per_epoch)
+        order, ends = self._epoch(epoch)
+        stop = start * self.seq_len + self.seq_len + 1
+        tokens = np.zeros(self.seq_len + 1, dtype=np.int64)
+        docs = np.full(self.seq_len + 1, -1, dtype=np.int64)
+        position = start * self.seq_len
+        k = int(np.searchsorted(ends, position, side="right"))  # first document ending after `position`
+        while position < stop and k < len(order):
+            doc = int(order[k])
+            doc_start = ends[k] - self.shards.doc_len[doc]
+            take = slice(position - doc_start, min(ends[k], stop) - doc_start)
+            n = take.stop - take.start
+            offset = position - start * self.seq_len
+            tokens[offset:offset + n] = self.shards.document(doc)[take]
+            docs[offset:offset + n] = doc
+            position, k = position + n, k + 1
+        same_doc = (docs[1:] == docs[:-1]) & (docs[:-1] >= 0)
+        return {"input_ids": tokens[:-1], "targets": np.where(same_doc, tokens[1:], -100), "doc_ids": docs[:-1]}
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(document order [D], cumulative end of each in the epoch's stream [D]), two epochs cached."""
+        if epoch not in self._epoch_cache:
+            order = self.docs
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(self.docs)
+            self._epoch_cache = {e: v for e, v in self._epoch_cache.items() if e == epoch - 1}
+            self._epoch_cache[epoch] = (order, np.cumsum(self.shards.doc_len[order]))
+        return self._epoch_cache[epoch]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next_row": self.next_row, "rows_per_epoch": self.rows_per_epoch, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        saved = (int(state["rows_per_epoch"]), int(state["seq_len"]))
+        if saved != (self.rows_per_epoch, self.seq_len):
+            raise DataError(f"the checkpoint's {self.name} data position was saved for {saved[0]} rows of "
+                            f"{saved[1]} tokens per epoch, but this run has {self.rows_per_epoch} rows of "
+                            f"{self.seq_len}: the data or data.seq_len changed since the checkpoint")
+        self.next_row = int(state["next_row"])
+
+
+# ============================================================================= command line
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Turn text files, directories or JSONL into token shards.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    prep = commands.add_parser("prepare", help="tokenize INPUT into shards under --out")
+    prep.add_argument("input", type=Path, help="a text file, a .jsonl file or a directory of them")
+    prep.add_argument("--out", type=Path, required=True, help="output directory (must not exist)")
+    prep.add_argument("--tokenizer", default="byte", help="byte | a .tiktoken file | a tokenizer.json dir | a name")
+    prep.add_argument("--eos-token", default=END_OF_TEXT)
+    prep.add_argument("--text-key", default="text", help="the JSONL field that holds the text")
+    args = parser.parse_args(argv)
+    if args.out.exists():
+        raise DataError(f"--out {args.out} already exists; choose a new directory")
+    tokenizer = load_tokenizer(args.tokenizer, args.eos_token)
+    shards = TokenShards(prepare(args.input, tokenizer, args.out, args.text_key))
+    print(f"{args.out}: {shards.num_docs} documents, {int(shards.doc_len.sum()):,} tokens "
+          f"({args.tokenizer} tokenizer, vocabulary {tokenizer.vocab_size})")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DataError as error:
+        raise SystemExit(f"error: {error}")

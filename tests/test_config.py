@@ -1,0 +1,74 @@
+"""config.py: TOML sections, dotted overrides, and errors that name the key and where it was set."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from config import ConfigError, load_config
+from model import FlintConfig
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_repository_configs_load():
+    smoke = load_config(CONFIGS / "smoke.toml")
+    assert smoke.model_config.vocab_size >= 257 and smoke.model_config.router_aux_loss_coef == 0.0
+    assert load_config(CONFIGS / "debug.toml").training.steps > 0
+    flint = load_config(CONFIGS / "flint.toml")
+    assert flint.model_config.to_hf_config() == FlintConfig(router_aux_loss_coef=0.0).to_hf_config()
+
+
+def test_finetune_config_takes_its_architecture_from_the_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(FlintConfig.from_name("tiny", router_aux_loss_coef=0.0005)
+                                                     .to_hf_config()))
+    cfg = load_config(CONFIGS / "finetune.toml", [f"--model.init_from={tmp_path}"])
+    assert cfg.model_config.hidden_size == 64 and cfg.model_config.router_aux_loss_coef == 0.0
+    with pytest.raises(ConfigError, match=r"\[model\].hidden_size = 128 cannot be set with init_from.*says 64"):
+        load_config(CONFIGS / "finetune.toml", [f"--model.init_from={tmp_path}", "--model.hidden_size=128"])
+
+
+def test_overrides_are_typed_toml_values(tmp_path):
+    cfg = load_config(write(tmp_path, '[model]\npreset = "tiny"\n'),
+                      ["--training.steps=7", "--optim.lr=1e-3", "--training.compile=true", "--data.path=notes/a b"])
+    assert (cfg.training.steps, cfg.optim.lr, cfg.training.compile, cfg.data.path) == (7, 1e-3, True, "notes/a b")
+    assert isinstance(load_config(write(tmp_path, '[model]\npreset = "tiny"\n[optim]\nlr = 1\n')).optim.lr, float)
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    ('[model]\npreset = "tiny"\n[training]\nstepz = 3\n', [], r"run.toml: unknown key \[training\].stepz"),
+    ('[model]\npreset = "tiny"\n[training]\nsteps = "3"\n', [], r"run.toml: \[training\].steps must be int, got str"),
+    ('[model]\npreset = "tiny"\n[training]\ncompile = 1\n', [], r"\[training\].compile must be bool, got int"),
+    ('[model]\npreset = "tiny"\n[optim]\nlr = 0\n', [], r"run.toml: \[optim\].lr must be > 0, got 0.0"),
+    ('[model]\npreset = "tiny"\n', ["--training.steps=0"], r"command line --training.steps: \[training\].steps must be >= 1"),
+    ('[model]\npreset = "tiny"\n', ["--optim.lr=1e-5"], r"run.toml \(default\): \[optim\].min_lr must be in \[0, optim.lr = 1e-05\]"),
+    ('[model]\npreset = "tiny"\n', ["--data.seq_len=5000"], r"max_position_embeddings = 4096"),
+    ('[model]\npreset = "tiny"\n', ["--training.eval_every=5", "--data.val_fraction=0"], r"needs a validation split"),
+    ('[model]\npreset = "tiny"\n', ["--data.seq_len"], r"expected --section.key=value"),
+    ('[model]\npreset = "tiny"\n[trainer]\nsteps = 1\n', [], r"unknown section \[trainer\]"),
+    ('[model]\npreset = "tiny"\nhidden = 3\n', [], r"unknown key \[model\].hidden"),
+    ('[model]\npreset = "tiny"\nhidden_size = "wide"\n', [], r"\[model\].hidden_size must be int"),
+    ('[model]\npreset = "huge"\n', [], r"run.toml: \[model\]: unknown model preset 'huge'"),
+    ('[model]\npreset = "tiny"\nnum_experts_per_tok = 99\n', [], r"num_experts_per_tok \(99\) must be <= num_experts"),
+    ('[model]\n', [], r"\[model\] needs exactly one of preset, hf_config, init_from"),
+    ('[model]\npreset = "tiny"\nhf_config = "x"\n', [], r"needs exactly one"),
+    ('[model]\nhf_config = "missing/config.json"\n', [], r"\[model\].hf_config missing/config.json does not exist"),
+    ('[model]\npreset = "tiny"\nrouter_aux_loss_coef = 0.01\n', [], r"router_aux_loss_coef must be 0.0: .* got 0.01"),
+    ('[model]\npreset = "flint"\n', [], r"preset 'flint' carries router_aux_loss_coef = 0.0005 .*set "
+                                        r"\[model\].router_aux_loss_coef = 0.0 explicitly"),
+    ('[model\n', [], r"run.toml: not valid TOML"),
+])
+def test_config_errors_name_the_key_and_where(tmp_path, text, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, text), overrides)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot read config file .*nothere.toml"):
+        load_config(tmp_path / "nothere.toml")

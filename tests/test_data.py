@@ -1,0 +1,243 @@
+"""data.py: tokenizers, the prepare step, and the packed loader's coverage, masks, order and position."""
+
+import base64
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from data import DataError, PackedLoader, TokenShards, load_tokenizer, prepare, split_documents
+from model import FlintConfig, build_model
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run as fast on one thread, and stay fast while other processes use the other core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def unique_token_shards(directory, doc_lengths, shard_tokens=1 << 20):
+    """Shards whose every token id is unique (its stream index), so a test can tell tokens apart."""
+    writer = data.ShardWriter(directory, np.uint32, shard_tokens)
+    start = 0
+    for n in doc_lengths:
+        writer.add([list(range(start, start + n))])
+        start += n
+    writer.finish({"tokenizer": "test", "vocab_size": start, "eos_id": 0, "sources": []})
+    return TokenShards(directory)
+
+
+def epoch_rows(loader, rows):
+    return [loader.row(g) for g in range(rows)]
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+def test_byte_tokenizer_round_trips_any_text_and_ends_documents():
+    tokenizer = load_tokenizer("byte")
+    text = "héllo   wörld\n\t€ 12345 — ok"
+    (ids,) = tokenizer.encode_documents([text])
+    assert ids[:-1] == list(text.encode("utf-8")) and ids[-1] == tokenizer.eos_id == 256
+    assert tokenizer.vocab_size == 257
+    assert tokenizer.decode(ids[:-1]) == text
+
+
+def test_tiktoken_file_applies_its_merges(tmp_path):
+    ranks = {bytes([b]): b for b in range(256)}
+    ranks[b"ab"] = 256
+    ranks[b"abc"] = 257
+    path = tmp_path / "small.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    tokenizer = load_tokenizer(str(path))
+    (ids,) = tokenizer.encode_documents(["abcab x"])
+    assert ids == [257, 256, ord(" "), ord("x"), 258]  # 258: <|endoftext|> after the last rank
+    assert tokenizer.vocab_size == 259
+
+
+def test_named_encoding_is_never_downloaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # an empty cache: a miss
+    with pytest.raises(DataError, match="never downloads"):
+        load_tokenizer("gpt2")
+    with pytest.raises(DataError, match="data.tokenizer 'no-such' is not"):
+        load_tokenizer("no-such")
+    with pytest.raises(DataError, match="data.tokenizer 'missing.tiktoken' is not"):
+        load_tokenizer("missing.tiktoken")
+
+
+def test_checkpoint_tokenizer_comes_through_convert(tmp_path):
+    convert = pytest.importorskip("convert", reason="convert.py is not in the tree yet")
+    vocab = {convert.bytes_to_unicode()[b]: b for b in range(256)} | {"ab": 256, "<|endoftext|>": 257}
+    spec = {"model": {"type": "BPE", "vocab": vocab, "merges": ["a b"]}, "normalizer": None,
+            "added_tokens": [{"id": 257, "content": "<|endoftext|>"}],
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = load_tokenizer("checkpoint", checkpoint_dir=str(tmp_path))
+    assert tokenizer.encode_documents(["abc"]) == [[256, ord("c"), 257]] and tokenizer.vocab_size == 258
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece"}}))
+    with pytest.raises(DataError, match="model.type must be 'BPE'"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_eos_token_must_exist():
+    with pytest.raises(DataError, match="data.eos_token '<|im_end|>'"):
+        load_tokenizer("byte", eos_token="<|im_end|>")
+
+
+# ----------------------------------------------------------------------------- prepare
+
+def test_prepare_text_directory_and_jsonl(tmp_path):
+    source = tmp_path / "corpus"
+    (source / "sub").mkdir(parents=True)
+    (source / "a.txt").write_text("first document")
+    (source / "sub" / "b.md").write_text("second")
+    (source / ".hidden").write_text("never read")
+    (source / "c.jsonl").write_text(json.dumps({"text": "third"}) + "\n\n" + json.dumps({"text": "fourth"}) + "\n")
+    tokenizer = load_tokenizer("byte")
+    out = prepare(source, tokenizer, tmp_path / "prepared")
+    shards = TokenShards(out, tokenizer)
+    texts = [tokenizer.decode(shards.document(i)[:-1].tolist()) for i in range(shards.num_docs)]
+    assert texts == ["first document", "third", "fourth", "second"]  # sorted paths: a.txt, c.jsonl, sub/b.md
+    assert all(shards.document(i)[-1] == tokenizer.eos_id for i in range(shards.num_docs))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "prepared"]  # no temp dir left
+    assert shards.meta["dtype"] == "uint16"
+
+
+def test_documents_never_span_shards(tmp_path):
+    shards = unique_token_shards(tmp_path, [5, 7, 3, 9, 2], shard_tokens=10)
+    assert len(shards.meta["shards"]) == 4  # [5], [7, 3], [9], [2]: a document never straddles two
+    assert np.concatenate([shards.document(i) for i in range(5)]).tolist() == list(range(26))
+
+
+def test_prepare_errors_name_the_path(tmp_path):
+    tokenizer = load_tokenizer("byte")
+    with pytest.raises(DataError, match="does not exist"):
+        prepare(tmp_path / "missing", tokenizer, tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="empty directory"):
+        prepare(tmp_path / "empty", tokenizer, tmp_path / "out")
+    (tmp_path / "blank.txt").write_text("  \n")
+    with pytest.raises(DataError, match="no documents with text"):
+        prepare(tmp_path / "blank.txt", tokenizer, tmp_path / "out")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text field"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: .*'text'"):
+        prepare(tmp_path / "bad.jsonl", tokenizer, tmp_path / "out")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(DataError, match="binary.txt is not UTF-8"):
+        prepare(tmp_path / "binary.txt", tokenizer, tmp_path / "out")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]  # no output, no temp dir
+
+
+def test_shards_from_another_tokenizer_are_refused(tmp_path):
+    (tmp_path / "a.txt").write_text("text")
+    out = prepare(tmp_path / "a.txt", load_tokenizer("byte"), tmp_path / "prepared")
+    with pytest.raises(DataError, match="prepared with tokenizer"):
+        TokenShards(out, data.Tokenizer(data.byte_encoding(), 256, "another vocabulary"))
+
+
+def test_embedded_corpus_is_present_and_splits():
+    lines = data.EMBEDDED_CORPUS.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 79 and all(json.loads(line)["text"] for line in lines)
+    train, val = split_documents(79, 0.05, "corpus")
+    assert len(val) == 4 and not set(train) & set(val) and len(train) + len(val) == 79
+    assert split_documents(79, 0.05, "corpus")[1].tolist() == val.tolist()  # fixed, whatever the seed
+    with pytest.raises(DataError, match="too few"):
+        split_documents(1, 0.05, "one.txt")
+
+
+# ----------------------------------------------------------------------------- packing
+
+def test_packing_covers_every_token_once_per_epoch(tmp_path):
+    lengths = [17, 3, 40, 1, 25, 9, 64, 2]
+    shards = unique_token_shards(tmp_path, lengths)
+    loader = PackedLoader(shards, np.arange(len(lengths)), seq_len=16, batch_size=1, seed=3)
+    rows = epoch_rows(loader, loader.rows_per_epoch)
+    inputs = np.concatenate([r["input_ids"][r["doc_ids"] >= 0] for r in rows])
+    assert sorted(inputs.tolist()) == list(range(sum(lengths)))  # every token exactly once
+    assert loader.rows_per_epoch == -(-sum(lengths) // 16)
+    for r in rows:  # the target is the next token of the same document, else -100
+        doc_of = np.searchsorted(np.cumsum(lengths), r["input_ids"], side="right")
+        for i in range(16):
+            if r["doc_ids"][i] < 0:
+                assert r["targets"][i] == -100
+            elif r["targets"][i] != -100:
+                assert r["targets"][i] == r["input_ids"][i] + 1
+                assert np.searchsorted(np.cumsum(lengths), r["targets"][i], side="right") == doc_of[i]
+            else:  # the document's last token: its successor belongs to another document
+                assert r["input_ids"][i] + 1 in np.cumsum(lengths)
+        assert (r["doc_ids"][r["doc_ids"] >= 0] == np.array(doc_of)[r["doc_ids"] >= 0]).all()
+
+
+def test_packed_rows_never_attend_across_documents(tmp_path):
+    """Changing one document's tokens leaves every other document's logits in the row unchanged."""
+    shards = unique_token_shards(tmp_path, [7, 12, 5, 20])
+    loader = PackedLoader(shards, np.arange(4), seq_len=32, batch_size=1, seed=0, shuffle=False)
+    batch = loader.next_batch()
+    input_ids = batch["input_ids"] % 200
+    config = FlintConfig.from_name("tiny", num_hidden_layers=3, sliding_window=None)
+    model = build_model(config, seed=0)
+    logits = model(input_ids, doc_ids=batch["doc_ids"])
+    doc_ids = batch["doc_ids"][0]
+    for doc in doc_ids.unique().tolist():
+        changed = input_ids.clone()
+        changed[0, doc_ids == doc] = (changed[0, doc_ids == doc] + 7) % 200
+        others = doc_ids != doc
+        # A leak would move logits by O(1e-2); the grouped GEMM's blocking may move them by ~1e-7.
+        torch.testing.assert_close(model(changed, doc_ids=batch["doc_ids"])[0, others], logits[0, others],
+                                   rtol=0, atol=1e-5)
+
+
+def test_rows_are_sharded_by_rank_and_independent_of_world_size(tmp_path):
+    shards = unique_token_shards(tmp_path, [30, 11, 50, 7, 19])
+    single = PackedLoader(shards, np.arange(5), seq_len=8, batch_size=4, seed=1)
+    ranks = [PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=1, rank=r, world_size=2)
+             for r in range(2)]
+    for _ in range(3):
+        together = single.next_batch()["input_ids"]
+        split = torch.cat([loader.next_batch()["input_ids"] for loader in ranks])
+        assert torch.equal(together, split)
+    assert ranks[0].next_row == ranks[1].next_row == single.next_row == 12
+
+
+def test_order_depends_on_seed_and_epoch(tmp_path):
+    shards = unique_token_shards(tmp_path, [10] * 12)
+    def first_tokens(seed, epoch):
+        loader = PackedLoader(shards, np.arange(12), seq_len=10, batch_size=1, seed=seed)
+        return [int(loader.row(epoch * loader.rows_per_epoch + k)["input_ids"][0]) for k in range(12)]
+    assert first_tokens(0, 0) == first_tokens(0, 0)
+    assert first_tokens(0, 0) != first_tokens(1, 0)
+    assert first_tokens(0, 0) != first_tokens(0, 1)
+    assert sorted(first_tokens(0, 1)) == sorted(first_tokens(0, 0))
+
+
+def test_loader_position_survives_a_restart(tmp_path):
+    shards = unique_token_shards(tmp_path, [13, 29, 8, 41, 6])
+    make = lambda: PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=3)
+    loader = make()
+    for _ in range(4):
+        loader.next_batch()
+    state = json.loads(json.dumps(loader.state_dict()))  # plain integers, as a checkpoint stores them
+    expected = [loader.next_batch() for _ in range(5)]  # crosses into the next epoch
+    restarted = make()
+    restarted.load_state_dict(state)
+    for want in expected:
+        got = restarted.next_batch()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    other = PackedLoader(shards, np.arange(5), seq_len=4, batch_size=2, seed=5)
+    with pytest.raises(DataError, match="data.seq_len changed"):
+        other.load_state_dict(state)
+
+
+def test_running_out_of_data_says_how_much_there_was(tmp_path):
+    shards = unique_token_shards(tmp_path, [16, 16])
+    loader = PackedLoader(shards, np.arange(2), seq_len=8, batch_size=2, seed=0, epochs=1)
+    loader.next_batch()
+    loader.next_batch()
+    with pytest.raises(DataError, match="ran out of data: the train split has 4 rows of 8 tokens per epoch"):
+        loader.next_batch()

@@ -1,0 +1,188 @@
+"""train.py end to end on the CPU: learning, exact resume, checkpoints, errors, schedule, optimizer."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from config import ConfigError, OptimSection
+from data import EMBEDDED_CORPUS, DataError
+from model import Flint, FlintConfig, build_model
+from train import TrainingError
+
+ROOT = Path(__file__).resolve().parent.parent
+DEBUG = str(ROOT / "configs" / "debug.toml")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run as fast on one thread, and stay fast while other processes use the other core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_debug(tmp_path: Path, *overrides: str) -> dict:
+    """configs/debug.toml with every path under tmp_path (peak FLOP/s given: no measurement)."""
+    return train.main(["--config", DEBUG, f"--data.path={EMBEDDED_CORPUS}", f"--data.cache_dir={tmp_path / 'cache'}",
+                       f"--checkpoint.dir={tmp_path / 'ckpt'}", f"--logging.jsonl={tmp_path / 'metrics.jsonl'}",
+                       "--logging.peak_tflops=0.1", *overrides])
+
+
+def records(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(tmp_path: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(tmp_path) if "loss" in r}
+
+
+def test_debug_config_trains_and_reports(tmp_path, capsys):
+    summary = run_debug(tmp_path, "--training.eval_every=10")
+    losses = train_losses(tmp_path)
+    assert sorted(losses) == [1, 5, 10, 15, 20]  # the first step is always logged
+    assert losses[1] == pytest.approx(math.log(264), abs=0.1)  # untrained: uniform over the vocabulary
+    assert losses[20] < losses[1] - 1.5
+    record = records(tmp_path)[-2]
+    for key in ("lr", "grad_norm", "tokens_per_s", "mfu_percent", "memory_gib", "elapsed_s", "remaining_s"):
+        assert record[key] > 0 or key == "remaining_s"
+    assert set(record["routing"]) == {"2", "3"}  # the MoE layers of a 4-layer tiny Flint
+    assert all(v["max_load"] >= 1 >= v["min_load"] >= 0 for v in record["routing"].values())
+    assert [r["step"] for r in records(tmp_path) if "val_loss" in r] == [10, 20]
+    out = capsys.readouterr().out
+    assert "\r" not in out and "tokens/s" in out and "MFU" in out and "GiB" in out and "left" in out
+    assert summary["sample"].startswith("The ") and summary["val_loss"] < losses[1]
+    assert (tmp_path / "ckpt" / "step_00000020" / "config.json").is_file()
+
+
+def test_resume_gives_exactly_the_uninterrupted_losses(tmp_path):
+    common = ["--training.steps=6", "--training.grad_accum=2", "--logging.every=1", "--checkpoint.every=2",
+              "--checkpoint.keep_last=2", "--training.sample_tokens=0"]
+    run_debug(tmp_path, *common)
+    uninterrupted = train_losses(tmp_path)
+    checkpoints = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert checkpoints == ["step_00000004", "step_00000006"]  # keep_last = 2
+    train.shutil.rmtree(tmp_path / "ckpt" / "step_00000006")
+    (tmp_path / "metrics.jsonl").unlink()
+    run_debug(tmp_path, *common, "--checkpoint.resume=auto")
+    resumed = train_losses(tmp_path)
+    assert sorted(resumed) == [5, 6]
+    assert all(resumed[s] == uninterrupted[s] for s in (5, 6))  # bit for bit
+
+
+def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    real_save = train.save_dcp
+
+    def crash_at_step_4(state, path):
+        if path.name.startswith("step_00000004"):
+            (path / "__0_0.distcp").write_bytes(b"half written")
+            raise KeyboardInterrupt("power cut")
+        real_save(state, path)
+
+    monkeypatch.setattr(train, "save_dcp", crash_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--training.sample_tokens=0")
+    monkeypatch.setattr(train, "save_dcp", real_save)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000004.tmp"]
+    summary = run_debug(tmp_path, "--training.steps=4", "--checkpoint.resume=auto", "--training.sample_tokens=0")
+    assert summary["step"] == 4  # resumed from step 2 and went on
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000004"]
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
+    real_forward, calls = Flint.forward, []
+
+    def nan_on_third_call(self, *args, **kwargs):
+        calls.append(1)
+        loss = real_forward(self, *args, **kwargs)
+        return loss * float("nan") if len(calls) == 3 else loss
+
+    monkeypatch.setattr(Flint, "forward", nan_on_third_call)
+    with pytest.raises(TrainingError, match=r"step 3: the training loss is nan.*step_00000002"):
+        run_debug(tmp_path, "--training.steps=5", "--checkpoint.every=2")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002"]
+
+
+def test_compile_failure_falls_back_loudly(tmp_path, monkeypatch, capsys):
+    def broken_compile(fn, *args, **kwargs):
+        def fails(*a, **k):
+            raise RuntimeError("inductor exploded")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    summary = run_debug(tmp_path, "--training.compile=true", "--training.steps=2", "--training.sample_tokens=0")
+    assert "WARNING: torch.compile of the decoder blocks failed" in capsys.readouterr().err
+    assert summary["step"] == 2
+
+
+def test_data_errors_stop_before_training(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        run_debug(tmp_path, f"--data.path={tmp_path / 'nowhere'}")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="empty directory"):
+        run_debug(tmp_path, f"--data.path={tmp_path / 'empty'}")
+    with pytest.raises(DataError, match=r"not enough data: training.steps = 100000 .* data.epochs = 1"):
+        run_debug(tmp_path, "--training.steps=100000")
+    with pytest.raises(ConfigError, match=r"257 tokens but the model's vocab_size is 256"):
+        run_debug(tmp_path, "--model.vocab_size=256")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_checkpoint_from_another_architecture_is_refused(tmp_path):
+    run_debug(tmp_path, "--training.steps=1", "--training.sample_tokens=0")
+    checkpoint = tmp_path / "ckpt" / "step_00000001"
+    with pytest.raises(TrainingError, match=r"different architecture: hidden_size = 64 there, 96 here"):
+        run_debug(tmp_path, "--model.hidden_size=96", f"--checkpoint.resume={checkpoint}")
+
+
+def test_init_from_a_native_checkpoint_loads_its_weights(tmp_path):
+    source = tmp_path / "trained"
+    run_debug(source, "--training.steps=10", "--training.sample_tokens=0")
+    checkpoint = source / "ckpt" / "step_00000010"
+    first_loss = train_losses(source)[1]
+    run_debug(tmp_path, f"--model.init_from={checkpoint}", "--model.preset=", "--training.steps=1",
+              "--training.sample_tokens=0")
+    assert train_losses(tmp_path)[1] < first_loss - 1.0  # starts where the source run ended, not at ln(V)
+
+
+def test_finetune_from_hugging_face_and_export(tmp_path):
+    convert = pytest.importorskip("convert", reason="convert.py is not in the tree yet")
+    config = FlintConfig.from_name("tiny", vocab_size=264, num_hidden_layers=4, router_aux_loss_coef=0.0005)
+    source = build_model(config, seed=7)
+    convert.save_hf(source, tmp_path / "hf")
+    with pytest.raises(ConfigError, match=r"router_aux_loss_coef = 0.0005.*set \[model\].router_aux_loss_coef = 0.0"):
+        run_debug(tmp_path, f"--model.init_from={tmp_path / 'hf'}", "--model.preset=")
+    run_debug(tmp_path, f"--model.init_from={tmp_path / 'hf'}", "--model.preset=", "--model.router_aux_loss_coef=0.0",
+              "--training.steps=2", "--training.sample_tokens=0", f"--checkpoint.export_hf={tmp_path / 'out'}")
+    loader_first = train.setup_data(train.load_config(DEBUG, [f"--data.path={EMBEDDED_CORPUS}",
+                                                              f"--data.cache_dir={tmp_path / 'cache'}"]),
+                                    train.Run(0, 1, torch.device("cpu"), torch.float32))[1].peek()
+    with torch.no_grad():
+        assert train_losses(tmp_path)[1] == pytest.approx(source(**loader_first).item(), rel=1e-5)
+    exported = convert.load_hf(tmp_path / "out")
+    assert not torch.equal(exported.embed_tokens.weight, source.embed_tokens.weight)  # trained, then exported
+
+
+def test_learning_rate_schedules():
+    cosine = OptimSection(lr=1.0, min_lr=0.1, warmup_steps=10, schedule="cosine")
+    assert train.learning_rate(5, cosine, 110) == pytest.approx(0.5)
+    assert train.learning_rate(10, cosine, 110) == pytest.approx(1.0)
+    assert train.learning_rate(60, cosine, 110) == pytest.approx(0.55)
+    assert train.learning_rate(110, cosine, 110) == pytest.approx(0.1)
+    wsd = OptimSection(lr=1.0, min_lr=0.0, warmup_steps=10, schedule="wsd", decay_fraction=0.2)
+    assert train.learning_rate(80, wsd, 100) == 1.0
+    assert train.learning_rate(90, wsd, 100) == pytest.approx(0.5)
+    assert train.learning_rate(100, wsd, 100) == pytest.approx(0.0)
+
+
+def test_weight_decay_applies_to_matrices_only():
+    model = build_model(FlintConfig.from_name("tiny", num_hidden_layers=3), seed=0)
+    decayed, plain = train.build_optimizer(model, OptimSection(weight_decay=0.1), torch.device("cpu")).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert {names[id(p)] for p in plain["params"]} == {n for n, p in model.named_parameters() if p.dim() == 1}
+    assert "layers.2.mlp.experts.gate_up_proj" in {names[id(p)] for p in decayed["params"]}

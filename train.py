@@ -1,0 +1,580 @@
+"""Train Flint: `python train.py --config configs/smoke.toml [--section.key=value ...]`,
+or on several processes `torchrun --nproc-per-node N train.py --config ...`.
+
+main() is the table of contents: configuration, data, model, optimizer, resume, then the loop.
+Each step takes grad_accum micro-batches, weights every token equally across micro-batches and
+ranks, clips the global gradient norm and steps AdamW; evaluation, checkpoints and logs follow
+at their intervals. config.py reads and checks the TOML, data.py tokenizes and packs the text.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Idle OpenMP threads sleep instead of spinning. When another process shares the cores, spinning
+# threads wait on a descheduled peer at every op: a 2-core smoke step then took 30x longer. Set
+# before torch starts OpenMP; an OMP_WAIT_POLICY of your own wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import functools
+import json
+import math
+import resource
+import shutil
+import sys
+import time
+import warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
+from config import ConfigError, OptimSection, TrainConfig, load_config
+from data import (DataError, PackedLoader, Tokenizer, TokenShards, load_tokenizer, prepare, prepared_dir,
+                  split_documents)
+from model import Flint, FlintConfig, build_model
+from moe import Router
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (a non-finite loss, an unusable checkpoint); the message says why."""
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_args(argv)
+    run = start_run(cfg)
+    try:
+        tokenizer, train_data, val_data = setup_data(cfg, run)
+        model = parallelize_model(load_model(cfg, run), cfg, run, example=train_data.peek())
+        optimizer = build_optimizer(model, cfg.optim, run.device)
+        checkpoints = Checkpointer(cfg, run)
+        step = checkpoints.resume(model, optimizer, train_data)
+        logger = MetricsLogger(cfg, run, model, start_step=step)
+        while step < cfg.training.steps:
+            step += 1
+            lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.training.steps))
+            loss, grad_norm = train_step(model, optimizer, train_data, cfg, run, step, checkpoints)
+            if due(step, cfg.logging.every, cfg.training.steps) or step == logger.first_step:
+                logger.log_train(step, loss, lr, grad_norm, routing_stats(model, run))
+            with logger.untimed():  # tokens/s counts training only
+                if val_data and due(step, cfg.training.eval_every, cfg.training.steps):
+                    logger.log_eval(step, evaluate(model, val_data, cfg, run))
+                if due(step, cfg.checkpoint.every, cfg.training.steps):
+                    checkpoints.save(step, model, optimizer, train_data)
+        return finish(model, tokenizer, cfg, run, logger)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def due(step: int, every: int, last: int) -> bool:
+    """Every `every` steps (0: never) and always at the last step."""
+    return step == last or (every > 0 and step % every == 0)
+
+
+def parse_args(argv: list[str] | None) -> TrainConfig:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Override any key: --training.steps=200 --optim.lr=1e-3")
+    parser.add_argument("--config", required=True, help="a TOML file, e.g. configs/smoke.toml")
+    args, overrides = parser.parse_known_args(argv)
+    return load_config(args.config, overrides)
+
+
+# ============================================================================= devices and processes
+
+@dataclass
+class Run:
+    rank: int
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype  # the compute dtype; parameters and optimizer state stay FP32
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def print(self, *args) -> None:
+        if self.is_main:
+            print(*args, flush=True)
+
+
+def start_run(cfg: TrainConfig) -> Run:
+    """One process per device; a process group when torchrun started several (WORLD_SIZE > 1)."""
+    t = cfg.training
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{cfg.where('training.device')}: [training].device = \"cuda\" but no GPU is available")
+    use_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend, device_id=device if use_cuda else None)
+    dtype = torch.bfloat16 if t.dtype == "bfloat16" or (t.dtype == "auto" and use_cuda) else torch.float32
+    torch.manual_seed(t.seed)
+    run = Run(rank, world_size, device, dtype)
+    run.print(f"config {cfg.source}: {world_size} process(es) on {device.type}, {str(dtype)[6:]} compute")
+    return run
+
+
+def autocast(run: Run):
+    """BF16 compute over FP32 master weights; FP32 runs need no autocast."""
+    return torch.autocast(run.device.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ============================================================================= data and model
+
+def setup_data(cfg: TrainConfig, run: Run) -> tuple[Tokenizer, PackedLoader, PackedLoader | None]:
+    """Tokenizer, then shards (prepared once, by rank 0), then the training and validation loaders."""
+    d, t = cfg.data, cfg.training
+    tokenizer = load_tokenizer(d.tokenizer, d.eos_token, cfg.model.init_from)
+    if tokenizer.vocab_size > cfg.model_config.vocab_size:
+        raise ConfigError(f"{cfg.where('data.tokenizer')}: tokenizer {d.tokenizer!r} has {tokenizer.vocab_size} "
+                          f"tokens but the model's vocab_size is {cfg.model_config.vocab_size}; use a model with "
+                          f"[model].vocab_size >= {tokenizer.vocab_size} or a smaller tokenizer")
+    source = Path(d.path)
+    directory = prepared_dir(source, tokenizer, Path(d.cache_dir), d.text_key)
+    if run.is_main and not (directory / "meta.json").is_file():
+        run.print(f"preparing {source} -> {directory}")
+        prepare(source, tokenizer, directory, d.text_key)
+    barrier()
+    shards = TokenShards(directory, tokenizer)
+    train_docs, val_docs = split_documents(shards.num_docs, d.val_fraction, str(source))
+    loader = dict(seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed, rank=run.rank, world_size=run.world_size)
+    train = PackedLoader(shards, train_docs, shuffle=True, epochs=d.epochs, **loader)
+    val = PackedLoader(shards, val_docs, shuffle=False, name="validation", **loader) if len(val_docs) else None
+    check_enough_data(cfg, train, val, run)
+    run.print(f"data: {source}, {shards.num_docs} documents; train {train.num_tokens:,} tokens "
+              f"({train.rows_per_epoch} rows of {d.seq_len}), validation {val.num_tokens if val else 0:,} tokens")
+    return tokenizer, train, val
+
+
+def check_enough_data(cfg: TrainConfig, train: PackedLoader, val: PackedLoader | None, run: Run) -> None:
+    t, global_rows = cfg.training, run.world_size * cfg.training.batch_size
+    needed = t.steps * t.grad_accum * global_rows
+    if needed > train.rows_available():
+        raise DataError(f"not enough data: training.steps = {t.steps} needs {needed} rows of {cfg.data.seq_len} "
+                        f"tokens, {needed / train.rows_per_epoch:.2f} epochs of the {train.num_tokens:,}-token "
+                        f"training split of {cfg.data.path}, but data.epochs = {cfg.data.epochs}; raise "
+                        f"data.epochs, add data, or lower training.steps")
+    if val is not None and val.rows_per_epoch < global_rows:
+        raise DataError(f"the validation split of {cfg.data.path} has {val.rows_per_epoch} rows of "
+                        f"{cfg.data.seq_len} tokens, fewer than one batch ({global_rows} rows); raise "
+                        f"data.val_fraction or lower training.batch_size")
+
+
+def load_model(cfg: TrainConfig, run: Run) -> Flint:
+    """FP32 master weights: fresh from the seed, or from [model].init_from (native or Hugging Face)."""
+    source = cfg.model.init_from
+    if not source or is_native_checkpoint(Path(source)):
+        model = build_model(cfg.model_config, run.device, torch.float32, seed=cfg.training.seed)
+        if source:  # a native checkpoint: cfg.model_config came from its config.json
+            load_dcp({"model": model.state_dict()}, Path(source))
+    else:
+        from convert import load_hf  # only fine-tuning from Hugging Face weights needs convert.py
+        model = load_hf(source, dtype=torch.float32, device=run.device)
+        # Training choices that config.json cannot carry: checked in config.py, applied here.
+        model.config.router_aux_loss_coef = cfg.model_config.router_aux_loss_coef
+        model.config.attention_backend = cfg.model_config.attention_backend
+    c = model.config
+    run.print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.num_params(active=True) / 1e6:.2f}M "
+              f"active per token; {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_experts} experts "
+              f"(top {c.num_experts_per_tok}), vocab {c.vocab_size}")
+    return model
+
+
+def parallelize_model(model: Flint, cfg: TrainConfig, run: Run, example: dict[str, torch.Tensor]) -> nn.Module:
+    """The one place where the model is laid out for training (parallel.py takes over here).
+
+    Now: the model is on this process's device, each decoder block is compiled when asked, and
+    several processes replicate it with DDP (gradients averaged over data-parallel ranks).
+    """
+    model.to(run.device)
+    if cfg.training.compile:
+        compile_blocks(model, example, run)
+    if run.world_size > 1:
+        model = DistributedDataParallel(model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+    return model
+
+
+def compile_blocks(model: Flint, example: dict[str, torch.Tensor], run: Run) -> None:
+    """torch.compile each decoder block, proven by one forward and backward on a real batch shape.
+
+    Compilation happens at the first call, so a failure shows up here, not mid-run; on failure the
+    blocks go back to eager and the error is printed: never a silent fallback.
+    """
+    for layer in model.layers.values():
+        layer.forward = torch.compile(layer.forward)
+    start = time.perf_counter()
+    try:
+        with autocast(run):
+            model(**{k: v.to(run.device) for k, v in example.items()}).backward()
+    except Exception as error:  # any compiler failure: fall back, loudly
+        for layer in model.layers.values():
+            del layer.forward  # the class's eager forward again
+        print(f"WARNING: torch.compile of the decoder blocks failed, training in eager mode instead: "
+              f"{type(error).__name__}: {str(error)[:2000]}", file=sys.stderr, flush=True)
+    else:
+        run.print(f"compiled {len(model.layers)} decoder blocks in {time.perf_counter() - start:.1f} s")
+    model.zero_grad(set_to_none=True)
+
+
+def unwrap(model: nn.Module) -> Flint:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+# ============================================================================= optimizer and step
+
+def build_optimizer(model: nn.Module, o: OptimSection, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (2-D weights and the stacked 3-D expert matrices), not on
+    norms or sinks. Fused kernels on GPUs, multi-tensor (foreach) on the CPU."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused, foreach=not fused)
+
+
+def learning_rate(step: int, o: OptimSection, total: int) -> float:
+    """Step 1..total: linear warmup to lr, then cosine to min_lr, or WSD (hold lr, then a linear
+    decay to min_lr over the last decay_fraction of the steps), or constant."""
+    if step <= o.warmup_steps:
+        return o.lr * step / o.warmup_steps
+    if o.schedule == "constant":
+        return o.lr
+    if o.schedule == "cosine":
+        progress = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+        return o.min_lr + (o.lr - o.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_start = max(o.warmup_steps, total - round(o.decay_fraction * total))
+    if step <= decay_start:
+        return o.lr
+    return o.lr + (o.min_lr - o.lr) * (step - decay_start) / max(1, total - decay_start)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, data: PackedLoader, cfg: TrainConfig,
+               run: Run, step: int, checkpoints: "Checkpointer") -> tuple[float, float]:
+    """One optimizer step over grad_accum micro-batches -> (mean loss per target token, grad norm).
+
+    Every target token weighs the same, whichever micro-batch or rank holds it: each micro-batch's
+    mean loss is scaled by its share of the step's tokens (times world_size, because data-parallel
+    wrappers average gradients over ranks).
+    """
+    batches = [{k: v.to(run.device) for k, v in data.next_batch().items()} for _ in range(cfg.training.grad_accum)]
+    counts = [(b["targets"] != -100).sum() for b in batches]
+    total_tokens = all_reduce_sum(torch.stack(counts).sum().float()).clamp(min=1)
+    loss_sum = torch.zeros((), device=run.device)
+    for i, (batch, count) in enumerate(zip(batches, counts)):
+        last = i == len(batches) - 1
+        sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else nullcontext()
+        with sync, autocast(run):
+            loss = model(**batch)
+        (loss * count * run.world_size / total_tokens).backward()
+        loss_sum += loss.detach() * count
+    loss = all_reduce_sum(loss_sum / total_tokens).item()
+    clip = cfg.optim.grad_clip or float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True))
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        optimizer.zero_grad(set_to_none=True)
+        latest = checkpoints.latest()
+        raise TrainingError(f"step {step}: the training loss is {loss} and the gradient norm {grad_norm}; "
+                            f"stopped before updating the weights. The last good checkpoint is "
+                            f"{latest or 'none (none was saved yet)'}; try a lower optim.lr or more warmup")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: PackedLoader, cfg: TrainConfig, run: Run) -> float:
+    """Mean loss per target token over the same first validation batches every time."""
+    model.eval()
+    data.next_row = 0
+    batches = min(cfg.training.eval_batches, data.rows_per_epoch // (run.world_size * cfg.training.batch_size))
+    totals = torch.zeros(2, device=run.device)  # [loss sum, tokens]
+    for _ in range(batches):
+        batch = {k: v.to(run.device) for k, v in data.next_batch().items()}
+        count = (batch["targets"] != -100).sum()
+        with autocast(run):
+            totals += torch.stack([model(**batch).float() * count, count.float()])
+    model.train()
+    loss_sum, tokens = all_reduce_sum(totals).tolist()
+    return loss_sum / max(tokens, 1)
+
+
+def routing_stats(model: nn.Module, run: Run) -> dict[str, dict[str, float]]:
+    """Per MoE layer, the busiest and idlest expert's load over the mean load, from the routers'
+    tokens_per_expert counts of the last micro-batch (1.0 and 1.0: perfectly balanced)."""
+    routers = {name.split(".")[1]: m for name, m in unwrap(model).named_modules() if isinstance(m, Router)}
+    if not routers:
+        return {}
+    counts = all_reduce_sum(torch.stack([r.tokens_per_expert.float() for r in routers.values()]))  # [layers, E]
+    load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1e-9)
+    return {layer: {"max_load": round(hi, 3), "min_load": round(lo, 3)}
+            for layer, hi, lo in zip(routers, load.max(dim=1).values.tolist(), load.min(dim=1).values.tolist())}
+
+
+def finish(model: nn.Module, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, logger: "MetricsLogger") -> dict:
+    """A sample from the trained model, and the Hugging Face export when asked."""
+    t = cfg.training
+    if t.sample_tokens:
+        prompt = tokenizer.encoding.encode_ordinary(t.sample_prompt) or [tokenizer.eos_id]
+        generator = torch.Generator(run.device).manual_seed(t.seed)
+        with torch.compiler.set_stance("force_eager"), autocast(run):  # decoding shapes: no recompiles
+            tokens = unwrap(model).generate(torch.tensor([prompt], device=run.device), t.sample_tokens,
+                                            t.sample_temperature, None, generator, tokenizer.eos_id)
+        logger.summary["sample"] = tokenizer.decode(tokens[0].tolist())
+        run.print(f"sample ({t.sample_tokens} tokens, temperature {t.sample_temperature}):\n"
+                  f"{logger.summary['sample']}")
+    if cfg.checkpoint.export_hf and run.is_main:
+        from convert import save_hf
+        dtype = getattr(torch, cfg.checkpoint.export_dtype) if cfg.checkpoint.export_dtype else None
+        save_hf(unwrap(model), cfg.checkpoint.export_hf, dtype=dtype)
+        run.print(f"exported the model in Hugging Face format to {cfg.checkpoint.export_hf}")
+    return logger.summary
+
+
+# ============================================================================= checkpoints
+
+def save_dcp(state: dict, path: Path) -> None:
+    with warnings.catch_warnings():  # DCP warns that one process saves alone: that is intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+
+
+def load_dcp(state: dict, path: Path) -> None:
+    """Fills `state` in place from the checkpoint at `path`."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+
+
+def is_native_checkpoint(path: Path) -> bool:
+    return (path / ".metadata").is_file() and (path / "config.json").is_file()
+
+
+def check_architecture(path: Path, config: FlintConfig) -> None:
+    saved = FlintConfig.from_hf_config(path / "config.json").to_hf_config()
+    mine = config.to_hf_config()
+    diffs = [f"{k} = {saved.get(k)!r} there, {mine.get(k)!r} here" for k in sorted(set(saved) | set(mine))
+             if k != "router_aux_loss_coef" and saved.get(k) != mine.get(k)]
+    if diffs:
+        raise TrainingError(f"checkpoint {path} holds a different architecture: {'; '.join(diffs[:5])}")
+
+
+class Checkpointer:
+    """DCP checkpoints in dir/step_XXXXXXXX: {"model", "optimizer", "train"} plus config.json.
+
+    Each is written to step_XXXXXXXX.tmp and renamed when complete, so a crash while saving leaves
+    the previous checkpoints untouched; only the newest keep_last are kept.
+    """
+
+    def __init__(self, cfg: TrainConfig, run: Run):
+        self.cfg, self.run, self.dir = cfg, run, Path(cfg.checkpoint.dir)
+
+    def latest(self) -> Path | None:
+        done = sorted(p for p in self.dir.glob("step_*") if p.suffix != ".tmp" and is_native_checkpoint(p))
+        return done[-1] if done else None
+
+    def remove_earlier_run(self) -> None:
+        """checkpoint.resume = "never" starts this directory afresh: older checkpoints would
+        otherwise count as newer than the new run's and be resumed or kept instead of them."""
+        earlier = sorted(self.dir.glob("step_*"))
+        if earlier and self.run.is_main:
+            self.run.print(f"checkpoint.resume = \"never\": removing {len(earlier)} earlier checkpoint(s) in {self.dir}")
+            for path in earlier:
+                shutil.rmtree(path)
+        barrier()
+
+    def state(self, model: nn.Module, optimizer: torch.optim.Optimizer, data: PackedLoader, step: int) -> dict:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        train = {"step": torch.tensor(step), "cpu_rng": torch.get_rng_state(),
+                 "data": {k: torch.tensor(v) for k, v in data.state_dict().items()}}
+        if self.run.device.type == "cuda":
+            train["cuda_rng"] = torch.cuda.get_rng_state(self.run.device)
+        return {"model": model_state, "optimizer": optimizer_state, "train": train}
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, data: PackedLoader) -> Path:
+        final = self.dir / f"step_{step:08d}"
+        tmp = final.with_suffix(".tmp")
+        if self.run.is_main:
+            for stale in self.dir.glob("step_*.tmp"):  # left by a crash
+                shutil.rmtree(stale)
+            tmp.mkdir(parents=True)
+        barrier()
+        start = time.perf_counter()
+        save_dcp(self.state(model, optimizer, data, step), tmp)
+        if self.run.is_main:
+            (tmp / "config.json").write_text(json.dumps(unwrap(model).config.to_hf_config(), indent=1))
+            (tmp / "train_config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            done = sorted(p for p in self.dir.glob("step_*") if p.suffix != ".tmp")
+            for old in done[:-self.cfg.checkpoint.keep_last]:
+                shutil.rmtree(old)
+            self.run.print(f"saved checkpoint {final} in {time.perf_counter() - start:.1f} s")
+        barrier()
+        return final
+
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, data: PackedLoader) -> int:
+        """-> the step to continue from: 0, or that of the checkpoint that checkpoint.resume picks."""
+        choice = self.cfg.checkpoint.resume
+        if choice == "never":
+            self.remove_earlier_run()
+            return 0
+        path = self.latest() if choice == "auto" else Path(choice)
+        if path is None:
+            return 0
+        if not is_native_checkpoint(path):
+            raise TrainingError(f"{self.cfg.where('checkpoint.resume')}: {path} is not a complete checkpoint "
+                                f"(it needs .metadata and config.json)")
+        check_architecture(path, unwrap(model).config)
+        state = self.state(model, optimizer, data, 0)
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        if "train.cuda_rng" not in saved:
+            state["train"].pop("cuda_rng", None)
+        load_dcp(state, path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        data.load_state_dict({k: int(v) for k, v in state["train"]["data"].items()})
+        torch.set_rng_state(state["train"]["cpu_rng"])
+        if "cuda_rng" in state["train"]:
+            torch.cuda.set_rng_state(state["train"]["cuda_rng"], self.run.device)
+        step = int(state["train"]["step"])
+        self.run.print(f"resumed from {path} at step {step} of {self.cfg.training.steps}"
+                       + (": nothing left to train (raise training.steps or set checkpoint.resume = \"never\")"
+                          if step >= self.cfg.training.steps else ""))
+        return step
+
+
+# ============================================================================= what a person sees
+
+# Dense BF16 tensor-core peaks in TFLOP/s, by a part of the device name (first match wins).
+GPU_PEAK_TFLOPS = [("B200", 2250.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("H800", 989.0),
+                   ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0)]
+
+
+def peak_flops(cfg: TrainConfig, run: Run) -> float | None:
+    """FLOP/s of one device: the config's value, a GPU's table entry, or on the CPU a measured
+    FP32 matmul rate (best of 5 products of two 2048 x 2048 matrices, about 0.5 s; other busy
+    processes lower it, and so raise the MFU shown)."""
+    if cfg.logging.peak_tflops:
+        return cfg.logging.peak_tflops * 1e12
+    if run.device.type == "cuda":
+        name = torch.cuda.get_device_name(run.device)
+        return next((tflops * 1e12 for key, tflops in GPU_PEAK_TFLOPS if key in name), None)
+    return measured_cpu_flops()
+
+
+@functools.cache
+def measured_cpu_flops() -> float:
+    size = 2048
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    best = float("inf")
+    for _ in range(6):  # the first one warms up
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+def memory_gib(run: Run) -> float:
+    """Peak memory: allocated on the GPU, or this process's resident set on the CPU."""
+    if run.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(run.device) / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+
+
+def duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class MetricsLogger:
+    """A plain line per logging step (readable in a log file: no carriage returns), and the same
+    numbers as one JSON object per line in logging.jsonl."""
+
+    def __init__(self, cfg: TrainConfig, run: Run, model: nn.Module, start_step: int):
+        t = cfg.training
+        self.cfg, self.run, self.total = cfg, run, t.steps
+        self.tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len * run.world_size
+        self.flops_per_token = unwrap(model).flops_per_token(cfg.data.seq_len)
+        peak = peak_flops(cfg, run)
+        self.peak = peak * run.world_size if peak else None
+        self.start = self.last_time = time.perf_counter()
+        self.last_step = start_step
+        self.first_step = start_step + 1  # always logged: the loss before any learning
+        self.summary: dict = {"first_loss": None}
+        self.path = Path(cfg.logging.jsonl)
+        if run.is_main:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not start_step:  # a fresh run starts a fresh log; a resumed one appends
+                self.path.write_text("")
+            run.print(f"training steps {start_step + 1}..{t.steps}: {self.tokens_per_step:,} tokens per step, "
+                      f"{self.flops_per_token / 1e6:.2f} MFLOPs per token, peak "
+                      f"{f'{self.peak / 1e12:.2f} TFLOP/s' if self.peak else 'unknown (set logging.peak_tflops)'}")
+
+    def log_train(self, step: int, loss: float, lr: float, grad_norm: float, routing: dict) -> None:
+        now = time.perf_counter()
+        tokens_per_s = (step - self.last_step) * self.tokens_per_step / max(now - self.last_time, 1e-9)
+        remaining = (self.total - step) * (now - self.last_time) / max(step - self.last_step, 1)
+        self.last_time, self.last_step = now, step
+        mfu = 100 * tokens_per_s * self.flops_per_token / self.peak if self.peak else None
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                  "mfu_percent": mfu, "memory_gib": memory_gib(self.run), "elapsed_s": now - self.start,
+                  "remaining_s": remaining, "tokens": step * self.tokens_per_step, "routing": routing}
+        self.summary["first_loss"] = self.summary["first_loss"] or loss
+        self.summary.update(step=step, loss=loss, tokens_per_s=tokens_per_s, mfu_percent=mfu)
+        self.write(record)
+        self.run.print(f"step {step:>{len(str(self.total))}}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | "
+                       f"grad norm {grad_norm:.3f} | {tokens_per_s:,.0f} tokens/s | MFU "
+                       f"{f'{mfu:.2f}%' if mfu is not None else 'n/a'} | mem {record['memory_gib']:.2f} GiB | "
+                       f"{duration(now - self.start)} elapsed | {duration(remaining)} left")
+
+    def log_eval(self, step: int, val_loss: float) -> None:
+        self.summary["val_loss"] = val_loss
+        self.write({"step": step, "val_loss": val_loss})
+        self.run.print(f"step {step:>{len(str(self.total))}}/{self.total} | validation loss {val_loss:.4f}")
+
+    def write(self, record: dict) -> None:
+        if self.run.is_main:
+            with open(self.path, "a") as log:
+                log.write(json.dumps(record) + "\n")
+
+    @contextmanager
+    def untimed(self):
+        """Time spent inside is left out of tokens/s and the remaining-time estimate."""
+        start = time.perf_counter()
+        yield
+        self.last_time += time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ConfigError, DataError, TrainingError) as error:
+        raise SystemExit(f"error: {error}")
