@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-import tiktoken
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
@@ -563,92 +562,6 @@ def load_native(path: str | Path, dtype: torch.dtype | None = None, device: torc
     model = _empty_model(config, dtype or dtypes["embed_tokens.weight"], device)
     _dcp_call(dcp.load, {"model": model.state_dict()}, checkpoint_id=str(path))
     return model
-
-
-# ============================================================================= tokenizer
-
-# GPT-2's pre-tokenizer split, what a ByteLevel pre-tokenizer with use_regex applies.
-GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte table: printable bytes stand for themselves, the others for chars from U+0100 on,
-    so every byte of a byte-level BPE token is one visible character in tokenizer.json."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
-
-
-def _split_pattern(pre_tokenizer: dict | None, where: Path) -> str:
-    """The one regex a byte-level pre-tokenizer splits with (tiktoken's pat_str)."""
-    steps = pre_tokenizer.get("pretokenizers", []) if pre_tokenizer and pre_tokenizer.get("type") == "Sequence" \
-        else [pre_tokenizer]
-    patterns = []
-    for step in steps:
-        kind = (step or {}).get("type")
-        if kind == "Split" and "Regex" in step.get("pattern", {}) and step.get("behavior") == "Isolated" \
-                and not step.get("invert"):
-            patterns.append(step["pattern"]["Regex"])
-        elif kind == "ByteLevel" and not step.get("add_prefix_space"):
-            patterns += [GPT2_PATTERN] if step.get("use_regex", True) else []
-        else:
-            raise ValueError(f"{where}: pre_tokenizer step {step!r} is not supported; expected Split with a "
-                             f"Regex pattern and behavior 'Isolated', or ByteLevel without add_prefix_space")
-    if len(patterns) != 1:
-        raise ValueError(f"{where}: pre_tokenizer must split with exactly one regex, found {len(patterns)}")
-    return patterns[0]
-
-
-def load_tokenizer(hf_dir: str | Path) -> tiktoken.Encoding:
-    """A checkpoint's byte-level BPE tokenizer.json as a tiktoken.Encoding with the same ids.
-
-    tiktoken merges by token id, so ids must grow in merge order; added tokens become special tokens
-    (encode with allowed_special to match them in text). Nothing is downloaded.
-    """
-    path = Path(hf_dir)
-    path = path / "tokenizer.json" if path.is_dir() else path
-    spec = _read_json(path)
-    bpe = spec.get("model") or {}
-    if bpe.get("type") != "BPE":
-        raise ValueError(f"{path}: model.type must be 'BPE', got {bpe.get('type')!r}")
-    for field in ("dropout", "byte_fallback", "continuing_subword_prefix", "end_of_word_suffix"):
-        if bpe.get(field):
-            raise ValueError(f"{path}: model.{field} is {bpe[field]!r}; a byte-level BPE for tiktoken needs it unset")
-    if spec.get("normalizer") is not None:
-        raise ValueError(f"{path}: normalizer must be null (tiktoken cannot normalize), got {spec['normalizer']!r}")
-    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
-    to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
-    vocab, ranks = bpe.get("vocab") or {}, {}
-    for token, token_id in vocab.items():
-        if token in special:
-            if special[token] != token_id:
-                raise ValueError(f"{path}: added token {token!r} has id {special[token]} but vocab id {token_id}")
-            continue
-        bad = [c for c in token if c not in to_byte]
-        if bad:
-            raise ValueError(f"{path}: vocab token {token!r} is not byte-level ({bad[0]!r} is not a GPT-2 byte char)")
-        ranks[bytes(to_byte[c] for c in token)] = token_id
-    missing_bytes = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing_bytes:
-        raise ValueError(f"{path}: vocab lacks the byte token {bytes_to_unicode()[missing_bytes[0]]!r}; "
-                         f"a byte-level BPE needs all 256")
-    merged, previous = set(), -1
-    for number, merge in enumerate(bpe.get("merges") or []):
-        pair = merge.split(" ") if isinstance(merge, str) else list(merge)
-        if len(pair) != 2:
-            raise ValueError(f"{path}: merge {number} {merge!r} must be 'left right' or [left, right]")
-        left, right = pair
-        token_id = vocab.get(left + right)
-        if left not in vocab or right not in vocab or token_id is None or token_id <= previous:
-            raise ValueError(f"{path}: merge {number} {left!r} + {right!r} must join two vocab tokens into one "
-                             f"whose id is above the previous merge's ({previous}); got id {token_id}")
-        merged.add(left + right)
-        previous = token_id
-    unmerged = [t for t in vocab if len(t) > 1 and t not in merged and t not in special]
-    if unmerged:
-        raise ValueError(f"{path}: vocab token {unmerged[0]!r} is made by no merge")
-    return tiktoken.Encoding(name=f"flint:{path}", pat_str=_split_pattern(spec.get("pre_tokenizer"), path),
-                             mergeable_ranks=ranks, special_tokens=special)
 
 
 # ============================================================================= command line

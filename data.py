@@ -1,4 +1,4 @@
-"""Data for train.py: tokenizers, the prepare step and the packed, resumable loader.
+"""Data for train.py: the prepare step and the packed, resumable loader (tokenizers: tokenizer.py).
 
     text files, directories, JSONL  --prepare-->  token shards (numpy memmaps + document index)
     token shards  --PackedLoader-->  batches of input_ids, targets, doc_ids, each [B, T]
@@ -15,141 +15,27 @@ Command line: `python data.py prepare INPUT... --out DIR [--tokenizer byte]`.
 from __future__ import annotations
 
 import argparse
-import base64
 import hashlib
 import json
 import math
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import tiktoken
-import tiktoken.load
 import torch
+
+from tokenizer import END_OF_TEXT, Tokenizer, TokenizerError, load_tokenizer
 
 # The Python Language Reference topics that CPython ships as pydoc_data/topics.py (see data/README.md).
 EMBEDDED_CORPUS = Path(__file__).resolve().parent / "data" / "python_reference.jsonl"
-END_OF_TEXT = "<|endoftext|>"
-# The split pattern of the cl100k family, for .tiktoken rank files (which store ranks only).
-CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++"""
-                  r"""[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
 SHARDS_FORMAT = "flint-token-shards-v1"
 SPLIT_SEED = 1234  # fixed, so the validation documents do not change with the training seed
 
 
 class DataError(ValueError):
     """Bad or missing data: the message names the path and what was expected."""
-
-
-# ============================================================================= tokenizers
-
-@dataclass(frozen=True)
-class Tokenizer:
-    encoding: tiktoken.Encoding
-    eos_id: int  # appended to every document
-    fingerprint: str  # identifies the vocabulary; prepared shards record it
-
-    @property
-    def vocab_size(self) -> int:
-        return self.encoding.n_vocab
-
-    def encode_documents(self, texts: list[str]) -> list[list[int]]:
-        return [ids + [self.eos_id] for ids in self.encoding.encode_ordinary_batch(texts, num_threads=4)]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.encoding.decode(ids, errors="replace")
-
-
-def byte_encoding() -> tiktoken.Encoding:
-    """256 single-byte tokens plus <|endoftext|> (id 256): any UTF-8 text, nothing to download.
-
-    With no merges, the split pattern does not change the result; \\S+|\\s+ keeps pieces short.
-    """
-    ranks = {bytes([b]): b for b in range(256)}
-    return tiktoken.Encoding(name="byte", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
-                             special_tokens={END_OF_TEXT: 256})
-
-
-def tiktoken_file_encoding(path: Path) -> tiktoken.Encoding:
-    """A .tiktoken ranks file ("<base64 token> <rank>" per line) with the cl100k split pattern;
-    <|endoftext|> is added after the last rank."""
-    ranks = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            token, rank = line.split()
-            ranks[base64.b64decode(token, validate=True)] = int(rank)
-        except ValueError as error:
-            raise DataError(f"{path}:{number}: expected '<base64 token> <rank>', got {line[:60]!r}") from error
-    return tiktoken.Encoding(name=path.stem, pat_str=CL100K_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={END_OF_TEXT: max(ranks.values()) + 1})
-
-
-@contextmanager
-def _no_downloads(name: str):
-    """tiktoken fetches a named encoding's file on a cache miss; refuse instead of downloading."""
-    original = tiktoken.load.read_file
-
-    def read_local_only(blobpath: str) -> bytes:
-        if "://" in blobpath:
-            cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or "<tmp>/data-gym-cache"
-            raise DataError(f"tiktoken encoding {name!r} is not in the tiktoken cache ({cache}) and this "
-                            f"program never downloads; use data.tokenizer = \"byte\", a .tiktoken file, or "
-                            f"a checkpoint directory with tokenizer.json")
-        return original(blobpath)
-
-    tiktoken.load.read_file = read_local_only
-    try:
-        yield
-    finally:
-        tiktoken.load.read_file = original
-
-
-def load_tokenizer(spec: str, eos_token: str = END_OF_TEXT, checkpoint_dir: str = "") -> Tokenizer:
-    """spec: "byte" | "checkpoint" (the tokenizer.json of [model].init_from) | a directory with
-    tokenizer.json | a .tiktoken file | a tiktoken encoding name that is already cached."""
-    names = tiktoken.list_encoding_names()
-    if spec == "byte":
-        encoding, fingerprint = byte_encoding(), "byte-v1"
-    elif spec == "checkpoint" or Path(spec).is_dir():
-        if spec == "checkpoint" and not checkpoint_dir:
-            raise DataError('data.tokenizer = "checkpoint" needs [model].init_from to name a checkpoint directory')
-        encoding, fingerprint = checkpoint_encoding(Path(checkpoint_dir if spec == "checkpoint" else spec))
-    elif spec.endswith(".tiktoken") and Path(spec).is_file():
-        encoding, fingerprint = tiktoken_file_encoding(Path(spec)), "tiktoken:" + _file_digest(Path(spec))
-    elif spec in names:
-        with _no_downloads(spec):
-            encoding = tiktoken.get_encoding(spec)
-        fingerprint = f"named:{spec}:{encoding.n_vocab}"
-    else:
-        raise DataError(f"data.tokenizer {spec!r} is not \"byte\", \"checkpoint\", a directory with tokenizer.json, "
-                        f"an existing .tiktoken file, or a tiktoken encoding ({', '.join(names)})")
-    if eos_token not in encoding.special_tokens_set:
-        raise DataError(f"data.eos_token {eos_token!r} is not a special token of tokenizer {spec!r}; it has "
-                        f"{sorted(encoding.special_tokens_set)[:8]}")
-    eos_id = encoding.encode_single_token(eos_token)
-    return Tokenizer(encoding, eos_id, f"{fingerprint}|eos={eos_id}")
-
-
-def checkpoint_encoding(directory: Path) -> tuple[tiktoken.Encoding, str]:
-    """The checkpoint's own tokenizer.json, through convert.py (only this path needs it)."""
-    if not (directory / "tokenizer.json").is_file():
-        raise DataError(f"{directory}: no tokenizer.json to load the checkpoint's tokenizer from")
-    from convert import load_tokenizer as load_checkpoint_tokenizer
-    try:
-        encoding = load_checkpoint_tokenizer(directory)
-    except ValueError as error:
-        raise DataError(f"data.tokenizer: {error}") from error
-    return encoding, "tokenizer.json:" + _file_digest(directory / "tokenizer.json")
-
-
-def _file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 # ============================================================================= reading text
@@ -447,5 +333,5 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except DataError as error:
+    except (DataError, TokenizerError) as error:
         raise SystemExit(f"error: {error}")

@@ -1,6 +1,5 @@
-"""data.py: tokenizers, the prepare step, and the packed loader's coverage, masks, order and position."""
+"""data.py: the prepare step, and the packed loader's coverage, masks, order and position."""
 
-import base64
 import json
 
 import numpy as np
@@ -8,8 +7,9 @@ import pytest
 import torch
 
 import data
-from data import DataError, PackedLoader, TokenShards, load_tokenizer, prepare, split_documents
+from data import DataError, PackedLoader, TokenShards, prepare, split_documents
 from model import FlintConfig, build_model
+from tokenizer import Tokenizer, byte_encoding, load_tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -36,58 +36,6 @@ def unique_token_shards(directory, doc_lengths, shard_tokens=1 << 20):
 
 def epoch_rows(loader, rows):
     return [loader.row(g) for g in range(rows)]
-
-
-# ----------------------------------------------------------------------------- tokenizers
-
-def test_byte_tokenizer_round_trips_any_text_and_ends_documents():
-    tokenizer = load_tokenizer("byte")
-    text = "héllo   wörld\n\t€ 12345 — ok"
-    (ids,) = tokenizer.encode_documents([text])
-    assert ids[:-1] == list(text.encode("utf-8")) and ids[-1] == tokenizer.eos_id == 256
-    assert tokenizer.vocab_size == 257
-    assert tokenizer.decode(ids[:-1]) == text
-
-
-def test_tiktoken_file_applies_its_merges(tmp_path):
-    ranks = {bytes([b]): b for b in range(256)}
-    ranks[b"ab"] = 256
-    ranks[b"abc"] = 257
-    path = tmp_path / "small.tiktoken"
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
-    tokenizer = load_tokenizer(str(path))
-    (ids,) = tokenizer.encode_documents(["abcab x"])
-    assert ids == [257, 256, ord(" "), ord("x"), 258]  # 258: <|endoftext|> after the last rank
-    assert tokenizer.vocab_size == 259
-
-
-def test_named_encoding_is_never_downloaded(tmp_path, monkeypatch):
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # an empty cache: a miss
-    with pytest.raises(DataError, match="never downloads"):
-        load_tokenizer("gpt2")
-    with pytest.raises(DataError, match="data.tokenizer 'no-such' is not"):
-        load_tokenizer("no-such")
-    with pytest.raises(DataError, match="data.tokenizer 'missing.tiktoken' is not"):
-        load_tokenizer("missing.tiktoken")
-
-
-def test_checkpoint_tokenizer_comes_through_convert(tmp_path):
-    convert = pytest.importorskip("convert", reason="convert.py is not in the tree yet")
-    vocab = {convert.bytes_to_unicode()[b]: b for b in range(256)} | {"ab": 256, "<|endoftext|>": 257}
-    spec = {"model": {"type": "BPE", "vocab": vocab, "merges": ["a b"]}, "normalizer": None,
-            "added_tokens": [{"id": 257, "content": "<|endoftext|>"}],
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False}}
-    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
-    tokenizer = load_tokenizer("checkpoint", checkpoint_dir=str(tmp_path))
-    assert tokenizer.encode_documents(["abc"]) == [[256, ord("c"), 257]] and tokenizer.vocab_size == 258
-    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece"}}))
-    with pytest.raises(DataError, match="model.type must be 'BPE'"):
-        load_tokenizer(str(tmp_path))
-
-
-def test_eos_token_must_exist():
-    with pytest.raises(DataError, match="data.eos_token '<|im_end|>'"):
-        load_tokenizer("byte", eos_token="<|im_end|>")
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -138,7 +86,7 @@ def test_shards_from_another_tokenizer_are_refused(tmp_path):
     (tmp_path / "a.txt").write_text("text")
     out = prepare(tmp_path / "a.txt", load_tokenizer("byte"), tmp_path / "prepared")
     with pytest.raises(DataError, match="prepared with tokenizer"):
-        TokenShards(out, data.Tokenizer(data.byte_encoding(), 256, "another vocabulary"))
+        TokenShards(out, Tokenizer(byte_encoding(), 256, "another vocabulary"))
 
 
 def test_embedded_corpus_is_present_and_splits():

@@ -1,0 +1,227 @@
+"""Every tokenizer Flint uses, each as a tiktoken encoding; nothing is ever downloaded.
+
+    "byte"                        256 byte tokens + <|endoftext|>
+    a .tiktoken file              ranks only, split with the cl100k pattern
+    a tiktoken encoding name      only if it is already in tiktoken's cache
+    "checkpoint" or a directory   the checkpoint's byte-level BPE tokenizer.json, converted to ranks
+
+`load_tokenizer(spec, eos_token, checkpoint_dir)` picks one and returns a `Tokenizer`: the encoding,
+the id appended to every document, and a fingerprint that prepared shards record.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import tiktoken
+import tiktoken.load
+
+END_OF_TEXT = "<|endoftext|>"
+# The split pattern of the cl100k family, for .tiktoken rank files (which store ranks only).
+CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++"""
+                  r"""[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
+# GPT-2's pre-tokenizer split, what a ByteLevel pre-tokenizer with use_regex applies.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded: the message names the setting or file and what was expected."""
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    encoding: tiktoken.Encoding
+    eos_id: int  # appended to every document
+    fingerprint: str  # identifies the vocabulary; prepared shards record it
+
+    @property
+    def vocab_size(self) -> int:
+        return self.encoding.n_vocab
+
+    def encode_documents(self, texts: list[str]) -> list[list[int]]:
+        return [ids + [self.eos_id] for ids in self.encoding.encode_ordinary_batch(texts, num_threads=4)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.encoding.decode(ids, errors="replace")
+
+
+def load_tokenizer(spec: str, eos_token: str = END_OF_TEXT, checkpoint_dir: str = "") -> Tokenizer:
+    """spec: "byte" | "checkpoint" (the tokenizer.json of [model].init_from) | a directory with
+    tokenizer.json | a .tiktoken file | a tiktoken encoding name that is already cached."""
+    names = tiktoken.list_encoding_names()
+    if spec == "byte":
+        encoding, fingerprint = byte_encoding(), "byte-v1"
+    elif spec == "checkpoint" or Path(spec).is_dir():
+        if spec == "checkpoint" and not checkpoint_dir:
+            raise TokenizerError('data.tokenizer = "checkpoint" needs [model].init_from to name a checkpoint directory')
+        encoding, fingerprint = checkpoint_encoding(Path(checkpoint_dir if spec == "checkpoint" else spec))
+    elif spec.endswith(".tiktoken") and Path(spec).is_file():
+        encoding, fingerprint = tiktoken_file_encoding(Path(spec)), "tiktoken:" + _file_digest(Path(spec))
+    elif spec in names:
+        encoding = cached_encoding(spec)
+        fingerprint = f"named:{spec}:{encoding.n_vocab}"
+    else:
+        raise TokenizerError(f"data.tokenizer {spec!r} is not \"byte\", \"checkpoint\", a directory with "
+                             f"tokenizer.json, an existing .tiktoken file, or a tiktoken encoding ({', '.join(names)})")
+    if eos_token not in encoding.special_tokens_set:
+        raise TokenizerError(f"data.eos_token {eos_token!r} is not a special token of tokenizer {spec!r}; it has "
+                             f"{sorted(encoding.special_tokens_set)[:8]}")
+    eos_id = encoding.encode_single_token(eos_token)
+    return Tokenizer(encoding, eos_id, f"{fingerprint}|eos={eos_id}")
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+# ============================================================================= byte, .tiktoken file, named
+
+def byte_encoding() -> tiktoken.Encoding:
+    """256 single-byte tokens plus <|endoftext|> (id 256): any UTF-8 text, nothing to download.
+
+    With no merges, the split pattern does not change the result; \\S+|\\s+ keeps pieces short.
+    """
+    ranks = {bytes([b]): b for b in range(256)}
+    return tiktoken.Encoding(name="byte", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
+                             special_tokens={END_OF_TEXT: 256})
+
+
+def tiktoken_file_encoding(path: Path) -> tiktoken.Encoding:
+    """A .tiktoken ranks file ("<base64 token> <rank>" per line) with the cl100k split pattern;
+    <|endoftext|> is added after the last rank."""
+    ranks = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError as error:
+            raise TokenizerError(f"{path}:{number}: expected '<base64 token> <rank>', got {line[:60]!r}") from error
+    return tiktoken.Encoding(name=path.stem, pat_str=CL100K_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={END_OF_TEXT: max(ranks.values()) + 1})
+
+
+def cached_encoding(name: str) -> tiktoken.Encoding:
+    """A tiktoken encoding from tiktoken's cache. On a miss tiktoken would fetch the encoding's file;
+    refuse instead of downloading."""
+    original = tiktoken.load.read_file
+
+    def read_local_only(blobpath: str) -> bytes:
+        if "://" in blobpath:
+            cache = (os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
+                     or "<tmp>/data-gym-cache")
+            raise TokenizerError(f"tiktoken encoding {name!r} is not in the tiktoken cache ({cache}) and this "
+                                 f"program never downloads; use data.tokenizer = \"byte\", a .tiktoken file, or "
+                                 f"a checkpoint directory with tokenizer.json")
+        return original(blobpath)
+
+    tiktoken.load.read_file = read_local_only
+    try:
+        return tiktoken.get_encoding(name)
+    finally:
+        tiktoken.load.read_file = original
+
+
+# ============================================================================= a checkpoint's tokenizer.json
+
+def checkpoint_encoding(directory: Path) -> tuple[tiktoken.Encoding, str]:
+    """The checkpoint's own tokenizer.json -> (encoding, fingerprint)."""
+    if not (directory / "tokenizer.json").is_file():
+        raise TokenizerError(f"{directory}: no tokenizer.json to load the checkpoint's tokenizer from")
+    try:
+        encoding = hf_tokenizer_encoding(directory)
+    except TokenizerError as error:
+        raise TokenizerError(f"data.tokenizer: {error}") from error
+    return encoding, "tokenizer.json:" + _file_digest(directory / "tokenizer.json")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte table: printable bytes stand for themselves, the others for chars from U+0100 on,
+    so every byte of a byte-level BPE token is one visible character in tokenizer.json."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+
+
+def _split_pattern(pre_tokenizer: dict | None, where: Path) -> str:
+    """The one regex a byte-level pre-tokenizer splits with (tiktoken's pat_str)."""
+    steps = pre_tokenizer.get("pretokenizers", []) if pre_tokenizer and pre_tokenizer.get("type") == "Sequence" \
+        else [pre_tokenizer]
+    patterns = []
+    for step in steps:
+        kind = (step or {}).get("type")
+        if kind == "Split" and "Regex" in step.get("pattern", {}) and step.get("behavior") == "Isolated" \
+                and not step.get("invert"):
+            patterns.append(step["pattern"]["Regex"])
+        elif kind == "ByteLevel" and not step.get("add_prefix_space"):
+            patterns += [GPT2_PATTERN] if step.get("use_regex", True) else []
+        else:
+            raise TokenizerError(f"{where}: pre_tokenizer step {step!r} is not supported; expected Split with a "
+                                 f"Regex pattern and behavior 'Isolated', or ByteLevel without add_prefix_space")
+    if len(patterns) != 1:
+        raise TokenizerError(f"{where}: pre_tokenizer must split with exactly one regex, found {len(patterns)}")
+    return patterns[0]
+
+
+def hf_tokenizer_encoding(path: str | Path) -> tiktoken.Encoding:
+    """A byte-level BPE tokenizer.json (or the directory holding it) as a tiktoken.Encoding with the same ids.
+
+    tiktoken merges by token id, so ids must grow in merge order; added tokens become special tokens
+    (encode with allowed_special to match them in text); tiktoken cannot normalize, so the normalizer
+    must be null; the pre-tokenizer must split with one regex (Split Isolated, or ByteLevel).
+    """
+    path = Path(path)
+    path = path / "tokenizer.json" if path.is_dir() else path
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TokenizerError(f"{path}: cannot read JSON: {error}") from error
+    bpe = spec.get("model") or {}
+    if bpe.get("type") != "BPE":
+        raise TokenizerError(f"{path}: model.type must be 'BPE', got {bpe.get('type')!r}")
+    for field in ("dropout", "byte_fallback", "continuing_subword_prefix", "end_of_word_suffix"):
+        if bpe.get(field):
+            raise TokenizerError(f"{path}: model.{field} is {bpe[field]!r}; "
+                                 f"a byte-level BPE for tiktoken needs it unset")
+    if spec.get("normalizer") is not None:
+        raise TokenizerError(f"{path}: normalizer must be null (tiktoken cannot normalize), got {spec['normalizer']!r}")
+    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
+    vocab, ranks = bpe.get("vocab") or {}, {}
+    for token, token_id in vocab.items():
+        if token in special:
+            if special[token] != token_id:
+                raise TokenizerError(f"{path}: added token {token!r} has id {special[token]} but vocab id {token_id}")
+            continue
+        bad = [c for c in token if c not in to_byte]
+        if bad:
+            raise TokenizerError(f"{path}: vocab token {token!r} is not byte-level "
+                                 f"({bad[0]!r} is not a GPT-2 byte char)")
+        ranks[bytes(to_byte[c] for c in token)] = token_id
+    missing_bytes = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing_bytes:
+        raise TokenizerError(f"{path}: vocab lacks the byte token {bytes_to_unicode()[missing_bytes[0]]!r}; "
+                             f"a byte-level BPE needs all 256")
+    merged, previous = set(), -1
+    for number, merge in enumerate(bpe.get("merges") or []):
+        pair = merge.split(" ") if isinstance(merge, str) else list(merge)
+        if len(pair) != 2:
+            raise TokenizerError(f"{path}: merge {number} {merge!r} must be 'left right' or [left, right]")
+        left, right = pair
+        token_id = vocab.get(left + right)
+        if left not in vocab or right not in vocab or token_id is None or token_id <= previous:
+            raise TokenizerError(f"{path}: merge {number} {left!r} + {right!r} must join two vocab tokens into one "
+                                 f"whose id is above the previous merge's ({previous}); got id {token_id}")
+        merged.add(left + right)
+        previous = token_id
+    unmerged = [t for t in vocab if len(t) > 1 and t not in merged and t not in special]
+    if unmerged:
+        raise TokenizerError(f"{path}: vocab token {unmerged[0]!r} is made by no merge")
+    return tiktoken.Encoding(name=f"flint:{path}", pat_str=_split_pattern(spec.get("pre_tokenizer"), path),
+                             mergeable_ranks=ranks, special_tokens=special)
