@@ -2,13 +2,13 @@
 
     [model]       preset = "tiny" | hf_config = "path" | init_from = "checkpoint dir", plus FlintConfig fields
     [data]        what to read and how to tokenize and pack it
-    [training]    steps, batch, device and dtype, compile, evaluation, the sample at the end
+    [training]    steps, batch, device, evaluation, the sample at the end
     [optim]       AdamW and the learning-rate schedule
     [checkpoint]  where, how often, how many to keep, resume, Hugging Face export
     [logging]     how often, the JSONL file, the peak FLOP/s used for MFU
-    [parallel]    the process-group backend
+    [parallel]    the layout across processes, compute dtype, checkpointing and compile: parallel.ParallelConfig
 
-An override `--training.steps=200` replaces one key; its value is read as TOML (`--training.compile=true`,
+An override `--training.steps=200` replaces one key; its value is read as TOML (`--parallel.compile=true`,
 `--optim.lr=1e-3`), and as a plain string when it is not valid TOML (`--data.path=notes/`).
 Every error names the key and where it was set: the file, or the command line.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from model import FlintConfig
+from parallel import ParallelConfig
 
 MODEL_SOURCES = ("preset", "hf_config", "init_from")
 # What [model] may change about an init_from checkpoint: training choices, not the architecture.
@@ -59,8 +60,6 @@ class TrainingSection:
     grad_accum: int = 1  # micro-batches per optimizer step
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (bfloat16 on GPUs, float32 on the CPU) | float32 | bfloat16
-    compile: bool = False  # torch.compile each decoder block
     eval_every: int = 0  # steps between validation losses; 0: only after the last step
     eval_batches: int = 4  # validation micro-batches per evaluation
     sample_tokens: int = 200  # tokens generated after training; 0: none
@@ -99,13 +98,8 @@ class LoggingSection:
     peak_tflops: float = 0.0  # per device, for MFU; 0: measured on the CPU, looked up on GPUs
 
 
-@dataclass
-class ParallelSection:
-    backend: str = "auto"  # auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
-
-
 SECTIONS = {"model": ModelSection, "data": DataSection, "training": TrainingSection, "optim": OptimSection,
-            "checkpoint": CheckpointSection, "logging": LoggingSection, "parallel": ParallelSection}
+            "checkpoint": CheckpointSection, "logging": LoggingSection, "parallel": ParallelConfig}
 
 
 @dataclass
@@ -116,7 +110,7 @@ class TrainConfig:
     optim: OptimSection
     checkpoint: CheckpointSection
     logging: LoggingSection
-    parallel: ParallelSection
+    parallel: ParallelConfig
     model_config: FlintConfig  # the architecture, resolved from [model]
     source: str  # the TOML file
     origins: dict[str, str]  # "section.key" -> where it was set, for error messages
@@ -175,7 +169,8 @@ def build_section(name: str, table: Any, origins: dict[str, str], path: Path):
     for key, value in table.items():
         where = origins.get(f"{name}.{key}", str(path))
         if key in known:
-            check_type(f"[{name}].{key}", value, type(known[key].default), where)
+            default = known[key].default  # None only for [parallel].reshard_after_forward: a bool when set
+            check_type(f"[{name}].{key}", value, bool if default is None else type(default), where)
             values[key] = float(value) if known[key].type == "float" else value
         elif name == "model":
             extra[key] = value
@@ -246,7 +241,6 @@ def validate(cfg: TrainConfig) -> None:
         ("training.batch_size", t.batch_size >= 1, "be >= 1"),
         ("training.grad_accum", t.grad_accum >= 1, "be >= 1"),
         ("training.device", t.device in ("auto", "cpu", "cuda"), "be auto, cpu or cuda"),
-        ("training.dtype", t.dtype in ("auto", "float32", "bfloat16"), "be auto, float32 or bfloat16"),
         ("training.eval_every", t.eval_every >= 0, "be >= 0"),
         ("training.eval_batches", t.eval_batches >= 1, "be >= 1"),
         ("training.sample_tokens", t.sample_tokens >= 0, "be >= 0"),
@@ -272,7 +266,6 @@ def validate(cfg: TrainConfig) -> None:
         ("checkpoint.dir", c.dir != "", "name a directory"),
         ("logging.every", log.every >= 1, "be >= 1"),
         ("logging.peak_tflops", log.peak_tflops >= 0, "be >= 0 (0: measure or look up)"),
-        ("parallel.backend", cfg.parallel.backend in ("auto", "nccl", "gloo"), "be auto, nccl or gloo"),
     ]
     for key, ok, expected in rules:
         if not ok:
@@ -283,6 +276,11 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"{cfg.where('training.eval_every')}: [training].eval_every = {t.eval_every} needs a "
                           f"validation split, but data.val_fraction = 0")
     check_router_aux_loss(cfg)
+    try:
+        cfg.parallel.validate(cfg.model_config.num_experts)
+    except ValueError as error:
+        key = "parallel." + str(error).split()[1]  # messages read "[parallel] KEY ..."
+        raise ConfigError(f"{cfg.where(key)}: {error}") from error
 
 
 def check_router_aux_loss(cfg: TrainConfig) -> None:

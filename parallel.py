@@ -19,6 +19,7 @@ import dataclasses
 import math
 import os
 import tomllib
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache, partial
 
@@ -38,6 +39,9 @@ from attention import build_masks, dense_mask, layer_mask_mod, resolve_backend
 from model import Flint, FlintConfig, Sinks, document_positions, rope_tables
 from moe import ExpertParallelExperts, MoE
 
+# build_mesh's flattened views (dp, dp_cp, fsdp, efsdp) are sliced from the root mesh, which
+# torch 2.13 supports and announces it will deprecate, once per slice: keep the logs readable.
+warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp")
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
 AC_MODES = ("none", "full", "selective")
@@ -60,7 +64,8 @@ class ParallelConfig:
     pp_microbatches: int = 0  # 0: as many as pipeline stages
     activation_checkpointing: str = "none"  # none | full (every block) | selective (every 2nd block)
     compile: bool = False  # torch.compile each block
-    param_dtype: str = "bfloat16"  # bulk compute dtype; sinks, routers and the head stay FP32
+    param_dtype: str = "auto"  # bulk compute dtype: auto (bfloat16 on GPUs, float32 on the CPU) | bfloat16 |
+    # float32; sinks, routers and the head always compute in FP32, master weights are always FP32
     reshard_after_forward: bool | None = None  # None: True, but False for pipeline stages
     backend: str = "auto"  # process group: auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
 
@@ -76,23 +81,35 @@ class ParallelConfig:
     def stages_per_rank(self) -> int:
         return self.pp_stages_per_rank or (2 if self.pp_schedule == "Interleaved1F1B" else 1)
 
+    def compute_dtype(self, device_type: str) -> torch.dtype:
+        if self.param_dtype == "auto":
+            return torch.bfloat16 if device_type == "cuda" else torch.float32
+        return DTYPES[self.param_dtype]
+
     def resolve(self, world_size: int, num_experts: int | None = None) -> "ParallelConfig":
-        """Check every degree; return a copy with dp_shard filled in. Errors name the key."""
+        """Check every degree against the world size; return a copy with dp_shard filled in."""
+        self.validate(num_experts)
+        others = self.dp_replicate * self.ep * self.pp * self.cp
+        dp_shard = self.dp_shard
+        if dp_shard == -1:
+            if world_size % others:
+                raise ValueError(f"[parallel] pp * dp_replicate * ep * cp = {others} does not divide the world "
+                                 f"size {world_size}, so dp_shard = -1 cannot fill it")
+            dp_shard = world_size // others
+        if dp_shard * others != world_size:
+            raise ValueError(f"[parallel] pp * dp_replicate * dp_shard * ep * cp = {self.pp} * {self.dp_replicate} * "
+                             f"{dp_shard} * {self.ep} * {self.cp} must equal the world size {world_size}")
+        return dataclasses.replace(self, dp_shard=dp_shard)
+
+    def validate(self, num_experts: int | None = None) -> None:
+        """Every check that does not need the world size. Errors name the key."""
         where = "[parallel]"
         for name in ("dp_replicate", "ep", "pp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{where} {name} must be an integer >= 1, got {value!r}")
-        others = self.dp_replicate * self.ep * self.pp * self.cp
-        dp_shard = self.dp_shard
-        if dp_shard == -1:
-            if world_size % others:
-                raise ValueError(f"{where} pp * dp_replicate * ep * cp = {others} does not divide the world "
-                                 f"size {world_size}, so dp_shard = -1 cannot fill it")
-            dp_shard = world_size // others
-        if not isinstance(dp_shard, int) or dp_shard < 1 or dp_shard * others != world_size:
-            raise ValueError(f"{where} pp * dp_replicate * dp_shard * ep * cp = {self.pp} * {self.dp_replicate} * "
-                             f"{dp_shard} * {self.ep} * {self.cp} must equal the world size {world_size}")
+        if self.dp_shard != -1 and self.dp_shard < 1:
+            raise ValueError(f"{where} dp_shard must be -1 (fill the world size) or >= 1, got {self.dp_shard!r}")
         if num_experts is not None and num_experts % self.ep:
             raise ValueError(f"{where} ep = {self.ep} must divide the model's num_experts = {num_experts}")
         if self.pp_schedule not in SCHEDULES:
@@ -106,22 +123,23 @@ class ParallelConfig:
                              f"got {self.activation_checkpointing!r}")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"{where} backend must be auto, nccl or gloo, got {self.backend!r}")
-        if self.param_dtype not in DTYPES:
-            raise ValueError(f"{where} param_dtype must be one of {list(DTYPES)}, got {self.param_dtype!r}")
-        return dataclasses.replace(self, dp_shard=dp_shard)
+        if self.param_dtype not in ("auto", *DTYPES):
+            raise ValueError(f"{where} param_dtype must be auto or one of {list(DTYPES)}, got {self.param_dtype!r}")
 
 
 # ============================================================================= process group and mesh
 
-def init_distributed(backend: str = "auto") -> torch.device:
-    """Start the process group from torchrun's environment: NCCL on CUDA, gloo on the CPU."""
-    cuda = torch.cuda.is_available() and backend != "gloo"
+def init_distributed(backend: str = "auto", use_cuda: bool | None = None) -> torch.device:
+    """Start the process group: from torchrun's environment, or, for a plain `python` process, a
+    group of one (so that one process takes the same path as many). NCCL on CUDA, gloo on the CPU."""
+    cuda = (torch.cuda.is_available() if use_cuda is None else use_cuda) and backend != "gloo"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = backend if backend != "auto" else ("nccl" if cuda else "gloo")
-        dist.init_process_group(backend, device_id=device if cuda else None)
+        alone = {} if "WORLD_SIZE" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+        dist.init_process_group(backend, device_id=device if cuda else None, **alone)
     return device
 
 
@@ -333,9 +351,12 @@ def apply_fsdp(model: Flint, mesh: DeviceMesh, param_dtype: torch.dtype, reshard
 
 def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "ParallelModel":
     """Lay `model` (FP32 master weights, on its device or on meta) across `mesh`; see the module
-    docstring. With pp > 1 this rank keeps only its stages' layers."""
+    docstring. With pp > 1 this rank keeps only its stages' layers. FSDP applies whenever there is
+    more than one data-parallel rank or the bulk computes in BF16 (its mixed-precision policy is
+    what keeps the FP32 units in FP32, also on a single GPU)."""
     cfg = ParallelConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
     cfg = cfg.resolve(mesh.size(), model.config.num_experts)
+    config = model.config
     model.__class__ = ParallelFlint  # same module, a forward that knows stages and cp (no copy)
     parts, stage_ids = [model], [0]
     if cfg.pp > 1:
@@ -344,6 +365,7 @@ def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "
         stage_ids = [pp_rank + k * cfg.pp for k in range(cfg.stages_per_rank)]  # looped placement
         parts = [pipeline_stage(model, s, num_stages) for s in stage_ids]
     reshard = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else cfg.pp == 1
+    param_dtype = cfg.compute_dtype(mesh.device_type)
     for part in parts:
         if mesh["cp"].size() > 1:
             part.cp_group = mesh["cp"].get_group()
@@ -355,51 +377,94 @@ def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "
         apply_activation_checkpointing(part, cfg.activation_checkpointing)
         if cfg.compile:
             apply_compile(part)
-        if mesh["dp_cp"].size() > 1:
-            apply_fsdp(part, mesh, DTYPES[cfg.param_dtype], reshard)
-    schedule = None
+        if mesh["dp_cp"].size() > 1 or param_dtype != torch.float32:
+            apply_fsdp(part, mesh, param_dtype, reshard)
+    pm = ParallelModel(parts, mesh, config)
     if cfg.pp > 1:
         device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
         stages = [PipelineStage(part, s, cfg.pp * cfg.stages_per_rank, device, group=mesh["pp"].get_group())
                   for part, s in zip(parts, stage_ids)]
         schedule_cls = SCHEDULES[cfg.pp_schedule]
         microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
-        loss_fn = _stage_output_is_loss
-        schedule = (schedule_cls(stages, microbatches, loss_fn=loss_fn) if cfg.stages_per_rank > 1
-                    else schedule_cls(stages[0], microbatches, loss_fn=loss_fn))
-    return ParallelModel(parts, mesh, schedule)
+        # scale_grads=False: the loss function already weighs each micro-batch by its tokens.
+        pm.schedule = schedule_cls(stages if cfg.stages_per_rank > 1 else stages[0], microbatches,
+                                   loss_fn=pm.weighted_loss, scale_grads=False)
+    return pm
 
 
-def _stage_output_is_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The last stage's head already computed the loss (chunked, in FP32) from its targets."""
-    return output
+def uncompile(pm: "ParallelModel") -> None:
+    """Back to the eager blocks after a compile failure (the caller says so, loudly)."""
+    for part in pm.parts:
+        for layer in part.layers.values():
+            layer._compiled_call_impl = None
 
 
 # ============================================================================= the training surface
 
 class ParallelModel:
     """What train.py holds: `module` (native parameter names, for the optimizer and checkpoints),
-    `forward_backward` for one step on this rank's batch, and `clip_grad_norm_`."""
+    `forward_backward` and `loss` for this rank's batch, and `clip_grad_norm_`.
 
-    def __init__(self, parts: list[nn.Module], mesh: DeviceMesh, schedule=None):
-        self.parts, self.mesh, self.schedule = parts, mesh, schedule
+    Every target token weighs the same in every layout. A rank's model returns the mean loss over
+    its batch's target tokens (under cp: its share of that mean); `weighted_loss` turns it into
+    loss sum / num_tokens * dp, where num_tokens counts the target tokens of the whole optimizer
+    step (all micro-batches, all data-parallel ranks). FSDP averages gradients over the dp_cp
+    ranks, so the step's gradient is that of the mean loss over all of its tokens.
+    """
+
+    def __init__(self, parts: list[nn.Module], mesh: DeviceMesh, config: FlintConfig):
+        self.parts, self.mesh, self.config, self.schedule = parts, mesh, config, None
         self.module = merged_view(parts)
+        self.token_weight = torch.ones(())  # dp / num_tokens of the current step
 
-    def forward_backward(self, input_ids: torch.Tensor, targets: torch.Tensor,
-                         doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward and backward on this rank's batch [B, T] -> the loss averaged over all
-        data-parallel ranks (detached; the same value on every rank)."""
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that read distinct batches (the cp ranks of a group share one)."""
+        return self.mesh["dp"].size()
+
+    def global_tokens(self, targets: torch.Tensor) -> torch.Tensor:
+        """Target tokens (not -100) of `targets` summed over the data-parallel ranks (FP32)."""
+        count = (targets != -100).sum().float()
+        dist.all_reduce(count, group=self.mesh["dp"].get_group())
+        return count
+
+    def weighted_loss(self, mean_loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The model's mean loss over `targets`' tokens -> this batch's share of the step's loss."""
+        return mean_loss * (targets != -100).sum() * self.token_weight
+
+    def forward_backward(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                         num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward on this rank's batch [B, T]; gradients accumulate over calls.
+        num_tokens: the target tokens of the optimizer step over all its micro-batches and all
+        data-parallel ranks (`global_tokens`); default: this batch's. -> this batch's share of the
+        step's mean loss per token (detached, equal on every rank): sum it over micro-batches."""
+        return self._run(input_ids, targets, doc_ids, num_tokens, backward=True)
+
+    @torch.no_grad()
+    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None,
+             num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Like forward_backward, without the backward (for evaluation)."""
+        return self._run(input_ids, targets, doc_ids, num_tokens, backward=False)
+
+    def _run(self, input_ids, targets, doc_ids, num_tokens, backward: bool) -> torch.Tensor:
+        num_tokens = self.global_tokens(targets) if num_tokens is None else num_tokens
+        self.token_weight = self.dp_size / num_tokens.clamp(min=1)
         kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
         if self.schedule is None:
-            loss = self.parts[0](input_ids, targets, **kwargs)
-            loss.backward()
+            loss = self.weighted_loss(self.parts[0](input_ids, targets, **kwargs), targets)
+            if backward:
+                loss.backward()
             loss = loss.detach()
         else:
             losses: list[torch.Tensor] = []
-            self.schedule.step(input_ids, target=targets, losses=losses, return_outputs=False,
-                               targets=targets, **kwargs)
-            # Only the last stage holds the microbatch losses: sum them over the pp group.
-            loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=input_ids.device)
+            run = self.schedule.step if backward else self.schedule.eval
+            run(input_ids, target=targets, losses=losses, return_outputs=False, targets=targets, **kwargs)
+            # Only the last stage holds the micro-batch losses: sum them over the pp group.
+            loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=input_ids.device)
             dist.all_reduce(loss, group=self.mesh["pp"].get_group())
         if self.mesh["dp_cp"].size() > 1:
             dist.all_reduce(loss, group=self.mesh["dp_cp"].get_group())  # gloo has no AVG

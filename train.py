@@ -4,7 +4,10 @@ or on several processes `torchrun --nproc-per-node N train.py --config ...`.
 main() is the table of contents: configuration, data, model, optimizer, resume, then the loop.
 Each step takes grad_accum micro-batches, weights every token equally across micro-batches and
 ranks, clips the global gradient norm and steps AdamW; evaluation, checkpoints and logs follow
-at their intervals. config.py reads and checks the TOML, data.py tokenizes and packs the text.
+at their intervals. config.py reads and checks the TOML, data.py tokenizes and packs the text,
+parallel.py lays the model across the processes ([parallel]: FSDP, HSDP, expert, pipeline and
+context parallel, BF16 compute with FP32 master weights on GPUs). One process takes the same
+path as many: it runs in a process group of one.
 """
 
 from __future__ import annotations
@@ -25,22 +28,23 @@ import shutil
 import sys
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import DeviceMesh
 
 from config import ConfigError, OptimSection, TrainConfig, load_config
-from data import (DataError, PackedLoader, Tokenizer, TokenShards, load_tokenizer, prepare, prepared_dir,
-                  split_documents)
+from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
 from model import Flint, FlintConfig, build_model
 from moe import Router
+from parallel import ParallelModel, build_mesh, init_distributed, parallelize, uncompile
+from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
 class TrainingError(RuntimeError):
@@ -49,14 +53,16 @@ class TrainingError(RuntimeError):
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv)
-    run = start_run(cfg)
     try:
+        run = start_run(cfg)
         tokenizer, train_data, val_data = setup_data(cfg, run)
-        model = parallelize_model(load_model(cfg, run), cfg, run, example=train_data.peek())
-        optimizer = build_optimizer(model, cfg.optim, run.device)
+        model = parallelize(load_model(cfg, run), cfg.parallel, run.mesh)
+        if cfg.parallel.compile:
+            check_compiled(model, train_data.peek(), run)
+        optimizer = build_optimizer(model.module, cfg.optim, run.device)
         checkpoints = Checkpointer(cfg, run)
         step = checkpoints.resume(model, optimizer, train_data)
-        logger = MetricsLogger(cfg, run, model, start_step=step)
+        logger = MetricsLogger(cfg, run, model.config, start_step=step)
         while step < cfg.training.steps:
             step += 1
             lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.training.steps))
@@ -68,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
                     logger.log_eval(step, evaluate(model, val_data, cfg, run))
                 if due(step, cfg.checkpoint.every, cfg.training.steps):
                     checkpoints.save(step, model, optimizer, train_data)
-        return finish(model, tokenizer, cfg, run, logger)
+        return finish(checkpoints.last, tokenizer, cfg, run, logger)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -93,8 +99,10 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
 class Run:
     rank: int
     world_size: int
+    dp_rank: int  # which batches this process reads: the cp ranks of a group share them
+    dp_size: int
     device: torch.device
-    dtype: torch.dtype  # the compute dtype; parameters and optimizer state stay FP32
+    mesh: DeviceMesh | None = None
 
     @property
     def is_main(self) -> bool:
@@ -106,34 +114,22 @@ class Run:
 
 
 def start_run(cfg: TrainConfig) -> Run:
-    """One process per device; a process group when torchrun started several (WORLD_SIZE > 1)."""
-    t = cfg.training
+    """One process per device, always in a process group (of one without torchrun), and the mesh."""
+    t, parallel = cfg.training, cfg.parallel
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{cfg.where('training.device')}: [training].device = \"cuda\" but no GPU is available")
     use_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
-    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if world_size > 1:
-        backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if use_cuda else "gloo")
-        dist.init_process_group(backend, device_id=device if use_cuda else None)
-    dtype = torch.bfloat16 if t.dtype == "bfloat16" or (t.dtype == "auto" and use_cuda) else torch.float32
+    device = init_distributed(parallel.backend, use_cuda)
+    try:
+        mesh = build_mesh(parallel, device.type, cfg.model_config.num_experts)
+    except ValueError as error:  # the layout does not fit the world size
+        raise ConfigError(f"{cfg.source}: {error}") from error
     torch.manual_seed(t.seed)
-    run = Run(rank, world_size, device, dtype)
-    run.print(f"config {cfg.source}: {world_size} process(es) on {device.type}, {str(dtype)[6:]} compute")
+    run = Run(dist.get_rank(), dist.get_world_size(), mesh["dp"].get_local_rank(), mesh["dp"].size(), device, mesh)
+    layout = " x ".join(f"{name} {mesh[name].size()}" for name in mesh.mesh_dim_names if mesh[name].size() > 1)
+    run.print(f"config {cfg.source}: {run.world_size} process(es) on {device.type} ({layout or 'no parallelism'}), "
+              f"{str(parallel.compute_dtype(device.type))[6:]} compute, FP32 master weights")
     return run
-
-
-def autocast(run: Run):
-    """BF16 compute over FP32 master weights; FP32 runs need no autocast."""
-    return torch.autocast(run.device.type, dtype=run.dtype) if run.dtype != torch.float32 else nullcontext()
-
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(tensor)
-    return tensor
 
 
 def barrier() -> None:
@@ -159,7 +155,7 @@ def setup_data(cfg: TrainConfig, run: Run) -> tuple[Tokenizer, PackedLoader, Pac
     barrier()
     shards = TokenShards(directory, tokenizer)
     train_docs, val_docs = split_documents(shards.num_docs, d.val_fraction, str(source))
-    loader = dict(seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed, rank=run.rank, world_size=run.world_size)
+    loader = dict(seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed, rank=run.dp_rank, world_size=run.dp_size)
     train = PackedLoader(shards, train_docs, shuffle=True, epochs=d.epochs, **loader)
     val = PackedLoader(shards, val_docs, shuffle=False, name="validation", **loader) if len(val_docs) else None
     check_enough_data(cfg, train, val, run)
@@ -169,7 +165,7 @@ def setup_data(cfg: TrainConfig, run: Run) -> tuple[Tokenizer, PackedLoader, Pac
 
 
 def check_enough_data(cfg: TrainConfig, train: PackedLoader, val: PackedLoader | None, run: Run) -> None:
-    t, global_rows = cfg.training, run.world_size * cfg.training.batch_size
+    t, global_rows = cfg.training, run.dp_size * cfg.training.batch_size
     needed = t.steps * t.grad_accum * global_rows
     if needed > train.rows_available():
         raise DataError(f"not enough data: training.steps = {t.steps} needs {needed} rows of {cfg.data.seq_len} "
@@ -202,49 +198,25 @@ def load_model(cfg: TrainConfig, run: Run) -> Flint:
     return model
 
 
-def parallelize_model(model: Flint, cfg: TrainConfig, run: Run, example: dict[str, torch.Tensor]) -> nn.Module:
-    """The one place where the model is laid out for training (parallel.py takes over here).
-
-    Now: the model is on this process's device, each decoder block is compiled when asked, and
-    several processes replicate it with DDP (gradients averaged over data-parallel ranks).
-    """
-    model.to(run.device)
-    if cfg.training.compile:
-        compile_blocks(model, example, run)
-    if run.world_size > 1:
-        model = DistributedDataParallel(model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
-    return model
-
-
-def compile_blocks(model: Flint, example: dict[str, torch.Tensor], run: Run) -> None:
-    """torch.compile each decoder block, proven by one forward and backward on a real batch shape.
-
-    Compilation happens at the first call, so a failure shows up here, not mid-run; on failure the
-    blocks go back to eager and the error is printed: never a silent fallback.
-    """
-    for layer in model.layers.values():
-        layer.forward = torch.compile(layer.forward)
+def check_compiled(model: ParallelModel, example: dict[str, torch.Tensor], run: Run) -> None:
+    """parallel.py compiled each decoder block; compilation happens at the first call, so one
+    forward and backward on a real batch shape shows a failure here, not mid-run. On failure the
+    blocks go back to eager and the error is printed: never a silent fallback."""
     start = time.perf_counter()
     try:
-        with autocast(run):
-            model(**{k: v.to(run.device) for k, v in example.items()}).backward()
+        model.forward_backward(**{k: v.to(run.device) for k, v in example.items()})
     except Exception as error:  # any compiler failure: fall back, loudly
-        for layer in model.layers.values():
-            del layer.forward  # the class's eager forward again
+        uncompile(model)
         print(f"WARNING: torch.compile of the decoder blocks failed, training in eager mode instead: "
               f"{type(error).__name__}: {str(error)[:2000]}", file=sys.stderr, flush=True)
     else:
-        run.print(f"compiled {len(model.layers)} decoder blocks in {time.perf_counter() - start:.1f} s")
-    model.zero_grad(set_to_none=True)
-
-
-def unwrap(model: nn.Module) -> Flint:
-    return model.module if isinstance(model, DistributedDataParallel) else model
+        run.print(f"compiled {len(model.config.layer_types)} decoder blocks in {time.perf_counter() - start:.1f} s")
+    model.module.zero_grad(set_to_none=True)
 
 
 # ============================================================================= optimizer and step
 
-def build_optimizer(model: nn.Module, o: OptimSection, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, o: OptimSection, device: torch.device) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices (2-D weights and the stacked 3-D expert matrices), not on
     norms or sinks. Fused kernels on GPUs, multi-tensor (foreach) on the CPU."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -276,28 +248,17 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
     return lr
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, data: PackedLoader, cfg: TrainConfig,
+def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: PackedLoader, cfg: TrainConfig,
                run: Run, step: int, checkpoints: "Checkpointer") -> tuple[float, float]:
     """One optimizer step over grad_accum micro-batches -> (mean loss per target token, grad norm).
 
-    Every target token weighs the same, whichever micro-batch or rank holds it: each micro-batch's
-    mean loss is scaled by its share of the step's tokens (times world_size, because data-parallel
-    wrappers average gradients over ranks).
+    Every target token weighs the same, whichever micro-batch or rank holds it: each micro-batch
+    is weighted by its tokens over those of the whole step (see parallel.ParallelModel).
     """
     batches = [{k: v.to(run.device) for k, v in data.next_batch().items()} for _ in range(cfg.training.grad_accum)]
-    counts = [(b["targets"] != -100).sum() for b in batches]
-    total_tokens = all_reduce_sum(torch.stack(counts).sum().float()).clamp(min=1)
-    loss_sum = torch.zeros((), device=run.device)
-    for i, (batch, count) in enumerate(zip(batches, counts)):
-        last = i == len(batches) - 1
-        sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else nullcontext()
-        with sync, autocast(run):
-            loss = model(**batch)
-        (loss * count * run.world_size / total_tokens).backward()
-        loss_sum += loss.detach() * count
-    loss = all_reduce_sum(loss_sum / total_tokens).item()
-    clip = cfg.optim.grad_clip or float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True))
+    num_tokens = model.global_tokens(torch.stack([b["targets"] for b in batches]))
+    loss = sum(model.forward_backward(**batch, num_tokens=num_tokens) for batch in batches).item()
+    grad_norm = float(model.clip_grad_norm_(cfg.optim.grad_clip or float("inf")))
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
         latest = checkpoints.latest()
@@ -309,52 +270,52 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, data: PackedL
     return loss, grad_norm
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, data: PackedLoader, cfg: TrainConfig, run: Run) -> float:
+def evaluate(model: ParallelModel, data: PackedLoader, cfg: TrainConfig, run: Run) -> float:
     """Mean loss per target token over the same first validation batches every time."""
-    model.eval()
     data.next_row = 0
-    batches = min(cfg.training.eval_batches, data.rows_per_epoch // (run.world_size * cfg.training.batch_size))
-    totals = torch.zeros(2, device=run.device)  # [loss sum, tokens]
-    for _ in range(batches):
-        batch = {k: v.to(run.device) for k, v in data.next_batch().items()}
-        count = (batch["targets"] != -100).sum()
-        with autocast(run):
-            totals += torch.stack([model(**batch).float() * count, count.float()])
-    model.train()
-    loss_sum, tokens = all_reduce_sum(totals).tolist()
-    return loss_sum / max(tokens, 1)
+    count = min(cfg.training.eval_batches, data.rows_per_epoch // (run.dp_size * cfg.training.batch_size))
+    batches = [{k: v.to(run.device) for k, v in data.next_batch().items()} for _ in range(count)]
+    num_tokens = model.global_tokens(torch.stack([b["targets"] for b in batches]))
+    return sum(model.loss(**batch, num_tokens=num_tokens) for batch in batches).item()
 
 
-def routing_stats(model: nn.Module, run: Run) -> dict[str, dict[str, float]]:
+def routing_stats(model: ParallelModel, run: Run) -> dict[str, dict[str, float]]:
     """Per MoE layer, the busiest and idlest expert's load over the mean load, from the routers'
-    tokens_per_expert counts of the last micro-batch (1.0 and 1.0: perfectly balanced)."""
-    routers = {name.split(".")[1]: m for name, m in unwrap(model).named_modules() if isinstance(m, Router)}
-    if not routers:
+    tokens_per_expert counts of the last micro-batch on every rank (1.0 and 1.0: balanced)."""
+    c = model.config
+    moe_layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
+    if not moe_layers:
         return {}
-    counts = all_reduce_sum(torch.stack([r.tokens_per_expert.float() for r in routers.values()]))  # [layers, E]
-    load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1e-9)
-    return {layer: {"max_load": round(hi, 3), "min_load": round(lo, 3)}
-            for layer, hi, lo in zip(routers, load.max(dim=1).values.tolist(), load.min(dim=1).values.tolist())}
+    counts = torch.zeros(c.num_hidden_layers, c.num_experts, device=run.device)  # [layers, E]
+    for name, module in model.module.named_modules():
+        if isinstance(module, Router):  # under pp, this rank's stages hold some of the layers
+            counts[int(name.split(".")[1])] = module.tokens_per_expert.float()
+    dist.all_reduce(counts)
+    load = counts[moe_layers] / counts[moe_layers].mean(dim=1, keepdim=True).clamp(min=1e-9)
+    return {str(layer): {"max_load": round(hi, 3), "min_load": round(lo, 3)}
+            for layer, hi, lo in zip(moe_layers, load.max(dim=1).values.tolist(), load.min(dim=1).values.tolist())}
 
 
-def finish(model: nn.Module, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, logger: "MetricsLogger") -> dict:
-    """A sample from the trained model, and the Hugging Face export when asked."""
-    t = cfg.training
-    if t.sample_tokens:
-        prompt = tokenizer.encoding.encode_ordinary(t.sample_prompt) or [tokenizer.eos_id]
-        generator = torch.Generator(run.device).manual_seed(t.seed)
-        with torch.compiler.set_stance("force_eager"), autocast(run):  # decoding shapes: no recompiles
-            tokens = unwrap(model).generate(torch.tensor([prompt], device=run.device), t.sample_tokens,
-                                            t.sample_temperature, None, generator, tokenizer.eos_id)
-        logger.summary["sample"] = tokenizer.decode(tokens[0].tolist())
-        run.print(f"sample ({t.sample_tokens} tokens, temperature {t.sample_temperature}):\n"
-                  f"{logger.summary['sample']}")
-    if cfg.checkpoint.export_hf and run.is_main:
-        from convert import save_hf
-        dtype = getattr(torch, cfg.checkpoint.export_dtype) if cfg.checkpoint.export_dtype else None
-        save_hf(unwrap(model), cfg.checkpoint.export_hf, dtype=dtype)
-        run.print(f"exported the model in Hugging Face format to {cfg.checkpoint.export_hf}")
+def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, logger: "MetricsLogger") -> dict:
+    """A sample and the Hugging Face export when asked, made by rank 0 from the final checkpoint:
+    a plain model on the CPU, whatever layout (sharded, expert- or pipeline-split) trained it."""
+    t, export = cfg.training, cfg.checkpoint.export_hf
+    if run.is_main and (t.sample_tokens or export):
+        from convert import load_native, save_hf
+        model = load_native(checkpoint, dtype=torch.float32)
+        if t.sample_tokens:
+            prompt = tokenizer.encoding.encode_ordinary(t.sample_prompt) or [tokenizer.eos_id]
+            generator = torch.Generator().manual_seed(t.seed)
+            tokens = model.generate(torch.tensor([prompt]), t.sample_tokens, t.sample_temperature, None, generator,
+                                    tokenizer.eos_id)
+            logger.summary["sample"] = tokenizer.decode(tokens[0].tolist())
+            run.print(f"sample ({t.sample_tokens} tokens, temperature {t.sample_temperature}):\n"
+                      f"{logger.summary['sample']}")
+        if export:
+            dtype = getattr(torch, cfg.checkpoint.export_dtype) if cfg.checkpoint.export_dtype else None
+            save_hf(model, export, dtype=dtype)
+            run.print(f"exported the model in Hugging Face format to {export}")
+    barrier()
     return logger.summary
 
 
@@ -395,6 +356,7 @@ class Checkpointer:
 
     def __init__(self, cfg: TrainConfig, run: Run):
         self.cfg, self.run, self.dir = cfg, run, Path(cfg.checkpoint.dir)
+        self.last: Path | None = None  # saved or resumed from by this run
 
     def latest(self) -> Path | None:
         done = sorted(p for p in self.dir.glob("step_*") if p.suffix != ".tmp" and is_native_checkpoint(p))
@@ -410,15 +372,17 @@ class Checkpointer:
                 shutil.rmtree(path)
         barrier()
 
-    def state(self, model: nn.Module, optimizer: torch.optim.Optimizer, data: PackedLoader, step: int) -> dict:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+    def state(self, model: ParallelModel, optimizer: torch.optim.Optimizer, data: PackedLoader, step: int) -> dict:
+        """The same names and full shapes in every layout: DCP reshards on load."""
+        model_state = get_model_state_dict(model.module)
+        optimizer_state = get_optimizer_state_dict(model.module, optimizer)
         train = {"step": torch.tensor(step), "cpu_rng": torch.get_rng_state(),
                  "data": {k: torch.tensor(v) for k, v in data.state_dict().items()}}
         if self.run.device.type == "cuda":
             train["cuda_rng"] = torch.cuda.get_rng_state(self.run.device)
         return {"model": model_state, "optimizer": optimizer_state, "train": train}
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, data: PackedLoader) -> Path:
+    def save(self, step: int, model: ParallelModel, optimizer: torch.optim.Optimizer, data: PackedLoader) -> Path:
         final = self.dir / f"step_{step:08d}"
         tmp = final.with_suffix(".tmp")
         if self.run.is_main:
@@ -429,7 +393,7 @@ class Checkpointer:
         start = time.perf_counter()
         save_dcp(self.state(model, optimizer, data, step), tmp)
         if self.run.is_main:
-            (tmp / "config.json").write_text(json.dumps(unwrap(model).config.to_hf_config(), indent=1))
+            (tmp / "config.json").write_text(json.dumps(model.config.to_hf_config(), indent=1))
             (tmp / "train_config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
             if final.exists():
                 shutil.rmtree(final)
@@ -439,9 +403,10 @@ class Checkpointer:
                 shutil.rmtree(old)
             self.run.print(f"saved checkpoint {final} in {time.perf_counter() - start:.1f} s")
         barrier()
+        self.last = final
         return final
 
-    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, data: PackedLoader) -> int:
+    def resume(self, model: ParallelModel, optimizer: torch.optim.Optimizer, data: PackedLoader) -> int:
         """-> the step to continue from: 0, or that of the checkpoint that checkpoint.resume picks."""
         choice = self.cfg.checkpoint.resume
         if choice == "never":
@@ -453,18 +418,19 @@ class Checkpointer:
         if not is_native_checkpoint(path):
             raise TrainingError(f"{self.cfg.where('checkpoint.resume')}: {path} is not a complete checkpoint "
                                 f"(it needs .metadata and config.json)")
-        check_architecture(path, unwrap(model).config)
+        check_architecture(path, model.config)
         state = self.state(model, optimizer, data, 0)
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         if "train.cuda_rng" not in saved:
             state["train"].pop("cuda_rng", None)
         load_dcp(state, path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_model_state_dict(model.module, state["model"])
+        set_optimizer_state_dict(model.module, optimizer, state["optimizer"])
         data.load_state_dict({k: int(v) for k, v in state["train"]["data"].items()})
         torch.set_rng_state(state["train"]["cpu_rng"])
         if "cuda_rng" in state["train"]:
             torch.cuda.set_rng_state(state["train"]["cuda_rng"], self.run.device)
-        step = int(state["train"]["step"])
+        step, self.last = int(state["train"]["step"]), path
         self.run.print(f"resumed from {path} at step {step} of {self.cfg.training.steps}"
                        + (": nothing left to train (raise training.steps or set checkpoint.resume = \"never\")"
                           if step >= self.cfg.training.steps else ""))
@@ -518,13 +484,14 @@ class MetricsLogger:
     """A plain line per logging step (readable in a log file: no carriage returns), and the same
     numbers as one JSON object per line in logging.jsonl."""
 
-    def __init__(self, cfg: TrainConfig, run: Run, model: nn.Module, start_step: int):
+    def __init__(self, cfg: TrainConfig, run: Run, config: FlintConfig, start_step: int):
         t = cfg.training
         self.cfg, self.run, self.total = cfg, run, t.steps
-        self.tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len * run.world_size
-        self.flops_per_token = unwrap(model).flops_per_token(cfg.data.seq_len)
+        self.tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len * run.dp_size
+        with torch.device("meta"):  # the whole model's count, whichever stages this rank holds
+            self.flops_per_token = Flint(config).flops_per_token(cfg.data.seq_len)
         peak = peak_flops(cfg, run)
-        self.peak = peak * run.world_size if peak else None
+        self.peak = peak * run.world_size if peak else None  # every device of the run
         self.start = self.last_time = time.perf_counter()
         self.last_step = start_step
         self.first_step = start_step + 1  # always logged: the loss before any learning
@@ -576,5 +543,5 @@ class MetricsLogger:
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, DataError, TrainingError) as error:
+    except (ConfigError, DataError, TokenizerError, TrainingError) as error:
         raise SystemExit(f"error: {error}")

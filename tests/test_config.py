@@ -17,6 +17,22 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
+# The world size each config's comment runs it with (torchrun --nproc-per-node x --nnodes).
+WORLD_SIZES = {"smoke": 1, "debug": 1, "finetune": 8, "flint": 64, "flint-8gpu": 8, "flint-multinode": 32}
+
+
+def test_every_config_file_loads_and_its_layout_fits(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(FlintConfig.from_name("tiny", router_aux_loss_coef=0.0005)
+                                                     .to_hf_config()))
+    files = sorted(CONFIGS.glob("*.toml"))
+    assert sorted(f.stem for f in files) == sorted(WORLD_SIZES)
+    for file in files:
+        overrides = [f"--model.init_from={tmp_path}"] if file.stem == "finetune" else []
+        cfg = load_config(file, overrides)
+        layout = cfg.parallel.resolve(WORLD_SIZES[file.stem], cfg.model_config.num_experts)
+        assert layout.dp_shard >= 1, file
+
+
 def test_repository_configs_load():
     smoke = load_config(CONFIGS / "smoke.toml")
     assert smoke.model_config.vocab_size >= 257 and smoke.model_config.router_aux_loss_coef == 0.0
@@ -36,15 +52,21 @@ def test_finetune_config_takes_its_architecture_from_the_checkpoint(tmp_path):
 
 def test_overrides_are_typed_toml_values(tmp_path):
     cfg = load_config(write(tmp_path, '[model]\npreset = "tiny"\n'),
-                      ["--training.steps=7", "--optim.lr=1e-3", "--training.compile=true", "--data.path=notes/a b"])
-    assert (cfg.training.steps, cfg.optim.lr, cfg.training.compile, cfg.data.path) == (7, 1e-3, True, "notes/a b")
+                      ["--training.steps=7", "--optim.lr=1e-3", "--parallel.compile=true", "--data.path=notes/a b"])
+    assert (cfg.training.steps, cfg.optim.lr, cfg.parallel.compile, cfg.data.path) == (7, 1e-3, True, "notes/a b")
     assert isinstance(load_config(write(tmp_path, '[model]\npreset = "tiny"\n[optim]\nlr = 1\n')).optim.lr, float)
 
 
 @pytest.mark.parametrize("text, overrides, message", [
     ('[model]\npreset = "tiny"\n[training]\nstepz = 3\n', [], r"run.toml: unknown key \[training\].stepz"),
     ('[model]\npreset = "tiny"\n[training]\nsteps = "3"\n', [], r"run.toml: \[training\].steps must be int, got str"),
-    ('[model]\npreset = "tiny"\n[training]\ncompile = 1\n', [], r"\[training\].compile must be bool, got int"),
+    ('[model]\npreset = "tiny"\n[parallel]\ncompile = 1\n', [], r"\[parallel\].compile must be bool, got int"),
+    ('[model]\npreset = "tiny"\n[training]\ncompile = true\n', [], r"unknown key \[training\].compile"),
+    ('[model]\npreset = "tiny"\n[parallel]\nep = 3\n', [], r"run.toml: \[parallel\] ep = 3 must divide .* = 8"),
+    ('[model]\npreset = "tiny"\n', ["--parallel.pp_schedule=zigzag"],
+     r"command line --parallel.pp_schedule: \[parallel\] pp_schedule must be one of"),
+    ('[model]\npreset = "tiny"\n[parallel]\nreshard_after_forward = "no"\n', [],
+     r"\[parallel\].reshard_after_forward must be bool, got str"),
     ('[model]\npreset = "tiny"\n[optim]\nlr = 0\n', [], r"run.toml: \[optim\].lr must be > 0, got 0.0"),
     ('[model]\npreset = "tiny"\n', ["--training.steps=0"], r"command line --training.steps: \[training\].steps must be >= 1"),
     ('[model]\npreset = "tiny"\n', ["--optim.lr=1e-5"], r"run.toml \(default\): \[optim\].min_lr must be in \[0, optim.lr = 1e-05\]"),

@@ -200,7 +200,7 @@ def check_fp32_units_under_bf16(layout: dict) -> None:
 
 
 def test_fp32_units_under_bf16_policy():
-    spawn(2, check_fp32_units_under_bf16, {"dp_shard": 2})
+    spawn(2, check_fp32_units_under_bf16, {"dp_shard": 2, "param_dtype": "bfloat16"})
 
 
 # ----------------------------------------------------------------------------- checkpoints across layouts
@@ -276,3 +276,33 @@ def test_memory_table_counts_sharded_state_by_hand():
     no_ac = memory_per_gpu(config, ParallelConfig(dp_shard=4).resolve(4), 16, 2)
     assert full_ac["activations"] < no_ac["activations"]
     assert "| dp_shard=2 ep=2 ac=none |" in memory_table(config, [ParallelConfig(dp_shard=2, ep=2)], 16, 2)
+
+
+# ----------------------------------------------------------------------------- compile
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=slow)])
+def test_compiled_blocks_match_eager(backend, monkeypatch):
+    """parallelize's compile path (one process in a group of one, FP32): the loss and every
+    gradient equal those of the eager blocks. Dynamo and AOT autograd (aot_eager, 3 s) run in the
+    suite; inductor's code generation (about 45 s on 2 cores with a cold cache) with FLINT_SLOW=1."""
+    from functools import partial
+    from parallel import init_distributed
+    monkeypatch.setattr(torch, "compile", partial(torch.compile, backend=backend))
+    config, batch = FlintConfig.from_name("tiny", num_hidden_layers=2, mlp_only_layers=[0]), make_batch()  # dense, MoE
+    init_distributed("gloo")
+    try:
+        results = []
+        for compile in (False, True):
+            cfg = ParallelConfig(compile=compile)
+            pm = parallelize(build_model(config, seed=0), cfg, build_mesh(cfg, "cpu", config.num_experts))
+            torch._dynamo.utils.counters.clear()
+            loss = pm.forward_backward(*batch)
+            compiled = [layer._compiled_call_impl is not None for layer in pm.module.layers.values()]
+            assert compiled == [compile] * 2 and bool(torch._dynamo.utils.counters["stats"]["unique_graphs"]) == compile
+            results.append((loss, {n: p.grad for n, p in pm.module.named_parameters()}))
+    finally:
+        dist.destroy_process_group()
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    close(compiled_loss, eager_loss, "compiled loss")
+    for name, grad in eager_grads.items():
+        close(compiled_grads[name], grad, f"compiled grad {name}")

@@ -2,15 +2,21 @@
 
 import json
 import math
+import os
+import socket
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
+import convert
 import train
 from config import ConfigError, OptimSection
 from data import EMBEDDED_CORPUS, DataError
-from model import Flint, FlintConfig, build_model
+from model import FlintConfig, build_model
+from parallel import ParallelFlint
 from train import TrainingError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,11 +32,30 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def run_debug(tmp_path: Path, *overrides: str) -> dict:
+def debug_args(tmp_path: Path, *overrides: str) -> list[str]:
     """configs/debug.toml with every path under tmp_path (peak FLOP/s given: no measurement)."""
-    return train.main(["--config", DEBUG, f"--data.path={EMBEDDED_CORPUS}", f"--data.cache_dir={tmp_path / 'cache'}",
-                       f"--checkpoint.dir={tmp_path / 'ckpt'}", f"--logging.jsonl={tmp_path / 'metrics.jsonl'}",
-                       "--logging.peak_tflops=0.1", *overrides])
+    return ["--config", DEBUG, f"--data.path={EMBEDDED_CORPUS}", f"--data.cache_dir={tmp_path / 'cache'}",
+            f"--checkpoint.dir={tmp_path / 'ckpt'}", f"--logging.jsonl={tmp_path / 'metrics.jsonl'}",
+            "--logging.peak_tflops=0.1", *overrides]
+
+
+def run_debug(tmp_path: Path, *overrides: str) -> dict:
+    return train.main(debug_args(tmp_path, *overrides))
+
+
+def _torchrun_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
+    """What torchrun does for one process: the environment, then train.py's main."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    train.main(argv)
+
+
+def run_debug_two_processes(tmp_path: Path, *overrides: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_torchrun_worker, args=(2, port, debug_args(tmp_path, *overrides)), nprocs=2)
 
 
 def records(tmp_path: Path) -> list[dict]:
@@ -94,14 +119,14 @@ def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypat
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    real_forward, calls = Flint.forward, []
+    real_forward, calls = ParallelFlint.forward, []
 
     def nan_on_third_call(self, *args, **kwargs):
         calls.append(1)
         loss = real_forward(self, *args, **kwargs)
         return loss * float("nan") if len(calls) == 3 else loss
 
-    monkeypatch.setattr(Flint, "forward", nan_on_third_call)
+    monkeypatch.setattr(ParallelFlint, "forward", nan_on_third_call)
     with pytest.raises(TrainingError, match=r"step 3: the training loss is nan.*step_00000002"):
         run_debug(tmp_path, "--training.steps=5", "--checkpoint.every=2")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002"]
@@ -114,7 +139,7 @@ def test_compile_failure_falls_back_loudly(tmp_path, monkeypatch, capsys):
         return fails
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    summary = run_debug(tmp_path, "--training.compile=true", "--training.steps=2", "--training.sample_tokens=0")
+    summary = run_debug(tmp_path, "--parallel.compile=true", "--training.steps=2", "--training.sample_tokens=0")
     assert "WARNING: torch.compile of the decoder blocks failed" in capsys.readouterr().err
     assert summary["step"] == 2
 
@@ -150,7 +175,6 @@ def test_init_from_a_native_checkpoint_loads_its_weights(tmp_path):
 
 
 def test_finetune_from_hugging_face_and_export(tmp_path):
-    convert = pytest.importorskip("convert", reason="convert.py is not in the tree yet")
     config = FlintConfig.from_name("tiny", vocab_size=264, num_hidden_layers=4, router_aux_loss_coef=0.0005)
     source = build_model(config, seed=7)
     convert.save_hf(source, tmp_path / "hf")
@@ -160,11 +184,53 @@ def test_finetune_from_hugging_face_and_export(tmp_path):
               "--training.steps=2", "--training.sample_tokens=0", f"--checkpoint.export_hf={tmp_path / 'out'}")
     loader_first = train.setup_data(train.load_config(DEBUG, [f"--data.path={EMBEDDED_CORPUS}",
                                                               f"--data.cache_dir={tmp_path / 'cache'}"]),
-                                    train.Run(0, 1, torch.device("cpu"), torch.float32))[1].peek()
+                                    train.Run(0, 1, 0, 1, torch.device("cpu")))[1].peek()
     with torch.no_grad():
         assert train_losses(tmp_path)[1] == pytest.approx(source(**loader_first).item(), rel=1e-5)
     exported = convert.load_hf(tmp_path / "out")
     assert not torch.equal(exported.embed_tokens.weight, source.embed_tokens.weight)  # trained, then exported
+
+
+def exported_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return {k: v for file in sorted(directory.glob("*.safetensors")) for k, v in load_file(file).items()}
+
+
+def assert_same_losses(actual: dict[int, float], expected: dict[int, float], what: str) -> None:
+    assert sorted(actual) == sorted(expected), what
+    for step in expected:
+        assert actual[step] == pytest.approx(expected[step], rel=1e-5), f"{what}, step {step}"
+
+
+def test_two_processes_match_one_resume_in_one_and_export(tmp_path):
+    """Global batch of 8 rows: one process with 2 micro-batches of 4, FSDP 2 and EP 2 with 4 rows
+    per rank, PP 2 with 2 micro-batches of 4. Micro-batches and ranks hold different numbers of
+    target tokens, so only an exact token weighting agrees. The per-step and validation losses
+    agree; the FSDP run's checkpoint resumes in one process; its Hugging Face export holds the
+    one-process run's tensors."""
+    common = ["--training.steps=4", "--logging.every=1", "--checkpoint.every=2", "--training.sample_tokens=0",
+              f"--data.cache_dir={tmp_path / 'cache'}"]
+    one, fsdp, ep, pp, resumed = (tmp_path / name for name in ("one", "fsdp", "ep", "pp", "resumed"))
+    run_debug(one, *common, "--training.grad_accum=2", f"--checkpoint.export_hf={one / 'hf'}")
+    expected = train_losses(one)
+    assert expected[4] < expected[1]
+    two = [*common, "--training.eval_batches=1"]  # the same 8 validation rows as 2 batches of 4 in one process
+    run_debug_two_processes(fsdp, *two, "--parallel.dp_shard=2", f"--checkpoint.export_hf={fsdp / 'hf'}")
+    assert_same_losses(train_losses(fsdp), expected, "FSDP 2")
+    run_debug_two_processes(ep, *two, "--parallel.ep=2", "--parallel.dp_shard=1")
+    assert_same_losses(train_losses(ep), expected, "EP 2")
+    # One data-parallel rank: the 2 micro-batches of one process, each split in 2 for the 1F1B schedule.
+    run_debug_two_processes(pp, *common, "--parallel.pp=2", "--parallel.dp_shard=1", "--training.grad_accum=2")
+    assert_same_losses(train_losses(pp), expected, "PP 2")
+    val_losses = [[r["val_loss"] for r in records(path) if "val_loss" in r] for path in (one, fsdp, ep, pp)]
+    assert all(other == pytest.approx(val_losses[0], rel=1e-5) for other in val_losses[1:]), val_losses
+
+    run_debug(resumed, *common, "--training.grad_accum=2", f"--checkpoint.resume={fsdp / 'ckpt' / 'step_00000002'}")
+    assert_same_losses(train_losses(resumed), {s: expected[s] for s in (3, 4)}, "FSDP 2 checkpoint resumed in 1")
+
+    reference, sharded = exported_tensors(one / "hf"), exported_tensors(fsdp / "hf")
+    assert sorted(sharded) == sorted(reference) and len(reference) > 10
+    for name, tensor in reference.items():
+        torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_learning_rate_schedules():
