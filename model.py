@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -365,19 +366,29 @@ class Flint(nn.Module):
         self.lm_head = Head(config.hidden_size, config.vocab_size, config.loss_chunk_size)
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, initializer_range) for matrices, ones for norms, small normal for sinks."""
-        std = self.config.initializer_range
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, Sinks):
-                module.weight.normal_(0.0, std, generator=generator)
+    def init_weights(self, seed: int = 0) -> None:
+        """Every parameter from `initial_value`, buffers zeroed: the same weights in every layout."""
         for name, param in self.named_parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, std, generator=generator)
+            param.copy_(self.initial_value(name, param, seed))
         for buffer in self.buffers():
             buffer.zero_()
+
+    def initial_value(self, name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
+        """The whole initial tensor of parameter `name` (param gives shape, dtype and device):
+        ones for norms; normal(0, initializer_range) for matrices and sinks, drawn from a generator
+        seeded by crc32 of (seed, name). It depends on nothing else, so a sharded, expert- or
+        pipeline-split model (parallel.py) starts from the weights of one process on the same
+        device type, whatever order or subset of parameters each rank initialises."""
+        owner = self.get_submodule(name.rpartition(".")[0])
+        if isinstance(owner, RMSNorm):
+            return torch.ones(param.shape, dtype=param.dtype, device=param.device)
+        if param.dim() < 2 and not isinstance(owner, Sinks):
+            raise ValueError(f"{name}: no initialisation rule for a {param.dim()}-D parameter of "
+                             f"{type(owner).__name__}")
+        # 32 bits: the CPU generator (mt19937) keeps only the low 32 bits of a seed.
+        generator = torch.Generator(device=param.device).manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+        value = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        return value.normal_(0.0, self.config.initializer_range, generator=generator)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -499,11 +510,10 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 
 def build_model(config: FlintConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                seed: int | None = None) -> Flint:
+                seed: int = 0) -> Flint:
     """Construct on the meta device (no memory), materialise on `device`, then initialise."""
     with torch.device("meta"):
         model = Flint(config, dtype)
     model.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    model.init_weights(generator)
+    model.init_weights(seed)
     return model

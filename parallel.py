@@ -112,19 +112,14 @@ class ParallelConfig:
             raise ValueError(f"{where} dp_shard must be -1 (fill the world size) or >= 1, got {self.dp_shard!r}")
         if num_experts is not None and num_experts % self.ep:
             raise ValueError(f"{where} ep = {self.ep} must divide the model's num_experts = {num_experts}")
-        if self.pp_schedule not in SCHEDULES:
-            raise ValueError(f"{where} pp_schedule must be one of {list(SCHEDULES)}, got {self.pp_schedule!r}")
+        for key, allowed in (("pp_schedule", list(SCHEDULES)), ("activation_checkpointing", list(AC_MODES)),
+                             ("backend", ["auto", "nccl", "gloo"]), ("param_dtype", ["auto", *DTYPES])):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{where} {key} must be one of {allowed}, got {getattr(self, key)!r}")
         looped = self.pp_schedule == "Interleaved1F1B"
         if (self.stages_per_rank < 2) if looped else (self.stages_per_rank != 1):
             raise ValueError(f"{where} pp_stages_per_rank = {self.stages_per_rank} does not fit pp_schedule "
                              f"{self.pp_schedule!r}: Interleaved1F1B needs >= 2, the others exactly 1")
-        if self.activation_checkpointing not in AC_MODES:
-            raise ValueError(f"{where} activation_checkpointing must be one of {AC_MODES}, "
-                             f"got {self.activation_checkpointing!r}")
-        if self.backend not in ("auto", "nccl", "gloo"):
-            raise ValueError(f"{where} backend must be auto, nccl or gloo, got {self.backend!r}")
-        if self.param_dtype not in ("auto", *DTYPES):
-            raise ValueError(f"{where} param_dtype must be auto or one of {list(DTYPES)}, got {self.param_dtype!r}")
 
 
 # ============================================================================= process group and mesh
@@ -296,7 +291,9 @@ def apply_expert_parallel(model: Flint, ep_mesh: DeviceMesh) -> None:
             num_experts = experts.gate_up_proj.shape[0]
             for name in ("gate_up_proj", "down_proj"):
                 param = getattr(experts, name)
-                setattr(experts, name, nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)])))
+                # Every rank holds the same full tensor (or a meta one): keep this rank's slice, no traffic.
+                local = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+                setattr(experts, name, nn.Parameter(local))
             layer.mlp.experts = ExpertParallelExperts(experts, ep_mesh.get_group(), num_experts)
 
 
@@ -392,6 +389,25 @@ def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "
     return pm
 
 
+@torch.no_grad()
+def init_weights(pm: "ParallelModel", device: torch.device, seed: int | None) -> None:
+    """Materialise a meta-built, parallelized model: this rank's shards of `Flint.initial_value` (the
+    weights of one process), or with seed None just the memory, to load a checkpoint into. Each rank
+    draws one full tensor at a time, never the model (the 40B model's largest: a few GB on a GPU)."""
+    for part in pm.parts:
+        part.to_empty(device=device)  # on each FSDP root: it re-registers its shards
+        for buffer in part.buffers():  # statistics, not weights
+            buffer.zero_()
+        for name, param in (part.named_parameters() if seed is not None else ()):
+            full = Flint.initial_value(part, name, param, seed)
+            if isinstance(param, DTensor):  # Shard and _StridedShard over FSDP/EP meshes, chunked like FSDP2
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                param = param.to_local()
+            if full.shape != param.shape:
+                raise RuntimeError(f"{name}: initial shard {tuple(full.shape)} != local shard {tuple(param.shape)}")
+            param.copy_(full)
+
+
 def uncompile(pm: "ParallelModel") -> None:
     """Back to the eager blocks after a compile failure (the caller says so, loudly)."""
     for part in pm.parts:
@@ -416,10 +432,6 @@ class ParallelModel:
         self.parts, self.mesh, self.config, self.schedule = parts, mesh, config, None
         self.module = merged_view(parts)
         self.token_weight = torch.ones(())  # dp / num_tokens of the current step
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
 
     @property
     def dp_size(self) -> int:
@@ -471,40 +483,36 @@ class ParallelModel:
             loss = loss / self.mesh["dp_cp"].size()
         return loss
 
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(list(self.module.parameters()), max_norm, self.mesh)
+        """Clip by the global L2 norm of all gradients; returns that norm (FP32).
 
-
-@torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: DeviceMesh | None = None) -> torch.Tensor:
-    """Clip by the global L2 norm of all gradients; returns that norm (FP32).
-
-    Gradients live on different meshes (the experts on (efsdp, ep), the rest on fsdp) and pipeline
-    stages hold different parameters, so a per-mesh norm is not the norm: sum the squares of the
-    local shards per (mesh, placements), all-reduce over the dims that shard them, add the groups,
-    then all-reduce over the pipeline group.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for grad in grads:
-        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else (None, None)
-        groups.setdefault(key, []).append(grad.to_local() if isinstance(grad, DTensor) else grad)
-    device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros((), device=device, dtype=torch.float32)
-    for (grad_mesh, placements), local in groups.items():
-        squares = sum(g.float().pow(2).sum() for g in local)
-        if grad_mesh is not None:
-            for dim, placement in enumerate(placements):
-                if not placement.is_replicate():  # Shard and _StridedShard split the tensor
-                    dist.all_reduce(squares, group=grad_mesh.get_group(dim))
-        total += squares
-    if mesh is not None and mesh["pp"].size() > 1:
-        dist.all_reduce(total, group=mesh["pp"].get_group())
-    norm = total.sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for grad in grads:
-        (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale.to(grad.dtype))
-    return norm
+        Gradients live on different meshes (the experts on (efsdp, ep), the rest on fsdp) and pipeline
+        stages hold different parameters, so a per-mesh norm is not the norm: sum the squares of the
+        local shards per (mesh, placements), all-reduce over the dims that shard them, add the groups,
+        then all-reduce over the pipeline group.
+        """
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for grad in grads:
+            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else (None, None)
+            groups.setdefault(key, []).append(grad.to_local() if isinstance(grad, DTensor) else grad)
+        device = grads[0].device if grads else torch.device("cpu")
+        total = torch.zeros((), device=device, dtype=torch.float32)
+        for (grad_mesh, placements), local in groups.items():
+            squares = sum(g.float().pow(2).sum() for g in local)
+            if grad_mesh is not None:
+                for dim, placement in enumerate(placements):
+                    if not placement.is_replicate():  # Shard and _StridedShard split the tensor
+                        dist.all_reduce(squares, group=grad_mesh.get_group(dim))
+            total += squares
+        if self.mesh["pp"].size() > 1:
+            dist.all_reduce(total, group=self.mesh["pp"].get_group())
+        norm = total.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale.to(grad.dtype))
+        return norm
 
 
 # ============================================================================= memory per GPU, before renting GPUs

@@ -28,8 +28,10 @@ import shutil
 import sys
 import time
 import warnings
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -39,11 +41,11 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 
-from config import ConfigError, OptimSection, TrainConfig, load_config
+from config import ConfigError, OptimSection, TrainConfig, TrainingSection, load_config
 from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
-from model import Flint, FlintConfig, build_model
+from model import Flint, FlintConfig
 from moe import Router
-from parallel import ParallelModel, build_mesh, init_distributed, parallelize, uncompile
+from parallel import ParallelModel, build_mesh, init_distributed, init_weights, parallelize, uncompile
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         run = start_run(cfg)
         tokenizer, train_data, val_data = setup_data(cfg, run)
-        model = parallelize(load_model(cfg, run), cfg.parallel, run.mesh)
+        model = load_model(cfg, run)
         if cfg.parallel.compile:
             check_compiled(model, train_data.peek(), run)
         optimizer = build_optimizer(model.module, cfg.optim, run.device)
@@ -178,24 +180,61 @@ def check_enough_data(cfg: TrainConfig, train: PackedLoader, val: PackedLoader |
                         f"data.val_fraction or lower training.batch_size")
 
 
-def load_model(cfg: TrainConfig, run: Run) -> Flint:
-    """FP32 master weights: fresh from the seed, or from [model].init_from (native or Hugging Face)."""
-    source = cfg.model.init_from
-    if not source or is_native_checkpoint(Path(source)):
-        model = build_model(cfg.model_config, run.device, torch.float32, seed=cfg.training.seed)
-        if source:  # a native checkpoint: cfg.model_config came from its config.json
-            load_dcp({"model": model.state_dict()}, Path(source))
-    else:
-        from convert import load_hf  # only fine-tuning from Hugging Face weights needs convert.py
-        model = load_hf(source, dtype=torch.float32, device=run.device)
-        # Training choices that config.json cannot carry: checked in config.py, applied here.
-        model.config.router_aux_loss_coef = cfg.model_config.router_aux_loss_coef
-        model.config.attention_backend = cfg.model_config.attention_backend
-    c = model.config
+def load_model(cfg: TrainConfig, run: Run) -> ParallelModel:
+    """FP32 master weights, laid out by parallel.py: fresh from the seed, or from [model].init_from
+    (native, or Hugging Face converted to native first). Built on meta and parallelized before
+    any weight exists, so each rank only ever holds its own shards (the 40B model fits)."""
+    config = cfg.model_config  # an init_from checkpoint's config.json, with the training settings of [model]
+    with torch.device("meta"):
+        model = Flint(config, torch.float32)
     run.print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.num_params(active=True) / 1e6:.2f}M "
-              f"active per token; {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_experts} experts "
-              f"(top {c.num_experts_per_tok}), vocab {c.vocab_size}")
-    return model
+              f"active per token; {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+              f"{config.num_experts} experts (top {config.num_experts_per_tok}), vocab {config.vocab_size}")
+    pm = parallelize(model, cfg.parallel, run.mesh)
+    if not cfg.model.init_from:
+        init_weights(pm, run.device, cfg.training.seed)
+        return pm
+    source = Path(cfg.model.init_from)
+    native = source if is_native_checkpoint(source) else converted_checkpoint(source, cfg, run)
+    check_architecture(native, config)
+    init_weights(pm, run.device, seed=None)  # allocated, then filled from the checkpoint
+    state = {"model": get_model_state_dict(pm.module)}  # this rank's shards; DCP reads just those
+    load_dcp(state, native)
+    set_model_state_dict(pm.module, state["model"])
+    run.print(f"loaded the weights of {source}")
+    return pm
+
+
+def converted_checkpoint(hf_dir: Path, cfg: TrainConfig, run: Run) -> Path:
+    """A Hugging Face init_from as a native checkpoint in checkpoint.dir, written by rank 0 with
+    convert.py's streaming import (memory: about two tensors) and reused while the source's
+    safetensors files are unchanged; other checkpoints of earlier sources there are removed."""
+    from convert import SafetensorsDir, import_native  # only fine-tuning from Hugging Face needs convert.py
+    files = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(hf_dir.glob("*.safetensors"))]
+    key = zlib.crc32(json.dumps([str(hf_dir.resolve()), files]).encode())
+    out = Path(cfg.checkpoint.dir) / f"init_from_hf-{key:08x}"
+    with main_rank_works(run):
+        if run.is_main and not is_native_checkpoint(out):
+            for stale in Path(cfg.checkpoint.dir).glob("init_from_hf-*"):
+                shutil.rmtree(stale)
+            run.print(f"converting {hf_dir} to a native checkpoint {out} (once; reused while the source is unchanged)")
+            config = FlintConfig.from_hf_config(hf_dir / "config.json")
+            try:
+                import_native(SafetensorsDir(hf_dir), config, out, log=run.print)
+            except (ValueError, OSError) as error:
+                raise TrainingError(f"{cfg.where('model.init_from')}: cannot convert {hf_dir}: {error}") from error
+    return out
+
+
+@contextmanager
+def main_rank_works(run: Run, hours: float = 4.0):
+    """Rank 0 does the body's long work (converting or exporting a checkpoint) while the others wait
+    at a gloo barrier of `hours`: the NCCL default of 10 minutes is shorter than a 40B conversion."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(hours=hours)) if run.world_size > 1 else None
+    yield
+    if group is not None:
+        dist.barrier(group=group)
+        dist.destroy_process_group(group)
 
 
 def check_compiled(model: ParallelModel, example: dict[str, torch.Tensor], run: Run) -> None:
@@ -296,27 +335,44 @@ def routing_stats(model: ParallelModel, run: Run) -> dict[str, dict[str, float]]
             for layer, hi, lo in zip(moe_layers, load.max(dim=1).values.tolist(), load.min(dim=1).values.tolist())}
 
 
+# Rank 0 loads the final model on the CPU in FP32 for the sample only up to this size (4 GB).
+SAMPLE_MAX_PARAMS = 1_000_000_000
+
+
 def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, logger: "MetricsLogger") -> dict:
-    """A sample and the Hugging Face export when asked, made by rank 0 from the final checkpoint:
-    a plain model on the CPU, whatever layout (sharded, expert- or pipeline-split) trained it."""
+    """A sample and the Hugging Face export when asked, made by rank 0 from the final checkpoint,
+    whatever layout (sharded, expert- or pipeline-split) trained it. The export streams one tensor
+    at a time; the sample needs the whole model in one process, so large models skip it."""
     t, export = cfg.training, cfg.checkpoint.export_hf
-    if run.is_main and (t.sample_tokens or export):
-        from convert import load_native, save_hf
-        model = load_native(checkpoint, dtype=torch.float32)
-        if t.sample_tokens:
-            prompt = tokenizer.encoding.encode_ordinary(t.sample_prompt) or [tokenizer.eos_id]
-            generator = torch.Generator().manual_seed(t.seed)
-            tokens = model.generate(torch.tensor([prompt]), t.sample_tokens, t.sample_temperature, None, generator,
-                                    tokenizer.eos_id)
-            logger.summary["sample"] = tokenizer.decode(tokens[0].tolist())
-            run.print(f"sample ({t.sample_tokens} tokens, temperature {t.sample_temperature}):\n"
-                      f"{logger.summary['sample']}")
-        if export:
+    with main_rank_works(run):
+        if run.is_main and t.sample_tokens:
+            with torch.device("meta"):
+                num_params = Flint(FlintConfig.from_hf_config(checkpoint / "config.json")).num_params()
+            if num_params > SAMPLE_MAX_PARAMS:
+                run.print(f"sample skipped: {num_params / 1e9:.1f}B parameters do not fit one process (the limit "
+                          f"is {SAMPLE_MAX_PARAMS / 1e9:.0f}B); export with checkpoint.export_hf and sample "
+                          f"from the export in an inference engine")
+            else:
+                logger.summary["sample"] = sample_text(checkpoint, tokenizer, t)
+                run.print(f"sample ({t.sample_tokens} tokens, temperature {t.sample_temperature}):\n"
+                          f"{logger.summary['sample']}")
+        if run.is_main and export:
+            from convert import NativeDir, export_published
             dtype = getattr(torch, cfg.checkpoint.export_dtype) if cfg.checkpoint.export_dtype else None
-            save_hf(model, export, dtype=dtype)
+            config = FlintConfig.from_hf_config(checkpoint / "config.json")
+            export_published(NativeDir(checkpoint), config, export, dtype)
             run.print(f"exported the model in Hugging Face format to {export}")
-    barrier()
     return logger.summary
+
+
+def sample_text(checkpoint: Path, tokenizer: Tokenizer, t: TrainingSection) -> str:
+    from convert import load_native
+    model = load_native(checkpoint, dtype=torch.float32)
+    prompt = tokenizer.encoding.encode_ordinary(t.sample_prompt) or [tokenizer.eos_id]
+    generator = torch.Generator().manual_seed(t.seed)
+    tokens = model.generate(torch.tensor([prompt]), t.sample_tokens, t.sample_temperature, None, generator,
+                            tokenizer.eos_id)
+    return tokenizer.decode(tokens[0].tolist())
 
 
 # ============================================================================= checkpoints

@@ -272,3 +272,20 @@ def test_compiled_block_matches_eager():
     for name, param in model.named_parameters():
         key = name.replace("._orig_mod", "")
         torch.testing.assert_close(param.grad, eager_grads[key], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_initial_weights_depend_only_on_the_seed_and_the_name():
+    """What lets every parallel layout (parallel.init_weights) start from one process's weights."""
+    config = FlintConfig.from_name("tiny")
+    model = build_model(config, seed=3).state_dict()
+    fewer_layers = build_model(FlintConfig.from_name("tiny", num_hidden_layers=3), seed=3).state_dict()
+    assert all(torch.equal(fewer_layers[name], model[name]) for name in fewer_layers)
+    other_seed = build_model(config, seed=4).state_dict()
+    for name, tensor in model.items():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            assert torch.equal(tensor, torch.ones_like(tensor)) and torch.equal(other_seed[name], tensor), name
+        else:
+            assert not torch.equal(other_seed[name], tensor), name
+    q, k = model["layers.0.self_attn.q_proj.weight"], model["layers.0.self_attn.k_proj.weight"]
+    assert not torch.equal(q[:k.shape[0]], k)  # each name has its own stream
+    assert abs(model["embed_tokens.weight"].std().item() - config.initializer_range) < 0.1 * config.initializer_range

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from model import FlintConfig, build_model
-from parallel import ParallelConfig, build_mesh, cp_token_index, parallelize
+from model import Flint, FlintConfig, build_model
+from parallel import ParallelConfig, build_mesh, cp_token_index, init_weights, parallelize
 
 SLOW = os.environ.get("FLINT_SLOW") == "1"
 slow = pytest.mark.skipif(not SLOW, reason="larger layouts: run with FLINT_SLOW=1")
@@ -203,22 +203,63 @@ def test_fp32_units_under_bf16_policy():
     spawn(2, check_fp32_units_under_bf16, {"dp_shard": 2, "param_dtype": "bfloat16"})
 
 
+# ----------------------------------------------------------------------------- initialisation without the full model
+
+def meta_built(config, layout: dict, seed: int):
+    """What train.py does: build on meta, parallelize, then materialise this rank's shards."""
+    cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
+    mesh = build_mesh(cfg, "cpu", config.num_experts)
+    with torch.device("meta"):
+        model = Flint(config)
+    pm = parallelize(model, cfg, mesh)
+    init_weights(pm, torch.device("cpu"), seed)
+    return pm, mesh
+
+
+def check_meta_init(layouts: list[dict]) -> None:
+    """Every parameter, gathered, equals the single-process build_model init bit for bit; under
+    pp the stages' parameters together are all of them. vocab 263 shards unevenly (FSDP pads)."""
+    config = tiny_config(vocab_size=263)
+    expected = build_model(config, seed=5).state_dict()
+    for layout in layouts:
+        pm, mesh = meta_built(config, layout, seed=5)
+        names = [n for n, _ in pm.module.named_parameters()]
+        for name, param in pm.module.named_parameters():
+            if isinstance(param, DTensor):
+                assert param.to_local().shape[0] < param.shape[0], f"{layout}: {name} is not sharded"
+            assert torch.equal(full(param), expected[name]), f"{layout}: {name} differs from one process"
+        everyone = [None] * mesh["pp"].size()
+        dist.all_gather_object(everyone, names, group=mesh["pp"].get_group())
+        assert sorted(sum(everyone, [])) == sorted(n for n, _ in build_model(config).named_parameters()), layout
+        assert all(not b.is_meta and not b.any() for b in pm.module.buffers())
+
+
+def test_meta_init_matches_one_process():
+    """A group of one (no sharding), then FSDP 2, EP 2 and PP 2."""
+    from parallel import init_distributed
+    init_distributed("gloo")
+    try:
+        check_meta_init([{}])
+    finally:
+        dist.destroy_process_group()
+    spawn(2, check_meta_init, [{"dp_shard": 2}, {"ep": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}])
+
+
 # ----------------------------------------------------------------------------- checkpoints across layouts
 
 def check_checkpoint_across_layouts(path: str) -> None:
     """FSDP 2 x EP 2 matches one process, saves after one step; FSDP 4 loads it (model and
-    optimizer) and its next steps track the single-process losses."""
+    optimizer) and its next steps track the single-process losses. Models built on meta."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
     check_layouts([{"dp_shard": 2, "ep": 2}], {})
+    check_meta_init([{"dp_shard": 2, "ep": 2}, {"dp_replicate": 2, "dp_shard": 2}])  # 2-D expert and HSDP placements
     config, batch = tiny_config(), make_batch()
     ref_losses, _, _ = reference_run(config, batch)
 
     def layout(parallel: dict, seed: int):
-        cfg = ParallelConfig.from_dict({"param_dtype": "float32", **parallel})
-        mesh = build_mesh(cfg, "cpu", config.num_experts)
-        pm = parallelize(build_model(config, seed=seed), cfg, mesh)
+        pm, mesh = meta_built(config, parallel, seed)
         return pm, torch.optim.AdamW(pm.module.parameters(), lr=LR, foreach=False), rows_of_this_rank(mesh, batch)
 
     def step(pm, optimizer, local):

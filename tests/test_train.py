@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -164,31 +165,50 @@ def test_checkpoint_from_another_architecture_is_refused(tmp_path):
         run_debug(tmp_path, "--model.hidden_size=96", f"--checkpoint.resume={checkpoint}")
 
 
-def test_init_from_a_native_checkpoint_loads_its_weights(tmp_path):
+def test_init_from_a_native_checkpoint_loads_its_weights(tmp_path, monkeypatch, capsys):
     source = tmp_path / "trained"
     run_debug(source, "--training.steps=10", "--training.sample_tokens=0")
     checkpoint = source / "ckpt" / "step_00000010"
     first_loss = train_losses(source)[1]
-    run_debug(tmp_path, f"--model.init_from={checkpoint}", "--model.preset=", "--training.steps=1",
-              "--training.sample_tokens=0")
+    monkeypatch.setattr(train, "SAMPLE_MAX_PARAMS", 100_000)  # as if the model were too large to sample
+    summary = run_debug(tmp_path, f"--model.init_from={checkpoint}", "--model.preset=", "--training.steps=1")
     assert train_losses(tmp_path)[1] < first_loss - 1.0  # starts where the source run ended, not at ln(V)
+    assert "sample skipped: 0.0B parameters do not fit one process" in capsys.readouterr().out
+    assert "sample" not in summary
 
 
-def test_finetune_from_hugging_face_and_export(tmp_path):
+def test_finetune_from_hugging_face_converts_once_and_exports(tmp_path):
+    """Two processes (FSDP): rank 0 converts the Hugging Face weights to a native checkpoint in
+    checkpoint.dir, both load their shards from it; a later run reuses it. The first losses are
+    the source model's on the same rows, and the export holds the trained weights."""
     config = FlintConfig.from_name("tiny", vocab_size=264, num_hidden_layers=4, router_aux_loss_coef=0.0005)
     source = build_model(config, seed=7)
     convert.save_hf(source, tmp_path / "hf")
     with pytest.raises(ConfigError, match=r"router_aux_loss_coef = 0.0005.*set \[model\].router_aux_loss_coef = 0.0"):
         run_debug(tmp_path, f"--model.init_from={tmp_path / 'hf'}", "--model.preset=")
-    run_debug(tmp_path, f"--model.init_from={tmp_path / 'hf'}", "--model.preset=", "--model.router_aux_loss_coef=0.0",
-              "--training.steps=2", "--training.sample_tokens=0", f"--checkpoint.export_hf={tmp_path / 'out'}")
-    loader_first = train.setup_data(train.load_config(DEBUG, [f"--data.path={EMBEDDED_CORPUS}",
-                                                              f"--data.cache_dir={tmp_path / 'cache'}"]),
-                                    train.Run(0, 1, 0, 1, torch.device("cpu")))[1].peek()
+    finetune = [f"--model.init_from={tmp_path / 'hf'}", "--model.preset=", "--model.router_aux_loss_coef=0.0",
+                "--training.sample_tokens=0", f"--checkpoint.export_hf={tmp_path / 'out'}"]
+    run_debug_two_processes(tmp_path, *finetune, "--training.steps=2", "--parallel.dp_shard=2")
+    converted = list((tmp_path / "ckpt").glob("init_from_hf-*"))
+    assert len(converted) == 1 and train.is_native_checkpoint(converted[0])
+    written = (converted[0] / ".metadata").stat().st_mtime_ns
+    loader = train.setup_data(train.load_config(DEBUG, [f"--data.path={EMBEDDED_CORPUS}",
+                                                        f"--data.cache_dir={tmp_path / 'cache'}"]),
+                              train.Run(0, 1, 0, 1, torch.device("cpu")))[1]
+    batches = [loader.next_batch() for _ in range(2)]  # rank 0's rows, then rank 1's
     with torch.no_grad():
-        assert train_losses(tmp_path)[1] == pytest.approx(source(**loader_first).item(), rel=1e-5)
+        tokens = [(b["targets"] != -100).sum() for b in batches]
+        expected = [source(**b).item() for b in batches]
+    two_process_loss = sum(loss * n for loss, n in zip(expected, tokens)) / sum(tokens)
+    assert train_losses(tmp_path)[1] == pytest.approx(two_process_loss.item(), rel=1e-5)
     exported = convert.load_hf(tmp_path / "out")
     assert not torch.equal(exported.embed_tokens.weight, source.embed_tokens.weight)  # trained, then exported
+
+    shutil.rmtree(tmp_path / "out")
+    run_debug(tmp_path, *finetune, "--training.steps=1")
+    assert list((tmp_path / "ckpt").glob("init_from_hf-*")) == converted
+    assert (converted[0] / ".metadata").stat().st_mtime_ns == written  # reused, not converted again
+    assert train_losses(tmp_path)[1] == pytest.approx(expected[0], rel=1e-5)
 
 
 def exported_tensors(directory: Path) -> dict[str, torch.Tensor]:
