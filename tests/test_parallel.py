@@ -306,19 +306,6 @@ def test_checkpoint_resumes_across_layouts(tmp_path):
 
 # ----------------------------------------------------------------------------- memory table
 
-def test_memory_table_counts_sharded_state_by_hand():
-    from parallel import GIB, memory_per_gpu, memory_table
-    config = tiny_config()
-    total = build_model(config).num_params()
-    row = memory_per_gpu(config, ParallelConfig(dp_shard=2, ep=2).resolve(4, 8), seq_len=16, batch_size=2)
-    # every parameter is split 4 ways: experts over ep x dp_shard, the rest over dp_shard x ep
-    assert abs(row["params"] * GIB - 4 * total / 4) < 1 and abs(row["optimizer"] * GIB - 8 * total / 4) < 1
-    full_ac = memory_per_gpu(config, ParallelConfig(dp_shard=4, activation_checkpointing="full").resolve(4), 16, 2)
-    no_ac = memory_per_gpu(config, ParallelConfig(dp_shard=4).resolve(4), 16, 2)
-    assert full_ac["activations"] < no_ac["activations"]
-    assert "| dp_shard=2 ep=2 ac=none |" in memory_table(config, [ParallelConfig(dp_shard=2, ep=2)], 16, 2)
-
-
 # ----------------------------------------------------------------------------- compile
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=slow)])

@@ -1,0 +1,111 @@
+"""Memory per GPU of each parallel layout, computed without a GPU, to pick a layout before renting one.
+
+    python memory.py --config configs/flint-8gpu.toml --gpus 8
+
+prints GiB per GPU (FP32 master weights, gradients, AdamW moments, the BF16 blocks FSDP gathers, and
+activations) for the config's own layout and, with --gpus, the usual alternatives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+import torch
+
+from config import load_config
+from model import FlintConfig
+from parallel import MESH_DIMS, ParallelConfig, ParallelFlint, pipeline_stage
+
+GIB = 2 ** 30
+
+
+def _stage_params(config: FlintConfig, pp: int) -> list[tuple[int, int]]:
+    """(expert, other) parameter counts of each pipeline stage, counted on the meta device."""
+    with torch.device("meta"):
+        model = ParallelFlint(config)
+    stages = [pipeline_stage(model, s, pp) if pp > 1 else model for s in range(pp)]
+    return [(sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." in n),
+             sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." not in n)) for part in stages]
+
+
+def _activation_bytes_per_token(config: FlintConfig, layers: int, checkpointing: str) -> float:
+    """Saved activations of `layers` blocks for one token, in BF16 (FP32 router scores and lse)."""
+    c = config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attention = 2 * (4 * c.hidden_size + 2 * q + 2 * kv) + 4 * c.num_attention_heads
+    k = c.num_experts_per_tok
+    moe = (2 * (2 * k * c.hidden_size + 3 * k * c.moe_intermediate_size + 3 * c.shared_expert_intermediate_size)
+           + 4 * c.num_experts)
+    block = attention + moe
+    kept = {"none": layers, "full": 0, "selective": layers // 2}[checkpointing]
+    # Checkpointed blocks keep their input only; one block at a time is recomputed in full.
+    return kept * block + (layers - kept) * 2 * c.hidden_size + (block if kept < layers else 0)
+
+
+def memory_per_gpu(config: FlintConfig, cfg: ParallelConfig, seq_len: int, batch_size: int) -> dict[str, float]:
+    """GiB per GPU on the busiest pipeline stage: FP32 master weights, FP32 gradients, AdamW
+    moments (2 x FP32), the BF16 blocks FSDP gathers (the current block and the prefetched next),
+    and activations of the micro-batches in flight. An estimate: no allocator slack or buffers."""
+    other_shards = cfg.dp_shard * cfg.ep * cfg.cp
+    expert_shards = cfg.ep * cfg.dp_shard * cfg.cp
+    stages = _stage_params(config, cfg.pp)
+    layers_per_stage = math.ceil(config.num_hidden_layers / cfg.pp)
+    sharded = max(e / expert_shards + o / other_shards for e, o in stages)
+    expert_block = max(e for e, _ in stages) / layers_per_stage / cfg.ep
+    other_block = (max(o for _, o in stages) - 2 * config.vocab_size * config.hidden_size / cfg.pp) / layers_per_stage
+    microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
+    in_flight = 1 if cfg.pp == 1 else (microbatches if cfg.pp_schedule == "GPipe" else cfg.pp)
+    tokens = batch_size * seq_len / cfg.cp / (microbatches if cfg.pp > 1 else 1)
+    activations = tokens * in_flight * _activation_bytes_per_token(config, layers_per_stage, cfg.activation_checkpointing)
+    logits = 2 * 4 * min(config.loss_chunk_size, tokens) * config.vocab_size  # one FP32 chunk and its grad
+    row = {"params": 4 * sharded, "grads": 4 * sharded, "optimizer": 8 * sharded,
+           "gathered": 2 * 2 * (expert_block + other_block), "activations": activations + logits}
+    row = {name: value / GIB for name, value in row.items()}
+    row["total"] = sum(row.values())
+    return row
+
+
+def candidate_layouts(gpus: int, num_experts: int) -> list[ParallelConfig]:
+    """FSDP alone, FSDP with expert parallel, with a pipeline, and HSDP across nodes of 8."""
+    layouts = [ParallelConfig(dp_shard=gpus)]
+    layouts += [ParallelConfig(dp_shard=gpus // ep, ep=ep) for ep in (2, 4, 8, 16, 32)
+                if gpus % ep == 0 and num_experts % ep == 0 and gpus > ep]
+    layouts += [ParallelConfig(dp_shard=gpus // pp, pp=pp) for pp in (2, 4) if gpus % pp == 0 and gpus > pp]
+    if gpus > 8 and gpus % 8 == 0:
+        layouts += [ParallelConfig(dp_replicate=gpus // 8, dp_shard=8 // ep, ep=ep) for ep in (1, 8)]
+    return layouts
+
+
+def memory_table(config: FlintConfig, layouts: list[ParallelConfig], seq_len: int, batch_size: int) -> str:
+    names = ("params", "grads", "optimizer", "gathered", "activations", "total")
+    lines = [f"Memory per GPU (GiB, estimate) for seq_len {seq_len}, batch_size {batch_size} rows per "
+             f"data-parallel rank, {config.num_hidden_layers} layers, {config.num_experts} experts",
+             "| layout | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for cfg in layouts:
+        layout = " ".join(f"{d}={getattr(cfg, d)}" for d in MESH_DIMS if getattr(cfg, d) > 1)
+        layout += f" ac={cfg.activation_checkpointing}"
+        row = memory_per_gpu(config, cfg, seq_len, batch_size)
+        lines.append(f"| {layout} | " + " | ".join(f"{row[n]:.1f}" for n in names) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Memory per GPU of parallel layouts (no GPU needed).")
+    parser.add_argument("--config", required=True, help="a training TOML: its [model], [data] seq_len, "
+                        "[training] batch_size and [parallel] layout")
+    parser.add_argument("--gpus", type=int, help="also list candidate layouts for this many GPUs")
+    args = parser.parse_args()
+    cfg = load_config(args.config)
+    config, parallel = cfg.model_config, cfg.parallel
+    gpus = args.gpus or parallel.dp_replicate * max(parallel.dp_shard, 1) * parallel.ep * parallel.pp * parallel.cp
+    layouts = [parallel.resolve(gpus, config.num_experts)]
+    if args.gpus:
+        layouts += candidate_layouts(gpus, config.num_experts)
+        layouts += [dataclasses.replace(c, activation_checkpointing="full") for c in layouts[1:]]
+    print(memory_table(config, layouts, cfg.data.seq_len, cfg.training.batch_size))
+
+
+if __name__ == "__main__":
+    main()
