@@ -338,11 +338,14 @@ class Head(nn.Module):
         if targets is None:
             return h @ self.weight.float().T
         h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # [N, H], [N]
+        count = (targets != -100).sum().clamp(min=1)
+        if h.shape[0] <= self.chunk_size:  # one chunk: saving its logits costs no more than recomputing
+            return _chunk_loss_sum(h, self.weight, targets) / count
         total = h.new_zeros(())
         for start in range(0, h.shape[0], self.chunk_size):
             rows = slice(start, start + self.chunk_size)
             total = total + checkpoint(_chunk_loss_sum, h[rows], self.weight, targets[rows], use_reentrant=False)
-        return total / (targets != -100).sum().clamp(min=1)
+        return total / count
 
 
 def _chunk_loss_sum(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ results are weighted after the down projection and added back to their tokens.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -76,14 +78,17 @@ def group_alignment(device: torch.device) -> int:
     return 16 if device.type == "cuda" else 1
 
 
-def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int):
-    """Plan the grouped GEMM without a host sync.
+class ExpertPlan(NamedTuple):
+    """How rows sorted by expert sit in the (possibly padded) buffer of the grouped GEMM."""
+    order: torch.Tensor  # [R] assignment ids in expert order
+    slots: torch.Tensor  # [R] buffer row of each sorted assignment
+    offsets: torch.Tensor  # int32 [E] cumulative padded group ends
+    rows: int  # static buffer length: R + E * (align - 1)
+    padded: bool  # align > 1: the buffer has gaps between groups
 
-    indices [N, k] -> (order [N*k]: assignment ids sorted by expert,
-                       slots [N*k]: row of each sorted assignment in the padded buffer,
-                       offsets int32 [E]: cumulative padded group ends,
-                       rows: static buffer length, N*k + E*(align-1)).
-    """
+
+def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int) -> ExpertPlan:
+    """Plan the grouped GEMM for expert indices [N, k] without a host sync."""
     flat = indices.flatten()  # [N*k]
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
@@ -94,7 +99,18 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int):
     rank_in_group = torch.arange(flat.numel(), device=flat.device) - starts[expert_of_sorted]
     slots = padded_ends[expert_of_sorted] - padded[expert_of_sorted] + rank_in_group
     rows = flat.numel() + num_experts * (align - 1)
-    return order, slots, padded_ends.to(torch.int32), rows
+    return ExpertPlan(order, slots, padded_ends.to(torch.int32), rows, align > 1)
+
+
+def grouped_swiglu(sorted_rows: torch.Tensor, plan: ExpertPlan, gate_up_proj: torch.Tensor,
+                   down_proj: torch.Tensor) -> torch.Tensor:
+    """Rows sorted by expert [R, H] -> each row's expert SwiGLU [R, H], one grouped GEMM per projection."""
+    x = sorted_rows
+    if plan.padded:  # [R, H] -> [rows, H] with aligned groups
+        x = x.new_zeros(plan.rows, x.shape[1]).index_copy(0, plan.slots, x)
+    gate, up = grouped_mm(x, gate_up_proj, plan.offsets).chunk(2, dim=-1)  # [rows, Im] each
+    out = grouped_mm(F.silu(gate) * up, down_proj, plan.offsets)  # [rows, H]
+    return out[plan.slots] if plan.padded else out  # drop the padding rows: [R, H]
 
 
 class GroupedExperts(nn.Module):
@@ -118,15 +134,10 @@ class GroupedExperts(nn.Module):
 
     def forward_grouped(self, x, weights, indices):
         num_experts, top_k = self.gate_up_proj.shape[0], indices.shape[1]
-        align = self.group_align or group_alignment(x.device)
-        order, slots, offsets, rows = sort_by_expert(indices, num_experts, align)
-        token_of = order // top_k  # [N*k]: which token each sorted assignment came from
-        routed = x.new_zeros(rows, x.shape[1]) if align > 1 else None
-        xs = x[token_of] if routed is None else routed.index_copy(0, slots, x[token_of])
-        gate, up = grouped_mm(xs, self.gate_up_proj, offsets).chunk(2, dim=-1)  # [rows, Im] each
-        out = grouped_mm(F.silu(gate) * up, self.down_proj, offsets)  # [rows, H]
-        out = out if routed is None else out[slots]  # drop the padding rows: [N*k, H]
-        out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
+        plan = sort_by_expert(indices, num_experts, self.group_align or group_alignment(x.device))
+        token_of = plan.order // top_k  # [N*k]: which token each sorted assignment came from
+        out = grouped_swiglu(x[token_of], plan, self.gate_up_proj, self.down_proj)  # [N*k, H]
+        out = out * weights.flatten()[plan.order].unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(x).index_add(0, token_of, out)
 
     def forward_loop(self, x, weights, indices):
@@ -175,17 +186,10 @@ def _local_shard(weight: torch.Tensor) -> torch.Tensor:
 
 def local_experts_forward(xs: torch.Tensor, expert_of_row: torch.Tensor, gate_up_proj: torch.Tensor,
                           down_proj: torch.Tensor, align: int) -> torch.Tensor:
-    """SwiGLU of each row with its expert, one grouped GEMM per projection.
-
-    xs [R, H] in any order, expert_of_row [R] local expert ids, gate_up_proj [El, H, 2Im],
-    down_proj [El, Im, H] -> [R, H] in the order of xs.
-    """
-    order, slots, offsets, rows = sort_by_expert(expert_of_row.unsqueeze(1), gate_up_proj.shape[0], align)
-    sorted_rows = xs[order] if align == 1 else xs.new_zeros(rows, xs.shape[1]).index_copy(0, slots, xs[order])
-    gate, up = grouped_mm(sorted_rows, gate_up_proj, offsets).chunk(2, dim=-1)  # [rows, Im] each
-    out = grouped_mm(F.silu(gate) * up, down_proj, offsets)  # [rows, H]
-    out = out if align == 1 else out[slots]  # drop the padding rows: [R, H], sorted by expert
-    return torch.zeros_like(out).index_copy(0, order, out)  # back to the order of xs
+    """xs [R, H] in any order, expert_of_row [R] local expert ids -> each row's SwiGLU [R, H], same order."""
+    plan = sort_by_expert(expert_of_row.unsqueeze(1), gate_up_proj.shape[0], align)
+    out = grouped_swiglu(xs[plan.order], plan, gate_up_proj, down_proj)
+    return torch.zeros_like(out).index_copy(0, plan.order, out)  # back to the order of xs
 
 
 class ExpertParallelExperts(nn.Module):

@@ -44,13 +44,23 @@ CASES = {  # name: (layer type, window, with documents)
 }
 
 
-def check_against_reference(backend, case, heads=(8, 2), head_dim=64, seq_len=40):
+# Every implementation of attention with sinks: FlexAttention (BlockMask), the CPU's fused flash
+# kernel (what the sdpa backend runs on the CPU), and SDPA with a sink column (sdpa elsewhere).
+IMPLEMENTATIONS = {
+    "flex": ("flex", A.sink_attention),
+    "cpu_flash": ("sdpa", A.sink_attention),
+    "sdpa_column": ("sdpa", A.sdpa_sink_attention),
+}
+
+
+def check_against_reference(implementation, case, heads=(8, 2), head_dim=64, seq_len=40):
     layer_type, window, with_docs = CASES[case]
+    backend, attend = IMPLEMENTATIONS[implementation]
     batch = 2
     doc_ids = packed_doc_ids(seq_len) if with_docs else None
     q, k, v, sinks = random_qkv(batch, *heads, seq_len, head_dim)
     masks = A.build_masks([layer_type], window, doc_ids, batch, seq_len, "cpu", backend)
-    out = A.sink_attention(q, k, v, sinks, masks[layer_type])
+    out = attend(q, k, v, sinks, masks[layer_type])
 
     ref_inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
     allowed = reference_mask(layer_type, window if window else seq_len, doc_ids, seq_len, batch)
@@ -65,18 +75,15 @@ def check_against_reference(backend, case, heads=(8, 2), head_dim=64, seq_len=40
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_sdpa_matches_reference(case):
-    check_against_reference("sdpa", case)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_matches_reference(implementation, case, flex_cpu_backward):
+    check_against_reference(implementation, case)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_flex_matches_reference(case, flex_cpu_backward):
-    check_against_reference("flex", case)
-
-
-def test_head_dim_and_gqa_variants():
-    check_against_reference("sdpa", "sliding+documents+padding", heads=(4, 4), head_dim=16)
-    check_against_reference("sdpa", "causal", heads=(6, 1), head_dim=32)
+@pytest.mark.parametrize("implementation", ["cpu_flash", "sdpa_column"])
+def test_head_dim_and_gqa_variants(implementation):
+    check_against_reference(implementation, "sliding+documents+padding", heads=(4, 4), head_dim=16)
+    check_against_reference(implementation, "causal", heads=(6, 1), head_dim=32)
 
 
 def test_window_edge_counts_the_current_token():
@@ -88,8 +95,8 @@ def test_window_edge_counts_the_current_token():
     assert dense.sum(-1).max().item() == 513
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_window_edge_through_attention(backend):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_window_edge_through_attention(implementation):
     """Key q-512 contributes to the output, key q-513 does not (window 513, both backends)."""
     seq_len, q_pos = 530, 529
     q = torch.zeros(1, 1, seq_len, 8)
@@ -97,20 +104,24 @@ def test_window_edge_through_attention(backend):
     v = torch.zeros(1, 1, seq_len, 8)
     v[0, 0, q_pos - 512, 0] = 1.0  # inside the window
     v[0, 0, q_pos - 513, 1] = 1.0  # just outside
+    backend, attend = IMPLEMENTATIONS[implementation]
     masks = A.build_masks([A.SLIDING], 513, None, 1, seq_len, "cpu", backend)
-    out = A.sink_attention(q, k, v, torch.zeros(1), masks[A.SLIDING])[0, 0, q_pos]
+    out = attend(q, k, v, torch.zeros(1), masks[A.SLIDING])[0, 0, q_pos]
     assert out[0].item() == pytest.approx(1 / 514)  # 513 equal keys plus the sink column
     assert out[1].item() == 0.0
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_padding_query_outputs_zeros(backend, flex_cpu_backward):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_padding_query_outputs_zeros(implementation, flex_cpu_backward):
     q, k, v, sinks = random_qkv(1, 2, 1, 8, 4)
     doc_ids = torch.tensor([[0, 0, 0, 0, 0, -1, -1, -1]])
+    backend, attend = IMPLEMENTATIONS[implementation]
     masks = A.build_masks([A.FULL], None, doc_ids, 1, 8, "cpu", backend)
-    out = A.sink_attention(q, k, v, sinks, masks[A.FULL])
+    out = attend(q, k, v, sinks, masks[A.FULL])
     assert torch.isfinite(out).all()
     assert out[0, :, 5:].abs().max().item() == 0.0
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v, sinks))
 
 
 def test_block_masks_without_documents_are_cached():
