@@ -10,7 +10,7 @@ sink `s_h` and whose value is zero, so  p_j = exp(a_j) / (exp(s_h) + sum_j exp(a
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Callable, Union
+from typing import Callable, NamedTuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,17 @@ LAYER_TYPES = (FULL, SLIDING)
 BACKENDS = ("auto", "flex", "sdpa")
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-Mask = Union[BlockMask, torch.Tensor]  # BlockMask -> flex backend; bool [B, 1, T, S] -> sdpa backend
+class BandMask(NamedTuple):
+    """A sliding layer's mask in query blocks of `block` = window - 1 rows (sdpa backend).
+
+    A query sees at most window - 1 earlier keys, all inside its own block or the previous one, so
+    each block attends to 2 * block keys only: cost linear in the sequence length, not quadratic.
+    """
+    allowed: torch.Tensor  # bool [B * blocks, 1, block, 2 * block]
+    seq_len: int
+
+
+Mask = Union[BlockMask, BandMask, torch.Tensor]  # flex | banded sdpa | dense bool [B, 1, T, S] sdpa
 
 
 # ----------------------------------------------------------------------------- mask functions
@@ -109,12 +119,30 @@ def build_masks(layer_types: list[str], window: int | None, doc_ids: torch.Tenso
     """One mask per layer type present, built once per batch outside the layers."""
     masks: dict[str, Mask] = {}
     for layer_type in sorted(set(layer_types)):
+        mod = layer_mask_mod(layer_type, window, doc_ids)
         if backend == "flex":
             masks[layer_type] = block_mask(layer_type, window, doc_ids, batch, seq_len, device)
+        elif layer_type == SLIDING and window is not None and seq_len > 2 * (window - 1) > 0:
+            masks[layer_type] = band_mask(mod, window - 1, batch, seq_len, device)
         else:
-            mod = layer_mask_mod(layer_type, window, doc_ids)
             masks[layer_type] = dense_mask(mod, batch, seq_len, seq_len, device)
     return masks
+
+
+def band_mask(mask_mod: MaskMod, block: int, batch: int, seq_len: int, device) -> BandMask:
+    """Evaluate a sliding layer's mask_mod for each query block against its previous and own block.
+
+    The sequence is padded up to whole blocks; padded queries and keys are never allowed.
+    """
+    blocks = -(-seq_len // block)
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    first = torch.arange(blocks, device=device).view(1, blocks, 1, 1) * block
+    q = first + torch.arange(block, device=device).view(1, 1, block, 1)  # [1, blocks, block, 1]
+    kv = first - block + torch.arange(2 * block, device=device).view(1, 1, 1, 2 * block)
+    inside = (kv >= 0) & (kv < seq_len) & (q < seq_len)
+    allowed = mask_mod(b, torch.zeros_like(b), q.clamp(max=seq_len - 1), kv.clamp(0, seq_len - 1)) & inside
+    return BandMask(allowed.expand(batch, blocks, block, 2 * block).reshape(batch * blocks, 1, block, 2 * block),
+                    seq_len)
 
 
 # ----------------------------------------------------------------------------- attention with sinks
@@ -196,10 +224,33 @@ def dense_sink_attention(q, k, v, sinks: torch.Tensor, allowed: torch.Tensor) ->
     return sdpa_sink_attention(q, k, v, sinks, allowed)
 
 
+def banded_sink_attention(q, k, v, sinks: torch.Tensor, mask: BandMask) -> torch.Tensor:
+    """Dense attention per query block over its previous and own key blocks (see BandMask)."""
+    batch, heads, seq_len, dim = q.shape
+    kv_heads, block = k.shape[1], mask.allowed.shape[-2]
+    blocks = mask.allowed.shape[0] // batch
+    pad = blocks * block - seq_len
+
+    def query_blocks(x):  # [B, H, T, D] -> [B * blocks, H, block, D]
+        x = F.pad(x, (0, 0, 0, pad)).view(batch, x.shape[1], blocks, block, dim)
+        return x.transpose(1, 2).reshape(batch * blocks, x.shape[1], block, dim)
+
+    def key_blocks(x):  # [B, Hkv, T, D] -> [B * blocks, Hkv, 2 * block, D]: previous and own block
+        x = F.pad(x, (0, 0, block, pad)).view(batch, kv_heads, blocks + 1, block, dim)
+        x = torch.cat([x[:, :, :-1], x[:, :, 1:]], dim=3)
+        return x.transpose(1, 2).reshape(batch * blocks, kv_heads, 2 * block, dim)
+
+    out = dense_sink_attention(query_blocks(q), key_blocks(k), key_blocks(v), sinks, mask.allowed)
+    out = out.view(batch, blocks, heads, block, dim).transpose(1, 2).reshape(batch, heads, blocks * block, dim)
+    return out[:, :, :seq_len]
+
+
 def sink_attention(q, k, v, sinks: torch.Tensor, mask: Mask) -> torch.Tensor:
-    """The backend follows the mask's realisation: BlockMask -> flex, dense bool -> sdpa."""
+    """The backend follows the mask's realisation: BlockMask -> flex, BandMask or dense bool -> sdpa."""
     if isinstance(mask, BlockMask):
         return flex_sink_attention(q, k, v, sinks, mask)
+    if isinstance(mask, BandMask):
+        return banded_sink_attention(q, k, v, sinks, mask)
     return dense_sink_attention(q, k, v, sinks, mask)
 
 

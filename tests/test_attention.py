@@ -44,23 +44,37 @@ CASES = {  # name: (layer type, window, with documents)
 }
 
 
-# Every implementation of attention with sinks: FlexAttention (BlockMask), the CPU's fused flash
-# kernel (what the sdpa backend runs on the CPU), and SDPA with a sink column (sdpa elsewhere).
+def dense(backend_attend):
+    """Always the dense boolean mask, whatever build_masks would choose."""
+    def build(layer_type, window, doc_ids, batch, seq_len):
+        return A.dense_mask(A.layer_mask_mod(layer_type, window, doc_ids), batch, seq_len, seq_len, "cpu")
+    return build, backend_attend
+
+
+def built(backend):
+    def build(layer_type, window, doc_ids, batch, seq_len):
+        return A.build_masks([layer_type], window, doc_ids, batch, seq_len, "cpu", backend)[layer_type]
+    return build, A.sink_attention
+
+
+# Every implementation of attention with sinks: FlexAttention (BlockMask); the sdpa backend as the model
+# uses it (banded on long sliding layers); the CPU's fused flash kernel on a dense mask; SDPA with a
+# sink column (the sdpa backend off the CPU).
 IMPLEMENTATIONS = {
-    "flex": ("flex", A.sink_attention),
-    "cpu_flash": ("sdpa", A.sink_attention),
-    "sdpa_column": ("sdpa", A.sdpa_sink_attention),
+    "flex": built("flex"),
+    "sdpa": built("sdpa"),
+    "cpu_flash": dense(A.dense_sink_attention),
+    "sdpa_column": dense(A.sdpa_sink_attention),
 }
 
 
 def check_against_reference(implementation, case, heads=(8, 2), head_dim=64, seq_len=40):
     layer_type, window, with_docs = CASES[case]
-    backend, attend = IMPLEMENTATIONS[implementation]
+    build, attend = IMPLEMENTATIONS[implementation]
     batch = 2
     doc_ids = packed_doc_ids(seq_len) if with_docs else None
     q, k, v, sinks = random_qkv(batch, *heads, seq_len, head_dim)
-    masks = A.build_masks([layer_type], window, doc_ids, batch, seq_len, "cpu", backend)
-    out = attend(q, k, v, sinks, masks[layer_type])
+    out = attend(q, k, v, sinks, build(layer_type, window, doc_ids, batch, seq_len))
 
     ref_inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
     allowed = reference_mask(layer_type, window if window else seq_len, doc_ids, seq_len, batch)
@@ -80,7 +94,7 @@ def test_matches_reference(implementation, case, flex_cpu_backward):
     check_against_reference(implementation, case)
 
 
-@pytest.mark.parametrize("implementation", ["cpu_flash", "sdpa_column"])
+@pytest.mark.parametrize("implementation", ["sdpa", "cpu_flash", "sdpa_column"])
 def test_head_dim_and_gqa_variants(implementation):
     check_against_reference(implementation, "sliding+documents+padding", heads=(4, 4), head_dim=16)
     check_against_reference(implementation, "causal", heads=(6, 1), head_dim=32)
@@ -98,15 +112,14 @@ def test_window_edge_counts_the_current_token():
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_window_edge_through_attention(implementation):
     """Key q-512 contributes to the output, key q-513 does not (window 513, both backends)."""
-    seq_len, q_pos = 530, 529
+    seq_len, q_pos = 1100, 1060  # long enough for the banded sdpa path (blocks of 512)
     q = torch.zeros(1, 1, seq_len, 8)
     k = torch.zeros(1, 1, seq_len, 8)
     v = torch.zeros(1, 1, seq_len, 8)
     v[0, 0, q_pos - 512, 0] = 1.0  # inside the window
     v[0, 0, q_pos - 513, 1] = 1.0  # just outside
-    backend, attend = IMPLEMENTATIONS[implementation]
-    masks = A.build_masks([A.SLIDING], 513, None, 1, seq_len, "cpu", backend)
-    out = attend(q, k, v, torch.zeros(1), masks[A.SLIDING])[0, 0, q_pos]
+    build, attend = IMPLEMENTATIONS[implementation]
+    out = attend(q, k, v, torch.zeros(1), build(A.SLIDING, 513, None, 1, seq_len))[0, 0, q_pos]
     assert out[0].item() == pytest.approx(1 / 514)  # 513 equal keys plus the sink column
     assert out[1].item() == 0.0
 
@@ -115,13 +128,21 @@ def test_window_edge_through_attention(implementation):
 def test_padding_query_outputs_zeros(implementation, flex_cpu_backward):
     q, k, v, sinks = random_qkv(1, 2, 1, 8, 4)
     doc_ids = torch.tensor([[0, 0, 0, 0, 0, -1, -1, -1]])
-    backend, attend = IMPLEMENTATIONS[implementation]
-    masks = A.build_masks([A.FULL], None, doc_ids, 1, 8, "cpu", backend)
-    out = attend(q, k, v, sinks, masks[A.FULL])
+    build, attend = IMPLEMENTATIONS[implementation]
+    out = attend(q, k, v, sinks, build(A.FULL, None, doc_ids, 1, 8))
     assert torch.isfinite(out).all()
     assert out[0, :, 5:].abs().max().item() == 0.0
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v, sinks))
+
+
+def test_long_sliding_layers_are_banded():
+    """Sliding layers much longer than the window use the banded mask; the tests above check it."""
+    masks = A.build_masks([A.SLIDING, A.FULL], 7, None, 2, 40, "cpu", "sdpa")
+    assert isinstance(masks[A.SLIDING], A.BandMask) and masks[A.SLIDING].allowed.shape == (2 * 7, 1, 6, 12)
+    assert masks[A.FULL].shape == (2, 1, 40, 40)
+    window_edge = A.build_masks([A.SLIDING], 513, None, 1, 2000, "cpu", "sdpa")[A.SLIDING]
+    assert window_edge.allowed.sum(-1).max().item() == 513
 
 
 def test_block_masks_without_documents_are_cached():
