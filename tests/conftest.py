@@ -2,10 +2,23 @@ import os
 import sys
 from pathlib import Path
 
+# Idle OpenMP threads sleep instead of spinning: the multi-process tests share two cores, and
+# threads spinning while a peer process is descheduled made steps up to 30x slower. Set before
+# torch starts OpenMP; child processes inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
 # Tests import the flat top-level modules (model.py, attention.py, ...) and tests/reference.py.
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-# Idle OpenMP threads sleep instead of spinning: the multi-process tests share two cores, and
-# threads spinning while a peer process is descheduled made steps up to 30x slower.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run as fast on one thread, and stay fast while other processes use the other core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -12,13 +12,7 @@ from model import FlintConfig, build_model
 from tokenizer import Tokenizer, byte_encoding, load_tokenizer
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run as fast on one thread, and stay fast while other processes use the other core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------- helpers

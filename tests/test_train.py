@@ -24,13 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEBUG = str(ROOT / "configs" / "debug.toml")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run as fast on one thread, and stay fast while other processes use the other core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def debug_args(tmp_path: Path, *overrides: str) -> list[str]:
