@@ -38,7 +38,7 @@ import sys
 import time
 import warnings
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Callable
 
@@ -86,11 +86,9 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         return
-    try:  # Linux: writing 5 resets the peak RSS that getrusage reports (elsewhere: a process-wide peak)
+    with suppress(OSError):  # Linux: writing 5 resets the peak RSS getrusage reports (elsewhere: process-wide)
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")
-    except OSError:
-        pass
 
 
 def peak_memory_gib(device: torch.device) -> float:

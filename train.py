@@ -404,9 +404,9 @@ def check_architecture(path: Path, config: FlintConfig) -> None:
 
 
 class Checkpointer:
-    """DCP checkpoints in dir/step_XXXXXXXX: {"model", "optimizer", "train"} plus config.json.
+    """DCP checkpoints in dir/step_<8-digit step>: {"model", "optimizer", "train"} plus config.json.
 
-    Each is written to step_XXXXXXXX.tmp and renamed when complete, so a crash while saving leaves
+    Each is first written to a .tmp name and renamed when complete, so a crash while saving leaves
     the previous checkpoints untouched; only the newest keep_last are kept.
     """
 
