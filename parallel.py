@@ -135,6 +135,12 @@ def init_distributed(backend: str = "auto", use_cuda: bool | None = None) -> tor
     return device
 
 
+def barrier() -> None:
+    """Wait for every process of the group (nothing to wait for without one)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def build_mesh(cfg: ParallelConfig, device_type: str, num_experts: int | None = None) -> DeviceMesh:
     """One mesh with dims (pp, dp_replicate, dp_shard, ep, cp), plus flattened views:
     dp (ranks reading distinct batches), dp_cp (ranks over which the loss is averaged),
