@@ -202,8 +202,10 @@ def test_two_processes_match_one_resume_in_one_and_export(tmp_path):
 
     reference, sharded = exported_tensors(one / "hf"), exported_tensors(fsdp / "hf")
     assert sorted(sharded) == sorted(reference) and len(reference) > 10
+    # Adam divides each gradient by its running RMS: where a gradient is near zero, a last-bit difference
+    # from summing over 2 ranks moves a weight by up to ~1e-3 of lr (3e-3) per step, so atol 1e-5 over 4 steps.
     for name, tensor in reference.items():
-        torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def test_learning_rate_schedules():
