@@ -283,3 +283,51 @@ class KVCache:
         first = 0 if self.window is None else max(k.shape[2] - (self.window - 1), 0)
         self.k, self.v, self.positions = k[:, :, first:], v[:, :, first:], key_positions[first:]
         return k, v, allowed.view(1, 1, *allowed.shape)  # allowed [1, 1, t, S]
+
+
+# ----------------------------------------------------------------------------- sparse attention (Mistral Large 4)
+# The DSA indexer picks, per query, the top-k keys by a cheap score; attention then sees only
+# those keys that are also causal and in the query's document. On the CPU both are dense masks.
+
+def top_keys(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, allowed: torch.Tensor, top_k: int,
+             chunk: int) -> torch.Tensor:
+    """The indexer's selection, computed `chunk` queries at a time in FP32, so the scores never
+    exist for all queries at once (O(chunk x heads x S) memory, not O(T x heads x S)).
+
+    q [B, T, Hi, D], k [B, S, D], weights [B, T, Hi], allowed bool [B, 1, T, S] ->
+    key indices int64 [B, T, top_k]; -1 marks a slot that top-k filled with a key the query may
+    not see (it sees fewer than top_k keys), so such slots are never attended.
+    index[b, t, s] = sum_h weights[b, t, h] * relu(q[b, t, h] . k[b, s] / sqrt(D)).
+    """
+    scale = q.shape[-1] ** -0.5
+    q, k, weights = q.float(), k.float(), weights.float()
+    picked = []
+    for start in range(0, q.shape[1], chunk):
+        rows = slice(start, start + chunk)
+        scores = torch.relu(torch.einsum("bthd,bsd->bths", q[:, rows], k) * scale)  # [B, C, Hi, S]
+        index = torch.einsum("bth,bths->bts", weights[:, rows], scores)  # [B, C, S]
+        index = index.masked_fill(~allowed[:, 0, rows], float("-inf"))
+        values, indices = torch.topk(index, top_k, dim=-1)  # [B, C, top_k]
+        picked.append(indices.masked_fill(values == float("-inf"), -1))
+    return torch.cat(picked, dim=1)
+
+
+def selection_mask(indices: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Key indices [B, T, k] (-1: no key) -> bool [B, 1, T, kv_len], True at the selected keys."""
+    slots = indices.masked_fill(indices < 0, kv_len)  # invalid slots go to a scratch column
+    chosen = torch.zeros(*indices.shape[:2], kv_len + 1, dtype=torch.bool, device=indices.device)
+    return chosen.scatter_(-1, slots, True)[..., :kv_len].unsqueeze(1)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Plain attention with an FP32 softmax: q [B, H, T, Dk], k [B, H, S, Dk], v [B, H, S, Dv],
+    allowed bool [B, 1, T, S] -> [B, H, T, Dv]. A query that may see no key (padding) outputs 0.
+
+    Masked scores get the most negative finite value, not -inf, so that such a row stays finite
+    (uniform) before it is zeroed and backward never meets a NaN.
+    """
+    scores = (q @ k.transpose(-1, -2)).float() * scale  # [B, H, T, S]
+    scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1) * allowed.any(dim=-1, keepdim=True)
+    return probs.to(v.dtype) @ v

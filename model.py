@@ -324,32 +324,40 @@ class Head(nn.Module):
     """Untied FP32 output head [V, H], with a chunked cross-entropy.
 
     The loss never holds more than `chunk_size` rows of FP32 logits: each chunk's logits are
-    recomputed in backward instead of saved (150k vocab x 8k tokens would be 4.9 GB).
+    recomputed in backward instead of saved (150k vocab x 8k tokens would be 4.9 GB). An optional
+    soft-cap (Mistral Large 4) bounds the logits, in FP32, inside each chunk.
     """
 
-    def __init__(self, hidden: int, vocab: int, chunk_size: int):
+    def __init__(self, hidden: int, vocab: int, chunk_size: int, softcap: float | None = None):
         super().__init__()
-        self.chunk_size = chunk_size
+        self.chunk_size, self.softcap = chunk_size, softcap
         self.weight = nn.Parameter(torch.empty(vocab, hidden, dtype=torch.float32))
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """h [B, T, H] -> FP32 logits [B, T, V], or with targets [B, T] the mean loss (scalar)."""
         h = h.float()
         if targets is None:
-            return h @ self.weight.float().T
+            return soft_cap(h @ self.weight.float().T, self.softcap)
         h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # [N, H], [N]
         count = (targets != -100).sum().clamp(min=1)
         if h.shape[0] <= self.chunk_size:  # one chunk: saving its logits costs no more than recomputing
-            return _chunk_loss_sum(h, self.weight, targets) / count
+            return _chunk_loss_sum(h, self.weight, targets, self.softcap) / count
         total = h.new_zeros(())
         for start in range(0, h.shape[0], self.chunk_size):
             rows = slice(start, start + self.chunk_size)
-            total = total + checkpoint(_chunk_loss_sum, h[rows], self.weight, targets[rows], use_reentrant=False)
+            total = total + checkpoint(_chunk_loss_sum, h[rows], self.weight, targets[rows], self.softcap,
+                                       use_reentrant=False)
         return total / count
 
 
-def _chunk_loss_sum(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = h @ weight.float().T  # [chunk, V] in FP32
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap), or the logits unchanged when cap is None."""
+    return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
+def _chunk_loss_sum(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                    softcap: float | None = None) -> torch.Tensor:
+    logits = soft_cap(h @ weight.float().T, softcap)  # [chunk, V] in FP32
     return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
 
 
@@ -388,10 +396,12 @@ class Flint(nn.Module):
         if param.dim() < 2 and not isinstance(owner, Sinks):
             raise ValueError(f"{name}: no initialisation rule for a {param.dim()}-D parameter of "
                              f"{type(owner).__name__}")
-        # 32 bits: the CPU generator (mt19937) keeps only the low 32 bits of a seed.
-        generator = torch.Generator(device=param.device).manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
-        value = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-        return value.normal_(0.0, self.config.initializer_range, generator=generator)
+        return seeded_normal(name, param, seed, self.config.initializer_range)
+
+    # ------------------------------------------------------------------ what parallel.py needs
+    def fp32_modules(self, layer: nn.Module) -> list[nn.Module]:
+        """The modules of one block that stay FP32 under a BF16 policy (their own FSDP units)."""
+        return [layer.self_attn.sinks] + ([layer.mlp.router] if isinstance(layer.mlp, MoE) else [])
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -500,6 +510,15 @@ class Flint(nn.Module):
         return sum(m.weight.numel() for m in self.modules() if isinstance(m, (RMSNorm, Sinks)))
 
 
+def seeded_normal(name: str, param: torch.Tensor, seed: int, std: float) -> torch.Tensor:
+    """normal(0, std) of param's shape, dtype and device from a generator seeded by crc32 of
+    (seed, name): the same tensor whichever rank, layout or order draws it."""
+    # 32 bits: the CPU generator (mt19937) keeps only the low 32 bits of a seed.
+    generator = torch.Generator(device=param.device).manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+    value = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+    return value.normal_(0.0, std, generator=generator)
+
+
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [B, V] -> next tokens [B, 1]: greedy at temperature 0, else top-k sampling."""
@@ -513,10 +532,11 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 
 def build_model(config: FlintConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                seed: int = 0) -> Flint:
-    """Construct on the meta device (no memory), materialise on `device`, then initialise."""
+                seed: int = 0, model_class: type[nn.Module] = Flint) -> nn.Module:
+    """Construct on the meta device (no memory), materialise on `device`, then initialise.
+    model_class: Flint, or another model with the same constructor and init_weights (large4.py)."""
     with torch.device("meta"):
-        model = Flint(config, dtype)
+        model = model_class(config, dtype)
     model.to_empty(device=device)
     model.init_weights(seed)
     return model

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 EXPERT_BACKENDS = ("grouped", "loop")
+SCORE_FUNCTIONS = ("sigmoid", "softmax")
 
 
 class SwiGLU(nn.Module):
@@ -32,24 +33,35 @@ class SwiGLU(nn.Module):
 
 
 class Router(nn.Module):
-    """Sigmoid scores over experts, top-k, optionally renormalised. An FP32 module of its own.
+    """Scores over experts, top-k, optionally renormalised. An FP32 module of its own.
+
+    Flint scores with a sigmoid. Mistral Large 4 takes a softmax over all experts, renormalises the
+    chosen k (+1e-20 in the denominator, as its reference does) and multiplies by `scaling`.
 
     It also records how many tokens each expert received in its last forward, as a buffer, so the
     trainer can read routing statistics without a host sync per layer.
     """
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 score_function: str = "sigmoid", scaling: float = 1.0):
         super().__init__()
+        if score_function not in SCORE_FUNCTIONS:
+            raise ValueError(f"router score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.score_function, self.scaling = score_function, scaling
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> FP32 weights [N, k] and expert indices [N, k]."""
         logits = x.float() @ self.weight.float().T  # [N, E]
-        weights, indices = torch.topk(torch.sigmoid(logits), self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.score_function == "softmax":
+            weights, indices = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+        else:
+            weights, indices = torch.topk(torch.sigmoid(logits), self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         with torch.no_grad():
             counts = torch.bincount(indices.flatten(), minlength=self.weight.shape[0])
             self.tokens_per_expert.copy_(counts)  # copy, not add: activation recompute stays exact
@@ -160,9 +172,9 @@ class MoE(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, shared_intermediate: int, num_experts: int,
                  top_k: int, norm_topk_prob: bool, backend: str = "grouped",
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, score_function: str = "sigmoid", scaling: float = 1.0):
         super().__init__()
-        self.router = Router(hidden, num_experts, top_k, norm_topk_prob)
+        self.router = Router(hidden, num_experts, top_k, norm_topk_prob, score_function, scaling)
         self.experts = GroupedExperts(hidden, intermediate, num_experts, backend, dtype)
         self.shared_expert = SwiGLU(hidden, shared_intermediate, dtype)
 

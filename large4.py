@@ -1,0 +1,662 @@
+"""Mistral Large 4: configuration, MLA attention with the DSA indexer, KV and index sharing, MoE, FP32 head.
+
+A decoder-only MoE transformer (1.05T parameters, 52B active). Attention is DeepSeek-style MLA without
+query LoRA: every layer's keys and values are expanded from a 512-wide normed latent plus one shared
+rotary key. A frozen "lightning indexer" (DSA) picks the top 2048 keys of each query, and attention
+sees only those. Every fourth layer is NoPE; later layers may attend to an earlier layer's latent
+(KV sharing) and reuse the previous layer's selection (index sharing). RoPE is YaRN-scaled with
+learned per-frequency multipliers (LeRoPE), queries get a learned position-dependent scale (SSMax),
+layer 0 is dense and the others route to 4 of 128 softmax-scored experts plus a shared expert.
+LARGE4.md (repository root) gives every formula, shape and checkpoint key this file implements.
+
+State shared between layers (the rope tables, a source layer's latent and rotated key, the
+previous layer's selection) is an explicit block input built once per forward, never a mutable
+dictionary: a checkpointed or pipelined block is then a pure function of its arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attention import FULL, dense_mask, layer_mask_mod, masked_attention, selection_mask, top_keys
+from model import Flint, Head, RMSNorm, build_model, document_positions, sample, seeded_normal
+from moe import EXPERT_BACKENDS, MoE, SwiGLU
+
+LAYER_TYPE = "indexed_attention"  # the only layer type; it selects transformers' cache class
+MLP_TYPES = ("dense", "sparse")
+INDEXER_TYPES = ("full", "shared")  # shared: no indexer of its own, the previous layer's selection
+# Keys of config.json that carry no meaning here (text_config or the composite around it).
+IGNORED_HF_KEYS = {"architectures", "dtype", "torch_dtype", "transformers_version", "use_cache", "model_type",
+                   "_name_or_path", "keys_to_ignore_at_inference", "output_router_logits", "pretraining_tp",
+                   "num_key_value_heads", "rope_interleave", "qk_head_dim", "head_dim", "layer_types"}
+RUNTIME_FIELDS = ("attention_backend", "experts_backend", "loss_chunk_size", "indexer_chunk_size", "composite")
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2048.0, "original_max_position_embeddings": 512,
+        "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0, "truncate": True}
+
+
+# ============================================================================= configuration
+
+@dataclass
+class Large4Config:
+    """Every field of the published text config (defaults: the released model) plus runtime knobs.
+
+    Per-layer lists left as None are derived in __post_init__ from their scalar schedule fields; a
+    list given in config.json wins over them."""
+
+    vocab_size: int = 204800
+    hidden_size: int = 6144
+    intermediate_size: int = 24576  # the dense SwiGLU of the first_k_dense_replace layers
+    moe_intermediate_size: int = 6144  # per routed expert, and per shared expert
+    num_hidden_layers: int = 72
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 64  # meaningless for MLA; carried through config.json
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 64
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    n_routed_experts: int = 128
+    num_experts_per_tok: int = 4
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 1
+    mlp_layer_types: list[str] | None = None
+    index_topk: int = 2048
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk_freq: int = 1
+    index_skip_topk_offset: int = 2
+    index_topk_pattern: str | None = None  # "F"/"S" per layer
+    indexer_types: list[str] | None = None
+    no_rope_layer_interval: int = 4
+    no_rope_layers: list[int] | None = None  # 1 = RoPE, 0 = NoPE (smollm3 convention)
+    indexer_no_rope_layers: list[int] | None = None  # the indexer's own flags; default: no_rope_layers
+    kv_source_layers: list[int] | None = None  # layer whose latent layer i attends to; default: i
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 1048576
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    indexer_norm_eps: float = 1e-6
+    rope_parameters: dict = field(default_factory=lambda: dict(YARN))
+    final_logit_softcapping: float | None = 30.0
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    pad_token_id: int | None = None
+    # Runtime choices (not written to text_config).
+    attention_backend: str = "auto"  # auto | sdpa: dense masks (the only backend so far)
+    experts_backend: str = "grouped"  # grouped | loop
+    loss_chunk_size: int = 4096  # tokens whose FP32 logits exist at once in the loss
+    indexer_chunk_size: int = 1024  # queries whose FP32 index scores exist at once
+    composite: dict = field(default_factory=dict)  # config.json around text_config (vision), carried through
+
+    def __post_init__(self) -> None:
+        n = self.num_hidden_layers
+        if self.no_rope_layers is None:
+            self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(n)]
+        if self.indexer_no_rope_layers is None:
+            self.indexer_no_rope_layers = list(self.no_rope_layers)
+        if self.mlp_layer_types is None:
+            self.mlp_layer_types = ["dense" if i < self.first_k_dense_replace else "sparse" for i in range(n)]
+        if self.kv_source_layers is None:
+            self.kv_source_layers = list(range(n))
+        if self.indexer_types is None:
+            if self.index_topk_pattern is not None:
+                self.indexer_types = [{"F": "full", "S": "shared"}.get(c, c) for c in self.index_topk_pattern]
+            else:
+                offset, freq = self.index_skip_topk_offset, self.index_topk_freq
+                self.indexer_types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                     "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "index_topk", "index_n_heads",
+                     "index_head_dim", "index_topk_freq", "no_rope_layer_interval", "max_position_embeddings",
+                     "loss_chunk_size", "indexer_chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        choices = {"q_lora_rank": (None,), "hidden_act": ("silu",), "attention_bias": (False,),
+                   "tie_word_embeddings": (False,), "n_group": (1,), "topk_group": (1,), "norm_topk_prob": (True,),
+                   "attention_backend": ("auto", "sdpa"), "experts_backend": EXPERT_BACKENDS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed} in this implementation, got {getattr(self, name)!r}")
+        if self.attention_dropout != 0.0:
+            raise ValueError(f"attention_dropout must be 0.0, got {self.attention_dropout!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even (rotary pairs), got {self.qk_rope_head_dim}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= n_routed_experts "
+                             f"({self.n_routed_experts})")
+        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0:
+            raise ValueError(f"final_logit_softcapping must be > 0 or null, got {self.final_logit_softcapping!r}")
+        if self.rope_parameters.get("rope_type") not in ("yarn", "default"):
+            raise ValueError(f"rope_parameters.rope_type must be 'yarn' or 'default', got "
+                             f"{self.rope_parameters.get('rope_type')!r}")
+        self._validate_lists()
+        self._validate_sharing()
+        if any(self.indexer_no_rope_layers) and self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(f"index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim "
+                             f"({self.qk_rope_head_dim}): the indexer rotates its first qk_rope_head_dim channels")
+
+    def _validate_lists(self) -> None:
+        n = self.num_hidden_layers
+        for name, allowed in (("no_rope_layers", (0, 1)), ("indexer_no_rope_layers", (0, 1)),
+                              ("mlp_layer_types", MLP_TYPES), ("indexer_types", INDEXER_TYPES),
+                              ("kv_source_layers", range(n))):
+            values = getattr(self, name)
+            if not isinstance(values, list) or len(values) != n:
+                raise ValueError(f"{name} must be a list of num_hidden_layers = {n} entries, got {values!r}")
+            bad = [i for i, v in enumerate(values) if isinstance(v, bool) or v not in allowed]
+            if bad:
+                raise ValueError(f"{name}[{bad[0]}] = {values[bad[0]]!r} is not one of {list(allowed)}")
+        if self.indexer_types[0] != "full":
+            raise ValueError("indexer_types[0] must be 'full': layer 0 has no previous layer whose selection "
+                             "it could share")
+
+    def _validate_sharing(self) -> None:
+        """A consumer reads an earlier producer of its own RoPE kind, and (as the published
+        implementation, which reads the latest producer of a kind, requires) the latest one."""
+        sources = self.kv_source_layers
+        for i, source in enumerate(sources):
+            if source == i:
+                continue
+            where = f"kv_source_layers[{i}] = {source}"
+            if source > i:
+                raise ValueError(f"{where}: a layer may only read the KV latent of an earlier layer")
+            if sources[source] != source:
+                raise ValueError(f"{where}: layer {source} does not own its KV (it reads layer {sources[source]}), "
+                                 f"so it cannot be a source")
+            if self.no_rope_layers[source] != self.no_rope_layers[i]:
+                kind = {1: "RoPE", 0: "NoPE"}
+                raise ValueError(f"{where}: layer {i} is {kind[self.no_rope_layers[i]]} but layer {source} is "
+                                 f"{kind[self.no_rope_layers[source]]}; a source must be of the same kind "
+                                 f"(no_rope_layers)")
+            later = [j for j in range(source + 1, i) if self.kv_mode(j) == "store"
+                     and self.no_rope_layers[j] == self.no_rope_layers[i]]
+            if later:
+                raise ValueError(f"{where}: layer {later[-1]} is a later producer of the same RoPE kind; the "
+                                 f"published implementation reads the latest producer of a kind, so the source "
+                                 f"must be layer {later[-1]}")
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_experts(self) -> int:
+        """n_routed_experts, under the name train.py and parallel.py use for every model."""
+        return self.n_routed_experts
+
+    @property
+    def layer_types(self) -> list[str]:
+        return [LAYER_TYPE] * self.num_hidden_layers
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.mlp_layer_types[i] == "sparse"
+
+    def kv_mode(self, i: int) -> str | None:
+        """None: owns its KV; store: owns it and a later layer reads it; reuse (shared indexer) or
+        reuse_but_indexer (own indexer): reads another layer's KV."""
+        if self.kv_source_layers[i] != i:
+            return "reuse" if self.indexer_types[i] == "shared" else "reuse_but_indexer"
+        return "store" if i in self.kv_source_layers[i + 1:] else None
+
+    def training_error(self, seq_len: int, fresh_weights: bool) -> str | None:
+        """Why training cannot start, or None. The indexer is frozen (its objective is unpublished):
+        a random one would pick arbitrary keys whenever a query sees more than index_topk of them."""
+        if fresh_weights and seq_len > self.index_topk:
+            return (f"seq_len {seq_len} > index_topk {self.index_topk} with fresh weights: the frozen indexer is "
+                    f"random and would select arbitrary keys; start from trained weights, or use seq_len <= "
+                    f"index_topk (attention is then dense causal), or raise index_topk")
+        return None
+
+    # ------------------------------------------------------------------ presets and HF configs
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "Large4Config":
+        if name not in PRESETS:
+            raise ValueError(f"unknown Large 4 preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_hf_config(cls, source: dict | str | Path, **overrides: Any) -> "Large4Config":
+        """From the composite config.json (its text_config) or a bare text config: a dict, a file or a
+        checkpoint directory. Errors name the field."""
+        where = "config"
+        if not isinstance(source, dict):
+            path = Path(source)
+            path = path / "config.json" if path.is_dir() else path
+            where = str(path)
+            try:
+                source = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as error:
+                raise ValueError(f"{where}: cannot read a JSON config: {error}") from error
+        composite = ({k: v for k, v in source.items() if k != "text_config" and k not in IGNORED_HF_KEYS}
+                     if "text_config" in source else {})
+        text = dict(source.get("text_config", source))
+        if text.get("model_type", "mistral_large4_text") not in ("mistral_large4_text", "mistral_large4"):
+            raise ValueError(f"{where}: text_config.model_type must be 'mistral_large4_text', got {text['model_type']!r}")
+        for alias in ("num_local_experts", "num_experts"):  # transformers' aliases of n_routed_experts
+            if alias in text:
+                text.setdefault("n_routed_experts", text.pop(alias))
+        if "rope_parameters" not in text and "rope_scaling" in text:  # the older form
+            text["rope_parameters"] = {**text.pop("rope_scaling"), "rope_theta": text.pop("rope_theta", 10000.0)}
+        known = {f.name for f in dataclasses.fields(cls)} - set(RUNTIME_FIELDS)
+        unknown = sorted(set(text) - known - IGNORED_HF_KEYS - {"rope_theta"})
+        if unknown:
+            raise ValueError(f"{where}: unknown field text_config.{unknown[0]} for a Mistral Large 4 config")
+        try:
+            config = cls(**{k: v for k, v in text.items() if k in known}, composite=composite, **overrides)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: {error}") from error
+        for name, value in (("qk_head_dim", config.qk_head_dim), ("head_dim", config.qk_rope_head_dim),
+                            ("layer_types", config.layer_types)):
+            if name in text and text[name] != value:
+                raise ValueError(f"{where}: text_config.{name} = {text[name]!r} contradicts the other fields, "
+                                 f"which give {value!r}")
+        return config
+
+    def to_hf_config(self) -> dict:
+        """The composite config.json: text_config with every per-layer list written out."""
+        text = {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_FIELDS}
+        if self.indexer_no_rope_layers == self.no_rope_layers:
+            del text["indexer_no_rope_layers"]  # flint's own field, only when it differs
+        text.update(model_type="mistral_large4_text", qk_head_dim=self.qk_head_dim,
+                    head_dim=self.qk_rope_head_dim, layer_types=self.layer_types)
+        return {"architectures": ["MistralLarge4ForConditionalGeneration"], **self.composite,
+                "model_type": "mistral_large4", "text_config": text}
+
+
+_SCHEDULES = dict(kv_source_layers=[0, 1, 2, 3, 4, 4, 6, 3], indexer_types=["full", "full", "shared", "full",
+                                                                          "shared", "full", "shared", "full"])
+PRESETS: dict[str, dict] = {
+    "large4": {},
+    # LARGE4.md section 2: the smoke config (5 reads 4: RoPE; 7 reads 3: NoPE, as in the release).
+    "large4-tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                        num_experts_per_tok=2, index_topk=4, index_n_heads=2, index_head_dim=16,
+                        max_position_embeddings=4096, **_SCHEDULES),
+    # The parity config: every width distinct; two RoPE producers (1 and 4) of one slot.
+    "large4-parity": dict(vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=40,
+                          num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24,
+                          qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=20, n_routed_experts=8,
+                          num_experts_per_tok=3, index_topk=8, index_n_heads=3, index_head_dim=16,
+                          max_position_embeddings=4096,
+                          **{**_SCHEDULES, "kv_source_layers": [0, 1, 1, 3, 4, 4, 6, 3]}),
+}
+
+
+# ============================================================================= rotary, SSMax, indexer
+
+def yarn_frequencies(config: Large4Config) -> list[float]:
+    """The R/2 YaRN inverse frequencies, computed in FP32 as transformers does: the fast ones
+    (beyond beta_fast rotations over the original context) kept, the slow ones (under beta_slow)
+    divided by `factor`, a linear ramp between."""
+    dim, rope = config.qk_rope_head_dim, config.rope_parameters
+    base = 1.0 / rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    if rope["rope_type"] == "default":
+        return base.tolist()
+    factor, original = rope["factor"], rope["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope["rope_theta"]))
+    low, high = correction_dim(rope.get("beta_fast", 32.0)), correction_dim(rope.get("beta_slow", 1.0))
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    return (base / factor * ramp + base * (1 - ramp)).tolist()
+
+
+def yarn_attention_factor(rope: dict) -> float:
+    """cos/sin are scaled by this; the release gives attention_factor 1.0."""
+    if rope["rope_type"] == "default":
+        return 1.0
+    default = 0.1 * math.log(rope["factor"]) + 1.0 if rope["factor"] > 1 else 1.0
+    return float(rope.get("attention_factor") or default)
+
+
+class LeRoPE(nn.Module):
+    """YaRN frequencies times exp(alpha), alpha a learned FP32 [R/2] (0 at init: plain YaRN).
+
+    Its forward builds the angles once per model forward, in FP32, for all layers: alpha gets a
+    gradient from every RoPE layer of attention (the indexer is frozen and adds none)."""
+
+    def __init__(self, config: Large4Config):
+        super().__init__()
+        self.inv_freq = yarn_frequencies(config)  # python floats: no buffer to re-materialise after meta
+        self.scale = yarn_attention_factor(config.rope_parameters)
+        self.alpha = nn.Parameter(torch.empty(config.qk_rope_head_dim // 2, dtype=torch.float32))
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, T, R/2] in FP32."""
+        inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32, device=positions.device)
+        angles = positions.float().unsqueeze(-1) * (inv_freq * self.alpha.float().exp())
+        return angles.cos() * self.scale, angles.sin() * self.scale
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on x [..., R] (pair 2j, 2j+1 turns by angle j), in FP32; cos/sin broadcast
+    to [..., R/2]. The result is written de-interleaved, [rotated evens | rotated odds], as
+    transformers does: dot products are the same either way, a cached rotary key is not."""
+    x32 = x.float()
+    even, odd = x32[..., 0::2], x32[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1).to(x.dtype)
+
+
+class SSMax(nn.Module):
+    """Scalable softmax: head h of a query at position p is scaled by scale_h * log(p + 1) + bias_h."""
+
+    def __init__(self, num_heads: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(num_heads, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(num_heads, dtype=dtype))
+
+    def forward(self, q: torch.Tensor, log_positions: torch.Tensor) -> torch.Tensor:
+        """q [B, T, heads, D], log_positions [B, T] (log(p + 1), FP32) -> q scaled, same shape."""
+        factor = self.scale * log_positions.unsqueeze(-1).to(self.scale.dtype) + self.bias  # [B, T, heads]
+        return q * factor.unsqueeze(-1).to(q.dtype)
+
+
+class FP32LayerNorm(nn.LayerNorm):
+    """A LayerNorm whose parameters stay FP32 and that normalises in FP32 whatever the input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps)
+
+
+class Indexer(nn.Module):
+    """The DSA lightning indexer: a frozen selector of each query's top index_topk keys.
+
+    index[t, s] = sum_h w[t, h] * relu(qI[t, h] . kI[s] / sqrt(D)), w = weights_proj(x) / sqrt(Hi);
+    qI from the LayerNormed input (then SSMax), one key head kI shared by all index heads; on RoPE
+    layers the FIRST qk_rope_head_dim channels of both are rotated. No gradient, no optimizer state.
+    """
+
+    def __init__(self, config: Large4Config, rope: bool, dtype: torch.dtype | None = None):
+        super().__init__()
+        hidden, self.heads, self.head_dim = config.hidden_size, config.index_n_heads, config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim if rope else 0
+        self.top_k, self.chunk = config.index_topk, config.indexer_chunk_size
+        self.q_input_norm = nn.LayerNorm(hidden, eps=config.indexer_norm_eps, dtype=dtype)
+        self.wq_b = nn.Linear(hidden, self.heads * self.head_dim, bias=False, dtype=dtype)
+        self.wk = nn.Linear(hidden, self.head_dim, bias=False, dtype=dtype)
+        self.k_norm = FP32LayerNorm(self.head_dim, eps=config.indexer_norm_eps, dtype=torch.float32)
+        self.weights_proj = nn.Linear(hidden, self.heads, bias=False, dtype=torch.float32)
+        self.softmax_scaling = SSMax(self.heads, dtype)
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, cos, sin, log_positions, allowed: torch.Tensor,
+                cache: "LayerCache | None" = None) -> torch.Tensor:
+        """x [B, T, H] -> key indices [B, T, min(index_topk, S)], -1 where no visible key is left."""
+        batch, seq_len, _ = x.shape
+        q = self.wq_b(self.q_input_norm(x)).view(batch, seq_len, self.heads, self.head_dim)
+        q = self.softmax_scaling(q, log_positions)
+        k = self.k_norm(self.wk(x))  # [B, T, D] FP32
+        if self.rope_dim:
+            r = self.rope_dim
+            q = torch.cat([rotate(q[..., :r], cos.unsqueeze(2), sin.unsqueeze(2)), q[..., r:]], dim=-1)
+            k = torch.cat([rotate(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        if cache is not None:
+            k = cache.extend("index_keys", k)  # [B, S, D]
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads ** -0.5
+        return top_keys(q, k, weights, allowed, min(self.top_k, k.shape[1]), self.chunk)
+
+
+class LayerCache:
+    """What one layer keeps between generation steps: its normed latent and rotated key if it owns
+    its KV (a consumer reads its source's), and its indexer keys if it runs an indexer."""
+
+    def __init__(self):
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def extend(self, name: str, new: torch.Tensor | None) -> torch.Tensor | None:
+        """Append new [B, t, ...] along the sequence; return everything so far [B, S, ...]."""
+        if new is None:
+            return None
+        if name in self.tensors:
+            new = torch.cat([self.tensors[name], new], dim=1)
+        self.tensors[name] = new
+        return new
+
+
+# ============================================================================= attention and the block
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention without query LoRA, restricted to the indexer's selection.
+
+    Keys and values of every head are expanded by this layer's kv_b_proj from a normed latent
+    [B, S, r] that this layer computes, or, on a KV consumer, that its source layer computed; the
+    one rotary key [B, S, R] is shared by all heads. Per head, query and key are [nope | rope].
+    """
+
+    def __init__(self, config: Large4Config, index: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        hidden, self.heads = config.hidden_size, config.num_attention_heads
+        self.rope_dim = config.qk_rope_head_dim if config.no_rope_layers[index] else 0
+        self.qk_dim, self.v_dim, self.rank = config.qk_head_dim, config.v_head_dim, config.kv_lora_rank
+        self.nope_dim = self.qk_dim - self.rope_dim  # NoPE layers: every channel
+        self.q_proj = nn.Linear(hidden, self.heads * self.qk_dim, bias=False, dtype=dtype)
+        if config.kv_source_layers[index] == index:  # consumers own no latent projection
+            self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope_dim, bias=False, dtype=dtype)
+            self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps, dtype)
+        self.kv_b_proj = nn.Linear(self.rank, self.heads * (self.nope_dim + self.v_dim), bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(self.heads * self.v_dim, hidden, bias=False, dtype=dtype)
+        self.softmax_scaling = SSMax(self.heads, dtype)
+        if config.indexer_types[index] == "full":
+            self.indexer = Indexer(config, bool(config.indexer_no_rope_layers[index]), dtype)
+
+    def latent(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, T, H] -> normed latent [B, T, r] and rotated key [B, T, R] (None on NoPE layers)."""
+        latent, rope_key = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        return self.kv_a_layernorm(latent), (rotate(rope_key, cos, sin) if self.rope_dim else None)
+
+    def forward(self, x: torch.Tensor, cos, sin, log_positions, allowed: torch.Tensor, latent: torch.Tensor,
+                rope_key: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, H] queries; latent [B, S, r] and rope_key [B, S, R] keys; allowed [B, 1, T, S]."""
+        batch, seq_len, _ = x.shape
+        q = self.q_proj(x).view(batch, seq_len, self.heads, self.qk_dim)
+        if self.rope_dim:
+            q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+            q = torch.cat([q_nope, rotate(q_rope, cos.unsqueeze(2), sin.unsqueeze(2))], dim=-1)
+        q = self.softmax_scaling(q, log_positions).transpose(1, 2)  # [B, heads, T, qk]
+        keys = latent.shape[1]
+        kv = self.kv_b_proj(latent).view(batch, keys, self.heads, self.nope_dim + self.v_dim).transpose(1, 2)
+        k, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [B, heads, S, nope], [B, heads, S, v]
+        if self.rope_dim:
+            k = torch.cat([k, rope_key.unsqueeze(1).expand(batch, self.heads, keys, self.rope_dim)], dim=-1)
+        out = masked_attention(q, k, v, allowed, self.qk_dim ** -0.5)  # [B, heads, T, v]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.v_dim))
+
+
+class Large4Block(nn.Module):
+    """Pre-norm: h = x + attention(norm(x)); y = h + mlp(norm(h)); dense or MoE by schedule.
+
+    A pure function of its arguments (see the module docstring):
+    (x, cos, sin, log_positions, allowed, src_latent, src_rope_key, prev_indices)
+        -> (y, own_latent, own_rope_key, indices)
+    own_* are None on a KV consumer; indices is None when attention is dense (every query may
+    attend index_topk keys or fewer), else [B, T, k] with -1 for invalid slots.
+    """
+
+    def __init__(self, config: Large4Config, index: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.index, self.source = index, config.kv_source_layers[index]
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = MLAttention(config, index, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if config.is_moe_layer(index):
+            self.mlp = MoE(config.hidden_size, config.moe_intermediate_size,
+                           config.moe_intermediate_size * config.n_shared_experts, config.n_routed_experts,
+                           config.num_experts_per_tok, True, config.experts_backend, dtype,
+                           score_function="softmax", scaling=config.routed_scaling_factor)
+        else:
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype)
+
+    def forward(self, x, cos, sin, log_positions, allowed, src_latent=None, src_rope_key=None, prev_indices=None,
+                cache: LayerCache | None = None):
+        attn_in = self.input_layernorm(x)
+        latent, rope_key, own = src_latent, src_rope_key, self.source == self.index
+        if own:
+            latent, rope_key = self.self_attn.latent(attn_in, cos, sin)
+            if cache is not None:
+                latent, rope_key = cache.extend("latent", latent), cache.extend("rope_key", rope_key)
+        indices = prev_indices
+        if hasattr(self.self_attn, "indexer"):
+            # Every visible key would be selected: skip the indexer, unless generation needs its keys cached.
+            dense = cache is None and latent.shape[1] <= self.self_attn.indexer.top_k
+            indices = None if dense else self.self_attn.indexer(attn_in, cos, sin, log_positions, allowed, cache)
+        mask = allowed if indices is None else allowed & selection_mask(indices, latent.shape[1])
+        h = x + self.self_attn(attn_in, cos, sin, log_positions, mask, latent, rope_key)
+        y = h + self.mlp(self.post_attention_layernorm(h))
+        return y, (latent if own else None), (rope_key if own else None), indices
+
+
+# ============================================================================= the model
+
+class MistralLarge4(nn.Module):
+    def __init__(self, config: Large4Config, dtype: torch.dtype | None = None):
+        """Bulk parameters in `dtype`; alpha, routers, indexer weights_proj and k_norm, and the head
+        are always FP32. Build on the meta device and call `init_weights()` (see `build_large4`)."""
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.rotary = LeRoPE(config)
+        self.layers = nn.ModuleDict({str(i): Large4Block(config, i, dtype) for i in range(config.num_hidden_layers)})
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = Head(config.hidden_size, config.vocab_size, config.loss_chunk_size,
+                            config.final_logit_softcapping)
+
+    init_weights = Flint.init_weights
+    _check_inputs = Flint._check_inputs
+
+    def initial_value(self, name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
+        """As transformers initialises: alpha 0, SSMax scale 0 and bias 1 (identity), norms 1 (and
+        LayerNorm biases 0), matrices and routers normal(0, initializer_range) seeded by name."""
+        owner, leaf = self.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        constants = {LeRoPE: {"alpha": 0.0}, SSMax: {"scale": 0.0, "bias": 1.0}, RMSNorm: {"weight": 1.0},
+                     nn.LayerNorm: {"weight": 1.0, "bias": 0.0}}
+        for kind, values in constants.items():
+            if isinstance(owner, kind):
+                return torch.full(param.shape, values[leaf], dtype=param.dtype, device=param.device)
+        if param.dim() < 2:
+            raise ValueError(f"{name}: no initialisation rule for a {param.dim()}-D parameter of {type(owner).__name__}")
+        return seeded_normal(name, param, seed, self.config.initializer_range)
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> FP32 soft-capped logits [B, T, V], or the mean loss when targets
+        (already shifted, -100 ignored) are given. doc_ids [B, T] marks packed documents (< 0:
+        padding); positions default to restarting at each document. The causal/document mask and
+        the rope tables are built once here and passed to every block."""
+        self._check_inputs(input_ids, targets, doc_ids, positions)
+        batch, seq_len = input_ids.shape
+        if positions is None:
+            positions = (document_positions(doc_ids) if doc_ids is not None
+                         else torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len))
+        allowed = dense_mask(layer_mask_mod(FULL, None, doc_ids), batch, seq_len, seq_len, input_ids.device)
+        h = self.run_layers(self.embed_tokens(input_ids), positions, allowed)
+        return self.lm_head(self.norm(h.float()), targets)
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+                   caches: dict[int, LayerCache] | None = None) -> torch.Tensor:
+        """The decoder stack. `shared` maps a source layer to its latent and rotated key; it lives
+        only in this call and reaches each consumer as an argument."""
+        cos, sin = self.rotary(positions)  # [B, T, R/2] FP32, built once for all layers
+        log_positions = torch.log(positions.float() + 1)  # SSMax, FP32
+        shared: dict[int, tuple] = {}
+        indices = None
+        for name, layer in self.layers.items():
+            source_kv = shared.get(layer.source, (None, None))
+            cache = None if caches is None else caches.setdefault(layer.index, LayerCache())
+            h, latent, rope_key, indices = layer(h, cos, sin, log_positions, allowed, *source_kv, indices,
+                                                 cache=cache)
+            if self.config.kv_mode(layer.index) == "store":
+                shared[layer.index] = (latent, rope_key)
+        return h
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 eos_token_id: int | None = None) -> torch.Tensor:
+        """Extend prompt [B, T] by up to max_new_tokens -> [B, T + n], caching compressed latents
+        (+ rotary key, once per source, read by its consumers) and indexer keys: equal to running
+        the whole sequence again at every step. temperature 0 is greedy."""
+        self._check_inputs(prompt, None, None, None)
+        caches: dict[int, LayerCache] = {}
+        tokens, step_input = prompt, prompt
+        for _ in range(max_new_tokens):
+            logits = self.decode_step(step_input, caches, tokens.shape[1] - step_input.shape[1])  # [B, V]
+            step_input = sample(logits, temperature, top_k, generator)  # [B, 1]
+            tokens = torch.cat([tokens, step_input], dim=1)
+            if eos_token_id is not None and bool((step_input == eos_token_id).all()):
+                break
+        return tokens
+
+    def decode_step(self, input_ids: torch.Tensor, caches: dict[int, LayerCache], start: int) -> torch.Tensor:
+        """New tokens [B, t] at positions start.. through the cached layers -> last logits [B, V]."""
+        batch, seq_len = input_ids.shape
+        positions = torch.arange(start, start + seq_len, device=input_ids.device).expand(batch, seq_len)
+        keys = torch.arange(start + seq_len, device=input_ids.device)
+        allowed = (keys <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, t, S]
+        h = self.run_layers(self.embed_tokens(input_ids), positions, allowed, caches)
+        return self.lm_head(self.norm(h[:, -1:].float()))[:, -1]
+
+    # ------------------------------------------------------------------ what train.py and parallel.py need
+    def fp32_modules(self, layer: Large4Block) -> list[nn.Module]:
+        """The modules of one block that stay FP32 under a BF16 policy (their own FSDP units)."""
+        modules = [layer.mlp.router] if isinstance(layer.mlp, MoE) else []
+        indexer = getattr(layer.self_attn, "indexer", None)
+        return modules + ([indexer.weights_proj, indexer.k_norm] if indexer is not None else [])
+
+    def num_params(self, active: bool = False) -> int:
+        """All parameters, or those one token uses (top-k of the routed experts, not all E)."""
+        total = sum(p.numel() for p in self.parameters())
+        if not active:
+            return total
+        c = self.config
+        moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+        return total - moe_layers * (c.n_routed_experts - c.num_experts_per_tok) * 3 * c.hidden_size * c.moe_intermediate_size
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (LARGE4.md section 6.3): 6 per active trainable matrix weight
+        (the head included, the embedding lookup not), 2 per frozen indexer weight (forward only),
+        attention 6 * heads * (qk + v) per attended key (min(i + 1, index_topk) at position i), and
+        the indexer's scoring 2 * Hi * D per scored key (i + 1) on full-indexer layers."""
+        c = self.config
+        matrices = sum(p.numel() for p in self.parameters() if p.dim() >= 2 and p.requires_grad)
+        idle = self.num_params() - self.num_params(active=True)
+        frozen = sum(p.numel() for p in self.parameters() if p.dim() >= 2 and not p.requires_grad)
+        flops = 6.0 * (matrices - idle - c.vocab_size * c.hidden_size) + 2.0 * frozen
+        attended = sum(min(i + 1, c.index_topk) for i in range(seq_len)) / seq_len
+        scored = (seq_len + 1) / 2
+        flops += c.num_hidden_layers * 6.0 * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * attended
+        flops += c.indexer_types.count("full") * 2.0 * c.index_n_heads * c.index_head_dim * scored
+        return flops
+
+
+def build_large4(config: Large4Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 seed: int = 0) -> MistralLarge4:
+    """model.build_model for Mistral Large 4: meta build, materialise on `device`, initialise."""
+    return build_model(config, device, dtype, seed, MistralLarge4)

@@ -1,0 +1,283 @@
+"""large4.py: config contract, parity with the plain reference (values and every gradient), the sparse
+selection's masks, KV and index sharing, activation checkpointing, frozen indexer, generation."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from attention import selection_mask, top_keys
+from large4 import Large4Config, MistralLarge4, build_large4
+from reference_large4 import reference_forward, reference_loss
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PARITY = "large4-parity"
+TWO_PRODUCERS = [0, 1, 1, 3, 4, 4, 6, 3]  # layers 1 and 4 both produce the RoPE latent
+
+
+def randomized(config: Large4Config, seed: int = 0) -> MistralLarge4:
+    """Every parameter random (alpha, SSMax, norms and LayerNorm biases too: identity pieces hide bugs).
+
+    The indexer is shaped so that its ReLU scores are positive: a channel with a large key bias meets
+    a query channel with a large positive weight. Otherwise all-negative heads give exact-zero index
+    ties at the top-k boundary, where the choice is implementation-defined (LARGE4.md section 1.8)."""
+    model = build_large4(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith(("norm.weight", "layernorm.weight", "softmax_scaling.bias")):
+                param.copy_(1 + 0.2 * noise)
+            elif name.endswith("indexer.softmax_scaling.scale"):
+                param.copy_(0.05 * noise.abs())
+            else:
+                param.copy_((0.3 if param.dim() < 2 else 0.15) * noise)
+        for layer in model.layers.values():
+            indexer = getattr(layer.self_attn, "indexer", None)
+            if indexer is not None:
+                dim = indexer.head_dim
+                indexer.k_norm.bias[dim - 1] = 3.0
+                indexer.q_input_norm.bias.fill_(1.0)
+                indexer.wq_b.weight.view(indexer.heads, dim, -1)[:, dim - 1] += 0.3
+    return model
+
+
+def params_of(model: MistralLarge4) -> dict:
+    return {name: param.detach().clone().requires_grad_(param.requires_grad)
+            for name, param in model.named_parameters()}
+
+
+def text_config(config: Large4Config) -> dict:
+    return config.to_hf_config()["text_config"]
+
+
+@pytest.fixture(scope="module")
+def parity_model():
+    return randomized(Large4Config.from_name(PARITY))
+
+
+def boundary_gap(record: dict, visible_counts: torch.Tensor, top_k: int) -> float:
+    """The smallest gap between the k-th and (k+1)-th index score over queries that see > k keys."""
+    gaps = []
+    for _, index in record.values():
+        for b, t in (visible_counts > top_k).nonzero().tolist():
+            values = index[b, t, : t + 1].sort(descending=True).values
+            gaps.append(float(values[top_k - 1] - values[top_k]))
+    return min(gaps)
+
+
+# ============================================================================= parity with the reference
+
+@pytest.mark.parametrize("seq_len", [40, 7])
+def test_logits_loss_and_every_gradient_match_reference(parity_model, seq_len):
+    """T = 40 > index_topk = 8 (really sparse, shared indices, both KV consumer kinds); T = 7 <= 8 (dense)."""
+    model, config = parity_model, parity_model.config
+    ids = torch.randint(0, config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    targets = ids.roll(-1, dims=1)
+    targets[0, -3:] = -100
+    params = params_of(model)
+    record = {}
+    ref_logits = reference_forward(params, text_config(config), ids, record=record)
+    if seq_len > config.index_topk:
+        assert boundary_gap(record, torch.arange(1, seq_len + 1).expand(2, seq_len), config.index_topk) > 1e-4
+    torch.testing.assert_close(model(ids), ref_logits, rtol=0, atol=2e-5)
+
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, targets)
+    loss.backward()
+    ref_loss = reference_loss(params, text_config(config), ids, targets)
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) < 2e-6
+    checked = 0
+    for name, param in model.named_parameters():
+        if ".indexer." in name:
+            assert param.grad is None and params[name].grad is None, name
+            continue
+        expected = params[name].grad
+        assert param.grad is not None, name
+        scale = expected.abs().max().clamp(min=1e-6)
+        assert ((param.grad - expected).abs().max() / scale) < 1e-4, name
+        checked += 1
+    assert checked == sum(".indexer." not in n for n, _ in model.named_parameters())
+
+
+def test_packed_documents_match_reference_and_never_select_across(parity_model):
+    model, config = parity_model, parity_model.config
+    ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+    doc_ids = torch.tensor([[0] * 14 + [1] * 18, [5] * 20 + [6] * 9 + [-1] * 3])
+    logits = model(ids, doc_ids=doc_ids)
+    torch.testing.assert_close(logits, reference_forward(params_of(model), text_config(config), ids, doc_ids),
+                               rtol=0, atol=2e-5)
+    # The second document of row 0 alone gives the same logits: nothing crossed from the first.
+    alone = model(ids[:1, 14:])
+    torch.testing.assert_close(logits[:1, 14:], alone, rtol=0, atol=2e-5)
+
+
+# ============================================================================= the selection
+
+def test_indexer_chunking_equals_unchunked():
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 23, 3, 16, generator=generator), torch.randn(2, 23, 16, generator=generator)
+    weights = torch.randn(2, 23, 3, generator=generator)
+    allowed = torch.ones(23, 23, dtype=torch.bool).tril().expand(2, 1, 23, 23)
+    whole = top_keys(q, k, weights, allowed, 5, chunk=23)
+    for chunk in (1, 4, 7):
+        assert torch.equal(top_keys(q, k, weights, allowed, 5, chunk=chunk), whole)
+
+
+def test_slots_with_masked_keys_are_invalid_and_never_attended():
+    """A query that sees fewer keys than k: top-k fills the rest with future keys, which become -1."""
+    generator = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 10, 2, 8, generator=generator), torch.randn(1, 10, 8, generator=generator)
+    allowed = torch.ones(10, 10, dtype=torch.bool).tril().expand(1, 1, 10, 10)
+    indices = top_keys(q, k, torch.randn(1, 10, 2, generator=generator), allowed, 4, chunk=3)
+    for t in range(10):
+        valid = indices[0, t][indices[0, t] >= 0]
+        assert len(valid) == min(t + 1, 4) and bool((valid <= t).all())
+    selected = selection_mask(indices, 10)
+    assert not bool((selected & ~allowed).any())
+
+
+def test_a_query_never_sees_the_future_through_the_selection(parity_model):
+    """Changing later tokens leaves earlier logits unchanged (T > index_topk, sparse), up to the rounding
+    of expert GEMMs whose row counts change (a leak would move logits by ~1e-2)."""
+    ids = torch.randint(0, 160, (1, 30), generator=torch.Generator().manual_seed(4))
+    changed = ids.clone()
+    changed[0, 12:] = (changed[0, 12:] + 1) % 160
+    torch.testing.assert_close(parity_model(ids)[:, :12], parity_model(changed)[:, :12], rtol=0, atol=1e-5)
+
+
+# ============================================================================= sharing and checkpointing
+
+def test_kv_and_index_sharing_wired_by_declared_source(parity_model):
+    """The consumer's source latent reaches it: its source's kv_a gets a gradient from layer 7's input
+    side, and each consumer owns no kv_a projection (absent keys)."""
+    keys = set(parity_model.state_dict())
+    for i, source in enumerate(TWO_PRODUCERS):
+        has_kv_a = f"layers.{i}.self_attn.kv_a_proj_with_mqa.weight" in keys
+        assert has_kv_a == (source == i)
+    for i, kind in enumerate(parity_model.config.indexer_types):
+        assert (f"layers.{i}.self_attn.indexer.wk.weight" in keys) == (kind == "full")
+    assert [parity_model.config.kv_mode(i) for i in range(8)] == [
+        None, "store", "reuse", "store", "store", "reuse_but_indexer", None, "reuse_but_indexer"]
+
+
+def test_activation_checkpointing_gradients_bit_identical(parity_model):
+    """Two producers of one slot (1 and 4): checkpointed blocks replay with their explicit inputs."""
+    model = parity_model
+    ids = torch.randint(0, 160, (2, 24), generator=torch.Generator().manual_seed(5))
+
+    def gradients():
+        model.zero_grad(set_to_none=True)
+        model(ids, ids.roll(-1, 1)).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    blocks = list(model.layers.values())
+    originals = [block.forward for block in blocks]
+    try:
+        for block, forward in zip(blocks, originals):
+            block.forward = lambda *a, f=forward, **kw: checkpoint(f, *a, use_reentrant=False, **kw)
+        checkpointed = gradients()
+    finally:
+        for block, forward in zip(blocks, originals):
+            block.forward = forward
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        assert torch.equal(plain[name], checkpointed[name]), name
+
+
+def test_indexer_is_frozen(parity_model):
+    frozen = [n for n, p in parity_model.named_parameters() if not p.requires_grad]
+    assert frozen and all(".indexer." in n for n in frozen)
+    assert all(p.requires_grad for n, p in parity_model.named_parameters() if ".indexer." not in n)
+
+
+# ============================================================================= generation
+
+def test_generation_equals_recomputation(parity_model):
+    """Greedy tokens with the latent cache equal argmax of a full forward at every step, across T > k."""
+    prompt = torch.randint(0, 160, (2, 5), generator=torch.Generator().manual_seed(6))
+    tokens = parity_model.generate(prompt, 10)
+    with torch.no_grad():
+        for t in range(5, 15):
+            logits = parity_model(tokens[:, :t])[:, -1]
+            assert torch.equal(logits.argmax(-1), tokens[:, t])
+        caches = {}
+        step = parity_model.decode_step(tokens[:, :12], caches, 0)
+        step = parity_model.decode_step(tokens[:, 12:13], caches, 12)
+        torch.testing.assert_close(step, parity_model(tokens[:, :13])[:, -1], rtol=0, atol=1e-5)
+
+
+# ============================================================================= config
+
+def test_released_config_counts_and_schedules():
+    config = Large4Config()
+    assert [i for i, flag in enumerate(config.no_rope_layers) if flag == 0] == list(range(3, 72, 4))
+    assert config.mlp_layer_types[:2] == ["dense", "sparse"] and config.indexer_types == ["full"] * 72
+    with torch.device("meta"):
+        model = MistralLarge4(config)
+    assert model.num_params() == 1_050_118_202_912
+    assert round(model.num_params(active=True) / 1e9, 2) == 53.10
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert round(frozen / 1e9, 3) == 1.884
+    released = Large4Config(kv_source_layers=[35 if i >= 39 and i % 4 == 3 else i for i in range(72)])
+    with torch.device("meta"):
+        assert MistralLarge4(released).num_params() == 1_050_089_886_752
+
+
+def test_index_schedule_from_freq_offset_and_pattern():
+    glm = Large4Config.from_name("large4-tiny", index_topk_freq=4, index_skip_topk_offset=3, indexer_types=None)
+    assert glm.indexer_types == ["full", "full", "full", "shared", "shared", "shared", "full", "shared"]
+    pattern = Large4Config.from_name("large4-tiny", index_topk_pattern="FFSFSFSF", indexer_types=None)
+    assert pattern.indexer_types == Large4Config.from_name("large4-tiny").indexer_types
+
+
+def test_composite_hf_config_round_trip(tmp_path):
+    config = Large4Config.from_name(PARITY, composite={"vision_config": {"hidden_size": 32}, "image_token_index": 10})
+    hf = config.to_hf_config()
+    assert hf["model_type"] == "mistral_large4" and hf["text_config"]["kv_source_layers"] == TWO_PRODUCERS
+    hf["text_config"].update(transformers_version="5.24", dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    loaded = Large4Config.from_hf_config(tmp_path)
+    assert loaded == config and loaded.to_hf_config()["vision_config"] == {"hidden_size": 32}
+    bare = dict(hf["text_config"])
+    del bare["indexer_types"], bare["n_routed_experts"]
+    bare["num_local_experts"] = 8  # transformers' alias
+    assert Large4Config.from_hf_config(bare).n_routed_experts == 8
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(kv_source_layers=[0, 1, 1, 3, 4, 4, 6, 1]), "kv_source_layers[7]"),  # NoPE reads RoPE
+    (dict(kv_source_layers=[0, 1, 2, 3, 4, 1, 4, 3]), "kv_source_layers[5]"),  # 4 is a later producer
+    (dict(kv_source_layers=[0, 1, 1, 3, 4, 2, 6, 3]), "kv_source_layers[5]"),  # source is a consumer
+    (dict(kv_source_layers=[0, 2, 2, 3, 4, 4, 6, 3]), "kv_source_layers[1]"),  # later source
+    (dict(indexer_types=["shared"] + ["full"] * 7), "indexer_types[0]"),
+    (dict(index_head_dim=2), "index_head_dim"),
+    (dict(no_rope_layers=[1] * 7), "no_rope_layers"),
+    (dict(mlp_layer_types=["dense"] * 7 + ["moe"]), "mlp_layer_types[7]"),
+    (dict(q_lora_rank=64), "q_lora_rank"),
+    (dict(qk_rope_head_dim=5), "qk_rope_head_dim"),
+])
+def test_config_errors_name_the_field(change, field):
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        Large4Config.from_name(PARITY, **change)
+
+
+def test_hf_config_errors_name_the_field():
+    hf = Large4Config.from_name(PARITY).to_hf_config()
+    hf["text_config"]["mystery"] = 1
+    with pytest.raises(ValueError, match="text_config.mystery"):
+        Large4Config.from_hf_config(hf)
+    hf = Large4Config.from_name(PARITY).to_hf_config()
+    hf["text_config"]["qk_head_dim"] = 99
+    with pytest.raises(ValueError, match="text_config.qk_head_dim"):
+        Large4Config.from_hf_config(hf)
+
+
+def test_training_from_scratch_beyond_index_topk_is_refused():
+    config = Large4Config.from_name("large4-tiny")
+    assert "index_topk" in config.training_error(seq_len=16, fresh_weights=True)
+    assert config.training_error(seq_len=16, fresh_weights=False) is None
+    assert config.training_error(seq_len=4, fresh_weights=True) is None
