@@ -17,7 +17,6 @@ dictionary: a checkpointed or pipelined block is then a pure function of its arg
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import FULL, dense_mask, layer_mask_mod, masked_attention, selection_mask, top_keys
-from model import Flint, Head, RMSNorm, build_model, document_positions, sample, seeded_normal
+from model import (Flint, Head, RMSNorm, build_model, document_positions, read_config_json, sample,
+                   seeded_normal)
 from moe import EXPERT_BACKENDS, MoE, SwiGLU
 
 LAYER_TYPE = "indexed_attention"  # the only layer type; it selects transformers' cache class
@@ -239,15 +239,7 @@ class Large4Config:
     def from_hf_config(cls, source: dict | str | Path, **overrides: Any) -> "Large4Config":
         """From the composite config.json (its text_config) or a bare text config: a dict, a file or a
         checkpoint directory. Errors name the field."""
-        where = "config"
-        if not isinstance(source, dict):
-            path = Path(source)
-            path = path / "config.json" if path.is_dir() else path
-            where = str(path)
-            try:
-                source = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as error:
-                raise ValueError(f"{where}: cannot read a JSON config: {error}") from error
+        source, where = read_config_json(source)
         composite = ({k: v for k, v in source.items() if k != "text_config" and k not in IGNORED_HF_KEYS}
                      if "text_config" in source else {})
         text = dict(source.get("text_config", source))

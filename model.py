@@ -29,6 +29,19 @@ from moe import EXPERT_BACKENDS, MoE, SwiGLU
 
 # ============================================================================= configuration
 
+def read_config_json(source: dict | str | Path) -> tuple[dict, str]:
+    """A config dict as given, or read from a config.json file or checkpoint directory -> (dict,
+    where it came from, for error messages)."""
+    if isinstance(source, dict):
+        return source, "config"
+    path = Path(source)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        return json.loads(path.read_text()), str(path)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: cannot read a JSON config: {error}") from error
+
+
 def default_layer_types(num_layers: int) -> list[str]:
     """Full attention at 0, 1, every i with i % 4 == 1, and the last layer; sliding elsewhere."""
     return [FULL if i < 2 or i % 4 == 1 or i == num_layers - 1 else SLIDING for i in range(num_layers)]
@@ -159,15 +172,7 @@ class FlintConfig:
     @classmethod
     def from_hf_config(cls, source: dict | str | Path, **overrides: Any) -> "FlintConfig":
         """From a config.json dict or path (file or checkpoint directory); errors name the field."""
-        where = "config"
-        if not isinstance(source, dict):
-            path = Path(source)
-            path = path / "config.json" if path.is_dir() else path
-            where = str(path)
-            try:
-                source = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as error:
-                raise ValueError(f"{where}: cannot read a JSON config: {error}") from error
+        source, where = read_config_json(source)
         if source.get("model_type", "flint") != "flint":
             raise ValueError(f"{where}: model_type must be 'flint', got {source['model_type']!r}")
         known = {f.name for f in dataclasses.fields(cls)} - set(RUNTIME_FIELDS)
