@@ -185,42 +185,73 @@ def sdpa_sink_attention(q, k, v, sinks: torch.Tensor, allowed: torch.Tensor) -> 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
 
 
-class CPUFlashSinkAttention(torch.autograd.Function):
-    """The CPU's fused flash attention, which returns the lse, then the sink: out * sigmoid(lse - s).
+# The CPU's fused flash attention returns the lse, so the sink is a rescale: out * sigmoid(lse - s).
+# About 3x faster on the CPU than SDPA with an extra column, which materialises a per-head bias and
+# runs the unfused math kernel. It is a custom operator so that a compiled block holds it as one
+# opaque call (the compiler has no CPU kernel to generate for it). Its outputs are contiguous, as
+# its fake says (the kernel's own layout follows q's): the compiler plans strides from the fake.
 
-    About 3x faster on the CPU than SDPA with an extra column, which materialises a per-head bias
-    and runs the unfused math kernel. Backward reuses the kernel's own backward: given
-    dO = keep * dy and y in place of its output, its row term rowsum(dO * O) is exactly that of
-    the softmax with the sink column, so dq, dk, dv come out right; the sink's gradient is
-    -(1 - keep) * rowsum(dy * y). A query with no allowed key gets out = 0 and lse = 0 from the
-    kernel, hence y = 0 and no gradient, as with the sink column.
-    """
+def _flash_bias(q: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    return torch.where(allowed, 0.0, float("-inf")).to(q.dtype)  # [B, 1, T, S]
 
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, allowed):
-        bias = torch.where(allowed, 0.0, float("-inf")).to(q.dtype)  # [B, 1, T, S]
-        scale = q.shape[-1] ** -0.5
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=bias, scale=scale)  # GQA needs no repeat
-        keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1)).unsqueeze(-1)  # [B, Hq, T, 1]
-        y = (out * keep).to(q.dtype)
-        ctx.save_for_backward(q, k, v, y, lse, keep, bias)
-        ctx.scale = scale
-        return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        q, k, v, y, lse, keep, bias = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            (dy * keep).to(q.dtype).contiguous(), q, k, v, y, lse, 0.0, False, attn_mask=bias, scale=ctx.scale)
-        dsinks = -((1 - keep) * (dy * y).sum(-1, keepdim=True).float()).sum((0, 2, 3))
-        return dq, dk, dv, dsinks, None
+def _sink_keep(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The share of each query's softmax mass not taken by the sink: FP32 [B, Hq, T, 1]."""
+    return torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1)).unsqueeze(-1)
+
+
+@torch.library.custom_op("flint::flash_sink_attention", mutates_args=())
+def flash_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                         allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, T, D], k/v [B, Hkv, S, D] (GQA needs no repeat), allowed bool [B, 1, T, S]
+    -> y [B, Hq, T, D], FP32 lse [B, Hq, T] of the attention without the sink."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=_flash_bias(q, allowed), scale=q.shape[-1] ** -0.5)
+    return (out * _sink_keep(lse, sinks)).to(q.dtype).contiguous(), lse.float().contiguous()
+
+
+@flash_sink_attention.register_fake
+def _(q, k, v, sinks, allowed):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("flint::flash_sink_attention_backward", mutates_args=())
+def flash_sink_attention_backward(dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  sinks: torch.Tensor, allowed: torch.Tensor, y: torch.Tensor,
+                                  lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward reuses the kernel's own: given dO = keep * dy and y in place of its output, its row
+    term rowsum(dO * O) is exactly that of the softmax with the sink column, so dq, dk, dv come out
+    right; the sink's gradient is -(1 - keep) * rowsum(dy * y). A query with no allowed key gets
+    out = 0 and lse = 0 from the kernel, hence y = 0 and no gradient, as with the sink column."""
+    keep = _sink_keep(lse, sinks)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        (dy * keep).to(q.dtype).contiguous(), q, k, v, y, lse, 0.0, False,
+        attn_mask=_flash_bias(q, allowed), scale=q.shape[-1] ** -0.5)
+    dsinks = -((1 - keep) * (dy * y).sum(-1, keepdim=True).float()).sum((0, 2, 3))
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks.to(sinks.dtype)
+
+
+@flash_sink_attention_backward.register_fake
+def _(dy, q, k, v, sinks, allowed, y, lse):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), sinks.new_empty(sinks.shape)
+
+
+def _flash_setup(ctx, inputs, output):
+    q, k, v, sinks, allowed = inputs
+    ctx.save_for_backward(q, k, v, sinks, allowed, *output)
+
+
+def _flash_backward(ctx, dy, dlse):
+    return (*flash_sink_attention_backward(dy, *ctx.saved_tensors), None)
+
+
+flash_sink_attention.register_autograd(_flash_backward, setup_context=_flash_setup)
 
 
 def dense_sink_attention(q, k, v, sinks: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """The sdpa backend: the fused flash kernel on the CPU, SDPA with a sink column elsewhere."""
     if q.device.type == "cpu":
-        return CPUFlashSinkAttention.apply(q, k, v, sinks, allowed)
+        return flash_sink_attention(q, k, v, sinks, allowed)[0]
     return sdpa_sink_attention(q, k, v, sinks, allowed)
 
 

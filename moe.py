@@ -32,6 +32,16 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of `indices` (any shape) pick each expert -> int64 [E].
+
+    A scatter-add into a fixed size: unlike bincount its shape does not depend on the data, so it
+    compiles into the graph with no host sync.
+    """
+    flat = indices.flatten()
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 class Router(nn.Module):
     """Scores over experts, top-k, optionally renormalised. An FP32 module of its own.
 
@@ -63,25 +73,56 @@ class Router(nn.Module):
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         with torch.no_grad():
-            counts = torch.bincount(indices.flatten(), minlength=self.weight.shape[0])
-            self.tokens_per_expert.copy_(counts)  # copy, not add: activation recompute stays exact
+            self.tokens_per_expert.copy_(expert_counts(indices, self.weight.shape[0]))  # copy, not add: activation recompute stays exact
         return weights, indices
 
 
-@torch.compiler.disable
-def _grouped_mm_eager(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return torch._grouped_mm(x, w, offs=offsets)
+# torch 2.13's _grouped_mm has a meta (shape) kernel for BF16 only, so the compiler cannot trace an
+# FP32 grouped GEMM on any device (and on the CPU it has no kernel to generate). Everywhere but
+# BF16 on CUDA it is therefore an opaque custom operator: one call inside the compiled graph.
+@torch.library.custom_op("flint::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x.contiguous(), w, offs=offsets)  # rows may arrive strided (an expanded grad)
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, offsets):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("flint::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(x: torch.Tensor, grad_out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [M, K], grad_out [M, N] -> [G, K, N]: per group, x_g^T @ grad_out_g."""
+    return torch._grouped_mm(x.contiguous().T, grad_out.contiguous(), offs=offsets)
+
+
+@_grouped_mm_weight_grad.register_fake
+def _(x, grad_out, offsets):
+    return x.new_empty(offsets.shape[0], x.shape[1], grad_out.shape[1])
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx, grad_out):
+    x, w, offsets = ctx.saved_tensors
+    grad_x = _grouped_mm_op(grad_out, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
+    grad_w = _grouped_mm_weight_grad(x, grad_out, offsets) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [M, K] rows sorted by group, w [G, K, N], offsets int32 [G] cumulative ends -> [M, N].
 
-    In torch 2.13 an FP32 grouped GEMM cannot be compiled on the CPU, so there it stays out of the
-    graph (one graph break) while the rest of the block is still compiled.
+    Native (and compiled by inductor) for BF16 on CUDA; the opaque custom operator otherwise.
     """
-    if x.device.type == "cpu":
-        return _grouped_mm_eager(x, w, offsets)
-    return torch._grouped_mm(x, w, offs=offsets)
+    if x.device.type == "cuda" and x.dtype == torch.bfloat16:
+        return torch._grouped_mm(x, w, offs=offsets)
+    return _grouped_mm_op(x, w, offsets)
 
 
 def group_alignment(device: torch.device) -> int:
@@ -103,7 +144,7 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int) -> Exper
     """Plan the grouped GEMM for expert indices [N, k] without a host sync."""
     flat = indices.flatten()  # [N*k]
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     padded = (counts + align - 1) // align * align
     starts = torch.cumsum(counts, 0) - counts
     padded_ends = torch.cumsum(padded, 0)
@@ -233,7 +274,7 @@ class ExpertParallelExperts(nn.Module):
         flat = indices.flatten()  # [N*k]
         order = torch.argsort(flat, stable=True)  # assignments sorted by expert, so by owning rank
         token_of = order // indices.shape[1]
-        counts = torch.bincount(flat, minlength=self.num_experts)  # [E] rows this rank sends
+        counts = expert_counts(flat, self.num_experts)  # [E] rows this rank sends
         received_counts = torch.empty_like(counts)  # [ep * El]: rows from source s for local expert j
         dist.all_to_all_single(received_counts, counts, group=self.group)
         send_splits = counts.view(ep, local_experts).sum(1).tolist()  # host sync: split sizes

@@ -61,6 +61,8 @@ class ParallelConfig:
     pp_microbatches: int = 0  # 0: as many as pipeline stages
     activation_checkpointing: str = "none"  # none | full (every block) | selective (every 2nd block)
     compile: bool = False  # torch.compile each block
+    compile_fallback: bool = False  # true: a compiler failure at the first step warns and trains eager;
+    # false: it stops the run (out-of-memory and collective errors always stop it)
     param_dtype: str = "auto"  # bulk compute dtype: auto (bfloat16 on GPUs, float32 on the CPU) | bfloat16 |
     # float32; sinks, routers and the head always compute in FP32, master weights are always FP32
     reshard_after_forward: bool | None = None  # None: True, but False for pipeline stages
@@ -312,11 +314,16 @@ def apply_activation_checkpointing(model: Flint, mode: str) -> None:
             checkpoint_module(layer)
 
 
-def apply_compile(model: Flint) -> None:
-    """Compile each block in place (names unchanged). Errors are raised, never hidden by eager."""
+def apply_compile(model: Flint, fullgraph: bool = True) -> None:
+    """Compile each block in place (names unchanged). Errors are raised, never hidden by eager.
+
+    fullgraph=True makes any graph break an error: each block is one graph. parallelize asks for
+    it whenever the block holds no other distributed code. The known breaks otherwise: each FP32
+    FSDP unit nested in a block (sinks, router), whose FSDP hooks dynamo does not trace, and the
+    expert-parallel split sizes (a host sync). train.check_compiled reports the count."""
     torch._dynamo.config.suppress_errors = False
     for layer in model.layers.values():
-        layer.compile()
+        layer.compile(fullgraph=fullgraph)
 
 
 def apply_fsdp(model: Flint, mesh: DeviceMesh, param_dtype: torch.dtype, reshard: bool) -> None:
@@ -366,6 +373,7 @@ def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "
         parts = [pipeline_stage(model, s, num_stages) for s in stage_ids]
     reshard = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else cfg.pp == 1
     param_dtype = cfg.compute_dtype(mesh.device_type)
+    fsdp = mesh["dp_cp"].size() > 1 or param_dtype != torch.float32
     for part in parts:
         if mesh["cp"].size() > 1:
             part.cp_group = mesh["cp"].get_group()
@@ -376,8 +384,8 @@ def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "
             apply_expert_parallel(part, mesh["ep"])
         apply_activation_checkpointing(part, cfg.activation_checkpointing)
         if cfg.compile:
-            apply_compile(part)
-        if mesh["dp_cp"].size() > 1 or param_dtype != torch.float32:
+            apply_compile(part, fullgraph=not fsdp and cfg.ep == 1 and cfg.cp == 1)
+        if fsdp:
             apply_fsdp(part, mesh, param_dtype, reshard)
     pm = ParallelModel(parts, mesh, config)
     if cfg.pp > 1:

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer, train_data, val_data = setup_data(cfg, run)
         model = load_model(cfg, run)
         if cfg.parallel.compile:
-            check_compiled(model, train_data.peek(), run)
+            check_compiled(model, train_data.peek(), run, cfg.parallel.compile_fallback)
         optimizer = build_optimizer(model.module, cfg.optim, run.device)
         checkpoints = Checkpointer(cfg, run)
         step = checkpoints.resume(model, optimizer, train_data)
@@ -230,20 +230,46 @@ def main_rank_works(run: Run, hours: float = 4.0):
         dist.destroy_process_group(group)
 
 
-def check_compiled(model: ParallelModel, example: dict[str, torch.Tensor], run: Run) -> None:
+def check_compiled(model: ParallelModel, example: dict[str, torch.Tensor], run: Run, fallback: bool) -> None:
     """parallel.py compiled each decoder block; compilation happens at the first call, so one
-    forward and backward on a real batch shape shows a failure here, not mid-run. On failure the
-    blocks go back to eager and the error is printed: never a silent fallback."""
+    forward and backward on a real batch shape shows a failure here, not mid-run, and counts the
+    graphs and graph breaks. A failure stops the run on this rank, whose exit ends the others
+    (torchrun stops the group), unless `fallback` ([parallel].compile_fallback) asks for eager
+    blocks instead, and then only for a failure of the compiler itself (`is_compile_error`)."""
     start = time.perf_counter()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     try:
         model.forward_backward(**{k: v.to(run.device) for k, v in example.items()})
-    except Exception as error:  # any compiler failure: fall back, loudly
+    except Exception as error:
+        if not is_compile_error(error):
+            raise
+        if not fallback:
+            raise TrainingError(f"torch.compile of the decoder blocks failed: {type(error).__name__}: "
+                                f"{str(error)[:2000]}\nfix the cause, set [parallel].compile = false, or set "
+                                f"[parallel].compile_fallback = true to train eager on such a failure") from error
         uncompile(model)
-        print(f"WARNING: torch.compile of the decoder blocks failed, training in eager mode instead: "
-              f"{type(error).__name__}: {str(error)[:2000]}", file=sys.stderr, flush=True)
+        print(f"WARNING: torch.compile of the decoder blocks failed, training in eager mode instead "
+              f"([parallel].compile_fallback = true): {type(error).__name__}: {str(error)[:2000]}",
+              file=sys.stderr, flush=True)
     else:
-        run.print(f"compiled {len(model.config.layer_types)} decoder blocks in {time.perf_counter() - start:.1f} s")
+        breaks = sum(counters["graph_break"].values())
+        run.print(f"compiled {len(model.config.layer_types)} decoder blocks in {time.perf_counter() - start:.1f} s: "
+                  f"{counters['stats']['unique_graphs']} graphs, {breaks} graph breaks")
     model.module.zero_grad(set_to_none=True)
+
+
+def is_compile_error(error: BaseException) -> bool:
+    """A failure of the compiler itself (dynamo, AOT autograd, inductor). Out-of-memory and
+    collective errors are never compile errors, even when the compiler wraps them: they are
+    the run's, and other ranks wait on this one."""
+    chain, cause = [], error
+    while cause is not None and len(chain) < 16:
+        chain.append(cause)
+        cause = getattr(cause, "inner_exception", None) or cause.__cause__ or cause.__context__
+    if any(isinstance(e, (torch.OutOfMemoryError, dist.DistError)) for e in chain):
+        return False
+    return isinstance(error, torch._dynamo.exc.TorchDynamoException)
 
 
 # ============================================================================= optimizer and step

@@ -93,16 +93,40 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeyp
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002"]
 
 
-def test_compile_failure_falls_back_loudly(tmp_path, monkeypatch, capsys):
-    def broken_compile(fn, *args, **kwargs):
-        def fails(*a, **k):
-            raise RuntimeError("inductor exploded")
-        return fails
+def compile_with_backend_raising(monkeypatch, error: Exception) -> None:
+    """torch.compile as train.py calls it, with a backend that fails the way the compiler would."""
+    def failing_backend(graph_module, example_inputs):
+        raise error
 
-    monkeypatch.setattr(torch, "compile", broken_compile)
-    summary = run_debug(tmp_path, "--parallel.compile=true", "--training.steps=2", "--training.sample_tokens=0")
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": failing_backend}))
+
+
+def test_compile_failure_stops_the_run(tmp_path, monkeypatch):
+    compile_with_backend_raising(monkeypatch, RuntimeError("inductor exploded"))
+    with pytest.raises(TrainingError, match=r"(?s)torch.compile of the decoder blocks failed.*inductor exploded.*"
+                                            r"compile_fallback = true"):
+        run_debug(tmp_path, "--parallel.compile=true", "--training.steps=2")
+    assert not (tmp_path / "ckpt").exists()  # stopped before any work
+
+
+def test_compile_fallback_only_when_asked(tmp_path, monkeypatch, capsys):
+    compile_with_backend_raising(monkeypatch, RuntimeError("inductor exploded"))
+    summary = run_debug(tmp_path, "--parallel.compile=true", "--parallel.compile_fallback=true",
+                        "--training.steps=2", "--training.sample_tokens=0")
     assert "WARNING: torch.compile of the decoder blocks failed" in capsys.readouterr().err
     assert summary["step"] == 2
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"),
+                                   torch.distributed.DistBackendError("NCCL communicator was aborted")])
+def test_out_of_memory_and_collective_errors_are_never_compile_errors(tmp_path, monkeypatch, error):
+    """Even wrapped by the compiler (BackendCompilerFailed) and with the fallback on, they stop the run."""
+    compile_with_backend_raising(monkeypatch, error)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+        run_debug(tmp_path, "--parallel.compile=true", "--parallel.compile_fallback=true", "--training.steps=2")
+    assert not train.is_compile_error(raised.value) and raised.value.inner_exception is error
+    assert not train.is_compile_error(error) and not train.is_compile_error(RuntimeError("a bug of ours"))
 
 
 def test_data_errors_stop_before_training(tmp_path):

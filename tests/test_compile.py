@@ -1,0 +1,126 @@
+"""Compiled code: every block kind as one graph (fullgraph=True), the custom operators that keep
+the CPU kernels inside it, and no host sync in a block.
+
+Dynamo and AOT autograd (backend aot_eager: the graph, its fake shapes and its backward formula,
+as inductor receives them) run in the suite in seconds; inductor's code generation, about a
+minute per block on 2 busy cores with a cold cache, runs with FLINT_SLOW=1.
+"""
+
+import os
+
+import pytest
+import torch
+
+from attention import FULL, SLIDING, build_masks, flash_sink_attention
+from model import FlintConfig, build_model, document_positions, rope_tables
+from moe import _grouped_mm_op, expert_counts
+
+SLOW = os.environ.get("FLINT_SLOW") == "1"
+BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1"))]
+BATCH, SEQ = 2, 32  # 32 > 2 * (window 9 - 1): sliding layers take the banded path
+
+# Every block kind: (attention, MLP). Layers 0-1 are dense by mlp_only_layers.
+BLOCK_KINDS = {"dense full": "0", "dense sliding": "1", "moe sliding": "2", "moe full": "3"}
+
+
+def block_model(**overrides):
+    config = FlintConfig.from_name("tiny", num_hidden_layers=4, layer_types=[FULL, SLIDING, SLIDING, FULL],
+                                   **overrides)
+    model = build_model(config, seed=0)
+    with torch.no_grad():  # sinks away from their initial ~0, so that they matter
+        for name, param in model.named_parameters():
+            if name.endswith("sinks.weight"):
+                param.add_(torch.linspace(-1.0, 2.0, param.numel()))
+    return model
+
+
+def block_inputs(config: FlintConfig, backend: str = "sdpa"):
+    """Hidden states [B, T, H], RoPE tables and the masks of a packed batch with padding."""
+    g = torch.Generator().manual_seed(0)
+    doc_ids = torch.tensor([0] * 13 + [1] * 15 + [-1] * 4).expand(BATCH, SEQ).clone()
+    doc_ids[1, :20] = 2  # rows differ: masks depend on the batch index
+    x = torch.randn(BATCH, SEQ, config.hidden_size, generator=g, requires_grad=True)
+    rope = rope_tables(document_positions(doc_ids), config.head_dim, config.rope_theta)
+    masks = build_masks(config.layer_types, config.window, doc_ids, BATCH, SEQ, "cpu", backend)
+    return x, rope, masks
+
+
+def values_and_grads(block, x, rope, masks):
+    """The block's output and the gradients of a fixed random projection of it."""
+    out = block(x, rope, masks)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad((out * weight).sum(), [x, *block.parameters()])
+    return out, grads
+
+
+def assert_same(eager, compiled, what: str):
+    (out, grads), (out_c, grads_c) = eager, compiled
+    torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} output: {m}")
+    for i, (g, g_c) in enumerate(zip(grads, grads_c)):
+        torch.testing.assert_close(g_c, g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{what} gradient {i}: {m}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", list(BLOCK_KINDS))
+def test_every_block_kind_compiles_to_one_graph(kind, backend, one_thread):
+    """fullgraph=True raises on any graph break: the block must be a single graph, with the
+    CPU's grouped GEMM and flash attention inside it as opaque custom operators."""
+    model = block_model()
+    model.layers["2"].mlp.experts.group_align = 4  # the padded grouped-GEMM path, as on CUDA
+    block = model.layers[BLOCK_KINDS[kind]]
+    inputs = block_inputs(model.config)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend=backend)
+    assert_same(values_and_grads(block, *inputs), values_and_grads(compiled, *inputs), kind)
+
+
+def test_router_counts_are_recorded_inside_the_graph(one_thread):
+    """The router's tokens_per_expert buffer update survives compilation (a buffer mutation in
+    the graph, no bincount): the compiled block leaves the same counts as the eager one."""
+    model = block_model()
+    block = model.layers["2"]
+    x, rope, masks = block_inputs(model.config)
+    block(x, rope, masks)
+    eager_counts = block.mlp.router.tokens_per_expert.clone()
+    block.mlp.router.tokens_per_expert.zero_()
+    torch._dynamo.reset()
+    torch.compile(block, fullgraph=True, backend="aot_eager")(x, rope, masks)
+    assert eager_counts.sum() == BATCH * SEQ * model.config.num_experts_per_tok
+    assert torch.equal(block.mlp.router.tokens_per_expert, eager_counts)
+
+
+def test_expert_counts_match_bincount():
+    indices = torch.randint(0, 7, (50, 3), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(expert_counts(indices, 9), torch.bincount(indices.flatten(), minlength=9))
+
+
+# ----------------------------------------------------------------------------- custom operators
+
+def test_grouped_mm_operator_matches_per_group_matmuls():
+    """The op and its backward against a plain loop over groups, with an empty group; opcheck
+    tests the fake, the schema and the autograd registration."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 8, generator=g, requires_grad=True)
+    w = torch.randn(3, 8, 4, generator=g, requires_grad=True)
+    ends = [5, 5, 12]
+    offsets = torch.tensor(ends, dtype=torch.int32)
+    out = _grouped_mm_op(x, w, offsets)
+    expected = torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))])
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    grad = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, (x, w), grad)
+    want = torch.autograd.grad(expected, (x, w), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch.library.opcheck(_grouped_mm_op, (x, w, offsets))
+
+
+def test_flash_sink_operator_passes_opcheck():
+    """Schema, fake (shapes and the [B, T, H, D] layout the compiler plans with) and autograd
+    registration of the CPU flash attention operator; its values are tested in test_attention."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=g).requires_grad_()
+    k, v = (torch.randn(2, 2, 6, 8, generator=g).requires_grad_() for _ in range(2))
+    sinks = torch.randn(4, generator=g).requires_grad_()
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 1, 6, 6)
+    torch.library.opcheck(flash_sink_attention, (q, k, v, sinks, allowed))
