@@ -1,11 +1,16 @@
-"""Published Flint checkpoints (Hugging Face safetensors) <-> the native checkpoint, one tensor at a time.
+"""Published checkpoints (Hugging Face safetensors) of Flint and Mistral Large 4 <-> the native
+checkpoint, one tensor at a time.
 
     python convert.py to-native HF_DIR OUT      # published -> native (DCP directory + config.json)
     python convert.py to-hf IN HF_DIR           # native (model-only or a training checkpoint) -> published
 
 The native checkpoint is what train.py saves and resumes from: a torch.distributed.checkpoint
 directory whose state dict holds {"model": <native state dict>, optional "optimizer", "train"}, plus
-config.json. The published layout and the native one are described in ../shared/SPEC.md.
+config.json. config.json's model_type picks the model family; each family declares its published key
+table (Flint: below, and ../shared/SPEC.md; Mistral Large 4: large4_hf.py and ../shared/LARGE4.md).
+Published tensors outside the model (Large 4's vision tower and draft head) are "extras": to-native
+keeps them under "extra" in the DCP checkpoint, to-hf and save_hf write them back, never dropped.
+FP8 block-scaled weights (the Large 4 release) are dequantized on import; exports are BF16/FP16/FP32.
 
 Every published tensor is a `Part` of one native tensor: native[index] == published, transposed or
 not. That single table drives both directions, the key accounting and the shape checks. Renames and
@@ -19,55 +24,37 @@ renamed into place at the end, and pickle checkpoints (.bin) are refused, never 
 from __future__ import annotations
 
 import argparse
-from abc import ABC, abstractmethod
 import json
-import os
 import re
-import shutil
-import struct
 import sys
-import tempfile
 import time
-import warnings
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError, safe_open
+from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+import large4_hf
+from hf_io import (SAFETENSORS_DTYPES, Entry, NativeDir, Part, SafetensorsDir, Source, StateSource, atomic_directory,
+                   dcp_call, parse_size, published_view, read_json, write_safetensors)
+from large4 import Large4Config, MistralLarge4
 from model import Flint, FlintConfig
 
-# The dtypes a Flint checkpoint may hold, by their safetensors names.
-SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 # Native keys the model keeps in FP32 (a checkpoint may hold them in FP32 or in the bulk dtype).
 FP32_SUFFIXES = ("self_attn.sinks.weight", "mlp.router.weight", "lm_head.weight")
 # Of those, the ones the published layout keeps in FP32 even when exporting to a lower dtype.
 PUBLISHED_FP32_SUFFIXES = ("self_attn.sinks.weight", "mlp.router.weight")
 Log = Callable[[str], None]
+Config = FlintConfig | Large4Config
+__all__ = ["NativeDir", "SafetensorsDir", "StateSource"]  # read by train.py through this module
 
 
-# ============================================================================= the key table
-
-@dataclass(frozen=True)
-class Part:
-    """A published tensor's place in a native one: native[index] == (published.mT if transposed else published)."""
-
-    key: str
-    index: tuple
-    transposed: bool
-
-
-def native_meta(config: FlintConfig) -> dict[str, torch.Tensor]:
-    """Every native parameter as a meta tensor (shape only), in model order; builds nothing real."""
-    with torch.device("meta"):
-        return Flint(config).state_dict()
+# ============================================================================= the Flint key table
 
 
 def published_parts(native_key: str, config: FlintConfig, fused: bool = False,
@@ -102,161 +89,76 @@ def published_layout(config: FlintConfig, present: set[str] | None = None) -> di
     return layout
 
 
-def published_view(native: torch.Tensor, part: Part) -> torch.Tensor:
-    """The published tensor as a view into the native one: copy into it to import, read it to export."""
-    view = native[part.index]
-    return view.mT if part.transposed else view
+# ============================================================================= model families
+
+@dataclass(frozen=True)
+class Family:
+    """What conversions need to know about one model: its classes and its published key table."""
+
+    model_types: tuple[str, ...]  # config.json model_type values
+    config_class: type
+    model_class: type
+    layout: Callable[[Any, set[str]], dict[str, list[Part]]]  # (config, published keys present) -> table
+    fp32_suffixes: tuple[str, ...]
+    published_fp32_suffixes: tuple[str, ...]
+    is_extra: Callable[[str], bool] = lambda key: False  # published keys outside the model, carried through
 
 
-# ============================================================================= sources
-
-class Source(ABC):
-    """Tensors by key, with shapes and dtypes (`meta`) known before any is read; `where(key)` names its file."""
-
-    name: str
-    meta: dict[str, tuple[tuple[int, ...], torch.dtype]]
-
-    def where(self, key: str) -> str:
-        return self.name
-
-    @abstractmethod
-    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        """The tensors of `keys`, read now."""
+FAMILIES = (
+    Family(("flint",), FlintConfig, Flint, published_layout, FP32_SUFFIXES, PUBLISHED_FP32_SUFFIXES),
+    Family(("mistral_large4", "mistral_large4_text"), Large4Config, MistralLarge4,
+           lambda config, present: large4_hf.published_layout(native_meta(config), present),
+           large4_hf.FP32_SUFFIXES, large4_hf.PUBLISHED_FP32_SUFFIXES, large4_hf.is_extra),
+)
 
 
-class StateSource(Source):
-    """An in-memory state dict."""
-
-    def __init__(self, state: dict[str, torch.Tensor], name: str):
-        self.name, self.state = name, state
-        self.meta = {k: (tuple(t.shape), t.dtype) for k, t in state.items()}
-
-    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        return {k: self.state[k].detach() for k in keys}
+def family_of(config: Config) -> Family:
+    return next(f for f in FAMILIES if isinstance(config, f.config_class))
 
 
-class SafetensorsDir(Source):
-    """A published checkpoint: model.safetensors, or the shards listed in model.safetensors.index.json.
-
-    Only headers are read up front. `read` opens the files it needs and closes them again, because
-    safetensors memory-maps files and every page touched stays resident while a file is open.
-    """
-
-    def __init__(self, path: str | Path):
-        path = Path(path)
-        index, single = path / "model.safetensors.index.json", path / "model.safetensors"
-        if index.exists():
-            self.name = str(index)
-            weight_map = _read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise ValueError(f"{index}: expected a non-empty 'weight_map' object of key -> shard file")
-        elif single.exists():
-            self.name, weight_map = str(single), None
-        else:
-            pickles = sorted(p.name for p in path.glob("*.bin*")) if path.is_dir() else []
-            if pickles:
-                raise ValueError(f"{path / pickles[0]}: pickle checkpoints are refused (loading one can run "
-                                 f"arbitrary code); convert it to safetensors first")
-            raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json found")
-        listed: dict[str, list[str]] = {}  # shard file -> the keys weight_map places in it
-        for key, shard in (weight_map or {}).items():
-            listed.setdefault(shard, []).append(key)
-        for shard, keys in listed.items():
-            if ".bin" in shard:
-                raise ValueError(f"{path / shard} (holds {keys[0]!r}): pickle checkpoints are refused "
-                                 f"(loading one can run arbitrary code)")
-            if not (path / shard).exists():
-                raise ValueError(f"{self.name}: weight_map names missing shard {shard!r} (holds {keys[0]!r})")
-        self.files: dict[str, Path] = {}
-        self.meta = {}
-        for shard in sorted(listed) if weight_map else [single.name]:
-            self._scan(path / shard, listed.get(shard))
-
-    def _scan(self, file: Path, listed: list[str] | None) -> None:
-        try:
-            with safe_open(file, "pt") as handle:
-                for key in handle.keys():
-                    view = handle.get_slice(key)
-                    dtype = SAFETENSORS_DTYPES.get(view.get_dtype())
-                    if dtype is None:
-                        raise ValueError(f"{file}: key {key!r} has dtype {view.get_dtype()}, expected one of "
-                                         f"{list(SAFETENSORS_DTYPES)}")
-                    self.meta[key], self.files[key] = (tuple(view.get_shape()), dtype), file
-        except SafetensorError as error:
-            damaged, holds = _damaged_key(file), listed[0] if listed else None
-            detail = f" (tensor {damaged!r} is cut off)" if damaged else f" (holds {holds!r})" if holds else ""
-            raise ValueError(f"{file}: truncated or corrupt safetensors file{detail}: {error}") from error
-        if listed is None:
-            return
-        for key in listed:
-            if self.files.get(key) != file:
-                raise ValueError(f"{file}: missing key {key!r} that {self.name} places in this shard")
-        listed_here = set(listed)
-        unlisted = [k for k, f in self.files.items() if f == file and k not in listed_here]
-        if unlisted:
-            raise ValueError(f"{file}: unexpected key {unlisted[0]!r}, not in {self.name}'s weight_map")
-
-    def where(self, key: str) -> str:
-        return str(self.files.get(key, self.name))
-
-    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        tensors = {}
-        for file in dict.fromkeys(self.files[k] for k in keys):
-            with safe_open(file, "pt") as handle:
-                tensors.update({k: handle.get_tensor(k) for k in keys if self.files[k] == file})
-        return tensors
+def read_config(directory: str | Path) -> tuple[Config, dict]:
+    """config.json of a checkpoint directory -> (the family's config, the raw JSON)."""
+    path = Path(directory) / "config.json"
+    raw = read_json(path)
+    model_type = raw.get("model_type", "flint")
+    family = next((f for f in FAMILIES if model_type in f.model_types), None)
+    if family is None:
+        known = [t for f in FAMILIES for t in f.model_types]
+        raise ValueError(f"{path}: model_type must be one of {known}, got {model_type!r}")
+    text = {k: v for k, v in raw.items() if k != "quantization_config"}  # read by open_published
+    if isinstance(text.get("text_config"), dict):
+        text["text_config"] = {k: v for k, v in text["text_config"].items() if k != "quantization_config"}
+    return family.config_class.from_hf_config(text), raw
 
 
-def _damaged_key(file: Path) -> str | None:
-    """The first tensor whose bytes lie past the end of a truncated safetensors file, if the header is readable."""
-    try:
-        with open(file, "rb") as f:
-            (header_size,) = struct.unpack("<Q", f.read(8))
-            data_size = file.stat().st_size - 8 - header_size
-            header = json.loads(f.read(header_size)) if data_size >= 0 else {}
-        ends = sorted((info["data_offsets"][1], key) for key, info in header.items() if key != "__metadata__")
-        return next((key for end, key in ends if end > data_size), None)
-    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError):
-        return None
+def native_meta(config: Config) -> dict[str, torch.Tensor]:
+    """Every native parameter as a meta tensor (shape only), in model order; builds nothing real."""
+    with torch.device("meta"):
+        return family_of(config).model_class(config).state_dict()
 
 
-class NativeDir(Source):
-    """The "model" entries of a native checkpoint (model-only or with optimizer and training state)."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.name = str(self.path / ".metadata")
-        if not (self.path / ".metadata").exists():
-            raise ValueError(f"{self.path}: not a native checkpoint (no .metadata file written by "
-                             f"torch.distributed.checkpoint)")
-        metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
-        self.meta = {}
-        for fqn, entry in metadata.state_dict_metadata.items():
-            if not fqn.startswith("model."):
-                continue
-            if not isinstance(entry, TensorStorageMetadata):
-                raise ValueError(f"{self.name}: unexpected key {fqn!r}: not a tensor")
-            self.meta[fqn.removeprefix("model.")] = (tuple(entry.size), entry.properties.dtype)
-
-    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        state = {k: torch.empty(self.meta[k][0], dtype=self.meta[k][1]) for k in keys}
-        _dcp_call(dcp.load, {"model": state}, checkpoint_id=str(self.path))
-        return state
-
-
-def _dcp_call(fn, *args, **kwargs):
-    # A single process without a process group is the intended use here, not a mistake to warn about.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        return fn(*args, no_dist=True, **kwargs)
+def open_published(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Config, Source]:
+    """A published checkpoint directory -> (config, source). FP8 weights read dequantized, as `dtype`
+    (default BF16); other tensors keep their dtype unless the checkpoint holds FP8."""
+    config, raw = read_config(path)
+    family = family_of(config)
+    if family.model_class is not MistralLarge4:
+        return config, SafetensorsDir(path)
+    source = SafetensorsDir(path, large4_hf.FP8_DTYPES)
+    if not any(dtype in large4_hf.FP8_DTYPES.values() for _, dtype in source.meta.values()):
+        return config, source
+    keep = {part.key for key, parts in family.layout(config, set()).items() for part in parts
+            if key.endswith(family.published_fp32_suffixes)}
+    block = large4_hf.block_size(raw, str(Path(path) / "config.json"))
+    return config, large4_hf.Dequantized(source, block, dtype or torch.bfloat16, keep.__contains__)
 
 
 # ============================================================================= checks
 
-def check_layers(source: Source, config: FlintConfig) -> None:
+def check_layers(source: Source, config: Config, skip: Callable[[str], bool] = lambda key: False) -> None:
     """Layer indices in the keys must be exactly 0 .. num_hidden_layers - 1 of config.json."""
     count, seen = config.num_hidden_layers, set()
-    for key in source.meta:
+    for key in (k for k in source.meta if not skip(k)):
         match = re.search(r"(?:^|\.)layers\.(\d+)\.", key)
         if match:
             seen.add(int(match.group(1)))
@@ -269,20 +171,22 @@ def check_layers(source: Source, config: FlintConfig) -> None:
                          f"input_layernorm.weight'), but config.json has num_hidden_layers={count}")
 
 
-def check_keys(source: Source, expected: dict[str, tuple[int, ...]]) -> None:
-    """Strict accounting: every expected key present once with its shape, and nothing else."""
+def check_keys(source: Source, expected: dict[str, tuple[int, ...]],
+               skip: Callable[[str], bool] = lambda key: False) -> None:
+    """Strict accounting: every expected key present once with its shape, and nothing else but `skip` keys."""
     for key, shape in expected.items():
         if key not in source.meta:
             raise ValueError(f"{source.name}: missing key {key!r} (shape {list(shape)})")
         if source.meta[key][0] != shape:
             raise ValueError(f"{source.where(key)}: key {key!r} has shape {list(source.meta[key][0])}, "
                              f"expected {list(shape)}")
-    unexpected = [k for k in source.meta if k not in expected]
+    unexpected = [k for k in source.meta if k not in expected and not skip(k)]
     if unexpected:
         raise ValueError(f"{source.where(unexpected[0])}: unexpected key {unexpected[0]!r}")
 
 
-def check_dtypes(source: Source, layout: dict[str, list[Part]]) -> dict[str, torch.dtype]:
+def check_dtypes(source: Source, layout: dict[str, list[Part]],
+                 fp32_suffixes: tuple[str, ...] = FP32_SUFFIXES) -> dict[str, torch.dtype]:
     """One bulk dtype (that of the embedding); FP32 also allowed where the model keeps FP32 -> native dtypes."""
     first = layout["embed_tokens.weight"][0].key
     bulk = source.meta[first][1]
@@ -291,7 +195,7 @@ def check_dtypes(source: Source, layout: dict[str, list[Part]]) -> dict[str, tor
                          f"{list(SAFETENSORS_DTYPES.values())}")
     dtypes = {}
     for native_key, parts in layout.items():
-        allowed = {bulk, torch.float32} if native_key.endswith(FP32_SUFFIXES) else {bulk}
+        allowed = {bulk, torch.float32} if native_key.endswith(fp32_suffixes) else {bulk}
         dtypes[native_key] = source.meta[parts[0].key][1]
         for part in parts:
             dtype = source.meta[part.key][1]
@@ -302,13 +206,35 @@ def check_dtypes(source: Source, layout: dict[str, list[Part]]) -> dict[str, tor
     return dtypes
 
 
-def check_source(source: Source, config: FlintConfig, published: bool) -> tuple[dict[str, list[Part]], dict]:
-    """Check a published or native source against config.json -> (native key -> parts, native key -> dtype)."""
-    check_layers(source, config)
-    meta = native_meta(config)
-    layout = published_layout(config, set(source.meta)) if published else {k: [Part(k, (), False)] for k in meta}
-    check_keys(source, {p.key: tuple(published_view(meta[k], p).shape) for k, ps in layout.items() for p in ps})
-    return layout, check_dtypes(source, layout)
+def check_source(source: Source, config: Config, published: bool) -> tuple[dict[str, list[Part]], dict]:
+    """Check a published or native source against config.json -> (native key -> parts, native key -> dtype).
+    A published source may also hold the family's extras (see `extras_of`)."""
+    family, meta = family_of(config), native_meta(config)
+    skip = family.is_extra if published else lambda key: False
+    check_layers(source, config, skip)
+    layout = family.layout(config, set(source.meta)) if published else {k: [Part(k, (), False)] for k in meta}
+    check_keys(source, {p.key: tuple(published_view(meta[k], p).shape) for k, ps in layout.items() for p in ps}, skip)
+    return layout, check_dtypes(source, layout, family.fp32_suffixes)
+
+
+def extras_of(source: Source, config: Config) -> Source | None:
+    """The published tensors of `source` outside the model (vision tower, draft head), or None."""
+    keys = [k for k in source.meta if family_of(config).is_extra(k)]
+    return ExtrasView(source, keys) if keys else None
+
+
+class ExtrasView(Source):
+    """Some keys of a source, e.g. the extras of a published checkpoint."""
+
+    def __init__(self, source: Source, keys: list[str]):
+        self.source, self.name = source, source.name
+        self.meta = {k: source.meta[k] for k in keys}
+
+    def where(self, key: str) -> str:
+        return self.source.where(key)
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        return self.source.read(keys)
 
 
 def build_native(source: Source, parts: list[Part], out: torch.Tensor) -> torch.Tensor:
@@ -320,114 +246,54 @@ def build_native(source: Source, parts: list[Part], out: torch.Tensor) -> torch.
 
 # ============================================================================= state-dict API
 
-def hf_to_native(hf_state: dict[str, torch.Tensor], config: FlintConfig) -> dict[str, torch.Tensor]:
+def hf_to_native(hf_state: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
     """Published state dict (either expert form) -> native state dict, same dtypes, new tensors."""
     source = StateSource(hf_state, "hf_state")
     layout, dtypes = check_source(source, config, published=True)
+    extras = extras_of(source, config)
+    if extras is not None:
+        raise ValueError(f"hf_state: key {next(iter(extras.meta))!r} is not part of the text model, and a native "
+                         f"state dict cannot keep it; convert the directory (to-native, load_hf), which carries it")
     meta = native_meta(config)
     return {k: build_native(source, parts, torch.empty(meta[k].shape, dtype=dtypes[k]))
             for k, parts in layout.items()}
 
 
-def native_to_hf(native_state: dict[str, torch.Tensor], config: FlintConfig) -> dict[str, torch.Tensor]:
+def native_to_hf(native_state: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
     """Native state dict -> published state dict (per-expert, softmax_offset form), same dtypes.
 
     Tensors that need no transpose share memory with `native_state`.
     """
     check_source(StateSource(native_state, "native_state"), config, published=False)
-    layout = published_layout(config)
+    layout = family_of(config).layout(config, set())
     return {p.key: published_view(native_state[k], p).contiguous() for k, parts in layout.items() for p in parts}
 
 
 # ============================================================================= output directories
 
-@contextmanager
-def atomic_directory(out: str | Path) -> Iterator[Path]:
-    """Yield a temporary directory next to `out`; rename it to `out` only if the body succeeds."""
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out}: already exists; refusing to overwrite it (remove it or choose another path)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _write_config(directory: Path, config: FlintConfig, dtype: torch.dtype | None = None) -> None:
+def _write_config(directory: Path, config: Config, dtype: torch.dtype | None = None) -> None:
     hf_config = config.to_hf_config()
     if dtype is not None:
         hf_config["dtype"] = str(dtype).removeprefix("torch.")
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: cannot read JSON: {error}") from error
-
-
-def parse_size(size: int | str) -> int:
-    """'5GB' -> 5_000_000_000 bytes (KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024)."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", size, re.IGNORECASE)
-    if not match:
-        raise ValueError(f"max_shard_size must be bytes or a size like '5GB' or '500MiB', got {size!r}")
-    unit = (match.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
-    return int(float(match.group(1)) * scale)
-
-
 # ============================================================================= writing published checkpoints
 
-@dataclass
-class Entry:
-    """One published tensor to write, and where its data comes from."""
-
-    native_key: str
-    part: Part
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * self.dtype.itemsize
-
-
-def write_safetensors(path: Path, entries: list[Entry], tensor_of: Callable[[Entry], torch.Tensor]) -> None:
-    """Write a safetensors file one tensor at a time: the header is known from shapes alone."""
-    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for entry in entries:
-        header[entry.part.key] = {"dtype": names[entry.dtype], "shape": list(entry.shape),
-                                  "data_offsets": [offset, offset + entry.nbytes]}
-        offset += entry.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for entry in entries:
-            tensor = tensor_of(entry)
-            assert (tuple(tensor.shape), tensor.dtype) == (entry.shape, entry.dtype), entry.part.key  # the header
-            f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def export_published(source: Source, config: FlintConfig, out: str | Path, dtype: torch.dtype | None = None,
-                     max_shard_size: int | str = "5GB", log: Log = lambda line: None) -> tuple[int, int]:
-    """Write a native source as a published checkpoint directory -> (tensors, bytes)."""
-    dtypes = check_source(source, config, published=False)[1]
+def export_published(source: Source, config: Config, out: str | Path, dtype: torch.dtype | None = None,
+                     max_shard_size: int | str = "5GB", log: Log = lambda line: None,
+                     extras: Source | None = None) -> tuple[int, int]:
+    """Write a native source, and `extras` (published tensors outside the model) as they are or cast to
+    `dtype`, as a published checkpoint directory -> (tensors, bytes)."""
+    family, dtypes = family_of(config), check_source(source, config, published=False)[1]
     meta, limit = native_meta(config), parse_size(max_shard_size)
     entries = []
-    for native_key, parts in published_layout(config).items():
-        cast = dtype if dtype is not None and not native_key.endswith(PUBLISHED_FP32_SUFFIXES) else None
+    for native_key, parts in family.layout(config, set()).items():
+        cast = dtype if dtype is not None and not native_key.endswith(family.published_fp32_suffixes) else None
         entries += [Entry(native_key, p, tuple(published_view(meta[native_key], p).shape), cast or dtypes[native_key])
                     for p in parts]
+    for key, (shape, stored) in (extras.meta if extras is not None else {}).items():
+        entries.append(Entry(None, Part(key, (), False), shape, dtype if dtype and stored.is_floating_point else stored))
     shards: list[list[Entry]] = [[]]
     filled = 0
     for entry in entries:  # greedy in model order, so each native tensor is read once
@@ -440,6 +306,8 @@ def export_published(source: Source, config: FlintConfig, out: str | Path, dtype
     current: dict[str, torch.Tensor] = {}  # the one native tensor being split
 
     def tensor_of(entry: Entry) -> torch.Tensor:
+        if entry.native_key is None:
+            return extras.read([entry.part.key])[entry.part.key].to("cpu", entry.dtype)
         if entry.native_key not in current:
             current.clear()
             current.update(source.read([entry.native_key]))
@@ -457,17 +325,22 @@ def export_published(source: Source, config: FlintConfig, out: str | Path, dtype
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         _write_config(tmp, config, dtype or dtypes["embed_tokens.weight"])
+    written = sorted({str(e.dtype).removeprefix("torch.") for e in entries})
+    log(f"wrote {' and '.join(written)} tensors, {len(extras.meta) if extras else 0} of them extras "
+        f"(nothing is FP8: an FP8 source was dequantized on import and is not re-quantized)")
     return len(entries), total
 
 
-def save_hf(model: Flint, path: str | Path, dtype: torch.dtype | None = None,
+def save_hf(model: Flint | MistralLarge4, path: str | Path, dtype: torch.dtype | None = None,
             max_shard_size: int | str = "5GB") -> None:
     """Write config.json, safetensors shards and model.safetensors.index.json in the published layout.
 
-    dtype None keeps each tensor's dtype; otherwise every tensor is cast to it except the sinks and
-    routers, which the published layout keeps in FP32.
+    dtype None keeps each tensor's dtype; otherwise every tensor is cast to it except those the published
+    layout keeps in FP32 (Flint: sinks and routers; Large 4: routers and LeRoPE alpha). A model from
+    load_hf / load_native also writes the extras of the checkpoint it came from (vision tower, draft head).
     """
-    export_published(StateSource(model.state_dict(), "model"), model.config, path, dtype, max_shard_size)
+    export_published(StateSource(model.state_dict(), "model"), model.config, path, dtype, max_shard_size,
+                     extras=getattr(model, "published_extras", None))
 
 
 # ============================================================================= native checkpoints
@@ -479,27 +352,34 @@ class _LazySavePlanner(DefaultSavePlanner):
     nothing once that tensor's file is written, so memory stays at about two tensors.
     """
 
-    def __init__(self, produce: Callable[[str], torch.Tensor]):
+    def __init__(self, produce: Callable[[str], torch.Tensor], extras: Source | None = None):
         super().__init__()
-        self.produce = produce
+        self.produce, self.extras = produce, extras
 
     def resolve_data(self, write_item: WriteItem):
-        if write_item.type == WriteItemType.BYTE_IO or not write_item.index.fqn.startswith("model."):
-            return super().resolve_data(write_item)
-        return self.produce(write_item.index.fqn.removeprefix("model."))
+        fqn = write_item.index.fqn
+        if write_item.type != WriteItemType.BYTE_IO and fqn.startswith("model."):
+            return self.produce(fqn.removeprefix("model."))
+        if write_item.type != WriteItemType.BYTE_IO and fqn.startswith("extra."):
+            key = fqn.removeprefix("extra.")
+            return self.extras.read([key])[key]
+        return super().resolve_data(write_item)
 
 
-def write_native(out: str | Path, config: FlintConfig, shapes: dict[str, tuple[torch.Size, torch.dtype]],
-                 produce: Callable[[str], torch.Tensor]) -> None:
-    """Write a model-only native checkpoint whose tensors `produce(native_key)` makes one at a time."""
+def write_native(out: str | Path, config: Config, shapes: dict[str, tuple[torch.Size, torch.dtype]],
+                 produce: Callable[[str], torch.Tensor], extras: Source | None = None) -> None:
+    """Write a model-only native checkpoint whose tensors `produce(native_key)` makes one at a time;
+    `extras` (published tensors outside the model) go under "extra", copied one at a time."""
     state = {"model": {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in shapes.items()}}
+    if extras is not None:
+        state["extra"] = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in extras.meta.items()}
     with atomic_directory(out) as tmp:
         writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False)
-        _dcp_call(dcp.save, state, storage_writer=writer, planner=_LazySavePlanner(produce))
+        dcp_call(dcp.save, state, storage_writer=writer, planner=_LazySavePlanner(produce, extras))
         _write_config(tmp, config)
 
 
-def import_native(source: Source, config: FlintConfig, out: str | Path,
+def import_native(source: Source, config: Config, out: str | Path,
                   log: Log = lambda line: None) -> tuple[int, int]:
     """Write a published source as a native checkpoint -> (tensors, bytes)."""
     layout, dtypes = check_source(source, config, published=True)
@@ -517,13 +397,13 @@ def import_native(source: Source, config: FlintConfig, out: str | Path,
                     f"({time.perf_counter() - started:.1f} s)")
         return tensor
 
-    write_native(out, config, {k: (meta[k].shape, dtypes[k]) for k in layout}, produce)
+    write_native(out, config, {k: (meta[k].shape, dtypes[k]) for k in layout}, produce, extras_of(source, config))
     return len(layout), sum(meta[k].numel() * dtypes[k].itemsize for k in layout)
 
 
-def save_native(model_or_state: Flint | dict[str, torch.Tensor], config: FlintConfig, path: str | Path) -> None:
+def save_native(model_or_state: nn.Module | dict[str, torch.Tensor], config: Config, path: str | Path) -> None:
     """Write a model-only native checkpoint (DCP "model" entry + config.json) from a model or a native state dict."""
-    state = model_or_state.state_dict() if isinstance(model_or_state, Flint) else model_or_state
+    state = model_or_state.state_dict() if isinstance(model_or_state, nn.Module) else model_or_state
     source = StateSource(state, "native_state")
     check_source(source, config, published=False)
     write_native(path, config, {k: (torch.Size(s), d) for k, (s, d) in source.meta.items()},
@@ -532,36 +412,52 @@ def save_native(model_or_state: Flint | dict[str, torch.Tensor], config: FlintCo
 
 # ============================================================================= loading models
 
-def _empty_model(config: FlintConfig, dtype: torch.dtype, device: torch.device | str) -> Flint:
+def _empty_model(config: Config, dtype: torch.dtype, device: torch.device | str) -> Flint | MistralLarge4:
     with torch.device("meta"):
-        model = Flint(config, dtype)
+        model = family_of(config).model_class(config, dtype)
     model.to_empty(device=device)
     for buffer in model.buffers():  # buffers hold statistics, not checkpoint state
         buffer.zero_()
     return model
 
 
-def load_hf(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> Flint:
-    """Build a Flint from a published checkpoint directory. dtype None: the checkpoint's bulk dtype."""
-    config = FlintConfig.from_hf_config(Path(path) / "config.json")
-    source = SafetensorsDir(path)
+def load_hf(path: str | Path, dtype: torch.dtype | None = None,
+            device: torch.device | str = "cpu") -> Flint | MistralLarge4:
+    """Build the model config.json names from a published checkpoint directory. dtype None: the checkpoint's
+    bulk dtype (BF16 for FP8 weights, which are dequantized). The checkpoint's extras (Large 4's vision
+    tower and draft head) stay on disk; `model.published_extras` lets save_hf write them back."""
+    config, source = open_published(path, dtype)
     layout, dtypes = check_source(source, config, published=True)
     model = _empty_model(config, dtype or dtypes["embed_tokens.weight"], device)
     params = model.state_dict()
     with torch.no_grad():
         for native_key, parts in layout.items():
             build_native(source, parts, params[native_key])
+    _keep_extras(model, extras_of(source, config))
     return model
 
 
-def load_native(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> Flint:
-    """Build a Flint from a native checkpoint (model-only or training). dtype None: the checkpoint's bulk dtype."""
-    config = FlintConfig.from_hf_config(Path(path) / "config.json")
+def load_native(path: str | Path, dtype: torch.dtype | None = None,
+                device: torch.device | str = "cpu") -> Flint | MistralLarge4:
+    """Build the model from a native checkpoint (model-only or training). dtype None: the checkpoint's bulk dtype."""
+    config = read_config(path)[0]
     source = NativeDir(path)
     dtypes = check_source(source, config, published=False)[1]
     model = _empty_model(config, dtype or dtypes["embed_tokens.weight"], device)
-    _dcp_call(dcp.load, {"model": model.state_dict()}, checkpoint_id=str(path))
+    dcp_call(dcp.load, {"model": model.state_dict()}, checkpoint_id=str(path))
+    _keep_extras(model, native_extras(path))
     return model
+
+
+def native_extras(path: str | Path) -> Source | None:
+    """The published extras a native checkpoint written by to-native keeps under "extra", or None."""
+    extras = NativeDir(path, prefix="extra")
+    return extras if extras.meta else None
+
+
+def _keep_extras(model: nn.Module, extras: Source | None) -> None:
+    if extras is not None:  # read again, tensor by tensor, only when save_hf writes them
+        model.published_extras = extras
 
 
 # ============================================================================= command line
@@ -572,23 +468,29 @@ def main(argv: list[str] | None = None) -> None:
     to_native = commands.add_parser("to-native", help="published HF_DIR -> native checkpoint OUT")
     to_native.add_argument("hf_dir")
     to_native.add_argument("out")
+    to_native.add_argument("--dtype", choices=("bfloat16", "float32"),
+                           help="dtype of dequantized FP8 weights (default bfloat16); ignored without FP8")
     to_hf = commands.add_parser("to-hf", help="native checkpoint IN (model-only or training) -> published HF_DIR")
     to_hf.add_argument("native_dir")
     to_hf.add_argument("hf_dir")
     to_hf.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                        help="cast to this dtype (sinks and routers stay FP32); default: keep the checkpoint's")
     to_hf.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB or 500MiB")
+    to_hf.add_argument("--extras-from", metavar="HF_DIR",
+                       help="copy the tensors outside the model (vision tower, draft head) from this published "
+                            "checkpoint; default: those IN keeps (to-native output keeps them, training does not)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
+    dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         if args.command == "to-native":
-            config = FlintConfig.from_hf_config(Path(args.hf_dir) / "config.json")
-            tensors, size = import_native(SafetensorsDir(args.hf_dir), config, args.out, log=print)
+            config, source = open_published(args.hf_dir, dtype)
+            tensors, size = import_native(source, config, args.out, log=print)
         else:
-            config = FlintConfig.from_hf_config(Path(args.native_dir) / "config.json")
-            dtype = getattr(torch, args.dtype) if args.dtype else None
+            config = read_config(args.native_dir)[0]
+            extras = extras_of(open_published(args.extras_from)[1], config) if args.extras_from else None
             tensors, size = export_published(NativeDir(args.native_dir), config, args.hf_dir, dtype,
-                                             args.max_shard_size, log=print)
+                                             args.max_shard_size, print, extras or native_extras(args.native_dir))
     except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")
     out = args.out if args.command == "to-native" else args.hf_dir
