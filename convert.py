@@ -51,7 +51,6 @@ FP32_SUFFIXES = ("self_attn.sinks.weight", "mlp.router.weight", "lm_head.weight"
 PUBLISHED_FP32_SUFFIXES = ("self_attn.sinks.weight", "mlp.router.weight")
 Log = Callable[[str], None]
 Config = FlintConfig | Large4Config
-__all__ = ["NativeDir", "SafetensorsDir", "StateSource"]  # read by train.py through this module
 
 
 # ============================================================================= the Flint key table
