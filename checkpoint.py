@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from model import FlintConfig
+from models import ModelConfig, config_from_hf
 from parallel import ParallelModel, barrier
 
 if TYPE_CHECKING:  # only for annotations: train.py imports this file
@@ -51,8 +51,8 @@ def is_native_checkpoint(path: Path) -> bool:
     return (path / ".metadata").is_file() and (path / "config.json").is_file()
 
 
-def check_architecture(path: Path, config: FlintConfig) -> None:
-    saved = FlintConfig.from_hf_config(path / "config.json").to_hf_config()
+def check_architecture(path: Path, config: ModelConfig) -> None:
+    saved = config_from_hf(path / "config.json").to_hf_config()
     mine = config.to_hf_config()
     diffs = [f"{k} = {saved.get(k)!r} there, {mine.get(k)!r} here" for k in sorted(set(saved) | set(mine))
              if k != "router_aux_loss_coef" and saved.get(k) != mine.get(k)]

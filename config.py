@@ -1,6 +1,7 @@
 """Training configuration: a TOML file, dotted command-line overrides, and every check before any work.
 
-    [model]       preset = "tiny" | hf_config = "path" | init_from = "checkpoint dir", plus FlintConfig fields
+    [model]       family = "flint" | "large4", then preset = "tiny" | hf_config = "path" | init_from =
+                  "checkpoint dir", plus fields of that family's config (FlintConfig, Large4Config)
     [data]        what to read and how to tokenize and pack it
     [training]    steps, batch, device, evaluation, the sample at the end
     [optim]       AdamW and the learning-rate schedule
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model import FlintConfig
+from models import FAMILIES, ModelConfig, family_of_hf_config
 from parallel import ParallelConfig
 
 MODEL_SOURCES = ("preset", "hf_config", "init_from")
@@ -35,10 +36,11 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelSection:
-    preset: str = ""  # a FlintConfig.from_name preset
+    family: str = "flint"  # flint | large4: whose presets and fields; hf_config / init_from tell it themselves
+    preset: str = ""  # a preset of the family's config (FlintConfig.from_name, Large4Config.from_name)
     hf_config: str = ""  # a Hugging Face config.json (or its directory): that architecture, fresh weights
     init_from: str = ""  # a checkpoint directory (Hugging Face or native): its architecture and weights
-    overrides: dict = field(default_factory=dict)  # every other key of [model]: a FlintConfig field
+    overrides: dict = field(default_factory=dict)  # every other key of [model]: a field of the family's config
 
 
 @dataclass
@@ -111,7 +113,7 @@ class TrainConfig:
     checkpoint: CheckpointSection
     logging: LoggingSection
     parallel: ParallelConfig
-    model_config: FlintConfig  # the architecture, resolved from [model]
+    model_config: ModelConfig  # the architecture, resolved from [model]
     source: str  # the TOML file
     origins: dict[str, str]  # "section.key" -> where it was set, for error messages
 
@@ -196,7 +198,7 @@ def check_type(key: str, value: Any, expected: type, where: str) -> None:
 
 # ============================================================================= the model architecture
 
-def resolve_model_config(cfg: TrainConfig) -> FlintConfig:
+def resolve_model_config(cfg: TrainConfig) -> ModelConfig:
     """Exactly one of preset / hf_config / init_from names the architecture; other keys override it.
 
     With init_from the checkpoint's config.json decides the architecture: other keys may only
@@ -207,11 +209,12 @@ def resolve_model_config(cfg: TrainConfig) -> FlintConfig:
     if len(chosen) != 1:
         raise ConfigError(f"{cfg.source}: [model] needs exactly one of {', '.join(MODEL_SOURCES)}, got "
                           f"{chosen or 'none'}")
-    defaults, fields = FlintConfig(), {f.name for f in dataclasses.fields(FlintConfig)}
+    config_class = FAMILIES[model_family(cfg)][0]
+    defaults, fields = config_class(), {f.name for f in dataclasses.fields(config_class)}
     for key, value in section.overrides.items():
         if key not in fields:
             raise ConfigError(f"{cfg.where('model.' + key)}: unknown key [model].{key}; it must be one of "
-                              f"{', '.join(MODEL_SOURCES)} or a FlintConfig field")
+                              f"family, {', '.join(MODEL_SOURCES)} or a {config_class.__name__} field")
         if getattr(defaults, key) is not None:
             check_type(f"[model].{key}", value, type(getattr(defaults, key)), cfg.where(f"model.{key}"))
     where = cfg.where(f"model.{chosen[0]}")
@@ -220,9 +223,9 @@ def resolve_model_config(cfg: TrainConfig) -> FlintConfig:
         raise ConfigError(f"{where}: [model].{chosen[0]} {source} does not exist")
     try:
         if not section.init_from:
-            return (FlintConfig.from_name(section.preset, **section.overrides) if section.preset
-                    else FlintConfig.from_hf_config(source, **section.overrides))
-        saved = FlintConfig.from_hf_config(source)
+            return (config_class.from_name(section.preset, **section.overrides) if section.preset
+                    else config_class.from_hf_config(source, **section.overrides))
+        saved = config_class.from_hf_config(source)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"{where}: [model]: {error}") from error
     for key, value in section.overrides.items():
@@ -230,6 +233,25 @@ def resolve_model_config(cfg: TrainConfig) -> FlintConfig:
             raise ConfigError(f"{cfg.where('model.' + key)}: [model].{key} = {value!r} cannot be set with init_from: "
                               f"the architecture comes from {source}/config.json, which says {getattr(saved, key)!r}")
     return dataclasses.replace(saved, **section.overrides)
+
+
+def model_family(cfg: TrainConfig) -> str:
+    """[model].family, or for hf_config / init_from the family their config.json names (a family
+    set as well must agree with it)."""
+    section, where = cfg.model, cfg.where("model.family")
+    if section.family not in FAMILIES:
+        raise ConfigError(f"{where}: [model].family must be one of {', '.join(FAMILIES)}, got {section.family!r}")
+    source = section.hf_config or section.init_from
+    if not source or not Path(source).exists():
+        return section.family
+    try:
+        family = family_of_hf_config(source)
+    except ValueError as error:
+        raise ConfigError(f"{cfg.where('model.' + ('hf_config' if section.hf_config else 'init_from'))}: {error}") \
+            from error
+    if "model.family" in cfg.origins and family != section.family:
+        raise ConfigError(f"{where}: [model].family = {section.family!r} but {source} holds a {family!r} model")
+    return family
 
 
 # ============================================================================= checks
@@ -276,6 +298,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"{cfg.where('training.eval_every')}: [training].eval_every = {t.eval_every} needs a "
                           f"validation split, but data.val_fraction = 0")
     check_router_aux_loss(cfg)
+    refusal = cfg.model_config.training_error(d.seq_len, fresh_weights=not cfg.model.init_from)
+    if refusal:
+        raise ConfigError(f"{cfg.where('data.seq_len')}: {refusal}")
     try:
         cfg.parallel.validate(cfg.model_config.num_experts)
     except ValueError as error:
@@ -285,7 +310,7 @@ def validate(cfg: TrainConfig) -> None:
 
 def check_router_aux_loss(cfg: TrainConfig) -> None:
     """No load-balancing objective of ours exists yet, so the coefficient must be exactly 0.0."""
-    coef = cfg.model_config.router_aux_loss_coef
+    coef = getattr(cfg.model_config, "router_aux_loss_coef", 0.0)  # Large 4 has no such field
     if coef == 0.0:
         return
     if "router_aux_loss_coef" in cfg.model.overrides:

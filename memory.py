@@ -15,36 +15,36 @@ import math
 import torch
 
 from config import load_config
-from model import FlintConfig
-from parallel import MESH_DIMS, ParallelConfig, ParallelFlint, pipeline_stage
+from models import ModelConfig, model_class
+from parallel import MESH_DIMS, STAGE_AWARE, ParallelConfig, pipeline_stage
 
 GIB = 2 ** 30
 
 
-def _stage_params(config: FlintConfig, pp: int) -> list[tuple[int, int]]:
-    """(expert, other) parameter counts of each pipeline stage, counted on the meta device."""
+def _meta_model(config: ModelConfig) -> torch.nn.Module:
+    """The model on the meta device, in its stage-aware form where it has one (parallel.py)."""
+    cls = model_class(config)
     with torch.device("meta"):
-        model = ParallelFlint(config)
+        return STAGE_AWARE.get(cls, cls)(config)
+
+
+def _stage_params(config: ModelConfig, pp: int) -> list[tuple[int, int]]:
+    """(expert, other) parameter counts of each pipeline stage, counted on the meta device."""
+    model = _meta_model(config)
     stages = [pipeline_stage(model, s, pp) if pp > 1 else model for s in range(pp)]
     return [(sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." in n),
              sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." not in n)) for part in stages]
 
 
-def _activation_bytes_per_token(config: FlintConfig, layers: int, checkpointing: str) -> float:
-    """Saved activations of `layers` blocks for one token, in BF16 (FP32 router scores and lse)."""
-    c = config
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    attention = 2 * (4 * c.hidden_size + 2 * q + 2 * kv) + 4 * c.num_attention_heads
-    k = c.num_experts_per_tok
-    moe = (2 * (2 * k * c.hidden_size + 3 * k * c.moe_intermediate_size + 3 * c.shared_expert_intermediate_size)
-           + 4 * c.num_experts)
-    block = attention + moe
+def _activation_bytes_per_token(config: ModelConfig, layers: int, checkpointing: str, seq_len: int) -> float:
+    """Saved activations of `layers` blocks for one token (the model's own per-block estimate)."""
+    block = _meta_model(config).block_activation_bytes(seq_len)
     kept = {"none": layers, "full": 0, "selective": layers // 2}[checkpointing]
     # Checkpointed blocks keep their input only; one block at a time is recomputed in full.
-    return kept * block + (layers - kept) * 2 * c.hidden_size + (block if kept < layers else 0)
+    return kept * block + (layers - kept) * 2 * config.hidden_size + (block if kept < layers else 0)
 
 
-def memory_per_gpu(config: FlintConfig, cfg: ParallelConfig, seq_len: int, batch_size: int) -> dict[str, float]:
+def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch_size: int) -> dict[str, float]:
     """GiB per GPU on the busiest pipeline stage: FP32 master weights, FP32 gradients, AdamW
     moments (2 x FP32), the BF16 blocks FSDP gathers (the current block and the prefetched next),
     and activations of the micro-batches in flight. An estimate: no allocator slack or buffers."""
@@ -58,7 +58,7 @@ def memory_per_gpu(config: FlintConfig, cfg: ParallelConfig, seq_len: int, batch
     microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
     in_flight = 1 if cfg.pp == 1 else (microbatches if cfg.pp_schedule == "GPipe" else cfg.pp)
     tokens = batch_size * seq_len / cfg.cp / (microbatches if cfg.pp > 1 else 1)
-    activations = tokens * in_flight * _activation_bytes_per_token(config, layers_per_stage, cfg.activation_checkpointing)
+    activations = tokens * in_flight * _activation_bytes_per_token(config, layers_per_stage, cfg.activation_checkpointing, seq_len)
     logits = 2 * 4 * min(config.loss_chunk_size, tokens) * config.vocab_size  # one FP32 chunk and its grad
     row = {"params": 4 * sharded, "grads": 4 * sharded, "optimizer": 8 * sharded,
            "gathered": 2 * 2 * (expert_block + other_block), "activations": activations + logits}
@@ -78,7 +78,7 @@ def candidate_layouts(gpus: int, num_experts: int) -> list[ParallelConfig]:
     return layouts
 
 
-def memory_table(config: FlintConfig, layouts: list[ParallelConfig], seq_len: int, batch_size: int) -> str:
+def memory_table(config: ModelConfig, layouts: list[ParallelConfig], seq_len: int, batch_size: int) -> str:
     names = ("params", "grads", "optimizer", "gathered", "activations", "total")
     lines = [f"Memory per GPU (GiB, estimate) for seq_len {seq_len}, batch_size {batch_size} rows per "
              f"data-parallel rank, {config.num_hidden_layers} layers, {config.num_experts} experts",

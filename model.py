@@ -189,6 +189,10 @@ class FlintConfig:
         except (TypeError, ValueError) as error:
             raise ValueError(f"{where}: {error}") from error
 
+    def training_error(self, seq_len: int, fresh_weights: bool) -> str | None:
+        """Why training cannot start with this architecture, or None (see large4.py; Flint has no such limit)."""
+        return None
+
     def to_hf_config(self) -> dict:
         config = {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_FIELDS}
         config["no_rope_layer_indices"] = [i for i, t in enumerate(self.layer_types) if t == FULL]
@@ -408,6 +412,10 @@ class Flint(nn.Module):
         """The modules of one block that stay FP32 under a BF16 policy (their own FSDP units)."""
         return [layer.self_attn.sinks] + ([layer.mlp.router] if isinstance(layer.mlp, MoE) else [])
 
+    def fp32_root_modules(self) -> list[nn.Module]:
+        """FP32 units outside the blocks, besides the head (which parallel.py keeps gathered)."""
+        return []
+
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> FP32 logits [B, T, V], or the mean loss when targets are given.
@@ -510,6 +518,17 @@ class Flint(nn.Module):
             mean_keys = sum(min(i + 1, window) for i in range(seq_len)) / seq_len
             flops += 12.0 * c.num_attention_heads * c.head_dim * mean_keys
         return flops
+
+    def block_activation_bytes(self, seq_len: int) -> float:
+        """Activations one block saves for backward per token, in BF16 (FP32 router scores and
+        lse); flash attention keeps no score matrix, so seq_len does not enter (memory.py)."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        attention = 2 * (4 * c.hidden_size + 2 * q + 2 * kv) + 4 * c.num_attention_heads
+        k = c.num_experts_per_tok
+        moe = (2 * (2 * k * c.hidden_size + 3 * k * c.moe_intermediate_size + 3 * c.shared_expert_intermediate_size)
+               + 4 * c.num_experts)
+        return attention + moe
 
     def _norm_and_sink_params(self) -> int:
         return sum(m.weight.numel() for m in self.modules() if isinstance(m, (RMSNorm, Sinks)))

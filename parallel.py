@@ -252,6 +252,10 @@ def _gather_context_kv(cp_group, module, args):
 
 # ============================================================================= pipeline stages
 
+# Models whose forward has a stage- and context-parallel form (the others run with pp = cp = 1).
+STAGE_AWARE: dict[type, type] = {Flint: ParallelFlint}
+
+
 def pipeline_stage(model: ParallelFlint, stage: int, num_stages: int) -> ParallelFlint:
     """A copy of the model holding only the layers of `stage` (contiguous, as even as possible);
     the embedding stays on the first stage, norm and head on the last."""
@@ -337,10 +341,12 @@ def apply_fsdp(model: Flint, mesh: DeviceMesh, param_dtype: torch.dtype, reshard
     # cast their inputs to FP32 themselves.
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
     fsdp_mesh, experts_mesh = dp_mesh("fsdp"), dp_mesh("efsdp")
+    for module in model.fp32_root_modules():
+        fully_shard(module, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
     for layer in model.layers.values():
-        fully_shard(layer.self_attn.sinks, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
+        for module in model.fp32_modules(layer):
+            fully_shard(module, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
         if isinstance(layer.mlp, MoE):
-            fully_shard(layer.mlp.router, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
             if isinstance(layer.mlp.experts, ExpertParallelExperts):
                 fully_shard(layer.mlp.experts, mesh=experts_mesh, mp_policy=bulk, reshard_after_forward=reshard)
                 # Expert gradients already sum over the ep ranks (their tokens came by all-to-all)
@@ -364,7 +370,11 @@ def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "
     cfg = ParallelConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
     cfg = cfg.resolve(mesh.size(), model.config.num_experts)
     config = model.config
-    model.__class__ = ParallelFlint  # same module, a forward that knows stages and cp (no copy)
+    if type(model) in STAGE_AWARE:  # same module, a forward that knows stages and cp (no copy)
+        model.__class__ = STAGE_AWARE[type(model)]
+    elif cfg.pp > 1 or cfg.cp > 1:
+        raise ValueError(f"[parallel] pp = {cfg.pp} and cp = {cfg.cp}: pipeline and context parallelism are not "
+                         f"implemented for {type(model).__name__} yet; use pp = 1 and cp = 1")
     parts, stage_ids = [model], [0]
     if cfg.pp > 1:
         num_stages = cfg.pp * cfg.stages_per_rank
@@ -402,7 +412,7 @@ def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "
 
 @torch.no_grad()
 def init_weights(pm: "ParallelModel", device: torch.device, seed: int | None) -> None:
-    """Materialise a meta-built, parallelized model: this rank's shards of `Flint.initial_value` (the
+    """Materialise a meta-built, parallelized model: this rank's shards of the model's `initial_value` (the
     weights of one process), or with seed None just the memory, to load a checkpoint into. Each rank
     draws one full tensor at a time, never the model (the 40B model's largest: a few GB on a GPU)."""
     for part in pm.parts:
@@ -410,7 +420,7 @@ def init_weights(pm: "ParallelModel", device: torch.device, seed: int | None) ->
         for buffer in part.buffers():  # statistics, not weights
             buffer.zero_()
         for name, param in (part.named_parameters() if seed is not None else ()):
-            full = Flint.initial_value(part, name, param, seed)
+            full = part.initial_value(name, param, seed)
             if isinstance(param, DTensor):  # Shard and _StridedShard over FSDP/EP meshes, chunked like FSDP2
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
                 param = param.to_local()

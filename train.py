@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from checkpoint import CheckpointError, Checkpointer, check_architecture, is_native_checkpoint, load_dcp
 from config import ConfigError, OptimSection, TrainConfig, TrainingSection, load_config
 from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
-from model import Flint, FlintConfig
+from models import ModelConfig, config_from_hf, model_class
 from moe import Router
 from parallel import ParallelModel, barrier, build_mesh, init_distributed, init_weights, parallelize, uncompile
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
@@ -179,7 +179,7 @@ def load_model(cfg: TrainConfig, run: Run) -> ParallelModel:
     any weight exists, so each rank only ever holds its own shards (the 40B model fits)."""
     config = cfg.model_config  # an init_from checkpoint's config.json, with the training settings of [model]
     with torch.device("meta"):
-        model = Flint(config, torch.float32)
+        model = model_class(config)(config, torch.float32)
     run.print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.num_params(active=True) / 1e6:.2f}M "
               f"active per token; {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
               f"{config.num_experts} experts (top {config.num_experts_per_tok}), vocab {config.vocab_size}")
@@ -211,7 +211,7 @@ def converted_checkpoint(hf_dir: Path, cfg: TrainConfig, run: Run) -> Path:
             for stale in Path(cfg.checkpoint.dir).glob("init_from_hf-*"):
                 shutil.rmtree(stale)
             run.print(f"converting {hf_dir} to a native checkpoint {out} (once; reused while the source is unchanged)")
-            config = FlintConfig.from_hf_config(hf_dir / "config.json")
+            config = config_from_hf(hf_dir / "config.json")
             try:
                 import_native(SafetensorsDir(hf_dir), config, out, log=run.print)
             except (ValueError, OSError) as error:
@@ -366,7 +366,8 @@ def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, l
     with main_rank_works(run):
         if run.is_main and t.sample_tokens:
             with torch.device("meta"):
-                num_params = Flint(FlintConfig.from_hf_config(checkpoint / "config.json")).num_params()
+                saved = config_from_hf(checkpoint / "config.json")
+                num_params = model_class(saved)(saved).num_params()
             if num_params > SAMPLE_MAX_PARAMS:
                 run.print(f"sample skipped: {num_params / 1e9:.1f}B parameters do not fit one process (the limit "
                           f"is {SAMPLE_MAX_PARAMS / 1e9:.0f}B); export with checkpoint.export_hf and sample "
@@ -378,7 +379,7 @@ def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, l
         if run.is_main and export:
             from convert import NativeDir, export_published
             dtype = getattr(torch, cfg.checkpoint.export_dtype) if cfg.checkpoint.export_dtype else None
-            config = FlintConfig.from_hf_config(checkpoint / "config.json")
+            config = config_from_hf(checkpoint / "config.json")
             export_published(NativeDir(checkpoint), config, export, dtype)
             run.print(f"exported the model in Hugging Face format to {export}")
     return logger.summary
@@ -441,12 +442,12 @@ class MetricsLogger:
     """A plain line per logging step (readable in a log file: no carriage returns), and the same
     numbers as one JSON object per line in logging.jsonl."""
 
-    def __init__(self, cfg: TrainConfig, run: Run, config: FlintConfig, start_step: int):
+    def __init__(self, cfg: TrainConfig, run: Run, config: ModelConfig, start_step: int):
         t = cfg.training
         self.cfg, self.run, self.total = cfg, run, t.steps
         self.tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len * run.dp_size
         with torch.device("meta"):  # the whole model's count, whichever stages this rank holds
-            self.flops_per_token = Flint(config).flops_per_token(cfg.data.seq_len)
+            self.flops_per_token = model_class(config)(config).flops_per_token(cfg.data.seq_len)
         peak = peak_flops(cfg, run)
         self.peak = peak * run.world_size if peak else None  # every device of the run
         self.start = self.last_time = time.perf_counter()

@@ -251,3 +251,40 @@ def test_weight_decay_applies_to_matrices_only():
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
     assert {names[id(p)] for p in plain["params"]} == {n for n, p in model.named_parameters() if p.dim() == 1}
     assert "layers.2.mlp.experts.gate_up_proj" in {names[id(p)] for p in decayed["params"]}
+
+
+LARGE4_SMOKE = str(ROOT / "configs" / "large4-smoke.toml")
+
+
+def large4_args(tmp_path: Path, *overrides: str) -> list[str]:
+    """configs/large4-smoke.toml, shrunk to seconds, every path under tmp_path."""
+    return ["--config", LARGE4_SMOKE, f"--data.path={EMBEDDED_CORPUS}", f"--data.cache_dir={tmp_path / 'cache'}",
+            f"--checkpoint.dir={tmp_path / 'ckpt'}", f"--logging.jsonl={tmp_path / 'metrics.jsonl'}",
+            "--logging.peak_tflops=0.1", "--data.seq_len=32", "--training.batch_size=4", "--training.steps=6",
+            "--training.eval_every=0", "--logging.every=2", "--optim.warmup_steps=2", *overrides]
+
+
+def test_large4_trains_through_train_main(tmp_path):
+    """A few steps of the tiny Mistral Large 4 through the same path as Flint: loss falls, the frozen
+    indexer is neither updated nor in the optimizer, the checkpoint resumes."""
+    summary = train.main(large4_args(tmp_path))
+    losses = train_losses(tmp_path)
+    assert losses[1] == pytest.approx(math.log(264), abs=0.15) and losses[6] < losses[1] - 0.5
+    assert set(records(tmp_path)[-2]["routing"]) == {str(i) for i in range(1, 8)}  # layer 0 is dense
+    state = convert.NativeDir(tmp_path / "ckpt" / "step_00000006").read(["layers.0.self_attn.indexer.wk.weight"])
+    from large4 import Large4Config, build_large4
+    fresh = build_large4(Large4Config.from_hf_config(tmp_path / "ckpt" / "step_00000006"))
+    assert torch.equal(state["layers.0.self_attn.indexer.wk.weight"], fresh.state_dict()[
+        "layers.0.self_attn.indexer.wk.weight"])  # frozen: still its initial value
+    optimized = {id(p) for group in train.build_optimizer(fresh, OptimSection(), torch.device("cpu")).param_groups
+                 for p in group["params"]}
+    assert {n for n, p in fresh.named_parameters() if id(p) not in optimized} == {
+        n for n in fresh.state_dict() if ".indexer." in n}
+    assert summary["step"] == 6
+    resumed = train.main(large4_args(tmp_path, "--training.steps=8", "--checkpoint.resume=auto"))
+    assert resumed["step"] == 8
+
+
+def test_large4_refuses_a_random_indexer_beyond_index_topk(tmp_path):
+    with pytest.raises(ConfigError, match="index_topk"):
+        train.main(large4_args(tmp_path, "--data.seq_len=256"))
