@@ -1,6 +1,7 @@
 """Memory per GPU of each parallel layout, computed without a GPU, to pick a layout before renting one.
 
     python memory.py --config configs/flint-8gpu.toml --gpus 8
+    python memory.py --config configs/large4.toml --gpus 256 --model.init_from=PATH
 
 prints GiB per GPU (FP32 master weights, gradients, AdamW moments, the BF16 blocks FSDP gathers, and
 activations) for the config's own layout and, with --gpus, the usual alternatives.
@@ -58,7 +59,8 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
     microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
     in_flight = 1 if cfg.pp == 1 else (microbatches if cfg.pp_schedule == "GPipe" else cfg.pp)
     tokens = batch_size * seq_len / cfg.cp / (microbatches if cfg.pp > 1 else 1)
-    activations = tokens * in_flight * _activation_bytes_per_token(config, layers_per_stage, cfg.activation_checkpointing, seq_len)
+    per_token = _activation_bytes_per_token(config, layers_per_stage, cfg.activation_checkpointing, seq_len)
+    activations = tokens * in_flight * per_token
     logits = 2 * 4 * min(config.loss_chunk_size, tokens) * config.vocab_size  # one FP32 chunk and its grad
     row = {"params": 4 * sharded, "grads": 4 * sharded, "optimizer": 8 * sharded,
            "gathered": 2 * 2 * (expert_block + other_block), "activations": activations + logits}
@@ -67,12 +69,13 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
     return row
 
 
-def candidate_layouts(gpus: int, num_experts: int) -> list[ParallelConfig]:
-    """FSDP alone, FSDP with expert parallel, with a pipeline, and HSDP across nodes of 8."""
+def candidate_layouts(gpus: int, num_experts: int, pipelines: bool = True) -> list[ParallelConfig]:
+    """FSDP alone, FSDP with expert parallel, with a pipeline (if the model has stages), and HSDP
+    across nodes of 8."""
     layouts = [ParallelConfig(dp_shard=gpus)]
     layouts += [ParallelConfig(dp_shard=gpus // ep, ep=ep) for ep in (2, 4, 8, 16, 32)
                 if gpus % ep == 0 and num_experts % ep == 0 and gpus > ep]
-    layouts += [ParallelConfig(dp_shard=gpus // pp, pp=pp) for pp in (2, 4) if gpus % pp == 0 and gpus > pp]
+    layouts += [ParallelConfig(dp_shard=gpus // pp, pp=pp) for pp in (2, 4) if pipelines and gpus % pp == 0 and gpus > pp]
     if gpus > 8 and gpus % 8 == 0:
         layouts += [ParallelConfig(dp_replicate=gpus // 8, dp_shard=8 // ep, ep=ep) for ep in (1, 8)]
     return layouts
@@ -96,13 +99,13 @@ def main() -> None:
     parser.add_argument("--config", required=True, help="a training TOML: its [model], [data] seq_len, "
                         "[training] batch_size and [parallel] layout")
     parser.add_argument("--gpus", type=int, help="also list candidate layouts for this many GPUs")
-    args = parser.parse_args()
-    cfg = load_config(args.config)
+    args, overrides = parser.parse_known_args()
+    cfg = load_config(args.config, overrides)  # --section.key=value, as for train.py
     config, parallel = cfg.model_config, cfg.parallel
     gpus = args.gpus or parallel.dp_replicate * max(parallel.dp_shard, 1) * parallel.ep * parallel.pp * parallel.cp
     layouts = [parallel.resolve(gpus, config.num_experts)]
     if args.gpus:
-        layouts += candidate_layouts(gpus, config.num_experts)
+        layouts += candidate_layouts(gpus, config.num_experts, model_class(config) in STAGE_AWARE)
         layouts += [dataclasses.replace(c, activation_checkpointing="full") for c in layouts[1:]]
     print(memory_table(config, layouts, cfg.data.seq_len, cfg.training.batch_size))
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from config import ConfigError, load_config
+from large4 import Large4Config
 from model import FlintConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -18,16 +19,21 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 # The world size each config's comment runs it with (torchrun --nproc-per-node x --nnodes).
-WORLD_SIZES = {"smoke": 1, "debug": 1, "finetune": 8, "flint": 64, "flint-8gpu": 8, "flint-multinode": 32}
+WORLD_SIZES = {"smoke": 1, "debug": 1, "finetune": 8, "flint": 64, "flint-8gpu": 8, "flint-multinode": 32,
+               "large4-smoke": 1, "large4": 256}
 
 
 def test_every_config_file_loads_and_its_layout_fits(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(FlintConfig.from_name("tiny", router_aux_loss_coef=0.0005)
                                                      .to_hf_config()))
+    large4 = tmp_path / "large4"
+    large4.mkdir()
+    (large4 / "config.json").write_text(json.dumps(Large4Config().to_hf_config()))
     files = sorted(CONFIGS.glob("*.toml"))
     assert sorted(f.stem for f in files) == sorted(WORLD_SIZES)
     for file in files:
-        overrides = [f"--model.init_from={tmp_path}"] if file.stem == "finetune" else []
+        checkpoint = {"finetune": tmp_path, "large4": large4}.get(file.stem)
+        overrides = [f"--model.init_from={checkpoint}"] if checkpoint else []
         cfg = load_config(file, overrides)
         layout = cfg.parallel.resolve(WORLD_SIZES[file.stem], cfg.model_config.num_experts)
         assert layout.dp_shard >= 1, file
@@ -94,3 +100,16 @@ def test_config_errors_name_the_key_and_where(tmp_path, text, overrides, message
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match=r"cannot read config file .*nothere.toml"):
         load_config(tmp_path / "nothere.toml")
+
+
+def test_model_family_comes_from_the_section_or_the_checkpoint(tmp_path):
+    large4 = load_config(CONFIGS / "large4-smoke.toml")
+    assert type(large4.model_config).__name__ == "Large4Config" and large4.model_config.hidden_size == 128
+    (tmp_path / "config.json").write_text(json.dumps(Large4Config.from_name("large4-tiny").to_hf_config()))
+    run = write(tmp_path, f'[model]\nfamily = "flint"\ninit_from = "{tmp_path}"\n')
+    with pytest.raises(ConfigError, match=r"\[model\].family = 'flint' but .* holds a 'large4' model"):
+        load_config(run)
+    with pytest.raises(ConfigError, match=r"\[model\].family must be one of flint, large4"):
+        load_config(write(tmp_path, '[model]\nfamily = "llama"\npreset = "tiny"\n'))
+    with pytest.raises(ConfigError, match="index_topk"):  # a random frozen indexer cannot select
+        load_config(CONFIGS / "large4-smoke.toml", ["--data.seq_len=256"])
