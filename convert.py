@@ -306,6 +306,7 @@ def export_published(source: Source, config: Config, out: str | Path, dtype: tor
 
     def tensor_of(entry: Entry) -> torch.Tensor:
         if entry.native_key is None:
+            current.clear()
             return extras.read([entry.part.key])[entry.part.key].to("cpu", entry.dtype)
         if entry.native_key not in current:
             current.clear()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import convert
 import large4_hf
@@ -41,11 +42,27 @@ def assert_bit_exact(got: dict, want: dict) -> None:
         assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
 
 
-def test_round_trip_hf_native_hf_is_bit_exact_extras_included(tmp_path, capsys):
+def tracked(function, live: list):
+    """`function`, checking that at most one tensor it returned earlier is still alive when called."""
+    def wrapper(*args):
+        assert sum(not ref.expired() for ref in live) <= 1, "an earlier tensor is still held"
+        result = function(*args)
+        live.extend(StorageWeakRef(t.untyped_storage()) for t in result.values())
+        return result
+    return wrapper
+
+
+def test_round_trip_hf_native_hf_is_bit_exact_one_tensor_at_a_time(tmp_path, capsys, monkeypatch):
+    live = []  # weak references to the storage of every tensor read so far (DCP holds aliases)
+    monkeypatch.setattr(convert.SafetensorsDir, "read", tracked(convert.SafetensorsDir.read, live))
     convert.main(["to-native", str(FIXTURES), str(tmp_path / "native")])
-    convert.main(["to-hf", str(tmp_path / "native"), str(tmp_path / "hf"), "--max-shard-size", "1MB"])
     extras = sum(large4_hf.is_extra(k) for k in published())
-    assert f"{extras} of them extras" in capsys.readouterr().out and extras == 17
+    assert len(live) == len(published()) and extras == 17  # experts read one by one
+    live.clear()
+    monkeypatch.setattr(convert.NativeDir, "read", tracked(convert.NativeDir.read, live))
+    convert.main(["to-hf", str(tmp_path / "native"), str(tmp_path / "hf"), "--max-shard-size", "1MB"])
+    assert f"{extras} of them extras" in capsys.readouterr().out
+    assert len(live) == len(convert.native_meta(convert.read_config(FIXTURES)[0])) + extras
     assert_bit_exact(read_published(tmp_path / "hf"), published())
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written["text_config"]["kv_source_layers"] == [0, 1, 1, 3, 4, 4, 6, 3]
@@ -195,3 +212,4 @@ def test_bad_fp8_checkpoints_name_the_key(tmp_path, edit, message):
     shutil.rmtree(directory)
     with pytest.raises(ValueError, match=message):
         convert.load_hf(write_checkpoint(directory, state, config))
+
