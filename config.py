@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from models import FAMILIES, ModelConfig, family_of_hf_config
-from parallel import ParallelConfig
+from models import FAMILIES, ModelConfig, family_of_hf_config, model_class
+from parallel import ParallelConfig, unsupported_layout
 
 MODEL_SOURCES = ("preset", "hf_config", "init_from")
 # What [model] may change about an init_from checkpoint: training choices, not the architecture.
@@ -303,6 +303,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"{cfg.where('data.seq_len')}: {refusal}")
     try:
         cfg.parallel.validate(cfg.model_config.num_experts)
+        refusal = unsupported_layout(cfg.parallel, model_class(cfg.model_config))
+        if refusal:
+            raise ValueError(refusal)
     except ValueError as error:
         key = "parallel." + str(error).split()[1]  # messages read "[parallel] KEY ..."
         raise ConfigError(f"{cfg.where(key)}: {error}") from error

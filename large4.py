@@ -348,7 +348,7 @@ class MistralLarge4(nn.Module):
 
     # ------------------------------------------------------------------ what train.py and parallel.py need
     def fp32_modules(self, layer: Large4Block) -> list[nn.Module]:
-        """The modules of one block that stay FP32 under a BF16 policy (their own FSDP units)."""
+        """The modules of one block that stay FP32 under a BF16 policy (one FSDP unit per block)."""
         modules = [layer.mlp.router] if isinstance(layer.mlp, MoE) else []
         indexer = getattr(layer.self_attn, "indexer", None)
         return modules + ([indexer.weights_proj, indexer.k_norm] if indexer is not None else [])

@@ -409,7 +409,7 @@ class Flint(nn.Module):
 
     # ------------------------------------------------------------------ what parallel.py needs
     def fp32_modules(self, layer: nn.Module) -> list[nn.Module]:
-        """The modules of one block that stay FP32 under a BF16 policy (their own FSDP units)."""
+        """The modules of one block that stay FP32 under a BF16 policy (one FSDP unit per block)."""
         return [layer.self_attn.sinks] + ([layer.mlp.router] if isinstance(layer.mlp, MoE) else [])
 
     def fp32_root_modules(self) -> list[nn.Module]:

@@ -256,6 +256,19 @@ def _gather_context_kv(cp_group, module, args):
 STAGE_AWARE: dict[type, type] = {Flint: ParallelFlint}
 
 
+def unsupported_layout(cfg: ParallelConfig, model_type: type) -> str | None:
+    """Why `cfg` cannot lay out a `model_type` model, or None: pipeline and context parallelism
+    need a stage- and context-aware forward (STAGE_AWARE), which only some models have."""
+    if model_type in STAGE_AWARE:
+        return None
+    for key in ("pp", "cp"):
+        if getattr(cfg, key) > 1:
+            what = "pipeline" if key == "pp" else "context"
+            return (f"[parallel] {key} = {getattr(cfg, key)}: {what} parallelism is not implemented for "
+                    f"{model_type.__name__}; use {key} = 1")
+    return None
+
+
 def pipeline_stage(model: ParallelFlint, stage: int, num_stages: int) -> ParallelFlint:
     """A copy of the model holding only the layers of `stage` (contiguous, as even as possible);
     the embedding stays on the first stage, norm and head on the last."""
@@ -331,9 +344,10 @@ def apply_compile(model: Flint, fullgraph: bool = True) -> None:
 
 
 def apply_fsdp(model: Flint, mesh: DeviceMesh, param_dtype: torch.dtype, reshard: bool) -> None:
-    """FSDP2 per unit, innermost first: sinks, routers and head in FP32 (stored, gathered and
-    computed in FP32), experts over the expert-data-parallel ranks, then each block, the embedding
-    and the root in the bulk policy. HSDP when dp_replicate > 1."""
+    """FSDP2 per unit, innermost first: the model's FP32 modules (`fp32_root_modules`, each
+    block's `fp32_modules` as one unit) and the head, stored, gathered and computed in FP32;
+    experts over the expert-data-parallel ranks, then each block, the embedding and the root in
+    the bulk policy. HSDP when dp_replicate > 1."""
     def dp_mesh(shard_dim: str) -> DeviceMesh:
         return mesh["dp_replicate", shard_dim] if mesh["dp_replicate"].size() > 1 else mesh[shard_dim]
     bulk = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -344,8 +358,11 @@ def apply_fsdp(model: Flint, mesh: DeviceMesh, param_dtype: torch.dtype, reshard
     for module in model.fp32_root_modules():
         fully_shard(module, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
     for layer in model.layers.values():
-        for module in model.fp32_modules(layer):
-            fully_shard(module, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
+        # One list unit per block: one all-gather and one reduce-scatter of FP32 for all its FP32
+        # modules (FSDP2 reduces one gradient dtype per unit, so they cannot join the block's).
+        fp32_modules = model.fp32_modules(layer)
+        if fp32_modules:
+            fully_shard(fp32_modules, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
         if isinstance(layer.mlp, MoE):
             if isinstance(layer.mlp.experts, ExpertParallelExperts):
                 fully_shard(layer.mlp.experts, mesh=experts_mesh, mp_policy=bulk, reshard_after_forward=reshard)
@@ -370,11 +387,11 @@ def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "
     cfg = ParallelConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
     cfg = cfg.resolve(mesh.size(), model.config.num_experts)
     config = model.config
+    refusal = unsupported_layout(cfg, type(model))
+    if refusal:
+        raise ValueError(refusal)
     if type(model) in STAGE_AWARE:  # same module, a forward that knows stages and cp (no copy)
         model.__class__ = STAGE_AWARE[type(model)]
-    elif cfg.pp > 1 or cfg.cp > 1:
-        raise ValueError(f"[parallel] pp = {cfg.pp} and cp = {cfg.cp}: pipeline and context parallelism are not "
-                         f"implemented for {type(model).__name__} yet; use pp = 1 and cp = 1")
     parts, stage_ids = [model], [0]
     if cfg.pp > 1:
         num_stages = cfg.pp * cfg.stages_per_rank

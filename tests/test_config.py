@@ -113,3 +113,7 @@ def test_model_family_comes_from_the_section_or_the_checkpoint(tmp_path):
         load_config(write(tmp_path, '[model]\nfamily = "llama"\npreset = "tiny"\n'))
     with pytest.raises(ConfigError, match="index_topk"):  # a random frozen indexer cannot select
         load_config(CONFIGS / "large4-smoke.toml", ["--data.seq_len=256"])
+    for key, what in (("pp", "pipeline"), ("cp", "context")):  # refused before any work
+        with pytest.raises(ConfigError, match=rf"command line --parallel.{key}: \[parallel\] {key} = 2: {what} "
+                                              rf"parallelism is not implemented for MistralLarge4; use {key} = 1"):
+            load_config(CONFIGS / "large4-smoke.toml", [f"--parallel.{key}=2"])

@@ -15,8 +15,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from model import Flint, FlintConfig, build_model
+from large4 import Large4Config
+from model import FlintConfig, build_model
+from models import model_class
 from parallel import ParallelConfig, build_mesh, cp_token_index, init_weights, parallelize
+from test_large4 import randomized
 
 SLOW = os.environ.get("FLINT_SLOW") == "1"
 slow = pytest.mark.skipif(not SLOW, reason="larger layouts: run with FLINT_SLOW=1")
@@ -46,16 +49,27 @@ def spawn(world: int, fn, *args) -> None:
     mp.spawn(_worker, args=(world, _free_port(), fn, args), nprocs=world)
 
 
-def tiny_config(**overrides) -> FlintConfig:
+def tiny_config(family: str = "flint", **overrides) -> FlintConfig | Large4Config:
+    if family == "large4":
+        # 8 layers: dense 0, MoE 1-7, NoPE 3 and 7; layers 1 and 4 both produce the RoPE latent
+        # (2 reads 1, 5 reads 4) and 7 reads 3; full indexers at 0, 2, 4, 6, shared at the others;
+        # index_topk 8 < SEQ, so the selection is sparse.
+        return Large4Config.from_name("large4-parity", **overrides)
     # 4 layers: dense 0-1, MoE 2-3; full attention at 0, 1, 3, sliding (window 9) at 2.
     return FlintConfig.from_name("tiny", num_hidden_layers=4, **overrides)
 
 
-def make_batch(seed: int = 0):
+def build(config, seed: int = 0):
+    """The seeded single-process model of either family. Large 4's has every parameter random
+    (identity pieces hide bugs) and an indexer without ties at the top-k boundary."""
+    return randomized(config, seed) if isinstance(config, Large4Config) else build_model(config, seed=seed)
+
+
+def make_batch(seed: int = 0, vocab: int = 256):
     """Two packed documents and padding per row, the same pattern in every row, so each
     data-parallel share holds the same number of loss tokens (mean of means = mean)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 256, (BATCH, SEQ), generator=g)
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
     doc_ids = torch.tensor([0] * 7 + [1] * 6 + [-1] * 3).expand(BATCH, SEQ).clone()
     targets = torch.full_like(ids, -100)
     targets[:, :-1] = ids[:, 1:]
@@ -69,14 +83,14 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 def reference_run(config, batch):
     """Single process: the loss and gradients of step 0, then (clipped) AdamW steps' losses."""
-    model = build_model(config, seed=0)
+    model = build(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     losses, grads, norms = [], None, []
     for step in range(STEPS):
         loss = model(batch[0], batch[1], batch[2])
         loss.backward()
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if step == 0:  # None for frozen parameters (Large 4's indexer)
+            grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
         optimizer.step()
         optimizer.zero_grad()
@@ -94,16 +108,18 @@ def close(actual, expected, what):
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
 
 
-def check_layouts(layouts: list[dict], model_overrides: dict) -> None:
+def check_layouts(layouts: list[dict], model_overrides: dict, family: str = "flint") -> list[dict]:
     """For each [parallel] layout: step-0 loss and every gradient, the clipped norm and the losses
-    of STEPS AdamW steps equal the single-process run."""
-    config = tiny_config(**model_overrides)
-    batch = make_batch()
+    of STEPS AdamW steps equal the single-process run; frozen parameters get no gradient and no
+    optimizer state. Returns each layout's step-0 gradients (full tensors) by name."""
+    config = tiny_config(family, **model_overrides)
+    batch = make_batch(vocab=min(256, config.vocab_size))
     ref_losses, ref_grads, ref_norms = reference_run(config, batch)
+    all_grads = []
     for layout in layouts:
         cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
         mesh = build_mesh(cfg, "cpu", config.num_experts)
-        pm = parallelize(build_model(config, seed=0), cfg, mesh)
+        pm = parallelize(build(config), cfg, mesh)
         optimizer = torch.optim.AdamW(pm.module.parameters(), lr=LR, foreach=False)
         local = rows_of_this_rank(mesh, batch)
         for step in range(STEPS):
@@ -112,11 +128,19 @@ def check_layouts(layouts: list[dict], model_overrides: dict) -> None:
             if step == 0:
                 names = [n for n, _ in pm.module.named_parameters()]
                 assert names and set(names) <= set(ref_grads), f"{layout}: renamed parameters {names}"
-                for name, param in pm.module.named_parameters():
-                    close(full(param.grad), ref_grads[name], f"{layout} grad {name}")
+                grads = {n: None if p.grad is None else full(p.grad) for n, p in pm.module.named_parameters()}
+                for name, grad in grads.items():
+                    if ref_grads[name] is None:
+                        assert grad is None, f"{layout}: frozen {name} got a gradient"
+                    else:
+                        close(grad, ref_grads[name], f"{layout} grad {name}")
+                all_grads.append(grads)
             close(pm.clip_grad_norm_(MAX_NORM), ref_norms[step], f"{layout} step {step} grad norm")
             optimizer.step()
             optimizer.zero_grad()
+        frozen = [p for p in pm.module.parameters() if not p.requires_grad]
+        assert all(p not in optimizer.state for p in frozen), f"{layout}: optimizer state for a frozen parameter"
+    return all_grads
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -164,6 +188,37 @@ def test_combined_layouts_four_processes():
                              {"pp": 2, "ep": 2, "dp_shard": 1, "pp_schedule": "GPipe"}], {})
 
 
+def check_large4_layouts(layouts: list[dict]) -> None:
+    """Large 4 (two producers of one KV slot, sparse selection) in each layout against one process;
+    layouts[1] is layouts[0] with full activation checkpointing: its gradients are bit-identical."""
+    grads = check_layouts(layouts, {}, "large4")
+    assert layouts[1] == {**layouts[0], "activation_checkpointing": "full"}
+    for name, grad in grads[0].items():
+        assert (grad is None and grads[1][name] is None) or torch.equal(grad, grads[1][name]), f"AC changed {name}"
+
+
+def test_large4_layouts_match_single_process():
+    """FSDP, FSDP with full activation checkpointing (bit-exact), expert parallel."""
+    spawn(2, check_large4_layouts, [{"dp_shard": 2}, {"dp_shard": 2, "activation_checkpointing": "full"},
+                                    {"ep": 2, "dp_shard": 1}])
+
+
+@slow
+def test_large4_layouts_four_processes():
+    """HSDP (replicate 2 x shard 2), FSDP 2 x EP 2 with selective checkpointing."""
+    spawn(4, check_layouts, [{"dp_replicate": 2, "dp_shard": 2},
+                             {"dp_shard": 2, "ep": 2, "activation_checkpointing": "selective"}], {}, "large4")
+
+
+def test_large4_refuses_pipeline_and_context_parallel_before_any_work():
+    from large4 import MistralLarge4
+    from model import Flint
+    from parallel import unsupported_layout
+    assert unsupported_layout(ParallelConfig(pp=2), MistralLarge4).startswith("[parallel] pp = 2: pipeline")
+    assert unsupported_layout(ParallelConfig(cp=2), MistralLarge4).startswith("[parallel] cp = 2: context")
+    assert unsupported_layout(ParallelConfig(pp=2, cp=2), Flint) is None
+
+
 def check_fp32_units_under_bf16(layout: dict) -> None:
     """With a BF16 bulk policy the sinks, routers and head are gathered and computed in FP32."""
     from model import Head, Sinks
@@ -203,6 +258,93 @@ def test_fp32_units_under_bf16_policy():
     spawn(2, check_fp32_units_under_bf16, {"dp_shard": 2, "param_dtype": "bfloat16"})
 
 
+def in_process_group(fn, *args):
+    """fn(*args) in this process, as a process group of one (FSDP still applies its policies)."""
+    from parallel import init_distributed
+    init_distributed("gloo")
+    try:
+        return fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def weight_dtypes_at_use(family: str, layout: dict) -> dict[str, set]:
+    """Forward and backward under `layout`, recording the dtypes of each module's own parameters
+    when the module is called -> {module name: dtypes}; the master weights and gradients stay FP32.
+
+    Forward pre-hooks run after FSDP's pre-hooks (registered earlier) have gathered the weights in
+    their policy's dtype; after forward FSDP reshards to the FP32 master shards, so a later look
+    would see FP32 whatever the policy."""
+    config = tiny_config(family)
+    cfg = ParallelConfig.from_dict(layout)
+    mesh = build_mesh(cfg, "cpu", config.num_experts)
+    pm = parallelize(build(config), cfg, mesh)
+    seen: dict[str, set] = {}
+
+    def record(name):
+        def hook(module, args):
+            seen.setdefault(name, set()).update(p.dtype for p in module.parameters(recurse=False))
+        return hook
+    owners = [(n, m) for n, m in pm.module.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    for name, module in owners:
+        module.register_forward_pre_hook(record(name))
+    pm.forward_backward(*rows_of_this_rank(mesh, make_batch(vocab=min(256, config.vocab_size))))
+    assert sorted(seen) == sorted(n for n, _ in owners), "a module with parameters was never called"
+    for param in pm.module.parameters():
+        assert param.dtype == torch.float32 and (param.grad is None or param.grad.dtype == torch.float32)
+    return seen
+
+
+def check_large4_fp32_units(layout: dict) -> None:
+    """Under a BF16 bulk policy, Large 4's routers, indexer weights_proj and k_norm, LeRoPE alpha
+    (the rotary) and head are FP32 when used (LARGE4.md's precision table), every other weight (the
+    frozen indexer's too) BF16."""
+    seen = weight_dtypes_at_use("large4", layout)
+    fp32 = {n: d for n, d in seen.items() if n.endswith(("router", "weights_proj", "k_norm", "rotary", "lm_head"))}
+    bulk = {n: d for n, d in seen.items() if n not in fp32}
+    assert {n.rpartition(".")[2] for n in fp32} == {"router", "weights_proj", "k_norm", "rotary", "lm_head"}
+    assert any(".indexer.wq_b" in n for n in bulk) and any(".experts" in n for n in bulk)
+    assert all(dtypes == {torch.float32} for dtypes in fp32.values()), f"fp32: {fp32}"
+    assert all(dtypes == {torch.bfloat16} for dtypes in bulk.values()), f"bulk: {bulk}"
+
+
+def test_large4_fp32_units_under_bf16_policy():
+    in_process_group(check_large4_fp32_units, {"param_dtype": "bfloat16"})
+
+
+@pytest.mark.parametrize("unit", ["Router", "FP32LayerNorm", "LeRoPE", "Head"])
+def test_large4_fp32_unit_check_fails_under_the_bulk_policy(unit, monkeypatch):
+    """The check above can fail: the FP32 unit holding a `unit` module is sharded with the bulk policy."""
+    import parallel
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    real_fully_shard = parallel.fully_shard
+
+    def bulk_for_unit(module, **kwargs):
+        if any(type(m).__name__ == unit for m in (module if isinstance(module, list) else [module])):
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return real_fully_shard(module, **kwargs)
+    monkeypatch.setattr(parallel, "fully_shard", bulk_for_unit)
+    with pytest.raises(AssertionError, match="^fp32: "):
+        in_process_group(check_large4_fp32_units, {"param_dtype": "bfloat16"})
+
+
+@pytest.mark.parametrize("unit", ["router", "weights_proj", "k_norm", "rotary"])
+def test_large4_fp32_unit_check_fails_when_a_unit_is_not_declared(unit, monkeypatch):
+    """... and fails when the model leaves `unit` out of its FP32 modules (it joins a bulk unit)."""
+    from large4 import MistralLarge4
+    declared_blocks, declared_root = MistralLarge4.fp32_modules, MistralLarge4.fp32_root_modules
+
+    def without(declared):
+        def fp32_modules(self, *args):
+            left_out = {id(m) for name, m in self.named_modules() if name.endswith(unit)}
+            return [m for m in declared(self, *args) if id(m) not in left_out]
+        return fp32_modules
+    monkeypatch.setattr(MistralLarge4, "fp32_modules", without(declared_blocks))
+    monkeypatch.setattr(MistralLarge4, "fp32_root_modules", without(declared_root))
+    with pytest.raises(AssertionError, match="^fp32: "):
+        in_process_group(check_large4_fp32_units, {"param_dtype": "bfloat16"})
+
+
 # ----------------------------------------------------------------------------- initialisation without the full model
 
 def meta_built(config, layout: dict, seed: int):
@@ -210,17 +352,17 @@ def meta_built(config, layout: dict, seed: int):
     cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
     mesh = build_mesh(cfg, "cpu", config.num_experts)
     with torch.device("meta"):
-        model = Flint(config)
+        model = model_class(config)(config)
     pm = parallelize(model, cfg, mesh)
     init_weights(pm, torch.device("cpu"), seed)
     return pm, mesh
 
 
-def check_meta_init(layouts: list[dict]) -> None:
+def check_meta_init(layouts: list[dict], family: str = "flint") -> None:
     """Every parameter, gathered, equals the single-process build_model init bit for bit; under
     pp the stages' parameters together are all of them. vocab 263 shards unevenly (FSDP pads)."""
-    config = tiny_config(vocab_size=263)
-    expected = build_model(config, seed=5).state_dict()
+    config = tiny_config(family, vocab_size=263)
+    expected = build_model(config, seed=5, model_class=model_class(config)).state_dict()
     for layout in layouts:
         pm, mesh = meta_built(config, layout, seed=5)
         names = [n for n, _ in pm.module.named_parameters()]
@@ -230,7 +372,7 @@ def check_meta_init(layouts: list[dict]) -> None:
             assert torch.equal(full(param), expected[name]), f"{layout}: {name} differs from one process"
         everyone = [None] * mesh["pp"].size()
         dist.all_gather_object(everyone, names, group=mesh["pp"].get_group())
-        assert sorted(sum(everyone, [])) == sorted(n for n, _ in build_model(config).named_parameters()), layout
+        assert sorted(sum(everyone, [])) == sorted(expected), layout
         assert all(not b.is_meta and not b.any() for b in pm.module.buffers())
 
 
