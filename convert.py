@@ -42,15 +42,16 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 import large4_hf
 from hf_io import (SAFETENSORS_DTYPES, Entry, NativeDir, Part, SafetensorsDir, Source, StateSource, atomic_directory,
                    dcp_call, parse_size, published_view, read_json, write_safetensors)
-from large4 import Large4Config, MistralLarge4
+from large4 import MistralLarge4
 from model import Flint, FlintConfig
+from models import ModelConfig, config_from_hf, model_class
 
 # Native keys the model keeps in FP32 (a checkpoint may hold them in FP32 or in the bulk dtype).
 FP32_SUFFIXES = ("self_attn.sinks.weight", "mlp.router.weight", "lm_head.weight")
 # Of those, the ones the published layout keeps in FP32 even when exporting to a lower dtype.
 PUBLISHED_FP32_SUFFIXES = ("self_attn.sinks.weight", "mlp.router.weight")
 Log = Callable[[str], None]
-Config = FlintConfig | Large4Config
+Config = ModelConfig
 
 
 # ============================================================================= the Flint key table
@@ -91,63 +92,53 @@ def published_layout(config: FlintConfig, present: set[str] | None = None) -> di
 # ============================================================================= model families
 
 @dataclass(frozen=True)
-class Family:
-    """What conversions need to know about one model: its classes and its published key table."""
+class Layout:
+    """A model's published checkpoint layout, as conversions need it (models.py knows the classes)."""
 
-    model_types: tuple[str, ...]  # config.json model_type values
-    config_class: type
-    model_class: type
-    layout: Callable[[Any, set[str]], dict[str, list[Part]]]  # (config, published keys present) -> table
+    table: Callable[[Any, set[str]], dict[str, list[Part]]]  # (config, published keys present) -> table
     fp32_suffixes: tuple[str, ...]
     published_fp32_suffixes: tuple[str, ...]
     is_extra: Callable[[str], bool] = lambda key: False  # published keys outside the model, carried through
 
 
-FAMILIES = (
-    Family(("flint",), FlintConfig, Flint, published_layout, FP32_SUFFIXES, PUBLISHED_FP32_SUFFIXES),
-    Family(("mistral_large4", "mistral_large4_text"), Large4Config, MistralLarge4,
-           lambda config, present: large4_hf.published_layout(native_meta(config), present),
-           large4_hf.FP32_SUFFIXES, large4_hf.PUBLISHED_FP32_SUFFIXES, large4_hf.is_extra),
-)
+LAYOUTS = {  # by model class
+    Flint: Layout(published_layout, FP32_SUFFIXES, PUBLISHED_FP32_SUFFIXES),
+    MistralLarge4: Layout(lambda config, present: large4_hf.published_layout(native_meta(config), present),
+                          large4_hf.FP32_SUFFIXES, large4_hf.PUBLISHED_FP32_SUFFIXES, large4_hf.is_extra),
+}
 
 
-def family_of(config: Config) -> Family:
-    return next(f for f in FAMILIES if isinstance(config, f.config_class))
+def layout_of(config: Config) -> Layout:
+    return LAYOUTS[model_class(config)]
 
 
 def read_config(directory: str | Path) -> tuple[Config, dict]:
-    """config.json of a checkpoint directory -> (the family's config, the raw JSON)."""
-    path = Path(directory) / "config.json"
-    raw = read_json(path)
-    model_type = raw.get("model_type", "flint")
-    family = next((f for f in FAMILIES if model_type in f.model_types), None)
-    if family is None:
-        known = [t for f in FAMILIES for t in f.model_types]
-        raise ValueError(f"{path}: model_type must be one of {known}, got {model_type!r}")
+    """config.json of a checkpoint directory -> (the model's config, the raw JSON)."""
+    raw = read_json(Path(directory) / "config.json")
     text = {k: v for k, v in raw.items() if k != "quantization_config"}  # read by open_published
     if isinstance(text.get("text_config"), dict):
         text["text_config"] = {k: v for k, v in text["text_config"].items() if k != "quantization_config"}
-    return family.config_class.from_hf_config(text), raw
+    return config_from_hf(text), raw
 
 
 def native_meta(config: Config) -> dict[str, torch.Tensor]:
     """Every native parameter as a meta tensor (shape only), in model order; builds nothing real."""
     with torch.device("meta"):
-        return family_of(config).model_class(config).state_dict()
+        return model_class(config)(config).state_dict()
 
 
 def open_published(path: str | Path, dtype: torch.dtype | None = None) -> tuple[Config, Source]:
     """A published checkpoint directory -> (config, source). FP8 weights read dequantized, as `dtype`
     (default BF16); other tensors keep their dtype unless the checkpoint holds FP8."""
     config, raw = read_config(path)
-    family = family_of(config)
-    if family.model_class is not MistralLarge4:
+    layout = layout_of(config)
+    if model_class(config) is not MistralLarge4:
         return config, SafetensorsDir(path)
     source = SafetensorsDir(path, large4_hf.FP8_DTYPES)
     if not any(dtype in large4_hf.FP8_DTYPES.values() for _, dtype in source.meta.values()):
         return config, source
-    keep = {part.key for key, parts in family.layout(config, set()).items() for part in parts
-            if key.endswith(family.published_fp32_suffixes)}
+    keep = {part.key for key, parts in layout.table(config, set()).items() for part in parts
+            if key.endswith(layout.published_fp32_suffixes)}
     block = large4_hf.block_size(raw, str(Path(path) / "config.json"))
     return config, large4_hf.Dequantized(source, block, dtype or torch.bfloat16, keep.__contains__)
 
@@ -208,17 +199,17 @@ def check_dtypes(source: Source, layout: dict[str, list[Part]],
 def check_source(source: Source, config: Config, published: bool) -> tuple[dict[str, list[Part]], dict]:
     """Check a published or native source against config.json -> (native key -> parts, native key -> dtype).
     A published source may also hold the family's extras (see `extras_of`)."""
-    family, meta = family_of(config), native_meta(config)
-    skip = family.is_extra if published else lambda key: False
+    spec, meta = layout_of(config), native_meta(config)
+    skip = spec.is_extra if published else lambda key: False
     check_layers(source, config, skip)
-    layout = family.layout(config, set(source.meta)) if published else {k: [Part(k, (), False)] for k in meta}
+    layout = spec.table(config, set(source.meta)) if published else {k: [Part(k, (), False)] for k in meta}
     check_keys(source, {p.key: tuple(published_view(meta[k], p).shape) for k, ps in layout.items() for p in ps}, skip)
-    return layout, check_dtypes(source, layout, family.fp32_suffixes)
+    return layout, check_dtypes(source, layout, spec.fp32_suffixes)
 
 
 def extras_of(source: Source, config: Config) -> Source | None:
     """The published tensors of `source` outside the model (vision tower, draft head), or None."""
-    keys = [k for k in source.meta if family_of(config).is_extra(k)]
+    keys = [k for k in source.meta if layout_of(config).is_extra(k)]
     return ExtrasView(source, keys) if keys else None
 
 
@@ -264,7 +255,7 @@ def native_to_hf(native_state: dict[str, torch.Tensor], config: Config) -> dict[
     Tensors that need no transpose share memory with `native_state`.
     """
     check_source(StateSource(native_state, "native_state"), config, published=False)
-    layout = family_of(config).layout(config, set())
+    layout = layout_of(config).table(config, set())
     return {p.key: published_view(native_state[k], p).contiguous() for k, parts in layout.items() for p in parts}
 
 
@@ -284,11 +275,11 @@ def export_published(source: Source, config: Config, out: str | Path, dtype: tor
                      extras: Source | None = None) -> tuple[int, int]:
     """Write a native source, and `extras` (published tensors outside the model) as they are or cast to
     `dtype`, as a published checkpoint directory -> (tensors, bytes)."""
-    family, dtypes = family_of(config), check_source(source, config, published=False)[1]
+    spec, dtypes = layout_of(config), check_source(source, config, published=False)[1]
     meta, limit = native_meta(config), parse_size(max_shard_size)
     entries = []
-    for native_key, parts in family.layout(config, set()).items():
-        cast = dtype if dtype is not None and not native_key.endswith(family.published_fp32_suffixes) else None
+    for native_key, parts in spec.table(config, set()).items():
+        cast = dtype if dtype is not None and not native_key.endswith(spec.published_fp32_suffixes) else None
         entries += [Entry(native_key, p, tuple(published_view(meta[native_key], p).shape), cast or dtypes[native_key])
                     for p in parts]
     for key, (shape, stored) in (extras.meta if extras is not None else {}).items():
@@ -414,7 +405,7 @@ def save_native(model_or_state: nn.Module | dict[str, torch.Tensor], config: Con
 
 def _empty_model(config: Config, dtype: torch.dtype, device: torch.device | str) -> Flint | MistralLarge4:
     with torch.device("meta"):
-        model = family_of(config).model_class(config, dtype)
+        model = model_class(config)(config, dtype)
     model.to_empty(device=device)
     for buffer in model.buffers():  # buffers hold statistics, not checkpoint state
         buffer.zero_()

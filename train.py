@@ -202,7 +202,7 @@ def converted_checkpoint(hf_dir: Path, cfg: TrainConfig, run: Run) -> Path:
     """A Hugging Face init_from as a native checkpoint in checkpoint.dir, written by rank 0 with
     convert.py's streaming import (memory: about two tensors) and reused while the source's
     safetensors files are unchanged; other checkpoints of earlier sources there are removed."""
-    from convert import SafetensorsDir, import_native  # only fine-tuning from Hugging Face needs convert.py
+    from convert import import_native, open_published  # only fine-tuning from Hugging Face needs convert.py
     files = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(hf_dir.glob("*.safetensors"))]
     key = zlib.crc32(json.dumps([str(hf_dir.resolve()), files]).encode())
     out = Path(cfg.checkpoint.dir) / f"init_from_hf-{key:08x}"
@@ -211,9 +211,9 @@ def converted_checkpoint(hf_dir: Path, cfg: TrainConfig, run: Run) -> Path:
             for stale in Path(cfg.checkpoint.dir).glob("init_from_hf-*"):
                 shutil.rmtree(stale)
             run.print(f"converting {hf_dir} to a native checkpoint {out} (once; reused while the source is unchanged)")
-            config = config_from_hf(hf_dir / "config.json")
             try:
-                import_native(SafetensorsDir(hf_dir), config, out, log=run.print)
+                config, source = open_published(hf_dir)  # FP8 weights (the Large 4 release) read as BF16
+                import_native(source, config, out, log=run.print)
             except (ValueError, OSError) as error:
                 raise TrainingError(f"{cfg.where('model.init_from')}: cannot convert {hf_dir}: {error}") from error
     return out
