@@ -96,6 +96,8 @@ def test_live_reference_reads_what_save_hf_writes(model, expected, tmp_path):
     """With transformers installed: the published loader reads save_hf's output with nothing missing
     and computes our logits."""
     transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "MistralLarge4ForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no Mistral Large 4 (5.24 has)")
     convert.save_hf(model, tmp_path / "hf")
     reference, info = transformers.MistralLarge4ForConditionalGeneration.from_pretrained(
         tmp_path / "hf", attn_implementation="eager", experts_implementation="eager", output_loading_info=True)
