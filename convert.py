@@ -29,7 +29,7 @@ import re
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -89,7 +89,7 @@ def published_layout(config: FlintConfig, present: set[str] | None = None) -> di
     return layout
 
 
-# ============================================================================= model families
+# ============================================================================= published layouts by model
 
 @dataclass(frozen=True)
 class Layout:
@@ -99,12 +99,14 @@ class Layout:
     fp32_suffixes: tuple[str, ...]
     published_fp32_suffixes: tuple[str, ...]
     is_extra: Callable[[str], bool] = lambda key: False  # published keys outside the model, carried through
+    quantized_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # block-scaled, dequantized on import
 
 
 LAYOUTS = {  # by model class
     Flint: Layout(published_layout, FP32_SUFFIXES, PUBLISHED_FP32_SUFFIXES),
     MistralLarge4: Layout(lambda config, present: large4_hf.published_layout(native_meta(config), present),
-                          large4_hf.FP32_SUFFIXES, large4_hf.PUBLISHED_FP32_SUFFIXES, large4_hf.is_extra),
+                          large4_hf.FP32_SUFFIXES, large4_hf.PUBLISHED_FP32_SUFFIXES, large4_hf.is_extra,
+                          large4_hf.FP8_DTYPES),
 }
 
 
@@ -132,10 +134,8 @@ def open_published(path: str | Path, dtype: torch.dtype | None = None) -> tuple[
     (default BF16); other tensors keep their dtype unless the checkpoint holds FP8."""
     config, raw = read_config(path)
     layout = layout_of(config)
-    if model_class(config) is not MistralLarge4:
-        return config, SafetensorsDir(path)
-    source = SafetensorsDir(path, large4_hf.FP8_DTYPES)
-    if not any(dtype in large4_hf.FP8_DTYPES.values() for _, dtype in source.meta.values()):
+    source = SafetensorsDir(path, layout.quantized_dtypes)
+    if not any(stored in layout.quantized_dtypes.values() for _, stored in source.meta.values()):
         return config, source
     keep = {part.key for key, parts in layout.table(config, set()).items() for part in parts
             if key.endswith(layout.published_fp32_suffixes)}
