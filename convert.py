@@ -263,6 +263,7 @@ def native_to_hf(native_state: dict[str, torch.Tensor], config: Config) -> dict[
 
 def _write_config(directory: Path, config: Config, dtype: torch.dtype | None = None) -> None:
     hf_config = config.to_hf_config()
+    hf_config.pop("quantization_config", None)  # a config read from an FP8 release carries it; we never write FP8
     if dtype is not None:
         hf_config["dtype"] = str(dtype).removeprefix("torch.")
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
@@ -446,6 +447,13 @@ def native_extras(path: str | Path) -> Source | None:
     return extras if extras.meta else None
 
 
+def published_extras(path: str | Path, config: Config) -> Source | None:
+    """The extras a checkpoint directory holds, native (written by to-native) or published, or None."""
+    if (Path(path) / ".metadata").exists():
+        return native_extras(path)
+    return extras_of(open_published(path)[1], config)
+
+
 def _keep_extras(model: nn.Module, extras: Source | None) -> None:
     if extras is not None:  # read again, tensor by tensor, only when save_hf writes them
         model.published_extras = extras
@@ -468,8 +476,8 @@ def main(argv: list[str] | None = None) -> None:
                        help="cast to this dtype (sinks and routers stay FP32); default: keep the checkpoint's")
     to_hf.add_argument("--max-shard-size", default="5GB", help="bytes per shard, e.g. 5GB or 500MiB")
     to_hf.add_argument("--extras-from", metavar="HF_DIR",
-                       help="copy the tensors outside the model (vision tower, draft head) from this published "
-                            "checkpoint; default: those IN keeps (to-native output keeps them, training does not)")
+                       help="copy the tensors outside the model (vision tower, draft head) from this published or "
+                            "native checkpoint; default: those IN keeps (to-native output keeps them, training not)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -479,9 +487,9 @@ def main(argv: list[str] | None = None) -> None:
             tensors, size = import_native(source, config, args.out, log=print)
         else:
             config = read_config(args.native_dir)[0]
-            extras = extras_of(open_published(args.extras_from)[1], config) if args.extras_from else None
+            extras = published_extras(args.extras_from or args.native_dir, config)
             tensors, size = export_published(NativeDir(args.native_dir), config, args.hf_dir, dtype,
-                                             args.max_shard_size, print, extras or native_extras(args.native_dir))
+                                             args.max_shard_size, print, extras)
     except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")
     out = args.out if args.command == "to-native" else args.hf_dir

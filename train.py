@@ -377,10 +377,12 @@ def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, l
                 run.print(f"sample ({t.sample_tokens} tokens, temperature {t.sample_temperature}):\n"
                           f"{logger.summary['sample']}")
         if run.is_main and export:
-            from convert import NativeDir, export_published
+            from convert import NativeDir, export_published, published_extras
             dtype = getattr(torch, cfg.checkpoint.export_dtype) if cfg.checkpoint.export_dtype else None
             config = config_from_hf(checkpoint / "config.json")
-            export_published(NativeDir(checkpoint), config, export, dtype)
+            # Training keeps no vision tower or draft head: the export copies them from the init_from source.
+            extras = published_extras(cfg.model.init_from, config) if cfg.model.init_from else None
+            export_published(NativeDir(checkpoint), config, export, dtype, extras=extras)
             run.print(f"exported the model in Hugging Face format to {export}")
     return logger.summary
 

@@ -12,6 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import convert
 import large4_hf
+from large4 import Large4Config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "large4"
 
@@ -188,9 +189,11 @@ def test_fp8_checkpoints_are_dequantized_on_load(tmp_path, scale_suffix):
 
 
 def test_fp8_import_then_export_writes_bfloat16_without_quantization_config(tmp_path):
-    model, said = convert.load_hf(fp8_checkpoint(tmp_path / "fp8")[0]), []
-    convert.export_published(convert.StateSource(model.state_dict(), "model"), model.config, tmp_path / "hf",
-                             log=said.append, extras=model.published_extras)
+    directory, said = fp8_checkpoint(tmp_path / "fp8")[0], []
+    model = convert.load_hf(directory)
+    config = Large4Config.from_hf_config(directory)  # as train.py reads it: quantization_config kept aside
+    convert.export_published(convert.StateSource(model.state_dict(), "model"), config, tmp_path / "hf",
+                             log=said.append, extras=convert.published_extras(directory, config))
     assert "wrote bfloat16 and float32 tensors" in said[-1] and "nothing is FP8" in said[-1]
     written = read_published(tmp_path / "hf")
     assert written["layers.1.attention.wq.weight"].dtype == torch.bfloat16

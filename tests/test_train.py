@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import convert
 import train
@@ -288,3 +288,22 @@ def test_large4_trains_through_train_main(tmp_path):
 def test_large4_refuses_a_random_indexer_beyond_index_topk(tmp_path):
     with pytest.raises(ConfigError, match="index_topk"):
         train.main(large4_args(tmp_path, "--data.seq_len=256"))
+
+
+def test_large4_finetune_from_hugging_face_exports_the_extras_of_its_source(tmp_path):
+    """Training keeps only the text model; the export copies the vision tower and draft head from
+    the init_from checkpoint, so the published loader finds nothing missing."""
+    from large4 import build_large4
+    config = train.load_config(LARGE4_SMOKE, ["--model.index_topk=128"]).model_config
+    convert.save_hf(build_large4(config, seed=3), tmp_path / "hf")
+    shard = next((tmp_path / "hf").glob("*.safetensors"))
+    state, extra = load_file(shard), torch.arange(6.0)
+    save_file({**state, "mtp_dspark.norm.weight": extra}, str(shard))
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    index["weight_map"]["mtp_dspark.norm.weight"] = shard.name
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    train.main(large4_args(tmp_path, f"--model.init_from={tmp_path / 'hf'}", "--model.preset=",
+                           "--training.steps=2", f"--checkpoint.export_hf={tmp_path / 'out'}"))
+    exported = exported_tensors(tmp_path / "out")
+    assert torch.equal(exported["mtp_dspark.norm.weight"], extra)
+    assert not torch.equal(exported["tok_embeddings.weight"], state["tok_embeddings.weight"])  # trained
