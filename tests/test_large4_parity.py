@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import convert
+import large4
 
 FIXTURES = Path(__file__).parent / "fixtures" / "large4"
 LOGITS_TOL, LOSS_TOL, GRAD_REL_TOL = 1e-4, 1e-5, 1e-4
@@ -90,6 +91,33 @@ def test_the_indexers_select_the_reference_keys(model, expected):
                 want = {int(s) for s in reference[layer][b, t] if s <= t}
                 got = {int(s) for s in ours[b, t] if 0 <= s <= t}
                 assert got == want, f"layer {layer}, row {b}, query {t}: {sorted(got)} != {sorted(want)}"
+
+
+def test_the_index_scores_match_the_reference(model, expected, monkeypatch):
+    """The scores top-k chooses from, where the query may see the key (elsewhere both mask them)."""
+    scores = []
+
+    class Capture(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.topk:
+                scores.append(args[0].detach().clone())  # [B, chunk, S]
+            return func(*args, **(kwargs or {}))
+
+    def capturing(*args):
+        with Capture():
+            return top_keys(*args)
+
+    top_keys = large4.top_keys
+    monkeypatch.setattr(large4, "top_keys", capturing)
+    with torch.no_grad():
+        model(expected["input_ids"])
+    reference = [expected[f"index_scores.{i}"] for i in (0, 1, 3, 5, 7)]  # the full-indexer layers, in order
+    assert len(scores) == len(reference)  # one chunk per layer at T = 40
+    for ours, want in zip(scores, reference):
+        visible = want > torch.finfo(torch.float32).min / 2
+        assert torch.equal(ours > float("-inf"), visible)
+        error = (ours[visible] - want[visible]).abs().max() / want[visible].abs().max()
+        assert error.item() <= 1e-5
 
 
 def test_live_reference_reads_what_save_hf_writes(model, expected, tmp_path):
