@@ -17,6 +17,7 @@ Every error names the key and where it was set: the file, or the command line.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +89,7 @@ class CheckpointSection:
     dir: str = "runs/default/checkpoints"
     every: int = 0  # steps between checkpoints; 0: only after the last step
     keep_last: int = 2
-    resume: str = "auto"  # auto (latest in dir, if any) | never (start afresh, removing dir's) | a checkpoint
+    resume: str = "auto"  # auto (latest in dir, if any) | never (a fresh run; nothing removed) | a checkpoint
     export_hf: str = ""  # write the final model here in Hugging Face format
     export_dtype: str = ""  # "" keeps the training dtype | bfloat16 | float32
 
@@ -119,6 +120,11 @@ class TrainConfig:
 
     def where(self, key: str) -> str:
         return self.origins.get(key, f"{self.source} (default)")
+
+    def where_any(self, keys: list[str]) -> str:
+        """Where the keys that were set were set (the command line, the file), for a rule they share."""
+        places = dict.fromkeys(self.origins[k] for k in keys if k in self.origins)
+        return ", ".join(places) or self.source
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -207,7 +213,8 @@ def resolve_model_config(cfg: TrainConfig) -> ModelConfig:
     section = cfg.model
     chosen = [name for name in MODEL_SOURCES if getattr(section, name)]
     if len(chosen) != 1:
-        raise ConfigError(f"{cfg.source}: [model] needs exactly one of {', '.join(MODEL_SOURCES)}, got "
+        where = cfg.where_any([f"model.{name}" for name in chosen])
+        raise ConfigError(f"{where}: [model] needs exactly one of {', '.join(MODEL_SOURCES)}, got "
                           f"{chosen or 'none'}")
     config_class = FAMILIES[model_family(cfg)][0]
     defaults, fields = config_class(), {f.name for f in dataclasses.fields(config_class)}
@@ -227,6 +234,8 @@ def resolve_model_config(cfg: TrainConfig) -> ModelConfig:
                     else config_class.from_hf_config(source, **section.overrides))
         saved = config_class.from_hf_config(source)
     except (TypeError, ValueError) as error:
+        named = str(error).split(" ")[0].split(".")[0]  # FlintConfig's messages start with the field's name
+        where = cfg.where(f"model.{named}") if named in section.overrides else where
         raise ConfigError(f"{where}: [model]: {error}") from error
     for key, value in section.overrides.items():
         if key not in INIT_FROM_SETTINGS and value != getattr(saved, key):
@@ -301,6 +310,7 @@ def validate(cfg: TrainConfig) -> None:
     refusal = cfg.model_config.training_error(d.seq_len, fresh_weights=not cfg.model.init_from)
     if refusal:
         raise ConfigError(f"{cfg.where('data.seq_len')}: {refusal}")
+    check_paths(cfg)
     try:
         cfg.parallel.validate(cfg.model_config.num_experts)
         refusal = unsupported_layout(cfg.parallel, model_class(cfg.model_config))
@@ -309,6 +319,27 @@ def validate(cfg: TrainConfig) -> None:
     except ValueError as error:
         key = "parallel." + str(error).split()[1]  # messages read "[parallel] KEY ..."
         raise ConfigError(f"{cfg.where(key)}: {error}") from error
+
+
+def check_paths(cfg: TrainConfig) -> None:
+    """Every path the run writes, checked now rather than when it is first written (after training, for
+    the export): directories that are files, files that are directories, places that cannot be written."""
+    places = [("checkpoint.dir", Path(cfg.checkpoint.dir), True), ("data.cache_dir", Path(cfg.data.cache_dir), True),
+              ("logging.jsonl", Path(cfg.logging.jsonl), False)]
+    for key, path, is_dir in places:
+        if is_dir and path.exists() and not path.is_dir():
+            raise ConfigError(f"{cfg.where(key)}: {key} {path} is a file, expected a directory")
+        if not is_dir and path.is_dir():
+            raise ConfigError(f"{cfg.where(key)}: {key} {path} is a directory, expected a file")
+        existing = next(p for p in (path if is_dir else path.parent, *path.parents) if p.exists())
+        if not existing.is_dir():
+            raise ConfigError(f"{cfg.where(key)}: {key} {path} lies under {existing}, which is a file")
+        if not os.access(existing, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise ConfigError(f"{cfg.where(key)}: {key} {path} is not writable")
+    export = cfg.checkpoint.export_hf
+    if export and Path(export).exists():
+        raise ConfigError(f"{cfg.where('checkpoint.export_hf')}: checkpoint.export_hf {export} already exists; the "
+                          f"export never overwrites: remove it or choose another directory")
 
 
 def check_router_aux_loss(cfg: TrainConfig) -> None:

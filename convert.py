@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 import large4_hf
+from checkpoint import load_dcp, write_checksums
 from hf_io import (SAFETENSORS_DTYPES, Entry, NativeDir, Part, SafetensorsDir, Source, StateSource, atomic_directory,
                    dcp_call, parse_size, published_view, read_json, write_safetensors)
 from large4 import MistralLarge4
@@ -369,6 +370,7 @@ def write_native(out: str | Path, config: Config, shapes: dict[str, tuple[torch.
         writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=False)
         dcp_call(dcp.save, state, storage_writer=writer, planner=_LazySavePlanner(produce, extras))
         _write_config(tmp, config)
+        write_checksums(tmp)
 
 
 def import_native(source: Source, config: Config, out: str | Path,
@@ -436,7 +438,7 @@ def load_native(path: str | Path, dtype: torch.dtype | None = None,
     source = NativeDir(path)
     dtypes = check_source(source, config, published=False)[1]
     model = _empty_model(config, dtype or dtypes["embed_tokens.weight"], device)
-    dcp_call(dcp.load, {"model": model.state_dict()}, checkpoint_id=str(path))
+    load_dcp({"model": model.state_dict()}, Path(path), alone=True, verified=True)  # NativeDir verified it
     _keep_extras(model, native_extras(path))
     return model
 
@@ -461,6 +463,18 @@ def _keep_extras(model: nn.Module, extras: Source | None) -> None:
 
 # ============================================================================= command line
 
+def report_defaults(path: Path, config: ModelConfig, log: Callable[[str], None]) -> None:
+    """Name the published Flint fields that config.json leaves out, and the defaults used for them."""
+    if not isinstance(config, FlintConfig):
+        return
+    given = read_json(path)
+    given = {*given, *(["rope_parameters"] if "rope_theta" in given else [])}
+    missing = [k for k in config.to_hf_config() if k not in given and hasattr(config, k)]
+    if missing:
+        values = ", ".join(f"{k} = {str(getattr(config, k))[:40]}" for k in missing)
+        log(f"{path}: {len(missing)} field(s) missing, using the defaults: {values}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -484,9 +498,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "to-native":
             config, source = open_published(args.hf_dir, dtype)
+            report_defaults(Path(args.hf_dir) / "config.json", config, print)
             tensors, size = import_native(source, config, args.out, log=print)
         else:
             config = read_config(args.native_dir)[0]
+            report_defaults(Path(args.native_dir) / "config.json", config, print)
             extras = published_extras(args.extras_from or args.native_dir, config)
             tensors, size = export_published(NativeDir(args.native_dir), config, args.hf_dir, dtype,
                                              args.max_shard_size, print, extras)

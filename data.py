@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from checkpoint import remove_stale_temporaries, sync_rename
 from tokenizer import END_OF_TEXT, Tokenizer, TokenizerError, load_tokenizer
 
 # The Python Language Reference topics that CPython ships as pydoc_data/topics.py (see data/README.md).
@@ -42,10 +43,16 @@ class DataError(ValueError):
 
 def source_files(path: Path) -> list[Path]:
     """A file, or every non-hidden file under a directory in sorted order."""
+    if path.is_symlink() and not path.exists():
+        raise DataError(f"data.path {path} is a symbolic link that leads nowhere (a loop, or its target "
+                        f"{os.readlink(path)} is missing)")
     if not path.exists():
         raise DataError(f"data.path {path} does not exist (relative paths start at {Path.cwd()})")
     if path.is_file():
         return [path]
+    if not path.is_dir():
+        raise DataError(f"data.path {path} is neither a file nor a directory (a device such as /dev/null, a pipe "
+                        f"or a socket); name text or JSONL files, a directory of them, or prepared shards")
     files = sorted(p for p in path.rglob("*") if p.is_file() and not any(
         part.startswith(".") for part in p.relative_to(path).parts))
     if not files:
@@ -59,8 +66,13 @@ def iter_documents(files: list[Path], text_key: str) -> Iterator[str]:
         if path.suffix != ".jsonl":
             yield _read_text(path)
             continue
-        with open(path, encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
+        with open(path, "rb") as lines:
+            for number, raw in enumerate(lines, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise DataError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start} of "
+                                    f"the line)") from error
                 if not line.strip():
                     continue
                 try:
@@ -93,13 +105,17 @@ def prepare(source: Path, tokenizer: Tokenizer, out_dir: Path, text_key: str = "
     """
     files = source_files(source)
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out_dir.parent, f"{out_dir.name}.tmp-")  # left by a killed preparation
+    shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from an earlier failed attempt
+    tmp.mkdir()
     try:
         writer = ShardWriter(tmp, np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32, shard_tokens)
         batch: list[str] = []
         for text in iter_documents(files, text_key):
-            if text.strip():
+            if len(text) > PIECE_CHARS and text.strip():  # tokens of a long document stream to the shard
+                writer.add_pieces(encode_in_pieces(text, tokenizer))
+            elif text.strip():
                 batch.append(text)
             if len(batch) == 256:
                 writer.add(tokenizer.encode_documents(batch))
@@ -115,8 +131,36 @@ def prepare(source: Path, tokenizer: Tokenizer, out_dir: Path, text_key: str = "
     if out_dir.exists():  # another process prepared the same data meanwhile: keep theirs
         shutil.rmtree(tmp)
     else:
-        tmp.rename(out_dir)
+        sync_rename(tmp, out_dir)
     return out_dir
+
+
+# Documents longer than this many characters are tokenized piece by piece: a 50 MB single-line
+# file as one list of Python ints would take about 2 GB.
+PIECE_CHARS = 1 << 20
+
+
+def encode_in_pieces(text: str, tokenizer: Tokenizer, size: int | None = None) -> Iterator[list[int]]:
+    """The token ids of one document (ending with eos) in pieces of about `size` characters. Each cut
+    falls where a run of whitespace begins, where tiktoken's pre-tokenizer splits too, so the ids
+    are those of the whole text; a text without whitespace is cut every `size` characters."""
+    start, size = 0, size or PIECE_CHARS
+    while start < len(text):
+        end = min(start + size, len(text))
+        if end < len(text):
+            end = whitespace_run_start(text, start + size // 2, end) or end
+        yield tokenizer.encoding.encode_ordinary(text[start:end]) + ([tokenizer.eos_id] if end == len(text) else [])
+        start = end
+
+
+def whitespace_run_start(text: str, low: int, high: int) -> int | None:
+    """The start of the last run of whitespace that begins in text[low:high], if any."""
+    last = max(text.rfind(c, low, high) for c in " \n\t\r")
+    if last < low:
+        return None
+    while last > low and text[last - 1].isspace():
+        last -= 1
+    return last
 
 
 class ShardWriter:
@@ -139,6 +183,19 @@ class ShardWriter:
             self._starts.append(self._starts[-1] + len(ids))
             self.num_docs += 1
             self.num_tokens += len(ids)
+
+    def add_pieces(self, pieces: Iterator[list[int]]) -> None:
+        """One document given as consecutive pieces of token ids, written as they come."""
+        if self._file is None or (len(self._starts) > 1 and self._starts[-1] >= self.shard_tokens):
+            self._close_shard()
+            self._open_shard()
+        length = 0
+        for ids in pieces:
+            self._file.write(np.asarray(ids, dtype=self.dtype).tobytes())
+            length += len(ids)
+        self._starts.append(self._starts[-1] + length)
+        self.num_docs += 1
+        self.num_tokens += length
 
     def finish(self, meta: dict) -> None:
         self._close_shard()
@@ -195,6 +252,8 @@ class TokenShards:
             shard_of.append(np.full(len(bounds) - 1, index, dtype=np.int32))
             starts.append(bounds[:-1])
             ends.append(bounds[1:])
+            check_token_range(directory / f"tokens_{name}.bin", self.tokens[-1],
+                              tokenizer.vocab_size if tokenizer else int(self.meta["vocab_size"]))
         self.doc_shard, self.doc_start = np.concatenate(shard_of), np.concatenate(starts)
         self.doc_len = np.concatenate(ends) - self.doc_start
         self.vocab_size = int(self.meta["vocab_size"])
@@ -206,6 +265,16 @@ class TokenShards:
     def document(self, i: int) -> np.ndarray:
         start = self.doc_start[i]
         return self.tokens[self.doc_shard[i]][start:start + self.doc_len[i]]
+
+
+def check_token_range(file: Path, tokens: np.ndarray, vocab_size: int) -> None:
+    """Every id of a shard must index the vocabulary: refused at load rather than failing (or, on
+    a GPU, asserting) in the middle of a run. One pass over the shard, in chunks."""
+    for start in range(0, len(tokens), 1 << 26):
+        largest = int(tokens[start:start + (1 << 26)].max())
+        if largest >= vocab_size:
+            raise DataError(f"{file} holds token id {largest}, outside the vocabulary of {vocab_size} tokens: it was "
+                            f"prepared with another tokenizer or is damaged; prepare the data again")
 
 
 def split_documents(num_docs: int, val_fraction: float, where: str) -> tuple[np.ndarray, np.ndarray]:

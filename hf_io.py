@@ -24,6 +24,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from checkpoint import load_dcp, read_metadata, remove_stale_temporaries, sync_rename, verify
+from model import read_config_json
+
 # The dtypes a checkpoint may hold, by their safetensors names.
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -94,8 +97,13 @@ class SafetensorsDir(Source):
             raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json found")
         listed: dict[str, list[str]] = {}  # shard file -> the keys weight_map places in it
         for key, shard in (weight_map or {}).items():
+            if not isinstance(shard, str):
+                raise ValueError(f"{index}: weight_map[{key!r}] must be a shard file name, got {shard!r}")
             listed.setdefault(shard, []).append(key)
         for shard, keys in listed.items():
+            if Path(shard).is_absolute() or ".." in Path(shard).parts:
+                raise ValueError(f"{index}: weight_map places {keys[0]!r} in {shard!r}, outside {path}; only "
+                                 f"files inside the checkpoint directory are read")
             if ".bin" in shard:
                 raise ValueError(f"{path / shard} (holds {keys[0]!r}): pickle checkpoints are refused "
                                  f"(loading one can run arbitrary code)")
@@ -164,7 +172,7 @@ class NativeDir(Source):
         if not (self.path / ".metadata").exists():
             raise ValueError(f"{self.path}: not a native checkpoint (no .metadata file written by "
                              f"torch.distributed.checkpoint)")
-        metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
+        metadata = read_metadata(self.path)
         self.meta = {}
         for fqn, entry in metadata.state_dict_metadata.items():
             if not fqn.startswith(prefix + "."):
@@ -172,10 +180,12 @@ class NativeDir(Source):
             if not isinstance(entry, TensorStorageMetadata):
                 raise ValueError(f"{self.name}: unexpected key {fqn!r}: not a tensor")
             self.meta[fqn.removeprefix(prefix + ".")] = (tuple(entry.size), entry.properties.dtype)
+        if self.meta:  # checksums once, here: read() then loads a tensor at a time
+            verify(self.path, alone=True)
 
     def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
         state = {k: torch.empty(self.meta[k][0], dtype=self.meta[k][1]) for k in keys}
-        dcp_call(dcp.load, {self.prefix: state}, checkpoint_id=str(self.path))
+        load_dcp({self.prefix: state}, self.path, alone=True, verified=True)
         return state
 
 
@@ -193,19 +203,18 @@ def atomic_directory(out: str | Path) -> Iterator[Path]:
     if out.exists():
         raise FileExistsError(f"{out}: already exists; refusing to overwrite it (remove it or choose another path)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    remove_stale_temporaries(out.parent, f".{out.name}.tmp-")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
         yield tmp
-        os.rename(tmp, out)
+        sync_rename(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: cannot read JSON: {error}") from error
+    """A JSON object (a shard index, a config): anything else is refused with the file's name."""
+    return read_config_json(path)[0]
 
 
 def parse_size(size: int | str) -> int:

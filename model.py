@@ -30,16 +30,19 @@ from moe import EXPERT_BACKENDS, MoE, SwiGLU
 # ============================================================================= configuration
 
 def read_config_json(source: dict | str | Path) -> tuple[dict, str]:
-    """A config dict as given, or read from a config.json file or checkpoint directory -> (dict,
-    where it came from, for error messages)."""
+    """A config dict as given, or read from a config.json file (or another JSON object such as a
+    shard index) or checkpoint directory -> (dict, where it came from, for error messages)."""
     if isinstance(source, dict):
         return source, "config"
     path = Path(source)
     path = path / "config.json" if path.is_dir() else path
     try:
-        return json.loads(path.read_text()), str(path)
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: cannot read a JSON config: {error}") from error
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: cannot read JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(config).__name__}")
+    return config, str(path)
 
 
 def default_layer_types(num_layers: int) -> list[str]:
@@ -101,6 +104,7 @@ class FlintConfig:
     loss_chunk_size: int = 4096  # tokens whose FP32 logits exist at once in the loss
 
     def __post_init__(self) -> None:
+        self.check_types()
         schedule = self.schedule_num_hidden_layers or self.num_hidden_layers
         if self.layer_types is None:
             self.layer_types = default_layer_types(schedule)
@@ -110,6 +114,39 @@ class FlintConfig:
         # A prefix of a deeper model keeps the source schedule of its first layers.
         self.layer_types = list(self.layer_types[: self.num_hidden_layers])
         self.validate()
+
+    def check_types(self) -> None:
+        """The fields whose wrong type would otherwise fail later, far from the field's name."""
+        def number(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        def ints(value) -> bool:
+            return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+        rope = self.rope_parameters
+        checks = [
+            ("rope_parameters", isinstance(rope, dict),
+             "an object such as {'rope_type': 'default', 'rope_theta': 1e4}"),
+            ("rope_parameters.rope_theta (or rope_theta)",
+             isinstance(rope, dict) and number(rope.get("rope_theta")) and rope["rope_theta"] > 0, "a number > 0"),
+            ("layer_types", self.layer_types is None or (isinstance(self.layer_types, list) and all(
+                isinstance(t, str) for t in self.layer_types)), "a list of layer type names"),
+            ("mlp_only_layers", ints(self.mlp_only_layers), "a list of layer indices"),
+            ("no_rope_layer_indices", self.no_rope_layer_indices is None or ints(self.no_rope_layer_indices),
+             "a list of layer indices or null"),
+            ("rms_norm_eps", number(self.rms_norm_eps) and self.rms_norm_eps > 0, "a number > 0"),
+            ("initializer_range", number(self.initializer_range) and self.initializer_range > 0, "a number > 0"),
+            ("router_aux_loss_coef", number(self.router_aux_loss_coef), "a number"),
+            ("eos_token_id", self.eos_token_id is None or ints([self.eos_token_id]) or (
+                ints(self.eos_token_id) and self.eos_token_id), "a token id, a list of token ids or null"),
+        ] + [(name, getattr(self, name) is None or ints([getattr(self, name)]), "a token id or null")
+             for name in ("bos_token_id", "pad_token_id")] + [
+            (name, isinstance(getattr(self, name), bool), "true or false")
+            for name in ("use_sliding_window", "norm_topk_prob", "output_router_logits")]
+        for name, ok, expected in checks:
+            if not ok:
+                value = rope.get("rope_theta") if name.startswith("rope_parameters.") else getattr(self, name)
+                raise ValueError(f"{name.split(' ')[0]} must be {expected}, got {value!r}")
 
     def validate(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -121,6 +158,8 @@ class FlintConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
             raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs of channels), got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -146,8 +185,6 @@ class FlintConfig:
             raise ValueError(f"attention_dropout must be 0.0 (Flint trains without it), got {self.attention_dropout!r}")
         if self.rope_parameters.get("rope_type", "default") != "default":
             raise ValueError(f"rope_parameters.rope_type must be 'default', got {self.rope_parameters['rope_type']!r}")
-        if not self.rope_parameters.get("rope_theta", 0) > 0:
-            raise ValueError(f"rope_parameters.rope_theta must be > 0, got {self.rope_parameters.get('rope_theta')!r}")
 
     # ------------------------------------------------------------------ derived facts
     @property
@@ -173,6 +210,9 @@ class FlintConfig:
     def from_hf_config(cls, source: dict | str | Path, **overrides: Any) -> "FlintConfig":
         """From a config.json dict or path (file or checkpoint directory); errors name the field."""
         source, where = read_config_json(source)
+        if not isinstance(source.get("rope_parameters") or {}, dict):
+            raise ValueError(f"{where}: rope_parameters must be an object such as {{\"rope_type\": \"default\", "
+                             f"\"rope_theta\": 10000.0}}, got {source['rope_parameters']!r}")
         if source.get("model_type", "flint") != "flint":
             raise ValueError(f"{where}: model_type must be 'flint', got {source['model_type']!r}")
         known = {f.name for f in dataclasses.fields(cls)} - set(RUNTIME_FIELDS)
@@ -445,6 +485,9 @@ class Flint(nn.Module):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             raise ValueError(f"input_ids must be an integer tensor [batch, seq], got "
                              f"{getattr(input_ids, 'dtype', type(input_ids))} {tuple(getattr(input_ids, 'shape', ()))}")
+        if 0 in input_ids.shape:  # an empty sequence also crashes the CPU attention kernel (SIGFPE)
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: it needs at least one sequence of at "
+                             f"least one token")
         if input_ids.shape[1] > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
@@ -454,6 +497,9 @@ class Flint(nn.Module):
             if tensor.shape != input_ids.shape or tensor.is_floating_point():
                 raise ValueError(f"{name} must be an integer tensor of shape {tuple(input_ids.shape)} like "
                                  f"input_ids, got {tensor.dtype} {tuple(tensor.shape)}")
+        check_token_ids("input_ids", input_ids, self.config.vocab_size)
+        if targets is not None:
+            check_token_ids("targets", targets, self.config.vocab_size, ignored=-100)
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -466,6 +512,10 @@ class Flint(nn.Module):
         restricted to the top_k tokens. Sliding layers cache only the last `window - 1` keys.
         """
         self._check_inputs(prompt, None, None, None)
+        limit = self.config.max_position_embeddings
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0 or prompt.shape[1] + max_new_tokens > limit:
+            raise ValueError(f"max_new_tokens must be an integer >= 0 with prompt length + max_new_tokens <= "
+                             f"max_position_embeddings ({prompt.shape[1]} + {max_new_tokens!r} > {limit})")
         caches = {name: KVCache(self.config.window if layer.layer_type == SLIDING else None)
                   for name, layer in self.layers.items()}
         tokens, step_input, start = prompt, prompt, 0
@@ -543,9 +593,29 @@ def seeded_normal(name: str, param: torch.Tensor, seed: int, std: float) -> torc
     return value.normal_(0.0, std, generator=generator)
 
 
+def check_token_ids(name: str, ids: torch.Tensor, vocab: int, ignored: int | None = None) -> None:
+    """Token ids must index the vocabulary (the embedding would fail with a bare IndexError, a GPU
+    with a device-side assert). One reduction and one host sync per call."""
+    outside = (ids < 0) | (ids >= vocab)
+    if ignored is not None:
+        outside &= ids != ignored
+    if bool(outside.any()):
+        bad = ids[outside][0].item()
+        raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab}) of vocab_size {vocab}"
+                         + (f" ({ignored} marks an ignored target)" if ignored is not None else ""))
+
+
+def check_sampling(temperature: float, top_k: int | None) -> None:
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0):
+        raise ValueError(f"top_k must be a positive integer or None (all tokens), got {top_k!r}")
+
+
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [B, V] -> next tokens [B, 1]: greedy at temperature 0, else top-k sampling."""
+    check_sampling(temperature, top_k)
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature

@@ -24,11 +24,13 @@ import functools
 import json
 import math
 import resource
+import shlex
 import shutil
+import signal
 import sys
 import time
 import zlib
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -38,7 +40,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
-from checkpoint import CheckpointError, Checkpointer, check_architecture, is_native_checkpoint, load_dcp
+from checkpoint import (CheckpointError, Checkpointer, Interruption, check_architecture, is_native_checkpoint,
+                        load_dcp)
 from config import ConfigError, OptimSection, TrainConfig, TrainingSection, load_config
 from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
 from models import ModelConfig, config_from_hf, model_class
@@ -52,32 +55,57 @@ class TrainingError(RuntimeError):
 
 
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv)
     try:
         run = start_run(cfg)
-        tokenizer, train_data, val_data = setup_data(cfg, run)
-        model = load_model(cfg, run)
-        if cfg.parallel.compile:
-            check_compiled(model, train_data.peek(), run, cfg.parallel.compile_fallback)
-        optimizer = build_optimizer(model.module, cfg.optim, run.device)
-        checkpoints = Checkpointer(cfg, run)
-        step = checkpoints.resume(model, optimizer, train_data)
-        logger = MetricsLogger(cfg, run, model.config, start_step=step)
-        while step < cfg.training.steps:
-            step += 1
-            lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.training.steps))
-            loss, grad_norm = train_step(model, optimizer, train_data, cfg, run, step, checkpoints)
-            if due(step, cfg.logging.every, cfg.training.steps) or step == logger.first_step:
-                logger.log_train(step, loss, lr, grad_norm, routing_stats(model, run))
-            with logger.untimed():  # tokens/s counts training only
-                if val_data and due(step, cfg.training.eval_every, cfg.training.steps):
-                    logger.log_eval(step, evaluate(model, val_data, cfg, run))
-                if due(step, cfg.checkpoint.every, cfg.training.steps):
-                    checkpoints.save(step, model, optimizer, train_data)
-        return finish(checkpoints.last, tokenizer, cfg, run, logger)
+        with Checkpointer(cfg, run) as checkpoints:  # locks checkpoint.dir: one run per directory
+            tokenizer, train_data, val_data = setup_data(cfg, run)
+            model = load_model(cfg, run)
+            if cfg.parallel.compile:
+                check_compiled(model, train_data.peek(), run, cfg.parallel.compile_fallback)
+            optimizer = build_optimizer(model.module, cfg.optim, run.device)
+            step = checkpoints.resume(model, optimizer, train_data)
+            logger = MetricsLogger(cfg, run, model.config, start_step=step)
+            with Interruption(run) as interruption, explain_stop(checkpoints, run, argv):
+                while step < cfg.training.steps:
+                    step += 1
+                    lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.training.steps))
+                    loss, grad_norm = train_step(model, optimizer, train_data, cfg, run, step, checkpoints)
+                    if due(step, cfg.logging.every, cfg.training.steps) or step == logger.first_step:
+                        logger.log_train(step, loss, lr, grad_norm, routing_stats(model, run))
+                    stopping = interruption.requested()
+                    with logger.untimed():  # tokens/s counts training only
+                        if val_data and due(step, cfg.training.eval_every, cfg.training.steps):
+                            logger.log_eval(step, evaluate(model, val_data, cfg, run))
+                        if due(step, cfg.checkpoint.every, cfg.training.steps) or stopping:
+                            checkpoints.save(step, model, optimizer, train_data)
+                    if stopping:
+                        run.print(f"stopped by {interruption.name} after step {step}; saved {checkpoints.last}. "
+                                  f"Resume with:\n  {resume_command(argv, run)}")
+                        raise SystemExit(128 + getattr(signal, interruption.name))
+            return finish(checkpoints.last, tokenizer, cfg, run, logger)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextmanager
+def explain_stop(checkpoints: Checkpointer, run: Run, argv: list[str]):
+    """A second Ctrl-C stops at once: say that nothing was saved, and how to resume from what was."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        run.print(f"\ninterrupted without saving; the last checkpoint is "
+                  f"{checkpoints.latest() or 'none (none was saved yet)'}. Resume with:\n  {resume_command(argv, run)}")
+        raise
+
+
+def resume_command(argv: list[str], run: Run) -> str:
+    """The command line of this run, continuing from its latest checkpoint."""
+    start = ["torchrun", f"--nproc-per-node={run.world_size}"] if run.world_size > 1 else ["python3"]
+    kept = [arg for arg in argv if not arg.startswith("--checkpoint.resume")]
+    return shlex.join([*start, "train.py", *kept, "--checkpoint.resume=auto"])
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -119,17 +147,29 @@ def start_run(cfg: TrainConfig) -> Run:
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{cfg.where('training.device')}: [training].device = \"cuda\" but no GPU is available")
     use_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    check_device_choices(cfg, on_gpu=use_cuda and parallel.backend != "gloo")
     device = init_distributed(parallel.backend, use_cuda)
     try:
         mesh = build_mesh(parallel, device.type, cfg.model_config.num_experts)
     except ValueError as error:  # the layout does not fit the world size
-        raise ConfigError(f"{cfg.source}: {error}") from error
+        layout = [f"parallel.{key}" for key in ("pp", "dp_replicate", "dp_shard", "ep", "cp")]
+        raise ConfigError(f"{cfg.where_any(layout)}: {error}") from error
     torch.manual_seed(t.seed)
     run = Run(dist.get_rank(), dist.get_world_size(), mesh["dp"].get_local_rank(), mesh["dp"].size(), device, mesh)
     layout = " x ".join(f"{name} {mesh[name].size()}" for name in mesh.mesh_dim_names if mesh[name].size() > 1)
     run.print(f"config {cfg.source}: {run.world_size} process(es) on {device.type} ({layout or 'no parallelism'}), "
               f"{str(parallel.compute_dtype(device.type))[6:]} compute, FP32 master weights")
     return run
+
+
+def check_device_choices(cfg: TrainConfig, on_gpu: bool) -> None:
+    """Choices that only fail on the CPU, refused before the process group starts."""
+    if cfg.parallel.backend == "nccl" and not on_gpu:
+        raise ConfigError(f"{cfg.where('parallel.backend')}: [parallel].backend = \"nccl\" needs GPUs but this run "
+                          f"is on the CPU; use \"auto\" or \"gloo\"")
+    if cfg.model_config.attention_backend == "flex" and not on_gpu:
+        raise ConfigError(f"{cfg.where('model.attention_backend')}: attention_backend = \"flex\" cannot train on the "
+                          f"CPU (FlexAttention has no CPU backward); use \"auto\" or \"sdpa\"")
 
 
 # ============================================================================= data and model
@@ -306,6 +346,11 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
     return lr
 
 
+# A loss above this many times that of a uniform guess, ln(vocab_size), means the run diverged: a
+# model starts near ln(vocab_size) and only a blown-up update goes far above it (lr 1e3: 2.6e6 at step 2).
+DIVERGED = 3.0
+
+
 def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: PackedLoader, cfg: TrainConfig,
                run: Run, step: int, checkpoints: "Checkpointer") -> tuple[float, float]:
     """One optimizer step over grad_accum micro-batches -> (mean loss per target token, grad norm).
@@ -317,12 +362,14 @@ def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: Pac
     num_tokens = model.global_tokens(torch.stack([b["targets"] for b in batches]))
     loss = sum(model.forward_backward(**batch, num_tokens=num_tokens) for batch in batches).item()
     grad_norm = float(model.clip_grad_norm_(cfg.optim.grad_clip or float("inf")))
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+    uniform = math.log(model.config.vocab_size)  # the loss of a model that predicts nothing
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)) or loss > DIVERGED * uniform:
         optimizer.zero_grad(set_to_none=True)
         latest = checkpoints.latest()
-        raise TrainingError(f"step {step}: the training loss is {loss} and the gradient norm {grad_norm}; "
-                            f"stopped before updating the weights. The last good checkpoint is "
-                            f"{latest or 'none (none was saved yet)'}; try a lower optim.lr or more warmup")
+        raise TrainingError(f"step {step}: the training loss is {loss} (a uniform guess scores {uniform:.2f}) and "
+                            f"the gradient norm {grad_norm}: the run diverged; stopped before updating the weights. "
+                            f"The last good checkpoint is {latest or 'none (none was saved yet)'}; try a lower "
+                            f"optim.lr or more warmup")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
@@ -459,8 +506,7 @@ class MetricsLogger:
         self.path = Path(cfg.logging.jsonl)
         if run.is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if not start_step:  # a fresh run starts a fresh log; a resumed one appends
-                self.path.write_text("")
+            keep_records_until(self.path, start_step)  # a fresh run starts a fresh log; a resumed one appends
             run.print(f"training steps {start_step + 1}..{t.steps}: {self.tokens_per_step:,} tokens per step, "
                       f"{self.flops_per_token / 1e6:.2f} MFLOPs per token, peak "
                       f"{f'{self.peak / 1e12:.2f} TFLOP/s' if self.peak else 'unknown (set logging.peak_tflops)'}")
@@ -498,6 +544,20 @@ class MetricsLogger:
         start = time.perf_counter()
         yield
         self.last_time += time.perf_counter() - start
+
+
+def keep_records_until(path: Path, step: int) -> None:
+    """Drop the records of steps after `step` (logged after the checkpoint a resume starts from, by
+    the run that went on past it), and any half-written last line, so that no step appears twice."""
+    kept = []
+    if step and path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            with suppress(ValueError, TypeError, KeyError):
+                if json.loads(line)["step"] <= step:
+                    kept.append(line + "\n")
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

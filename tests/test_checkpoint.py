@@ -1,12 +1,21 @@
 """checkpoint.py: saving, exact resume, crash-safe saves, and the checks on what a checkpoint holds."""
 
+import json
+import os
+import pickle
+import re
 import shutil
+import signal
+from pathlib import Path
 
 import pytest
+import torch
 
 import checkpoint
+import convert
+import train
 from checkpoint import CheckpointError
-from test_train import run_debug, train_losses
+from test_train import records, run_debug, train_losses
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -16,14 +25,16 @@ def test_resume_gives_exactly_the_uninterrupted_losses(tmp_path):
               "--checkpoint.keep_last=2", "--training.sample_tokens=0"]
     run_debug(tmp_path, *common)
     uninterrupted = train_losses(tmp_path)
-    checkpoints = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    checkpoints = sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir())
     assert checkpoints == ["step_00000004", "step_00000006"]  # keep_last = 2
-    shutil.rmtree(tmp_path / "ckpt" / "step_00000006")
-    (tmp_path / "metrics.jsonl").unlink()
+    shutil.rmtree(tmp_path / "ckpt" / "run_0001" / "step_00000006")
+    with open(tmp_path / "metrics.jsonl", "a") as log:
+        log.write('{"step": 7, "lo')  # a line cut off by a crash
     run_debug(tmp_path, *common, "--checkpoint.resume=auto")
-    resumed = train_losses(tmp_path)
-    assert sorted(resumed) == [5, 6]
-    assert all(resumed[s] == uninterrupted[s] for s in (5, 6))  # bit for bit
+    steps = [(r["step"], "loss" in r) for r in records(tmp_path)]
+    assert sorted(set(steps)) == sorted(steps) and [s for s, train in steps if train] == [1, 2, 3, 4, 5, 6]
+    assert train_losses(tmp_path) == uninterrupted  # bit for bit
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".lock", "run_0001"]  # continued there
 
 
 def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
@@ -39,14 +50,191 @@ def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--training.sample_tokens=0")
     monkeypatch.setattr(checkpoint, "save_dcp", real_save)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000004.tmp"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == ["step_00000002", "step_00000004.tmp"]
     summary = run_debug(tmp_path, "--training.steps=4", "--checkpoint.resume=auto", "--training.sample_tokens=0")
     assert summary["step"] == 4  # resumed from step 2 and went on
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000004"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == ["step_00000002", "step_00000004"]
 
 
 def test_checkpoint_from_another_architecture_is_refused(tmp_path):
     run_debug(tmp_path, "--training.steps=1", "--training.sample_tokens=0")
-    checkpoint = tmp_path / "ckpt" / "step_00000001"
+    checkpoint = tmp_path / "ckpt" / "run_0001" / "step_00000001"
     with pytest.raises(CheckpointError, match=r"different architecture: hidden_size = 64 there, 96 here"):
         run_debug(tmp_path, "--model.hidden_size=96", f"--checkpoint.resume={checkpoint}")
+
+
+def trained_checkpoint(tmp_path: Path) -> Path:
+    run_debug(tmp_path, "--training.steps=1", "--training.sample_tokens=0")
+    return tmp_path / "ckpt" / "run_0001" / "step_00000001"
+
+
+def test_crafted_metadata_never_runs_code(tmp_path):
+    """A .metadata whose pickle would create `marker` is refused by every reader of native
+    checkpoints: convert.py to-hf, convert.load_native, a resume and [model].init_from."""
+    marker = tmp_path / "code_ran"
+
+    class Trap:
+        def __reduce__(self):
+            return open, (str(marker), "w")
+
+    crafted = trained_checkpoint(tmp_path / "run")
+    (crafted / ".metadata").write_bytes(pickle.dumps(Trap()))
+    refused = r"\.metadata: not a valid checkpoint metadata file .*names io.open.*could run code"
+    with pytest.raises(SystemExit, match=refused):
+        convert.main(["to-hf", str(crafted), str(tmp_path / "hf")])
+    with pytest.raises(CheckpointError, match=refused):
+        convert.load_native(crafted)
+    with pytest.raises(CheckpointError, match=refused):
+        run_debug(tmp_path / "resume", f"--checkpoint.resume={crafted}")
+    with pytest.raises(CheckpointError, match=refused):
+        run_debug(tmp_path / "init", f"--model.init_from={crafted}", "--model.preset=")
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+    pickle.loads((crafted / ".metadata").read_bytes())  # what torch's own reader does
+    assert marker.exists()  # the trap works: the test above would have seen it
+
+
+def test_metadata_of_real_checkpoints_reads_with_the_restricted_unpickler(tmp_path):
+    """Every global a training checkpoint's metadata names is allowed (the unpickler is not too strict)."""
+    path = trained_checkpoint(tmp_path)
+    with open(path / ".metadata", "rb") as f:
+        expected = pickle.load(f)  # our own file, just written: safe to read the unrestricted way here
+    assert checkpoint.read_metadata(path) == expected
+
+
+def test_rerunning_never_deletes_a_run_and_auto_continues_the_latest(tmp_path, capsys):
+    short = ["--training.steps=2", "--training.sample_tokens=0"]
+    run_debug(tmp_path, *short)  # debug.toml: resume = "never", as the README's first command
+    run_debug(tmp_path, *short)
+    ckpt = tmp_path / "ckpt"
+    assert all((ckpt / run / "step_00000002").is_dir() for run in ("run_0001", "run_0002"))
+    run_debug(tmp_path, "--training.steps=3", "--training.sample_tokens=0", "--checkpoint.resume=auto")
+    assert f"resumed from {ckpt / 'run_0002' / 'step_00000002'} at step 2" in capsys.readouterr().out
+    assert sorted(p.name for p in (ckpt / "run_0002").iterdir()) == ["step_00000002", "step_00000003"]
+    assert sorted(p.name for p in (ckpt / "run_0001").iterdir()) == ["step_00000002"]
+
+
+def test_a_second_run_on_the_same_directory_is_refused(tmp_path):
+    import fcntl
+    (tmp_path / "ckpt").mkdir()
+    with open(tmp_path / "ckpt" / ".lock", "a+") as held:  # as a running run holds it
+        held.write("pid 12345 on elsewhere, since then\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(CheckpointError, match=r"ckpt is in use by another run \(pid 12345 on elsewhere"):
+            run_debug(tmp_path, "--training.steps=1")
+    assert not list((tmp_path / "ckpt").glob("run_*"))
+    run_debug(tmp_path, "--training.steps=1", "--training.sample_tokens=0")  # released: runs
+
+
+def test_sigterm_saves_a_checkpoint_and_prints_the_resume_command(tmp_path, monkeypatch, capsys):
+    common = ["--training.steps=5", "--logging.every=1", "--training.sample_tokens=0"]
+    run_debug(tmp_path / "whole", *common)
+    uninterrupted = train_losses(tmp_path / "whole")
+    real_step = train.train_step
+
+    def signalled_during_step_3(*args):
+        result = real_step(*args)
+        if args[-2] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    monkeypatch.setattr(train, "train_step", signalled_during_step_3)
+    with pytest.raises(SystemExit) as stop:
+        run_debug(tmp_path, *common)
+    assert stop.value.code == 128 + signal.SIGTERM
+    out = capsys.readouterr().out
+    assert f"stopped by SIGTERM after step 3; saved {tmp_path / 'ckpt' / 'run_0001' / 'step_00000003'}" in out
+    command = out.split("Resume with:\n")[1].split("\n")[0].split()
+    assert command[:2] == ["python3", "train.py"] and command[-1] == "--checkpoint.resume=auto"
+    monkeypatch.setattr(train, "train_step", real_step)
+    train.main(command[2:])  # the printed command, as a user would paste it
+    assert train_losses(tmp_path) == uninterrupted
+
+
+def test_a_damaged_newest_checkpoint_is_reported_and_the_one_before_used(tmp_path, capsys):
+    run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--training.sample_tokens=0")
+    run_dir = tmp_path / "ckpt" / "run_0001"
+    shard = next((run_dir / "step_00000004").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1  # one flipped bit
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: checksum mismatch"):
+        run_debug(tmp_path / "explicit", f"--checkpoint.resume={run_dir / 'step_00000004'}")
+    run_debug(tmp_path, "--training.steps=4", "--checkpoint.resume=auto", "--training.sample_tokens=0")
+    out = capsys.readouterr().out
+    assert f"WARNING: checkpoint {run_dir / 'step_00000004'} is damaged" in out
+    assert f"resumed from {run_dir / 'step_00000002'} at step 2" in out
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage"])
+@pytest.mark.parametrize("file", [".metadata", ".distcp"])
+def test_damaged_files_stop_with_one_line_naming_them(tmp_path, trained_once, damage, file):
+    """Without checksums.json (as an older or converted checkpoint): the readers themselves say it."""
+    path = tmp_path / "copy"
+    shutil.copytree(trained_once, path)
+    (path / "checksums.json").unlink()
+    target = path / ".metadata" if file == ".metadata" else next(path.glob("*.distcp"))
+    data = target.read_bytes()
+    target.write_bytes({"empty": b"", "truncated": data[:len(data) // 8], "garbage": b"\x80\x04garbage" * 9}[damage])
+    with pytest.raises(SystemExit) as stop:
+        convert.main(["to-hf", str(path), str(tmp_path / "hf")])
+    message = str(stop.value.code)
+    named = str(path) if (file, damage) == (".distcp", "garbage") else str(target)  # same size: which is unknown
+    assert "\n" not in message and named in message, message
+    with pytest.raises(CheckpointError, match=re.escape(str(path))):
+        convert.load_native(path)
+
+
+@pytest.fixture(scope="module")
+def trained_once(tmp_path_factory) -> Path:
+    return trained_checkpoint(tmp_path_factory.mktemp("trained"))
+
+
+def test_a_diverging_run_stops_at_the_step_it_diverges(tmp_path):
+    with pytest.raises(train.TrainingError, match=r"step 2: the training loss is \d{4,}.*diverged.*last good "
+                                                  r"checkpoint is .*step_00000001"):
+        run_debug(tmp_path, "--optim.lr=1e3", "--training.steps=8", "--checkpoint.every=1")
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == ["step_00000001"]
+
+
+def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
+    real_step = train.train_step
+
+    def poison_after_step_2(model, *args):
+        result = real_step(model, *args)
+        if args[-2] == 2:
+            with torch.no_grad():
+                next(model.module.parameters()).fill_(float("inf"))
+        return result
+
+    monkeypatch.setattr(train, "train_step", poison_after_step_2)
+    with pytest.raises(CheckpointError, match=r"step 2: the weights hold non-finite values; not saving them. "
+                                              r"The last good checkpoint is .*step_00000001"):
+        run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=1", "--training.sample_tokens=0")
+    good = tmp_path / "ckpt" / "run_0001" / "step_00000001"
+    assert sorted(p.name for p in good.parent.iterdir()) == [good.name]
+    assert all(torch.isfinite(t).all() for t in convert.load_native(good).state_dict().values())
+
+
+def test_killed_conversions_and_preparations_leave_no_temporaries_for_good(tmp_path, trained_once):
+    """A folder of a process that is gone (pid 4194304 is above Linux's pid_max) is removed by the
+    next run; one of a live process (pytest's parent) is its work in progress and stays."""
+    dead, live = 4194304, os.getppid()
+    for name in (f".hf.tmp-{dead}-abc", f".hf.tmp-{live}-abc", f"prepared.tmp-{dead}", f"prepared.tmp-{live}"):
+        (tmp_path / name).mkdir()
+    convert.main(["to-hf", str(trained_once), str(tmp_path / "hf")])
+    from data import prepare
+    from tokenizer import load_tokenizer
+    (tmp_path / "text.txt").write_text("a document\n")
+    prepare(tmp_path / "text.txt", load_tokenizer("byte", "<|endoftext|>"), tmp_path / "prepared")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f".hf.tmp-{live}-abc", f"prepared.tmp-{live}", "hf", "prepared", "text.txt"])
+
+
+def test_streaming_readers_verify_each_file_once(tmp_path, trained_once, monkeypatch):
+    """convert.py reads one tensor at a time: the checksums are checked once, not once per tensor."""
+    real, checked = checkpoint.crc32_of, []
+    monkeypatch.setattr(checkpoint, "crc32_of", lambda file: checked.append(file.name) or real(file))
+    convert.main(["to-hf", str(trained_once), str(tmp_path / "hf")])
+    listed = json.loads((trained_once / "checksums.json").read_text())
+    assert sorted(checked) == sorted(listed) and len(listed) >= 4

@@ -1,6 +1,7 @@
 """config.py: TOML sections, dotted overrides, and errors that name the key and where it was set."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,35 @@ def test_model_family_comes_from_the_section_or_the_checkpoint(tmp_path):
         with pytest.raises(ConfigError, match=rf"command line --parallel.{key}: \[parallel\] {key} = 2: {what} "
                                               rf"parallelism is not implemented for MistralLarge4; use {key} = 1"):
             load_config(CONFIGS / "large4-smoke.toml", [f"--parallel.{key}=2"])
+
+
+def test_paths_the_run_writes_are_checked_before_any_work(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "a_dir").mkdir()
+    base = CONFIGS / "debug.toml"
+    cases = [
+        (f"--checkpoint.dir={tmp_path / 'a_file'}", r"command line --checkpoint.dir: checkpoint.dir .*a_file is a file"),
+        (f"--data.cache_dir={tmp_path / 'a_file' / 'cache'}", r"data.cache_dir .* lies under .*a_file, which is a file"),
+        (f"--logging.jsonl={tmp_path / 'a_dir'}", r"logging.jsonl .*a_dir is a directory, expected a file"),
+        (f"--checkpoint.export_hf={tmp_path / 'a_dir'}", r"export_hf .*a_dir already exists; the export never overwrites"),
+    ]
+    for override, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load_config(base, [override])
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_checkpoint_dir_is_refused(tmp_path):
+    (tmp_path / "ro").mkdir(mode=0o555)
+    with pytest.raises(ConfigError, match=r"checkpoint.dir .*ro.* is not writable"):
+        load_config(CONFIGS / "debug.toml", [f"--checkpoint.dir={tmp_path / 'ro' / 'ckpt'}"])
+
+
+def test_errors_of_command_line_overrides_name_the_command_line(tmp_path):
+    debug = CONFIGS / "debug.toml"
+    with pytest.raises(ConfigError, match=r"^command line --model.head_dim: \[model\]: head_dim must be even"):
+        load_config(debug, ["--model.head_dim=15"])
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(FlintConfig.from_name("tiny").to_hf_config()))
+    with pytest.raises(ConfigError, match=r"debug.toml, command line --model.hf_config: \[model\] needs exactly one"):
+        load_config(debug, [f"--model.hf_config={config}"])

@@ -275,6 +275,10 @@ BAD_INPUT = {  # name: (edit before writing (state) or after (directory), file n
     "missing shard": (None, lambda s, d: (d / S2).unlink(), S2, "model.layers."),
     "truncated shard": (None, _damage(S3, "truncate"), S3, "model.norm.weight"),  # the last bytes of S3
     "corrupt shard": (None, _damage(S2, "corrupt"), S2, "model.layers."),
+    "shard outside the directory": (None, _edit_index("model.norm.weight", "../x.safetensors"), INDEX,
+                                    "model.norm.weight"),
+    "shard at an absolute path": (None, _edit_index("model.norm.weight", "/etc/x.safetensors"), INDEX,
+                                  "model.norm.weight"),
     "pickle shard": (None, _edit_index("model.norm.weight", "pytorch_model-00004.bin"), "pytorch_model-00004.bin",
                      "model.norm.weight"),
 }
@@ -340,3 +344,20 @@ def test_existing_output_is_never_overwritten(tmp_path):
     with pytest.raises(SystemExit, match="out: already exists"):
         main(["to-native", str(hf), str(tmp_path / "out")])
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_index_and_config_of_the_wrong_shape_name_the_file_and_missing_fields_are_reported(tmp_path, capsys):
+    hf = write_published(tmp_path / "hf", published_from_model(build_model(CONFIG, dtype=torch.float32, seed=0)),
+                         shards=2)
+    index = hf / "model.safetensors.index.json"
+    good_index = index.read_text()
+    index.write_text("[]")
+    with pytest.raises(SystemExit, match=rf"{index}: expected a JSON object, got a list"):
+        main(["to-native", str(hf), str(tmp_path / "out")])
+    index.write_text(good_index)
+    config = json.loads((hf / "config.json").read_text())
+    del config["rms_norm_eps"], config["initializer_range"]
+    (hf / "config.json").write_text(json.dumps(config))
+    main(["to-native", str(hf), str(tmp_path / "out")])
+    assert (f"{hf / 'config.json'}: 2 field(s) missing, using the defaults: initializer_range = 0.02, "
+            f"rms_norm_eps = 1e-06") in capsys.readouterr().out

@@ -1,9 +1,11 @@
 """data.py: the prepare step, and the packed loader's coverage, masks, order and position."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+import tiktoken
 import torch
 
 import data
@@ -73,6 +75,15 @@ def test_prepare_errors_name_the_path(tmp_path):
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(DataError, match="binary.txt is not UTF-8"):
         prepare(tmp_path / "binary.txt", tokenizer, tmp_path / "out")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:3: not UTF-8 text \(invalid continuation byte at byte 13"):
+        prepare(tmp_path / "latin1.jsonl", tokenizer, tmp_path / "out")
+    with pytest.raises(DataError, match="/dev/null is neither a file nor a directory"):
+        prepare(Path("/dev/null"), tokenizer, tmp_path / "out")
+    (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
+    (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
+    with pytest.raises(DataError, match="loop_a is a symbolic link that leads nowhere"):
+        prepare(tmp_path / "loop_a", tokenizer, tmp_path / "out")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]  # no output, no temp dir
 
 
@@ -81,6 +92,52 @@ def test_shards_from_another_tokenizer_are_refused(tmp_path):
     out = prepare(tmp_path / "a.txt", load_tokenizer("byte"), tmp_path / "prepared")
     with pytest.raises(DataError, match="prepared with tokenizer"):
         TokenShards(out, Tokenizer(byte_encoding(), 256, "another vocabulary"))
+
+
+def test_shards_with_ids_outside_the_vocabulary_are_refused_at_load(tmp_path):
+    (tmp_path / "a.txt").write_text("text")
+    tokenizer = load_tokenizer("byte")
+    out = prepare(tmp_path / "a.txt", tokenizer, tmp_path / "prepared")
+    tokens = np.memmap(out / "tokens_00000.bin", dtype=np.uint16, mode="r+")
+    tokens[1] = 300  # the byte vocabulary has 257 ids
+    tokens.flush()
+    with pytest.raises(DataError, match=r"tokens_00000.bin holds token id 300, outside the vocabulary of 257"):
+        TokenShards(out, tokenizer)
+
+
+def test_a_long_document_is_tokenized_in_pieces_with_the_same_ids(tmp_path, monkeypatch):
+    """A long single-line document (here 300 KB, with pieces of 20,000 characters instead of 1 MiB)
+    is encoded piece by piece (memory: one piece of ids, not the document's), cut where whitespace
+    runs begin: the ids equal those of the whole text, for bytes and for BPE merges across spaces."""
+    monkeypatch.setattr(data, "PIECE_CHARS", 20_000)
+    rng = np.random.default_rng(0)
+    words = np.array(["alpha", "  beta", "gamma\t", "the", "ünï", "x" * 40])
+    text = " ".join(words[rng.integers(0, len(words), 40_000)])
+    (tmp_path / "long.txt").write_text(text)
+    byte, calls = load_tokenizer("byte"), []
+    encode = byte.encoding.encode_ordinary
+
+    class Recording:  # the byte encoding, recording the length of each text it encodes
+        def __getattr__(self, name):
+            return getattr(byte.encoding, name)
+
+        def encode_ordinary(self, piece):
+            calls.append(len(piece))
+            return encode(piece)
+
+    tokenizer = Tokenizer(Recording(), byte.eos_id, byte.fingerprint)
+    out = TokenShards(prepare(tmp_path / "long.txt", tokenizer, tmp_path / "prepared"))
+    assert len(calls) >= 3 and max(calls) <= data.PIECE_CHARS
+    assert out.document(0).tolist() == encode(text) + [tokenizer.eos_id]
+    ranks = {bytes([i]): i for i in range(256)} | {b" t": 256, b"he": 257, b" the": 258, b"  ": 259}
+    bpe = tiktoken.Encoding("bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    bpe_tokenizer = Tokenizer(bpe, 0, "bpe")
+    pieces = [i for ids in data.encode_in_pieces(text, bpe_tokenizer, size=999) for i in ids]
+    assert pieces == bpe.encode_ordinary(text) + [0]
+
+
+# GPT-2's pre-tokenizer: words with their leading space, and runs of whitespace.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 def test_embedded_corpus_is_present_and_splits():

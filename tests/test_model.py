@@ -72,6 +72,16 @@ def tiny_hf(**changes):
     (dict(moe_intermediate_size=-4), "moe_intermediate_size"),
     (dict(model_type="llama"), "model_type"),
     (dict(some_new_field=1), "some_new_field"),
+    (dict(head_dim=15), "head_dim must be even"),
+    (dict(rope_parameters=[10000.0]), "rope_parameters must be an object"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}), r"rope_theta must be a number > 0, got '1e4'"),
+    (dict(rope_parameters=None, rope_theta=[1]), r"rope_theta must be a number > 0, got \[1\]"),
+    (dict(layer_types="full_attention"), "layer_types must be a list"),
+    (dict(mlp_only_layers=0), "mlp_only_layers must be a list of layer indices, got 0"),
+    (dict(mlp_only_layers=["0"]), "mlp_only_layers must be a list of layer indices"),
+    (dict(rms_norm_eps="1e-6"), "rms_norm_eps must be a number > 0, got '1e-6'"),
+    (dict(eos_token_id="2"), "eos_token_id must be a token id, a list of token ids or null, got '2'"),
+    (dict(eos_token_id=[2, None]), "eos_token_id must be"),
 ])
 def test_contract_violations_name_the_field(changes, field):
     with pytest.raises(ValueError, match=field):
@@ -214,6 +224,37 @@ def test_bad_inputs_are_named(bad, message):
         args["input_ids"] = bad["input_ids"]
     with pytest.raises(ValueError, match=message):
         model(**args)
+
+
+def test_config_json_of_the_wrong_shape_or_encoding_names_the_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=rf"{path}: expected a JSON object, got a list"):
+        FlintConfig.from_hf_config(path)
+    path.write_bytes(b'{"model_type": "fl\xefnt"}')
+    with pytest.raises(ValueError, match=rf"{path}: cannot read JSON: 'utf-8' codec"):
+        FlintConfig.from_hf_config(path)
+    path.write_text(json.dumps(tiny_hf(rms_norm_eps=[1e-6])))
+    with pytest.raises(ValueError, match=rf"{path}: rms_norm_eps must be a number > 0"):
+        FlintConfig.from_hf_config(path)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: m(torch.zeros(2, 0, dtype=torch.long)), r"shape \(2, 0\): it needs at least one sequence of at least one"),
+    (lambda m: m(torch.zeros(0, 4, dtype=torch.long)), r"shape \(0, 4\)"),
+    (lambda m: m.generate(torch.zeros(1, 0, dtype=torch.long), 3), r"shape \(1, 0\)"),
+    (lambda m: m(torch.tensor([[1, 256]])), r"input_ids holds token id 256, outside the vocabulary \[0, 256\)"),
+    (lambda m: m(torch.tensor([[-1, 2]])), r"input_ids holds token id -1, outside"),
+    (lambda m: m(torch.tensor([[1, 2]]), torch.tensor([[300, -100]])), r"targets holds token id 300, outside"),
+    (lambda m: m.generate(torch.tensor([[1]]), 3, temperature=1.0, top_k=0), "top_k must be a positive integer"),
+    (lambda m: m.generate(torch.tensor([[1]]), 3, temperature=-0.5), "temperature must be a number >= 0"),
+    (lambda m: m.generate(torch.tensor([[1]]), 4096), r"1 \+ 4096 > 4096"),
+])
+def test_inputs_that_would_crash_or_mislead_are_refused(call, message):
+    model = build_model(FlintConfig.from_name("tiny", num_hidden_layers=2), seed=0)
+    with pytest.raises(ValueError, match=message):
+        call(model)
+    assert model(torch.tensor([[1, 255]]), torch.tensor([[255, -100]])).isfinite()  # the edges are allowed
 
 
 def test_flops_per_token_by_hand():

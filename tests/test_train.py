@@ -76,7 +76,7 @@ def test_debug_config_trains_and_reports(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "\r" not in out and "tokens/s" in out and "MFU" in out and "GiB" in out and "left" in out
     assert summary["sample"].startswith("The ") and summary["val_loss"] < losses[1]
-    assert (tmp_path / "ckpt" / "step_00000020" / "config.json").is_file()
+    assert (tmp_path / "ckpt" / "run_0001" / "step_00000020" / "config.json").is_file()
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
@@ -90,7 +90,7 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeyp
     monkeypatch.setattr(ParallelFlint, "forward", nan_on_third_call)
     with pytest.raises(TrainingError, match=r"step 3: the training loss is nan.*step_00000002"):
         run_debug(tmp_path, "--training.steps=5", "--checkpoint.every=2")
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == ["step_00000002"]
 
 
 def compile_with_backend_raising(monkeypatch, error: Exception) -> None:
@@ -139,13 +139,13 @@ def test_data_errors_stop_before_training(tmp_path):
         run_debug(tmp_path, "--training.steps=100000")
     with pytest.raises(ConfigError, match=r"257 tokens but the model's vocab_size is 256"):
         run_debug(tmp_path, "--model.vocab_size=256")
-    assert not (tmp_path / "ckpt").exists()
+    assert not list((tmp_path / "ckpt").glob("run_*"))  # stopped before any run began
 
 
 def test_init_from_a_native_checkpoint_loads_its_weights(tmp_path, monkeypatch, capsys):
     source = tmp_path / "trained"
     run_debug(source, "--training.steps=10", "--training.sample_tokens=0")
-    checkpoint = source / "ckpt" / "step_00000010"
+    checkpoint = source / "ckpt" / "run_0001" / "step_00000010"
     first_loss = train_losses(source)[1]
     monkeypatch.setattr(train, "SAMPLE_MAX_PARAMS", 100_000)  # as if the model were too large to sample
     summary = run_debug(tmp_path, f"--model.init_from={checkpoint}", "--model.preset=", "--training.steps=1")
@@ -221,7 +221,7 @@ def test_two_processes_match_one_resume_in_one_and_export(tmp_path):
     val_losses = [[r["val_loss"] for r in records(path) if "val_loss" in r] for path in (one, fsdp, ep, pp)]
     assert all(other == pytest.approx(val_losses[0], rel=1e-5) for other in val_losses[1:]), val_losses
 
-    run_debug(resumed, *common, "--training.grad_accum=2", f"--checkpoint.resume={fsdp / 'ckpt' / 'step_00000002'}")
+    run_debug(resumed, *common, "--training.grad_accum=2", f"--checkpoint.resume={fsdp / 'ckpt' / 'run_0001' / 'step_00000002'}")
     assert_same_losses(train_losses(resumed), {s: expected[s] for s in (3, 4)}, "FSDP 2 checkpoint resumed in 1")
 
     reference, sharded = exported_tensors(one / "hf"), exported_tensors(fsdp / "hf")
@@ -271,9 +271,9 @@ def test_large4_trains_through_train_main(tmp_path):
     losses = train_losses(tmp_path)
     assert losses[1] == pytest.approx(math.log(264), abs=0.15) and losses[6] < losses[1] - 0.5
     assert set(records(tmp_path)[-2]["routing"]) == {str(i) for i in range(1, 8)}  # layer 0 is dense
-    state = convert.NativeDir(tmp_path / "ckpt" / "step_00000006").read(["layers.0.self_attn.indexer.wk.weight"])
+    state = convert.NativeDir(tmp_path / "ckpt" / "run_0001" / "step_00000006").read(["layers.0.self_attn.indexer.wk.weight"])
     from large4 import Large4Config, build_large4
-    fresh = build_large4(Large4Config.from_hf_config(tmp_path / "ckpt" / "step_00000006"))
+    fresh = build_large4(Large4Config.from_hf_config(tmp_path / "ckpt" / "run_0001" / "step_00000006"))
     assert torch.equal(state["layers.0.self_attn.indexer.wk.weight"], fresh.state_dict()[
         "layers.0.self_attn.indexer.wk.weight"])  # frozen: still its initial value
     optimized = {id(p) for group in train.build_optimizer(fresh, OptimSection(), torch.device("cpu")).param_groups
@@ -307,3 +307,11 @@ def test_large4_finetune_from_hugging_face_exports_the_extras_of_its_source(tmp_
     exported = exported_tensors(tmp_path / "out")
     assert torch.equal(exported["mtp_dspark.norm.weight"], extra)
     assert not torch.equal(exported["tok_embeddings.weight"], state["tok_embeddings.weight"])  # trained
+
+
+def test_choices_that_fail_on_the_cpu_stop_before_the_run_starts(tmp_path):
+    with pytest.raises(ConfigError, match=r"command line --parallel.backend: .*\"nccl\" needs GPUs"):
+        run_debug(tmp_path, "--parallel.backend=nccl", "--training.device=cpu")
+    with pytest.raises(ConfigError, match=r"command line --model.attention_backend: .*\"flex\" cannot train on the CPU"):
+        run_debug(tmp_path, "--model.attention_backend=flex", "--training.device=cpu")
+    assert not (tmp_path / "ckpt").exists()
