@@ -565,3 +565,5 @@ if __name__ == "__main__":
         main()
     except (CheckpointError, ConfigError, DataError, TokenizerError, TrainingError) as error:
         raise SystemExit(f"error: {error}")
+    except KeyboardInterrupt:  # a second Ctrl-C: explain_stop said what was saved and how to resume
+        raise SystemExit(128 + signal.SIGINT)
