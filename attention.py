@@ -362,3 +362,16 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
     probs = torch.softmax(scores, dim=-1) * allowed.any(dim=-1, keepdim=True)
     return probs.to(v.dtype) @ v
+
+
+def flex_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """masked_attention through FlexAttention (the GPU path): its mask_mod reads the bool mask
+    [B, 1, T, S] (selection AND causal AND documents), so the T x S scores never exist and key
+    blocks that no query of a block may see are skipped. A query that sees no key outputs 0."""
+    batch, _, q_len, kv_len = allowed.shape
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return allowed[b, 0, q_idx, kv_idx]
+    mask = create_block_mask(mask_mod, batch, None, q_len, kv_len, device=q.device)
+    return _flex(q, k, v, mask, scale)[0]

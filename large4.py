@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import FULL, dense_mask, layer_mask_mod, masked_attention, selection_mask, top_keys
+from attention import (FULL, dense_mask, flex_masked_attention, layer_mask_mod, masked_attention, resolve_backend,
+                       selection_mask, top_keys)
 from large4_config import PRESETS, Large4Config  # noqa: F401  (PRESETS: re-exported for users of large4)
 from model import Flint, Head, RMSNorm, build_model, document_positions, sample, seeded_normal
 from moe import MoE, SwiGLU
@@ -195,8 +196,9 @@ class MLAttention(nn.Module):
         return self.kv_a_layernorm(latent), (rotate(rope_key, cos, sin) if self.rope_dim else None)
 
     def forward(self, x: torch.Tensor, cos, sin, log_positions, allowed: torch.Tensor, latent: torch.Tensor,
-                rope_key: torch.Tensor | None) -> torch.Tensor:
-        """x [B, T, H] queries; latent [B, S, r] and rope_key [B, S, R] keys; allowed [B, 1, T, S]."""
+                rope_key: torch.Tensor | None, backend: str = "sdpa") -> torch.Tensor:
+        """x [B, T, H] queries; latent [B, S, r] and rope_key [B, S, R] keys; allowed [B, 1, T, S];
+        backend flex (FlexAttention) or sdpa (dense scores)."""
         batch, seq_len, _ = x.shape
         q = self.q_proj(x).view(batch, seq_len, self.heads, self.qk_dim)
         if self.rope_dim:
@@ -208,7 +210,8 @@ class MLAttention(nn.Module):
         k, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [B, heads, S, nope], [B, heads, S, v]
         if self.rope_dim:
             k = torch.cat([k, rope_key.unsqueeze(1).expand(batch, self.heads, keys, self.rope_dim)], dim=-1)
-        out = masked_attention(q, k, v, allowed, self.qk_dim ** -0.5)  # [B, heads, T, v]
+        attend = flex_masked_attention if backend == "flex" else masked_attention
+        out = attend(q, k, v, allowed, self.qk_dim ** -0.5)  # [B, heads, T, v]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.v_dim))
 
 
@@ -219,7 +222,8 @@ class Large4Block(nn.Module):
     (x, cos, sin, log_positions, allowed, src_latent, src_rope_key, prev_indices)
         -> (y, own_latent, own_rope_key, indices)
     own_* are None on a KV consumer; indices is None when attention is dense (every query may
-    attend index_topk keys or fewer), else [B, T, k] with -1 for invalid slots.
+    attend index_topk keys or fewer), else [B, T, k] with -1 for invalid slots. `cache` (generation)
+    and `backend` (flex | sdpa) are keyword settings, not state.
     """
 
     def __init__(self, config: Large4Config, index: int, dtype: torch.dtype | None = None):
@@ -237,7 +241,7 @@ class Large4Block(nn.Module):
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype)
 
     def forward(self, x, cos, sin, log_positions, allowed, src_latent=None, src_rope_key=None, prev_indices=None,
-                cache: LayerCache | None = None):
+                cache: LayerCache | None = None, backend: str = "sdpa"):
         attn_in = self.input_layernorm(x)
         latent, rope_key, own = src_latent, src_rope_key, self.source == self.index
         if own:
@@ -250,7 +254,7 @@ class Large4Block(nn.Module):
             dense = cache is None and latent.shape[1] <= self.self_attn.indexer.top_k
             indices = None if dense else self.self_attn.indexer(attn_in, cos, sin, log_positions, allowed, cache)
         mask = allowed if indices is None else allowed & selection_mask(indices, latent.shape[1])
-        h = x + self.self_attn(attn_in, cos, sin, log_positions, mask, latent, rope_key)
+        h = x + self.self_attn(attn_in, cos, sin, log_positions, mask, latent, rope_key, backend)
         y = h + self.mlp(self.post_attention_layernorm(h))
         return y, (latent if own else None), (rope_key if own else None), indices
 
@@ -306,6 +310,8 @@ class MistralLarge4(nn.Module):
         """The decoder stack. `shared` maps a source layer to its latent and rotated key; it lives
         only in this call and reaches each consumer as an argument."""
         cos, sin = self.rotary(positions)  # [B, T, R/2] FP32, built once for all layers
+        # Generation stays dense: a compiled flex kernel would recompile for every new key count.
+        backend = "sdpa" if caches is not None else resolve_backend(self.config.attention_backend, h.device)
         log_positions = torch.log(positions.float() + 1)  # SSMax, FP32
         shared: dict[int, tuple] = {}
         indices = None
@@ -313,7 +319,7 @@ class MistralLarge4(nn.Module):
             source_kv = shared.get(layer.source, (None, None))
             cache = None if caches is None else caches.setdefault(layer.index, LayerCache())
             h, latent, rope_key, indices = layer(h, cos, sin, log_positions, allowed, *source_kv, indices,
-                                                 cache=cache)
+                                                 cache=cache, backend=backend)
             if self.config.kv_mode(layer.index) == "store":
                 shared[layer.index] = (latent, rope_key)
         return h

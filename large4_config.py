@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attention import BACKENDS
 from model import read_config_json
 from moe import EXPERT_BACKENDS
 
@@ -78,7 +79,7 @@ class Large4Config:
     eos_token_id: int | list[int] | None = 2
     pad_token_id: int | None = None
     # Runtime choices (not written to text_config).
-    attention_backend: str = "auto"  # auto | sdpa: dense masks (the only backend so far)
+    attention_backend: str = "auto"  # auto (flex on GPUs, sdpa on the CPU) | flex | sdpa (dense scores)
     experts_backend: str = "grouped"  # grouped | loop
     loss_chunk_size: int = 4096  # tokens whose FP32 logits exist at once in the loss
     indexer_chunk_size: int = 1024  # queries whose FP32 index scores exist at once
@@ -113,7 +114,7 @@ class Large4Config:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         choices = {"q_lora_rank": (None,), "hidden_act": ("silu",), "attention_bias": (False,),
                    "tie_word_embeddings": (False,), "n_group": (1,), "topk_group": (1,), "norm_topk_prob": (True,),
-                   "attention_backend": ("auto", "sdpa"), "experts_backend": EXPERT_BACKENDS}
+                   "attention_backend": BACKENDS, "experts_backend": EXPERT_BACKENDS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed} in this implementation, got {getattr(self, name)!r}")

@@ -1,10 +1,12 @@
 """large4.py: config contract, parity with the plain reference (values and every gradient), the sparse
 selection's masks, KV and index sharing, activation checkpointing, frozen indexer, generation."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
+import torch.nn.attention.flex_attention as flex_module
 from torch.utils.checkpoint import checkpoint
 
 from attention import selection_mask, top_keys
@@ -192,6 +194,30 @@ def test_indexer_is_frozen(parity_model):
     frozen = [n for n, p in parity_model.named_parameters() if not p.requires_grad]
     assert frozen and all(".indexer." in n for n in frozen)
     assert all(p.requires_grad for n, p in parity_model.named_parameters() if ".indexer." not in n)
+
+
+def test_flex_backend_equals_dense_values_and_gradients(parity_model, monkeypatch):
+    """The GPU path (FlexAttention reading the selection) on the CPU, as tests/test_attention.py runs flex:
+    its backward is refused on the CPU by a device check only, lifted here."""
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
+    ids = torch.randint(0, 160, (1, 20), generator=torch.Generator().manual_seed(7))
+    doc_ids = torch.tensor([[0] * 12 + [1] * 6 + [-1] * 2])  # padding queries see no key at all
+
+    def run(backend):
+        parity_model.config = dataclasses.replace(parity_model.config, attention_backend=backend)
+        parity_model.zero_grad(set_to_none=True)
+        loss = parity_model(ids, ids.roll(-1, 1), doc_ids=doc_ids)
+        loss.backward()
+        return loss, {n: p.grad.clone() for n, p in parity_model.named_parameters() if p.grad is not None}
+
+    config = parity_model.config
+    try:
+        (dense_loss, dense), (flex_loss, flex) = run("sdpa"), run("flex")
+    finally:
+        parity_model.config = config
+    torch.testing.assert_close(flex_loss, dense_loss, rtol=0, atol=1e-6)
+    for name in dense:
+        torch.testing.assert_close(flex[name], dense[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 # ============================================================================= generation
