@@ -364,15 +364,17 @@ class MistralLarge4(nn.Module):
         return [self.rotary]
 
     def block_activation_bytes(self, seq_len: int) -> float:
-        """Activations one block saves for backward per token, in BF16 (memory.py): the projections,
-        and on the CPU's dense path the FP32 score and probability rows over all seq_len keys (a
-        sparse kernel would keep index_topk), the masks and the selection; the MoE as for Flint."""
+        """Activations one block saves for backward per token, in BF16 (memory.py, which assumes
+        GPUs): the projections; the bool masks over seq_len keys and the selection; with the sdpa
+        backend also the FP32 score and probability rows (flex keeps only the softmax statistics);
+        the MoE as for Flint."""
         c = self.config
         attended = min(seq_len, c.index_topk)
         projections = 2 * (4 * c.hidden_size + 3 * c.num_attention_heads * c.qk_head_dim
                            + 2 * (c.kv_lora_rank + c.qk_rope_head_dim)
                            + c.num_attention_heads * (c.qk_head_dim + 2 * c.v_head_dim))
-        scores = 8 * c.num_attention_heads * seq_len + 2 * seq_len + 8 * attended  # FP32 rows, masks, indices
+        rows = 8 * c.num_attention_heads * seq_len if c.attention_backend == "sdpa" else 4 * c.num_attention_heads
+        scores = rows + 3 * seq_len + 8 * attended  # attention rows, masks, indices
         k, width = c.num_experts_per_tok, c.moe_intermediate_size
         moe = 2 * (2 * k * c.hidden_size + 3 * k * width + 3 * width * c.n_shared_experts) + 4 * c.n_routed_experts
         return projections + scores + moe

@@ -29,12 +29,14 @@ def _meta_model(config: ModelConfig) -> torch.nn.Module:
         return STAGE_AWARE.get(cls, cls)(config)
 
 
-def _stage_params(config: ModelConfig, pp: int) -> list[tuple[int, int]]:
-    """(expert, other) parameter counts of each pipeline stage, counted on the meta device."""
+def _stage_params(config: ModelConfig, pp: int) -> list[tuple[int, int, int]]:
+    """(expert, other trainable, frozen) parameter counts of each pipeline stage, counted on the meta
+    device. Frozen parameters (Large 4's indexer) have no gradient and no optimizer state."""
     model = _meta_model(config)
     stages = [pipeline_stage(model, s, pp) if pp > 1 else model for s in range(pp)]
     return [(sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." in n),
-             sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." not in n)) for part in stages]
+             sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." not in n and p.requires_grad),
+             sum(p.numel() for p in part.parameters() if not p.requires_grad)) for part in stages]
 
 
 def _activation_bytes_per_token(config: ModelConfig, layers: int, checkpointing: str, seq_len: int) -> float:
@@ -46,23 +48,24 @@ def _activation_bytes_per_token(config: ModelConfig, layers: int, checkpointing:
 
 
 def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch_size: int) -> dict[str, float]:
-    """GiB per GPU on the busiest pipeline stage: FP32 master weights, FP32 gradients, AdamW
-    moments (2 x FP32), the BF16 blocks FSDP gathers (the current block and the prefetched next),
+    """GiB per GPU on the busiest pipeline stage: FP32 master weights, FP32 gradients and AdamW
+    moments (2 x FP32) of the trainable ones, the BF16 blocks FSDP gathers (the current block and the prefetched next),
     and activations of the micro-batches in flight. An estimate: no allocator slack or buffers."""
     other_shards = cfg.dp_shard * cfg.ep * cfg.cp
     expert_shards = cfg.ep * cfg.dp_shard * cfg.cp
     stages = _stage_params(config, cfg.pp)
     layers_per_stage = math.ceil(config.num_hidden_layers / cfg.pp)
-    sharded = max(e / expert_shards + o / other_shards for e, o in stages)
-    expert_block = max(e for e, _ in stages) / layers_per_stage / cfg.ep
-    other_block = (max(o for _, o in stages) - 2 * config.vocab_size * config.hidden_size / cfg.pp) / layers_per_stage
+    sharded = max(e / expert_shards + o / other_shards for e, o, _ in stages)  # trainable
+    frozen = max(f / other_shards for _, _, f in stages)
+    expert_block = max(e for e, _, _ in stages) / layers_per_stage / cfg.ep
+    other_block = (max(o + f for _, o, f in stages) - 2 * config.vocab_size * config.hidden_size / cfg.pp) / layers_per_stage
     microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
     in_flight = 1 if cfg.pp == 1 else (microbatches if cfg.pp_schedule == "GPipe" else cfg.pp)
     tokens = batch_size * seq_len / cfg.cp / (microbatches if cfg.pp > 1 else 1)
     per_token = _activation_bytes_per_token(config, layers_per_stage, cfg.activation_checkpointing, seq_len)
     activations = tokens * in_flight * per_token
     logits = 2 * 4 * min(config.loss_chunk_size, tokens) * config.vocab_size  # one FP32 chunk and its grad
-    row = {"params": 4 * sharded, "grads": 4 * sharded, "optimizer": 8 * sharded,
+    row = {"params": 4 * (sharded + frozen), "grads": 4 * sharded, "optimizer": 8 * sharded,
            "gathered": 2 * 2 * (expert_block + other_block), "activations": activations + logits}
     row = {name: value / GIB for name, value in row.items()}
     row["total"] = sum(row.values())
