@@ -93,16 +93,22 @@ def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device) -
 @lru_cache(maxsize=32)
 def _cached_block_mask(layer_type: str, window: int | None, seq_len: int, device: str) -> BlockMask:
     """Masks without documents depend only on the shape: build them once per shape."""
-    mod = layer_mask_mod(layer_type, window, None)
-    return create_block_mask(mod, None, None, seq_len, seq_len, device=device)
+    return new_block_mask(layer_mask_mod(layer_type, window, None), None, seq_len, seq_len, device)
 
 
 def block_mask(layer_type: str, window: int | None, doc_ids: torch.Tensor | None,
                batch: int, seq_len: int, device) -> BlockMask:
     if doc_ids is None:
         return _cached_block_mask(layer_type, window, seq_len, str(device))
-    mod = layer_mask_mod(layer_type, window, doc_ids)
-    return create_block_mask(mod, batch, None, seq_len, seq_len, device=device)
+    return new_block_mask(layer_mask_mod(layer_type, window, doc_ids), batch, seq_len, seq_len, device)
+
+
+def new_block_mask(mask_mod: MaskMod, batch: int | None, q_len: int, kv_len: int, device) -> BlockMask:
+    """A BlockMask built from block-sparse counts, never a dense [B, 1, T, S] mask. On a GPU its
+    construction is compiled (the eager one evaluates the mask_mod on the whole grid at once);
+    on the CPU it is eager: compiling it costs more than it saves at the CPU's lengths."""
+    compiled = torch.device(device).type == "cuda"
+    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device, _compile=compiled)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -147,19 +153,18 @@ def band_mask(mask_mod: MaskMod, block: int, batch: int, seq_len: int, device) -
 
 # ----------------------------------------------------------------------------- attention with sinks
 
-_compiled_flex = None
+@lru_cache(maxsize=1)
+def _compiled_flex_attention():
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _flex(q, k, v, mask: BlockMask, scale: float):
-    """Compiled FlexAttention on GPUs; eager on the CPU, where compiled flex cannot return the lse."""
-    global _compiled_flex
-    if q.device.type == "cpu":
-        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True,
-                              return_aux=AuxRequest(lse=True))
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=True,
-                          return_aux=AuxRequest(lse=True))
+    """FlexAttention is fused only when compiled: inside a compiled block it is traced into the
+    block's graph; called eagerly on a GPU it goes through a compiled flex_attention of its own;
+    on the CPU, outside a compiled block, it runs eagerly."""
+    eager = torch.compiler.is_compiling() or q.device.type == "cpu"
+    call = flex_attention if eager else _compiled_flex_attention()
+    return call(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
 
 
 def flex_sink_attention(q, k, v, sinks: torch.Tensor, mask: BlockMask) -> torch.Tensor:
@@ -174,15 +179,19 @@ def sdpa_sink_attention(q, k, v, sinks: torch.Tensor, allowed: torch.Tensor) -> 
 
     q [B, Hq, T, D], k/v [B, Hkv, S, D], allowed bool [B, 1, T, S]. The score of the extra key is
     q . 0 + s_h = s_h, and since the bias is a differentiable input the sink gets its gradient.
+    SDPA takes a bias only in q's dtype and the sink logit is FP32 by contract, so narrower inputs
+    (BF16 decoding on a GPU) run here in FP32 and the result is cast back.
     """
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
     batch, heads, q_len, _ = q.shape
     zero = k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3])
     k = torch.cat([k, zero], dim=2)  # [B, Hkv, S + 1, D]
     v = torch.cat([v, zero], dim=2)
     bias = torch.where(allowed, 0.0, float("-inf")).expand(batch, heads, q_len, allowed.shape[-1])
     sink_column = sinks.float().view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
-    bias = torch.cat([bias, sink_column], dim=-1).to(q.dtype)  # [B, Hq, T, S + 1]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    bias = torch.cat([bias, sink_column], dim=-1)  # FP32 [B, Hq, T, S + 1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True).to(dtype)
 
 
 # The CPU's fused flash attention returns the lse, so the sink is a rescale: out * sigmoid(lse - s).

@@ -313,6 +313,12 @@ def _eager_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return (routed + _swiglu(moe.shared_expert, x)).view(shape)
 
 
+def compiled_graph_counts() -> dict[str, int]:
+    """Graphs dynamo compiled and graph breaks it met since the counters were last cleared."""
+    counters = torch._dynamo.utils.counters
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
 # ============================================================================= rows of the table
 
 @dataclasses.dataclass
@@ -369,11 +375,14 @@ class Bench:
         def measure() -> dict:
             model = self.model(**overrides)
             if compile_blocks:
-                apply_compile(model)
+                apply_compile(model)  # fullgraph: a graph break fails the row
             step = training_step(model, *self.inputs(), loss_fn)
+            torch._dynamo.utils.counters.clear()
             seconds, warmup_seconds = time_calls(step, self.warmup, self.reps, self.device)
             timed = {"step_s_all": seconds, "warmup_s": warmup_seconds,
                      "flops_per_token": model.flops_per_token(self.seq_len)}
+            if compile_blocks:
+                timed.update(compiled_graph_counts())
             if split_rows is not None:
                 timed["split"] = profile_step(model, step, self.device, split_rows)
             return timed
@@ -466,7 +475,7 @@ def time_rows(bench: Bench, sections: set[str], profile_rows: int) -> None:
         bench.train("flint (eager)", f"{backend}, {config.experts_backend} experts, loss in {loss_note}",
                     split_rows=profile_rows)
     if "compiled" in sections:
-        bench.train("flint (compiled per block)", "torch.compile per decoder block; warm-up compiles",
+        bench.train("flint (compiled per block)", "torch.compile(fullgraph=True) per decoder block; warm-up compiles",
                     compile_blocks=True)
     if "baseline" in sections:
         bench.train("plain eager baseline", "scores + sink column + softmax, grouped GEMM, unchunked loss",
@@ -552,6 +561,12 @@ def print_report(result: dict) -> None:
     for name in ("flint (eager)", "flint (compiled per block)"):
         if baseline and name in rows:
             print(f"{name} vs plain eager baseline: {rows[name]['tokens_per_s'] / baseline['tokens_per_s']:.2f}x tokens/s")
+    compiled = rows.get("flint (compiled per block)")
+    if compiled:
+        print(f"flint (compiled per block): {compiled['graphs']} graphs, {compiled['graph_breaks']} graph breaks, "
+              f"compiled during the {compiled['warmup_s']:.1f} s warm-up")
+        if main:
+            print(f"flint (compiled per block) vs flint (eager): {compiled['tokens_per_s'] / main['tokens_per_s']:.2f}x tokens/s")
     for note in result["notes"]:
         print(note)
     if result.get("sweep"):

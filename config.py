@@ -312,7 +312,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"{cfg.where('data.seq_len')}: {refusal}")
     check_paths(cfg)
     try:
-        cfg.parallel.validate(cfg.model_config.num_experts)
+        cfg.parallel.validate(cfg.model_config.num_experts, cfg.model_config.num_hidden_layers, d.seq_len)
         refusal = unsupported_layout(cfg.parallel, model_class(cfg.model_config))
         if refusal:
             raise ValueError(refusal)

@@ -50,6 +50,8 @@ def default_layer_types(num_layers: int) -> list[str]:
     return [FULL if i < 2 or i % 4 == 1 or i == num_layers - 1 else SLIDING for i in range(num_layers)]
 
 
+GROUPED_GEMM_MULTIPLE = 8  # BF16 values per 16 bytes
+
 # Hugging Face keys that carry no meaning for this implementation.
 IGNORED_HF_KEYS = {"architectures", "dtype", "torch_dtype", "transformers_version", "auto_map",
                    "use_cache", "model_type", "keys_to_ignore_at_inference", "_name_or_path",
@@ -165,6 +167,12 @@ class FlintConfig:
                              f"num_key_value_heads ({self.num_key_value_heads})")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})")
+        if self.experts_backend == "grouped":  # CUDA's grouped GEMM needs rows on 16-byte boundaries
+            for name in ("hidden_size", "moe_intermediate_size"):
+                if getattr(self, name) % GROUPED_GEMM_MULTIPLE:
+                    raise ValueError(f"{name} must be a multiple of {GROUPED_GEMM_MULTIPLE} for experts_backend "
+                                     f"'grouped' (grouped GEMM rows start on 16-byte boundaries, 8 BF16 values), "
+                                     f"got {getattr(self, name)}; or use experts_backend 'loop'")
         bad_types = [t for t in self.layer_types if t not in LAYER_TYPES]
         if bad_types:
             raise ValueError(f"layer_types may only hold {LAYER_TYPES}, got {bad_types[0]!r}")

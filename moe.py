@@ -73,7 +73,8 @@ class Router(nn.Module):
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         with torch.no_grad():
-            self.tokens_per_expert.copy_(expert_counts(indices, self.weight.shape[0]))  # copy, not add: activation recompute stays exact
+            # copy, not add: activation recompute stays exact
+            self.tokens_per_expert.copy_(expert_counts(indices, self.weight.shape[0]))
         return weights, indices
 
 

@@ -30,9 +30,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.nn.attention.flex_attention import create_block_mask
 
-from attention import build_masks, dense_mask, layer_mask_mod, resolve_backend
+from attention import build_masks, dense_mask, layer_mask_mod, new_block_mask, resolve_backend
 from model import Flint, FlintConfig, Sinks, document_positions, rope_tables
 from moe import ExpertParallelExperts, MoE
 
@@ -100,8 +99,10 @@ class ParallelConfig:
                              f"{dp_shard} * {self.ep} * {self.cp} must equal the world size {world_size}")
         return dataclasses.replace(self, dp_shard=dp_shard)
 
-    def validate(self, num_experts: int | None = None) -> None:
-        """Every check that does not need the world size. Errors name the key."""
+    def validate(self, num_experts: int | None = None, num_layers: int | None = None,
+                 seq_len: int | None = None) -> None:
+        """Every check that does not need the world size, against the model and sequence length
+        when given, so that a layout that cannot run fails before any work. Errors name the key."""
         where = "[parallel]"
         for name in ("dp_replicate", "ep", "pp", "cp"):
             value = getattr(self, name)
@@ -115,6 +116,12 @@ class ParallelConfig:
                              ("backend", ["auto", "nccl", "gloo"]), ("param_dtype", ["auto", *DTYPES])):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{where} {key} must be one of {allowed}, got {getattr(self, key)!r}")
+        if seq_len is not None and seq_len % (2 * self.cp):
+            raise ValueError(f"{where} cp = {self.cp} splits each sequence into 2 * cp = {2 * self.cp} chunks: "
+                             f"data.seq_len = {seq_len} must be divisible by {2 * self.cp}")
+        if num_layers is not None and self.pp * self.stages_per_rank > num_layers:
+            raise ValueError(f"{where} pp = {self.pp} with {self.stages_per_rank} stage(s) per rank makes "
+                             f"{self.pp * self.stages_per_rank} pipeline stages, more than the model's {num_layers} layers")
         looped = self.pp_schedule == "Interleaved1F1B"
         if (self.stages_per_rank < 2) if looped else (self.stages_per_rank != 1):
             raise ValueError(f"{where} pp_stages_per_rank = {self.stages_per_rank} does not fit pp_schedule "
@@ -231,7 +238,7 @@ def context_masks(config: FlintConfig, doc_ids, batch: int, seq_len: int, mine: 
         def local_mod(b, h, q_idx, kv_idx, mod=mod):
             return mod(b, h, mine[q_idx], kv_idx)
         if backend == "flex":
-            masks[layer_type] = create_block_mask(local_mod, batch, None, mine.numel(), seq_len, device=device)
+            masks[layer_type] = new_block_mask(local_mod, batch, mine.numel(), seq_len, device)
         else:
             masks[layer_type] = dense_mask(local_mod, batch, mine.numel(), seq_len, device)
     return masks
@@ -350,9 +357,10 @@ def apply_fsdp(model: Flint, mesh: DeviceMesh, param_dtype: torch.dtype, reshard
     the bulk policy. HSDP when dp_replicate > 1."""
     def dp_mesh(shard_dim: str) -> DeviceMesh:
         return mesh["dp_replicate", shard_dim] if mesh["dp_replicate"].size() > 1 else mesh[shard_dim]
-    bulk = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    # No input cast: the projections around Sinks stay in the bulk dtype and the head and router
-    # cast their inputs to FP32 themselves.
+    # No input casts: a block casts what it computes with to its weights' dtype itself, so an FP32
+    # residual stream (residual_dtype) and the FP32 RoPE tables reach it in FP32; the projections
+    # around Sinks stay in the bulk dtype and the head and router cast their inputs to FP32.
+    bulk = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
     fsdp_mesh, experts_mesh = dp_mesh("fsdp"), dp_mesh("efsdp")
     for module in model.fp32_root_modules():

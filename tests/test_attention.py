@@ -166,3 +166,21 @@ def test_kv_cache_keeps_window_minus_one_keys():
     assert allowed[0, 0].sum(-1).tolist() == [1, 2, 3, 4, 4, 4, 4, 4, 4, 4]
     keys, _, allowed = cache.update(k[:, :, :1], k[:, :, :1], torch.tensor([10]))
     assert keys.shape[2] == 4 and allowed.all()
+
+
+def test_sdpa_sink_logit_stays_fp32_with_bf16_inputs():
+    """The sink contract is FP32. BF16 q, k, v whose scores are all 100, and a sink of 100.2, which
+    BF16 would round to 100.0: query i sees i + 1 keys, so keep = (i + 1) / (i + 1 + e^0.2) and the
+    output is keep * the mean of its values. A BF16 sink moves the first output by 10%."""
+    batch, heads, seq_len, dim = 1, 2, 4, 16
+    q = torch.full((batch, heads, seq_len, dim), 5.0, dtype=torch.bfloat16)  # q . k / sqrt(16) = 100
+    k = torch.full((batch, 1, seq_len, dim), 5.0, dtype=torch.bfloat16)
+    v = torch.randn(batch, 1, seq_len, dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    sinks = torch.full((heads,), 100.2)
+    allowed = torch.ones(seq_len, seq_len, dtype=torch.bool).tril().view(1, 1, seq_len, seq_len)
+    out = A.sdpa_sink_attention(q, k, v, sinks, allowed)
+    seen = torch.arange(1, seq_len + 1, dtype=torch.float32).view(1, 1, seq_len, 1)
+    keep = seen / (seen + torch.exp(torch.tensor(0.2)))
+    expected = keep * v.float().cumsum(2) / seen  # [B, 1, T, D] -> broadcasts over the heads
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.expand_as(out), rtol=1e-2, atol=1e-2)

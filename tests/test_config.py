@@ -92,6 +92,12 @@ def test_overrides_are_typed_toml_values(tmp_path):
     ('[model]\npreset = "flint"\n', [], r"preset 'flint' carries router_aux_loss_coef = 0.0005 .*set "
                                         r"\[model\].router_aux_loss_coef = 0.0 explicitly"),
     ('[model\n', [], r"run.toml: not valid TOML"),
+    ('[model]\npreset = "tiny"\n[data]\nseq_len = 100\n[parallel]\ncp = 4\n', [],
+     r"run.toml: \[parallel\] cp = 4 .* data.seq_len = 100 must be divisible by 8"),
+    ('[model]\npreset = "tiny"\nnum_hidden_layers = 3\n[parallel]\npp = 2\npp_schedule = "Interleaved1F1B"\n', [],
+     r"run.toml: \[parallel\] pp = 2 with 2 stage\(s\) per rank makes 4 pipeline stages, more than the model's 3"),
+    ('[model]\npreset = "tiny"\nmoe_intermediate_size = 36\n', [],
+     r"moe_intermediate_size must be a multiple of 8 .* got 36"),
 ])
 def test_config_errors_name_the_key_and_where(tmp_path, text, overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -219,37 +219,48 @@ def test_large4_refuses_pipeline_and_context_parallel_before_any_work():
     assert unsupported_layout(ParallelConfig(pp=2, cp=2), Flint) is None
 
 
+def dtypes_in_use(pm, batch) -> dict[str, set]:
+    """Forward and backward on `batch`, recording what each kind of module computes with.
+
+    Weights and inputs are read in forward pre-hooks, which run after FSDP's own pre-hook has
+    gathered the weights in their policy's dtype: after forward FSDP reshards them to the FP32
+    master shards, so a forward (post) hook would see FP32 whatever the policy."""
+    from model import DecoderLayer, Head, Sinks
+    from moe import Router
+    kinds = {Sinks: "sinks", Router: "router", Head: "head", torch.nn.Linear: "linear"}
+    seen: dict[str, set] = {}
+
+    def record(kind):
+        def hook(module, args):
+            inputs = tuple(a.dtype for a in args if torch.is_tensor(a) and a.is_floating_point())
+            seen.setdefault(kind, set()).add((module.weight.dtype, inputs))
+        return hook
+
+    def record_block(module, args):  # the residual stream and the RoPE tables it receives
+        seen.setdefault("block", set()).add((args[0].dtype, args[1][0].dtype))
+
+    for module in pm.module.modules():
+        kind = next((k for cls, k in kinds.items() if isinstance(module, cls)), None)
+        if kind is not None:
+            module.register_forward_pre_hook(record(kind))
+        if isinstance(module, DecoderLayer):
+            module.register_forward_pre_hook(record_block)
+    pm.forward_backward(*batch)
+    return seen
+
+
 def check_fp32_units_under_bf16(layout: dict) -> None:
     """With a BF16 bulk policy the sinks, routers and head are gathered and computed in FP32."""
-    from model import Head, Sinks
-    from moe import Router
     config = tiny_config()
     cfg = ParallelConfig.from_dict(layout)
     mesh = build_mesh(cfg, "cpu", config.num_experts)
     pm = parallelize(build_model(config, seed=0), cfg, mesh)
-    seen: dict[str, set] = {}
-
-    def record(kind):
-        def hook(module, args, output):
-            outputs = output if isinstance(output, tuple) else (output,)
-            seen.setdefault(kind, set()).add((module.weight.dtype,) + tuple(o.dtype for o in outputs if o.is_floating_point()))
-            if kind == "sinks":  # q, k, v arrive in the bulk dtype
-                seen.setdefault("sinks inputs", set()).add(args[0].dtype)
-        return hook
-    kinds = {Sinks: "sinks", Router: "router", Head: "head"}
-    for module in pm.module.modules():
-        for cls, kind in kinds.items():
-            if isinstance(module, cls):
-                module.register_forward_hook(record(kind))
-        if isinstance(module, torch.nn.Linear):
-            module.register_forward_hook(record("linear"))
-    ids, targets, doc_ids = rows_of_this_rank(mesh, make_batch())
-    pm.forward_backward(ids, targets, doc_ids)
+    seen = dtypes_in_use(pm, rows_of_this_rank(mesh, make_batch()))
     f32, bf16 = torch.float32, torch.bfloat16
-    assert seen["sinks"] == {(f32, bf16)} and seen["sinks inputs"] == {bf16}, seen
-    assert seen["router"] == {(f32, f32)}, seen  # FP32 weights and scores
-    assert seen["head"] == {(f32, f32)}, seen  # FP32 weight, FP32 loss
-    assert seen["linear"] == {(bf16, bf16)}, seen  # the bulk runs in BF16
+    assert seen["sinks"] == {(f32, (bf16, bf16, bf16))}, f"sinks: {seen}"  # FP32 sinks, q, k, v in BF16
+    assert seen["router"] == {(f32, (bf16,))}, f"router: {seen}"  # FP32 weights; it casts its input
+    assert seen["head"] == {(f32, (f32,))}, f"head: {seen}"
+    assert seen["linear"] == {(bf16, (bf16,))}, f"linear: {seen}"  # the bulk runs in BF16
     for param in pm.module.parameters():  # FP32 master weights and gradients everywhere
         assert param.dtype == f32 and param.grad.dtype == f32
 
@@ -266,6 +277,35 @@ def in_process_group(fn, *args):
         return fn(*args)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("unit", ["Sinks", "Router"])
+def test_fp32_unit_check_fails_when_a_unit_gets_the_bulk_policy(unit, monkeypatch):
+    """The Flint check above can fail: shard one kind of FP32 unit with the bulk policy instead."""
+    import parallel
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    real_fully_shard = parallel.fully_shard
+
+    def bulk_for_unit(module, **kwargs):
+        if any(type(m).__name__ == unit for m in (module if isinstance(module, list) else [module])):
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return real_fully_shard(module, **kwargs)
+    monkeypatch.setattr(parallel, "fully_shard", bulk_for_unit)
+    with pytest.raises(AssertionError, match=f"^{unit.lower()}: "):
+        in_process_group(check_fp32_units_under_bf16, {"param_dtype": "bfloat16"})
+
+
+def test_fp32_residual_stream_under_bf16_policy():
+    """residual_dtype = "float32" under the BF16 bulk policy: every block receives the residual
+    stream in FP32 (the policy casts no block inputs), and the RoPE tables stay FP32 either way."""
+    f32, bf16 = torch.float32, torch.bfloat16
+
+    def residual_dtypes(residual_dtype):
+        config, cfg = tiny_config(residual_dtype=residual_dtype), ParallelConfig(param_dtype="bfloat16")
+        pm = parallelize(build_model(config, seed=0), cfg, build_mesh(cfg, "cpu", config.num_experts))
+        return dtypes_in_use(pm, make_batch())["block"]
+    assert in_process_group(residual_dtypes, "float32") == {(f32, f32)}
+    assert in_process_group(residual_dtypes, None) == {(bf16, f32)}
 
 
 def weight_dtypes_at_use(family: str, layout: dict) -> dict[str, set]:
