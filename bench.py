@@ -47,13 +47,14 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from attention import FULL, SLIDING, build_masks, resolve_backend
+from baselines import plain_eager_loss, transformers_loss, transformers_reference
 from config import OptimSection
 from model import Attention, Flint, FlintConfig, Head, Sinks, build_model, rope_tables
-from moe import GroupedExperts, MoE, Router, SwiGLU
+from moe import GroupedExperts, Router, SwiGLU
 from parallel import apply_compile
 from train import GPU_PEAK_TFLOPS, build_optimizer
 
-SECTIONS = ("main", "compiled", "baseline", "attention", "experts", "loss", "sweep")
+SECTIONS = ("main", "compiled", "baseline", "reference", "attention", "experts", "loss", "sweep")
 
 
 # ============================================================================= measuring
@@ -234,84 +235,7 @@ def profile_step(model: Flint, step: Callable[[], None], device: torch.device, t
     return split_step(prof.events(), step_seconds, device)
 
 
-# ============================================================================= the plain eager baseline
-
-def plain_eager_loss(model: Flint, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The widely used eager formulation of this architecture, over the same weights, to measure against.
-
-    What most eager ports do: attention repeats the KV heads, materialises the scores with an additive
-    mask, appends the sink column and soft-maxes; experts sort tokens by expert and run two grouped
-    GEMMs; the loss takes FP32 logits of every token at once. Written only from SPEC.md.
-    """
-    c = model.config
-    batch, seq_len = input_ids.shape
-    positions = torch.arange(seq_len, device=input_ids.device)
-    cos, sin = rope_tables(positions.expand(batch, seq_len), c.head_dim, c.rope_theta)
-    q_idx, k_idx = positions.view(-1, 1), positions.view(1, -1)
-    window = c.window or seq_len
-    allowed = {FULL: k_idx <= q_idx, SLIDING: (k_idx <= q_idx) & (q_idx - k_idx < window)}  # [T, T]
-    masks = {kind: torch.zeros(seq_len, seq_len, device=input_ids.device).masked_fill(~ok, float("-inf"))
-             for kind, ok in allowed.items()}
-    h = model.embed_tokens.weight[input_ids]  # [B, T, H]
-    for layer in model.layers.values():
-        attn_in = _rms_norm(h, layer.input_layernorm.weight, c.rms_norm_eps)
-        h = h + _eager_attention(layer.self_attn, attn_in, masks[layer.layer_type], cos, sin, c.rms_norm_eps)
-        mlp_in = _rms_norm(h, layer.post_attention_layernorm.weight, c.rms_norm_eps)
-        h = h + (_eager_moe(layer.mlp, mlp_in) if isinstance(layer.mlp, MoE) else _swiglu(layer.mlp, mlp_in))
-    logits = _rms_norm(h, model.norm.weight, c.rms_norm_eps).float() @ model.lm_head.weight.T  # [B, T, V]
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return (weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-def _eager_attention(attn: Attention, x, mask, cos, sin, eps) -> torch.Tensor:
-    batch, seq_len, _ = x.shape
-    heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-
-    def project(linear, n):  # [B, T, H] -> [B, n, T, D]
-        return linear(x).view(batch, seq_len, n, dim).transpose(1, 2)
-
-    q = _rms_norm(project(attn.q_proj, heads), attn.q_norm.weight, eps)
-    k = _rms_norm(project(attn.k_proj, kv_heads), attn.k_norm.weight, eps)
-    v = project(attn.v_proj, kv_heads)
-    if attn.layer_type == SLIDING:
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))  # [B, Hq, T, D]
-    scores = (q @ k.transpose(-1, -2)).float() * dim**-0.5 + mask  # [B, Hq, T, T]
-    sink = attn.sinks.weight.view(1, -1, 1, 1).expand(batch, heads, seq_len, 1)
-    scores = torch.cat([scores, sink], dim=-1)  # [B, Hq, T, T + 1]
-    scores = scores - scores.amax(dim=-1, keepdim=True)
-    probs = torch.softmax(scores, dim=-1)[..., :-1].to(v.dtype)  # the sink's value is zero
-    return attn.o_proj((probs @ v).transpose(1, 2).reshape(batch, seq_len, -1))
-
-
-def _swiglu(mlp: SwiGLU, x: torch.Tensor) -> torch.Tensor:
-    return mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
-
-
-def _eager_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
-    shape, x = x.shape, x.reshape(-1, x.shape[-1])  # [B, T, H] -> [N, H]
-    top_k, experts = moe.router.top_k, moe.experts
-    scores = torch.sigmoid(x.float() @ moe.router.weight.T)  # [N, E]
-    weights, chosen = torch.topk(scores, top_k, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
-    order = chosen.flatten().argsort()  # [N*k] assignments, grouped by expert
-    token = order // top_k
-    ends = torch.bincount(chosen.flatten(), minlength=experts.gate_up_proj.shape[0]).cumsum(0).to(torch.int32)
-    gate, up = torch._grouped_mm(x[token], experts.gate_up_proj, offs=ends).chunk(2, dim=-1)
-    out = torch._grouped_mm(F.silu(gate) * up, experts.down_proj, offs=ends)  # [N*k, H]
-    out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
-    routed = torch.zeros_like(x).index_add(0, token, out)
-    return (routed + _swiglu(moe.shared_expert, x)).view(shape)
-
+# ============================================================================= graph counts
 
 def compiled_graph_counts() -> dict[str, int]:
     """Graphs dynamo compiled and graph breaks it met since the counters were last cleared."""
@@ -359,6 +283,9 @@ class Bench:
         reset_peak_memory(self.device)
         try:
             timed = measure()
+        except ImportError as error:  # an optional row (transformers): shown as skipped
+            row["error"] = f"skipped: {error}"
+            print(f"  {name} skipped: {error}", flush=True)
         except Exception as error:  # reported in the table and the JSON, never dropped
             row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
             print(f"  {name} failed: {row['error']}", flush=True)
@@ -386,6 +313,17 @@ class Bench:
             if split_rows is not None:
                 timed["split"] = profile_step(model, step, self.device, split_rows)
             return timed
+        return self.measure_row(name, note, measure)
+
+    def reference(self, name: str, note: str) -> dict:
+        """Time training steps of transformers' FlintForCausalLM on this shape's weights (baselines.py);
+        a skipped row when transformers cannot be imported."""
+        def measure() -> dict:
+            model = transformers_reference(self.model())
+            step = training_step(model, *self.inputs(), transformers_loss)
+            seconds, warmup_seconds = time_calls(step, self.warmup, self.reps, self.device)
+            return {"step_s_all": seconds, "warmup_s": warmup_seconds,
+                    "flops_per_token": flops_per_token(self.config, self.seq_len)}
         return self.measure_row(name, note, measure)
 
     def forward(self, name: str, note: str, **overrides) -> dict:
@@ -480,6 +418,8 @@ def time_rows(bench: Bench, sections: set[str], profile_rows: int) -> None:
     if "baseline" in sections:
         bench.train("plain eager baseline", "scores + sink column + softmax, grouped GEMM, unchunked loss",
                     loss_fn=plain_eager_loss)
+    if "reference" in sections:
+        bench.reference("transformers reference", "FlintForCausalLM: eager attention, grouped_mm experts, all logits")
     if "attention" in sections:
         if device.type == "cpu":  # flex has no CPU backward: compare forwards
             bench.forward("attention sdpa (forward only)", "no autograd", attention_backend="sdpa")
@@ -546,7 +486,8 @@ def print_report(result: dict) -> None:
     print("-" * 120)
     for row in result["rows"]:
         if "error" in row:
-            print(f"{row['name']:<42} FAILED: {row['error']}")
+            status = "SKIPPED" if row["error"].startswith("skipped") else "FAILED"
+            print(f"{row['name']:<42} {status}: {row['error'].removeprefix('skipped: ')}")
             continue
         print(f"{row['name']:<42} {row['step_s']:>7.3f} {row['tokens_per_s']:>9.0f} {100 * row['mfu']:>6.2f} "
               f"{row['peak_memory_gib']:>8.2f} {row['warmup_s']:>9.1f} {row['matmul_flops'] / 1e12:>10.3f}  {row['note']}")
@@ -561,6 +502,9 @@ def print_report(result: dict) -> None:
     for name in ("flint (eager)", "flint (compiled per block)"):
         if baseline and name in rows:
             print(f"{name} vs plain eager baseline: {rows[name]['tokens_per_s'] / baseline['tokens_per_s']:.2f}x tokens/s")
+    reference = rows.get("transformers reference")
+    if reference and main:
+        print(f"flint (eager) vs transformers reference: {main['tokens_per_s'] / reference['tokens_per_s']:.2f}x tokens/s")
     compiled = rows.get("flint (compiled per block)")
     if compiled:
         print(f"flint (compiled per block): {compiled['graphs']} graphs, {compiled['graph_breaks']} graph breaks, "

@@ -339,7 +339,8 @@ def apply_activation_checkpointing(model: Flint, mode: str) -> None:
 
 
 def apply_compile(model: Flint, fullgraph: bool = True) -> None:
-    """Compile each block in place (names unchanged). Errors are raised, never hidden by eager.
+    """Compile each block and the head with its chunked loss in place (names unchanged). Errors
+    are raised, never hidden by eager.
 
     fullgraph=True makes any graph break an error: each block is one graph. parallelize asks for
     it whenever the block holds no other distributed code. The known breaks otherwise: each FP32
@@ -348,6 +349,8 @@ def apply_compile(model: Flint, fullgraph: bool = True) -> None:
     torch._dynamo.config.suppress_errors = False
     for layer in model.layers.values():
         layer.compile(fullgraph=fullgraph)
+    if model.lm_head is not None:  # None on pipeline stages other than the last
+        model.lm_head.compile(fullgraph=fullgraph)
 
 
 def apply_fsdp(model: Flint, mesh: DeviceMesh, param_dtype: torch.dtype, reshard: bool) -> None:
@@ -457,8 +460,9 @@ def init_weights(pm: "ParallelModel", device: torch.device, seed: int | None) ->
 def uncompile(pm: "ParallelModel") -> None:
     """Back to the eager blocks after a compile failure (the caller says so, loudly)."""
     for part in pm.parts:
-        for layer in part.layers.values():
-            layer._compiled_call_impl = None
+        for module in [*part.layers.values(), part.lm_head]:
+            if module is not None:
+                module._compiled_call_impl = None
 
 
 # ============================================================================= the training surface

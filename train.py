@@ -294,7 +294,7 @@ def check_compiled(model: ParallelModel, example: dict[str, torch.Tensor], run: 
               file=sys.stderr, flush=True)
     else:
         breaks = sum(counters["graph_break"].values())
-        run.print(f"compiled {len(model.config.layer_types)} decoder blocks in {time.perf_counter() - start:.1f} s: "
+        run.print(f"compiled the decoder blocks and the head in {time.perf_counter() - start:.1f} s: "
                   f"{counters['stats']['unique_graphs']} graphs, {breaks} graph breaks")
     model.module.zero_grad(set_to_none=True)
 

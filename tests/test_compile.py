@@ -111,6 +111,25 @@ def test_bf16_block_tracks_fp32(one_thread):
     torch.testing.assert_close(out16_c, out16, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("chunk_size", [4096, 24])
+def test_head_and_chunked_loss_compile_to_one_graph(chunk_size, one_thread):
+    """The head's loss in one chunk, and in chunks recomputed in backward (activation checkpoints
+    inside the graph), with ignored targets: one graph, equal values and gradients."""
+    model = block_model(loss_chunk_size=chunk_size)
+    head = model.lm_head
+    h = torch.randn(BATCH, SEQ, model.config.hidden_size, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+    targets = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    targets[:, -5:] = -100
+    torch._dynamo.reset()
+    compiled = torch.compile(head, fullgraph=True, backend="aot_eager")
+    results = []
+    for module in (head, compiled):
+        loss = module(h, targets)
+        results.append((loss, torch.autograd.grad(loss, [h, head.weight])))
+    assert_same(*results, f"head, chunks of {chunk_size}")
+
+
 def test_router_counts_are_recorded_inside_the_graph(one_thread):
     """The router's tokens_per_expert buffer update survives compilation (a buffer mutation in
     the graph, no bincount): the compiled block leaves the same counts as the eager one."""

@@ -509,6 +509,7 @@ def test_compiled_blocks_match_eager(backend, monkeypatch):
             loss = pm.forward_backward(*batch)
             compiled = [layer._compiled_call_impl is not None for layer in pm.module.layers.values()]
             assert compiled == [compile] * 2 and bool(torch._dynamo.utils.counters["stats"]["unique_graphs"]) == compile
+            assert (pm.module.lm_head._compiled_call_impl is not None) == compile
             results.append((loss, {n: p.grad for n, p in pm.module.named_parameters()}))
     finally:
         dist.destroy_process_group()
