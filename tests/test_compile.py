@@ -130,6 +130,31 @@ def test_head_and_chunked_loss_compile_to_one_graph(chunk_size, one_thread):
     assert_same(*results, f"head, chunks of {chunk_size}")
 
 
+@pytest.mark.skipif(not SLOW, reason="about a minute of tracing on 2 idle cores: FLINT_SLOW=1")
+def test_large4_blocks_compile_to_one_graph_each(one_thread):
+    """Every Mistral Large 4 block kind of the parity preset (dense and MoE; own and shared
+    indexer; own and shared KV latent; NoPE), each compiled with fullgraph=True inside the whole
+    model, with a sparse selection (index_topk 8 < 32 tokens): loss and gradients equal eager."""
+    from large4 import Large4Config, build_large4
+    model = build_large4(Large4Config.from_name("large4-parity"), seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    for compiled in (False, True):
+        if compiled:
+            torch._dynamo.reset()
+            for layer in model.layers.values():
+                layer.compile(fullgraph=True, backend="aot_eager")
+        loss = model(ids, ids.roll(-1, 1))
+        results.append((loss, torch.autograd.grad(loss, params, allow_unused=True)))
+    (loss, grads), (loss_c, grads_c) = results
+    torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=1e-6)
+    for g, g_c in zip(grads, grads_c):
+        assert (g is None) == (g_c is None)
+        if g is not None:
+            torch.testing.assert_close(g_c, g, rtol=1e-4, atol=1e-6)
+
+
 def test_router_counts_are_recorded_inside_the_graph(one_thread):
     """The router's tokens_per_expert buffer update survives compilation (a buffer mutation in
     the graph, no bincount): the compiled block leaves the same counts as the eager one."""
