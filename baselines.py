@@ -111,7 +111,8 @@ def transformers_reference(model: Flint) -> nn.Module:
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "hf"
         save_hf(model, path)
-        reference = FlintForCausalLM.from_pretrained(path, attn_implementation="eager", experts_implementation="grouped_mm",
+        reference = FlintForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                                     experts_implementation="grouped_mm",
                                                      dtype=model.embed_tokens.weight.dtype)
     return reference.to(model.embed_tokens.weight.device).train()
 

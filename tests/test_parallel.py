@@ -281,9 +281,8 @@ def in_process_group(fn, *args):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("unit", ["Sinks", "Router"])
-def test_fp32_unit_check_fails_when_a_unit_gets_the_bulk_policy(unit, monkeypatch):
-    """The Flint check above can fail: shard one kind of FP32 unit with the bulk policy instead."""
+def shard_with_the_bulk_policy(unit: str, monkeypatch) -> None:
+    """Make parallel.py shard the FP32 unit holding a module of class `unit` with a BF16 policy."""
     import parallel
     from torch.distributed.fsdp import MixedPrecisionPolicy
     real_fully_shard = parallel.fully_shard
@@ -293,6 +292,12 @@ def test_fp32_unit_check_fails_when_a_unit_gets_the_bulk_policy(unit, monkeypatc
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return real_fully_shard(module, **kwargs)
     monkeypatch.setattr(parallel, "fully_shard", bulk_for_unit)
+
+
+@pytest.mark.parametrize("unit", ["Sinks", "Router"])
+def test_fp32_unit_check_fails_when_a_unit_gets_the_bulk_policy(unit, monkeypatch):
+    """The Flint check above can fail: shard one kind of FP32 unit with the bulk policy instead."""
+    shard_with_the_bulk_policy(unit, monkeypatch)
     with pytest.raises(AssertionError, match=f"dtypes at use differ .*'{unit.lower()}': "):
         in_process_group(check_fp32_units_under_bf16, {"param_dtype": "bfloat16"})
 
@@ -357,15 +362,7 @@ def test_large4_fp32_units_under_bf16_policy():
 @pytest.mark.parametrize("unit", ["Router", "FP32LayerNorm", "LeRoPE", "Head"])
 def test_large4_fp32_unit_check_fails_under_the_bulk_policy(unit, monkeypatch):
     """The check above can fail: the FP32 unit holding a `unit` module is sharded with the bulk policy."""
-    import parallel
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    real_fully_shard = parallel.fully_shard
-
-    def bulk_for_unit(module, **kwargs):
-        if any(type(m).__name__ == unit for m in (module if isinstance(module, list) else [module])):
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        return real_fully_shard(module, **kwargs)
-    monkeypatch.setattr(parallel, "fully_shard", bulk_for_unit)
+    shard_with_the_bulk_policy(unit, monkeypatch)
     with pytest.raises(AssertionError, match="^fp32: "):
         in_process_group(check_large4_fp32_units, {"param_dtype": "bfloat16"})
 
