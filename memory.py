@@ -2,9 +2,11 @@
 
     python memory.py --config configs/flint-8gpu.toml --gpus 8
     python memory.py --config configs/large4.toml --gpus 256 --model.init_from=PATH
+    python memory.py --config configs/large4-256gpu.toml --gpus 256
 
-prints GiB per GPU (FP32 master weights, gradients, AdamW moments, the BF16 blocks FSDP gathers, and
-activations) for the config's own layout and, with --gpus, the usual alternatives.
+prints GiB per GPU (FP32 master weights, FP32 gradients and AdamW moments of the trainable parameters,
+the BF16 blocks FSDP gathers, and activations) for the config's own layout and, with --gpus, the usual
+alternatives, marking which fit 141 GB and 80 GB GPUs.
 """
 
 from __future__ import annotations
@@ -20,13 +22,24 @@ from models import ModelConfig, model_class
 from parallel import MESH_DIMS, STAGE_AWARE, ParallelConfig, pipeline_stage
 
 GIB = 2 ** 30
+# The GPUs the table marks, by usable memory (nvidia-smi: 143,771 MiB on an H200, 81,559 MiB on an
+# H100 80GB), and what the estimate leaves out: allocator slack, NCCL buffers, the CUDA context.
+GPU_GIB = {"141GB": 140.4, "80GB": 79.6}
+OVERHEAD_GIB = 10.0
 
 
 def _meta_model(config: ModelConfig) -> torch.nn.Module:
-    """The model on the meta device, in its stage-aware form where it has one (parallel.py)."""
-    cls = model_class(config)
-    with torch.device("meta"):
-        return STAGE_AWARE.get(cls, cls)(config)
+    """The model on the meta device, in its stage-aware form where it has one (parallel.py); built
+    once per config (the released Large 4 takes seconds even on meta)."""
+    key = repr(config)  # configs are mutable dataclasses, so not hashable
+    if key not in _META_MODELS:
+        cls = model_class(config)
+        with torch.device("meta"):
+            _META_MODELS[key] = STAGE_AWARE.get(cls, cls)(config)
+    return _META_MODELS[key]
+
+
+_META_MODELS: dict[str, torch.nn.Module] = {}
 
 
 def _stage_params(config: ModelConfig, pp: int) -> list[tuple[int, int, int]]:
@@ -81,19 +94,24 @@ def candidate_layouts(gpus: int, num_experts: int, pipelines: bool = True) -> li
     layouts += [ParallelConfig(dp_shard=gpus // pp, pp=pp) for pp in (2, 4) if pipelines and gpus % pp == 0 and gpus > pp]
     if gpus > 8 and gpus % 8 == 0:
         layouts += [ParallelConfig(dp_replicate=gpus // 8, dp_shard=8 // ep, ep=ep) for ep in (1, 8)]
+    if gpus >= 32 and gpus % 16 == 0 and num_experts % 8 == 0:  # 2 replicas, each sharded over half the GPUs
+        layouts.append(ParallelConfig(dp_replicate=2, dp_shard=gpus // 16, ep=8))
     return layouts
 
 
 def memory_table(config: ModelConfig, layouts: list[ParallelConfig], seq_len: int, batch_size: int) -> str:
     names = ("params", "grads", "optimizer", "gathered", "activations", "total")
+    fits = [f"fits {gpu}" for gpu in GPU_GIB]
     lines = [f"Memory per GPU (GiB, estimate) for seq_len {seq_len}, batch_size {batch_size} rows per "
-             f"data-parallel rank, {config.num_hidden_layers} layers, {config.num_experts} experts",
-             "| layout | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+             f"data-parallel rank, {config.num_hidden_layers} layers, {config.num_experts} experts; a layout "
+             f"fits a GPU if total + {OVERHEAD_GIB:.0f} GiB (slack, buffers) <= its usable memory",
+             "| layout | " + " | ".join(names + tuple(fits)) + " |", "|---" * (len(names) + len(fits) + 1) + "|"]
     for cfg in layouts:
         layout = " ".join(f"{d}={getattr(cfg, d)}" for d in MESH_DIMS if getattr(cfg, d) > 1)
         layout += f" ac={cfg.activation_checkpointing}"
         row = memory_per_gpu(config, cfg, seq_len, batch_size)
-        lines.append(f"| {layout} | " + " | ".join(f"{row[n]:.1f}" for n in names) + " |")
+        marks = ["yes" if row["total"] + OVERHEAD_GIB <= usable else "NO" for usable in GPU_GIB.values()]
+        lines.append(f"| {layout} | " + " | ".join([f"{row[n]:.1f}" for n in names] + marks) + " |")
     return "\n".join(lines)
 
 

@@ -4,6 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from memory import GIB, memory_per_gpu, memory_table
 from model import FlintConfig, build_model
 from parallel import ParallelConfig
@@ -31,3 +34,51 @@ def test_command_prints_the_released_layouts():
     out = subprocess.run([sys.executable, "memory.py", "--config", "configs/flint-8gpu.toml", "--gpus", "8"],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "| ep=8 ac=full |" in out and "| dp_shard=8 ac=none |" in out
+
+
+def test_large4_released_layouts_and_what_fits():
+    """configs/large4-256gpu.toml: 16 B per trainable parameter and 4 per frozen (indexer) one over 256
+    GPUs (LARGE4.md section 6.1: 16.78 TB), and the fit marks for 141 GB and 80 GB GPUs."""
+    from config import load_config
+    cfg = load_config(ROOT / "configs" / "large4-256gpu.toml")
+    config, layout = cfg.model_config, cfg.parallel.resolve(256, 128)
+    assert (layout.dp_shard, layout.ep, layout.activation_checkpointing) == (32, 8, "full")
+    row = memory_per_gpu(config, layout, cfg.data.seq_len, cfg.training.batch_size)
+    states = (row["params"] + row["grads"] + row["optimizer"]) * GIB * 256
+    assert abs(states / 16.78e12 - 1) < 0.005, states
+    table = memory_table(config, [layout, ParallelConfig(dp_shard=256).resolve(256, 128)], cfg.data.seq_len,
+                         cfg.training.batch_size).splitlines()
+    assert table[1].endswith("| total | fits 141GB | fits 80GB |")
+    assert table[3].startswith("| dp_shard=32 ep=8 ac=full |") and table[3].endswith("| yes | NO |")
+    assert table[4].startswith("| dp_shard=256 ac=none |") and table[4].endswith("| NO | NO |")
+
+
+@pytest.mark.parametrize("index_topk", [128, 32])
+def test_large4_activation_model_within_20_percent_of_measured(index_topk):
+    """The per-block activation model (memory.py, large4.block_activation_bytes) against the bytes the
+    autograd graph of a tiny BF16 Large 4 really saves for backward (its 8 blocks, 4 x 128 tokens;
+    dense selection, then a sparse one), counted once per storage, parameters excluded."""
+    from attention import FULL, dense_mask, layer_mask_mod
+    from large4 import Large4Config, build_large4
+    from memory import _activation_bytes_per_token
+    config = Large4Config.from_name("large4-tiny", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                                    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
+                                    n_routed_experts=8, index_head_dim=32, index_topk=index_topk,
+                                    attention_backend="sdpa")  # the CPU's path, dense FP32 score rows
+    batch, seq_len = 4, 128
+    model = build_large4(config, dtype=torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(seq_len).expand(batch, seq_len)
+    allowed = dense_mask(layer_mask_mod(FULL, None, None), batch, seq_len, seq_len, ids.device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.run_layers(model.embed_tokens(ids), positions, allowed)
+    estimate = _activation_bytes_per_token(config, config.num_hidden_layers, "none", seq_len) * batch * seq_len
+    assert 0.8 < estimate / sum(saved.values()) < 1.2, (estimate, sum(saved.values()))

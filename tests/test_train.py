@@ -25,6 +25,7 @@ DEBUG = str(ROOT / "configs" / "debug.toml")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+slow = pytest.mark.skipif(os.environ.get("FLINT_SLOW") != "1", reason="multi-process Large 4 runs: FLINT_SLOW=1")
 
 
 def debug_args(tmp_path: Path, *overrides: str) -> list[str]:
@@ -46,11 +47,16 @@ def _torchrun_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
     train.main(argv)
 
 
-def run_debug_two_processes(tmp_path: Path, *overrides: str) -> None:
+def run_two_processes(argv: list[str]) -> None:
+    """train.main(argv) in 2 processes, as `torchrun --nproc-per-node 2` would start it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_torchrun_worker, args=(2, port, debug_args(tmp_path, *overrides)), nprocs=2)
+    mp.spawn(_torchrun_worker, args=(2, port, argv), nprocs=2)
+
+
+def run_debug_two_processes(tmp_path: Path, *overrides: str) -> None:
+    run_two_processes(debug_args(tmp_path, *overrides))
 
 
 def records(tmp_path: Path) -> list[dict]:
@@ -317,3 +323,26 @@ def test_choices_that_fail_on_the_cpu_stop_before_the_run_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"command line --model.attention_backend: .*\"flex\" cannot train on the CPU"):
         run_debug(tmp_path, "--model.attention_backend=flex", "--training.device=cpu")
     assert not (tmp_path / "ckpt").exists()
+
+
+@slow
+def test_large4_two_processes_match_one_resume_in_one_and_export(tmp_path):
+    """Large 4 through train.py, global batch of 8 rows: one process with 2 micro-batches of 4, then
+    FSDP 2 and EP 2 with 4 rows per rank. The losses agree; the FSDP run's checkpoint resumes in one
+    process; its Hugging Face export (written from the sharded run) holds the one-process run's tensors."""
+    common = ["--training.steps=4", "--logging.every=1", "--checkpoint.every=2"]
+    one, fsdp, ep, resumed = (tmp_path / name for name in ("one", "fsdp", "ep", "resumed"))
+    train.main(large4_args(one, *common, "--training.grad_accum=2", f"--checkpoint.export_hf={one / 'hf'}"))
+    expected = train_losses(one)
+    assert expected[4] < expected[1]
+    run_two_processes(large4_args(fsdp, *common, "--parallel.dp_shard=2", f"--checkpoint.export_hf={fsdp / 'hf'}"))
+    assert_same_losses(train_losses(fsdp), expected, "Large 4, FSDP 2")
+    run_two_processes(large4_args(ep, *common, "--parallel.ep=2", "--parallel.dp_shard=1"))
+    assert_same_losses(train_losses(ep), expected, "Large 4, EP 2")
+    train.main(large4_args(resumed, *common, "--training.grad_accum=2",
+                           f"--checkpoint.resume={fsdp / 'ckpt' / 'step_00000002'}"))
+    assert_same_losses(train_losses(resumed), {s: expected[s] for s in (3, 4)}, "Large 4, FSDP 2 resumed in 1")
+    reference, sharded = exported_tensors(one / "hf"), exported_tensors(fsdp / "hf")
+    assert sorted(sharded) == sorted(reference) and any(".indexer." in name for name in reference)
+    for name, tensor in reference.items():  # tolerances as for Flint's export above
+        torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
