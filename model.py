@@ -15,7 +15,7 @@ import math
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -513,11 +513,22 @@ class Flint(nn.Module):
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 eos_token_id: int | None = None) -> torch.Tensor:
-        """Extend prompt [B, T] by up to max_new_tokens with a KV cache -> [B, T + n].
+                 eos_token_id: int | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """Extend prompt [B, T] by up to max_new_tokens with a KV cache -> [B, T + n] (see `stream`)."""
+        new = list(self.stream(prompt, max_new_tokens, temperature, top_k, generator, eos_token_id, allowed))
+        return torch.cat([prompt, *new], dim=1)
+
+    @torch.no_grad()
+    def stream(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+               top_k: int | None = None, generator: torch.Generator | None = None,
+               eos_token_id: int | None = None, allowed: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+        """Yield each next token [B, 1] as it is chosen, up to max_new_tokens, stopping once every
+        row has produced eos_token_id.
 
         temperature 0 is greedy; otherwise sample from softmax(logits / temperature), optionally
-        restricted to the top_k tokens. Sliding layers cache only the last `window - 1` keys.
+        restricted to the top_k tokens. allowed (bool [V]): the only ids that may be chosen, for a
+        vocabulary padded beyond what the tokenizer can decode. Sliding layers cache only the last
+        `window - 1` keys.
         """
         self._check_inputs(prompt, None, None, None)
         limit = self.config.max_position_embeddings
@@ -526,16 +537,18 @@ class Flint(nn.Module):
                              f"max_position_embeddings ({prompt.shape[1]} + {max_new_tokens!r} > {limit})")
         caches = {name: KVCache(self.config.window if layer.layer_type == SLIDING else None)
                   for name, layer in self.layers.items()}
-        tokens, step_input, start = prompt, prompt, 0
+        step_input, start = prompt, 0
+        finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
         for _ in range(max_new_tokens):
             logits = self.decode_step(step_input, caches, start)  # [B, V] for the last position
             start += step_input.shape[1]
-            next_token = sample(logits, temperature, top_k, generator)  # [B, 1]
-            tokens = torch.cat([tokens, next_token], dim=1)
+            next_token = sample(logits, temperature, top_k, generator, allowed)  # [B, 1]
+            yield next_token
             step_input = next_token
-            if eos_token_id is not None and bool((next_token == eos_token_id).all()):
-                break
-        return tokens
+            if eos_token_id is not None:
+                finished |= next_token[:, 0] == eos_token_id
+                if bool(finished.all()):
+                    return
 
     def decode_step(self, input_ids: torch.Tensor, caches: dict[str, KVCache], start: int) -> torch.Tensor:
         """Run new tokens [B, t] at positions start.. through the cached layers -> last logits [B, V]."""
@@ -621,9 +634,12 @@ def check_sampling(temperature: float, top_k: int | None) -> None:
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [B, V] -> next tokens [B, 1]: greedy at temperature 0, else top-k sampling."""
+           generator: torch.Generator | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] -> next tokens [B, 1]: greedy at temperature 0, else top-k sampling; only ids
+    where allowed (bool [V]) is true, when given."""
     check_sampling(temperature, top_k)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature

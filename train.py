@@ -406,11 +406,20 @@ SAMPLE_MAX_PARAMS = 1_000_000_000
 
 
 def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, logger: "MetricsLogger") -> dict:
-    """A sample and the Hugging Face export when asked, made by rank 0 from the final checkpoint,
-    whatever layout (sharded, expert- or pipeline-split) trained it. The export streams one tensor
-    at a time; the sample needs the whole model in one process, so large models skip it."""
+    """The Hugging Face export and a text sample when asked, made by rank 0 from the final
+    checkpoint, whatever layout (sharded, expert- or pipeline-split) trained it. The export streams
+    one tensor at a time and comes first; the sample needs the whole model in one process, so
+    large models skip it, and a failing sample is reported without failing the run."""
     t, export = cfg.training, cfg.checkpoint.export_hf
     with main_rank_works(run):
+        if run.is_main and export:
+            from convert import NativeDir, export_published, published_extras
+            dtype = getattr(torch, cfg.checkpoint.export_dtype) if cfg.checkpoint.export_dtype else None
+            config = config_from_hf(checkpoint / "config.json")
+            # Training keeps no vision tower or draft head: the export copies them from the init_from source.
+            extras = published_extras(cfg.model.init_from, config) if cfg.model.init_from else None
+            export_published(NativeDir(checkpoint), config, export, dtype, extras=extras)
+            run.print(f"exported the model in Hugging Face format to {export}")
         if run.is_main and t.sample_tokens:
             with torch.device("meta"):
                 saved = config_from_hf(checkpoint / "config.json")
@@ -420,28 +429,27 @@ def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, l
                           f"is {SAMPLE_MAX_PARAMS / 1e9:.0f}B); export with checkpoint.export_hf and sample "
                           f"from the export in an inference engine")
             else:
-                logger.summary["sample"] = sample_text(checkpoint, tokenizer, t)
-                run.print(f"sample ({t.sample_tokens} tokens, temperature {t.sample_temperature}):\n"
-                          f"{logger.summary['sample']}")
-        if run.is_main and export:
-            from convert import NativeDir, export_published, published_extras
-            dtype = getattr(torch, cfg.checkpoint.export_dtype) if cfg.checkpoint.export_dtype else None
-            config = config_from_hf(checkpoint / "config.json")
-            # Training keeps no vision tower or draft head: the export copies them from the init_from source.
-            extras = published_extras(cfg.model.init_from, config) if cfg.model.init_from else None
-            export_published(NativeDir(checkpoint), config, export, dtype, extras=extras)
-            run.print(f"exported the model in Hugging Face format to {export}")
+                draw_sample(checkpoint, tokenizer, t, logger, run)
     return logger.summary
 
 
-def sample_text(checkpoint: Path, tokenizer: Tokenizer, t: TrainingSection) -> str:
-    from convert import load_native
-    model = load_native(checkpoint, dtype=torch.float32)
-    prompt = tokenizer.encoding.encode_ordinary(t.sample_prompt) or [tokenizer.eos_id]
-    generator = torch.Generator().manual_seed(t.seed)
-    tokens = model.generate(torch.tensor([prompt]), t.sample_tokens, t.sample_temperature, None, generator,
-                            tokenizer.eos_id)
-    return tokenizer.decode(tokens[0].tolist())
+def draw_sample(checkpoint: Path, tokenizer: Tokenizer, t: TrainingSection, logger: "MetricsLogger",
+                run: Run) -> None:
+    """sample.py's generation from the final checkpoint, printed as it comes."""
+    from sample import generate_text, load_model as load_for_sampling
+    run.print(f"sample ({t.sample_tokens} tokens, temperature {t.sample_temperature}; more with "
+              f"python3 sample.py --checkpoint {checkpoint}):")
+    try:
+        model = load_for_sampling(checkpoint)
+        print(t.sample_prompt, end="", flush=True)
+        text = generate_text(model, tokenizer, t.sample_prompt, t.sample_tokens, t.sample_temperature, None,
+                             torch.Generator().manual_seed(t.seed), on_text=lambda s: print(s, end="", flush=True))
+    except Exception as error:  # the checkpoint and export are already written: report, never lose them
+        print(f"\nWARNING: the sample failed ({type(error).__name__}: {error}); the checkpoint {checkpoint} "
+              f"is complete", file=sys.stderr, flush=True)
+        return
+    print(flush=True)
+    logger.summary["sample"] = t.sample_prompt + text
 
 
 # ============================================================================= what a person sees
