@@ -28,7 +28,7 @@ from parallel import ParallelConfig, unsupported_layout
 
 MODEL_SOURCES = ("preset", "hf_config", "init_from")
 # What [model] may change about an init_from checkpoint: training choices, not the architecture.
-INIT_FROM_SETTINGS = ("router_aux_loss_coef", "attention_backend")
+INIT_FROM_SETTINGS = ("router_aux_loss_coef", "output_router_logits", "attention_backend")
 
 
 class ConfigError(ValueError):
@@ -343,17 +343,14 @@ def check_paths(cfg: TrainConfig) -> None:
 
 
 def check_router_aux_loss(cfg: TrainConfig) -> None:
-    """No load-balancing objective of ours exists yet, so the coefficient must be exactly 0.0."""
-    coef = getattr(cfg.model_config, "router_aux_loss_coef", 0.0)  # Large 4 has no such field
-    if coef == 0.0:
-        return
-    if "router_aux_loss_coef" in cfg.model.overrides:
-        raise ConfigError(f"{cfg.where('model.router_aux_loss_coef')}: [model].router_aux_loss_coef must be 0.0: "
-                          f"this trainer has no load-balancing objective, got {coef!r}")
-    came_from = (f"preset {cfg.model.preset!r}" if cfg.model.preset
-                 else f"{cfg.model.hf_config or cfg.model.init_from} config.json")
-    raise ConfigError(f"{cfg.source}: the {came_from} carries router_aux_loss_coef = {coef} (the released "
-                      f"checkpoint's value; its balancing objective is not published). This trainer has no "
-                      f"load-balancing objective: set [model].router_aux_loss_coef = 0.0 explicitly to train "
-                      f"without one")
-
+    """The load-balancing term (output_router_logits) needs every MoE layer's logits of the whole
+    micro-batch in one place: one pipeline stage and no context split."""
+    p = cfg.parallel
+    coef = getattr(cfg.model_config, "router_aux_loss_coef", 0.0)  # Flint fields; Large 4 has neither
+    if coef < 0:
+        raise ConfigError(f"{cfg.where('model.router_aux_loss_coef')}: [model].router_aux_loss_coef must be >= 0, "
+                          f"got {coef!r}")
+    if getattr(cfg.model_config, "output_router_logits", False) and (p.pp > 1 or p.cp > 1):
+        key = "parallel.pp" if p.pp > 1 else "parallel.cp"
+        raise ConfigError(f"{cfg.where(key)}: [model].output_router_logits = true (the load-balancing loss) "
+                          f"works with [parallel].pp = 1 and cp = 1 only, got pp = {p.pp}, cp = {p.cp}")

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from attention import (BACKENDS, FULL, LAYER_TYPES, SLIDING, KVCache, build_masks, resolve_backend,
                        sink_attention)
-from moe import EXPERT_BACKENDS, MoE, SwiGLU
+from moe import EXPERT_BACKENDS, MoE, Router, SwiGLU, load_balancing_loss
 
 
 # ============================================================================= configuration
@@ -432,6 +432,25 @@ class Flint(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = Head(config.hidden_size, config.vocab_size, config.loss_chunk_size)
+        for router in self.routers():
+            router.keep_logits = config.output_router_logits
+
+    def routers(self) -> list[Router]:
+        """The routers of the MoE layers this module holds (a pipeline stage holds some layers)."""
+        return [layer.mlp.router for layer in self.layers.values() if isinstance(layer.mlp, MoE)]
+
+    def router_loss(self, doc_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """With output_router_logits, router_aux_loss_coef x the load-balancing term over the MoE
+        layers of this forward, padding (doc_ids < 0) left out: what the published reference adds
+        to its loss. Without it (the released default), None: the loss is the cross-entropy alone."""
+        routers = self.routers()
+        if not self.config.output_router_logits or not routers:
+            return None
+        mask = None if doc_ids is None else doc_ids >= 0
+        balance = load_balancing_loss([router.logits for router in routers], self.config.num_experts_per_tok, mask)
+        for router in routers:
+            router.logits = None  # the loss holds what backward needs
+        return self.config.router_aux_loss_coef * balance
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -483,7 +502,9 @@ class Flint(nn.Module):
         h = self.embed(input_ids)
         for layer in self.layers.values():
             h = layer(h, rope, masks)
-        return self.lm_head(self.norm(h.float()), targets)
+        loss = self.lm_head(self.norm(h.float()), targets)
+        router_loss = self.router_loss(doc_ids) if targets is not None else None
+        return loss if router_loss is None else loss + router_loss
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)

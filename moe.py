@@ -49,7 +49,9 @@ class Router(nn.Module):
     chosen k (+1e-20 in the denominator, as its reference does) and multiplies by `scaling`.
 
     It also records how many tokens each expert received in its last forward, as a buffer, so the
-    trainer can read routing statistics without a host sync per layer.
+    trainer can read routing statistics without a host sync per layer. With keep_logits set (the
+    model's output_router_logits), its last logits stay in `logits` for the load-balancing loss,
+    which the model computes once all layers have run (see `load_balancing_loss`).
     """
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool,
@@ -59,12 +61,16 @@ class Router(nn.Module):
             raise ValueError(f"router score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.score_function, self.scaling = score_function, scaling
+        self.keep_logits = False
+        self.logits: torch.Tensor | None = None
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> FP32 weights [N, k] and expert indices [N, k]."""
         logits = x.float() @ self.weight.float().T  # [N, E]
+        if self.keep_logits:
+            self.logits = logits
         if self.score_function == "softmax":
             weights, indices = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
@@ -76,6 +82,33 @@ class Router(nn.Module):
             # copy, not add: activation recompute stays exact
             self.tokens_per_expert.copy_(expert_counts(indices, self.weight.shape[0]))
         return weights, indices
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The Switch Transformer balancing term as the published reference (transformers'
+    FlintForCausalLM, `load_balancing_loss_func`) computes it, over all MoE layers of one batch.
+
+    router_logits: each MoE layer's [N, E] router logits (before the sigmoid); mask [N] (or [B, T]):
+    true for real tokens, false for padding, which then counts for nothing. Per layer, the softmax
+    of the logits gives each token's probabilities and its top-k experts; both are summed over the
+    real tokens and the layers, then divided by (real tokens x layers):
+        f_e = share of top-k assignments to expert e (sums to k),  P_e = mean probability of e
+        loss = E * sum_e f_e * P_e
+    Only P carries a gradient (to the router weights and the layer inputs). Balanced routing gives
+    k; all tokens on the same k experts give about E.
+    """
+    num_experts = router_logits[0].shape[-1]
+    rows = torch.ones(router_logits[0].shape[0], device=router_logits[0].device) if mask is None \
+        else mask.reshape(-1).to(router_logits[0].device, torch.float32)  # [N]: 1 real, 0 padding
+    assignments = torch.zeros(num_experts, device=rows.device)
+    probabilities = torch.zeros(num_experts, device=rows.device)
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)  # [N, E]
+        chosen = torch.topk(probs, top_k, dim=-1).indices  # [N, k]
+        assignments = assignments.scatter_add(0, chosen.flatten(), rows.repeat_interleave(top_k))
+        probabilities = probabilities + (probs * rows.unsqueeze(-1)).sum(dim=0)
+    total = rows.sum() * len(router_logits)
+    return num_experts * torch.sum(assignments / total * probabilities / total)
 
 
 # torch 2.13's _grouped_mm has a meta (shape) kernel for BF16 only, so the compiler cannot trace an

@@ -201,8 +201,9 @@ class ParallelFlint(Flint):
         if targets is None:
             return self.lm_head(h)
         loss = self.lm_head(h, targets[:, mine])
-        if cp == 1:
-            return loss
+        if cp == 1:  # config.py refuses the router loss with cp or pp: it needs every layer's whole batch
+            router_loss = self.router_loss(doc_ids)
+            return loss if router_loss is None else loss + router_loss
         # The head averaged this rank's tokens; rescale so the mean over the cp ranks is the mean
         # over all tokens of the sequence (every cp rank holds all targets: no communication).
         local_tokens = (targets[:, mine] != -100).sum()

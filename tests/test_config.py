@@ -42,17 +42,17 @@ def test_every_config_file_loads_and_its_layout_fits(tmp_path):
 
 def test_repository_configs_load():
     smoke = load_config(CONFIGS / "smoke.toml")
-    assert smoke.model_config.vocab_size >= 257 and smoke.model_config.router_aux_loss_coef == 0.0
+    assert smoke.model_config.vocab_size >= 257
     assert load_config(CONFIGS / "debug.toml").training.steps > 0
     flint = load_config(CONFIGS / "flint.toml")
-    assert flint.model_config.to_hf_config() == FlintConfig(router_aux_loss_coef=0.0).to_hf_config()
+    assert flint.model_config.to_hf_config() == FlintConfig(output_router_logits=True).to_hf_config()
 
 
 def test_finetune_config_takes_its_architecture_from_the_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(FlintConfig.from_name("tiny", router_aux_loss_coef=0.0005)
                                                      .to_hf_config()))
     cfg = load_config(CONFIGS / "finetune.toml", [f"--model.init_from={tmp_path}"])
-    assert cfg.model_config.hidden_size == 64 and cfg.model_config.router_aux_loss_coef == 0.0
+    assert cfg.model_config.hidden_size == 64 and cfg.model_config.router_aux_loss_coef == 0.0005
     with pytest.raises(ConfigError, match=r"\[model\].hidden_size = 128 cannot be set with init_from.*says 64"):
         load_config(CONFIGS / "finetune.toml", [f"--model.init_from={tmp_path}", "--model.hidden_size=128"])
 
@@ -88,9 +88,9 @@ def test_overrides_are_typed_toml_values(tmp_path):
     ('[model]\n', [], r"\[model\] needs exactly one of preset, hf_config, init_from"),
     ('[model]\npreset = "tiny"\nhf_config = "x"\n', [], r"needs exactly one"),
     ('[model]\nhf_config = "missing/config.json"\n', [], r"\[model\].hf_config missing/config.json does not exist"),
-    ('[model]\npreset = "tiny"\nrouter_aux_loss_coef = 0.01\n', [], r"router_aux_loss_coef must be 0.0: .* got 0.01"),
-    ('[model]\npreset = "flint"\n', [], r"preset 'flint' carries router_aux_loss_coef = 0.0005 .*set "
-                                        r"\[model\].router_aux_loss_coef = 0.0 explicitly"),
+    ('[model]\npreset = "tiny"\nrouter_aux_loss_coef = -0.01\n', [], r"router_aux_loss_coef must be >= 0, got -0.01"),
+    ('[model]\npreset = "tiny"\noutput_router_logits = true\n', ["--parallel.pp=2"],
+     r"command line --parallel.pp: \[model\].output_router_logits = true .* pp = 1 and cp = 1 only, got pp = 2"),
     ('[model\n', [], r"run.toml: not valid TOML"),
     ('[model]\npreset = "tiny"\n[data]\nseq_len = 100\n[parallel]\ncp = 4\n', [],
      r"run.toml: \[parallel\] cp = 4 .* data.seq_len = 100 must be divisible by 8"),
