@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from checkpoint import is_native_checkpoint
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
@@ -78,10 +79,6 @@ def positive(text: str) -> int:
 
 
 # ============================================================================= what to load
-
-def is_native_checkpoint(path: Path) -> bool:
-    return (path / ".metadata").is_file() and (path / "config.json").is_file()
-
 
 def is_hf_checkpoint(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
