@@ -90,7 +90,7 @@ def test_overrides_are_typed_toml_values(tmp_path):
     ('[model]\nhf_config = "missing/config.json"\n', [], r"\[model\].hf_config missing/config.json does not exist"),
     ('[model]\npreset = "tiny"\nrouter_aux_loss_coef = -0.01\n', [], r"router_aux_loss_coef must be >= 0, got -0.01"),
     ('[model]\npreset = "tiny"\noutput_router_logits = true\n', ["--parallel.pp=2"],
-     r"command line --parallel.pp: \[model\].output_router_logits = true .* pp = 1 and cp = 1 only, got pp = 2"),
+     r"command line --parallel.pp: \[model\].output_router_logits = true .*pp = 1 and cp = 1 only, got pp = 2"),
     ('[model\n', [], r"run.toml: not valid TOML"),
     ('[model]\npreset = "tiny"\n[data]\nseq_len = 100\n[parallel]\ncp = 4\n', [],
      r"run.toml: \[parallel\] cp = 4 .* data.seq_len = 100 must be divisible by 8"),
