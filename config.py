@@ -99,6 +99,7 @@ class LoggingSection:
     every: int = 10
     jsonl: str = "runs/default/metrics.jsonl"
     peak_tflops: float = 0.0  # per device, for MFU; 0: measured on the CPU, looked up on GPUs
+    idle_expert_steps: int = 100  # warn when an expert gets no token for this many steps in a row; 0: never
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "training": TrainingSection, "optim": OptimSection,
@@ -297,6 +298,7 @@ def validate(cfg: TrainConfig) -> None:
         ("checkpoint.dir", c.dir != "", "name a directory"),
         ("logging.every", log.every >= 1, "be >= 1"),
         ("logging.peak_tflops", log.peak_tflops >= 0, "be >= 0 (0: measure or look up)"),
+        ("logging.idle_expert_steps", log.idle_expert_steps >= 0, "be >= 0 (0: no warning)"),
     ]
     for key, ok, expected in rules:
         if not ok:
@@ -350,6 +352,11 @@ def check_router_aux_loss(cfg: TrainConfig) -> None:
     if coef < 0:
         raise ConfigError(f"{cfg.where('model.router_aux_loss_coef')}: [model].router_aux_loss_coef must be >= 0, "
                           f"got {coef!r}")
+    bias_rate = getattr(cfg.model_config, "router_bias_update_rate", 0.0)
+    if bias_rate and cfg.checkpoint.export_hf:
+        raise ConfigError(f"{cfg.where('checkpoint.export_hf')}: [checkpoint].export_hf cannot export a model with "
+                          f"[model].router_bias_update_rate = {bias_rate}: the published format has no place for "
+                          f"the selection bias; sample with sample.py from the native checkpoint")
     if getattr(cfg.model_config, "output_router_logits", False) and (p.pp > 1 or p.cp > 1):
         key = "parallel.pp" if p.pp > 1 else "parallel.cp"
         raise ConfigError(f"{cfg.where(key)}: [model].output_router_logits = true (the load-balancing loss) "

@@ -277,6 +277,11 @@ def export_published(source: Source, config: Config, out: str | Path, dtype: tor
                      extras: Source | None = None) -> tuple[int, int]:
     """Write a native source, and `extras` (published tensors outside the model) as they are or cast to
     `dtype`, as a published checkpoint directory -> (tensors, bytes)."""
+    bias_rate = getattr(config, "router_bias_update_rate", 0.0)
+    if bias_rate:
+        raise ValueError(f"{source.name}: this model chooses experts with a per-expert selection bias "
+                         f"(router_bias_update_rate = {bias_rate}), which the published format has no place "
+                         f"for: the export would route differently from the trained model")
     spec, dtypes = layout_of(config), check_source(source, config, published=False)[1]
     meta, limit = native_meta(config), parse_size(max_shard_size)
     entries = []

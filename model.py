@@ -100,6 +100,9 @@ class FlintConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     output_router_logits: bool = False
+    # Not in the published format: > 0 gives each router a per-expert selection bias that training
+    # moves by this much per step towards balance (aux-loss-free balancing, see routing.py).
+    router_bias_update_rate: float = 0.0
     # Runtime choices (not written to config.json).
     attention_backend: str = "auto"  # auto | flex | sdpa
     experts_backend: str = "grouped"  # grouped | loop
@@ -189,6 +192,9 @@ class FlintConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed} in this implementation, got {getattr(self, name)!r}")
+        if not (isinstance(self.router_bias_update_rate, (int, float)) and self.router_bias_update_rate >= 0):
+            raise ValueError(f"router_bias_update_rate must be >= 0 (0: no selection bias), got "
+                             f"{self.router_bias_update_rate!r}")
         if self.attention_dropout != 0.0:
             raise ValueError(f"attention_dropout must be 0.0 (Flint trains without it), got {self.attention_dropout!r}")
         if self.rope_parameters.get("rope_type", "default") != "default":
@@ -243,6 +249,8 @@ class FlintConfig:
 
     def to_hf_config(self) -> dict:
         config = {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_FIELDS}
+        if not self.router_bias_update_rate:  # a native-only field: written only when in use
+            del config["router_bias_update_rate"]
         config["no_rope_layer_indices"] = [i for i, t in enumerate(self.layer_types) if t == FULL]
         return {"architectures": ["FlintForCausalLM"], "model_type": "flint", **config}
 
@@ -363,7 +371,8 @@ class DecoderLayer(nn.Module):
         if config.is_moe_layer(index):
             self.mlp = MoE(config.hidden_size, config.moe_intermediate_size,
                            config.shared_expert_intermediate_size, config.num_experts,
-                           config.num_experts_per_tok, config.norm_topk_prob, config.experts_backend, dtype)
+                           config.num_experts_per_tok, config.norm_topk_prob, config.experts_backend, dtype,
+                           selection_bias=config.router_bias_update_rate > 0)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype)
 

@@ -55,7 +55,7 @@ class Router(nn.Module):
     """
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 score_function: str = "sigmoid", scaling: float = 1.0):
+                 score_function: str = "sigmoid", scaling: float = 1.0, selection_bias: bool = False):
         super().__init__()
         if score_function not in SCORE_FUNCTIONS:
             raise ValueError(f"router score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
@@ -65,19 +65,25 @@ class Router(nn.Module):
         self.logits: torch.Tensor | None = None
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        # Aux-loss-free balancing (routing.py updates it from the measured load): saved with the
+        # weights, but the published format has no place for it.
+        self.selection_bias = nn.Buffer(torch.zeros(num_experts)) if selection_bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> FP32 weights [N, k] and expert indices [N, k]."""
         logits = x.float() @ self.weight.float().T  # [N, E]
         if self.keep_logits:
             self.logits = logits
+        scores = torch.softmax(logits, dim=-1) if self.score_function == "softmax" else torch.sigmoid(logits)
+        if self.selection_bias is None:
+            weights, indices = torch.topk(scores, self.top_k, dim=-1)
+        else:  # the bias chooses the experts; the unbiased scores weigh them
+            indices = torch.topk(scores + self.selection_bias, self.top_k, dim=-1).indices
+            weights = scores.gather(-1, indices)
         if self.score_function == "softmax":
-            weights, indices = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
-        else:
-            weights, indices = torch.topk(torch.sigmoid(logits), self.top_k, dim=-1)
-            if self.norm_topk_prob:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+        elif self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         with torch.no_grad():
             # copy, not add: activation recompute stays exact
             self.tokens_per_expert.copy_(expert_counts(indices, self.weight.shape[0]))
@@ -247,9 +253,10 @@ class MoE(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, shared_intermediate: int, num_experts: int,
                  top_k: int, norm_topk_prob: bool, backend: str = "grouped",
-                 dtype: torch.dtype | None = None, score_function: str = "sigmoid", scaling: float = 1.0):
+                 dtype: torch.dtype | None = None, score_function: str = "sigmoid", scaling: float = 1.0,
+                 selection_bias: bool = False):
         super().__init__()
-        self.router = Router(hidden, num_experts, top_k, norm_topk_prob, score_function, scaling)
+        self.router = Router(hidden, num_experts, top_k, norm_topk_prob, score_function, scaling, selection_bias)
         self.experts = GroupedExperts(hidden, intermediate, num_experts, backend, dtype)
         self.shared_expert = SwiGLU(hidden, shared_intermediate, dtype)
 

@@ -45,8 +45,8 @@ from checkpoint import (CheckpointError, Checkpointer, Interruption, check_archi
 from config import ConfigError, OptimSection, TrainConfig, TrainingSection, load_config
 from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
 from models import ModelConfig, config_from_hf, model_class
-from moe import Router
 from parallel import ParallelModel, barrier, build_mesh, init_distributed, init_weights, parallelize, uncompile
+from routing import RoutingMonitor, worst_layer
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
@@ -67,13 +67,16 @@ def main(argv: list[str] | None = None) -> dict:
             optimizer = build_optimizer(model.module, cfg.optim, run.device)
             step = checkpoints.resume(model, optimizer, train_data)
             logger = MetricsLogger(cfg, run, model.config, start_step=step)
+            routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps,
+                                     run.is_main)
             with Interruption(run) as interruption, explain_stop(checkpoints, run, argv):
                 while step < cfg.training.steps:
                     step += 1
                     lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.training.steps))
                     loss, grad_norm = train_step(model, optimizer, train_data, cfg, run, step, checkpoints)
+                    routing.after_step(step)  # expert loads, idle-expert warnings, the selection bias
                     if due(step, cfg.logging.every, cfg.training.steps) or step == logger.first_step:
-                        logger.log_train(step, loss, lr, grad_norm, routing_stats(model, run))
+                        logger.log_train(step, loss, lr, grad_norm, routing.stats())
                     stopping = interruption.requested()
                     with logger.untimed():  # tokens/s counts training only
                         if val_data and due(step, cfg.training.eval_every, cfg.training.steps):
@@ -384,23 +387,6 @@ def evaluate(model: ParallelModel, data: PackedLoader, cfg: TrainConfig, run: Ru
     return sum(model.loss(**batch, num_tokens=num_tokens) for batch in batches).item()
 
 
-def routing_stats(model: ParallelModel, run: Run) -> dict[str, dict[str, float]]:
-    """Per MoE layer, the busiest and idlest expert's load over the mean load, from the routers'
-    tokens_per_expert counts of the last micro-batch on every rank (1.0 and 1.0: balanced)."""
-    c = model.config
-    moe_layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
-    if not moe_layers:
-        return {}
-    counts = torch.zeros(c.num_hidden_layers, c.num_experts, device=run.device)  # [layers, E]
-    for name, module in model.module.named_modules():
-        if isinstance(module, Router):  # under pp, this rank's stages hold some of the layers
-            counts[int(name.split(".")[1])] = module.tokens_per_expert.float()
-    dist.all_reduce(counts)
-    load = counts[moe_layers] / counts[moe_layers].mean(dim=1, keepdim=True).clamp(min=1e-9)
-    return {str(layer): {"max_load": round(hi, 3), "min_load": round(lo, 3)}
-            for layer, hi, lo in zip(moe_layers, load.max(dim=1).values.tolist(), load.min(dim=1).values.tolist())}
-
-
 # Rank 0 loads the final model on the CPU in FP32 for the sample only up to this size (4 GB).
 SAMPLE_MAX_PARAMS = 1_000_000_000
 
@@ -534,7 +520,7 @@ class MetricsLogger:
         self.run.print(f"step {step:>{len(str(self.total))}}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | "
                        f"grad norm {grad_norm:.3f} | {tokens_per_s:,.0f} tokens/s | MFU "
                        f"{f'{mfu:.2f}%' if mfu is not None else 'n/a'} | mem {record['memory_gib']:.2f} GiB | "
-                       f"{duration(now - self.start)} elapsed | {duration(remaining)} left")
+                       f"{duration(now - self.start)} elapsed | {duration(remaining)} left{worst_layer(routing)}")
 
     def log_eval(self, step: int, val_loss: float) -> None:
         self.summary["val_loss"] = val_loss
