@@ -53,7 +53,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP: full replicas, each sharded over dp_shard
     dp_shard: int = -1  # -1: the world size divided by all other degrees
     ep: int = 1  # expert parallel: must divide num_experts
-    pp: int = 1
+    pp: int = 1  # pipeline parallel: stages
     cp: int = 1  # context parallel: the sequence length must divide by 2 * cp
     pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B
     pp_stages_per_rank: int = 0  # 0: 1, or 2 for Interleaved1F1B

@@ -42,7 +42,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from checkpoint import (CheckpointError, Checkpointer, Interruption, check_architecture, is_native_checkpoint,
                         load_dcp)
-from config import ConfigError, OptimSection, TrainConfig, TrainingSection, load_config
+from config import (ConfigError, OptimSection, TrainConfig, TrainingSection, help_text, load_config,
+                    resolved_summary, resolved_toml)
 from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
 from models import ModelConfig, config_from_hf, model_class
 from parallel import ParallelModel, barrier, build_mesh, init_distributed, init_weights, parallelize, uncompile
@@ -117,11 +118,17 @@ def due(step: int, every: int, last: int) -> bool:
 
 
 def parse_args(argv: list[str] | None) -> TrainConfig:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="Override any key: --training.steps=200 --optim.lr=1e-3")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=help_text(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a TOML file, e.g. configs/smoke.toml")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved configuration as TOML and exit without training")
     args, overrides = parser.parse_known_args(argv)
-    return load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)
+    if args.print_config:
+        print(resolved_toml(cfg))
+        raise SystemExit(0)
+    return cfg
 
 
 # ============================================================================= devices and processes
@@ -161,7 +168,7 @@ def start_run(cfg: TrainConfig) -> Run:
     run = Run(dist.get_rank(), dist.get_world_size(), mesh["dp"].get_local_rank(), mesh["dp"].size(), device, mesh)
     layout = " x ".join(f"{name} {mesh[name].size()}" for name in mesh.mesh_dim_names if mesh[name].size() > 1)
     run.print(f"config {cfg.source}: {run.world_size} process(es) on {device.type} ({layout or 'no parallelism'}), "
-              f"{str(parallel.compute_dtype(device.type))[6:]} compute, FP32 master weights")
+              f"{str(parallel.compute_dtype(device.type))[6:]} compute, FP32 master weights\n{resolved_summary(cfg)}")
     return run
 
 

@@ -10,7 +10,8 @@ from config import ConfigError, load_config
 from large4 import Large4Config
 from model import FlintConfig
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -156,3 +157,31 @@ def test_errors_of_command_line_overrides_name_the_command_line(tmp_path):
     config.write_text(json.dumps(FlintConfig.from_name("tiny").to_hf_config()))
     with pytest.raises(ConfigError, match=r"debug.toml, command line --model.hf_config: \[model\] needs exactly one"):
         load_config(debug, [f"--model.hf_config={config}"])
+
+
+def test_help_and_readme_list_every_key_with_its_default():
+    import dataclasses
+    from config import SECTIONS, help_text, toml_value
+    text, readme = help_text(), (ROOT / "README.md").read_text()
+    for name, cls in SECTIONS.items():
+        assert f"[{name}]" in text and f"`[{name}]`" in readme
+        for f in dataclasses.fields(cls):
+            if f.name != "overrides":
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                assert (f"{f.name} = {toml_value(default)}" if default is not None else f"{f.name} (unset)") in text
+                assert f"| `{f.name}` |" in readme, f"README has no row for [{name}].{f.name}"
+
+
+def test_print_config_loads_back_to_the_same_run_and_trains_nothing(tmp_path, capsys):
+    import train
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--config", str(CONFIGS / "smoke.toml"), "--print-config", "--training.steps=7",
+                    f"--checkpoint.dir={tmp_path / 'ckpt'}"])
+    assert exit_info.value.code == 0 and not (tmp_path / "ckpt").exists()
+    printed = tmp_path / "printed.toml"
+    printed.write_text(capsys.readouterr().out)
+    again, original = load_config(printed), load_config(CONFIGS / "smoke.toml", ["--training.steps=7",
+                                                                              f"--checkpoint.dir={tmp_path / 'ckpt'}"])
+    assert again.model_config == original.model_config and again.training.steps == 7
+    assert {k: v for k, v in again.to_dict().items() if k != "model"} == \
+        {k: v for k, v in original.to_dict().items() if k != "model"}
