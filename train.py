@@ -20,9 +20,9 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import functools
 import json
 import math
+import platform
 import resource
 import shlex
 import shutil
@@ -452,27 +452,66 @@ GPU_PEAK_TFLOPS = [("B200", 2250.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H1
                    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0)]
 
 
-def peak_flops(cfg: TrainConfig, run: Run) -> float | None:
-    """FLOP/s of one device: the config's value, a GPU's table entry, or on the CPU a measured
-    FP32 matmul rate (best of 5 products of two 2048 x 2048 matrices, about 0.5 s; other busy
-    processes lower it, and so raise the MFU shown)."""
+def run_peak_flops(cfg: TrainConfig, run: Run) -> float | None:
+    """FLOP/s of all the run's hardware: the config's per-device value or a GPU's table entry times
+    the processes (one per device), or on the CPU the machine's cached matmul rate times the
+    machines: processes on one machine share its cores, so their peak is not multiplied."""
     if cfg.logging.peak_tflops:
-        return cfg.logging.peak_tflops * 1e12
+        return cfg.logging.peak_tflops * 1e12 * run.world_size
     if run.device.type == "cuda":
         name = torch.cuda.get_device_name(run.device)
-        return next((tflops * 1e12 for key, tflops in GPU_PEAK_TFLOPS if key in name), None)
-    return measured_cpu_flops()
+        gpu = next((tflops * 1e12 for key, tflops in GPU_PEAK_TFLOPS if key in name), None)
+        return gpu * run.world_size if gpu else None
+    machines = max(1, run.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size)))
+    return cpu_peak_flops(run) * machines
 
 
-@functools.cache
-def measured_cpu_flops() -> float:
-    size = 2048
+# The CPU's FP32 matmul rate, measured once per machine (CPU model and core count) and kept here, so
+# MFU does not move with whatever else ran during a measurement. Delete the file to measure again.
+CPU_PEAK_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flint" / "cpu_peak.json"
+
+
+def cpu_peak_flops(run: Run) -> float:
+    """This machine's entry of CPU_PEAK_CACHE, measured by rank 0 if missing (others wait)."""
+    key = f"{cpu_model()} x {os.cpu_count()} cores"
+    if run.is_main and key not in read_json(CPU_PEAK_CACHE):
+        cache = {**read_json(CPU_PEAK_CACHE), key: measure_cpu_flops()}
+        CPU_PEAK_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = CPU_PEAK_CACHE.with_name(f"{CPU_PEAK_CACHE.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.rename(CPU_PEAK_CACHE)
+        run.print(f"measured this CPU's FP32 matmul rate once: {cache[key] / 1e12:.3f} TFLOP/s, kept in "
+                  f"{CPU_PEAK_CACHE} for MFU (delete it to measure again, or set logging.peak_tflops)")
+    barrier()
+    return read_json(CPU_PEAK_CACHE)[key]
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def cpu_model() -> str:
+    with suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def measure_cpu_flops(size: int = 2048) -> float:
+    """Best of 5 products of two size x size FP32 matrices on every core (about a second)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or threads)
     a, b = torch.randn(size, size), torch.randn(size, size)
     best = float("inf")
     for _ in range(6):  # the first one warms up
         start = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(threads)
     return 2 * size ** 3 / best
 
 
@@ -498,8 +537,7 @@ class MetricsLogger:
         self.tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len * run.dp_size
         with torch.device("meta"):  # the whole model's count, whichever stages this rank holds
             self.flops_per_token = model_class(config)(config).flops_per_token(cfg.data.seq_len)
-        peak = peak_flops(cfg, run)
-        self.peak = peak * run.world_size if peak else None  # every device of the run
+        self.peak = run_peak_flops(cfg, run)
         self.start = self.last_time = time.perf_counter()
         self.last_step = start_step
         self.first_step = start_step + 1  # always logged: the loss before any learning
