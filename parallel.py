@@ -38,6 +38,10 @@ from moe import ExpertParallelExperts, MoE
 # build_mesh's flattened views (dp, dp_cp, fsdp, efsdp) are sliced from the root mesh, which
 # torch 2.13 supports and announces it will deprecate, once per slice: keep the logs readable.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+# FSDP2 warns when a unit returns a view, since an in-place op on it would skip the unit's backward
+# all-gather. The Sinks unit returns attention's output, a view, which Attention only reads (transpose,
+# reshape, o_proj): nothing for a user to act on.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(Sinks\) returned a view tensor")
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp")
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
 AC_MODES = ("none", "full", "selective")
