@@ -544,50 +544,21 @@ class Flint(nn.Module):
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
                  eos_token_id: int | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """Extend prompt [B, T] by up to max_new_tokens with a KV cache -> [B, T + n] (see `stream`)."""
-        new = list(self.stream(prompt, max_new_tokens, temperature, top_k, generator, eos_token_id, allowed))
+        """Extend prompt [B, T] by up to max_new_tokens with a KV cache -> [B, T + n] (see `stream`).
+        Sliding layers cache only the last `window - 1` keys."""
+        new = list(stream(self, prompt, max_new_tokens, temperature, top_k, generator, eos_token_id, allowed))
         return torch.cat([prompt, *new], dim=1)
 
-    @torch.no_grad()
-    def stream(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-               top_k: int | None = None, generator: torch.Generator | None = None,
-               eos_token_id: int | None = None, allowed: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
-        """Yield each next token [B, 1] as it is chosen, up to max_new_tokens, stopping once every
-        row has produced eos_token_id.
-
-        temperature 0 is greedy; otherwise sample from softmax(logits / temperature), optionally
-        restricted to the top_k tokens. allowed (bool [V]): the only ids that may be chosen, for a
-        vocabulary padded beyond what the tokenizer can decode. Sliding layers cache only the last
-        `window - 1` keys.
-        """
-        self._check_inputs(prompt, None, None, None)
-        limit = self.config.max_position_embeddings
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0 or prompt.shape[1] + max_new_tokens > limit:
-            raise ValueError(f"max_new_tokens must be an integer >= 0 with prompt length + max_new_tokens <= "
-                             f"max_position_embeddings ({prompt.shape[1]} + {max_new_tokens!r} > {limit})")
-        caches = {name: KVCache(self.config.window if layer.layer_type == SLIDING else None)
-                  for name, layer in self.layers.items()}
-        step_input, start = prompt, 0
-        finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
-        for _ in range(max_new_tokens):
-            logits = self.decode_step(step_input, caches, start)  # [B, V] for the last position
-            start += step_input.shape[1]
-            next_token = sample(logits, temperature, top_k, generator, allowed)  # [B, 1]
-            yield next_token
-            step_input = next_token
-            if eos_token_id is not None:
-                finished |= next_token[:, 0] == eos_token_id
-                if bool(finished.all()):
-                    return
-
     def decode_step(self, input_ids: torch.Tensor, caches: dict[str, KVCache], start: int) -> torch.Tensor:
-        """Run new tokens [B, t] at positions start.. through the cached layers -> last logits [B, V]."""
+        """Run new tokens [B, t] at positions start.. through the cached layers -> last logits [B, V].
+        caches starts empty and is filled here, one entry per layer."""
         batch, seq_len = input_ids.shape
         positions = torch.arange(start, start + seq_len, device=input_ids.device)
         rope = rope_tables(positions.expand(batch, seq_len), self.config.head_dim, self.config.rope_theta)
         h = self.embed(input_ids)
         for name, layer in self.layers.items():
-            h = layer(h, rope, {}, caches[name], positions)
+            cache = caches.setdefault(name, KVCache(self.config.window if layer.layer_type == SLIDING else None))
+            h = layer(h, rope, {}, cache, positions)
         return self.lm_head(self.norm(h[:, -1:].float()))[:, -1]
 
     # ------------------------------------------------------------------ accounting
@@ -677,6 +648,38 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+
+
+@torch.no_grad()
+def stream(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+           top_k: int | None = None, generator: torch.Generator | None = None, eos_token_id: int | None = None,
+           allowed: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+    """Yield each next token [B, 1] as it is chosen, up to max_new_tokens, stopping once every row
+    has produced eos_token_id. Any model with `decode_step(input_ids, caches, start)` that fills an
+    empty caches dict (Flint, Mistral Large 4).
+
+    temperature 0 is greedy; otherwise sample from softmax(logits / temperature), optionally
+    restricted to the top_k tokens. allowed (bool [V]): the only ids that may be chosen, for a
+    vocabulary padded beyond what the tokenizer can decode.
+    """
+    model._check_inputs(prompt, None, None, None)
+    limit = model.config.max_position_embeddings
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0 or prompt.shape[1] + max_new_tokens > limit:
+        raise ValueError(f"max_new_tokens must be an integer >= 0 with prompt length + max_new_tokens <= "
+                         f"max_position_embeddings ({prompt.shape[1]} + {max_new_tokens!r} > {limit})")
+    caches: dict = {}
+    step_input, start = prompt, 0
+    finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    for _ in range(max_new_tokens):
+        logits = model.decode_step(step_input, caches, start)  # [B, V] for the last position
+        start += step_input.shape[1]
+        next_token = sample(logits, temperature, top_k, generator, allowed)  # [B, 1]
+        yield next_token
+        step_input = next_token
+        if eos_token_id is not None:
+            finished |= next_token[:, 0] == eos_token_id
+            if bool(finished.all()):
+                return
 
 
 def build_model(config: FlintConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

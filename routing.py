@@ -48,8 +48,9 @@ class RoutingMonitor:
         self.idle = torch.where(self.counts == 0, self.idle + 1, 0)
         if self.idle_steps and bool((self.idle == self.idle_steps).any()):
             self.warn_idle(step)
-        if self.config.router_bias_update_rate > 0:
-            update_selection_bias(self.routers, self.counts, self.config.router_bias_update_rate)
+        rate = getattr(self.config, "router_bias_update_rate", 0.0)  # a Flint option
+        if rate > 0:
+            update_selection_bias(self.routers, self.counts, rate)
 
     def warn_idle(self, step: int) -> None:
         for layer in self.moe_layers:

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from checkpoint import is_native_checkpoint
+from model import stream
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
@@ -146,8 +147,8 @@ def generate_text(model: torch.nn.Module, tokenizer: Tokenizer, prompt: str, max
     allowed = decodable_ids(tokenizer, model.config.vocab_size).to(device)
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span tokens
     pieces = []
-    for token in model.stream(torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, generator,
-                              tokenizer.eos_id, allowed):
+    for token in stream(model, torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, generator,
+                        tokenizer.eos_id, allowed):
         token_id = int(token[0, 0])
         if token_id == tokenizer.eos_id:
             break
