@@ -91,7 +91,8 @@ def resolve_checkpoint(path: Path) -> Path:
         return path
     if not path.is_dir():
         raise SampleError(f"--checkpoint {path}: no such directory")
-    steps = sorted(p for p in path.glob("step_*") if p.suffix != ".tmp" and is_native_checkpoint(p))
+    places = [path, *sorted(p for p in path.glob("run_*") if p.is_dir())]  # run directories, oldest first
+    steps = [p for place in places for p in sorted(place.glob("step_*")) if p.suffix != ".tmp" and is_native_checkpoint(p)]
     if not steps:
         raise SampleError(f"--checkpoint {path}: not a checkpoint (no .metadata, no config.json with safetensors) "
                           f"and no complete step_* checkpoint inside")

@@ -86,11 +86,11 @@ def test_training_with_the_bias_resumes_exactly_and_is_not_exported(tmp_path):
     bias = ["--model.router_bias_update_rate=0.01", "--training.steps=4", "--logging.every=1",
             "--training.sample_tokens=0"]
     run_debug(tmp_path / "whole", *bias, "--checkpoint.every=2")
-    step2 = tmp_path / "whole" / "ckpt" / "step_00000002"
+    step2 = tmp_path / "whole" / "ckpt" / "run_0001" / "step_00000002"
     run_debug(tmp_path / "resumed", *bias, f"--checkpoint.resume={step2}")
     whole, resumed = train_losses(tmp_path / "whole"), train_losses(tmp_path / "resumed")
     assert resumed == {3: whole[3], 4: whole[4]}  # the saved biases route steps 3 and 4 the same way
-    model = convert.load_native(tmp_path / "whole" / "ckpt" / "step_00000004")
+    model = convert.load_native(tmp_path / "whole" / "ckpt" / "run_0001" / "step_00000004")
     bias_values = model.layers["2"].mlp.router.selection_bias
     assert bias_values.abs().max() == pytest.approx(0.04)  # four steps of 0.01 for the most starved expert
     with pytest.raises(ConfigError, match=r"export_hf cannot export a model with \[model\].router_bias_update_rate"):

@@ -24,10 +24,11 @@ def test_sample_from_a_run_a_step_and_an_export(tmp_path, capsys):
     assert out.index("exported the model") < out.index("sample (16 tokens")  # the export comes first
     assert summary["sample"].startswith("The ") and summary["sample"] in out  # streamed as it was drawn
     ckpt = tmp_path / "ckpt"
-    assert sample.resolve_checkpoint(ckpt) == ckpt / "step_00000002"  # a run's dir: its latest step
+    run_dir = ckpt / "run_0001"
+    assert sample.resolve_checkpoint(ckpt) == run_dir / "step_00000002"  # a run's dir: its latest step
     greedy = ["--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]
     from_run = sample_cli(capsys, "--checkpoint", str(ckpt), *greedy)
-    from_step = sample_cli(capsys, "--checkpoint", str(ckpt / "step_00000002"), *greedy)
+    from_step = sample_cli(capsys, "--checkpoint", str(run_dir / "step_00000002"), *greedy)
     from_export = sample_cli(capsys, "--checkpoint", str(tmp_path / "hf"), *greedy)
     assert from_run.startswith("def ") and from_run == from_step == from_export
     several = sample_cli(capsys, "--checkpoint", str(ckpt), "--num-samples", "2", "--top-k", "5", "--seed", "3",
@@ -77,7 +78,7 @@ def test_a_failing_sample_keeps_the_checkpoint_and_export(tmp_path, monkeypatch,
     summary = run_debug(tmp_path, "--training.steps=1", f"--checkpoint.export_hf={tmp_path / 'hf'}")
     assert "WARNING: the sample failed (RuntimeError: out of memory)" in capsys.readouterr().err
     assert "sample" not in summary
-    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "ckpt" / "step_00000001" / ".metadata").is_file()
+    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "ckpt" / "run_0001" / "step_00000001" / ".metadata").is_file()
 
 
 def test_sample_from_a_mistral_large4_checkpoint(tmp_path, capsys):
