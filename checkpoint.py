@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from config import INIT_FROM_SETTINGS
 from models import ModelConfig, config_from_hf
 from parallel import ParallelModel, barrier
 
@@ -150,7 +151,7 @@ def check_architecture(path: Path, config: ModelConfig) -> None:
     saved = config_from_hf(path / "config.json").to_hf_config()
     mine = config.to_hf_config()
     diffs = [f"{k} = {saved.get(k)!r} there, {mine.get(k)!r} here" for k in sorted(set(saved) | set(mine))
-             if k != "router_aux_loss_coef" and saved.get(k) != mine.get(k)]
+             if k not in INIT_FROM_SETTINGS and saved.get(k) != mine.get(k)]
     if diffs:
         raise CheckpointError(f"checkpoint {path} holds a different architecture: {'; '.join(diffs[:5])}")
 

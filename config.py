@@ -17,7 +17,10 @@ Every error names the key and where it was set: the file, or the command line.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import json
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +31,7 @@ from parallel import ParallelConfig, unsupported_layout
 
 MODEL_SOURCES = ("preset", "hf_config", "init_from")
 # What [model] may change about an init_from checkpoint: training choices, not the architecture.
-INIT_FROM_SETTINGS = ("router_aux_loss_coef", "attention_backend")
+INIT_FROM_SETTINGS = ("router_aux_loss_coef", "output_router_logits", "attention_backend")
 
 
 class ConfigError(ValueError):
@@ -51,7 +54,7 @@ class DataSection:
     eos_token: str = "<|endoftext|>"  # appended to every document
     text_key: str = "text"  # the JSONL field holding a document
     cache_dir: str = "data/cache"  # prepared shards of raw text go here
-    seq_len: int = 256
+    seq_len: int = 256  # tokens per row
     val_fraction: float = 0.05  # of the documents, held out for validation
     epochs: int = 1  # passes over the training documents that a run may take
 
@@ -61,34 +64,34 @@ class TrainingSection:
     steps: int = 100  # optimizer steps
     batch_size: int = 8  # rows per micro-batch on each data-parallel rank
     grad_accum: int = 1  # micro-batches per optimizer step
-    seed: int = 0
+    seed: int = 0  # weights, data order and sampling
     device: str = "auto"  # auto | cpu | cuda
     eval_every: int = 0  # steps between validation losses; 0: only after the last step
     eval_batches: int = 4  # validation micro-batches per evaluation
     sample_tokens: int = 200  # tokens generated after training; 0: none
-    sample_prompt: str = "The "
-    sample_temperature: float = 0.8
+    sample_prompt: str = "The "  # the text the end-of-run sample continues
+    sample_temperature: float = 0.8  # 0: greedy
 
 
 @dataclass
 class OptimSection:
-    lr: float = 3e-4
+    lr: float = 3e-4  # peak learning rate
     min_lr: float = 3e-5  # where the decay ends
     schedule: str = "cosine"  # cosine | wsd (warmup, stable, linear decay) | constant
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # linear warmup from 0 to lr
     decay_fraction: float = 0.2  # wsd: the share of steps spent decaying
     weight_decay: float = 0.1  # on matrices only
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9  # AdamW
+    beta2: float = 0.95  # AdamW
+    eps: float = 1e-8  # AdamW
     grad_clip: float = 1.0  # max global gradient norm; 0: no clipping
 
 
 @dataclass
 class CheckpointSection:
-    dir: str = "runs/default/checkpoints"
+    dir: str = "runs/default/checkpoints"  # where step_<N> checkpoints are written
     every: int = 0  # steps between checkpoints; 0: only after the last step
-    keep_last: int = 2
+    keep_last: int = 2  # older checkpoints are removed
     resume: str = "auto"  # auto (latest in dir, if any) | never (a fresh run; nothing removed) | a checkpoint
     export_hf: str = ""  # write the final model here in Hugging Face format
     export_dtype: str = ""  # "" keeps the training dtype | bfloat16 | float32
@@ -96,9 +99,10 @@ class CheckpointSection:
 
 @dataclass
 class LoggingSection:
-    every: int = 10
-    jsonl: str = "runs/default/metrics.jsonl"
+    every: int = 10  # steps between log lines
+    jsonl: str = "runs/default/metrics.jsonl"  # one JSON record per logged step
     peak_tflops: float = 0.0  # per device, for MFU; 0: measured on the CPU, looked up on GPUs
+    idle_expert_steps: int = 100  # warn when an expert gets no token for this many steps in a row; 0: never
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "training": TrainingSection, "optim": OptimSection,
@@ -128,6 +132,76 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+
+# ============================================================================= describing
+
+def key_comments(cls: type) -> dict[str, str]:
+    """Field name -> the comment written after it in the dataclass source: the keys' documentation
+    lives once, next to the defaults."""
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        match = re.match(r"\s+(\w+): [^=]+=[^#]*#\s*(.*)", line)
+        if match:
+            comments[match.group(1)] = match.group(2)
+    return comments
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def help_text() -> str:
+    """Every section and key with its default and meaning, for --help."""
+    lines = ["config sections and keys (default, meaning); set them in the TOML file or as --section.key=value:"]
+    for name, cls in SECTIONS.items():
+        lines.append(f"  [{name}]")
+        comments = key_comments(cls)
+        for f in dataclasses.fields(cls):
+            if f.name == "overrides":
+                lines.append("    ... and any FlintConfig field (model.py, SPEC.md): hidden_size, num_experts, "
+                             "output_router_logits, router_aux_loss_coef, router_bias_update_rate, ...")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            note = comments.get(f.name, "")
+            setting = f"{f.name} = {toml_value(default)}" if default is not None else f"{f.name} (unset)"
+            lines.append(f"    {setting}" + (f"  # {note}" if note else ""))
+    return "\n".join(lines)
+
+
+def resolved_values(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
+    """Section -> key -> the value this run uses; [model] holds the whole resolved architecture.
+    Unset (None) values are left out: TOML has no null."""
+    resolved = {}
+    for name in SECTIONS:
+        values = dataclasses.asdict(getattr(cfg, name))
+        if name == "model":
+            values = {k: v for k, v in values.items() if k != "overrides" and v}
+            values.update(dataclasses.asdict(cfg.model_config))
+        resolved[name] = {k: v for k, v in values.items() if v is not None}
+    return resolved
+
+
+def resolved_toml(cfg: TrainConfig) -> str:
+    """The configuration a run uses, as a TOML file that loads back to the same run (--print-config)."""
+    lines = [f"# {cfg.source}, with defaults and overrides applied"]
+    for name, values in resolved_values(cfg).items():
+        lines += ["", f"[{name}]", *(f"{key} = {toml_value(value)}" for key, value in values.items())]
+    return "\n".join(lines)
+
+
+def resolved_summary(cfg: TrainConfig) -> str:
+    """The same, one line per section, for the start of a run's log."""
+    return "\n".join(f"[{name}] " + " ".join(f"{key}={toml_value(value)}" for key, value in values.items())
+                     for name, values in resolved_values(cfg).items())
 
 
 # ============================================================================= reading
@@ -297,6 +371,7 @@ def validate(cfg: TrainConfig) -> None:
         ("checkpoint.dir", c.dir != "", "name a directory"),
         ("logging.every", log.every >= 1, "be >= 1"),
         ("logging.peak_tflops", log.peak_tflops >= 0, "be >= 0 (0: measure or look up)"),
+        ("logging.idle_expert_steps", log.idle_expert_steps >= 0, "be >= 0 (0: no warning)"),
     ]
     for key, ok, expected in rules:
         if not ok:
@@ -343,17 +418,19 @@ def check_paths(cfg: TrainConfig) -> None:
 
 
 def check_router_aux_loss(cfg: TrainConfig) -> None:
-    """No load-balancing objective of ours exists yet, so the coefficient must be exactly 0.0."""
-    coef = getattr(cfg.model_config, "router_aux_loss_coef", 0.0)  # Large 4 has no such field
-    if coef == 0.0:
-        return
-    if "router_aux_loss_coef" in cfg.model.overrides:
-        raise ConfigError(f"{cfg.where('model.router_aux_loss_coef')}: [model].router_aux_loss_coef must be 0.0: "
-                          f"this trainer has no load-balancing objective, got {coef!r}")
-    came_from = (f"preset {cfg.model.preset!r}" if cfg.model.preset
-                 else f"{cfg.model.hf_config or cfg.model.init_from} config.json")
-    raise ConfigError(f"{cfg.source}: the {came_from} carries router_aux_loss_coef = {coef} (the released "
-                      f"checkpoint's value; its balancing objective is not published). This trainer has no "
-                      f"load-balancing objective: set [model].router_aux_loss_coef = 0.0 explicitly to train "
-                      f"without one")
-
+    """The load-balancing term (output_router_logits) needs every MoE layer's logits of the whole
+    micro-batch in one place: one pipeline stage and no context split."""
+    p = cfg.parallel
+    coef = getattr(cfg.model_config, "router_aux_loss_coef", 0.0)  # Flint fields; Large 4 has neither
+    if coef < 0:
+        raise ConfigError(f"{cfg.where('model.router_aux_loss_coef')}: [model].router_aux_loss_coef must be >= 0, "
+                          f"got {coef!r}")
+    bias_rate = getattr(cfg.model_config, "router_bias_update_rate", 0.0)
+    if bias_rate and cfg.checkpoint.export_hf:
+        raise ConfigError(f"{cfg.where('checkpoint.export_hf')}: [checkpoint].export_hf cannot export a model with "
+                          f"[model].router_bias_update_rate = {bias_rate}: the published format has no place for "
+                          f"the selection bias; sample with sample.py from the native checkpoint")
+    if getattr(cfg.model_config, "output_router_logits", False) and (p.pp > 1 or p.cp > 1):
+        key = "parallel.pp" if p.pp > 1 else "parallel.cp"
+        raise ConfigError(f"{cfg.where(key)}: [model].output_router_logits = true (the load-balancing loss) "
+                          f"works with [parallel].pp = 1 and cp = 1 only, got pp = {p.pp}, cp = {p.cp}")

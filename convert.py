@@ -7,7 +7,7 @@ checkpoint, one tensor at a time.
 The native checkpoint is what train.py saves and resumes from: a torch.distributed.checkpoint
 directory whose state dict holds {"model": <native state dict>, optional "optimizer", "train"}, plus
 config.json. config.json's model_type picks the model family; each family declares its published key
-table (Flint: below, and ../shared/SPEC.md; Mistral Large 4: large4_hf.py and ../shared/LARGE4.md).
+table (Flint: below, and SPEC.md; Mistral Large 4: large4_hf.py and ../shared/LARGE4.md).
 Published tensors outside the model (Large 4's vision tower and draft head) are "extras": to-native
 keeps them under "extra" in the DCP checkpoint, to-hf and save_hf write them back, never dropped.
 FP8 block-scaled weights (the Large 4 release) are dequantized on import; exports are BF16/FP16/FP32.
@@ -277,6 +277,11 @@ def export_published(source: Source, config: Config, out: str | Path, dtype: tor
                      extras: Source | None = None) -> tuple[int, int]:
     """Write a native source, and `extras` (published tensors outside the model) as they are or cast to
     `dtype`, as a published checkpoint directory -> (tensors, bytes)."""
+    bias_rate = getattr(config, "router_bias_update_rate", 0.0)
+    if bias_rate:
+        raise ValueError(f"{source.name}: this model chooses experts with a per-expert selection bias "
+                         f"(router_bias_update_rate = {bias_rate}), which the published format has no place "
+                         f"for: the export would route differently from the trained model")
     spec, dtypes = layout_of(config), check_source(source, config, published=False)[1]
     meta, limit = native_meta(config), parse_size(max_shard_size)
     entries = []

@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from pathlib import Path
 
 import torch
 
-from config import load_config
+from config import ConfigError, load_config
 from models import ModelConfig, model_class
 from parallel import MESH_DIMS, STAGE_AWARE, ParallelConfig, pipeline_stage
 
@@ -99,37 +100,50 @@ def candidate_layouts(gpus: int, num_experts: int, pipelines: bool = True) -> li
     return layouts
 
 
-def memory_table(config: ModelConfig, layouts: list[ParallelConfig], seq_len: int, batch_size: int) -> str:
+def memory_table(config: ModelConfig, layouts: list[tuple[str, ParallelConfig]], seq_len: int, batch_size: int) -> str:
+    """layouts: (label, layout) rows; the label says where a row comes from (the config, a candidate)."""
     names = ("params", "grads", "optimizer", "gathered", "activations", "total")
     fits = [f"fits {gpu}" for gpu in GPU_GIB]
     lines = [f"Memory per GPU (GiB, estimate) for seq_len {seq_len}, batch_size {batch_size} rows per "
              f"data-parallel rank, {config.num_hidden_layers} layers, {config.num_experts} experts; a layout "
              f"fits a GPU if total + {OVERHEAD_GIB:.0f} GiB (slack, buffers) <= its usable memory",
              "| layout | " + " | ".join(names + tuple(fits)) + " |", "|---" * (len(names) + len(fits) + 1) + "|"]
-    for cfg in layouts:
+    for label, cfg in layouts:
         layout = " ".join(f"{d}={getattr(cfg, d)}" for d in MESH_DIMS if getattr(cfg, d) > 1)
-        layout += f" ac={cfg.activation_checkpointing}"
+        layout = f"{label}: {layout or 'one GPU'} ac={cfg.activation_checkpointing}"
         row = memory_per_gpu(config, cfg, seq_len, batch_size)
         marks = ["yes" if row["total"] + OVERHEAD_GIB <= usable else "NO" for usable in GPU_GIB.values()]
         lines.append(f"| {layout} | " + " | ".join([f"{row[n]:.1f}" for n in names] + marks) + " |")
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Memory per GPU of parallel layouts (no GPU needed).")
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Memory per GPU of parallel layouts (no GPU needed).",
+                                     epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192")
     parser.add_argument("--config", required=True, help="a training TOML: its [model], [data] seq_len, "
                         "[training] batch_size and [parallel] layout")
-    parser.add_argument("--gpus", type=int, help="also list candidate layouts for this many GPUs")
-    args, overrides = parser.parse_known_args()
-    cfg = load_config(args.config, overrides)  # --section.key=value, as for train.py
+    parser.add_argument("--gpus", type=int, help="the GPUs to lay out (default: what the config's layout needs); "
+                        "also lists candidate layouts for that many")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = load_config(args.config, overrides)
     config, parallel = cfg.model_config, cfg.parallel
+    if args.gpus is not None and args.gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
     gpus = args.gpus or parallel.dp_replicate * max(parallel.dp_shard, 1) * parallel.ep * parallel.pp * parallel.cp
-    layouts = [parallel.resolve(gpus, config.num_experts)]
+    try:
+        own = parallel.resolve(gpus, config.num_experts)
+    except ValueError as error:
+        raise ConfigError(f"{cfg.source} on --gpus {gpus}: {error}") from error
+    layouts = [(f"config {Path(cfg.source).name}", own)]
     if args.gpus:
-        layouts += candidate_layouts(gpus, config.num_experts, model_class(config) in STAGE_AWARE)
-        layouts += [dataclasses.replace(c, activation_checkpointing="full") for c in layouts[1:]]
+        candidates = candidate_layouts(gpus, config.num_experts, model_class(config) in STAGE_AWARE)
+        layouts += [("candidate", c) for c in candidates]
+        layouts += [("candidate", dataclasses.replace(c, activation_checkpointing="full")) for c in candidates]
     print(memory_table(config, layouts, cfg.data.seq_len, cfg.training.batch_size))
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as error:
+        raise SystemExit(f"error: {error}")

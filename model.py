@@ -4,7 +4,7 @@ Flint is a decoder-only mixture-of-experts transformer. Most layers attend insid
 of 513 tokens with NeoX RoPE; every fourth layer (and the first two and the last) attends to the
 whole causal context with no positional encoding at all. Every attention head has a learned sink.
 All layers but the first two are MoE: 256 sigmoid-routed experts, top 6, plus one shared expert.
-See ../shared/SPEC.md for the contract this file implements.
+See SPEC.md for the contract this file implements.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from attention import (BACKENDS, FULL, LAYER_TYPES, SLIDING, KVCache, build_masks, resolve_backend,
                        sink_attention)
-from moe import EXPERT_BACKENDS, MoE, SwiGLU
+from moe import EXPERT_BACKENDS, MoE, Router, SwiGLU, load_balancing_loss
 
 
 # ============================================================================= configuration
@@ -100,6 +100,9 @@ class FlintConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     output_router_logits: bool = False
+    # Not in the published format: > 0 gives each router a per-expert selection bias that training
+    # moves by this much per step towards balance (aux-loss-free balancing, see routing.py).
+    router_bias_update_rate: float = 0.0
     # Runtime choices (not written to config.json).
     attention_backend: str = "auto"  # auto | flex | sdpa
     experts_backend: str = "grouped"  # grouped | loop
@@ -189,6 +192,9 @@ class FlintConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed} in this implementation, got {getattr(self, name)!r}")
+        if not (isinstance(self.router_bias_update_rate, (int, float)) and self.router_bias_update_rate >= 0):
+            raise ValueError(f"router_bias_update_rate must be >= 0 (0: no selection bias), got "
+                             f"{self.router_bias_update_rate!r}")
         if self.attention_dropout != 0.0:
             raise ValueError(f"attention_dropout must be 0.0 (Flint trains without it), got {self.attention_dropout!r}")
         if self.rope_parameters.get("rope_type", "default") != "default":
@@ -243,6 +249,8 @@ class FlintConfig:
 
     def to_hf_config(self) -> dict:
         config = {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_FIELDS}
+        if not self.router_bias_update_rate:  # a native-only field: written only when in use
+            del config["router_bias_update_rate"]
         config["no_rope_layer_indices"] = [i for i, t in enumerate(self.layer_types) if t == FULL]
         return {"architectures": ["FlintForCausalLM"], "model_type": "flint", **config}
 
@@ -363,7 +371,8 @@ class DecoderLayer(nn.Module):
         if config.is_moe_layer(index):
             self.mlp = MoE(config.hidden_size, config.moe_intermediate_size,
                            config.shared_expert_intermediate_size, config.num_experts,
-                           config.num_experts_per_tok, config.norm_topk_prob, config.experts_backend, dtype)
+                           config.num_experts_per_tok, config.norm_topk_prob, config.experts_backend, dtype,
+                           selection_bias=config.router_bias_update_rate > 0)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype)
 
@@ -432,6 +441,25 @@ class Flint(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = Head(config.hidden_size, config.vocab_size, config.loss_chunk_size)
+        for router in self.routers():
+            router.keep_logits = config.output_router_logits
+
+    def routers(self) -> list[Router]:
+        """The routers of the MoE layers this module holds (a pipeline stage holds some layers)."""
+        return [layer.mlp.router for layer in self.layers.values() if isinstance(layer.mlp, MoE)]
+
+    def router_loss(self, doc_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """With output_router_logits, router_aux_loss_coef x the load-balancing term over the MoE
+        layers of this forward, padding (doc_ids < 0) left out: what the published reference adds
+        to its loss. Without it (the released default), None: the loss is the cross-entropy alone."""
+        routers = self.routers()
+        if not self.config.output_router_logits or not routers:
+            return None
+        mask = None if doc_ids is None else doc_ids >= 0
+        balance = load_balancing_loss([router.logits for router in routers], self.config.num_experts_per_tok, mask)
+        for router in routers:
+            router.logits = None  # the loss holds what backward needs
+        return self.config.router_aux_loss_coef * balance
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -483,7 +511,9 @@ class Flint(nn.Module):
         h = self.embed(input_ids)
         for layer in self.layers.values():
             h = layer(h, rope, masks)
-        return self.lm_head(self.norm(h.float()), targets)
+        loss = self.lm_head(self.norm(h.float()), targets)
+        router_loss = self.router_loss(doc_ids) if targets is not None else None
+        return loss if router_loss is None else loss + router_loss
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
@@ -513,38 +543,22 @@ class Flint(nn.Module):
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 eos_token_id: int | None = None) -> torch.Tensor:
-        """Extend prompt [B, T] by up to max_new_tokens with a KV cache -> [B, T + n].
-
-        temperature 0 is greedy; otherwise sample from softmax(logits / temperature), optionally
-        restricted to the top_k tokens. Sliding layers cache only the last `window - 1` keys.
-        """
-        self._check_inputs(prompt, None, None, None)
-        limit = self.config.max_position_embeddings
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0 or prompt.shape[1] + max_new_tokens > limit:
-            raise ValueError(f"max_new_tokens must be an integer >= 0 with prompt length + max_new_tokens <= "
-                             f"max_position_embeddings ({prompt.shape[1]} + {max_new_tokens!r} > {limit})")
-        caches = {name: KVCache(self.config.window if layer.layer_type == SLIDING else None)
-                  for name, layer in self.layers.items()}
-        tokens, step_input, start = prompt, prompt, 0
-        for _ in range(max_new_tokens):
-            logits = self.decode_step(step_input, caches, start)  # [B, V] for the last position
-            start += step_input.shape[1]
-            next_token = sample(logits, temperature, top_k, generator)  # [B, 1]
-            tokens = torch.cat([tokens, next_token], dim=1)
-            step_input = next_token
-            if eos_token_id is not None and bool((next_token == eos_token_id).all()):
-                break
-        return tokens
+                 eos_token_id: int | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """Extend prompt [B, T] by up to max_new_tokens with a KV cache -> [B, T + n] (see `stream`).
+        Sliding layers cache only the last `window - 1` keys."""
+        new = list(stream(self, prompt, max_new_tokens, temperature, top_k, generator, eos_token_id, allowed))
+        return torch.cat([prompt, *new], dim=1)
 
     def decode_step(self, input_ids: torch.Tensor, caches: dict[str, KVCache], start: int) -> torch.Tensor:
-        """Run new tokens [B, t] at positions start.. through the cached layers -> last logits [B, V]."""
+        """Run new tokens [B, t] at positions start.. through the cached layers -> last logits [B, V].
+        caches starts empty and is filled here, one entry per layer."""
         batch, seq_len = input_ids.shape
         positions = torch.arange(start, start + seq_len, device=input_ids.device)
         rope = rope_tables(positions.expand(batch, seq_len), self.config.head_dim, self.config.rope_theta)
         h = self.embed(input_ids)
         for name, layer in self.layers.items():
-            h = layer(h, rope, {}, caches[name], positions)
+            cache = caches.setdefault(name, KVCache(self.config.window if layer.layer_type == SLIDING else None))
+            h = layer(h, rope, {}, cache, positions)
         return self.lm_head(self.norm(h[:, -1:].float()))[:, -1]
 
     # ------------------------------------------------------------------ accounting
@@ -621,9 +635,12 @@ def check_sampling(temperature: float, top_k: int | None) -> None:
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [B, V] -> next tokens [B, 1]: greedy at temperature 0, else top-k sampling."""
+           generator: torch.Generator | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] -> next tokens [B, 1]: greedy at temperature 0, else top-k sampling; only ids
+    where allowed (bool [V]) is true, when given."""
     check_sampling(temperature, top_k)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     if temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits / temperature
@@ -631,6 +648,38 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+
+
+@torch.no_grad()
+def stream(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+           top_k: int | None = None, generator: torch.Generator | None = None, eos_token_id: int | None = None,
+           allowed: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+    """Yield each next token [B, 1] as it is chosen, up to max_new_tokens, stopping once every row
+    has produced eos_token_id. Any model with `decode_step(input_ids, caches, start)` that fills an
+    empty caches dict (Flint, Mistral Large 4).
+
+    temperature 0 is greedy; otherwise sample from softmax(logits / temperature), optionally
+    restricted to the top_k tokens. allowed (bool [V]): the only ids that may be chosen, for a
+    vocabulary padded beyond what the tokenizer can decode.
+    """
+    model._check_inputs(prompt, None, None, None)
+    limit = model.config.max_position_embeddings
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0 or prompt.shape[1] + max_new_tokens > limit:
+        raise ValueError(f"max_new_tokens must be an integer >= 0 with prompt length + max_new_tokens <= "
+                         f"max_position_embeddings ({prompt.shape[1]} + {max_new_tokens!r} > {limit})")
+    caches: dict = {}
+    step_input, start = prompt, 0
+    finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    for _ in range(max_new_tokens):
+        logits = model.decode_step(step_input, caches, start)  # [B, V] for the last position
+        start += step_input.shape[1]
+        next_token = sample(logits, temperature, top_k, generator, allowed)  # [B, 1]
+        yield next_token
+        step_input = next_token
+        if eos_token_id is not None:
+            finished |= next_token[:, 0] == eos_token_id
+            if bool(finished.all()):
+                return
 
 
 def build_model(config: FlintConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

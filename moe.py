@@ -49,33 +49,72 @@ class Router(nn.Module):
     chosen k (+1e-20 in the denominator, as its reference does) and multiplies by `scaling`.
 
     It also records how many tokens each expert received in its last forward, as a buffer, so the
-    trainer can read routing statistics without a host sync per layer.
+    trainer can read routing statistics without a host sync per layer. With keep_logits set (the
+    model's output_router_logits), its last logits stay in `logits` for the load-balancing loss,
+    which the model computes once all layers have run (see `load_balancing_loss`).
     """
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 score_function: str = "sigmoid", scaling: float = 1.0):
+                 score_function: str = "sigmoid", scaling: float = 1.0, selection_bias: bool = False):
         super().__init__()
         if score_function not in SCORE_FUNCTIONS:
             raise ValueError(f"router score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.score_function, self.scaling = score_function, scaling
+        self.keep_logits = False
+        self.logits: torch.Tensor | None = None
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        # Aux-loss-free balancing (routing.py updates it from the measured load): saved with the
+        # weights, but the published format has no place for it.
+        self.selection_bias = nn.Buffer(torch.zeros(num_experts)) if selection_bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> FP32 weights [N, k] and expert indices [N, k]."""
         logits = x.float() @ self.weight.float().T  # [N, E]
+        if self.keep_logits:
+            self.logits = logits
+        scores = torch.softmax(logits, dim=-1) if self.score_function == "softmax" else torch.sigmoid(logits)
+        if self.selection_bias is None:
+            weights, indices = torch.topk(scores, self.top_k, dim=-1)
+        else:  # the bias chooses the experts; the unbiased scores weigh them
+            indices = torch.topk(scores + self.selection_bias, self.top_k, dim=-1).indices
+            weights = scores.gather(-1, indices)
         if self.score_function == "softmax":
-            weights, indices = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
-        else:
-            weights, indices = torch.topk(torch.sigmoid(logits), self.top_k, dim=-1)
-            if self.norm_topk_prob:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+        elif self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         with torch.no_grad():
             # copy, not add: activation recompute stays exact
             self.tokens_per_expert.copy_(expert_counts(indices, self.weight.shape[0]))
         return weights, indices
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The Switch Transformer balancing term as the published reference (transformers'
+    FlintForCausalLM, `load_balancing_loss_func`) computes it, over all MoE layers of one batch.
+
+    router_logits: each MoE layer's [N, E] router logits (before the sigmoid); mask [N] (or [B, T]):
+    true for real tokens, false for padding, which then counts for nothing. Per layer, the softmax
+    of the logits gives each token's probabilities and its top-k experts; both are summed over the
+    real tokens and the layers, then divided by (real tokens x layers):
+        f_e = share of top-k assignments to expert e (sums to k),  P_e = mean probability of e
+        loss = E * sum_e f_e * P_e
+    Only P carries a gradient (to the router weights and the layer inputs). Balanced routing gives
+    k; all tokens on the same k experts give about E.
+    """
+    num_experts = router_logits[0].shape[-1]
+    rows = torch.ones(router_logits[0].shape[0], device=router_logits[0].device) if mask is None \
+        else mask.reshape(-1).to(router_logits[0].device, torch.float32)  # [N]: 1 real, 0 padding
+    assignments = torch.zeros(num_experts, device=rows.device)
+    probabilities = torch.zeros(num_experts, device=rows.device)
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)  # [N, E]
+        chosen = torch.topk(probs, top_k, dim=-1).indices  # [N, k]
+        assignments = assignments.scatter_add(0, chosen.flatten(), rows.repeat_interleave(top_k))
+        probabilities = probabilities + (probs * rows.unsqueeze(-1)).sum(dim=0)
+    total = rows.sum() * len(router_logits)
+    return num_experts * torch.sum(assignments / total * probabilities / total)
 
 
 # torch 2.13's _grouped_mm has a meta (shape) kernel for BF16 only, so the compiler cannot trace an
@@ -214,9 +253,10 @@ class MoE(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, shared_intermediate: int, num_experts: int,
                  top_k: int, norm_topk_prob: bool, backend: str = "grouped",
-                 dtype: torch.dtype | None = None, score_function: str = "sigmoid", scaling: float = 1.0):
+                 dtype: torch.dtype | None = None, score_function: str = "sigmoid", scaling: float = 1.0,
+                 selection_bias: bool = False):
         super().__init__()
-        self.router = Router(hidden, num_experts, top_k, norm_topk_prob, score_function, scaling)
+        self.router = Router(hidden, num_experts, top_k, norm_topk_prob, score_function, scaling, selection_bias)
         self.experts = GroupedExperts(hidden, intermediate, num_experts, backend, dtype)
         self.shared_expert = SwiGLU(hidden, shared_intermediate, dtype)
 

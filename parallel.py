@@ -38,6 +38,10 @@ from moe import ExpertParallelExperts, MoE
 # build_mesh's flattened views (dp, dp_cp, fsdp, efsdp) are sliced from the root mesh, which
 # torch 2.13 supports and announces it will deprecate, once per slice: keep the logs readable.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+# FSDP2 warns when a unit returns a view, since an in-place op on it would skip the unit's backward
+# all-gather. The Sinks unit returns attention's output, a view, which Attention only reads (transpose,
+# reshape, o_proj): nothing for a user to act on.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(Sinks\) returned a view tensor")
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp")
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
 AC_MODES = ("none", "full", "selective")
@@ -53,7 +57,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP: full replicas, each sharded over dp_shard
     dp_shard: int = -1  # -1: the world size divided by all other degrees
     ep: int = 1  # expert parallel: must divide num_experts
-    pp: int = 1
+    pp: int = 1  # pipeline parallel: stages
     cp: int = 1  # context parallel: the sequence length must divide by 2 * cp
     pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B
     pp_stages_per_rank: int = 0  # 0: 1, or 2 for Interleaved1F1B
@@ -201,8 +205,9 @@ class ParallelFlint(Flint):
         if targets is None:
             return self.lm_head(h)
         loss = self.lm_head(h, targets[:, mine])
-        if cp == 1:
-            return loss
+        if cp == 1:  # config.py refuses the router loss with cp or pp: it needs every layer's whole batch
+            router_loss = self.router_loss(doc_ids)
+            return loss if router_loss is None else loss + router_loss
         # The head averaged this rank's tokens; rescale so the mean over the cp ranks is the mean
         # over all tokens of the sequence (every cp rank holds all targets: no communication).
         local_tokens = (targets[:, mine] != -100).sum()

@@ -20,9 +20,9 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import functools
 import json
 import math
+import platform
 import resource
 import shlex
 import shutil
@@ -42,11 +42,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from checkpoint import (CheckpointError, Checkpointer, Interruption, check_architecture, is_native_checkpoint,
                         load_dcp)
-from config import ConfigError, OptimSection, TrainConfig, TrainingSection, load_config
+from config import (ConfigError, OptimSection, TrainConfig, TrainingSection, help_text, load_config,
+                    resolved_summary, resolved_toml)
 from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
 from models import ModelConfig, config_from_hf, model_class
-from moe import Router
 from parallel import ParallelModel, barrier, build_mesh, init_distributed, init_weights, parallelize, uncompile
+from routing import RoutingMonitor, worst_layer
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
@@ -67,13 +68,16 @@ def main(argv: list[str] | None = None) -> dict:
             optimizer = build_optimizer(model.module, cfg.optim, run.device)
             step = checkpoints.resume(model, optimizer, train_data)
             logger = MetricsLogger(cfg, run, model.config, start_step=step)
+            routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps,
+                                     run.is_main)
             with Interruption(run) as interruption, explain_stop(checkpoints, run, argv):
                 while step < cfg.training.steps:
                     step += 1
                     lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.training.steps))
                     loss, grad_norm = train_step(model, optimizer, train_data, cfg, run, step, checkpoints)
+                    routing.after_step(step)  # expert loads, idle-expert warnings, the selection bias
                     if due(step, cfg.logging.every, cfg.training.steps) or step == logger.first_step:
-                        logger.log_train(step, loss, lr, grad_norm, routing_stats(model, run))
+                        logger.log_train(step, loss, lr, grad_norm, routing.stats())
                     stopping = interruption.requested()
                     with logger.untimed():  # tokens/s counts training only
                         if val_data and due(step, cfg.training.eval_every, cfg.training.steps):
@@ -114,11 +118,17 @@ def due(step: int, every: int, last: int) -> bool:
 
 
 def parse_args(argv: list[str] | None) -> TrainConfig:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="Override any key: --training.steps=200 --optim.lr=1e-3")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=help_text(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a TOML file, e.g. configs/smoke.toml")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved configuration as TOML and exit without training")
     args, overrides = parser.parse_known_args(argv)
-    return load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)
+    if args.print_config:
+        print(resolved_toml(cfg))
+        raise SystemExit(0)
+    return cfg
 
 
 # ============================================================================= devices and processes
@@ -158,7 +168,7 @@ def start_run(cfg: TrainConfig) -> Run:
     run = Run(dist.get_rank(), dist.get_world_size(), mesh["dp"].get_local_rank(), mesh["dp"].size(), device, mesh)
     layout = " x ".join(f"{name} {mesh[name].size()}" for name in mesh.mesh_dim_names if mesh[name].size() > 1)
     run.print(f"config {cfg.source}: {run.world_size} process(es) on {device.type} ({layout or 'no parallelism'}), "
-              f"{str(parallel.compute_dtype(device.type))[6:]} compute, FP32 master weights")
+              f"{str(parallel.compute_dtype(device.type))[6:]} compute, FP32 master weights\n{resolved_summary(cfg)}")
     return run
 
 
@@ -384,33 +394,25 @@ def evaluate(model: ParallelModel, data: PackedLoader, cfg: TrainConfig, run: Ru
     return sum(model.loss(**batch, num_tokens=num_tokens) for batch in batches).item()
 
 
-def routing_stats(model: ParallelModel, run: Run) -> dict[str, dict[str, float]]:
-    """Per MoE layer, the busiest and idlest expert's load over the mean load, from the routers'
-    tokens_per_expert counts of the last micro-batch on every rank (1.0 and 1.0: balanced)."""
-    c = model.config
-    moe_layers = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
-    if not moe_layers:
-        return {}
-    counts = torch.zeros(c.num_hidden_layers, c.num_experts, device=run.device)  # [layers, E]
-    for name, module in model.module.named_modules():
-        if isinstance(module, Router):  # under pp, this rank's stages hold some of the layers
-            counts[int(name.split(".")[1])] = module.tokens_per_expert.float()
-    dist.all_reduce(counts)
-    load = counts[moe_layers] / counts[moe_layers].mean(dim=1, keepdim=True).clamp(min=1e-9)
-    return {str(layer): {"max_load": round(hi, 3), "min_load": round(lo, 3)}
-            for layer, hi, lo in zip(moe_layers, load.max(dim=1).values.tolist(), load.min(dim=1).values.tolist())}
-
-
 # Rank 0 loads the final model on the CPU in FP32 for the sample only up to this size (4 GB).
 SAMPLE_MAX_PARAMS = 1_000_000_000
 
 
 def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, logger: "MetricsLogger") -> dict:
-    """A sample and the Hugging Face export when asked, made by rank 0 from the final checkpoint,
-    whatever layout (sharded, expert- or pipeline-split) trained it. The export streams one tensor
-    at a time; the sample needs the whole model in one process, so large models skip it."""
+    """The Hugging Face export and a text sample when asked, made by rank 0 from the final
+    checkpoint, whatever layout (sharded, expert- or pipeline-split) trained it. The export streams
+    one tensor at a time and comes first; the sample needs the whole model in one process, so
+    large models skip it, and a failing sample is reported without failing the run."""
     t, export = cfg.training, cfg.checkpoint.export_hf
     with main_rank_works(run):
+        if run.is_main and export:
+            from convert import NativeDir, export_published, published_extras
+            dtype = getattr(torch, cfg.checkpoint.export_dtype) if cfg.checkpoint.export_dtype else None
+            config = config_from_hf(checkpoint / "config.json")
+            # Training keeps no vision tower or draft head: the export copies them from the init_from source.
+            extras = published_extras(cfg.model.init_from, config) if cfg.model.init_from else None
+            export_published(NativeDir(checkpoint), config, export, dtype, extras=extras)
+            run.print(f"exported the model in Hugging Face format to {export}")
         if run.is_main and t.sample_tokens:
             with torch.device("meta"):
                 saved = config_from_hf(checkpoint / "config.json")
@@ -420,28 +422,27 @@ def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, l
                           f"is {SAMPLE_MAX_PARAMS / 1e9:.0f}B); export with checkpoint.export_hf and sample "
                           f"from the export in an inference engine")
             else:
-                logger.summary["sample"] = sample_text(checkpoint, tokenizer, t)
-                run.print(f"sample ({t.sample_tokens} tokens, temperature {t.sample_temperature}):\n"
-                          f"{logger.summary['sample']}")
-        if run.is_main and export:
-            from convert import NativeDir, export_published, published_extras
-            dtype = getattr(torch, cfg.checkpoint.export_dtype) if cfg.checkpoint.export_dtype else None
-            config = config_from_hf(checkpoint / "config.json")
-            # Training keeps no vision tower or draft head: the export copies them from the init_from source.
-            extras = published_extras(cfg.model.init_from, config) if cfg.model.init_from else None
-            export_published(NativeDir(checkpoint), config, export, dtype, extras=extras)
-            run.print(f"exported the model in Hugging Face format to {export}")
+                draw_sample(checkpoint, tokenizer, t, logger, run)
     return logger.summary
 
 
-def sample_text(checkpoint: Path, tokenizer: Tokenizer, t: TrainingSection) -> str:
-    from convert import load_native
-    model = load_native(checkpoint, dtype=torch.float32)
-    prompt = tokenizer.encoding.encode_ordinary(t.sample_prompt) or [tokenizer.eos_id]
-    generator = torch.Generator().manual_seed(t.seed)
-    tokens = model.generate(torch.tensor([prompt]), t.sample_tokens, t.sample_temperature, None, generator,
-                            tokenizer.eos_id)
-    return tokenizer.decode(tokens[0].tolist())
+def draw_sample(checkpoint: Path, tokenizer: Tokenizer, t: TrainingSection, logger: "MetricsLogger",
+                run: Run) -> None:
+    """sample.py's generation from the final checkpoint, printed as it comes."""
+    from sample import generate_text, load_model as load_for_sampling
+    run.print(f"sample ({t.sample_tokens} tokens, temperature {t.sample_temperature}; more with "
+              f"python3 sample.py --checkpoint {checkpoint}):")
+    try:
+        model = load_for_sampling(checkpoint)
+        print(t.sample_prompt, end="", flush=True)
+        text = generate_text(model, tokenizer, t.sample_prompt, t.sample_tokens, t.sample_temperature, None,
+                             torch.Generator().manual_seed(t.seed), on_text=lambda s: print(s, end="", flush=True))
+    except Exception as error:  # the checkpoint and export are already written: report, never lose them
+        print(f"\nWARNING: the sample failed ({type(error).__name__}: {error}); the checkpoint {checkpoint} "
+              f"is complete", file=sys.stderr, flush=True)
+        return
+    print(flush=True)
+    logger.summary["sample"] = t.sample_prompt + text
 
 
 # ============================================================================= what a person sees
@@ -451,27 +452,66 @@ GPU_PEAK_TFLOPS = [("B200", 2250.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H1
                    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0)]
 
 
-def peak_flops(cfg: TrainConfig, run: Run) -> float | None:
-    """FLOP/s of one device: the config's value, a GPU's table entry, or on the CPU a measured
-    FP32 matmul rate (best of 5 products of two 2048 x 2048 matrices, about 0.5 s; other busy
-    processes lower it, and so raise the MFU shown)."""
+def run_peak_flops(cfg: TrainConfig, run: Run) -> float | None:
+    """FLOP/s of all the run's hardware: the config's per-device value or a GPU's table entry times
+    the processes (one per device), or on the CPU the machine's cached matmul rate times the
+    machines: processes on one machine share its cores, so their peak is not multiplied."""
     if cfg.logging.peak_tflops:
-        return cfg.logging.peak_tflops * 1e12
+        return cfg.logging.peak_tflops * 1e12 * run.world_size
     if run.device.type == "cuda":
         name = torch.cuda.get_device_name(run.device)
-        return next((tflops * 1e12 for key, tflops in GPU_PEAK_TFLOPS if key in name), None)
-    return measured_cpu_flops()
+        gpu = next((tflops * 1e12 for key, tflops in GPU_PEAK_TFLOPS if key in name), None)
+        return gpu * run.world_size if gpu else None
+    machines = max(1, run.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size)))
+    return cpu_peak_flops(run) * machines
 
 
-@functools.cache
-def measured_cpu_flops() -> float:
-    size = 2048
+# The CPU's FP32 matmul rate, measured once per machine (CPU model and core count) and kept here, so
+# MFU does not move with whatever else ran during a measurement. Delete the file to measure again.
+CPU_PEAK_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flint" / "cpu_peak.json"
+
+
+def cpu_peak_flops(run: Run) -> float:
+    """This machine's entry of CPU_PEAK_CACHE, measured by rank 0 if missing (others wait)."""
+    key = f"{cpu_model()} x {os.cpu_count()} cores"
+    if run.is_main and key not in read_json(CPU_PEAK_CACHE):
+        cache = {**read_json(CPU_PEAK_CACHE), key: measure_cpu_flops()}
+        CPU_PEAK_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = CPU_PEAK_CACHE.with_name(f"{CPU_PEAK_CACHE.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.rename(CPU_PEAK_CACHE)
+        run.print(f"measured this CPU's FP32 matmul rate once: {cache[key] / 1e12:.3f} TFLOP/s, kept in "
+                  f"{CPU_PEAK_CACHE} for MFU (delete it to measure again, or set logging.peak_tflops)")
+    barrier()
+    return read_json(CPU_PEAK_CACHE)[key]
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def cpu_model() -> str:
+    with suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def measure_cpu_flops(size: int = 2048) -> float:
+    """Best of 5 products of two size x size FP32 matrices on every core (about a second)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or threads)
     a, b = torch.randn(size, size), torch.randn(size, size)
     best = float("inf")
     for _ in range(6):  # the first one warms up
         start = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(threads)
     return 2 * size ** 3 / best
 
 
@@ -497,8 +537,7 @@ class MetricsLogger:
         self.tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len * run.dp_size
         with torch.device("meta"):  # the whole model's count, whichever stages this rank holds
             self.flops_per_token = model_class(config)(config).flops_per_token(cfg.data.seq_len)
-        peak = peak_flops(cfg, run)
-        self.peak = peak * run.world_size if peak else None  # every device of the run
+        self.peak = run_peak_flops(cfg, run)
         self.start = self.last_time = time.perf_counter()
         self.last_step = start_step
         self.first_step = start_step + 1  # always logged: the loss before any learning
@@ -526,7 +565,7 @@ class MetricsLogger:
         self.run.print(f"step {step:>{len(str(self.total))}}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | "
                        f"grad norm {grad_norm:.3f} | {tokens_per_s:,.0f} tokens/s | MFU "
                        f"{f'{mfu:.2f}%' if mfu is not None else 'n/a'} | mem {record['memory_gib']:.2f} GiB | "
-                       f"{duration(now - self.start)} elapsed | {duration(remaining)} left")
+                       f"{duration(now - self.start)} elapsed | {duration(remaining)} left{worst_layer(routing)}")
 
     def log_eval(self, step: int, val_loss: float) -> None:
         self.summary["val_loss"] = val_loss

@@ -10,7 +10,8 @@ from config import ConfigError, load_config
 from large4 import Large4Config
 from model import FlintConfig
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -42,17 +43,17 @@ def test_every_config_file_loads_and_its_layout_fits(tmp_path):
 
 def test_repository_configs_load():
     smoke = load_config(CONFIGS / "smoke.toml")
-    assert smoke.model_config.vocab_size >= 257 and smoke.model_config.router_aux_loss_coef == 0.0
+    assert smoke.model_config.vocab_size >= 257
     assert load_config(CONFIGS / "debug.toml").training.steps > 0
     flint = load_config(CONFIGS / "flint.toml")
-    assert flint.model_config.to_hf_config() == FlintConfig(router_aux_loss_coef=0.0).to_hf_config()
+    assert flint.model_config.to_hf_config() == FlintConfig(output_router_logits=True).to_hf_config()
 
 
 def test_finetune_config_takes_its_architecture_from_the_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(FlintConfig.from_name("tiny", router_aux_loss_coef=0.0005)
                                                      .to_hf_config()))
     cfg = load_config(CONFIGS / "finetune.toml", [f"--model.init_from={tmp_path}"])
-    assert cfg.model_config.hidden_size == 64 and cfg.model_config.router_aux_loss_coef == 0.0
+    assert cfg.model_config.hidden_size == 64 and cfg.model_config.router_aux_loss_coef == 0.0005
     with pytest.raises(ConfigError, match=r"\[model\].hidden_size = 128 cannot be set with init_from.*says 64"):
         load_config(CONFIGS / "finetune.toml", [f"--model.init_from={tmp_path}", "--model.hidden_size=128"])
 
@@ -88,9 +89,9 @@ def test_overrides_are_typed_toml_values(tmp_path):
     ('[model]\n', [], r"\[model\] needs exactly one of preset, hf_config, init_from"),
     ('[model]\npreset = "tiny"\nhf_config = "x"\n', [], r"needs exactly one"),
     ('[model]\nhf_config = "missing/config.json"\n', [], r"\[model\].hf_config missing/config.json does not exist"),
-    ('[model]\npreset = "tiny"\nrouter_aux_loss_coef = 0.01\n', [], r"router_aux_loss_coef must be 0.0: .* got 0.01"),
-    ('[model]\npreset = "flint"\n', [], r"preset 'flint' carries router_aux_loss_coef = 0.0005 .*set "
-                                        r"\[model\].router_aux_loss_coef = 0.0 explicitly"),
+    ('[model]\npreset = "tiny"\nrouter_aux_loss_coef = -0.01\n', [], r"router_aux_loss_coef must be >= 0, got -0.01"),
+    ('[model]\npreset = "tiny"\noutput_router_logits = true\n', ["--parallel.pp=2"],
+     r"command line --parallel.pp: \[model\].output_router_logits = true .*pp = 1 and cp = 1 only, got pp = 2"),
     ('[model\n', [], r"run.toml: not valid TOML"),
     ('[model]\npreset = "tiny"\n[data]\nseq_len = 100\n[parallel]\ncp = 4\n', [],
      r"run.toml: \[parallel\] cp = 4 .* data.seq_len = 100 must be divisible by 8"),
@@ -156,3 +157,31 @@ def test_errors_of_command_line_overrides_name_the_command_line(tmp_path):
     config.write_text(json.dumps(FlintConfig.from_name("tiny").to_hf_config()))
     with pytest.raises(ConfigError, match=r"debug.toml, command line --model.hf_config: \[model\] needs exactly one"):
         load_config(debug, [f"--model.hf_config={config}"])
+
+
+def test_help_and_readme_list_every_key_with_its_default():
+    import dataclasses
+    from config import SECTIONS, help_text, toml_value
+    text, readme = help_text(), (ROOT / "README.md").read_text()
+    for name, cls in SECTIONS.items():
+        assert f"[{name}]" in text and f"`[{name}]`" in readme
+        for f in dataclasses.fields(cls):
+            if f.name != "overrides":
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                assert (f"{f.name} = {toml_value(default)}" if default is not None else f"{f.name} (unset)") in text
+                assert f"| `{f.name}` |" in readme, f"README has no row for [{name}].{f.name}"
+
+
+def test_print_config_loads_back_to_the_same_run_and_trains_nothing(tmp_path, capsys):
+    import train
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--config", str(CONFIGS / "smoke.toml"), "--print-config", "--training.steps=7",
+                    f"--checkpoint.dir={tmp_path / 'ckpt'}"])
+    assert exit_info.value.code == 0 and not (tmp_path / "ckpt").exists()
+    printed = tmp_path / "printed.toml"
+    printed.write_text(capsys.readouterr().out)
+    again, original = load_config(printed), load_config(CONFIGS / "smoke.toml", ["--training.steps=7",
+                                                                              f"--checkpoint.dir={tmp_path / 'ckpt'}"])
+    assert again.model_config == original.model_config and again.training.steps == 7
+    assert {k: v for k, v in again.to_dict().items() if k != "model"} == \
+        {k: v for k, v in original.to_dict().items() if k != "model"}

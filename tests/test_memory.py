@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import memory
+from config import ConfigError
 from memory import GIB, memory_per_gpu, memory_table
 from model import FlintConfig, build_model
 from parallel import ParallelConfig
@@ -27,13 +29,29 @@ def test_memory_table_counts_sharded_state_by_hand():
     full_ac = memory_per_gpu(config, ParallelConfig(dp_shard=4, activation_checkpointing="full").resolve(4), 16, 2)
     no_ac = memory_per_gpu(config, ParallelConfig(dp_shard=4).resolve(4), 16, 2)
     assert full_ac["activations"] < no_ac["activations"]
-    assert "| dp_shard=2 ep=2 ac=none |" in memory_table(config, [ParallelConfig(dp_shard=2, ep=2)], 16, 2)
+    assert "| mine: dp_shard=2 ep=2 ac=none |" in memory_table(config, [("mine", ParallelConfig(dp_shard=2, ep=2))], 16, 2)
 
 
-def test_command_prints_the_released_layouts():
-    out = subprocess.run([sys.executable, "memory.py", "--config", "configs/flint-8gpu.toml", "--gpus", "8"],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert "| ep=8 ac=full |" in out and "| dp_shard=8 ac=none |" in out
+def test_command_prints_the_released_layouts_labelled(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    memory.main(["--config", "configs/flint-8gpu.toml", "--gpus", "8"])
+    out = capsys.readouterr().out
+    assert "| config flint-8gpu.toml: ep=8 ac=full |" in out and "| candidate: dp_shard=8 ac=none |" in out
+    memory.main(["--config", "configs/flint-8gpu.toml", "--parallel.ep=4", "--parallel.dp_shard=2", "--data.seq_len=8192"])
+    out = capsys.readouterr().out
+    assert "seq_len 8192" in out and "| config flint-8gpu.toml: dp_shard=2 ep=4 ac=full |" in out
+
+
+def test_command_errors_are_one_line(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for args, message in ((["--gpus", "7"], r"configs/flint-8gpu.toml on --gpus 7: \[parallel\] pp \* dp_replicate"),
+                          (["--parallel.ep=3"], r"command line --parallel.ep: \[parallel\] ep = 3 must divide"),
+                          (["--model.preset=huge"], "unknown model preset 'huge'")):
+        with pytest.raises(ConfigError, match=message):
+            memory.main(["--config", "configs/flint-8gpu.toml", *args])
+    result = subprocess.run([sys.executable, "memory.py", "--config", "configs/flint-8gpu.toml", "--gpus", "7"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
 
 
 def test_large4_released_layouts_and_what_fits():
@@ -46,11 +64,11 @@ def test_large4_released_layouts_and_what_fits():
     row = memory_per_gpu(config, layout, cfg.data.seq_len, cfg.training.batch_size)
     states = (row["params"] + row["grads"] + row["optimizer"]) * GIB * 256
     assert abs(states / 16.78e12 - 1) < 0.005, states
-    table = memory_table(config, [layout, ParallelConfig(dp_shard=256).resolve(256, 128)], cfg.data.seq_len,
+    table = memory_table(config, [("config", layout), ("candidate", ParallelConfig(dp_shard=256).resolve(256, 128))], cfg.data.seq_len,
                          cfg.training.batch_size).splitlines()
     assert table[1].endswith("| total | fits 141GB | fits 80GB |")
-    assert table[3].startswith("| dp_shard=32 ep=8 ac=full |") and table[3].endswith("| yes | NO |")
-    assert table[4].startswith("| dp_shard=256 ac=none |") and table[4].endswith("| NO | NO |")
+    assert table[3].startswith("| config: dp_shard=32 ep=8 ac=full |") and table[3].endswith("| yes | NO |")
+    assert table[4].startswith("| candidate: dp_shard=256 ac=none |") and table[4].endswith("| NO | NO |")
 
 
 @pytest.mark.parametrize("index_topk", [128, 32])

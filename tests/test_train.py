@@ -167,9 +167,7 @@ def test_finetune_from_hugging_face_converts_once_and_exports(tmp_path):
     config = FlintConfig.from_name("tiny", vocab_size=264, num_hidden_layers=4, router_aux_loss_coef=0.0005)
     source = build_model(config, seed=7)
     convert.save_hf(source, tmp_path / "hf")
-    with pytest.raises(ConfigError, match=r"router_aux_loss_coef = 0.0005.*set \[model\].router_aux_loss_coef = 0.0"):
-        run_debug(tmp_path, f"--model.init_from={tmp_path / 'hf'}", "--model.preset=")
-    finetune = [f"--model.init_from={tmp_path / 'hf'}", "--model.preset=", "--model.router_aux_loss_coef=0.0",
+    finetune = [f"--model.init_from={tmp_path / 'hf'}", "--model.preset=",
                 "--training.sample_tokens=0", f"--checkpoint.export_hf={tmp_path / 'out'}"]
     run_debug_two_processes(tmp_path, *finetune, "--training.steps=2", "--parallel.dp_shard=2")
     converted = list((tmp_path / "ckpt").glob("init_from_hf-*"))
@@ -346,3 +344,34 @@ def test_large4_two_processes_match_one_resume_in_one_and_export(tmp_path):
     assert sorted(sharded) == sorted(reference) and any(".indexer." in name for name in reference)
     for name, tensor in reference.items():  # tolerances as for Flint's export above
         torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_load_balancing_loss_trains_the_same_with_activation_checkpointing(tmp_path):
+    """The routers keep their logits for the balancing term; recomputing a block in backward
+    must give the same loss and updates as keeping its activations."""
+    balance = ["--model.output_router_logits=true", "--model.router_aux_loss_coef=0.1", "--training.steps=3",
+               "--logging.every=1", "--training.sample_tokens=0"]
+    run_debug(tmp_path / "plain", *balance)
+    run_debug(tmp_path / "recompute", *balance, "--parallel.activation_checkpointing=full")
+    plain, recompute = train_losses(tmp_path / "plain"), train_losses(tmp_path / "recompute")
+    assert plain == pytest.approx(recompute, rel=1e-6, abs=1e-6)
+    run_debug(tmp_path / "none", "--training.steps=3", "--logging.every=1", "--training.sample_tokens=0")
+    cross_entropy = train_losses(tmp_path / "none")
+    assert plain[1] - cross_entropy[1] == pytest.approx(0.1 * 2, abs=0.02)  # near-uniform routing at init: aux ~ k
+
+
+def test_cpu_peak_is_measured_once_per_machine_and_shared_by_its_processes(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "CPU_PEAK_CACHE", tmp_path / "cache" / "cpu_peak.json")
+    measured = []
+    monkeypatch.setattr(train, "measure_cpu_flops", lambda: measured.append(1) or 2e11)
+    cfg = train.load_config(DEBUG)
+    one = train.Run(0, 1, 0, 1, torch.device("cpu"))
+    assert train.run_peak_flops(cfg, one) == 2e11 and train.run_peak_flops(cfg, one) == 2e11
+    assert len(measured) == 1  # the second run reads the cache
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    two_on_one_machine = train.Run(0, 2, 0, 2, torch.device("cpu"))
+    assert train.run_peak_flops(cfg, two_on_one_machine) == 2e11  # shared cores: not 2 x
+    four_on_two_machines = train.Run(0, 4, 0, 4, torch.device("cpu"))
+    assert train.run_peak_flops(cfg, four_on_two_machines) == 4e11
+    given = train.load_config(DEBUG, ["--logging.peak_tflops=0.5"])
+    assert train.run_peak_flops(given, two_on_one_machine) == pytest.approx(1e12)  # per device, as the key says

@@ -1,0 +1,88 @@
+"""Routing health while training: expert loads per MoE layer, a warning for idle experts, and the
+aux-loss-free balancing bias.
+
+Every router counts the tokens each expert received in its last forward (moe.Router's
+tokens_per_expert). After each optimizer step the trainer sums those counts over all processes
+(one small all-reduce of [layers, experts]) and hands them to `RoutingMonitor`, which
+  - keeps, per expert, how many steps in a row it received no token, and warns once when an
+    expert has been idle for `idle_steps` steps;
+  - with `router_bias_update_rate` > 0, moves each router's selection bias towards balance, as
+    DeepSeek-V3 does without an auxiliary loss: bias_e += rate * sign(mean load - load_e). The
+    bias only chooses experts; the gate weights stay the unbiased sigmoid scores;
+  - reports, at logged steps, each layer's max and min load over the mean load (1.0 and 1.0:
+    perfectly balanced; min 0: an expert got nothing).
+The counts are those of the step's last micro-batch (on every data-parallel rank).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from models import ModelConfig
+from moe import Router
+
+
+class RoutingMonitor:
+    def __init__(self, module: torch.nn.Module, config: ModelConfig, device: torch.device, idle_steps: int,
+                 is_main: bool = True):
+        """module: the model (or this rank's stages); idle_steps: warn after this many (0: never)."""
+        self.config, self.idle_steps, self.is_main = config, idle_steps, is_main
+        # Layer index -> router, for the MoE layers this rank holds (a pipeline stage holds some).
+        self.routers = {int(name.split(".")[1]): m for name, m in module.named_modules() if isinstance(m, Router)}
+        self.moe_layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+        self.counts = torch.zeros(config.num_hidden_layers, config.num_experts, device=device)  # [layers, E]
+        self.idle = torch.zeros_like(self.counts, dtype=torch.long)  # steps in a row without a token
+
+    def after_step(self, step: int) -> None:
+        """Gather this step's counts, update the idle streaks (warning once) and the biases."""
+        if not self.moe_layers:
+            return
+        self.counts.zero_()
+        for layer, router in self.routers.items():
+            self.counts[layer] = router.tokens_per_expert.float()
+        if dist.is_initialized():
+            dist.all_reduce(self.counts)  # over data-parallel ranks, and the stages that hold each layer
+        self.idle = torch.where(self.counts == 0, self.idle + 1, 0)
+        if self.idle_steps and bool((self.idle == self.idle_steps).any()):
+            self.warn_idle(step)
+        rate = getattr(self.config, "router_bias_update_rate", 0.0)  # a Flint option
+        if rate > 0:
+            update_selection_bias(self.routers, self.counts, rate)
+
+    def warn_idle(self, step: int) -> None:
+        for layer in self.moe_layers:
+            experts = (self.idle[layer] == self.idle_steps).nonzero().flatten().tolist()
+            if experts and self.is_main:
+                print(f"WARNING: step {step}: layer {layer}: expert(s) {', '.join(map(str, experts))} "
+                                f"received no tokens for {self.idle_steps} steps in a row (routing collapse: "
+                                f"see the README's Routing statistics)", file=sys.stderr, flush=True)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per MoE layer (by index), the busiest and idlest expert's load over the mean load."""
+        if not self.moe_layers:
+            return {}
+        counts = self.counts[self.moe_layers]
+        load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1e-9)
+        return {str(layer): {"max_load": round(hi, 3), "min_load": round(lo, 3)}
+                for layer, hi, lo in zip(self.moe_layers, load.max(dim=1).values.tolist(),
+                                         load.min(dim=1).values.tolist())}
+
+
+def worst_layer(stats: dict[str, dict[str, float]]) -> str:
+    """The log line's summary: the layer whose busiest expert is the busiest."""
+    if not stats:
+        return ""
+    layer, worst = max(stats.items(), key=lambda item: item[1]["max_load"])
+    return f" | experts max/min load {worst['max_load']:.2f}/{worst['min_load']:.2f} (layer {layer})"
+
+
+@torch.no_grad()
+def update_selection_bias(routers: dict[int, Router], counts: torch.Tensor, rate: float) -> None:
+    """counts [layers, E]: each router's bias rises by `rate` for experts below the mean load and
+    falls by `rate` for those above it (unchanged at exactly the mean)."""
+    for layer, router in routers.items():
+        load = counts[layer]
+        router.selection_bias += rate * torch.sign(load.mean() - load)
