@@ -338,7 +338,7 @@ def test_large4_two_processes_match_one_resume_in_one_and_export(tmp_path):
     run_two_processes(large4_args(ep, *common, "--parallel.ep=2", "--parallel.dp_shard=1"))
     assert_same_losses(train_losses(ep), expected, "Large 4, EP 2")
     train.main(large4_args(resumed, *common, "--training.grad_accum=2",
-                           f"--checkpoint.resume={fsdp / 'ckpt' / 'step_00000002'}"))
+                           f"--checkpoint.resume={fsdp / 'ckpt' / 'run_0001' / 'step_00000002'}"))
     assert_same_losses(train_losses(resumed), {s: expected[s] for s in (3, 4)}, "Large 4, FSDP 2 resumed in 1")
     reference, sharded = exported_tensors(one / "hf"), exported_tensors(fsdp / "hf")
     assert sorted(sharded) == sorted(reference) and any(".indexer." in name for name in reference)
