@@ -9,7 +9,7 @@ padded). A document cut by a row boundary continues in the next row. doc_ids tel
 documents begin, so attention never crosses them, and a target that belongs to the next document is
 -100: no token is predicted from another document's context.
 
-Command line: `python data.py prepare INPUT... --out DIR [--tokenizer byte]`.
+Command line: `python data.py prepare INPUT... --out DIR [--tokenizer byte] [--extensions txt,md,jsonl]`.
 """
 
 from __future__ import annotations
@@ -41,69 +41,96 @@ class DataError(ValueError):
 
 # ============================================================================= reading text
 
-def source_files(path: Path) -> list[Path]:
-    """A file, or every non-hidden file under a directory in sorted order."""
-    if path.is_symlink() and not path.exists():
-        raise DataError(f"data.path {path} is a symbolic link that leads nowhere (a loop, or its target "
-                        f"{os.readlink(path)} is missing)")
-    if not path.exists():
-        raise DataError(f"data.path {path} does not exist (relative paths start at {Path.cwd()})")
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise DataError(f"data.path {path} is neither a file nor a directory (a device such as /dev/null, a pipe "
-                        f"or a socket); name text or JSONL files, a directory of them, or prepared shards")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not any(
-        part.startswith(".") for part in p.relative_to(path).parts))
-    if not files:
-        raise DataError(f"data.path {path} is an empty directory: no text or JSONL files in it")
-    return files
+# Files read from a directory: text-like suffixes (any file named explicitly is read whatever its suffix).
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".html", ".htm", ".xml", ".csv", ".tsv",
+                 ".json", ".jsonl", ".py", ".c", ".h", ".cc", ".cpp", ".hpp", ".java", ".js", ".ts", ".go", ".rs",
+                 ".rb", ".sh", ".toml", ".yaml", ".yml", ".ini", ".cfg", ".sql", ".css")
 
 
-def iter_documents(files: list[Path], text_key: str) -> Iterator[str]:
-    """A .jsonl file holds one document per line in field `text_key`; any other file is one document."""
+def source_files(paths: Path | list[Path], suffixes: tuple[str, ...] | None = TEXT_SUFFIXES) -> tuple[list[Path], int]:
+    """Named files, and every non-hidden file with one of `suffixes` (None: any) under named
+    directories, in sorted order -> (files, how many other files the directories held)."""
+    files, ignored = [], 0
+    for path in [paths] if isinstance(paths, Path) else paths:
+        if path.is_symlink() and not path.exists():
+            raise DataError(f"data.path {path} is a symbolic link that leads nowhere (a loop, or its target "
+                            f"{os.readlink(path)} is missing)")
+        if not path.exists():
+            raise DataError(f"data.path {path} does not exist (relative paths start at {Path.cwd()})")
+        if path.is_file():
+            files.append(path)
+            continue
+        if not path.is_dir():
+            raise DataError(f"data.path {path} is neither a file nor a directory (a device such as /dev/null, a "
+                            f"pipe or a socket); name text or JSONL files, a directory of them, or prepared shards")
+        found = sorted(p for p in path.rglob("*") if p.is_file() and not any(
+            part.startswith(".") for part in p.relative_to(path).parts))
+        chosen = [p for p in found if suffixes is None or p.suffix.lower() in suffixes]
+        if not chosen:
+            raise DataError(f"data.path {path} holds no text or JSONL files" + (
+                f" ({len(found)} file(s) with other extensions; read them with --extensions all)" if found else
+                " (an empty directory)"))
+        files += chosen
+        ignored += len(found) - len(chosen)
+    return files, ignored
+
+
+def iter_documents(files: list[Path], text_key: str, binary: list[Path]) -> Iterator[str]:
+    """A .jsonl file holds one document per line in field `text_key`; any other file is one document.
+    Binary files (a NUL byte, or not UTF-8) are appended to `binary` and skipped."""
     for path in files:
         if path.suffix != ".jsonl":
-            yield _read_text(path)
+            text = _read_text(path)
+            if text is None:
+                binary.append(path)
+            else:
+                yield text
             continue
         with open(path, "rb") as lines:
-            for number, raw in enumerate(lines, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as error:
-                    raise DataError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start} of "
-                                    f"the line)") from error
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)[text_key]
-                except (json.JSONDecodeError, KeyError, TypeError) as error:
-                    raise DataError(f"{path}:{number}: expected a JSON object with a string field "
-                                    f"{text_key!r} (data.text_key): {error!r}") from error
-                if not isinstance(text, str):
-                    raise DataError(f"{path}:{number}: field {text_key!r} must be a string, got {type(text).__name__}")
-                yield text
+            for number, line in enumerate(lines, 1):
+                yield from _jsonl_record(line, path, number, text_key)
 
 
-def _read_text(path: Path) -> str:
+def _jsonl_record(line: bytes, path: Path, number: int, text_key: str) -> Iterator[str]:
+    if not line.strip():
+        return
     try:
-        return path.read_text(encoding="utf-8")
+        text = json.loads(line.decode("utf-8"))[text_key]
     except UnicodeDecodeError as error:
-        raise DataError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start})") from error
+        raise DataError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start} of the line)") from error
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise DataError(f"{path}:{number}: expected a JSON object with a string field "
+                        f"{text_key!r} (data.text_key): {error!r}") from error
+    if not isinstance(text, str):
+        raise DataError(f"{path}:{number}: field {text_key!r} must be a string, got {type(text).__name__}")
+    yield text
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's text, or None for a binary file."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 # ============================================================================= prepare: text -> shards
 
-def prepare(source: Path, tokenizer: Tokenizer, out_dir: Path, text_key: str = "text",
-            shard_tokens: int = 1 << 28) -> Path:
-    """Tokenize every document under `source` into `out_dir`, atomically (temp dir, then rename).
+def prepare(source: Path | list[Path], tokenizer: Tokenizer, out_dir: Path, text_key: str = "text",
+            shard_tokens: int = 1 << 28, suffixes: tuple[str, ...] | None = TEXT_SUFFIXES) -> Path:
+    """Tokenize every document of `source` (paths: see `source_files`) into `out_dir`, atomically
+    (temp dir, then rename). Binary files are skipped; meta.json lists them.
 
     out_dir/tokens_00000.bin   token ids (uint16, or uint32 for vocabularies over 65536), documents
                                back to back, each ending with the eos token
     out_dir/docs_00000.npy     int64 [docs + 1]: where each document of that shard starts, then the end
     out_dir/meta.json          written last: format, tokenizer fingerprint, counts, shard names
     """
-    files = source_files(source)
+    files, ignored = source_files(source, suffixes)
+    binary: list[Path] = []
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out_dir.parent, f"{out_dir.name}.tmp-")  # left by a killed preparation
@@ -112,7 +139,7 @@ def prepare(source: Path, tokenizer: Tokenizer, out_dir: Path, text_key: str = "
     try:
         writer = ShardWriter(tmp, np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32, shard_tokens)
         batch: list[str] = []
-        for text in iter_documents(files, text_key):
+        for text in iter_documents(files, text_key, binary):
             if len(text) > PIECE_CHARS and text.strip():  # tokens of a long document stream to the shard
                 writer.add_pieces(encode_in_pieces(text, tokenizer))
             elif text.strip():
@@ -122,9 +149,12 @@ def prepare(source: Path, tokenizer: Tokenizer, out_dir: Path, text_key: str = "
                 batch = []
         writer.add(tokenizer.encode_documents(batch))
         if writer.num_docs == 0:
-            raise DataError(f"data.path {source}: no documents with text in {len(files)} file(s)")
+            raise DataError(f"data.path {source}: no documents with text in {len(files)} file(s)"
+                            + (f"; {len(binary)} binary file(s) skipped: {', '.join(map(str, binary[:3]))}"
+                               if binary else ""))
         writer.finish({"tokenizer": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
-                       "eos_id": tokenizer.eos_id, "sources": [str(f) for f in files]})
+                       "eos_id": tokenizer.eos_id, "sources": [str(f) for f in files if f not in binary],
+                       "skipped_binary": [str(f) for f in binary], "skipped_by_extension": ignored})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
         raise
@@ -222,7 +252,7 @@ def prepared_dir(source: Path, tokenizer: Tokenizer, cache_dir: Path, text_key: 
     if (source / "meta.json").is_file():
         return source
     key = hashlib.sha256(json.dumps([SHARDS_FORMAT, tokenizer.fingerprint, text_key] + [
-        (str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in source_files(source)]).encode())
+        (str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in source_files(source)[0]]).encode())
     return cache_dir / f"{source.stem}-{key.hexdigest()[:16]}"
 
 
@@ -384,19 +414,26 @@ class PackedLoader:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Turn text files, directories or JSONL into token shards.")
     commands = parser.add_subparsers(dest="command", required=True)
-    prep = commands.add_parser("prepare", help="tokenize INPUT into shards under --out")
-    prep.add_argument("input", type=Path, help="a text file, a .jsonl file or a directory of them")
+    prep = commands.add_parser("prepare", help="tokenize INPUT... into shards under --out")
+    prep.add_argument("input", type=Path, nargs="+", help="text files, .jsonl files or directories of them")
     prep.add_argument("--out", type=Path, required=True, help="output directory (must not exist)")
     prep.add_argument("--tokenizer", default="byte", help="byte | a .tiktoken file | a tokenizer.json dir | a name")
     prep.add_argument("--eos-token", default=END_OF_TEXT)
     prep.add_argument("--text-key", default="text", help="the JSONL field that holds the text")
+    prep.add_argument("--extensions", default=",".join(s[1:] for s in TEXT_SUFFIXES),
+                      help="file extensions read from directories, comma-separated, or 'all' (named files are "
+                           "always read)")
     args = parser.parse_args(argv)
     if args.out.exists():
         raise DataError(f"--out {args.out} already exists; choose a new directory")
+    suffixes = None if args.extensions == "all" else tuple("." + e.strip(". ").lower() for e in args.extensions.split(","))
     tokenizer = load_tokenizer(args.tokenizer, args.eos_token)
-    shards = TokenShards(prepare(args.input, tokenizer, args.out, args.text_key))
-    print(f"{args.out}: {shards.num_docs} documents, {int(shards.doc_len.sum()):,} tokens "
-          f"({args.tokenizer} tokenizer, vocabulary {tokenizer.vocab_size})")
+    shards = TokenShards(prepare(args.input, tokenizer, args.out, args.text_key, suffixes=suffixes))
+    meta, binary = shards.meta, shards.meta["skipped_binary"]
+    named = f" ({', '.join(binary[:3])}{', ...' if len(binary) > 3 else ''})" if binary else ""
+    print(f"{args.out}: {shards.num_docs} documents, {int(shards.doc_len.sum()):,} tokens from "
+          f"{len(meta['sources'])} file(s) ({args.tokenizer} tokenizer, vocabulary {tokenizer.vocab_size}); skipped "
+          f"{len(binary)} binary file(s){named} and {meta['skipped_by_extension']} file(s) by extension")
 
 
 if __name__ == "__main__":

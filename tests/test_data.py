@@ -53,6 +53,24 @@ def test_prepare_text_directory_and_jsonl(tmp_path):
     assert shards.meta["dtype"] == "uint16"
 
 
+def test_prepare_several_inputs_filters_extensions_and_skips_binary_files(tmp_path, capsys):
+    corpus, notes = tmp_path / "corpus", tmp_path / "notes.txt"
+    corpus.mkdir()
+    (corpus / "a.md").write_text("alpha")
+    (corpus / "b.png").write_bytes(b"\x89PNG\r\n")  # not a text extension: never read
+    (corpus / "c.txt").write_bytes(b"text\x00with a NUL")  # binary despite its name
+    (corpus / "d.py").write_text("print(1)")
+    notes.write_text("notes")
+    data.main(["prepare", str(corpus), str(notes), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "3 documents, " in out and "from 3 file(s)" in out
+    assert f"skipped 1 binary file(s) ({corpus / 'c.txt'}) and 1 file(s) by extension" in out
+    shards = TokenShards(tmp_path / "out")
+    assert shards.meta["sources"] == [str(corpus / "a.md"), str(corpus / "d.py"), str(notes)]
+    data.main(["prepare", str(corpus), "--out", str(tmp_path / "only_md"), "--extensions", "md"])
+    assert TokenShards(tmp_path / "only_md").num_docs == 1
+
+
 def test_documents_never_span_shards(tmp_path):
     shards = unique_token_shards(tmp_path, [5, 7, 3, 9, 2], shard_tokens=10)
     assert len(shards.meta["shards"]) == 4  # [5], [7, 3], [9], [2]: a document never straddles two
@@ -73,7 +91,7 @@ def test_prepare_errors_name_the_path(tmp_path):
     with pytest.raises(DataError, match=r"bad.jsonl:2: .*'text'"):
         prepare(tmp_path / "bad.jsonl", tokenizer, tmp_path / "out")
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00")
-    with pytest.raises(DataError, match="binary.txt is not UTF-8"):
+    with pytest.raises(DataError, match="no documents with text in 1 file.*1 binary file.* skipped: .*binary.txt"):
         prepare(tmp_path / "binary.txt", tokenizer, tmp_path / "out")
     (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n\n{"text": "caf\xe9"}\n')
     with pytest.raises(DataError, match=r"latin1.jsonl:3: not UTF-8 text \(invalid continuation byte at byte 13"):
@@ -84,6 +102,13 @@ def test_prepare_errors_name_the_path(tmp_path):
     (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
     with pytest.raises(DataError, match="loop_a is a symbolic link that leads nowhere"):
         prepare(tmp_path / "loop_a", tokenizer, tmp_path / "out")
+    (tmp_path / "latin1b.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1b.jsonl:2: not UTF-8 text"):
+        prepare(tmp_path / "latin1b.jsonl", tokenizer, tmp_path / "out")
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "a.png").write_bytes(b"\x89PNG")
+    with pytest.raises(DataError, match=r"images holds no text or JSONL files \(1 file\(s\) with other extensions"):
+        prepare(tmp_path / "images", tokenizer, tmp_path / "out")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]  # no output, no temp dir
 
 
