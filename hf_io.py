@@ -205,11 +205,19 @@ def atomic_directory(out: str | Path) -> Iterator[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out.parent, f".{out.name}.tmp-")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    tmp.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 would hide the output from the group
     try:
         yield tmp
         sync_rename(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def current_umask() -> int:
+    """The process's umask (reading it means setting it, so it is set straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def read_json(path: Path) -> dict:

@@ -361,3 +361,11 @@ def test_index_and_config_of_the_wrong_shape_name_the_file_and_missing_fields_ar
     main(["to-native", str(hf), str(tmp_path / "out")])
     assert (f"{hf / 'config.json'}: 2 field(s) missing, using the defaults: initializer_range = 0.02, "
             f"rms_norm_eps = 1e-06") in capsys.readouterr().out
+
+
+def test_output_directories_get_the_permissions_of_a_plain_mkdir(tmp_path):
+    """mkdtemp makes 0700 directories; a finished output is readable as umask allows (the group too)."""
+    from hf_io import atomic_directory, current_umask
+    with atomic_directory(tmp_path / "out") as tmp:
+        (tmp / "x").write_text("x")
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~current_umask()
