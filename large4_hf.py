@@ -2,7 +2,7 @@
 
 Published checkpoints (what transformers' save_pretrained writes and the release ships) use Mistral's
 native names at the root, experts one per file entry, and a composite config.json (`text_config`,
-`vision_config`); ../shared/LARGE4.md section 3 has the full table. Every published tensor is a `Part`
+`vision_config`); LARGE4.md (repository root) names the native keys. Every published tensor is a `Part`
 of one native tensor of `large4.MistralLarge4`, so the same `Part` machinery as Flint's drives both
 directions, the key accounting and the shape checks:
 

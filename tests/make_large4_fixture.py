@@ -4,8 +4,8 @@
 
 Not part of the test suite, which needs neither this script nor transformers: the committed fixtures are
 what tests/test_large4_parity.py compares against. The reference is transformers 5.24's
-`MistralLarge4ForConditionalGeneration` (eager attention, FP32) on the parity config of ../shared/LARGE4.md
-section 2: every width distinct, KV sharing with two producers of one slot, index sharing, T > index_topk.
+`MistralLarge4ForConditionalGeneration` (eager attention, FP32) on the parity config (the `large4-parity` preset of
+large4_config.py): every width distinct, KV sharing with two producers of one slot, index sharing, T > index_topk.
 
 Writes, in tests/fixtures/large4/:
 - config.json, model.safetensors: `save_pretrained` output (the composite config, Mistral-native key names at
