@@ -1,5 +1,6 @@
-"""What bench.py measures Flint against, on the same weights: the plain eager formulation of the
-architecture, and the published implementation in transformers (FlintForCausalLM), when present.
+"""What bench.py measures against, on the same weights: the unchunked loss, the plain eager
+formulation of Flint's architecture, and the published implementation in transformers
+(FlintForCausalLM), when present.
 
 transformers is not a dependency of this repository. The reference row runs when it can be
 imported, for example from another environment's site-packages:
@@ -46,6 +47,12 @@ def plain_eager_loss(model: Flint, input_ids: torch.Tensor, targets: torch.Tenso
         mlp_in = _rms_norm(h, layer.post_attention_layernorm.weight, c.rms_norm_eps)
         h = h + (_eager_moe(layer.mlp, mlp_in) if isinstance(layer.mlp, MoE) else _swiglu(layer.mlp, mlp_in))
     logits = _rms_norm(h, model.norm.weight, c.rms_norm_eps).float() @ model.lm_head.weight.T  # [B, T, V]
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def dense_logits_loss(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Any model's loss the unchunked way: all FP32 logits at once, then one cross-entropy."""
+    logits = model(input_ids)  # [B, T, V]
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 

@@ -1,8 +1,10 @@
-"""How fast Flint trains, side by side, and where the step time goes.
+"""How fast a model trains, side by side, and where the step time goes.
 
     python bench.py                              # the CPU shape (preset bench-cpu), every comparison
     python bench.py --quick --json out.json      # a seconds-long smoke run on the tiny preset
     python bench.py --sections main --profile 25 # one step's torch.profiler table, top 25 ops
+    python bench.py --config configs/smoke.toml --sections main,compiled    # a training config's step
+    python bench.py --model.num_hidden_layers=2 --parallel.activation_checkpointing=full  # as train.py
 
 One H100/H200 (preset flint-shallow: released widths, head counts and 256 experts, top-6, the
 first 6 layers of the released schedule; MFU against the device's dense BF16 peak):
@@ -10,14 +12,22 @@ first 6 layers of the released schedule; MFU against the device's dense BF16 pea
     python bench.py --preset flint-shallow --device cuda --dtype bfloat16 --batch 2 --seq-len 4096 \
         --json flint-shallow-h200.json
 
+What is timed is read as train.py reads it: --config (a training TOML, or a config.json or a
+checkpoint directory holding one) or --preset, then --batch, --seq-len, --device and --dtype (which
+set [training] batch_size and device, [data] seq_len, [parallel] param_dtype), then train.py's
+`--section.key=value` overrides. The first row, labelled with the config, is its own step: its
+backends, loss chunks, activation checkpointing and compile setting, on one process (a layout of
+several processes is refused: memory.py sizes those). The other rows change one thing each.
+
 Every row times whole training steps as train.py takes them (forward, backward, gradient clipping,
-AdamW from train.build_optimizer) after warm-up, and reports the median of several repetitions.
-MFU divides the model's FLOPs (`Flint.flops_per_token`) per second by a peak: on the CPU the best
-matmul rate measured in this run (measured again before every row, and shown, so a row timed while
-other processes held the cores stands out), on a GPU the dense BF16 peak from a table. Peak memory
-is the peak RSS of this process on the CPU (reset per row through /proc/self/clear_refs) and
-`max_memory_allocated` on a GPU. A row that cannot run (out of memory, say) is shown as FAILED with
-its error and the run goes on. Timings on shared cores are noisy: compare rows of one run.
+AdamW from train.build_optimizer with [optim]) after warm-up, and reports the median of several
+repetitions; each row is printed as soon as it finishes. MFU divides the model's FLOPs
+(`flops_per_token`) per second by train.py's peak: [logging].peak_tflops, a GPU's dense BF16 peak
+from a table, or on the CPU the machine's matmul rate measured once and cached. The matmul rate is
+also measured before every row and shown, so a row timed while other processes held the cores stands
+out. Peak memory is the peak RSS of this process on the CPU (reset per row through
+/proc/self/clear_refs) and `max_memory_allocated` on a GPU. A row that cannot run (out of memory, say)
+is shown as FAILED with its error and the run goes on. On shared cores, compare rows of one run.
 """
 
 from __future__ import annotations
@@ -37,32 +47,26 @@ import statistics
 import sys
 import time
 import warnings
-from collections import defaultdict
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
 from attention import FULL, SLIDING, build_masks, resolve_backend
-from baselines import plain_eager_loss, transformers_loss, transformers_reference
-from config import OptimSection
-from model import Attention, Flint, FlintConfig, Head, Sinks, build_model, rope_tables
-from moe import GroupedExperts, Router, SwiGLU
-from parallel import apply_compile
-from train import GPU_PEAK_TFLOPS, build_optimizer
+from baselines import dense_logits_loss, plain_eager_loss, transformers_loss, transformers_reference
+from config import ConfigError, OptimSection, TrainConfig, config_from_tables, model_family, read_tables
+from model import build_model, rope_tables
+from models import ModelConfig, model_class
+from parallel import apply_activation_checkpointing, apply_compile
+from profiling import OPTIMIZER, RANGE, profile_step, synchronize
+from train import CPU_PEAK_CACHE, Run, build_optimizer, run_peak_flops
 
 SECTIONS = ("main", "compiled", "baseline", "reference", "attention", "experts", "loss", "sweep")
 
 
 # ============================================================================= measuring
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def time_calls(fn: Callable[[], object], warmup: int, reps: int, device: torch.device) -> tuple[list[float], float]:
     """Seconds of each of `reps` calls after `warmup` calls, and the seconds the warm-up took."""
@@ -106,37 +110,28 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, size: int) -> float:
     return 2 * size**3 / min(seconds)
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, measured: list[float]) -> tuple[float, str]:
-    """FLOP/s to divide by for MFU, and where the number comes from.
-
-    On the CPU: the best matmul rate measured in this run (it is measured before every row, so a
-    row timed while other processes held the cores shows up as a low rate next to it).
-    """
+def peak_flops(cfg: TrainConfig, device: torch.device) -> tuple[float | None, str]:
+    """FLOP/s to divide by for MFU, as train.py takes it for one process, and where it comes from;
+    None for a GPU missing from train.GPU_PEAK_TFLOPS (then: the best matmul rate of this run)."""
+    peak = run_peak_flops(cfg, Run(0, 1, 0, 1, device))
+    if cfg.logging.peak_tflops:
+        return peak, f"[logging].peak_tflops, {cfg.where('logging.peak_tflops')}"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        table = next((tflops * 1e12 for key, tflops in GPU_PEAK_TFLOPS if key in name), None)
-        if table:
-            return table, f"dense BF16 peak of {name} (train.GPU_PEAK_TFLOPS)"
-        return max(measured), f"best {str(dtype).removeprefix('torch.')} matmul rate measured in this run ({name} is not in the table)"
-    return max(measured), f"best {str(dtype).removeprefix('torch.')} matmul rate measured in this run, {torch.get_num_threads()} threads"
+        return peak, (f"dense BF16 peak of {name} (train.GPU_PEAK_TFLOPS)" if peak else
+                      f"best matmul rate measured in this run ({name} is not in train.GPU_PEAK_TFLOPS)")
+    return peak, f"this machine's FP32 matmul rate on {os.cpu_count()} cores, measured once ({CPU_PEAK_CACHE})"
 
 
 # ============================================================================= the step and the split
 
-def flint_loss(model: Flint, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def model_loss(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return model(input_ids, targets)
 
 
-def dense_logits_loss(model: Flint, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """All FP32 logits at once, then one cross-entropy: the unchunked loss."""
-    logits = model(input_ids)  # [B, T, V]
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-
-
-def training_step(model: Flint, input_ids: torch.Tensor, targets: torch.Tensor,
-                  loss_fn: Callable) -> Callable[[], None]:
+def training_step(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor,
+                  loss_fn: Callable, optim: OptimSection) -> Callable[[], None]:
     """train.py's step on one micro-batch: loss, backward, clip the gradient norm, AdamW."""
-    optim = OptimSection()
     optimizer = build_optimizer(model, optim, input_ids.device)
 
     def step() -> None:
@@ -146,93 +141,6 @@ def training_step(model: Flint, input_ids: torch.Tensor, targets: torch.Tensor,
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return step
-
-
-# Each timed module opens a profiler range named RANGE + category around its forward; its backward
-# is found through the autograd sequence numbers of the ops it ran. Innermost range wins.
-RANGE = "bench/"
-TIMED_MODULES = ((Sinks, "attention core"), (Attention, "attention proj/norm/rope"), (Router, "router"),
-                 (GroupedExperts, "routed experts"), (SwiGLU, "dense MLP + shared expert"),
-                 (Head, "head + loss"))
-OPTIMIZER = "optimizer (clip + AdamW)"
-OTHER = "other (embedding, norms, residuals, overhead)"
-SPLIT_ORDER = [name for _, name in TIMED_MODULES] + [OPTIMIZER, OTHER]
-
-
-@contextmanager
-def module_ranges(model: torch.nn.Module):
-    """Profiler ranges around the timed modules' forwards, placed from outside with hooks."""
-    handles, open_ranges = [], []
-
-    def opener(category: str):
-        def pre_hook(module, args):
-            open_ranges.append(record_function(RANGE + category).__enter__())
-        return pre_hook
-
-    def close(module, args, output):
-        open_ranges.pop().__exit__(None, None, None)
-
-    for module in model.modules():
-        category = next((name for cls, name in TIMED_MODULES if type(module) is cls), None)
-        if category is not None:
-            handles.append(module.register_forward_pre_hook(opener(category)))
-            handles.append(module.register_forward_hook(close))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def split_step(events, step_seconds: float, device: torch.device) -> dict[str, float]:
-    """Attribute one profiled step's time to categories -> {category: fraction of the step}.
-
-    Forward ops belong to the innermost timed module around them. A backward op
-    (`autograd::engine::evaluate_function: ...`) carries the sequence number of the forward op
-    that created its autograd node, so it goes to that op's module. On a GPU, device time is used.
-    """
-    def above(event) -> list[str]:  # names of the events around this one, innermost first
-        names, parent = [], event.cpu_parent
-        while parent is not None:
-            names.append(parent.name)
-            parent = parent.cpu_parent
-        return names
-
-    def module_of(names: list[str]) -> str | None:
-        return next((name[len(RANGE):] for name in names if name.startswith(RANGE)), None)
-
-    module_of_node = {}
-    for event in events:
-        module = module_of(above(event)) if event.sequence_nr >= 0 else None
-        if module is not None:
-            module_of_node[(event.thread, event.sequence_nr)] = module
-    seconds = defaultdict(float)
-    for event in events:
-        names = above(event)
-        if event.name.startswith(RANGE) or not all(name.startswith(RANGE) for name in names):
-            continue  # only outermost ops are timed, so nothing counts twice
-        if event.name.startswith("autograd::engine::evaluate_function"):
-            category = module_of_node.get((event.fwd_thread, event.sequence_nr), OTHER)
-        else:
-            category = module_of(names) or OTHER
-        micros = event.device_time_total if device.type == "cuda" else event.time_range.elapsed_us()
-        seconds[category] += micros / 1e6
-    seconds[OTHER] += max(step_seconds - sum(seconds.values()), 0.0)  # Python and framework time
-    total = sum(seconds.values())
-    return {name: seconds[name] / total for name in SPLIT_ORDER}
-
-
-def profile_step(model: Flint, step: Callable[[], None], device: torch.device, table_rows: int) -> dict[str, float]:
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with module_ranges(model), profile(activities=activities) as prof:
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        step_seconds = time.perf_counter() - start
-    if table_rows:
-        sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort_by, row_limit=table_rows))
-    return split_step(prof.events(), step_seconds, device)
 
 
 # ============================================================================= graph counts
@@ -247,17 +155,29 @@ def compiled_graph_counts() -> dict[str, int]:
 
 @dataclasses.dataclass
 class Bench:
-    """What every row shares: the shape, the device, the repetitions, and the rows so far."""
+    """What every row shares: the config (model, shape, optimizer, checkpointing, compile), the
+    device, the repetitions, the peak for MFU, and the rows so far."""
 
-    config: FlintConfig
-    batch: int
-    seq_len: int
+    cfg: TrainConfig
     device: torch.device
     dtype: torch.dtype
     warmup: int
     reps: int
     matmul_size: int
+    peak: float | None  # FLOP/s for MFU; None: known only at the end (peak_flops)
     rows: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.cfg.model_config
+
+    @property
+    def batch(self) -> int:
+        return self.cfg.training.batch_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.cfg.data.seq_len
 
     @property
     def tokens(self) -> int:
@@ -269,34 +189,43 @@ class Bench:
         ids = ids.to(self.device)
         return ids[:, :-1], ids[:, 1:]  # inputs and next-token targets, [B, T] each
 
-    def model(self, **overrides) -> Flint:
-        return build_model(dataclasses.replace(self.config, **overrides), self.device, self.dtype, seed=0)
+    def model(self, **overrides) -> torch.nn.Module:
+        config = dataclasses.replace(self.config, **overrides)
+        model = build_model(config, self.device, self.dtype, seed=0, model_class=model_class(config))
+        apply_activation_checkpointing(model, self.cfg.parallel.activation_checkpointing)
+        return model
 
-    def measure_row(self, name: str, note: str, measure: Callable[[], dict]) -> dict:
-        """Measure the machine's matmul rate, start a new memory peak, then time the row.
+    def measure_row(self, label: str, name: str, note: str, measure: Callable[[], dict]) -> dict:
+        """Measure the machine's matmul rate, start a new memory peak, then time the row; its label and
+        name are printed when it starts, its numbers as soon as it ends.
 
         A row that cannot run here (out of memory, an op this device lacks) is recorded with its
         error and shown in the table, so the other rows of a long run still come back.
         """
-        print(f"  timing {name} ...", flush=True)
-        row = {"name": name, "note": note, "matmul_flops": matmul_rate(self.device, self.dtype, self.matmul_size)}
+        print(f"{label:<{LABEL_WIDTH}} {name:<{NAME_WIDTH}}", end=" ", flush=True)
+        row = {"label": label, "name": name, "note": note,
+               "matmul_flops": matmul_rate(self.device, self.dtype, self.matmul_size)}
         reset_peak_memory(self.device)
         try:
             timed = measure()
         except ImportError as error:  # an optional row (transformers): shown as skipped
             row["error"] = f"skipped: {error}"
-            print(f"  {name} skipped: {error}", flush=True)
         except Exception as error:  # reported in the table and the JSON, never dropped
             row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
-            print(f"  {name} failed: {row['error']}", flush=True)
         else:
             step = statistics.median(timed["step_s_all"])
             row.update(timed, step_s=step, tokens_per_s=self.tokens / step,
                        peak_memory_gib=peak_memory_gib(self.device))
+            if self.peak:
+                row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / self.peak
+        profile_table = row.pop("profile_table", "")
+        print(row_columns(row), flush=True)
+        if profile_table:
+            print(profile_table, flush=True)
         self.rows.append(row)
         return row
 
-    def train(self, name: str, note: str, loss_fn: Callable = flint_loss, compile_blocks: bool = False,
+    def train(self, label: str, name: str, note: str, loss_fn: Callable = model_loss, compile_blocks: bool = False,
               split_rows: int | None = None, **overrides) -> dict:
         """Time training steps of a fresh model built with `overrides`; optionally split one step."""
         def measure() -> dict:
@@ -304,7 +233,7 @@ class Bench:
             if compile_blocks:
                 torch._dynamo.reset()  # compile afresh: every round counts and times its own compilation
                 apply_compile(model)  # fullgraph: a graph break fails the row
-            step = training_step(model, *self.inputs(), loss_fn)
+            step = training_step(model, *self.inputs(), loss_fn, self.cfg.optim)
             torch._dynamo.utils.counters.clear()
             seconds, warmup_seconds = time_calls(step, self.warmup, self.reps, self.device)
             timed = {"step_s_all": seconds, "warmup_s": warmup_seconds,
@@ -312,22 +241,22 @@ class Bench:
             if compile_blocks:
                 timed.update(compiled_graph_counts())
             if split_rows is not None:
-                timed["split"] = profile_step(model, step, self.device, split_rows)
+                timed["split"], timed["profile_table"] = profile_step(model, step, self.device, split_rows)
             return timed
-        return self.measure_row(name, note, measure)
+        return self.measure_row(label, name, note, measure)
 
-    def reference(self, name: str, note: str) -> dict:
+    def reference(self, label: str, name: str, note: str) -> dict:
         """Time training steps of transformers' FlintForCausalLM on this shape's weights (baselines.py);
         a skipped row when transformers cannot be imported."""
         def measure() -> dict:
             model = transformers_reference(self.model())
-            step = training_step(model, *self.inputs(), transformers_loss)
+            step = training_step(model, *self.inputs(), transformers_loss, self.cfg.optim)
             seconds, warmup_seconds = time_calls(step, self.warmup, self.reps, self.device)
             return {"step_s_all": seconds, "warmup_s": warmup_seconds,
                     "flops_per_token": flops_per_token(self.config, self.seq_len)}
-        return self.measure_row(name, note, measure)
+        return self.measure_row(label, name, note, measure)
 
-    def forward(self, name: str, note: str, **overrides) -> dict:
+    def forward(self, label: str, name: str, note: str, **overrides) -> dict:
         """Time forwards without autograd (the only mode of flex attention on the CPU)."""
         def measure() -> dict:
             model = self.model(**overrides)
@@ -336,7 +265,7 @@ class Bench:
                 seconds, warmup_seconds = time_calls(lambda: model(input_ids), self.warmup, self.reps, self.device)
             return {"step_s_all": seconds, "warmup_s": warmup_seconds,
                     "flops_per_token": model.flops_per_token(self.seq_len) / 3}  # forward: a third
-        return self.measure_row(name, note, measure)
+        return self.measure_row(label, name, note, measure)
 
 
 def attention_sweep(bench: Bench, lengths: list[int], tokens: int, reps: int) -> list[dict]:
@@ -348,13 +277,14 @@ def attention_sweep(bench: Bench, lengths: list[int], tokens: int, reps: int) ->
     backend = resolve_backend(bench.config.attention_backend, bench.device)
     if backend == "flex" and bench.device.type == "cpu":
         backend = "sdpa"  # flex has no CPU backward
+    print("\none attention layer (projections + core), forward + backward, by sequence length:")
+    print(f"  {'layer':<18} {'length':>7} {'batch':>6} {'ms':>10} {'us/token':>10} {'vs first':>9}", flush=True)
     points = []
     for layer_type in (SLIDING, FULL):
         one_layer = dataclasses.replace(bench.config, num_hidden_layers=1, layer_types=[layer_type],
                                         schedule_num_hidden_layers=None, no_rope_layer_indices=None)
         attention = build_model(one_layer, bench.device, bench.dtype, seed=0).layers["0"].self_attn
         for seq_len in lengths:
-            print(f"  timing one {layer_type} layer at length {seq_len} ...", flush=True)
             batch = max(1, tokens // seq_len)
             x = torch.randn(batch, seq_len, one_layer.hidden_size, device=bench.device, dtype=bench.dtype,
                             requires_grad=True)
@@ -365,80 +295,95 @@ def attention_sweep(bench: Bench, lengths: list[int], tokens: int, reps: int) ->
             step = statistics.median(seconds)
             points.append({"layer": layer_type, "seq_len": seq_len, "batch": batch, "ms": step * 1e3,
                            "us_per_token": step * 1e6 / (batch * seq_len)})
+            first = next(p for p in points if p["layer"] == layer_type)["us_per_token"]
+            print(f"  {layer_type:<18} {seq_len:>7} {batch:>6} {step * 1e3:>10.1f} {points[-1]['us_per_token']:>10.2f} "
+                  f"{points[-1]['us_per_token'] / first:>8.2f}x", flush=True)
             del x, mask
+    print("  (us/token flat with length: cost linear in length; rising in proportion: quadratic)")
     return points
 
 
 # ============================================================================= the run
 
-def run(args: argparse.Namespace) -> dict:
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
-    config = load_config(args)
-    bench = Bench(config, args.batch, args.seq_len, device, dtype, args.warmup, args.reps, args.matmul_size)
-    print(f"{config_name(args)}: batch {args.batch} x {args.seq_len} tokens, {device.type} {args.dtype}, "
-          f"{torch.get_num_threads()} threads, {args.warmup} warm-up + {args.reps} timed steps per row, "
-          f"{args.rounds} round(s)")
+def run(args: argparse.Namespace, cfg: TrainConfig, device: torch.device) -> dict:
+    config, dtype = cfg.model_config, cfg.parallel.compute_dtype(device.type)
+    batch, seq_len = cfg.training.batch_size, cfg.data.seq_len
+    peak, peak_source = peak_flops(cfg, device)
+    bench = Bench(cfg, device, dtype, args.warmup, args.reps, args.matmul_size, peak)
+    print(f"{source_label(args, cfg)}: {model_family(cfg)}, batch {batch} x {seq_len} tokens, {device_name(device)}, "
+          f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, {args.warmup} warm-up + "
+          f"{args.reps} timed steps per row (median), {args.rounds} round(s); MFU against "
+          f"{f'{peak / 1e12:.3f} TFLOP/s' if peak else 'the best matmul rate'} ({peak_source})")
+    print(table_header(), flush=True)
     for _ in range(args.rounds):
-        time_rows(bench, set(args.sections), args.profile)
+        time_rows(bench, source_label(args, cfg), set(args.sections), args.profile)
     rates = [row["matmul_flops"] for row in bench.rows] or [matmul_rate(device, dtype, args.matmul_size)]
+    if not peak:
+        peak = max(rates)
+        for row in bench.rows:
+            if "error" not in row:
+                row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / peak
     bench.rows = best_rounds(bench.rows)
     notes = []
     if any(row["name"] == "plain eager baseline" and "error" not in row for row in bench.rows):
         model, inputs = bench.model(), bench.inputs()  # the baseline must compute the same network
         with torch.no_grad():
-            gap = abs(flint_loss(model, *inputs).item() - plain_eager_loss(model, *inputs).item())
-        notes.append(f"baseline and flint losses agree to {gap:.2e} (same weights, same batch)")
-    peak, peak_source = peak_flops(device, dtype, rates)
-    for row in bench.rows:
-        if "error" not in row:
-            row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / peak
-    result = {"config": config_name(args), "hf_config": config.to_hf_config(), "batch": args.batch,
-              "seq_len": args.seq_len, "device": device.type, "device_name": device_name(device),
-              "dtype": args.dtype, "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-              "warmup": args.warmup, "reps": args.reps, "rounds": args.rounds, "peak_flops": peak,
-              "peak_source": peak_source, "flops_per_token": flops_per_token(config, args.seq_len),
-              "rows": bench.rows, "notes": notes}
+            gap = abs(model_loss(model, *inputs).item() - plain_eager_loss(model, *inputs).item())
+        notes.append(f"baseline and {model_family(cfg)} losses agree to {gap:.2e} (same weights, same batch)")
+    result = {"config": source_label(args, cfg), "family": model_family(cfg), "hf_config": config.to_hf_config(),
+              "batch": batch, "seq_len": seq_len, "device": device.type, "device_name": device_name(device),
+              "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "warmup": args.warmup, "reps": args.reps,
+              "rounds": args.rounds, "peak_flops": peak, "peak_source": peak_source,
+              "flops_per_token": flops_per_token(config, seq_len), "rows": bench.rows, "notes": notes}
     if "sweep" in args.sections:
         result["sweep"] = attention_sweep(bench, args.sweep_lengths, args.sweep_tokens, args.sweep_reps)
-    print_report(result)
+    print_summary(result)
     return result
 
 
-def time_rows(bench: Bench, sections: set[str], profile_rows: int) -> None:
-    """One round: every row of the chosen sections, one after another."""
+def time_rows(bench: Bench, own_label: str, sections: set[str], profile_rows: int) -> None:
+    """One round: every row of the chosen sections, one after another. The first is the config's own
+    step (labelled with the config); the others change one thing (variant) or compare (baseline,
+    reference)."""
     config, device, tokens = bench.config, bench.device, bench.tokens
+    family, parallel = model_family(bench.cfg), bench.cfg.parallel
+    compiled, checkpointing = parallel.compile, parallel.activation_checkpointing
     backend = resolve_backend(config.attention_backend, device)
     loss_note = "one chunk" if tokens <= config.loss_chunk_size else f"chunks of {config.loss_chunk_size} rows"
+    modes = {False: "eager", True: "compiled per block"}
     if "main" in sections:
-        bench.train("flint (eager)", f"{backend}, {config.experts_backend} experts, loss in {loss_note}",
+        bench.train(own_label, f"{family} ({modes[compiled]})", f"{backend}, {config.experts_backend} experts, "
+                    f"loss in {loss_note}, checkpointing {checkpointing}", compile_blocks=compiled,
                     split_rows=profile_rows)
     if "compiled" in sections:
-        bench.train("flint (compiled per block)", "torch.compile(fullgraph=True) per decoder block; warm-up compiles",
-                    compile_blocks=True)
+        bench.train("variant", f"{family} ({modes[not compiled]})",
+                    "torch.compile(fullgraph=True) per block; warm-up compiles" if not compiled else "not compiled",
+                    compile_blocks=not compiled)
     if "baseline" in sections:
-        bench.train("plain eager baseline", "scores + sink column + softmax, grouped GEMM, unchunked loss",
+        bench.train("baseline", "plain eager baseline", "scores + sink column + softmax, grouped GEMM, unchunked loss",
                     loss_fn=plain_eager_loss)
     if "reference" in sections:
-        bench.reference("transformers reference", "FlintForCausalLM: eager attention, grouped_mm experts, all logits")
+        bench.reference("reference", "transformers reference",
+                        "FlintForCausalLM: eager attention, grouped_mm experts, all logits")
     if "attention" in sections:
         if device.type == "cpu":  # flex has no CPU backward: compare forwards
-            bench.forward("attention sdpa (forward only)", "no autograd", attention_backend="sdpa")
-            bench.forward("attention flex (forward only)", "eager flex, no autograd (no CPU backward)",
+            bench.forward("variant", "attention sdpa (forward only)", "no autograd", attention_backend="sdpa")
+            bench.forward("variant", "attention flex (forward only)", "eager flex, no autograd (no CPU backward)",
                           attention_backend="flex")
         else:
             other = "sdpa" if backend == "flex" else "flex"
-            bench.train(f"attention {other}", f"flint (eager) uses {backend}", attention_backend=other)
+            bench.train("variant", f"attention {other}", f"the config uses {backend}", attention_backend=other)
     if "experts" in sections:
         other = "loop" if config.experts_backend == "grouped" else "grouped"
-        bench.train(f"experts {other}", f"flint (eager) uses {config.experts_backend}", experts_backend=other)
+        bench.train("variant", f"experts {other}", f"the config uses {config.experts_backend}", experts_backend=other)
     if "loss" in sections:
         chunk = max(1, tokens // 4)
-        bench.train(f"loss in chunks of {chunk} rows", "each chunk's logits recomputed in backward",
+        bench.train("variant", f"loss in chunks of {chunk} rows", "each chunk's logits recomputed in backward",
                     loss_chunk_size=chunk)
         if tokens > config.loss_chunk_size:
-            bench.train("loss in one chunk", "logits recomputed in backward", loss_chunk_size=tokens)
-        bench.train("loss unchunked (logits + cross_entropy)", "all logits saved for backward",
+            bench.train("variant", "loss in one chunk", "logits recomputed in backward", loss_chunk_size=tokens)
+        bench.train("variant", "loss unchunked (logits + cross_entropy)", "all logits saved for backward",
                     loss_fn=dense_logits_loss)
 
 
@@ -459,72 +404,113 @@ def best_rounds(rows: list[dict]) -> list[dict]:
     return best
 
 
-def flops_per_token(config: FlintConfig, seq_len: int) -> float:
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     with torch.device("meta"):  # counting needs the shapes only
-        return Flint(config).flops_per_token(seq_len)
+        return model_class(config)(config).flops_per_token(seq_len)
 
 
-def load_config(args: argparse.Namespace) -> FlintConfig:
+# ============================================================================= what is timed
+
+# Flags that set a config key, and their values for a config built from --preset or a config.json.
+FLAG_KEYS = {"batch": ("training", "batch_size", 4), "seq_len": ("data", "seq_len", 512),
+             "device": ("training", "device", "cpu"), "dtype": ("parallel", "param_dtype", "auto")}
+
+
+def load_bench_config(args: argparse.Namespace) -> TrainConfig:
+    """The config to time, read and checked as train.py reads one: a training TOML, or tables built from
+    --preset / a config.json; then the flags of FLAG_KEYS, then the --section.key=value overrides."""
+    if args.config and args.config.suffix == ".toml":
+        tables, path, origins = read_tables(args.config)
+    else:
+        named = any(o.split("=")[0] in ("--model.hf_config", "--model.init_from") for o in args.overrides)
+        model = {"hf_config": str(args.config)} if args.config else {"preset": args.preset or "bench-cpu"}
+        tables = {"model": {} if named and not args.config and not args.preset else model}
+        path, origins = Path("bench.py"), {}  # errors call a default "bench.py (default)"
+        if args.config or args.preset:
+            origins[f"model.{next(iter(model))}"] = f"command line --{'config' if args.config else 'preset'}"
+        for section, key, default in FLAG_KEYS.values():
+            tables.setdefault(section, {})[key] = default
+    for flag, (section, key, _) in FLAG_KEYS.items():
+        if getattr(args, flag) is not None:
+            tables.setdefault(section, {})[key] = getattr(args, flag)
+            origins[f"{section}.{key}"] = f"command line --{flag.replace('_', '-')}"
+    return config_from_tables(tables, path, origins, args.overrides)
+
+
+def bench_device(cfg: TrainConfig) -> torch.device:
+    """[training].device on one process: auto is the GPU when there is one. A layout of several
+    processes, or cuda without a GPU, is a ConfigError naming where it was set."""
+    choice = cfg.training.device
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{cfg.where('training.device')}: device cuda, but no GPU is available here; "
+                          f"use --device cpu")
+    try:
+        cfg.parallel.resolve(1, cfg.model_config.num_experts)
+    except ValueError as error:
+        layout = [f"parallel.{key}" for key in ("pp", "dp_replicate", "dp_shard", "ep", "cp")]
+        raise ConfigError(f"{cfg.where_any(layout)}: bench.py times one process on one device, but {error}; "
+                          f"set the layout's degrees to 1 (memory.py sizes a layout without GPUs)") from error
+    use_cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
+    return torch.device("cuda" if use_cuda else "cpu")
+
+
+def source_label(args: argparse.Namespace, cfg: TrainConfig) -> str:
+    """The label of the config's own row: where its model comes from."""
     if args.config:
-        return FlintConfig.from_hf_config(args.config)
-    return FlintConfig.from_name(args.preset)
-
-
-def config_name(args: argparse.Namespace) -> str:
-    return str(args.config) if args.config else f"preset {args.preset}"
+        return f"config {args.config.name}"
+    return f"preset {cfg.model.preset}" if cfg.model.preset else f"config {cfg.model.hf_config or cfg.model.init_from}"
 
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
 
 
-def print_report(result: dict) -> None:
-    print(f"\n{result['config']}, batch {result['batch']} x {result['seq_len']}, {result['device_name']}, "
-          f"{result['dtype']}; MFU against {result['peak_flops'] / 1e12:.3f} TFLOP/s ({result['peak_source']}); "
-          f"median of {result['reps']} steps, fastest of {result['rounds']} round(s)")
-    print(f"{'row':<42} {'step s':>7} {'tokens/s':>9} {'MFU %':>6} {'peak GiB':>8} {'warm-up s':>9} "
-          f"{'mm TFLOP/s':>10}  note")
-    print("-" * 120)
-    for row in result["rows"]:
-        if "error" in row:
-            status = "SKIPPED" if row["error"].startswith("skipped") else "FAILED"
-            print(f"{row['name']:<42} {status}: {row['error'].removeprefix('skipped: ')}")
-            continue
-        print(f"{row['name']:<42} {row['step_s']:>7.3f} {row['tokens_per_s']:>9.0f} {100 * row['mfu']:>6.2f} "
-              f"{row['peak_memory_gib']:>8.2f} {row['warmup_s']:>9.1f} {row['matmul_flops'] / 1e12:>10.3f}  {row['note']}")
-    print("(mm TFLOP/s: the matmul rate measured just before the row; a low one means the cores were busy)")
+# ============================================================================= printing
+
+LABEL_WIDTH, NAME_WIDTH = 22, 42
+
+
+def table_header() -> str:
+    columns = f"{'step s':>7} {'tokens/s':>9} {'MFU %':>6} {'peak GiB':>8} {'warm-up s':>9} {'mm TFLOP/s':>10}  note"
+    return f"{'label':<{LABEL_WIDTH}} {'row':<{NAME_WIDTH}} {columns}\n" + "-" * 150
+
+
+def row_columns(row: dict) -> str:
+    """A row's numbers, after its label and name (mm TFLOP/s: the matmul rate just before the row;
+    a low one means the cores were busy)."""
+    if "error" in row:
+        status = "SKIPPED" if row["error"].startswith("skipped") else "FAILED"
+        return f"{status}: {row['error'].removeprefix('skipped: ')}"
+    mfu = f"{100 * row['mfu']:>6.2f}" if "mfu" in row else f"{'-':>6}"
+    return (f"{row['step_s']:>7.3f} {row['tokens_per_s']:>9.0f} {mfu} {row['peak_memory_gib']:>8.2f} "
+            f"{row['warmup_s']:>9.1f} {row['matmul_flops'] / 1e12:>10.3f}  {row['note']}")
+
+
+def print_summary(result: dict) -> None:
+    """After the rows: the fastest round of each (several rounds), the split of the config's step, and
+    how the rows compare."""
+    if result["rounds"] > 1 or any("mfu" not in row for row in result["rows"] if "error" not in row):
+        print(f"\nfastest of {result['rounds']} round(s), MFU against {result['peak_flops'] / 1e12:.3f} TFLOP/s:")
+        print(table_header())
+        for row in result["rows"]:
+            print(f"{row['label']:<{LABEL_WIDTH}} {row['name']:<{NAME_WIDTH}} {row_columns(row)}")
+    own = result["rows"][0] if result["rows"] and result["rows"][0]["label"] == result["config"] else {}
+    if "split" in own:
+        print(f"\nstep time split ({own['name']}, one profiled step, scaled to the median {own['step_s']:.3f} s):")
+        for category, fraction in own["split"].items():
+            print(f"  {category:<46} {100 * fraction:>6.1f} %  {fraction * own['step_s']:>7.3f} s")
     rows = {row["name"]: row for row in result["rows"] if "error" not in row}
-    main = rows.get("flint (eager)")
-    if main and "split" in main:
-        print(f"\nstep time split (flint eager, one profiled step, scaled to the median {main['step_s']:.3f} s):")
-        for category, fraction in main["split"].items():
-            print(f"  {category:<46} {100 * fraction:>6.1f} %  {fraction * main['step_s']:>7.3f} s")
-    baseline = rows.get("plain eager baseline")
-    for name in ("flint (eager)", "flint (compiled per block)"):
-        if baseline and name in rows:
-            print(f"{name} vs plain eager baseline: {rows[name]['tokens_per_s'] / baseline['tokens_per_s']:.2f}x tokens/s")
-    reference = rows.get("transformers reference")
-    if reference and main:
-        ratio = main["tokens_per_s"] / reference["tokens_per_s"]
-        print(f"flint (eager) vs transformers reference: {ratio:.2f}x tokens/s")
-    compiled = rows.get("flint (compiled per block)")
+    eager, compiled = (rows.get(f"{result['family']} ({mode})") for mode in ("eager", "compiled per block"))
+    baseline, reference = rows.get("plain eager baseline"), rows.get("transformers reference")
+    pairs = [(eager, baseline), (compiled, baseline), (eager, reference), (compiled, eager)]
+    for row, other in pairs:
+        if row and other:
+            print(f"{row['name']} vs {other['name']}: {row['tokens_per_s'] / other['tokens_per_s']:.2f}x tokens/s")
     if compiled:
-        print(f"flint (compiled per block): {compiled['graphs']} graphs, {compiled['graph_breaks']} graph breaks, "
+        print(f"{compiled['name']}: {compiled['graphs']} graphs, {compiled['graph_breaks']} graph breaks, "
               f"compiled during the {compiled['warmup_s']:.1f} s warm-up")
-        if main:
-            ratio = compiled["tokens_per_s"] / main["tokens_per_s"]
-            print(f"flint (compiled per block) vs flint (eager): {ratio:.2f}x tokens/s")
     for note in result["notes"]:
         print(note)
-    if result.get("sweep"):
-        print("\none attention layer (projections + core), forward + backward, by sequence length:")
-        print(f"  {'layer':<18} {'length':>7} {'batch':>6} {'ms':>10} {'us/token':>10} {'vs first':>9}")
-        first = {}
-        for point in result["sweep"]:
-            base = first.setdefault(point["layer"], point["us_per_token"])
-            print(f"  {point['layer']:<18} {point['seq_len']:>7} {point['batch']:>6} {point['ms']:>10.1f} "
-                  f"{point['us_per_token']:>10.2f} {point['us_per_token'] / base:>8.2f}x")
-        print("  (us/token flat with length: cost linear in length; rising in proportion: quadratic)")
 
 
 def write_json(result: dict, path: Path) -> None:
@@ -536,15 +522,18 @@ def write_json(result: dict, path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; the rest must be --section.key=value overrides (checked by load_bench_config)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     shape = parser.add_mutually_exclusive_group()
-    shape.add_argument("--preset", default="bench-cpu", help="FlintConfig preset (default: bench-cpu)")
-    shape.add_argument("--config", type=Path, help="a config.json, or a checkpoint directory holding one")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=512)
+    shape.add_argument("--preset", help="a preset of the model family ([model].family; default: bench-cpu)")
+    shape.add_argument("--config", type=Path,
+                       help="a training TOML, or a config.json or checkpoint directory holding one (its architecture)")
+    parser.add_argument("--device", help="cpu | cuda | auto (default: the TOML's [training].device, else cpu)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
+                        help="bulk compute dtype (default: [parallel].param_dtype, auto: BF16 on GPUs, else FP32)")
+    parser.add_argument("--batch", type=int, help="rows per step (default: [training].batch_size, else 4)")
+    parser.add_argument("--seq-len", type=int, help="tokens per row (default: [data].seq_len, else 512)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (compiling happens here)")
     parser.add_argument("--reps", type=int, default=5, help="timed steps per row; the median is reported")
     parser.add_argument("--rounds", type=int, default=1,
@@ -562,9 +551,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny preset, batch 2 x 64, 1 rep, 1 thread, no compile, short sweep")
-    args = parser.parse_args(argv)
+    args, args.overrides = parser.parse_known_args(argv)
     if args.quick:
-        args.preset, args.config, args.batch, args.seq_len = "tiny", None, 2, 64
+        args.preset = args.preset or (None if args.config else "tiny")
+        args.batch, args.seq_len = args.batch or 2, args.seq_len or 64
         args.warmup, args.reps, args.sweep_reps, args.matmul_size = 1, 1, 1, 256
         # Tiny ops gain nothing from threads, and on busy cores each thread barrier waits for a core.
         args.threads = args.threads or 1
@@ -572,24 +562,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sweep_lengths, args.sweep_tokens = [64, 128], 128
     unknown = sorted(set(args.sections) - set(SECTIONS))
     if unknown:
-        parser.error(f"--sections: unknown section {unknown[0]!r}; choose from {','.join(SECTIONS)}")
-    for flag in ("batch", "seq_len", "reps", "rounds", "sweep_tokens", "sweep_reps", "matmul_size", "threads"):
+        raise ConfigError(f"--sections: unknown section {unknown[0]!r}; choose from {','.join(SECTIONS)}")
+    for flag in ("reps", "rounds", "sweep_tokens", "sweep_reps", "matmul_size", "threads"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
-            parser.error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+            raise ConfigError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.warmup < 0:
-        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+        raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Every mistake in the flags, config or overrides is a ConfigError before any timing."""
     args = parse_args(argv)
+    cfg = load_bench_config(args)
+    device = bench_device(cfg)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or threads)
     try:
         with warnings.catch_warnings():
             # Eager flex on the CPU is what the attention comparison measures, on purpose.
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-            result = run(args)
+            result = run(args, cfg, device)
     finally:
         torch.set_num_threads(threads)  # main() may run inside another process, such as a test
     if args.json:
@@ -599,4 +592,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as error:
+        raise SystemExit(f"error: {error}")

@@ -208,6 +208,11 @@ def resolved_summary(cfg: TrainConfig) -> str:
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
     """Read the TOML file, apply `--section.key=value` overrides, check everything."""
+    return config_from_tables(*read_tables(path), overrides)
+
+
+def read_tables(path: str | Path) -> tuple[dict, Path, dict[str, str]]:
+    """A TOML file's tables, the file, and "section.key" -> the file, for config_from_tables."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -215,8 +220,13 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
         raise ConfigError(f"cannot read config file {path}: {error.strerror}") from error
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: not valid TOML: {error}") from error
-    origins = {f"{section}.{key}": str(path) for section, table in raw.items() if isinstance(table, dict)
-               for key in table}
+    return raw, path, {f"{section}.{key}": str(path) for section, table in raw.items() if isinstance(table, dict)
+                       for key in table}
+
+
+def config_from_tables(raw: dict, path: Path, origins: dict[str, str], overrides: list[str] = ()) -> TrainConfig:
+    """Tables (changed in place) and where each key was set, then the overrides and every check: a
+    file's config, or one that a tool (bench.py) builds from its flags. Errors name `path` for defaults."""
     for override in overrides:
         section, key, value = parse_override(override)
         raw.setdefault(section, {})[key] = value

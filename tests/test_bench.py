@@ -1,21 +1,54 @@
-"""bench.py smoke test: it runs end to end and writes well-formed JSON. Speed is never asserted."""
+"""bench.py: it runs end to end, reads its config as train.py does, prints each row as it finishes,
+and stops on a bad flag with one line naming it. Speed is never asserted."""
 
+import io
 import json
 import math
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import bench
+import train
 from baselines import plain_eager_loss, transformers_loss, transformers_reference
-from model import FlintConfig, build_model
+from config import ConfigError
+from model import Flint, FlintConfig, build_model
+from profiling import OPTIMIZER, SPLIT_ORDER
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_quick_run_writes_wellformed_json(tmp_path):
+class FlushedOutput(io.StringIO):
+    """stdout that keeps what had been written at each flush."""
+
+    def __init__(self):
+        super().__init__()
+        self.at_flush: list[str] = []
+
+    def flush(self) -> None:
+        self.at_flush.append(self.getvalue())
+
+
+def test_quick_run_writes_wellformed_json(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "CPU_PEAK_CACHE", tmp_path / "cpu_peak.json")
+    monkeypatch.setattr(train, "measure_cpu_flops", lambda: 2e11)  # train.py's peak, measured once per machine
+    stdout = FlushedOutput()
+    monkeypatch.setattr(sys, "stdout", stdout)
     out = tmp_path / "bench.json"
-    bench.main(["--quick", "--json", str(out)])
+    bench.main(["--quick", "--json", str(out), "--model.num_hidden_layers=3"])
     result = json.loads(out.read_text())
     assert not list(tmp_path.glob("*.tmp")), "the temporary JSON was not renamed into place"
+
+    # Each row is on the screen as soon as it finishes: at some flush, the first row is complete and
+    # the second has not started.
+    first_done = next(text for text in stdout.at_flush if re.search(r"flint \(eager\) +[\d.]+ +\d+ ", text))
+    assert "plain eager baseline" not in first_done
+    assert re.search(r"\npreset tiny +flint \(eager\) ", first_done)  # labelled with the config
+    assert result["peak_flops"] == 2e11 and "measured once" in result["peak_source"]
 
     rows = {row["name"]: row for row in result["rows"]}
     assert {"flint (eager)", "plain eager baseline", "attention flex (forward only)"} <= set(rows)
@@ -26,20 +59,79 @@ def test_quick_run_writes_wellformed_json(tmp_path):
         for key in ("step_s", "tokens_per_s", "mfu", "peak_memory_gib"):
             assert math.isfinite(row[key]) and row[key] > 0, (row["name"], key, row[key])
         assert len(row["step_s_all"]) == result["reps"] == 1
+    assert rows["flint (eager)"]["label"] == "preset tiny" and rows["experts loop"]["label"] == "variant"
+    assert rows["flint (eager)"]["mfu"] == pytest.approx(rows["flint (eager)"]["tokens_per_s"] *
+                                                        rows["flint (eager)"]["flops_per_token"] / 2e11)
+
+    # The override reached the model: 3 layers, and the FLOPs of 3 layers.
+    config = FlintConfig.from_hf_config(result["hf_config"])
+    assert config.hidden_size == 64 and config.num_hidden_layers == 3  # the tiny preset, overridden
+    with torch.device("meta"):
+        assert rows["flint (eager)"]["flops_per_token"] == Flint(config).flops_per_token(64)
 
     split = rows["flint (eager)"]["split"]
-    assert list(split) == bench.SPLIT_ORDER
+    assert list(split) == SPLIT_ORDER
     assert all(fraction >= 0 for fraction in split.values())
     assert sum(split.values()) == pytest.approx(1.0)
     # Every timed module ran inside the profiled step, so each got some of its time.
-    for category in ("attention core", "routed experts", "router", "head + loss", bench.OPTIMIZER):
+    for category in ("attention core", "routed experts", "router", "head + loss", OPTIMIZER):
         assert split[category] > 0, category
 
     sweep = result["sweep"]
     assert {point["layer"] for point in sweep} == {"sliding_attention", "full_attention"}
     assert all(point["ms"] > 0 for point in sweep)
-    assert result["peak_flops"] > 0 and result["flops_per_token"] > 0
-    assert FlintConfig.from_hf_config(result["hf_config"]).hidden_size == 64  # the tiny preset
+    assert result["flops_per_token"] > 0
+
+
+def test_the_configs_own_step_compiles_and_checkpoints_as_its_parallel_section_says(monkeypatch):
+    """--parallel.compile=true makes the config's own row the compiled one (compiling itself is
+    tests/test_compile.py's; here it is recorded, not run), and activation checkpointing reaches it."""
+    compiled, checkpointed = [], []
+    monkeypatch.setattr(bench, "apply_compile", lambda model: compiled.append(type(model).__name__))
+    original = bench.apply_activation_checkpointing
+    monkeypatch.setattr(bench, "apply_activation_checkpointing",
+                        lambda model, mode: checkpointed.append(mode) or original(model, mode))
+    result = bench.main(["--quick", "--sections", "main", "--parallel.compile=true", "--logging.peak_tflops=1",
+                         "--parallel.activation_checkpointing=full", "--optim.grad_clip=0.5"])
+    (row,) = result["rows"]
+    assert (row["label"], row["name"]) == ("preset tiny", "flint (compiled per block)") and "error" not in row
+    assert compiled == ["Flint"] and checkpointed == ["full"] and "checkpointing full" in row["note"]
+    assert result["peak_flops"] == 1e12 and row["graph_breaks"] == 0
+
+
+def test_a_training_config_is_read_as_train_py_reads_it():
+    args = bench.parse_args(["--config", "configs/smoke.toml", "--batch", "3", "--model.num_experts=4"])
+    cfg = bench.load_bench_config(args)
+    assert (cfg.model_config.hidden_size, cfg.model_config.num_experts) == (128, 4)  # smoke.toml, overridden
+    assert (cfg.training.batch_size, cfg.data.seq_len, cfg.optim.lr) == (3, 256, 3e-3)
+    assert bench.source_label(args, cfg) == "config smoke.toml"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "huge"], r"^command line --preset: \[model\]: unknown model preset 'huge'"),
+    (["--config", "/nowhere/checkpoint"], r"^command line --config: \[model\].hf_config /nowhere/checkpoint does not"),
+    (["--model.init_from=/nowhere"], r"^command line --model.init_from: \[model\].init_from /nowhere does not exist"),
+    (["--config", "configs/flint-8gpu.toml"], r"^configs/flint-8gpu.toml: bench.py times one process .* ep \* cp = "
+                                              r"1 \* 1 \* 1 \* 8 \* 1 must equal the world size 1"),
+    (["--parallel.dp_shard=2"], r"^command line --parallel.dp_shard: bench.py times one process"),
+    (["--model.num_experts=many"], r"^command line --model.num_experts: \[model\].num_experts must be int"),
+    (["--model.hidden_sise=8"], r"^command line --model.hidden_sise: unknown key \[model\].hidden_sise"),
+    (["--reeps", "3"], r"^command line: expected --section.key=value, got '--reeps'"),
+    (["--batch", "0"], r"^command line --batch: \[training\].batch_size must be >= 1, got 0"),
+    (["--sections", "main,warp"], r"^--sections: unknown section 'warp'"),
+])
+def test_command_line_errors_are_one_line_naming_the_flag(argv, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        bench.main(argv)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_one_line_and_exit_status_1():
+    result = subprocess.run([sys.executable, "bench.py", "--device", "cuda"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr == ("error: command line --device: device cuda, but no GPU is available here; "
+                             "use --device cpu\n")
 
 
 def test_plain_eager_baseline_computes_the_same_network():
@@ -47,7 +139,7 @@ def test_plain_eager_baseline_computes_the_same_network():
     config = FlintConfig.from_name("tiny", initializer_range=0.3)  # large weights: differences would show
     model = build_model(config, seed=0)
     ids = torch.randint(0, config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
-    ours = bench.flint_loss(model, ids[:, :-1], ids[:, 1:])
+    ours = bench.model_loss(model, ids[:, :-1], ids[:, 1:])
     baseline = plain_eager_loss(model, ids[:, :-1], ids[:, 1:])
     torch.testing.assert_close(baseline, ours, rtol=1e-5, atol=1e-5)
     for p, g_ours, g_base in zip(model.parameters(), torch.autograd.grad(ours, list(model.parameters())),
@@ -63,15 +155,9 @@ def test_transformers_reference_computes_the_same_network():
     model = build_model(config, seed=0)
     reference = transformers_reference(model)
     ids = torch.randint(0, config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
-    ours = bench.flint_loss(model, ids[:, :-1], ids[:, 1:])
+    ours = bench.model_loss(model, ids[:, :-1], ids[:, 1:])
     theirs = transformers_loss(reference, ids[:, :-1], ids[:, 1:])
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
     grad_norm = torch.stack([g.norm() for g in torch.autograd.grad(ours, list(model.parameters()))]).norm()
     reference_norm = torch.stack([g.norm() for g in torch.autograd.grad(theirs, list(reference.parameters()))]).norm()
     torch.testing.assert_close(reference_norm, grad_norm, rtol=1e-4, atol=1e-6)
-
-
-def test_bad_section_names_the_flag(capsys):
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--sections", "main,warp"])
-    assert "--sections: unknown section 'warp'" in capsys.readouterr().err

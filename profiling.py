@@ -1,0 +1,112 @@
+"""Where a training step's time goes: one profiled step, its ops attributed to the modules that ran them.
+
+bench.py opens a torch.profiler range around the forward of each module kind of TIMED_MODULES (with
+hooks, from outside the model) and one around the optimizer; split_step then gives every op of the
+step to a category, forward and backward, and the rest (Python, framework) to OTHER.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from model import Attention, Head, Sinks
+from moe import GroupedExperts, Router, SwiGLU
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# Each timed module opens a profiler range named RANGE + category around its forward; its backward
+# is found through the autograd sequence numbers of the ops it ran. Innermost range wins.
+RANGE = "bench/"
+TIMED_MODULES = ((Sinks, "attention core"), (Attention, "attention proj/norm/rope"), (Router, "router"),
+                 (GroupedExperts, "routed experts"), (SwiGLU, "dense MLP + shared expert"),
+                 (Head, "head + loss"))
+OPTIMIZER = "optimizer (clip + AdamW)"
+OTHER = "other (embedding, norms, residuals, overhead)"
+SPLIT_ORDER = [name for _, name in TIMED_MODULES] + [OPTIMIZER, OTHER]
+
+
+@contextmanager
+def module_ranges(model: torch.nn.Module):
+    """Profiler ranges around the timed modules' forwards, placed from outside with hooks."""
+    handles, open_ranges = [], []
+
+    def opener(category: str):
+        def pre_hook(module, args):
+            open_ranges.append(record_function(RANGE + category).__enter__())
+        return pre_hook
+
+    def close(module, args, output):
+        open_ranges.pop().__exit__(None, None, None)
+
+    for module in model.modules():
+        category = next((name for cls, name in TIMED_MODULES if type(module) is cls), None)
+        if category is not None:
+            handles.append(module.register_forward_pre_hook(opener(category)))
+            handles.append(module.register_forward_hook(close))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def split_step(events, step_seconds: float, device: torch.device) -> dict[str, float]:
+    """Attribute one profiled step's time to categories -> {category: fraction of the step}.
+
+    Forward ops belong to the innermost timed module around them. A backward op
+    (`autograd::engine::evaluate_function: ...`) carries the sequence number of the forward op
+    that created its autograd node, so it goes to that op's module. On a GPU, device time is used.
+    """
+    def above(event) -> list[str]:  # names of the events around this one, innermost first
+        names, parent = [], event.cpu_parent
+        while parent is not None:
+            names.append(parent.name)
+            parent = parent.cpu_parent
+        return names
+
+    def module_of(names: list[str]) -> str | None:
+        return next((name[len(RANGE):] for name in names if name.startswith(RANGE)), None)
+
+    module_of_node = {}
+    for event in events:
+        module = module_of(above(event)) if event.sequence_nr >= 0 else None
+        if module is not None:
+            module_of_node[(event.thread, event.sequence_nr)] = module
+    seconds = defaultdict(float)
+    for event in events:
+        names = above(event)
+        if event.name.startswith(RANGE) or not all(name.startswith(RANGE) for name in names):
+            continue  # only outermost ops are timed, so nothing counts twice
+        if event.name.startswith("autograd::engine::evaluate_function"):
+            category = module_of_node.get((event.fwd_thread, event.sequence_nr), OTHER)
+        else:
+            category = module_of(names) or OTHER
+        micros = event.device_time_total if device.type == "cuda" else event.time_range.elapsed_us()
+        seconds[category] += micros / 1e6
+    seconds[OTHER] += max(step_seconds - sum(seconds.values()), 0.0)  # Python and framework time
+    total = sum(seconds.values())
+    return {name: seconds[name] / total for name in SPLIT_ORDER}
+
+
+def profile_step(model: torch.nn.Module, step: Callable[[], None], device: torch.device,
+                 table_rows: int) -> tuple[dict[str, float], str]:
+    """One profiled step: its split (split_step), and the top `table_rows` ops as a table ("" for 0)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with module_ranges(model), profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        step_seconds = time.perf_counter() - start
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=table_rows) if table_rows else ""
+    return split_step(prof.events(), step_seconds, device), table
