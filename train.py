@@ -326,12 +326,14 @@ def is_compile_error(error: BaseException) -> bool:
 
 def build_optimizer(model: torch.nn.Module, o: OptimSection, device: torch.device) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices (2-D weights and the stacked 3-D expert matrices), not on
-    norms or sinks. Fused kernels on GPUs, multi-tensor (foreach) on the CPU."""
+    norms or sinks. The fused kernel on every device, eager: on the bench-cpu shape (20 M
+    parameters, 2 shared cores) one step took 12-16 ms fused, 52-73 ms multi-tensor (foreach)
+    and 18-35 ms as a torch.compile'd foreach step (after 6 s of compiling, 47 s cold), so the
+    step is not compiled. `device` is where the parameters live."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    fused = device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused, foreach=not fused)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
 
 
 def learning_rate(step: int, o: OptimSection, total: int) -> float:

@@ -20,6 +20,7 @@ from model import FlintConfig, build_model
 from models import model_class
 from parallel import ParallelConfig, build_mesh, cp_token_index, init_weights, parallelize
 from test_large4 import randomized
+from test_train import adamw_matches_plain
 
 SLOW = os.environ.get("FLINT_SLOW") == "1"
 slow = pytest.mark.skipif(not SLOW, reason="larger layouts: run with FLINT_SLOW=1")
@@ -437,6 +438,30 @@ def test_meta_init_matches_one_process():
 def test_large4_meta_init_matches_one_process():
     """Large 4 built on meta in a group of one (HSDP and FSDP x EP: the slow checkpoint test)."""
     in_process_group(check_meta_init, [{}], "large4")
+
+
+# ----------------------------------------------------------------------------- the optimizer on shards
+
+def check_optimizer_on_shards(layouts: list[dict]) -> None:
+    config = tiny_config()
+    for layout in layouts:
+        cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
+        pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
+        assert all(p.dtype == torch.float32 for p in pm.module.parameters()), layout
+        assert all(isinstance(p, DTensor) for p in pm.module.parameters()), layout
+        adamw_matches_plain(pm.module, build(config))
+
+
+def test_the_optimizer_steps_like_plain_adamw_on_shards():
+    """train.build_optimizer's fused AdamW on FSDP DTensors (FP32 master weights of a BF16 policy,
+    in a group of one) gives the weights of a plain AdamW on plain tensors."""
+    in_process_group(check_optimizer_on_shards, [{"param_dtype": "bfloat16"}])
+
+
+@slow
+def test_the_optimizer_steps_like_plain_adamw_on_two_ranks():
+    """... and on FSDP and expert-parallel shards of two ranks (Shard and _StridedShard)."""
+    spawn(2, check_optimizer_on_shards, [{"dp_shard": 2}, {"ep": 2, "dp_shard": 1}])
 
 
 # ----------------------------------------------------------------------------- checkpoints across layouts
