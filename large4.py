@@ -10,7 +10,8 @@ layer 0 is dense and the others route to 4 of 128 softmax-scored experts plus a 
 LARGE4.md (repository root) gives every formula, shape and checkpoint key; large4_config.py the config.
 
 State shared between layers (the rope tables, a source layer's latent and rotated key, the
-previous layer's selection) is an explicit block input built once per forward, never a mutable
+previous layer's selection and the attention mask built from it) is an explicit block input built
+once per forward (the mask once per group of layers sharing a selection), never a mutable
 dictionary: a checkpointed or pipelined block is then a pure function of its arguments.
 """
 
@@ -22,8 +23,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import (FULL, dense_mask, flex_masked_attention, layer_mask_mod, masked_attention, resolve_backend,
-                       selection_mask, top_keys)
+from torch.nn.attention.flex_attention import BlockMask
+
+from attention import (Mask, Visibility, flex_masked_attention, masked_attention, resolve_backend,
+                       selection_attention_mask, top_keys)
 from large4_config import PRESETS, Large4Config  # noqa: F401  (PRESETS: re-exported for users of large4)
 from model import Flint, Head, RMSNorm, build_model, document_positions, sample, seeded_normal
 from moe import MoE, SwiGLU
@@ -130,7 +133,7 @@ class Indexer(nn.Module):
         self.requires_grad_(False)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, cos, sin, log_positions, allowed: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos, sin, log_positions, visible: Visibility,
                 cache: "LayerCache | None" = None) -> torch.Tensor:
         """x [B, T, H] -> key indices [B, T, min(index_topk, S)], -1 where no visible key is left."""
         batch, seq_len, _ = x.shape
@@ -144,7 +147,7 @@ class Indexer(nn.Module):
         if cache is not None:
             k = cache.extend("index_keys", k)  # [B, S, D]
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads ** -0.5
-        return top_keys(q, k, weights, allowed, min(self.top_k, k.shape[1]), self.chunk)
+        return top_keys(q, k, weights, visible, min(self.top_k, k.shape[1]), self.chunk)
 
 
 class LayerCache:
@@ -195,10 +198,10 @@ class MLAttention(nn.Module):
         latent, rope_key = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         return self.kv_a_layernorm(latent), (rotate(rope_key, cos, sin) if self.rope_dim else None)
 
-    def forward(self, x: torch.Tensor, cos, sin, log_positions, allowed: torch.Tensor, latent: torch.Tensor,
-                rope_key: torch.Tensor | None, backend: str = "sdpa") -> torch.Tensor:
-        """x [B, T, H] queries; latent [B, S, r] and rope_key [B, S, R] keys; allowed [B, 1, T, S];
-        backend flex (FlexAttention) or sdpa (dense scores)."""
+    def forward(self, x: torch.Tensor, cos, sin, log_positions, mask: Mask, latent: torch.Tensor,
+                rope_key: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, H] queries; latent [B, S, r] and rope_key [B, S, R] keys; mask: a BlockMask
+        (FlexAttention) or bool [B, 1, T, S] (dense scores)."""
         batch, seq_len, _ = x.shape
         q = self.q_proj(x).view(batch, seq_len, self.heads, self.qk_dim)
         if self.rope_dim:
@@ -210,8 +213,8 @@ class MLAttention(nn.Module):
         k, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [B, heads, S, nope], [B, heads, S, v]
         if self.rope_dim:
             k = torch.cat([k, rope_key.unsqueeze(1).expand(batch, self.heads, keys, self.rope_dim)], dim=-1)
-        attend = flex_masked_attention if backend == "flex" else masked_attention
-        out = attend(q, k, v, allowed, self.qk_dim ** -0.5)  # [B, heads, T, v]
+        attend = flex_masked_attention if isinstance(mask, BlockMask) else masked_attention
+        out = attend(q, k, v, mask, self.qk_dim ** -0.5)  # [B, heads, T, v]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.v_dim))
 
 
@@ -219,11 +222,13 @@ class Large4Block(nn.Module):
     """Pre-norm: h = x + attention(norm(x)); y = h + mlp(norm(h)); dense or MoE by schedule.
 
     A pure function of its arguments (see the module docstring):
-    (x, cos, sin, log_positions, allowed, src_latent, src_rope_key, prev_indices)
-        -> (y, own_latent, own_rope_key, indices)
+    (x, cos, sin, log_positions, visible, src_latent, src_rope_key, prev_indices, prev_mask)
+        -> (y, own_latent, own_rope_key, indices, mask)
     own_* are None on a KV consumer; indices is None when attention is dense (every query may
-    attend index_topk keys or fewer), else [B, T, k] with -1 for invalid slots. `cache` (generation)
-    and `backend` (flex | sdpa) are keyword settings, not state.
+    attend index_topk keys or fewer), else [B, T, k] with -1 for invalid slots. A layer whose
+    indexer selects starts a group: it builds the group's attention mask from its selection, once,
+    and returns it; the other layers attend with prev_mask. `cache` (generation) and `backend`
+    (flex | sdpa: how a new mask is realised) are keyword settings, not state.
     """
 
     def __init__(self, config: Large4Config, index: int, dtype: torch.dtype | None = None):
@@ -240,23 +245,28 @@ class Large4Block(nn.Module):
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype)
 
-    def forward(self, x, cos, sin, log_positions, allowed, src_latent=None, src_rope_key=None, prev_indices=None,
-                cache: LayerCache | None = None, backend: str = "sdpa"):
+    def forward(self, x, cos, sin, log_positions, visible: Visibility, src_latent=None, src_rope_key=None,
+                prev_indices=None, prev_mask: Mask | None = None, cache: LayerCache | None = None,
+                backend: str = "sdpa"):
         attn_in = self.input_layernorm(x)
         latent, rope_key, own = src_latent, src_rope_key, self.source == self.index
         if own:
             latent, rope_key = self.self_attn.latent(attn_in, cos, sin)
             if cache is not None:
                 latent, rope_key = cache.extend("latent", latent), cache.extend("rope_key", rope_key)
-        indices = prev_indices
-        if hasattr(self.self_attn, "indexer"):
-            # Every visible key would be selected: skip the indexer, unless generation needs its keys cached.
-            dense = cache is None and latent.shape[1] <= self.self_attn.indexer.top_k
-            indices = None if dense else self.self_attn.indexer(attn_in, cos, sin, log_positions, allowed, cache)
-        mask = allowed if indices is None else allowed & selection_mask(indices, latent.shape[1])
-        h = x + self.self_attn(attn_in, cos, sin, log_positions, mask, latent, rope_key, backend)
+        indices, mask = prev_indices, prev_mask
+        if hasattr(self.self_attn, "indexer") and selects(self.self_attn.indexer.top_k, visible, cache):
+            indices = self.self_attn.indexer(attn_in, cos, sin, log_positions, visible, cache)
+            mask = selection_attention_mask(visible, indices, backend)
+        h = x + self.self_attn(attn_in, cos, sin, log_positions, mask, latent, rope_key)
         y = h + self.mlp(self.post_attention_layernorm(h))
-        return y, (latent if own else None), (rope_key if own else None), indices
+        return y, (latent if own else None), (rope_key if own else None), indices, mask
+
+
+def selects(top_k: int, visible: Visibility, cache: LayerCache | None) -> bool:
+    """Whether the indexers run: not when every visible key would be selected (no query sees more
+    than top_k keys; attention is then dense), unless generation needs their keys cached."""
+    return cache is not None or visible.kv_len > top_k
 
 
 # ============================================================================= the model
@@ -301,25 +311,28 @@ class MistralLarge4(nn.Module):
         if positions is None:
             positions = (document_positions(doc_ids) if doc_ids is not None
                          else torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len))
-        allowed = dense_mask(layer_mask_mod(FULL, None, doc_ids), batch, seq_len, seq_len, input_ids.device)
-        h = self.run_layers(self.embed_tokens(input_ids), positions, allowed)
+        visible = Visibility(doc_ids, batch, seq_len, seq_len, input_ids.device)
+        h = self.run_layers(self.embed_tokens(input_ids), positions, visible)
         return self.lm_head(self.norm(h.float()), targets)
 
-    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, visible: Visibility,
                    caches: dict[int, LayerCache] | None = None) -> torch.Tensor:
         """The decoder stack. `shared` maps a source layer to its latent and rotated key; it lives
-        only in this call and reaches each consumer as an argument."""
+        only in this call and reaches each consumer as an argument, as do the selection and the
+        attention mask of the current group. The mask of a dense forward (one group of all layers)
+        is built here; each layer whose indexer selects builds its group's."""
         cos, sin = self.rotary(positions)  # [B, T, R/2] FP32, built once for all layers
         # Generation stays dense: a compiled flex kernel would recompile for every new key count.
         backend = "sdpa" if caches is not None else resolve_backend(self.config.attention_backend, h.device)
         log_positions = torch.log(positions.float() + 1)  # SSMax, FP32
         shared: dict[int, tuple] = {}
-        indices = None
+        dense = not selects(self.config.index_topk, visible, caches)
+        indices, mask = None, selection_attention_mask(visible, None, backend) if dense else None
         for name, layer in self.layers.items():
             source_kv = shared.get(layer.source, (None, None))
             cache = None if caches is None else caches.setdefault(layer.index, LayerCache())
-            h, latent, rope_key, indices = layer(h, cos, sin, log_positions, allowed, *source_kv, indices,
-                                                 cache=cache, backend=backend)
+            h, latent, rope_key, indices, mask = layer(h, cos, sin, log_positions, visible, *source_kv, indices,
+                                                       mask, cache=cache, backend=backend)
             if self.config.kv_mode(layer.index) == "store":
                 shared[layer.index] = (latent, rope_key)
         return h
@@ -347,9 +360,8 @@ class MistralLarge4(nn.Module):
         """New tokens [B, t] at positions start.. through the cached layers -> last logits [B, V]."""
         batch, seq_len = input_ids.shape
         positions = torch.arange(start, start + seq_len, device=input_ids.device).expand(batch, seq_len)
-        keys = torch.arange(start + seq_len, device=input_ids.device)
-        allowed = (keys <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, t, S]
-        h = self.run_layers(self.embed_tokens(input_ids), positions, allowed, caches)
+        visible = Visibility(None, batch, seq_len, start + seq_len, input_ids.device)  # causal over the cache
+        h = self.run_layers(self.embed_tokens(input_ids), positions, visible, caches)
         return self.lm_head(self.norm(h[:, -1:].float()))[:, -1]
 
     # ------------------------------------------------------------------ what train.py and parallel.py need
@@ -365,16 +377,18 @@ class MistralLarge4(nn.Module):
 
     def block_activation_bytes(self, seq_len: int) -> float:
         """Activations one block saves for backward per token, in BF16 (memory.py, which assumes
-        GPUs): the projections; the bool masks over seq_len keys and the selection; with the sdpa
-        backend also the FP32 score and probability rows (flex keeps only the softmax statistics);
-        the MoE as for Flint."""
+        GPUs): the projections; the selection and its group's attention mask (shared by the layers
+        of a group, counted here for every block: bools over seq_len keys with sdpa, one bit per key
+        with flex); with the sdpa backend also the FP32 score and probability rows (flex keeps only
+        the softmax statistics); the MoE as for Flint."""
         c = self.config
         attended = min(seq_len, c.index_topk)
         projections = 2 * (4 * c.hidden_size + 3 * c.num_attention_heads * c.qk_head_dim
                            + 2 * (c.kv_lora_rank + c.qk_rope_head_dim)
                            + c.num_attention_heads * (c.qk_head_dim + 2 * c.v_head_dim))
-        rows = 8 * c.num_attention_heads * seq_len if c.attention_backend == "sdpa" else 4 * c.num_attention_heads
-        scores = rows + 3 * seq_len + 8 * attended  # attention rows, masks, indices
+        sdpa = c.attention_backend == "sdpa"
+        rows = 8 * c.num_attention_heads * seq_len if sdpa else 4 * c.num_attention_heads
+        scores = rows + (seq_len if sdpa else seq_len / 8) + 8 * attended  # attention rows, mask, indices
         k, width = c.num_experts_per_tok, c.moe_intermediate_size
         moe = 2 * (2 * k * c.hidden_size + 3 * k * width + 3 * width * c.n_shared_experts) + 4 * c.n_routed_experts
         return projections + scores + moe

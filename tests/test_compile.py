@@ -131,12 +131,15 @@ def test_head_and_chunked_loss_compile_to_one_graph(chunk_size, one_thread):
 
 
 @pytest.mark.skipif(not SLOW, reason="about a minute of tracing on 2 idle cores: FLINT_SLOW=1")
-def test_large4_blocks_compile_to_one_graph_each(one_thread):
+@pytest.mark.parametrize("attention_backend", ["sdpa", "flex"])
+def test_large4_blocks_compile_to_one_graph_each(attention_backend, monkeypatch, one_thread):
     """Every Mistral Large 4 block kind of the parity preset (dense and MoE; own and shared
     indexer; own and shared KV latent; NoPE), each compiled with fullgraph=True inside the whole
-    model, with a sparse selection (index_topk 8 < 32 tokens): loss and gradients equal eager."""
+    model, with a sparse selection (index_topk 8 < 32 tokens): loss and gradients equal eager. With
+    flex, a full-indexer block builds its group's BlockMask inside its graph and returns it."""
     from large4 import Large4Config, build_large4
-    model = build_large4(Large4Config.from_name("large4-parity"), seed=0)
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
+    model = build_large4(Large4Config.from_name("large4-parity", attention_backend=attention_backend), seed=0)
     ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     params = [p for p in model.parameters() if p.requires_grad]
     results = []

@@ -9,7 +9,8 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch.utils.checkpoint import checkpoint
 
-from attention import selection_mask, top_keys
+import large4
+from attention import Visibility, selection_attention_mask, selection_block_mask, selection_mask, top_keys
 from large4 import Large4Config, MistralLarge4, build_large4
 from reference_large4 import reference_forward, reference_loss
 
@@ -122,10 +123,10 @@ def test_indexer_chunking_equals_unchunked():
     generator = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 23, 3, 16, generator=generator), torch.randn(2, 23, 16, generator=generator)
     weights = torch.randn(2, 23, 3, generator=generator)
-    allowed = torch.ones(23, 23, dtype=torch.bool).tril().expand(2, 1, 23, 23)
-    whole = top_keys(q, k, weights, allowed, 5, chunk=23)
+    visible = Visibility(None, 2, 23, 23, torch.device("cpu"))
+    whole = top_keys(q, k, weights, visible, 5, chunk=23)
     for chunk in (1, 4, 7):
-        assert torch.equal(top_keys(q, k, weights, allowed, 5, chunk=chunk), whole)
+        assert torch.equal(top_keys(q, k, weights, visible, 5, chunk=chunk), whole)
 
 
 def test_slots_with_masked_keys_are_invalid_and_never_attended():
@@ -133,7 +134,9 @@ def test_slots_with_masked_keys_are_invalid_and_never_attended():
     generator = torch.Generator().manual_seed(1)
     q, k = torch.randn(1, 10, 2, 8, generator=generator), torch.randn(1, 10, 8, generator=generator)
     allowed = torch.ones(10, 10, dtype=torch.bool).tril().expand(1, 1, 10, 10)
-    indices = top_keys(q, k, torch.randn(1, 10, 2, generator=generator), allowed, 4, chunk=3)
+    visible = Visibility(None, 1, 10, 10, torch.device("cpu"))
+    assert torch.equal(visible.rows(0, 10), allowed)
+    indices = top_keys(q, k, torch.randn(1, 10, 2, generator=generator), visible, 4, chunk=3)
     for t in range(10):
         valid = indices[0, t][indices[0, t] >= 0]
         assert len(valid) == min(t + 1, 4) and bool((valid <= t).all())
@@ -196,12 +199,14 @@ def test_indexer_is_frozen(parity_model):
     assert all(p.requires_grad for n, p in parity_model.named_parameters() if ".indexer." not in n)
 
 
-def test_flex_backend_equals_dense_values_and_gradients(parity_model, monkeypatch):
-    """The GPU path (FlexAttention reading the selection) on the CPU, as tests/test_attention.py runs flex:
-    its backward is refused on the CPU by a device check only, lifted here."""
+@pytest.mark.parametrize("doc_ids", [[0] * 12 + [1] * 6 + [-1] * 2, [0] * 4 + [1] * 2 + [-1]])
+def test_flex_backend_equals_dense_values_and_gradients(parity_model, monkeypatch, doc_ids):
+    """The GPU path (FlexAttention with each group's BlockMask) on the CPU, as tests/test_attention.py runs flex:
+    its backward is refused on the CPU by a device check only, lifted here. T = 20 > index_topk (sparse: the
+    selection's bitmap), T = 7 (dense: the document mask); padding queries see no key at all."""
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
-    ids = torch.randint(0, 160, (1, 20), generator=torch.Generator().manual_seed(7))
-    doc_ids = torch.tensor([[0] * 12 + [1] * 6 + [-1] * 2])  # padding queries see no key at all
+    doc_ids = torch.tensor([doc_ids])
+    ids = torch.randint(0, 160, doc_ids.shape, generator=torch.Generator().manual_seed(7))
 
     def run(backend):
         parity_model.config = dataclasses.replace(parity_model.config, attention_backend=backend)
@@ -216,8 +221,44 @@ def test_flex_backend_equals_dense_values_and_gradients(parity_model, monkeypatc
     finally:
         parity_model.config = config
     torch.testing.assert_close(flex_loss, dense_loss, rtol=0, atol=1e-6)
+    assert dense.keys() == flex.keys()
     for name in dense:
         torch.testing.assert_close(flex[name], dense[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("seq_len, groups", [(40, 5), (7, 1)])
+def test_attention_mask_built_once_per_group(parity_model, monkeypatch, backend, seq_len, groups):
+    """One mask per group of layers sharing a selection (the 5 full indexers of the parity config), or one
+    for the whole forward when attention is dense (T <= index_topk), whatever the backend."""
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
+    built = []
+
+    def counting(visible, indices, backend):
+        built.append(indices)
+        return selection_attention_mask(visible, indices, backend)
+    monkeypatch.setattr(large4, "selection_attention_mask", counting)
+    monkeypatch.setattr(parity_model, "config", dataclasses.replace(parity_model.config, attention_backend=backend))
+    ids = torch.randint(0, 160, (2, seq_len), generator=torch.Generator().manual_seed(8))
+    parity_model(ids, ids.roll(-1, 1)).backward()
+    assert len(built) == groups
+    assert all(indices is None for indices in built) == (seq_len <= parity_model.config.index_topk)
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(11, 11), (3, 13)])
+def test_selection_block_mask_is_the_selection(q_len, kv_len):
+    """The flex mask built from indices alone: its mask_mod is exactly the selection, and the key blocks it
+    lists per query block (blocks of 4, partial at the end) are exactly those holding a selected key."""
+    generator = torch.Generator().manual_seed(9)
+    indices = torch.stack([torch.randperm(kv_len, generator=generator)[:5] for _ in range(2 * q_len)]).view(2, q_len, 5)
+    indices[torch.rand(indices.shape, generator=generator) < 0.3] = -1
+    selected = selection_mask(indices, kv_len)  # [B, 1, T, S]
+    mask = selection_block_mask(indices, kv_len, block=4)
+    b, q, kv = torch.arange(2).view(2, 1, 1), torch.arange(q_len).view(1, q_len, 1), torch.arange(kv_len).view(1, 1, -1)
+    assert torch.equal(mask.mask_mod(b, None, q, kv), selected[:, 0])
+    padded = torch.nn.functional.pad(selected[:, 0], (0, -kv_len % 4, 0, -q_len % 4))
+    touched = padded.view(2, -(-q_len // 4), 4, -(-kv_len // 4), 4).any(dim=(2, 4))
+    assert torch.equal(mask.to_dense()[:, 0].bool(), touched)
 
 
 # ============================================================================= generation

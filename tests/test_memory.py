@@ -76,7 +76,7 @@ def test_large4_activation_model_within_20_percent_of_measured(index_topk):
     """The per-block activation model (memory.py, large4.block_activation_bytes) against the bytes the
     autograd graph of a tiny BF16 Large 4 really saves for backward (its 8 blocks, 4 x 128 tokens;
     dense selection, then a sparse one), counted once per storage, parameters excluded."""
-    from attention import FULL, dense_mask, layer_mask_mod
+    from attention import Visibility
     from large4 import Large4Config, build_large4
     from memory import _activation_bytes_per_token
     config = Large4Config.from_name("large4-tiny", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
@@ -95,8 +95,8 @@ def test_large4_activation_model_within_20_percent_of_measured(index_topk):
         return tensor
     ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(seq_len).expand(batch, seq_len)
-    allowed = dense_mask(layer_mask_mod(FULL, None, None), batch, seq_len, seq_len, ids.device)
+    visible = Visibility(None, batch, seq_len, seq_len, ids.device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model.run_layers(model.embed_tokens(ids), positions, allowed)
+        model.run_layers(model.embed_tokens(ids), positions, visible)
     estimate = _activation_bytes_per_token(config, config.num_hidden_layers, "none", seq_len) * batch * seq_len
     assert 0.8 < estimate / sum(saved.values()) < 1.2, (estimate, sum(saved.values()))
