@@ -110,7 +110,7 @@ def load_dcp(state: dict, path: Path, alone: bool = False, verified: bool = Fals
     """Fills `state` in place from the checkpoint at `path`; `alone`: this process reads without
     the others (convert.py, the end-of-run sample), even inside a process group; `verified`: the
     caller already checked the files (a streaming reader loads one tensor per call)."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # DCP warns that one process loads alone (even with no_dist): intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         if not verified:
             verify(path, alone)  # its own clear error for a damaged file, before DCP wraps it

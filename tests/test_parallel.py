@@ -505,9 +505,10 @@ def check_checkpoint_across_layouts(path: str, family: str = "flint") -> None:
 
 @pytest.mark.parametrize("family", ["flint", pytest.param("large4", marks=slow)])
 def test_checkpoint_resumes_across_layouts(tmp_path, family):
-    import torch.distributed.checkpoint as dcp
+    from checkpoint import load_dcp
     spawn(4, check_checkpoint_across_layouts, str(tmp_path / "ckpt"), family)
-    # ... and a single process without a process group reads the same checkpoint.
+    # ... and a single process without a process group reads the same checkpoint, as convert.py
+    # and sample.py do.
     config = tiny_config(family, **PLAIN_INIT_OVERRIDES[family])
     batch = make_batch(vocab=min(256, config.vocab_size))
     expected = build(config, plain=True)
@@ -517,7 +518,7 @@ def test_checkpoint_resumes_across_layouts(tmp_path, family):
     optimizer.step()
     model = build(config, seed=1, plain=True)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(tmp_path / "ckpt"))
+    load_dcp(state, tmp_path / "ckpt")
     model.load_state_dict(state["model"])
     # Adam's first step is about lr * sign(grad): where a gradient is near zero, its last-bit
     # differences move the update, so compare to 1% of a step (a misplaced shard is off by ~0.02).
