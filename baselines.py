@@ -24,6 +24,10 @@ from moe import MoE, SwiGLU
 
 # ============================================================================= the plain eager baseline
 
+class NotApplicable(Exception):
+    """A comparison written for another model: bench.py shows its row as skipped."""
+
+
 def plain_eager_loss(model: Flint, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The widely used eager formulation of this architecture, over the same weights, to measure against.
 
@@ -31,6 +35,8 @@ def plain_eager_loss(model: Flint, input_ids: torch.Tensor, targets: torch.Tenso
     mask, appends the sink column and soft-maxes; experts sort tokens by expert and run two grouped
     GEMMs; the loss takes FP32 logits of every token at once. Written only from SPEC.md.
     """
+    if not isinstance(model, Flint):
+        raise NotApplicable(f"the plain eager baseline is Flint's (SPEC.md), not {type(model).__name__}'s")
     c = model.config
     batch, seq_len = input_ids.shape
     positions = torch.arange(seq_len, device=input_ids.device)
@@ -113,6 +119,8 @@ def transformers_reference(model: Flint) -> nn.Module:
     """transformers' FlintForCausalLM holding `model`'s weights, with eager attention and grouped_mm
     experts, in training mode. Loaded the way users load it: from a Hugging Face export of the model
     (convert.save_hf) through from_pretrained. Raises ImportError without transformers."""
+    if not isinstance(model, Flint):
+        raise NotApplicable(f"the transformers reference is FlintForCausalLM, not {type(model).__name__}")
     from transformers import FlintForCausalLM
     from convert import save_hf
     with tempfile.TemporaryDirectory() as directory:

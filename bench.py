@@ -4,7 +4,7 @@
     python bench.py --quick --json out.json      # a seconds-long smoke run on the tiny preset
     python bench.py --sections main --profile 25 # one step's torch.profiler table, top 25 ops
     python bench.py --config configs/smoke.toml --sections main,compiled    # a training config's step
-    python bench.py --model.num_hidden_layers=2 --parallel.activation_checkpointing=full  # as train.py
+    python bench.py --config configs/large4-smoke.toml --model.num_hidden_layers=4  # Large 4, overridden
 
 One H100/H200 (preset flint-shallow: released widths, head counts and 256 experts, top-6, the
 first 6 layers of the released schedule; MFU against the device's dense BF16 peak):
@@ -13,11 +13,9 @@ first 6 layers of the released schedule; MFU against the device's dense BF16 pea
         --json flint-shallow-h200.json
 
 What is timed is read as train.py reads it: --config (a training TOML, or a config.json or a
-checkpoint directory holding one) or --preset, then --batch, --seq-len, --device and --dtype (which
-set [training] batch_size and device, [data] seq_len, [parallel] param_dtype), then train.py's
-`--section.key=value` overrides. The first row, labelled with the config, is its own step: its
-backends, loss chunks, activation checkpointing and compile setting, on one process (a layout of
-several processes is refused: memory.py sizes those). The other rows change one thing each.
+checkpoint directory holding one) or --preset, then --batch, --seq-len, --device, --dtype, then
+`--section.key=value` overrides. The first row, labelled with the config, is its own step (backends,
+loss chunks, [optim], activation checkpointing, compile) on one process; the others change one thing.
 
 Every row times whole training steps as train.py takes them (forward, backward, gradient clipping,
 AdamW from train.build_optimizer with [optim]) after warm-up, and reports the median of several
@@ -55,9 +53,9 @@ import torch
 from torch.profiler import record_function
 
 from attention import FULL, SLIDING, build_masks, resolve_backend
-from baselines import dense_logits_loss, plain_eager_loss, transformers_loss, transformers_reference
+from baselines import NotApplicable, dense_logits_loss, plain_eager_loss, transformers_loss, transformers_reference
 from config import ConfigError, OptimSection, TrainConfig, config_from_tables, model_family, read_tables
-from model import build_model, rope_tables
+from model import FlintConfig, build_model, rope_tables
 from models import ModelConfig, model_class
 from parallel import apply_activation_checkpointing, apply_compile
 from profiling import OPTIMIZER, RANGE, profile_step, synchronize
@@ -208,7 +206,7 @@ class Bench:
         reset_peak_memory(self.device)
         try:
             timed = measure()
-        except ImportError as error:  # an optional row (transformers): shown as skipped
+        except (ImportError, NotApplicable) as error:  # an optional row (transformers), or another model's
             row["error"] = f"skipped: {error}"
         except Exception as error:  # reported in the table and the JSON, never dropped
             row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
@@ -219,6 +217,8 @@ class Bench:
             if self.peak:
                 row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / self.peak
         profile_table = row.pop("profile_table", "")
+        if "split" in row:  # the profiler may have written to the terminal since the name: name it again
+            print(f"\n{label:<{LABEL_WIDTH}} {name:<{NAME_WIDTH}}", end=" ")
         print(row_columns(row), flush=True)
         if profile_table:
             print(profile_table, flush=True)
@@ -273,7 +273,11 @@ def attention_sweep(bench: Bench, lengths: list[int], tokens: int, reps: int) ->
 
     Each point runs about `tokens` tokens (batch = tokens // length, at least 1) so that time per
     token compares across lengths: flat for a cost linear in length, rising for a quadratic one.
+    Flint's layers only (another model's sweep would be its own).
     """
+    if not isinstance(bench.config, FlintConfig):
+        print("\nsweep skipped: it times Flint's sliding and full attention layers")
+        return []
     backend = resolve_backend(bench.config.attention_backend, bench.device)
     if backend == "flex" and bench.device.type == "cpu":
         backend = "sdpa"  # flex has no CPU backward
@@ -317,9 +321,8 @@ def run(args: argparse.Namespace, cfg: TrainConfig, device: torch.device) -> dic
     print(table_header(), flush=True)
     for _ in range(args.rounds):
         time_rows(bench, source_label(args, cfg), set(args.sections), args.profile)
-    rates = [row["matmul_flops"] for row in bench.rows] or [matmul_rate(device, dtype, args.matmul_size)]
     if not peak:
-        peak = max(rates)
+        peak = max([row["matmul_flops"] for row in bench.rows] or [matmul_rate(device, dtype, args.matmul_size)])
         for row in bench.rows:
             if "error" not in row:
                 row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / peak
@@ -497,7 +500,7 @@ def print_summary(result: dict) -> None:
     own = result["rows"][0] if result["rows"] and result["rows"][0]["label"] == result["config"] else {}
     if "split" in own:
         print(f"\nstep time split ({own['name']}, one profiled step, scaled to the median {own['step_s']:.3f} s):")
-        for category, fraction in own["split"].items():
+        for category, fraction in filter(lambda item: item[1], own["split"].items()):  # the model's own categories
             print(f"  {category:<46} {100 * fraction:>6.1f} %  {fraction * own['step_s']:>7.3f} s")
     rows = {row["name"]: row for row in result["rows"] if "error" not in row}
     eager, compiled = (rows.get(f"{result['family']} ({mode})") for mode in ("eager", "compiled per block"))

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from large4 import Indexer, MLAttention
 from model import Attention, Head, Sinks
 from moe import GroupedExperts, Router, SwiGLU
 
@@ -27,8 +28,9 @@ def synchronize(device: torch.device) -> None:
 # Each timed module opens a profiler range named RANGE + category around its forward; its backward
 # is found through the autograd sequence numbers of the ops it ran. Innermost range wins.
 RANGE = "bench/"
-TIMED_MODULES = ((Sinks, "attention core"), (Attention, "attention proj/norm/rope"), (Router, "router"),
-                 (GroupedExperts, "routed experts"), (SwiGLU, "dense MLP + shared expert"),
+TIMED_MODULES = ((Sinks, "attention core"), (Attention, "attention proj/norm/rope"),
+                 (Indexer, "indexer (Large 4)"), (MLAttention, "latent attention (Large 4: projections + core)"),
+                 (Router, "router"), (GroupedExperts, "routed experts"), (SwiGLU, "dense MLP + shared expert"),
                  (Head, "head + loss"))
 OPTIMIZER = "optimizer (clip + AdamW)"
 OTHER = "other (embedding, norms, residuals, overhead)"

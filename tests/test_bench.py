@@ -16,6 +16,7 @@ import bench
 import train
 from baselines import plain_eager_loss, transformers_loss, transformers_reference
 from config import ConfigError
+from large4 import Large4Config, MistralLarge4
 from model import Flint, FlintConfig, build_model
 from profiling import OPTIMIZER, SPLIT_ORDER
 
@@ -97,6 +98,21 @@ def test_the_configs_own_step_compiles_and_checkpoints_as_its_parallel_section_s
     assert (row["label"], row["name"]) == ("preset tiny", "flint (compiled per block)") and "error" not in row
     assert compiled == ["Flint"] and checkpointed == ["full"] and "checkpointing full" in row["note"]
     assert result["peak_flops"] == 1e12 and row["graph_breaks"] == 0
+
+
+def test_mistral_large4_is_timed_like_flint():
+    """A Large 4 config gets its own row with tokens/s and MFU from MistralLarge4.flops_per_token; the
+    comparisons written for Flint (plain baseline, transformers reference, sweep) say they are skipped."""
+    result = bench.main(["--config", "configs/large4-smoke.toml", "--quick", "--sections", "main,baseline,sweep",
+                         "--logging.peak_tflops=1"])
+    own, baseline = result["rows"]
+    assert (own["label"], own["name"], result["family"]) == ("config large4-smoke.toml", "large4 (eager)", "large4")
+    config = Large4Config.from_hf_config(result["hf_config"])
+    with torch.device("meta"):
+        assert own["flops_per_token"] == MistralLarge4(config).flops_per_token(64) > 0
+    assert own["mfu"] == pytest.approx(own["tokens_per_s"] * own["flops_per_token"] / 1e12)
+    assert own["split"]["latent attention (Large 4: projections + core)"] > 0
+    assert baseline["error"].startswith("skipped: the plain eager baseline is Flint's") and result["sweep"] == []
 
 
 def test_a_training_config_is_read_as_train_py_reads_it():
