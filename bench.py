@@ -318,7 +318,8 @@ def run(args: argparse.Namespace, cfg: TrainConfig, device: torch.device) -> dic
           f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, {args.warmup} warm-up + "
           f"{args.reps} timed steps per row (median), {args.rounds} round(s); MFU against "
           f"{f'{peak / 1e12:.3f} TFLOP/s' if peak else 'the best matmul rate'} ({peak_source})")
-    print(table_header(), flush=True)
+    if set(args.sections) - {"sweep"}:
+        print(table_header(), flush=True)
     for _ in range(args.rounds):
         time_rows(bench, source_label(args, cfg), set(args.sections), args.profile)
     if not peak:
