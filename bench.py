@@ -359,7 +359,7 @@ def time_rows(bench: Bench, own_label: str, sections: set[str], profile_rows: in
     if "main" in sections:
         bench.train(own_label, f"{family} ({modes[compiled]})", f"{backend}, {config.experts_backend} experts, "
                     f"loss in {loss_note}, checkpointing {checkpointing}", compile_blocks=compiled,
-                    split_rows=profile_rows)
+                    split_rows=None if compiled else profile_rows)  # the split's hooks would break the graphs
     if "compiled" in sections:
         bench.train("variant", f"{family} ({modes[not compiled]})",
                     "torch.compile(fullgraph=True) per block; warm-up compiles" if not compiled else "not compiled",

@@ -98,6 +98,7 @@ def test_the_configs_own_step_compiles_and_checkpoints_as_its_parallel_section_s
     assert (row["label"], row["name"]) == ("preset tiny", "flint (compiled per block)") and "error" not in row
     assert compiled == ["Flint"] and checkpointed == ["full"] and "checkpointing full" in row["note"]
     assert result["peak_flops"] == 1e12 and row["graph_breaks"] == 0
+    assert "split" not in row  # its profiler hooks inside compiled blocks would break fullgraph
 
 
 def test_mistral_large4_is_timed_like_flint():
