@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

@@ -10,7 +10,7 @@ See SPEC.md for the contract this file implements.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import torch.nn as nn

@@ -262,7 +262,7 @@ def generate(seed: int) -> dict | None:
     import torch
 
     model = build_reference(seed)
-    k, top_k = TEXT_CONFIG["index_topk"], TEXT_CONFIG["num_experts_per_tok"]
+    k = TEXT_CONFIG["index_topk"]
     ids, targets = make_inputs(seed, LENGTH)
     with TopkRecorder() as recorder:
         out = model(input_ids=ids, labels=targets, shift_labels=targets, output_hidden_states=True)
