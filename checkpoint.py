@@ -423,7 +423,7 @@ class Checkpointer:
         step, self.last = int(state["train"]["step"]), path
         self.run.print(f"resumed from {path} at step {step} of {self.cfg.training.steps}; checkpoints go to "
                        f"{self.run_dir}" + (": nothing left to train (raise training.steps, or set "
-                                            f"checkpoint.resume = \"never\" for a fresh run)"
+                                            "checkpoint.resume = \"never\" for a fresh run)"
                                             if step >= self.cfg.training.steps else ""))
         return step
 
