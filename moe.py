@@ -174,7 +174,7 @@ def group_alignment(device: torch.device) -> int:
 class ExpertPlan(NamedTuple):
     """How rows sorted by expert sit in the (possibly padded) buffer of the grouped GEMM."""
     order: torch.Tensor  # [R] assignment ids in expert order
-    slots: torch.Tensor  # [R] buffer row of each sorted assignment
+    slots: torch.Tensor | None  # [R] buffer row of each sorted assignment; None when not padded
     offsets: torch.Tensor  # int32 [E] cumulative padded group ends
     rows: int  # static buffer length: R + E * (align - 1)
     padded: bool  # align > 1: the buffer has gaps between groups
@@ -185,6 +185,8 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int) -> Exper
     flat = indices.flatten()  # [N*k]
     order = torch.argsort(flat, stable=True)
     counts = expert_counts(flat, num_experts)
+    if align == 1:  # no gaps: sorted assignment i sits in buffer row i
+        return ExpertPlan(order, None, torch.cumsum(counts, 0).to(torch.int32), flat.numel(), False)
     padded = (counts + align - 1) // align * align
     starts = torch.cumsum(counts, 0) - counts
     padded_ends = torch.cumsum(padded, 0)
@@ -192,7 +194,7 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int) -> Exper
     rank_in_group = torch.arange(flat.numel(), device=flat.device) - starts[expert_of_sorted]
     slots = padded_ends[expert_of_sorted] - padded[expert_of_sorted] + rank_in_group
     rows = flat.numel() + num_experts * (align - 1)
-    return ExpertPlan(order, slots, padded_ends.to(torch.int32), rows, align > 1)
+    return ExpertPlan(order, slots, padded_ends.to(torch.int32), rows, True)
 
 
 def grouped_swiglu(sorted_rows: torch.Tensor, plan: ExpertPlan, gate_up_proj: torch.Tensor,
@@ -203,7 +205,7 @@ def grouped_swiglu(sorted_rows: torch.Tensor, plan: ExpertPlan, gate_up_proj: to
         x = x.new_zeros(plan.rows, x.shape[1]).index_copy(0, plan.slots, x)
     gate, up = grouped_mm(x, gate_up_proj, plan.offsets).chunk(2, dim=-1)  # [rows, Im] each
     out = grouped_mm(F.silu(gate) * up, down_proj, plan.offsets)  # [rows, H]
-    return out[plan.slots] if plan.padded else out  # drop the padding rows: [R, H]
+    return out.index_select(0, plan.slots) if plan.padded else out  # drop the padding rows: [R, H]
 
 
 class GroupedExperts(nn.Module):
@@ -229,8 +231,10 @@ class GroupedExperts(nn.Module):
         num_experts, top_k = self.gate_up_proj.shape[0], indices.shape[1]
         plan = sort_by_expert(indices, num_experts, self.group_align or group_alignment(x.device))
         token_of = plan.order // top_k  # [N*k]: which token each sorted assignment came from
-        out = grouped_swiglu(x[token_of], plan, self.gate_up_proj, self.down_proj)  # [N*k, H]
-        out = out * weights.flatten()[plan.order].unsqueeze(-1).to(out.dtype)
+        # index_select, not x[token_of]: its backward is an index_add, 20x faster on the CPU than the
+        # accumulating index_put of advanced indexing
+        out = grouped_swiglu(x.index_select(0, token_of), plan, self.gate_up_proj, self.down_proj)  # [N*k, H]
+        out = out * weights.flatten().index_select(0, plan.order).unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(x).index_add(0, token_of, out)
 
     def forward_loop(self, x, weights, indices):
@@ -282,7 +286,7 @@ def local_experts_forward(xs: torch.Tensor, expert_of_row: torch.Tensor, gate_up
                           down_proj: torch.Tensor, align: int) -> torch.Tensor:
     """xs [R, H] in any order, expert_of_row [R] local expert ids -> each row's SwiGLU [R, H], same order."""
     plan = sort_by_expert(expert_of_row.unsqueeze(1), gate_up_proj.shape[0], align)
-    out = grouped_swiglu(xs[plan.order], plan, gate_up_proj, down_proj)
+    out = grouped_swiglu(xs.index_select(0, plan.order), plan, gate_up_proj, down_proj)
     return torch.zeros_like(out).index_copy(0, plan.order, out)  # back to the order of xs
 
 
@@ -321,11 +325,11 @@ class ExpertParallelExperts(nn.Module):
         send_splits = counts.view(ep, local_experts).sum(1).tolist()  # host sync: split sizes
         receive_splits = received_counts.view(ep, local_experts).sum(1).tolist()
         # [N*k, H] -> [R, H], ordered by source rank, then local expert
-        received = all_to_all_single_autograd(x[token_of], receive_splits, send_splits, self.group)
+        received = all_to_all_single_autograd(x.index_select(0, token_of), receive_splits, send_splits, self.group)
         expert_of_row = torch.repeat_interleave(
             torch.arange(local_experts, device=x.device).repeat(ep), received_counts)
         align = self.group_align or group_alignment(x.device)
         out = local_experts_forward(received, expert_of_row, gate_up, down, align)
         returned = all_to_all_single_autograd(out, send_splits, receive_splits, self.group)  # [N*k, H]
-        returned = returned * weights.flatten()[order].unsqueeze(-1).to(returned.dtype)
+        returned = returned * weights.flatten().index_select(0, order).unsqueeze(-1).to(returned.dtype)
         return torch.zeros_like(x).index_add(0, token_of, returned.to(x.dtype))
