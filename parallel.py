@@ -348,9 +348,18 @@ def apply_compile(model: Flint, fullgraph: bool = True) -> None:
     are raised, never hidden by eager.
 
     fullgraph=True makes any graph break an error: each block is one graph. parallelize asks for
-    it whenever the block holds no other distributed code. The known breaks otherwise: each FP32
-    FSDP unit nested in a block (sinks, router), whose FSDP hooks dynamo does not trace, and the
-    expert-parallel split sizes (a host sync). train.check_compiled reports the count."""
+    it whenever the block holds no other distributed code: one process, or FSDP with every unit
+    in FP32 (a block's own FSDP hooks run at the edge of its graph and break nothing). The known
+    breaks otherwise, which train.check_compiled counts:
+      - Under a BF16 policy, two per kind of FP32 unit nested in a block (sinks, router): torch
+        2.13's FSDP2 wraps each of its hooks in torch._dynamo.disable (fsdp/_fully_shard/
+        _fsdp_common.py, with no setting to trace them), so a nested unit's pre- and post-forward
+        hooks inside a compiled block each end a graph. The units cannot join the block's: FSDP2
+        gathers every parameter of a unit in that unit's param_dtype and reduce-scatters only one
+        gradient dtype per unit. Left out of FSDP (ignored_params, replicated), they would need a
+        gradient all-reduce of their own, and the fused AdamW refuses a mix of tensors and DTensors.
+      - Under expert parallelism, the all-to-all split sizes (a host sync).
+    Context parallelism (a key/value all-gather in a hook on Sinks) is not asked to be whole either."""
     torch._dynamo.config.suppress_errors = False
     for layer in model.layers.values():
         layer.compile(fullgraph=fullgraph)
@@ -359,8 +368,9 @@ def apply_compile(model: Flint, fullgraph: bool = True) -> None:
 
 
 def apply_fsdp(model: Flint, mesh: DeviceMesh, param_dtype: torch.dtype, reshard: bool) -> None:
-    """FSDP2 per unit, innermost first: the model's FP32 modules (`fp32_root_modules`, each
-    block's `fp32_modules` as one unit) and the head, stored, gathered and computed in FP32;
+    """FSDP2 per unit, innermost first: the model's FP32 modules (`fp32_root_modules`, and under
+    a narrower bulk dtype each block's `fp32_modules` as one unit) and the head, stored, gathered
+    and computed in FP32;
     experts over the expert-data-parallel ranks, then each block, the embedding and the root in
     the bulk policy. HSDP when dp_replicate > 1."""
     def dp_mesh(shard_dim: str) -> DeviceMesh:
@@ -377,7 +387,7 @@ def apply_fsdp(model: Flint, mesh: DeviceMesh, param_dtype: torch.dtype, reshard
         # One list unit per block: one all-gather and one reduce-scatter of FP32 for all its FP32
         # modules (FSDP2 reduces one gradient dtype per unit, so they cannot join the block's).
         fp32_modules = model.fp32_modules(layer)
-        if fp32_modules:
+        if fp32_modules and param_dtype != torch.float32:  # in FP32 the block's own unit serves
             fully_shard(fp32_modules, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
         if isinstance(layer.mlp, MoE):
             if isinstance(layer.mlp.experts, ExpertParallelExperts):
@@ -427,7 +437,7 @@ def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "
             apply_expert_parallel(part, mesh["ep"])
         apply_activation_checkpointing(part, cfg.activation_checkpointing)
         if cfg.compile:
-            apply_compile(part, fullgraph=not fsdp and cfg.ep == 1 and cfg.cp == 1)
+            apply_compile(part, fullgraph=param_dtype == torch.float32 and cfg.ep == 1 and cfg.cp == 1)
         if fsdp:
             apply_fsdp(part, mesh, param_dtype, reshard)
     pm = ParallelModel(parts, mesh, config)
