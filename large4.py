@@ -286,6 +286,7 @@ class MistralLarge4(nn.Module):
 
     init_weights = Flint.init_weights
     _check_inputs = Flint._check_inputs
+    first_stage_modules = ("embed_tokens", "rotary")  # what only the first pipeline stage keeps (parallel.py)
 
     def initial_value(self, name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
         """As transformers initialises: alpha 0, SSMax scale 0 and bias 1 (identity), norms 1 (and
@@ -308,34 +309,40 @@ class MistralLarge4(nn.Module):
         the rope tables are built once here and passed to every block."""
         self._check_inputs(input_ids, targets, doc_ids, positions)
         batch, seq_len = input_ids.shape
-        if positions is None:
-            positions = (document_positions(doc_ids) if doc_ids is not None
-                         else torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len))
+        positions = default_positions(doc_ids, batch, seq_len, input_ids.device) if positions is None else positions
         visible = Visibility(doc_ids, batch, seq_len, seq_len, input_ids.device)
         h = self.run_layers(self.embed_tokens(input_ids), positions, visible)
         return self.lm_head(self.norm(h.float()), targets)
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, visible: Visibility,
                    caches: dict[int, LayerCache] | None = None) -> torch.Tensor:
-        """The decoder stack. `shared` maps a source layer to its latent and rotated key; it lives
-        only in this call and reaches each consumer as an argument, as do the selection and the
-        attention mask of the current group. The mask of a dense forward (one group of all layers)
-        is built here; each layer whose indexer selects builds its group's."""
-        cos, sin = self.rotary(positions)  # [B, T, R/2] FP32, built once for all layers
+        """The decoder stack: the rope tables, built once for all layers, then every layer."""
+        cos, sin = self.rotary(positions)  # [B, T, R/2] FP32
+        return self.run_stage(h, cos, sin, positions, visible, caches=caches)[0]
+
+    def run_stage(self, h: torch.Tensor, cos, sin, positions: torch.Tensor, visible: Visibility,
+                  shared: dict[int, tuple] | None = None, indices: torch.Tensor | None = None,
+                  caches: dict[int, LayerCache] | None = None) -> tuple[torch.Tensor, dict[int, tuple], torch.Tensor | None]:
+        """The layers this module holds (all of them, or a pipeline stage's) -> (h, shared, indices).
+        `shared` maps a source layer to its latent and rotated key, `indices` is the current selection;
+        both live only in this call (a pipeline stage receives and returns them as tensors) and
+        reach each layer as arguments, as does the attention mask of the current group. That mask is
+        built here for a dense forward (one group of all layers) or from a selection received from
+        the previous stage; each layer whose indexer selects builds its own group's."""
         # Generation stays dense: a compiled flex kernel would recompile for every new key count.
         backend = "sdpa" if caches is not None else resolve_backend(self.config.attention_backend, h.device)
         log_positions = torch.log(positions.float() + 1)  # SSMax, FP32
-        shared: dict[int, tuple] = {}
+        shared = dict(shared or {})
         dense = not selects(self.config.index_topk, visible, caches)
-        indices, mask = None, selection_attention_mask(visible, None, backend) if dense else None
-        for name, layer in self.layers.items():
+        mask = selection_attention_mask(visible, indices, backend) if dense or indices is not None else None
+        for layer in self.layers.values():
             source_kv = shared.get(layer.source, (None, None))
             cache = None if caches is None else caches.setdefault(layer.index, LayerCache())
             h, latent, rope_key, indices, mask = layer(h, cos, sin, log_positions, visible, *source_kv, indices,
                                                        mask, cache=cache, backend=backend)
             if self.config.kv_mode(layer.index) == "store":
                 shared[layer.index] = (latent, rope_key)
-        return h
+        return h, shared, indices
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -372,8 +379,9 @@ class MistralLarge4(nn.Module):
         return modules + ([indexer.weights_proj, indexer.k_norm] if indexer is not None else [])
 
     def fp32_root_modules(self) -> list[nn.Module]:
-        """FP32 units outside the blocks, besides the head: the rotary, which holds alpha."""
-        return [self.rotary]
+        """FP32 units outside the blocks, besides the head: the rotary, which holds alpha (on the
+        first pipeline stage only)."""
+        return [self.rotary] if self.rotary is not None else []
 
     def block_activation_bytes(self, seq_len: int) -> float:
         """Activations one block saves for backward per token, in BF16 (memory.py, which assumes
@@ -417,6 +425,115 @@ class MistralLarge4(nn.Module):
         flops += c.num_hidden_layers * 6.0 * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * attended
         flops += c.indexer_types.count("full") * 2.0 * c.index_n_heads * c.index_head_dim * scored
         return flops
+
+
+def default_positions(doc_ids: torch.Tensor | None, batch: int, seq_len: int, device) -> torch.Tensor:
+    """Positions [B, T] that restart at 0 where each packed document begins (0 .. T - 1 without doc_ids)."""
+    if doc_ids is not None:
+        return document_positions(doc_ids)
+    return torch.arange(seq_len, device=device).expand(batch, seq_len)
+
+
+# ============================================================================= pipeline stages
+
+class Large4Stage(MistralLarge4):
+    """Mistral Large 4 as one pipeline stage (parallel.py's pipeline_stage builds it): the model with
+    the layers of the other stages deleted, the embedding and the rotary (alpha) on the first stage
+    only, norm and head on the last. Parameter names do not change.
+
+    Stages exchange the fixed tuple of tensors that `stage_boundary` describes. Stage boundaries may
+    fall anywhere, between a KV source and its consumers or inside a group sharing one selection:
+    what a later layer still needs crosses. The rope tables cross as differentiable tensors, so alpha,
+    on the first stage, receives the gradient of every later layer. Each stage rebuilds the positions,
+    SSMax's log positions and the causal and document visibility from the doc_ids every stage is
+    given. Context parallelism is not implemented for Large 4.
+    """
+
+    parallel_dims = ("pp",)  # the layouts this form adds to data and expert parallelism (parallel.py)
+
+    def forward(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """inputs: (input_ids [B, T],) on the first stage, else the previous stage's tuple -> the next
+        stage's tuple, or on the last stage FP32 logits, or the mean loss when targets are given."""
+        first = self.embed_tokens is not None
+        if first:
+            self._check_inputs(inputs[0], targets, doc_ids, positions)
+        (batch, seq_len), device = inputs[0].shape[:2], inputs[0].device
+        positions = default_positions(doc_ids, batch, seq_len, device) if positions is None else positions
+        visible = Visibility(doc_ids, batch, seq_len, seq_len, device)
+        layers = [int(name) for name in self.layers]
+        if first:
+            h, (cos, sin), shared, indices = self.embed_tokens(inputs[0]), self.rotary(positions), {}, None
+        else:
+            h, cos, sin, shared, indices = self._unpack(inputs, layers[0])
+        h, shared, indices = self.run_stage(h, cos, sin, positions, visible, shared, indices)
+        if self.lm_head is None:
+            return self._pack(h, cos, sin, shared, indices, layers[-1] + 1)
+        return self.lm_head(self.norm(h.float()), targets)
+
+    def stage_io(self, batch: int, seq_len: int, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """This stage's (inputs, outputs) for micro-batches [batch, seq_len], as meta tensors: static
+        metadata for parallel.py's PipelineStage. Token ids into the first stage, the FP32 loss out of
+        the last, stage_boundary between."""
+        layers = [int(name) for name in self.layers]
+        inputs = ((torch.empty(batch, seq_len, dtype=torch.long, device="meta"),) if self.embed_tokens is not None
+                  else self.stage_boundary(layers[0], batch, seq_len, dtype))
+        outputs = ((torch.empty((), device="meta", requires_grad=True),) if self.lm_head is not None
+                   else self.stage_boundary(layers[-1] + 1, batch, seq_len, dtype))
+        return inputs, outputs
+
+    def stage_boundary(self, layer: int, batch: int, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """What crosses into layer `layer` from the stage before it, as meta tensors (requires_grad
+        where a gradient flows back): static pipeline metadata, since shape inference would run the
+        next stage on uninitialised indices. In order: h [B, T, H]; cos, sin [B, T, R/2] FP32 while a
+        later layer rotates; for each source layer a later layer reads, its latent [B, T, r] and, if
+        RoPE, its rotated key [B, T, R]; the int32 selection [B, T, k] if `layer` shares it. A dense
+        forward (T <= index_topk: no selection) sends it as [B, T, 0], so a boundary is always the
+        same tuple of tensors. h, latents and keys are in the compute `dtype`."""
+        c = self.config
+        sources, rope, shares = self._crossing(layer)
+
+        def meta(width: int, kind: torch.dtype = dtype) -> torch.Tensor:
+            return torch.empty(batch, seq_len, width, dtype=kind, device="meta", requires_grad=kind.is_floating_point)
+        tensors = [meta(c.hidden_size)] + [meta(c.qk_rope_head_dim // 2, torch.float32)] * 2 * rope
+        for source in sources:
+            tensors += [meta(c.kv_lora_rank)] + [meta(c.qk_rope_head_dim)] * c.no_rope_layers[source]
+        if shares:
+            tensors.append(meta(c.index_topk if seq_len > c.index_topk else 0, torch.int32))
+        return tuple(tensors)
+
+    def _crossing(self, layer: int) -> tuple[list[int], bool, bool]:
+        """The KV sources that layers from `layer` on read from earlier layers, whether one of them
+        rotates (attention or indexer), and whether `layer` shares the previous selection."""
+        c = self.config
+        sources = sorted({s for j, s in enumerate(c.kv_source_layers) if j >= layer and s < layer})
+        rope = any(c.no_rope_layers[layer:]) or any(c.indexer_no_rope_layers[layer:])
+        return sources, rope, c.indexer_types[layer] == "shared"
+
+    def _pack(self, h, cos, sin, shared: dict[int, tuple], indices: torch.Tensor | None, layer: int) -> tuple:
+        """This stage's results -> the tuple stage_boundary(layer) describes."""
+        sources, rope, shares = self._crossing(layer)
+        tensors = [h] + [cos, sin] * rope
+        for source in sources:
+            latent, rope_key = shared[source]
+            tensors += [latent] + ([rope_key] if rope_key is not None else [])
+        if shares:
+            tensors.append(h.new_zeros(*h.shape[:2], 0, dtype=torch.int32) if indices is None
+                           else indices.to(torch.int32))
+        return tuple(tensors)
+
+    def _unpack(self, inputs: tuple, layer: int) -> tuple:
+        """The tuple stage_boundary(layer) describes -> (h, cos, sin, shared, indices)."""
+        sources, rope, shares = self._crossing(layer)
+        h, rest = inputs[0], list(inputs[1:])
+        cos, sin = (rest.pop(0), rest.pop(0)) if rope else (None, None)
+        shared = {source: (rest.pop(0), rest.pop(0) if self.config.no_rope_layers[source] else None)
+                  for source in sources}
+        indices = rest.pop(0).long() if shares else None
+        return h, cos, sin, shared, (indices if indices is not None and indices.shape[-1] else None)
+
+
+MistralLarge4.stage_form = Large4Stage  # the form parallel.py gives the model (models.py)
 
 
 def build_large4(config: Large4Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -20,7 +20,7 @@ import torch
 
 from config import ConfigError, load_config
 from models import ModelConfig, model_class
-from parallel import MESH_DIMS, STAGE_AWARE, ParallelConfig, pipeline_stage
+from parallel import MESH_DIMS, ParallelConfig, pipeline_stage, stage_form, unsupported_layout
 
 GIB = 2 ** 30
 # The GPUs the table marks, by usable memory (nvidia-smi: 143,771 MiB on an H200, 81,559 MiB on an
@@ -36,7 +36,7 @@ def _meta_model(config: ModelConfig) -> torch.nn.Module:
     if key not in _META_MODELS:
         cls = model_class(config)
         with torch.device("meta"):
-            _META_MODELS[key] = STAGE_AWARE.get(cls, cls)(config)
+            _META_MODELS[key] = (stage_form(cls) or cls)(config)
     return _META_MODELS[key]
 
 
@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError(f"{cfg.source} on --gpus {gpus}: {error}") from error
     layouts = [(f"config {Path(cfg.source).name}", own)]
     if args.gpus:
-        candidates = candidate_layouts(gpus, config.num_experts, model_class(config) in STAGE_AWARE)
+        pipelines = unsupported_layout(ParallelConfig(pp=2), model_class(config)) is None
+        candidates = candidate_layouts(gpus, config.num_experts, pipelines)
         layouts += [("candidate", c) for c in candidates]
         layouts += [("candidate", dataclasses.replace(c, activation_checkpointing="full")) for c in candidates]
     print(memory_table(config, layouts, cfg.data.seq_len, cfg.training.batch_size))

@@ -8,6 +8,11 @@ parallel.py, memory.py and convert.py need, so those files never ask which model
     model:  embed_tokens, layers (ModuleDict of blocks), norm, lm_head, init_weights(seed),
             initial_value(name, param, seed), fp32_modules(block), fp32_root_modules(),
             num_params(active), flops_per_token(seq_len), block_activation_bytes(), generate(...)
+    optional, for pipeline (and context) parallelism: stage_form (the class parallel.py gives the
+            model: its forward serves a stage, its parallel_dims lists "pp" and/or "cp"; Flint's is
+            parallel.ParallelFlint), first_stage_modules (kept by the first stage only; default the
+            embedding), and on the form stage_io(rows, seq_len, dtype): the tensors a stage receives
+            and returns, as static metadata (Large 4, whose stages exchange indices)
 """
 
 from __future__ import annotations

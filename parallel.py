@@ -180,6 +180,7 @@ class ParallelFlint(Flint):
     """
 
     cp_group = None
+    parallel_dims = ("pp", "cp")  # the layouts this form adds to data and expert parallelism
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -264,26 +265,32 @@ def _gather_context_kv(cp_group, module, args):
 
 # ============================================================================= pipeline stages
 
-# Models whose forward has a stage- and context-parallel form (the others run with pp = cp = 1).
+# Flint's stage-aware form is ParallelFlint; another model names its own in its file (`stage_form`).
+# A form lists the layouts it supports in `parallel_dims`; a model without one runs with pp = cp = 1.
 STAGE_AWARE: dict[type, type] = {Flint: ParallelFlint}
+
+
+def stage_form(model_type: type) -> type | None:
+    """The stage-aware form of a model class, or None."""
+    return STAGE_AWARE.get(model_type) or getattr(model_type, "stage_form", None)
 
 
 def unsupported_layout(cfg: ParallelConfig, model_type: type) -> str | None:
     """Why `cfg` cannot lay out a `model_type` model, or None: pipeline and context parallelism
-    need a stage- and context-aware forward (STAGE_AWARE), which only some models have."""
-    if model_type in STAGE_AWARE:
-        return None
+    need a form of the model that supports them (`stage_form`), which only some models have."""
+    supported = getattr(stage_form(model_type), "parallel_dims", ())
     for key in ("pp", "cp"):
-        if getattr(cfg, key) > 1:
+        if getattr(cfg, key) > 1 and key not in supported:
             what = "pipeline" if key == "pp" else "context"
             return (f"[parallel] {key} = {getattr(cfg, key)}: {what} parallelism is not implemented for "
                     f"{model_type.__name__}; use {key} = 1")
     return None
 
 
-def pipeline_stage(model: ParallelFlint, stage: int, num_stages: int) -> ParallelFlint:
+def pipeline_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     """A copy of the model holding only the layers of `stage` (contiguous, as even as possible);
-    the embedding stays on the first stage, norm and head on the last."""
+    the embedding (and whatever else the model lists in `first_stage_modules`) stays on the first
+    stage, norm and head on the last."""
     layers = len(model.layers)
     if num_stages > layers:
         raise ValueError(f"[parallel] {num_stages} pipeline stages need at least as many layers, got {layers}")
@@ -293,7 +300,8 @@ def pipeline_stage(model: ParallelFlint, stage: int, num_stages: int) -> Paralle
         if int(name) not in owned:
             del part.layers[name]
     if stage > 0:
-        part.embed_tokens = None
+        for name in getattr(part, "first_stage_modules", ("embed_tokens",)):
+            setattr(part, name, None)
     if stage < num_stages - 1:
         part.norm = part.lm_head = None
     return part
@@ -416,8 +424,9 @@ def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "
     refusal = unsupported_layout(cfg, type(model))
     if refusal:
         raise ValueError(refusal)
-    if type(model) in STAGE_AWARE:  # same module, a forward that knows stages and cp (no copy)
-        model.__class__ = STAGE_AWARE[type(model)]
+    form = stage_form(type(model))
+    if form is not None:  # same module, a forward that knows stages (and cp), no copy
+        model.__class__ = form
     parts, stage_ids = [model], [0]
     if cfg.pp > 1:
         num_stages = cfg.pp * cfg.stages_per_rank
@@ -442,15 +451,31 @@ def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "
             apply_fsdp(part, mesh, param_dtype, reshard)
     pm = ParallelModel(parts, mesh, config)
     if cfg.pp > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-        stages = [PipelineStage(part, s, cfg.pp * cfg.stages_per_rank, device, group=mesh["pp"].get_group())
-                  for part, s in zip(parts, stage_ids)]
-        schedule_cls = SCHEDULES[cfg.pp_schedule]
-        microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
-        # scale_grads=False: the loss function already weighs each micro-batch by its tokens.
-        pm.schedule = schedule_cls(stages if cfg.stages_per_rank > 1 else stages[0], microbatches,
-                                   loss_fn=pm.weighted_loss, scale_grads=False)
+        pm.make_schedule = partial(pipeline_schedule, parts, stage_ids, cfg, mesh, param_dtype, pm.weighted_loss)
     return pm
+
+
+def pipeline_schedule(parts: list[nn.Module], stage_ids: list[int], cfg: ParallelConfig, mesh: DeviceMesh,
+                      dtype: torch.dtype, loss_fn, batch_shape: tuple[int, int]):
+    """This rank's stages and their schedule for batches of batch_shape (rows, seq_len). A stage that
+    declares its input and output tensors (`stage_io(rows, seq_len, dtype)`, meta tensors, in the bulk
+    compute `dtype`) gets static metadata; shape inference, which runs a stage on uninitialised
+    inputs, serves the others."""
+    num_stages = cfg.pp * cfg.stages_per_rank
+    microbatches = cfg.pp_microbatches or num_stages
+    rows, seq_len = batch_shape
+    if rows % microbatches:
+        raise ValueError(f"[parallel] pp_microbatches = {microbatches} must divide the {rows} rows of a batch")
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    stages = []
+    for part, s in zip(parts, stage_ids):
+        static = hasattr(part, "stage_io")
+        io = part.stage_io(rows // microbatches, seq_len, dtype) if static else (None, None)
+        stages.append(PipelineStage(part, s, num_stages, device, input_args=io[0], output_args=io[1],
+                                    group=mesh["pp"].get_group()))
+    # scale_grads=False: the loss function already weighs each micro-batch by its tokens.
+    return SCHEDULES[cfg.pp_schedule](stages if cfg.stages_per_rank > 1 else stages[0], microbatches,
+                                      loss_fn=loss_fn, scale_grads=False)
 
 
 @torch.no_grad()
@@ -494,7 +519,9 @@ class ParallelModel:
     """
 
     def __init__(self, parts: list[nn.Module], mesh: DeviceMesh, config: FlintConfig):
-        self.parts, self.mesh, self.config, self.schedule = parts, mesh, config, None
+        self.parts, self.mesh, self.config = parts, mesh, config
+        self.make_schedule = None  # pp > 1: batch shape -> the pipeline's schedule (parallelize)
+        self.schedules: dict = {}  # by batch shape
         self.module = merged_view(parts)
         self.token_weight = torch.ones(())  # dp / num_tokens of the current step
 
@@ -531,14 +558,17 @@ class ParallelModel:
         num_tokens = self.global_tokens(targets) if num_tokens is None else num_tokens
         self.token_weight = self.dp_size / num_tokens.clamp(min=1)
         kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
-        if self.schedule is None:
-            loss = self.weighted_loss(self.parts[0](input_ids, targets, **kwargs), targets)
+        if self.make_schedule is None:
+            loss = self.weighted_loss(self.parts[0](input_ids, targets=targets, **kwargs), targets)
             if backward:
                 loss.backward()
             loss = loss.detach()
         else:
             losses: list[torch.Tensor] = []
-            run = self.schedule.step if backward else self.schedule.eval
+            shape = tuple(input_ids.shape)
+            if shape not in self.schedules:
+                self.schedules[shape] = self.make_schedule(shape)
+            run = self.schedules[shape].step if backward else self.schedules[shape].eval
             run(input_ids, target=targets, losses=losses, return_outputs=False, targets=targets, **kwargs)
             # Only the last stage holds the micro-batch losses: sum them over the pp group.
             loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=input_ids.device)

@@ -8,6 +8,7 @@ FLINT_SLOW=1 python -m pytest tests/test_parallel.py.
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,9 +54,10 @@ def spawn(world: int, fn, *args) -> None:
 def tiny_config(family: str = "flint", **overrides) -> FlintConfig | Large4Config:
     if family == "large4":
         # 8 layers: dense 0, MoE 1-7, NoPE 3 and 7; layers 1 and 4 both produce the RoPE latent
-        # (2 reads 1, 5 reads 4) and 7 reads 3; full indexers at 0, 2, 4, 6, shared at the others;
-        # index_topk 8 < SEQ, so the selection is sparse.
-        return Large4Config.from_name("large4-parity", **overrides)
+        # (2 reads 1, 5 reads 4) and 7 reads 3; full indexers at 0, 1, 3, 5, 7, shared at the others.
+        # index_topk 4: queries of make_batch's documents (7 and 6 tokens) see up to 7 keys, so the
+        # selections drop keys and differ between layers (with 8 each would hold every visible key).
+        return Large4Config.from_name("large4-parity", **{"index_topk": 4, **overrides})
     # 4 layers: dense 0-1, MoE 2-3; full attention at 0, 1, 3, sliding (window 9) at 2.
     return FlintConfig.from_name("tiny", num_hidden_layers=4, **overrides)
 
@@ -207,24 +209,60 @@ def check_large4_layouts(layouts: list[dict]) -> None:
 
 
 def test_large4_layouts_match_single_process():
-    """FSDP, FSDP with full activation checkpointing (bit-exact), expert parallel."""
+    """FSDP, FSDP with full activation checkpointing (bit-exact), expert parallel, and a pipeline of
+    2 stages (1F1B; see test_large4_pipeline_stage_boundaries for what crosses)."""
     spawn(2, check_large4_layouts, [{"dp_shard": 2}, {"dp_shard": 2, "activation_checkpointing": "full"},
-                                    {"ep": 2, "dp_shard": 1}])
+                                    {"ep": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}])
+
+
+def test_large4_pipeline_stage_boundaries():
+    """The tiny config's stage boundaries split what the pipeline layouts must carry: with 2 stages
+    (layers 0-3 | 4-7) layer 7 reads layer 3's NoPE latent and layer 4 shares layer 3's selection;
+    with 4 (0-1 | 2-3 | 4-5 | 6-7) layer 2 reads layer 1's RoPE latent and key and shares its
+    selection, and layer 3's latent crosses two boundaries to reach layer 7. A dense forward (T <=
+    index_topk) sends its absent selection as [B, T, 0]."""
+    from large4 import Large4Stage
+    config = tiny_config("large4")
+    with torch.device("meta"):
+        stage = Large4Stage(config)
+
+    def shapes(layer, seq_len=SEQ):
+        return [(tuple(t.shape), t.dtype, t.requires_grad) for t in stage.stage_boundary(layer, 2, seq_len, torch.bfloat16)]
+    h, table = ((2, SEQ, 64), torch.bfloat16, True), ((2, SEQ, 2), torch.float32, True)
+    latent, key = ((2, SEQ, 24), torch.bfloat16, True), ((2, SEQ, 4), torch.bfloat16, True)
+    selection = ((2, SEQ, 4), torch.int32, False)
+    assert shapes(4) == [h, table, table, latent, selection]  # layer 3 (NoPE): a latent, no rotated key
+    assert shapes(2) == [h, table, table, latent, key, selection]  # layer 1 (RoPE)
+    assert shapes(6) == [h, table, table, latent, selection]
+    assert shapes(4, seq_len=4)[-1] == ((2, 4, 0), torch.int32, False)
+
+
+@slow
+def test_large4_pipeline_schedules_match_single_process():
+    """Interleaved1F1B (2 stages of 2 layers per rank) and GPipe, with sparse (SEQ > index_topk)
+    and dense (index_topk = SEQ: the empty selection crosses) attention, and 1F1B with full
+    activation checkpointing."""
+    spawn(2, check_layouts, [{"pp": 2, "dp_shard": 1, "pp_schedule": s} for s in ("Interleaved1F1B", "GPipe")]
+          + [{"pp": 2, "dp_shard": 1, "activation_checkpointing": "full"}], {}, "large4")
+    spawn(2, check_layouts, [{"pp": 2, "dp_shard": 1, "pp_schedule": s} for s in ("1F1B", "Interleaved1F1B")],
+          {"index_topk": SEQ}, "large4")
 
 
 @slow
 def test_large4_layouts_four_processes():
-    """HSDP (replicate 2 x shard 2), FSDP 2 x EP 2 with selective checkpointing."""
+    """HSDP (replicate 2 x shard 2), FSDP 2 x EP 2 with selective checkpointing, PP 2 x FSDP 2."""
     spawn(4, check_layouts, [{"dp_replicate": 2, "dp_shard": 2},
-                             {"dp_shard": 2, "ep": 2, "activation_checkpointing": "selective"}], {}, "large4")
+                             {"dp_shard": 2, "ep": 2, "activation_checkpointing": "selective"},
+                             {"pp": 2, "dp_shard": 2}], {}, "large4")
 
 
-def test_large4_refuses_pipeline_and_context_parallel_before_any_work():
+def test_large4_refuses_context_parallel_before_any_work():
     from large4 import MistralLarge4
     from model import Flint
     from parallel import unsupported_layout
-    assert unsupported_layout(ParallelConfig(pp=2), MistralLarge4).startswith("[parallel] pp = 2: pipeline")
+    assert unsupported_layout(ParallelConfig(pp=2), MistralLarge4) is None
     assert unsupported_layout(ParallelConfig(cp=2), MistralLarge4).startswith("[parallel] cp = 2: context")
+    assert unsupported_layout(ParallelConfig(pp=2, cp=2), MistralLarge4).startswith("[parallel] cp = 2: context")
     assert unsupported_layout(ParallelConfig(pp=2, cp=2), Flint) is None
 
 
@@ -436,8 +474,16 @@ def test_meta_init_matches_one_process():
 
 
 def test_large4_meta_init_matches_one_process():
-    """Large 4 built on meta in a group of one (HSDP and FSDP x EP: the slow checkpoint test)."""
+    """Large 4 built on meta in a group of one (HSDP and FSDP x EP: the slow checkpoint test; PP 2:
+    the slow test below)."""
     in_process_group(check_meta_init, [{}], "large4")
+
+
+@slow
+def test_large4_pipeline_meta_init_matches_one_process():
+    """PP 2 (alpha and the embedding on the first stage only) and PP 2 x 2 stages per rank."""
+    spawn(2, check_meta_init, [{"pp": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B"}],
+          "large4")
 
 
 # ----------------------------------------------------------------------------- the optimizer on shards
@@ -505,10 +551,35 @@ def check_checkpoint_across_layouts(path: str, family: str = "flint") -> None:
 
 @pytest.mark.parametrize("family", ["flint", pytest.param("large4", marks=slow)])
 def test_checkpoint_resumes_across_layouts(tmp_path, family):
-    from checkpoint import load_dcp
     spawn(4, check_checkpoint_across_layouts, str(tmp_path / "ckpt"), family)
-    # ... and a single process without a process group reads the same checkpoint, as convert.py
-    # and sample.py do.
+    check_single_process_load(str(tmp_path / "ckpt"), family)
+
+
+def save_after_one_step(path: str, family: str, layout: dict) -> None:
+    """Meta build in `layout`, one clipped AdamW step, a DCP checkpoint of model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    config = tiny_config(family, **PLAIN_INIT_OVERRIDES[family])
+    pm, mesh = meta_built(config, layout, seed=0)
+    optimizer = torch.optim.AdamW(pm.module.parameters(), lr=LR, foreach=False)
+    pm.forward_backward(*rows_of_this_rank(mesh, make_batch(vocab=min(256, config.vocab_size))))
+    pm.clip_grad_norm_(MAX_NORM)
+    optimizer.step()
+    dcp.save({"model": get_model_state_dict(pm.module),
+              "optimizer": get_optimizer_state_dict(pm.module, optimizer)}, checkpoint_id=path)
+
+
+@slow
+def test_large4_pipeline_checkpoint_loads_in_one_process(tmp_path):
+    """Each pp rank writes its stage's parameters (alpha from the first); one process reads them all."""
+    spawn(2, save_after_one_step, str(tmp_path / "ckpt"), "large4", {"pp": 2, "dp_shard": 1})
+    check_single_process_load(str(tmp_path / "ckpt"), "large4")
+
+
+def check_single_process_load(path: str, family: str) -> None:
+    """A single process without a process group reads the checkpoint of one step from the plain init,
+    as convert.py and sample.py do."""
+    from checkpoint import load_dcp
     config = tiny_config(family, **PLAIN_INIT_OVERRIDES[family])
     batch = make_batch(vocab=min(256, config.vocab_size))
     expected = build(config, plain=True)
@@ -518,7 +589,7 @@ def test_checkpoint_resumes_across_layouts(tmp_path, family):
     optimizer.step()
     model = build(config, seed=1, plain=True)
     state = {"model": model.state_dict()}
-    load_dcp(state, tmp_path / "ckpt")
+    load_dcp(state, Path(path))
     model.load_state_dict(state["model"])
     # Adam's first step is about lr * sign(grad): where a gradient is near zero, its last-bit
     # differences move the update, so compare to 1% of a step (a misplaced shard is off by ~0.02).
