@@ -130,7 +130,7 @@ def model_loss(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.T
 def training_step(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor,
                   loss_fn: Callable, optim: OptimSection) -> Callable[[], None]:
     """train.py's step on one micro-batch: loss, backward, clip the gradient norm, AdamW."""
-    optimizer = build_optimizer(model, optim, input_ids.device)
+    optimizer = build_optimizer(model, optim)
 
     def step() -> None:
         loss_fn(model, input_ids, targets).backward()

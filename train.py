@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
             model = load_model(cfg, run)
             if cfg.parallel.compile:
                 check_compiled(model, train_data.peek(), run, cfg.parallel.compile_fallback)
-            optimizer = build_optimizer(model.module, cfg.optim, run.device)
+            optimizer = build_optimizer(model.module, cfg.optim)
             step = checkpoints.resume(model, optimizer, train_data)
             logger = MetricsLogger(cfg, run, model.config, start_step=step)
             routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps,
@@ -324,12 +324,12 @@ def is_compile_error(error: BaseException) -> bool:
 
 # ============================================================================= optimizer and step
 
-def build_optimizer(model: torch.nn.Module, o: OptimSection, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, o: OptimSection) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices (2-D weights and the stacked 3-D expert matrices), not on
     norms or sinks. The fused kernel on every device, eager: on the bench-cpu shape (20 M
     parameters, 2 shared cores) one step took 12-16 ms fused, 52-73 ms multi-tensor (foreach)
     and 18-35 ms as a torch.compile'd foreach step (after 6 s of compiling, 47 s cold), so the
-    step is not compiled. `device` is where the parameters live."""
+    step is not compiled."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

@@ -251,7 +251,7 @@ def test_learning_rate_schedules():
 
 def test_weight_decay_applies_to_matrices_only():
     model = build_model(FlintConfig.from_name("tiny", num_hidden_layers=3), seed=0)
-    decayed, plain = train.build_optimizer(model, OptimSection(weight_decay=0.1), torch.device("cpu")).param_groups
+    decayed, plain = train.build_optimizer(model, OptimSection(weight_decay=0.1)).param_groups
     names = {id(p): n for n, p in model.named_parameters()}
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
     assert {names[id(p)] for p in plain["params"]} == {n for n, p in model.named_parameters() if p.dim() == 1}
@@ -263,7 +263,7 @@ def adamw_matches_plain(model: torch.nn.Module, reference: torch.nn.Module, step
     torch.optim.AdamW on `reference` (the same weights, full tensors), both fed the same random
     gradients and the same learning rate schedule: the weights agree to FP32 rounding."""
     o = OptimSection(lr=1e-2, weight_decay=0.1, beta1=0.8, beta2=0.9, eps=1e-6)
-    chosen = train.build_optimizer(model, o, torch.device("cpu"))
+    chosen = train.build_optimizer(model, o)
     decayed = [p for p in reference.parameters() if p.dim() >= 2]
     plain = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.1},
                                {"params": [p for p in reference.parameters() if p.dim() < 2], "weight_decay": 0.0}],
@@ -315,7 +315,7 @@ def test_large4_trains_through_train_main(tmp_path):
     fresh = build_large4(Large4Config.from_hf_config(tmp_path / "ckpt" / "run_0001" / "step_00000006"))
     assert torch.equal(state["layers.0.self_attn.indexer.wk.weight"], fresh.state_dict()[
         "layers.0.self_attn.indexer.wk.weight"])  # frozen: still its initial value
-    optimized = {id(p) for group in train.build_optimizer(fresh, OptimSection(), torch.device("cpu")).param_groups
+    optimized = {id(p) for group in train.build_optimizer(fresh, OptimSection()).param_groups
                  for p in group["params"]}
     assert {n for n, p in fresh.named_parameters() if id(p) not in optimized} == {
         n for n in fresh.state_dict() if ".indexer." in n}
