@@ -334,16 +334,22 @@ class KVCache:
 class Visibility(NamedTuple):
     """The keys each query may see: causal, and inside its document when doc_ids [B, S] is given
     (< 0: padding, never seen). The queries are the last q_len of the kv_len positions (generation
-    appends them to cached keys). A description, not a bool [B, 1, T, S] (T x S bytes per sequence,
-    16 GiB at 128k tokens): it is realised a chunk of queries at a time."""
+    appends them to cached keys), or those at `queries` [q_len] (a context-parallel rank's share).
+    A description, not a bool [B, 1, T, S] (T x S bytes per sequence, 16 GiB at 128k tokens): it is
+    realised a chunk of queries at a time."""
     doc_ids: torch.Tensor | None
     batch: int
     q_len: int
     kv_len: int
     device: torch.device
+    queries: torch.Tensor | None = None
 
     def mask_mod(self) -> MaskMod:
-        mod, offset = layer_mask_mod(FULL, None, self.doc_ids), self.kv_len - self.q_len
+        mod, offset, queries = layer_mask_mod(FULL, None, self.doc_ids), self.kv_len - self.q_len, self.queries
+        if queries is not None:
+            def placed(b, h, q_idx, kv_idx):
+                return mod(b, h, queries[q_idx], kv_idx)
+            return placed
         if offset == 0:
             return mod
 
@@ -423,9 +429,11 @@ def selection_attention_mask(visible: Visibility, indices: torch.Tensor | None, 
     visible (top_keys), so the selection alone is the mask. sdpa: bool [B, 1, T, S]; flex: a
     BlockMask (the dense one compiled from the mask_mod on GPUs, the sparse one from the indices)."""
     if backend == "flex":
-        if indices is None:
+        if indices is not None:
+            return selection_block_mask(indices, visible.kv_len)
+        if visible.queries is None:
             return block_mask(FULL, None, visible.doc_ids, visible.batch, visible.q_len, visible.device)
-        return selection_block_mask(indices, visible.kv_len)
+        return new_block_mask(visible.mask_mod(), visible.batch, visible.q_len, visible.kv_len, visible.device)
     return visible.rows(0, visible.q_len) if indices is None else selection_mask(indices, visible.kv_len)
 
 

@@ -134,7 +134,7 @@ class Indexer(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, cos, sin, log_positions, visible: Visibility,
-                cache: "LayerCache | None" = None) -> torch.Tensor:
+                cache: "LayerCache | None" = None, gather=None) -> torch.Tensor:
         """x [B, T, H] -> key indices [B, T, min(index_topk, S)], -1 where no visible key is left."""
         batch, seq_len, _ = x.shape
         q = self.wq_b(self.q_input_norm(x)).view(batch, seq_len, self.heads, self.head_dim)
@@ -144,6 +144,8 @@ class Indexer(nn.Module):
             r = self.rope_dim
             q = torch.cat([rotate(q[..., :r], cos.unsqueeze(2), sin.unsqueeze(2)), q[..., r:]], dim=-1)
             k = torch.cat([rotate(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        if gather is not None:
+            k = gather(k)  # context parallel: this rank's keys -> the whole sequence's [B, S, D]
         if cache is not None:
             k = cache.extend("index_keys", k)  # [B, S, D]
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads ** -0.5
@@ -227,8 +229,9 @@ class Large4Block(nn.Module):
     own_* are None on a KV consumer; indices is None when attention is dense (every query may
     attend index_topk keys or fewer), else [B, T, k] with -1 for invalid slots. A layer whose
     indexer selects starts a group: it builds the group's attention mask from its selection, once,
-    and returns it; the other layers attend with prev_mask. `cache` (generation) and `backend`
-    (flex | sdpa: how a new mask is realised) are keyword settings, not state.
+    and returns it; the other layers attend with prev_mask. `cache` (generation), `backend` (flex |
+    sdpa: how a new mask is realised) and `gather` (context parallelism: [B, T / cp, ...] of this
+    rank's positions -> [B, T, ...], for the keys and latents) are keyword settings, not state.
     """
 
     def __init__(self, config: Large4Config, index: int, dtype: torch.dtype | None = None):
@@ -247,16 +250,18 @@ class Large4Block(nn.Module):
 
     def forward(self, x, cos, sin, log_positions, visible: Visibility, src_latent=None, src_rope_key=None,
                 prev_indices=None, prev_mask: Mask | None = None, cache: LayerCache | None = None,
-                backend: str = "sdpa"):
+                backend: str = "sdpa", gather=None):
         attn_in = self.input_layernorm(x)
         latent, rope_key, own = src_latent, src_rope_key, self.source == self.index
         if own:
             latent, rope_key = self.self_attn.latent(attn_in, cos, sin)
+            if gather is not None:
+                latent, rope_key = gather(latent), (None if rope_key is None else gather(rope_key))
             if cache is not None:
                 latent, rope_key = cache.extend("latent", latent), cache.extend("rope_key", rope_key)
         indices, mask = prev_indices, prev_mask
         if hasattr(self.self_attn, "indexer") and selects(self.self_attn.indexer.top_k, visible, cache):
-            indices = self.self_attn.indexer(attn_in, cos, sin, log_positions, visible, cache)
+            indices = self.self_attn.indexer(attn_in, cos, sin, log_positions, visible, cache, gather)
             mask = selection_attention_mask(visible, indices, backend)
         h = x + self.self_attn(attn_in, cos, sin, log_positions, mask, latent, rope_key)
         y = h + self.mlp(self.post_attention_layernorm(h))
@@ -322,13 +327,15 @@ class MistralLarge4(nn.Module):
 
     def run_stage(self, h: torch.Tensor, cos, sin, positions: torch.Tensor, visible: Visibility,
                   shared: dict[int, tuple] | None = None, indices: torch.Tensor | None = None,
-                  caches: dict[int, LayerCache] | None = None) -> tuple[torch.Tensor, dict[int, tuple], torch.Tensor | None]:
+                  caches: dict[int, LayerCache] | None = None,
+                  gather=None) -> tuple[torch.Tensor, dict[int, tuple], torch.Tensor | None]:
         """The layers this module holds (all of them, or a pipeline stage's) -> (h, shared, indices).
         `shared` maps a source layer to its latent and rotated key, `indices` is the current selection;
         both live only in this call (a pipeline stage receives and returns them as tensors) and
         reach each layer as arguments, as does the attention mask of the current group. That mask is
         built here for a dense forward (one group of all layers) or from a selection received from
-        the previous stage; each layer whose indexer selects builds its own group's."""
+        the previous stage; each layer whose indexer selects builds its own group's. `gather`: see
+        Large4Block."""
         # Generation stays dense: a compiled flex kernel would recompile for every new key count.
         backend = "sdpa" if caches is not None else resolve_backend(self.config.attention_backend, h.device)
         log_positions = torch.log(positions.float() + 1)  # SSMax, FP32
@@ -339,7 +346,7 @@ class MistralLarge4(nn.Module):
             source_kv = shared.get(layer.source, (None, None))
             cache = None if caches is None else caches.setdefault(layer.index, LayerCache())
             h, latent, rope_key, indices, mask = layer(h, cos, sin, log_positions, visible, *source_kv, indices,
-                                                       mask, cache=cache, backend=backend)
+                                                       mask, cache=cache, backend=backend, gather=gather)
             if self.config.kv_mode(layer.index) == "store":
                 shared[layer.index] = (latent, rope_key)
         return h, shared, indices
@@ -446,30 +453,47 @@ class Large4Stage(MistralLarge4):
     what a later layer still needs crosses. The rope tables cross as differentiable tensors, so alpha,
     on the first stage, receives the gradient of every later layer. Each stage rebuilds the positions,
     SSMax's log positions and the causal and document visibility from the doc_ids every stage is
-    given. Context parallelism is not implemented for Large 4.
+    given.
+
+    Context parallelism (`context`, set by parallel.py): every rank of a cp group is given the whole
+    batch and computes the queries at its share of the positions (`context.positions`); each layer
+    gathers the small compressed latents, rotated keys and indexer keys over the group, so attention
+    and the selection see every key of the sequence, exactly.
     """
 
-    parallel_dims = ("pp",)  # the layouts this form adds to data and expert parallelism (parallel.py)
+    parallel_dims = ("pp", "cp")  # the layouts this form adds to data and expert parallelism (parallel.py)
+    context = None  # cp > 1: parallel.ContextParallel (positions of this rank, sequence gather)
 
     def forward(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """inputs: (input_ids [B, T],) on the first stage, else the previous stage's tuple -> the next
-        stage's tuple, or on the last stage FP32 logits, or the mean loss when targets are given."""
+        stage's tuple, or on the last stage FP32 logits of this rank's positions, or the loss when
+        targets are given (under cp: this rank's share of the mean over all positions)."""
         first = self.embed_tokens is not None
         if first:
             self._check_inputs(inputs[0], targets, doc_ids, positions)
-        (batch, seq_len), device = inputs[0].shape[:2], inputs[0].device
+        cp = self.context.size if self.context is not None else 1
+        batch, seq_len, device = inputs[0].shape[0], inputs[0].shape[1] * (1 if first else cp), inputs[0].device
+        mine = self.context.positions(seq_len, device) if cp > 1 else None  # [T / cp]
         positions = default_positions(doc_ids, batch, seq_len, device) if positions is None else positions
-        visible = Visibility(doc_ids, batch, seq_len, seq_len, device)
+        positions = positions if mine is None else positions[:, mine]
+        visible = Visibility(doc_ids, batch, positions.shape[1], seq_len, device, mine)
         layers = [int(name) for name in self.layers]
         if first:
-            h, (cos, sin), shared, indices = self.embed_tokens(inputs[0]), self.rotary(positions), {}, None
+            ids = inputs[0] if mine is None else inputs[0][:, mine]
+            h, (cos, sin), shared, indices = self.embed_tokens(ids), self.rotary(positions), {}, None
         else:
             h, cos, sin, shared, indices = self._unpack(inputs, layers[0])
-        h, shared, indices = self.run_stage(h, cos, sin, positions, visible, shared, indices)
+        gather = None if mine is None else self.context.gather
+        h, shared, indices = self.run_stage(h, cos, sin, positions, visible, shared, indices, gather=gather)
         if self.lm_head is None:
             return self._pack(h, cos, sin, shared, indices, layers[-1] + 1)
-        return self.lm_head(self.norm(h.float()), targets)
+        if mine is None or targets is None:
+            return self.lm_head(self.norm(h.float()), targets)
+        # The head averages this rank's target tokens: rescale, so that the mean over the cp ranks is
+        # the mean over the whole sequence's (every cp rank holds all targets: no communication).
+        loss = self.lm_head(self.norm(h.float()), targets[:, mine])
+        return loss * (targets[:, mine] != -100).sum() * cp / (targets != -100).sum().clamp(min=1)
 
     def stage_io(self, batch: int, seq_len: int, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], ...]:
         """This stage's (inputs, outputs) for micro-batches [batch, seq_len], as meta tensors: static
@@ -486,18 +510,21 @@ class Large4Stage(MistralLarge4):
         """What crosses into layer `layer` from the stage before it, as meta tensors (requires_grad
         where a gradient flows back): static pipeline metadata, since shape inference would run the
         next stage on uninitialised indices. In order: h [B, T, H]; cos, sin [B, T, R/2] FP32 while a
-        later layer rotates; for each source layer a later layer reads, its latent [B, T, r] and, if
-        RoPE, its rotated key [B, T, R]; the int32 selection [B, T, k] if `layer` shares it. A dense
-        forward (T <= index_topk: no selection) sends it as [B, T, 0], so a boundary is always the
-        same tuple of tensors. h, latents and keys are in the compute `dtype`."""
+        later layer rotates; for each source layer a later layer reads, its latent [B, S, r] and, if
+        RoPE, its rotated key [B, S, R]; the int32 selection [B, T, k] if `layer` shares it. A dense
+        forward (S <= index_topk: no selection) sends it as [B, T, 0], so a boundary is always the
+        same tuple of tensors. h, latents and keys are in the compute `dtype`. S = seq_len; T is
+        seq_len / cp, this rank's queries (latents cross gathered over the cp group)."""
         c = self.config
         sources, rope, shares = self._crossing(layer)
+        local = seq_len // (self.context.size if self.context is not None else 1)
 
-        def meta(width: int, kind: torch.dtype = dtype) -> torch.Tensor:
-            return torch.empty(batch, seq_len, width, dtype=kind, device="meta", requires_grad=kind.is_floating_point)
+        def meta(width: int, kind: torch.dtype = dtype, length: int = local) -> torch.Tensor:
+            return torch.empty(batch, length, width, dtype=kind, device="meta", requires_grad=kind.is_floating_point)
         tensors = [meta(c.hidden_size)] + [meta(c.qk_rope_head_dim // 2, torch.float32)] * 2 * rope
         for source in sources:
-            tensors += [meta(c.kv_lora_rank)] + [meta(c.qk_rope_head_dim)] * c.no_rope_layers[source]
+            tensors += [meta(c.kv_lora_rank, length=seq_len)]
+            tensors += [meta(c.qk_rope_head_dim, length=seq_len)] * c.no_rope_layers[source]
         if shares:
             tensors.append(meta(c.index_topk if seq_len > c.index_topk else 0, torch.int32))
         return tuple(tensors)

@@ -250,17 +250,33 @@ def context_masks(config: FlintConfig, doc_ids, batch: int, seq_len: int, mine: 
     return masks
 
 
-def _gather_context_kv(cp_group, module, args):
-    """Forward pre-hook on Sinks: all-gather keys and values [B, Hkv, T/cp, D] over the cp group
-    (backward: reduce-scatter) and put them in sequence order -> [B, Hkv, T, D]. With 4 KV heads
-    they are small; each rank then attends with its own queries only."""
-    q, k, v, mask = args
+def gather_sequence(t: torch.Tensor, cp_group, dim: int) -> torch.Tensor:
+    """All-gather this rank's positions of a sequence (dim `dim`, T / cp long) over the cp group
+    (backward: reduce-scatter) and put them in sequence order -> T long."""
     cp = dist.get_world_size(cp_group)
-    seq_len = k.shape[2] * cp
-    gathered_order = torch.cat([cp_token_index(seq_len, cp, r, k.device) for r in range(cp)])
-    natural = torch.argsort(gathered_order)
-    k, v = (all_gather_tensor_autograd(t.contiguous(), 2, cp_group).index_select(2, natural) for t in (k, v))
-    return q, k, v, mask
+    seq_len = t.shape[dim] * cp
+    gathered_order = torch.cat([cp_token_index(seq_len, cp, r, t.device) for r in range(cp)])
+    return all_gather_tensor_autograd(t.contiguous(), dim, cp_group).index_select(dim, torch.argsort(gathered_order))
+
+
+def _gather_context_kv(cp_group, module, args):
+    """Forward pre-hook on Sinks: keys and values [B, Hkv, T/cp, D] -> [B, Hkv, T, D]. With 4 KV
+    heads they are small; each rank then attends with its own queries only."""
+    q, k, v, mask = args
+    return q, gather_sequence(k, cp_group, 2), gather_sequence(v, cp_group, 2), mask
+
+
+@dataclass
+class ContextParallel:
+    """A cp group, for a model form that gathers its own keys (Large 4's `context`)."""
+    group: dist.ProcessGroup
+    size = property(lambda self: dist.get_world_size(self.group))
+
+    def positions(self, seq_len: int, device) -> torch.Tensor:  # this rank's queries [T / cp]
+        return cp_token_index(seq_len, self.size, dist.get_rank(self.group), device)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:  # [B, T / cp, ...] -> [B, T, ...]
+        return gather_sequence(t, self.group, 1)
 
 
 # ============================================================================= pipeline stages
@@ -438,7 +454,8 @@ def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "
     fsdp = mesh["dp_cp"].size() > 1 or param_dtype != torch.float32
     for part in parts:
         if mesh["cp"].size() > 1:
-            part.cp_group = mesh["cp"].get_group()
+            part.cp_group = mesh["cp"].get_group()  # ParallelFlint's; other forms read `context`
+            part.context = ContextParallel(part.cp_group)
             for module in part.modules():
                 if isinstance(module, Sinks):
                     module.register_forward_pre_hook(partial(_gather_context_kv, part.cp_group))
@@ -467,12 +484,10 @@ def pipeline_schedule(parts: list[nn.Module], stage_ids: list[int], cfg: Paralle
     if rows % microbatches:
         raise ValueError(f"[parallel] pp_microbatches = {microbatches} must divide the {rows} rows of a batch")
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-    stages = []
-    for part, s in zip(parts, stage_ids):
-        static = hasattr(part, "stage_io")
-        io = part.stage_io(rows // microbatches, seq_len, dtype) if static else (None, None)
-        stages.append(PipelineStage(part, s, num_stages, device, input_args=io[0], output_args=io[1],
-                                    group=mesh["pp"].get_group()))
+    ios = [part.stage_io(rows // microbatches, seq_len, dtype) if hasattr(part, "stage_io") else (None, None)
+           for part in parts]
+    stages = [PipelineStage(part, s, num_stages, device, input_args=inputs, output_args=outputs,
+                            group=mesh["pp"].get_group()) for part, s, (inputs, outputs) in zip(parts, stage_ids, ios)]
     # scale_grads=False: the loss function already weighs each micro-batch by its tokens.
     return SCHEDULES[cfg.pp_schedule](stages if cfg.stages_per_rank > 1 else stages[0], microbatches,
                                       loss_fn=loss_fn, scale_grads=False)

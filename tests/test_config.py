@@ -121,10 +121,8 @@ def test_model_family_comes_from_the_section_or_the_checkpoint(tmp_path):
         load_config(write(tmp_path, '[model]\nfamily = "llama"\npreset = "tiny"\n'))
     with pytest.raises(ConfigError, match="index_topk"):  # a random frozen indexer cannot select
         load_config(CONFIGS / "large4-smoke.toml", ["--data.seq_len=256"])
-    with pytest.raises(ConfigError, match=r"command line --parallel.cp: \[parallel\] cp = 2: context "
-                                          r"parallelism is not implemented for MistralLarge4; use cp = 1"):
-        load_config(CONFIGS / "large4-smoke.toml", ["--parallel.cp=2"])  # refused before any work
-    assert load_config(CONFIGS / "large4-smoke.toml", ["--parallel.pp=2"]).parallel.pp == 2
+    run = load_config(CONFIGS / "large4-smoke.toml", ["--parallel.pp=2", "--parallel.cp=2"])
+    assert (run.parallel.pp, run.parallel.cp) == (2, 2)
 
 
 def test_paths_the_run_writes_are_checked_before_any_work(tmp_path):

@@ -209,10 +209,11 @@ def check_large4_layouts(layouts: list[dict]) -> None:
 
 
 def test_large4_layouts_match_single_process():
-    """FSDP, FSDP with full activation checkpointing (bit-exact), expert parallel, and a pipeline of
-    2 stages (1F1B; see test_large4_pipeline_stage_boundaries for what crosses)."""
+    """FSDP, FSDP with full activation checkpointing (bit-exact), expert parallel, a pipeline of 2
+    stages (1F1B; see test_large4_pipeline_stage_boundaries for what crosses), and context parallel
+    (the documents cross the cp chunks of 4 tokens; latents and indexer keys are gathered)."""
     spawn(2, check_large4_layouts, [{"dp_shard": 2}, {"dp_shard": 2, "activation_checkpointing": "full"},
-                                    {"ep": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}])
+                                    {"ep": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}, {"cp": 2, "dp_shard": 1}])
 
 
 def test_large4_pipeline_stage_boundaries():
@@ -237,6 +238,24 @@ def test_large4_pipeline_stage_boundaries():
     assert shapes(4, seq_len=4)[-1] == ((2, 4, 0), torch.int32, False)
 
 
+def flex_layouts(layouts: list[dict], overrides: dict) -> None:
+    """check_layouts for Large 4 with the flex backend, whose backward the CPU refuses by a device
+    check only (lifted here, as tests/test_large4.py does), in the single process too."""
+    import torch.nn.attention.flex_attention as flex_module
+    flex_module._validate_device = lambda *tensors: None
+    check_layouts(layouts, {"attention_backend": "flex", **overrides}, "large4")
+
+
+@slow
+def test_large4_context_parallel_variants_match_single_process():
+    """Context parallel with full checkpointing; dense (index_topk = SEQ); with the flex backend
+    (selection bitmaps of this rank's queries; the document mask of its positions), and a flex pipeline."""
+    spawn(2, check_layouts, [{"cp": 2, "dp_shard": 1, "activation_checkpointing": "full"}], {}, "large4")
+    spawn(2, check_layouts, [{"cp": 2, "dp_shard": 1}], {"index_topk": SEQ}, "large4")
+    spawn(2, flex_layouts, [{"cp": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}], {})
+    spawn(2, flex_layouts, [{"cp": 2, "dp_shard": 1}], {"index_topk": SEQ})
+
+
 @slow
 def test_large4_pipeline_schedules_match_single_process():
     """Interleaved1F1B (2 stages of 2 layers per rank) and GPipe, with sparse (SEQ > index_topk)
@@ -250,20 +269,28 @@ def test_large4_pipeline_schedules_match_single_process():
 
 @slow
 def test_large4_layouts_four_processes():
-    """HSDP (replicate 2 x shard 2), FSDP 2 x EP 2 with selective checkpointing, PP 2 x FSDP 2."""
+    """HSDP (replicate 2 x shard 2), FSDP 2 x EP 2 with selective checkpointing, PP 2 x FSDP 2,
+    PP 2 x CP 2 (1F1B and Interleaved1F1B: gathered latents cross stage boundaries), CP 2 x EP 2."""
     spawn(4, check_layouts, [{"dp_replicate": 2, "dp_shard": 2},
                              {"dp_shard": 2, "ep": 2, "activation_checkpointing": "selective"},
-                             {"pp": 2, "dp_shard": 2}], {}, "large4")
+                             {"pp": 2, "dp_shard": 2}, {"pp": 2, "cp": 2, "dp_shard": 1},
+                             {"pp": 2, "cp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B"},
+                             {"cp": 2, "ep": 2, "dp_shard": 1}], {}, "large4")
 
 
-def test_large4_refuses_context_parallel_before_any_work():
+def test_pipeline_and_context_parallel_need_a_stage_form():
+    """Both models have one; a model without one is refused before any work, with the key named."""
     from large4 import MistralLarge4
     from model import Flint
     from parallel import unsupported_layout
-    assert unsupported_layout(ParallelConfig(pp=2), MistralLarge4) is None
-    assert unsupported_layout(ParallelConfig(cp=2), MistralLarge4).startswith("[parallel] cp = 2: context")
-    assert unsupported_layout(ParallelConfig(pp=2, cp=2), MistralLarge4).startswith("[parallel] cp = 2: context")
+    assert unsupported_layout(ParallelConfig(pp=2, cp=2), MistralLarge4) is None
     assert unsupported_layout(ParallelConfig(pp=2, cp=2), Flint) is None
+
+    class Plain(torch.nn.Module):
+        pass
+    assert unsupported_layout(ParallelConfig(pp=2), Plain) == ("[parallel] pp = 2: pipeline parallelism is not "
+                                                               "implemented for Plain; use pp = 1")
+    assert unsupported_layout(ParallelConfig(cp=2), Plain).startswith("[parallel] cp = 2: context")
 
 
 def dtypes_in_use(pm, batch) -> dict[str, set]:
