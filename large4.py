@@ -471,6 +471,8 @@ class Large4Stage(MistralLarge4):
         targets are given (under cp: this rank's share of the mean over all positions)."""
         first = self.embed_tokens is not None
         if first:
+            if len(inputs) != 1:  # forward(input_ids, targets) would read targets as a boundary tensor
+                raise TypeError("a Large 4 stage takes input_ids alone; pass targets, doc_ids and positions by keyword")
             self._check_inputs(inputs[0], targets, doc_ids, positions)
         cp = self.context.size if self.context is not None else 1
         batch, seq_len, device = inputs[0].shape[0], inputs[0].shape[1] * (1 if first else cp), inputs[0].device

@@ -236,6 +236,9 @@ def test_large4_pipeline_stage_boundaries():
     assert shapes(2) == [h, table, table, latent, key, selection]  # layer 1 (RoPE)
     assert shapes(6) == [h, table, table, latent, selection]
     assert shapes(4, seq_len=4)[-1] == ((2, 4, 0), torch.int32, False)
+    ids = torch.zeros(2, SEQ, dtype=torch.long)
+    with pytest.raises(TypeError, match="takes input_ids alone; pass targets"):  # not read as a boundary tensor
+        stage(ids, ids)
 
 
 def flex_layouts(layouts: list[dict], overrides: dict) -> None:
