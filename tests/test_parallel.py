@@ -585,24 +585,37 @@ def test_checkpoint_resumes_across_layouts(tmp_path, family):
     check_single_process_load(str(tmp_path / "ckpt"), family)
 
 
-def save_after_one_step(path: str, family: str, layout: dict) -> None:
-    """Meta build in `layout`, one clipped AdamW step, a DCP checkpoint of model and optimizer."""
+def check_pipeline_checkpoint(path: str, family: str) -> None:
+    """PP 2 (meta build, one clipped AdamW step) saves model and optimizer, each pp rank its stage's
+    share (alpha from the first); CP 2 loads it and its next steps track the single-process losses."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
     config = tiny_config(family, **PLAIN_INIT_OVERRIDES[family])
-    pm, mesh = meta_built(config, layout, seed=0)
-    optimizer = torch.optim.AdamW(pm.module.parameters(), lr=LR, foreach=False)
-    pm.forward_backward(*rows_of_this_rank(mesh, make_batch(vocab=min(256, config.vocab_size))))
-    pm.clip_grad_norm_(MAX_NORM)
-    optimizer.step()
-    dcp.save({"model": get_model_state_dict(pm.module),
-              "optimizer": get_optimizer_state_dict(pm.module, optimizer)}, checkpoint_id=path)
+    batch = make_batch(vocab=min(256, config.vocab_size))
+    ref_losses, _, _ = reference_run(config, batch, plain=True)
+    for index, (layout, seed) in enumerate([({"pp": 2, "dp_shard": 1}, 0), ({"cp": 2, "dp_shard": 1}, 1)]):
+        pm, mesh = meta_built(config, layout, seed)
+        optimizer = torch.optim.AdamW(pm.module.parameters(), lr=LR, foreach=False)
+        if index == 1:  # different weights until loaded (the optimizer state dict's lazy init steps)
+            state = {"model": get_model_state_dict(pm.module), "optimizer": get_optimizer_state_dict(pm.module, optimizer)}
+            dcp.load(state, checkpoint_id=path)
+            set_model_state_dict(pm.module, state["model"])
+            set_optimizer_state_dict(pm.module, optimizer, state["optimizer"])
+        for step in range(index, STEPS if index else 1):
+            loss = pm.forward_backward(*rows_of_this_rank(mesh, batch))
+            pm.clip_grad_norm_(MAX_NORM)
+            optimizer.step()
+            optimizer.zero_grad()
+            close(loss, ref_losses[step], f"{layout} step {step} loss")
+        if index == 0:
+            dcp.save({"model": get_model_state_dict(pm.module),
+                      "optimizer": get_optimizer_state_dict(pm.module, optimizer)}, checkpoint_id=path)
 
 
 @slow
-def test_large4_pipeline_checkpoint_loads_in_one_process(tmp_path):
-    """Each pp rank writes its stage's parameters (alpha from the first); one process reads them all."""
-    spawn(2, save_after_one_step, str(tmp_path / "ckpt"), "large4", {"pp": 2, "dp_shard": 1})
+def test_large4_pipeline_checkpoint_resumes_in_context_parallel_and_one_process(tmp_path):
+    spawn(2, check_pipeline_checkpoint, str(tmp_path / "ckpt"), "large4")
     check_single_process_load(str(tmp_path / "ckpt"), "large4")
 
 
