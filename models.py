@@ -12,7 +12,8 @@ parallel.py, memory.py and convert.py need, so those files never ask which model
             model: its forward serves a stage, its parallel_dims lists "pp" and/or "cp"; Flint's is
             parallel.ParallelFlint), first_stage_modules (kept by the first stage only; default the
             embedding), and on the form stage_io(rows, seq_len, dtype): the tensors a stage receives
-            and returns, as static metadata (Large 4, whose stages exchange indices)
+            and returns, as static metadata (Large 4, whose stages exchange indices); under cp > 1
+            parallel.py sets the form's `context` (its positions and the sequence gather)
 """
 
 from __future__ import annotations
