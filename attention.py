@@ -79,6 +79,13 @@ def layer_mask_mod(layer_type: str, window: int | None, doc_ids: torch.Tensor | 
     return and_masks(*mods) if len(mods) > 1 else causal
 
 
+def at_queries(mask_mod: MaskMod, queries: torch.Tensor) -> MaskMod:
+    """mask_mod for the queries at positions `queries` [Tq]: query q_idx is position queries[q_idx]."""
+    def placed(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, queries[q_idx], kv_idx)
+    return placed
+
+
 # ----------------------------------------------------------------------------- realisations
 
 def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:
@@ -121,12 +128,18 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def build_masks(layer_types: list[str], window: int | None, doc_ids: torch.Tensor | None,
-                batch: int, seq_len: int, device, backend: str) -> dict[str, Mask]:
-    """One mask per layer type present, built once per batch outside the layers."""
+                batch: int, seq_len: int, device, backend: str,
+                queries: torch.Tensor | None = None) -> dict[str, Mask]:
+    """One mask per layer type present, built once per batch outside the layers. queries [Tq]: the
+    positions whose rows to build against all seq_len keys (a context-parallel rank's share), or all."""
     masks: dict[str, Mask] = {}
     for layer_type in sorted(set(layer_types)):
         mod = layer_mask_mod(layer_type, window, doc_ids)
-        if backend == "flex":
+        if queries is not None:  # some rows only: neither the cached nor the banded form
+            mod, rows = at_queries(mod, queries), queries.numel()
+            masks[layer_type] = (new_block_mask(mod, batch, rows, seq_len, device) if backend == "flex"
+                                 else dense_mask(mod, batch, rows, seq_len, device))
+        elif backend == "flex":
             masks[layer_type] = block_mask(layer_type, window, doc_ids, batch, seq_len, device)
         elif layer_type == SLIDING and window is not None and seq_len > 2 * (window - 1) > 0:
             masks[layer_type] = band_mask(mod, window - 1, batch, seq_len, device)
@@ -347,9 +360,7 @@ class Visibility(NamedTuple):
     def mask_mod(self) -> MaskMod:
         mod, offset, queries = layer_mask_mod(FULL, None, self.doc_ids), self.kv_len - self.q_len, self.queries
         if queries is not None:
-            def placed(b, h, q_idx, kv_idx):
-                return mod(b, h, queries[q_idx], kv_idx)
-            return placed
+            return at_queries(mod, queries)
         if offset == 0:
             return mod
 

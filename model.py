@@ -94,7 +94,9 @@ class Attention(nn.Module):
         self.sinks = Sinks(self.num_heads)
 
     def forward(self, x: torch.Tensor, rope, mask, cache: KVCache | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, gather=None) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]. gather (context parallelism): this rank's keys or values and
+        their sequence dim -> the whole sequence's, so T queries attend to all S keys."""
         batch, seq_len, _ = x.shape
         # [B, T, H] -> [B, heads, T, D]
         q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
@@ -103,6 +105,8 @@ class Attention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         if self.layer_type == SLIDING:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if gather is not None:  # [B, Hkv, T, D] -> [B, Hkv, S, D]: small, with few KV heads
+            k, v = gather(k, 2), gather(v, 2)
         if cache is not None:
             k, v, mask = cache.update(k, v, positions)
         out = self.sinks(q, k, v, mask)  # [B, Hq, T, D]
@@ -127,11 +131,11 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype)
 
     def forward(self, x: torch.Tensor, rope, masks: dict, cache: KVCache | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, gather=None) -> torch.Tensor:
         compute_dtype = self.input_layernorm.weight.dtype  # the residual stream may be wider
         attn_in = self.input_layernorm(x).to(compute_dtype)
         mask = None if cache is not None else masks[self.layer_type]
-        h = x + self.self_attn(attn_in, rope, mask, cache, positions).to(x.dtype)
+        h = x + self.self_attn(attn_in, rope, mask, cache, positions, gather).to(x.dtype)
         mlp_in = self.post_attention_layernorm(h).to(compute_dtype)
         return h + self.mlp(mlp_in).to(x.dtype)
 
@@ -250,20 +254,26 @@ class Flint(nn.Module):
         each document. Masks and RoPE tables are built once here, outside the layers.
         """
         self._check_inputs(input_ids, targets, doc_ids, positions)
-        batch, seq_len = input_ids.shape
-        if positions is None:
-            positions = (document_positions(doc_ids) if doc_ids is not None
-                         else torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len))
-        backend = resolve_backend(self.config.attention_backend, input_ids.device)
-        masks = build_masks(self.config.layer_types, self.config.window, doc_ids, batch, seq_len,
-                            input_ids.device, backend)
-        rope = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        rope, masks = self.block_inputs(doc_ids, positions, *input_ids.shape, input_ids.device)
         h = self.embed(input_ids)
         for layer in self.layers.values():
             h = layer(h, rope, masks)
         loss = self.lm_head(self.norm(h.float()), targets)
         router_loss = self.router_loss(doc_ids) if targets is not None else None
         return loss if router_loss is None else loss + router_loss
+
+    def block_inputs(self, doc_ids: torch.Tensor | None, positions: torch.Tensor | None, batch: int, seq_len: int,
+                     device, queries: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
+        """What every block reads, built once per forward: the RoPE tables and one mask per layer type.
+        queries [Tq]: build them for the queries at these positions only (a context-parallel rank's)."""
+        if positions is None:
+            positions = (document_positions(doc_ids) if doc_ids is not None
+                         else torch.arange(seq_len, device=device).expand(batch, seq_len))
+        positions = positions if queries is None else positions[:, queries]
+        backend = resolve_backend(self.config.attention_backend, device)
+        masks = build_masks(self.config.layer_types, self.config.window, doc_ids, batch, seq_len, device, backend,
+                            queries)
+        return rope_tables(positions, self.config.head_dim, self.config.rope_theta), masks
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
@@ -430,6 +440,55 @@ def stream(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperat
             finished |= next_token[:, 0] == eos_token_id
             if bool(finished.all()):
                 return
+
+
+# ============================================================================= pipeline stages
+
+class FlintStage(Flint):
+    """Flint as one pipeline stage, and under context parallelism (parallel.py gives a model this
+    form): a stage is the model with the layers of other stages deleted (and the embedding, or the
+    final norm and head, set to None). Parameter names do not change. Stages exchange the hidden
+    state alone; each rebuilds the RoPE tables and masks from the doc_ids every stage is given.
+
+    Context parallelism (`context`, set by parallel.py): every rank of a cp group is given the whole
+    batch and computes the queries at its share of the positions (`context.positions`); attention
+    gathers the keys and values over the group, so it sees every key of the sequence, exactly.
+    """
+
+    parallel_dims = ("pp", "cp")  # the layouts this form adds to data and expert parallelism (parallel.py)
+    context = None  # cp > 1: parallel.ContextParallel (positions of this rank, sequence gather)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x: token ids [B, T] on the first stage, else hidden states [B, T / cp, H] -> the next
+        stage's hidden states, FP32 logits of this rank's positions, or the loss (under cp: this
+        rank's share of the mean over all positions)."""
+        first = self.embed_tokens is not None
+        if first:
+            self._check_inputs(x, targets, doc_ids, positions)
+        cp = self.context.size if self.context is not None else 1
+        batch, seq_len = x.shape[0], x.shape[1] * (1 if first else cp)
+        mine = self.context.positions(seq_len, x.device) if cp > 1 else None  # [T / cp]
+        rope, masks = self.block_inputs(doc_ids, positions, batch, seq_len, x.device, mine)
+        h = self.embed(x if mine is None else x[:, mine]) if first else x
+        gather = None if mine is None else self.context.gather
+        for layer in self.layers.values():
+            h = layer(h, rope, masks, gather=gather)
+        if self.lm_head is None:
+            return h
+        h = self.norm(h.float())
+        if targets is None:
+            return self.lm_head(h)
+        if mine is None:  # config.py refuses the router loss with cp or pp: it needs every layer's whole batch
+            loss, router_loss = self.lm_head(h, targets), self.router_loss(doc_ids)
+            return loss if router_loss is None else loss + router_loss
+        # The head averages this rank's target tokens: rescale, so that the mean over the cp ranks is
+        # the mean over the whole sequence's (every cp rank holds all targets: no communication).
+        loss = self.lm_head(h, targets[:, mine])
+        return loss * (targets[:, mine] != -100).sum() * cp / (targets != -100).sum().clamp(min=1)
+
+
+Flint.stage_form = FlintStage  # the form parallel.py gives the model (models.py)
 
 
 def build_model(config: FlintConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

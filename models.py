@@ -10,7 +10,7 @@ parallel.py, memory.py and convert.py need, so those files never ask which model
             num_params(active), flops_per_token(seq_len), block_activation_bytes(), generate(...)
     optional, for pipeline (and context) parallelism: stage_form (the class parallel.py gives the
             model: its forward serves a stage, its parallel_dims lists "pp" and/or "cp"; Flint's is
-            parallel.ParallelFlint), first_stage_modules (kept by the first stage only; default the
+            model.FlintStage), first_stage_modules (kept by the first stage only; default the
             embedding), and on the form stage_io(rows, seq_len, dtype): the tensors a stage receives
             and returns, as static metadata (Large 4, whose stages exchange indices); under cp > 1
             parallel.py sets the form's `context` (its positions and the sequence gather)

@@ -1,4 +1,4 @@
-"""Lay the single-device Flint model across a device mesh, from outside the model files.
+"""Lay a single-device model (Flint, Mistral Large 4) across a device mesh, from outside the model files.
 
     world size = pp * dp_replicate * dp_shard * ep * cp
 
@@ -8,7 +8,8 @@ experts with an all-to-all, in moe.py). The cp ranks of a group share a batch an
 sequence; the pp ranks split the layers. `parallelize` applies, in torchtitan's order: pipeline
 split, expert parallel, activation checkpointing, compile per block, then FSDP per block (the FP32
 units first), on the embedding and on the root. Parameter names never change, so a checkpoint
-written with one layout loads into any other.
+written with one layout loads into any other. Pipeline and context parallelism run the form of
+the model its file names (`stage_form`, models.py); this file holds no model's code.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleaved1F1B)
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from attention import build_masks, dense_mask, layer_mask_mod, new_block_mask, resolve_backend
-from model import Flint, FlintConfig, Sinks, document_positions, rope_tables
+from model import Flint, FlintConfig
 from moe import ExpertParallelExperts, MoE
 
 # build_mesh's flattened views (dp, dp_cp, fsdp, efsdp) are sliced from the root mesh, which
@@ -168,52 +168,7 @@ def build_mesh(cfg: ParallelConfig, device_type: str, num_experts: int | None = 
     return mesh
 
 
-# ============================================================================= the model, stage- and context-aware
-
-class ParallelFlint(Flint):
-    """Flint whose forward also serves pipeline stages and context parallelism.
-
-    A pipeline stage is this module with the layers of other stages deleted (and the embedding,
-    or the final norm and head, set to None): parameter names stay the same. Under context
-    parallelism every rank receives the whole batch and computes the positions `cp_token_index`
-    gives it; attention gathers keys and values over the cp group (see `_gather_context_kv`).
-    """
-
-    cp_group = None
-    parallel_dims = ("pp", "cp")  # the layouts this form adds to data and expert parallelism
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """x: token ids [B, T] on the first stage, else hidden states [B, T / cp, H] -> the next
-        stage's hidden states, FP32 logits of this rank's positions, or the loss."""
-        first = self.embed_tokens is not None
-        if first:
-            self._check_inputs(x, targets, doc_ids, positions)
-        cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
-        batch, seq_len = x.shape[0], x.shape[1] * (1 if first else cp)
-        if positions is None:
-            positions = (document_positions(doc_ids) if doc_ids is not None
-                         else torch.arange(seq_len, device=x.device).expand(batch, seq_len))
-        mine = cp_token_index(seq_len, cp, dist.get_rank(self.cp_group) if cp > 1 else 0, x.device)
-        masks = context_masks(self.config, doc_ids, batch, seq_len, mine, x.device)
-        rope = rope_tables(positions[:, mine], self.config.head_dim, self.config.rope_theta)
-        h = self.embed(x[:, mine]) if first else x
-        for layer in self.layers.values():
-            h = layer(h, rope, masks)
-        if self.lm_head is None:
-            return h
-        h = self.norm(h.float())
-        if targets is None:
-            return self.lm_head(h)
-        loss = self.lm_head(h, targets[:, mine])
-        if cp == 1:  # config.py refuses the router loss with cp or pp: it needs every layer's whole batch
-            router_loss = self.router_loss(doc_ids)
-            return loss if router_loss is None else loss + router_loss
-        # The head averaged this rank's tokens; rescale so the mean over the cp ranks is the mean
-        # over all tokens of the sequence (every cp rank holds all targets: no communication).
-        local_tokens = (targets[:, mine] != -100).sum()
-        return loss * local_tokens * cp / (targets != -100).sum().clamp(min=1)
-
+# ============================================================================= context parallel: sequence sharding
 
 @lru_cache(maxsize=64)
 def _cp_index(seq_len: int, cp: int, rank: int, device: str) -> torch.Tensor:
@@ -232,24 +187,6 @@ def cp_token_index(seq_len: int, cp: int, rank: int, device) -> torch.Tensor:
     return _cp_index(seq_len, cp, rank, str(device))
 
 
-def context_masks(config: FlintConfig, doc_ids, batch: int, seq_len: int, mine: torch.Tensor, device) -> dict:
-    """One mask per layer type for the queries at positions `mine` against all seq_len keys."""
-    backend = resolve_backend(config.attention_backend, device)
-    if mine.numel() == seq_len:
-        return build_masks(config.layer_types, config.window, doc_ids, batch, seq_len, device, backend)
-    masks = {}
-    for layer_type in sorted(set(config.layer_types)):
-        mod = layer_mask_mod(layer_type, config.window, doc_ids)
-
-        def local_mod(b, h, q_idx, kv_idx, mod=mod):
-            return mod(b, h, mine[q_idx], kv_idx)
-        if backend == "flex":
-            masks[layer_type] = new_block_mask(local_mod, batch, mine.numel(), seq_len, device)
-        else:
-            masks[layer_type] = dense_mask(local_mod, batch, mine.numel(), seq_len, device)
-    return masks
-
-
 def gather_sequence(t: torch.Tensor, cp_group, dim: int) -> torch.Tensor:
     """All-gather this rank's positions of a sequence (dim `dim`, T / cp long) over the cp group
     (backward: reduce-scatter) and put them in sequence order -> T long."""
@@ -259,36 +196,26 @@ def gather_sequence(t: torch.Tensor, cp_group, dim: int) -> torch.Tensor:
     return all_gather_tensor_autograd(t.contiguous(), dim, cp_group).index_select(dim, torch.argsort(gathered_order))
 
 
-def _gather_context_kv(cp_group, module, args):
-    """Forward pre-hook on Sinks: keys and values [B, Hkv, T/cp, D] -> [B, Hkv, T, D]. With 4 KV
-    heads they are small; each rank then attends with its own queries only."""
-    q, k, v, mask = args
-    return q, gather_sequence(k, cp_group, 2), gather_sequence(v, cp_group, 2), mask
-
-
 @dataclass
 class ContextParallel:
-    """A cp group, for a model form that gathers its own keys (Large 4's `context`)."""
+    """A cp group, as a model's stage form reads it (its `context`): the positions of this rank's
+    queries, and the gather of a sequence's keys."""
     group: dist.ProcessGroup
     size = property(lambda self: dist.get_world_size(self.group))
 
     def positions(self, seq_len: int, device) -> torch.Tensor:  # this rank's queries [T / cp]
         return cp_token_index(seq_len, self.size, dist.get_rank(self.group), device)
 
-    def gather(self, t: torch.Tensor) -> torch.Tensor:  # [B, T / cp, ...] -> [B, T, ...]
-        return gather_sequence(t, self.group, 1)
+    def gather(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:  # [B, T / cp, ...] -> [B, T, ...]
+        return gather_sequence(t, self.group, dim)
 
 
 # ============================================================================= pipeline stages
 
-# Flint's stage-aware form is ParallelFlint; another model names its own in its file (`stage_form`).
-# A form lists the layouts it supports in `parallel_dims`; a model without one runs with pp = cp = 1.
-STAGE_AWARE: dict[type, type] = {Flint: ParallelFlint}
-
-
 def stage_form(model_type: type) -> type | None:
-    """The stage-aware form of a model class, or None."""
-    return STAGE_AWARE.get(model_type) or getattr(model_type, "stage_form", None)
+    """The stage-aware form a model class names in its file (`stage_form`), or None. A form lists the
+    layouts it supports in `parallel_dims`; a model without one runs with pp = cp = 1."""
+    return getattr(model_type, "stage_form", None)
 
 
 def unsupported_layout(cfg: ParallelConfig, model_type: type) -> str | None:
@@ -383,7 +310,7 @@ def apply_compile(model: Flint, fullgraph: bool = True) -> None:
         gradient dtype per unit. Left out of FSDP (ignored_params, replicated), they would need a
         gradient all-reduce of their own, and the fused AdamW refuses a mix of tensors and DTensors.
       - Under expert parallelism, the all-to-all split sizes (a host sync).
-    Context parallelism (a key/value all-gather in a hook on Sinks) is not asked to be whole either."""
+    Context parallelism (a key/value all-gather in each block) is not asked to be whole either."""
     torch._dynamo.config.suppress_errors = False
     for layer in model.layers.values():
         layer.compile(fullgraph=fullgraph)
@@ -454,11 +381,7 @@ def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "
     fsdp = mesh["dp_cp"].size() > 1 or param_dtype != torch.float32
     for part in parts:
         if mesh["cp"].size() > 1:
-            part.cp_group = mesh["cp"].get_group()  # ParallelFlint's; other forms read `context`
-            part.context = ContextParallel(part.cp_group)
-            for module in part.modules():
-                if isinstance(module, Sinks):
-                    module.register_forward_pre_hook(partial(_gather_context_kv, part.cp_group))
+            part.context = ContextParallel(mesh["cp"].get_group())
         if cfg.ep > 1:
             apply_expert_parallel(part, mesh["ep"])
         apply_activation_checkpointing(part, cfg.activation_checkpointing)
