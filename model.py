@@ -4,7 +4,8 @@ Flint is a decoder-only mixture-of-experts transformer. Most layers attend insid
 of 513 tokens with NeoX RoPE; every fourth layer (and the first two and the last) attends to the
 whole causal context with no positional encoding at all. Every attention head has a learned sink.
 All layers but the first two are MoE: 256 sigmoid-routed experts, top 6, plus one shared expert.
-See SPEC.md for the contract this file implements.
+See SPEC.md for the contract this file implements. FlintStage, at the end, is the same network as
+a pipeline stage and under context parallelism: the form parallel.py gives it.
 """
 
 from __future__ import annotations
