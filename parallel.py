@@ -312,6 +312,11 @@ def apply_compile(model: Flint, fullgraph: bool = True) -> None:
       - Under expert parallelism, the all-to-all split sizes (a host sync).
     Context parallelism (a key/value all-gather in each block) is not asked to be whole either."""
     torch._dynamo.config.suppress_errors = False
+    # All blocks share one code object, and dynamo keeps one graph per distinct block and grad mode
+    # (training, and evaluation under no_grad): Large 4's 8 distinct blocks make 16, past the
+    # default limit of 8, which would stop the run at its first evaluation.
+    limit = 2 * model.config.num_hidden_layers
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     for layer in model.layers.values():
         layer.compile(fullgraph=fullgraph)
     if model.lm_head is not None:  # None on pipeline stages other than the last

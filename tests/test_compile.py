@@ -218,3 +218,35 @@ def test_flash_sink_operator_passes_opcheck():
     sinks = torch.randn(4, generator=g).requires_grad_()
     allowed = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 1, 6, 6)
     torch.library.opcheck(flash_sink_attention, (q, k, v, sinks, allowed))
+
+
+def train_then_evaluate_compiled(model, monkeypatch) -> None:
+    """parallel.apply_compile, one training step, then a no_grad loss equal to eager's."""
+    from functools import partial
+    from parallel import apply_compile
+    monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="aot_eager"))
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        eager = model(ids, ids.roll(-1, 1))
+    torch._dynamo.reset()
+    apply_compile(model)
+    model(ids, ids.roll(-1, 1)).backward()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, ids.roll(-1, 1)), eager, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_blocks_train_and_evaluate_past_the_recompile_limit(monkeypatch, one_thread):
+    """All blocks share one code object; dynamo keeps a graph per distinct block and grad mode
+    (training, evaluation under no_grad). Two block kinds make 4 graphs: past a limit of 2,
+    apply_compile raises the limit for the model, so the first evaluation does not stop the run."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    config = FlintConfig.from_name("tiny", num_hidden_layers=2, mlp_only_layers=[0], layer_types=[FULL, SLIDING])
+    train_then_evaluate_compiled(build_model(config, seed=0), monkeypatch)
+
+
+@pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1")
+def test_large4_compiled_trains_and_evaluates(monkeypatch, one_thread):
+    """Mistral Large 4's parity preset: 8 blocks that all differ, 16 graphs, past dynamo's default
+    limit of 8 (which stopped configs/large4-smoke.toml with compile = true at its first evaluation)."""
+    from large4 import Large4Config, build_large4
+    train_then_evaluate_compiled(build_large4(Large4Config.from_name("large4-parity"), seed=0), monkeypatch)
