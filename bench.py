@@ -1,4 +1,4 @@
-"""How fast a model trains, side by side, and where the step time goes.
+r"""How fast a model trains, side by side, and where the step time goes.
 
     python bench.py                              # the CPU shape (preset bench-cpu), every comparison
     python bench.py --quick --json out.json      # a seconds-long smoke run on the tiny preset
@@ -545,7 +545,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sections", type=lambda s: s.split(","), default=list(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--sweep-lengths", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[512, 1024, 2048, 4096, 8192])
+                        default=[512, 1024, 2048, 4096, 8192], help="comma-separated sequence lengths of the sweep")
     parser.add_argument("--sweep-tokens", type=int, default=4096, help="tokens per sweep point (at least one sequence)")
     parser.add_argument("--sweep-reps", type=int, default=2, help="timed calls per sweep point, after one warm-up")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
