@@ -167,8 +167,8 @@ def help_text() -> str:
         comments = key_comments(cls)
         for f in dataclasses.fields(cls):
             if f.name == "overrides":
-                lines.append("    ... and any FlintConfig field (model.py, SPEC.md): hidden_size, num_experts, "
-                             "output_router_logits, router_aux_loss_coef, router_bias_update_rate, ...")
+                lines.append("    ... and any field of the family's config (FlintConfig: SPEC.md; Large4Config: LARGE4.md): "
+                             "hidden_size, num_experts, num_hidden_layers, ...")
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             note = comments.get(f.name, "")

@@ -1,7 +1,7 @@
 """Where a training step's time goes: one profiled step, its ops attributed to the modules that ran them.
 
-bench.py opens a torch.profiler range around the forward of each module kind of TIMED_MODULES (with
-hooks, from outside the model) and one around the optimizer; split_step then gives every op of the
+profile_step opens a torch.profiler range around the forward of each module kind of TIMED_MODULES (with
+hooks, from outside the model), bench.py one around the optimizer; split_step then gives every op of the
 step to a category, forward and backward, and the rest (Python, framework) to OTHER.
 """
 

@@ -1,4 +1,4 @@
-"""Train Flint: `python train.py --config configs/smoke.toml [--section.key=value ...]`,
+"""Train Flint or Mistral Large 4: `python train.py --config configs/smoke.toml [--section.key=value ...]`,
 or on several processes `torchrun --nproc-per-node N train.py --config ...`.
 
 main() is the table of contents: configuration, data, model, optimizer, resume, then the loop.
