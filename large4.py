@@ -28,7 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from attention import (Mask, Visibility, flex_masked_attention, masked_attention, resolve_backend,
                        selection_attention_mask, top_keys)
 from large4_config import PRESETS, Large4Config  # noqa: F401  (PRESETS: re-exported for users of large4)
-from model import Flint, Head, RMSNorm, build_model, document_positions, sample, seeded_normal
+from model import Flint, Head, RMSNorm, build_model, context_share, default_positions, sample, seeded_normal
 from moe import MoE, SwiGLU
 
 # ============================================================================= rotary, SSMax, indexer
@@ -434,13 +434,6 @@ class MistralLarge4(nn.Module):
         return flops
 
 
-def default_positions(doc_ids: torch.Tensor | None, batch: int, seq_len: int, device) -> torch.Tensor:
-    """Positions [B, T] that restart at 0 where each packed document begins (0 .. T - 1 without doc_ids)."""
-    if doc_ids is not None:
-        return document_positions(doc_ids)
-    return torch.arange(seq_len, device=device).expand(batch, seq_len)
-
-
 # ============================================================================= pipeline stages
 
 class Large4Stage(MistralLarge4):
@@ -492,10 +485,7 @@ class Large4Stage(MistralLarge4):
             return self._pack(h, cos, sin, shared, indices, layers[-1] + 1)
         if mine is None or targets is None:
             return self.lm_head(self.norm(h.float()), targets)
-        # The head averages this rank's target tokens: rescale, so that the mean over the cp ranks is
-        # the mean over the whole sequence's (every cp rank holds all targets: no communication).
-        loss = self.lm_head(self.norm(h.float()), targets[:, mine])
-        return loss * (targets[:, mine] != -100).sum() * cp / (targets != -100).sum().clamp(min=1)
+        return context_share(self.lm_head(self.norm(h.float()), targets[:, mine]), targets, mine, cp)
 
     def stage_io(self, batch: int, seq_len: int, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], ...]:
         """This stage's (inputs, outputs) for micro-batches [batch, seq_len], as meta tensors: static

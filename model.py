@@ -62,6 +62,20 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     return index - torch.cummax(start_index, dim=1).values
 
 
+def default_positions(doc_ids: torch.Tensor | None, batch: int, seq_len: int, device) -> torch.Tensor:
+    """Positions [B, T] that restart at 0 where each packed document begins (0 .. T - 1 without doc_ids)."""
+    if doc_ids is not None:
+        return document_positions(doc_ids)
+    return torch.arange(seq_len, device=device).expand(batch, seq_len)
+
+
+def context_share(loss: torch.Tensor, targets: torch.Tensor, mine: torch.Tensor, cp: int) -> torch.Tensor:
+    """The head's mean loss over the targets [B, T] at this cp rank's positions `mine` [T / cp] -> this
+    rank's share of the mean over the whole sequence's, so that the mean over the cp ranks is that mean
+    (every cp rank holds all targets: no communication)."""
+    return loss * (targets[:, mine] != -100).sum() * cp / (targets != -100).sum().clamp(min=1)
+
+
 class Sinks(nn.Module):
     """The learned sink logits [Hq] in FP32, and the attention core that uses them.
 
@@ -267,9 +281,7 @@ class Flint(nn.Module):
                      device, queries: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
         """What every block reads, built once per forward: the RoPE tables and one mask per layer type.
         queries [Tq]: build them for the queries at these positions only (a context-parallel rank's)."""
-        if positions is None:
-            positions = (document_positions(doc_ids) if doc_ids is not None
-                         else torch.arange(seq_len, device=device).expand(batch, seq_len))
+        positions = default_positions(doc_ids, batch, seq_len, device) if positions is None else positions
         positions = positions if queries is None else positions[:, queries]
         backend = resolve_backend(self.config.attention_backend, device)
         masks = build_masks(self.config.layer_types, self.config.window, doc_ids, batch, seq_len, device, backend,
@@ -483,10 +495,7 @@ class FlintStage(Flint):
         if mine is None:  # config.py refuses the router loss with cp or pp: it needs every layer's whole batch
             loss, router_loss = self.lm_head(h, targets), self.router_loss(doc_ids)
             return loss if router_loss is None else loss + router_loss
-        # The head averages this rank's target tokens: rescale, so that the mean over the cp ranks is
-        # the mean over the whole sequence's (every cp rank holds all targets: no communication).
-        loss = self.lm_head(h, targets[:, mine])
-        return loss * (targets[:, mine] != -100).sum() * cp / (targets != -100).sum().clamp(min=1)
+        return context_share(self.lm_head(h, targets[:, mine]), targets, mine, cp)
 
 
 Flint.stage_form = FlintStage  # the form parallel.py gives the model (models.py)
