@@ -28,7 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from attention import (Mask, Visibility, flex_masked_attention, masked_attention, resolve_backend,
                        selection_attention_mask, top_keys)
 from large4_config import PRESETS, Large4Config  # noqa: F401  (PRESETS: re-exported for users of large4)
-from model import Flint, Head, RMSNorm, build_model, context_share, default_positions, sample, seeded_normal
+from model import Flint, Gather, Head, RMSNorm, build_model, context_share, default_positions, sample, seeded_normal
 from moe import MoE, SwiGLU
 
 # ============================================================================= rotary, SSMax, indexer
@@ -134,7 +134,7 @@ class Indexer(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, cos, sin, log_positions, visible: Visibility,
-                cache: "LayerCache | None" = None, gather=None) -> torch.Tensor:
+                cache: "LayerCache | None" = None, gather: Gather | None = None) -> torch.Tensor:
         """x [B, T, H] -> key indices [B, T, min(index_topk, S)], -1 where no visible key is left."""
         batch, seq_len, _ = x.shape
         q = self.wq_b(self.q_input_norm(x)).view(batch, seq_len, self.heads, self.head_dim)
@@ -250,7 +250,7 @@ class Large4Block(nn.Module):
 
     def forward(self, x, cos, sin, log_positions, visible: Visibility, src_latent=None, src_rope_key=None,
                 prev_indices=None, prev_mask: Mask | None = None, cache: LayerCache | None = None,
-                backend: str = "sdpa", gather=None):
+                backend: str = "sdpa", gather: Gather | None = None):
         attn_in = self.input_layernorm(x)
         latent, rope_key, own = src_latent, src_rope_key, self.source == self.index
         if own:
@@ -328,7 +328,7 @@ class MistralLarge4(nn.Module):
     def run_stage(self, h: torch.Tensor, cos, sin, positions: torch.Tensor, visible: Visibility,
                   shared: dict[int, tuple] | None = None, indices: torch.Tensor | None = None,
                   caches: dict[int, LayerCache] | None = None,
-                  gather=None) -> tuple[torch.Tensor, dict[int, tuple], torch.Tensor | None]:
+                  gather: Gather | None = None) -> tuple[torch.Tensor, dict[int, tuple], torch.Tensor | None]:
         """The layers this module holds (all of them, or a pipeline stage's) -> (h, shared, indices).
         `shared` maps a source layer to its latent and rotated key, `indices` is the current selection;
         both live only in this call (a pipeline stage receives and returns them as tensors) and

@@ -11,7 +11,7 @@ a pipeline stage and under context parallelism: the form parallel.py gives it.
 from __future__ import annotations
 
 import zlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -21,6 +21,10 @@ from torch.utils.checkpoint import checkpoint
 from attention import SLIDING, KVCache, build_masks, resolve_backend, sink_attention
 from flint_config import FlintConfig, read_config_json  # noqa: F401  (read_config_json: re-exported)
 from moe import MoE, Router, SwiGLU, load_balancing_loss
+
+# Context parallelism's sequence gather (parallel.ContextParallel.gather): a tensor holding this rank's
+# positions along `dim` (default 1), T / cp long, -> the whole sequence's, T long.
+Gather = Callable[..., torch.Tensor]
 
 
 # ============================================================================= building blocks
@@ -109,7 +113,7 @@ class Attention(nn.Module):
         self.sinks = Sinks(self.num_heads)
 
     def forward(self, x: torch.Tensor, rope, mask, cache: KVCache | None = None,
-                positions: torch.Tensor | None = None, gather=None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, gather: Gather | None = None) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]. gather (context parallelism): this rank's keys or values and
         their sequence dim -> the whole sequence's, so T queries attend to all S keys."""
         batch, seq_len, _ = x.shape
@@ -146,7 +150,7 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype)
 
     def forward(self, x: torch.Tensor, rope, masks: dict, cache: KVCache | None = None,
-                positions: torch.Tensor | None = None, gather=None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, gather: Gather | None = None) -> torch.Tensor:
         compute_dtype = self.input_layernorm.weight.dtype  # the residual stream may be wider
         attn_in = self.input_layernorm(x).to(compute_dtype)
         mask = None if cache is not None else masks[self.layer_type]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -38,7 +38,7 @@ SPLIT_ORDER = [name for _, name in TIMED_MODULES] + [OPTIMIZER, OTHER]
 
 
 @contextmanager
-def module_ranges(model: torch.nn.Module):
+def module_ranges(model: torch.nn.Module) -> Iterator[None]:
     """Profiler ranges around the timed modules' forwards, placed from outside with hooks."""
     handles, open_ranges = [], []
 
