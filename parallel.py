@@ -32,7 +32,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleaved1F1B)
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from model import Flint, FlintConfig
+from models import ModelConfig
 from moe import ExpertParallelExperts, MoE
 
 # build_mesh's flattened views (dp, dp_cp, fsdp, efsdp) are sliced from the root mesh, which
@@ -268,7 +268,7 @@ def merged_view(parts: list[nn.Module]) -> nn.Module:
 
 # ============================================================================= expert parallel, AC, compile, FSDP
 
-def apply_expert_parallel(model: Flint, ep_mesh: DeviceMesh) -> None:
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Shard every MoE layer's experts over the ep mesh (DTensor Shard(0) on the expert dim)."""
     for layer in model.layers.values():
         if isinstance(layer.mlp, MoE):
@@ -282,7 +282,7 @@ def apply_expert_parallel(model: Flint, ep_mesh: DeviceMesh) -> None:
             layer.mlp.experts = ExpertParallelExperts(experts, ep_mesh.get_group(), num_experts)
 
 
-def apply_activation_checkpointing(model: Flint, mode: str) -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """In place, names unchanged (composable API). `full` recomputes every block in backward,
     `selective` every second block (half the recompute for about half the saving). Masks and RoPE
     tables are block inputs built once per batch, so a recomputed block sees the same values.
@@ -294,7 +294,7 @@ def apply_activation_checkpointing(model: Flint, mode: str) -> None:
             checkpoint_module(layer)
 
 
-def apply_compile(model: Flint, fullgraph: bool = True) -> None:
+def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     """Compile each block and the head with its chunked loss in place (names unchanged). Errors
     are raised, never hidden by eager.
 
@@ -323,12 +323,11 @@ def apply_compile(model: Flint, fullgraph: bool = True) -> None:
         model.lm_head.compile(fullgraph=fullgraph)
 
 
-def apply_fsdp(model: Flint, mesh: DeviceMesh, param_dtype: torch.dtype, reshard: bool) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reshard: bool) -> None:
     """FSDP2 per unit, innermost first: the model's FP32 modules (`fp32_root_modules`, and under
     a narrower bulk dtype each block's `fp32_modules` as one unit) and the head, stored, gathered
-    and computed in FP32;
-    experts over the expert-data-parallel ranks, then each block, the embedding and the root in
-    the bulk policy. HSDP when dp_replicate > 1."""
+    and computed in FP32; experts over the expert-data-parallel ranks, then each block, the
+    embedding and the root in the bulk policy. HSDP when dp_replicate > 1."""
     def dp_mesh(shard_dim: str) -> DeviceMesh:
         return mesh["dp_replicate", shard_dim] if mesh["dp_replicate"].size() > 1 else mesh[shard_dim]
     # No input casts: a block casts what it computes with to its weights' dtype itself, so an FP32
@@ -361,7 +360,7 @@ def apply_fsdp(model: Flint, mesh: DeviceMesh, param_dtype: torch.dtype, reshard
     fully_shard(model, mesh=fsdp_mesh, mp_policy=bulk, reshard_after_forward=reshard)
 
 
-def parallelize(model: Flint, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "ParallelModel":
+def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "ParallelModel":
     """Lay `model` (FP32 master weights, on its device or on meta) across `mesh`; see the module
     docstring. With pp > 1 this rank keeps only its stages' layers. FSDP applies whenever there is
     more than one data-parallel rank or the bulk computes in BF16 (its mixed-precision policy is
@@ -461,7 +460,7 @@ class ParallelModel:
     ranks, so the step's gradient is that of the mean loss over all of its tokens.
     """
 
-    def __init__(self, parts: list[nn.Module], mesh: DeviceMesh, config: FlintConfig):
+    def __init__(self, parts: list[nn.Module], mesh: DeviceMesh, config: ModelConfig):
         self.parts, self.mesh, self.config = parts, mesh, config
         self.make_schedule = None  # pp > 1: batch shape -> the pipeline's schedule (parallelize)
         self.schedules: dict = {}  # by batch shape
