@@ -4,7 +4,7 @@ r"""How fast a model trains, side by side, and where the step time goes.
     python bench.py --quick --json out.json      # a seconds-long smoke run on the tiny preset
     python bench.py --sections main --profile 25 # one step's torch.profiler table, top 25 ops
     python bench.py --config configs/smoke.toml --sections main,compiled    # a training config's step
-    python bench.py --config configs/large4-smoke.toml --model.num_hidden_layers=4  # Large 4, overridden
+    python bench.py --config configs/large4-smoke.toml --model.n_routed_experts=4  # Large 4, overridden
 
 One H100/H200 (preset flint-shallow: released widths, head counts and 256 experts, top-6, the
 first 6 layers of the released schedule; MFU against the device's dense BF16 peak):
