@@ -20,6 +20,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache, partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -400,7 +401,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
 
 
 def pipeline_schedule(parts: list[nn.Module], stage_ids: list[int], cfg: ParallelConfig, mesh: DeviceMesh,
-                      dtype: torch.dtype, loss_fn, batch_shape: tuple[int, int]):
+                      dtype: torch.dtype, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                      batch_shape: tuple[int, int]) -> ScheduleGPipe | Schedule1F1B | ScheduleInterleaved1F1B:
     """This rank's stages and their schedule for batches of batch_shape (rows, seq_len). A stage that
     declares its input and output tensors (`stage_io(rows, seq_len, dtype)`, meta tensors, in the bulk
     compute `dtype`) gets static metadata; shape inference, which runs a stage on uninitialised

@@ -62,7 +62,7 @@ def module_ranges(model: torch.nn.Module) -> Iterator[None]:
             handle.remove()
 
 
-def split_step(events, step_seconds: float, device: torch.device) -> dict[str, float]:
+def split_step(events: list, step_seconds: float, device: torch.device) -> dict[str, float]:
     """Attribute one profiled step's time to categories -> {category: fraction of the step}.
 
     Forward ops belong to the innermost timed module around them. A backward op
