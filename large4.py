@@ -471,11 +471,11 @@ class Large4Stage(MistralLarge4):
         batch, seq_len, device = inputs[0].shape[0], inputs[0].shape[1] * (1 if first else cp), inputs[0].device
         mine = self.context.positions(seq_len, device) if cp > 1 else None  # [T / cp]
         positions = default_positions(doc_ids, batch, seq_len, device) if positions is None else positions
-        positions = positions if mine is None else positions[:, mine]
+        positions = positions if mine is None else positions[:, mine]  # [B, T] -> [B, T / cp]
         visible = Visibility(doc_ids, batch, positions.shape[1], seq_len, device, mine)
         layers = [int(name) for name in self.layers]
         if first:
-            ids = inputs[0] if mine is None else inputs[0][:, mine]
+            ids = inputs[0] if mine is None else inputs[0][:, mine]  # [B, T] -> [B, T / cp]
             h, (cos, sin), shared, indices = self.embed_tokens(ids), self.rotary(positions), {}, None
         else:
             h, cos, sin, shared, indices = self._unpack(inputs, layers[0])

@@ -286,7 +286,7 @@ class Flint(nn.Module):
         """What every block reads, built once per forward: the RoPE tables and one mask per layer type.
         queries [Tq]: build them for the queries at these positions only (a context-parallel rank's)."""
         positions = default_positions(doc_ids, batch, seq_len, device) if positions is None else positions
-        positions = positions if queries is None else positions[:, queries]
+        positions = positions if queries is None else positions[:, queries]  # [B, T] -> [B, Tq]
         backend = resolve_backend(self.config.attention_backend, device)
         masks = build_masks(self.config.layer_types, self.config.window, doc_ids, batch, seq_len, device, backend,
                             queries)
@@ -487,7 +487,7 @@ class FlintStage(Flint):
         batch, seq_len = x.shape[0], x.shape[1] * (1 if first else cp)
         mine = self.context.positions(seq_len, x.device) if cp > 1 else None  # [T / cp]
         rope, masks = self.block_inputs(doc_ids, positions, batch, seq_len, x.device, mine)
-        h = self.embed(x if mine is None else x[:, mine]) if first else x
+        h = self.embed(x if mine is None else x[:, mine]) if first else x  # [B, T / cp, H]
         gather = None if mine is None else self.context.gather
         for layer in self.layers.values():
             h = layer(h, rope, masks, gather=gather)
