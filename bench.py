@@ -554,7 +554,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also print the torch.profiler table of the main step, top N ops")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: tiny preset, batch 2 x 64, 1 rep, 1 thread, no compile, short sweep")
+                        help="smoke run: the tiny preset (unless --preset/--config), batch 2 x 64 (unless given), "
+                             "1 rep, 1 thread, no compiled section, short sweep")
     args, args.overrides = parser.parse_known_args(argv)
     if args.quick:
         args.preset = args.preset or (None if args.config else "tiny")
