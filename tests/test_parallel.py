@@ -542,12 +542,28 @@ def test_the_optimizer_steps_like_plain_adamw_on_two_ranks():
 
 # ----------------------------------------------------------------------------- checkpoints across layouts
 
-def check_checkpoint_across_layouts(path: str, family: str = "flint") -> None:
-    """FSDP 2 x EP 2 matches one process, saves after one step; FSDP 4 loads it (model and
-    optimizer) and its next steps track the single-process losses. Models built on meta."""
+def save_training_state(pm, optimizer, path: str) -> None:
+    """Model and optimizer state as DCP, each rank writing its shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    dcp.save({"model": get_model_state_dict(pm.module),
+              "optimizer": get_optimizer_state_dict(pm.module, optimizer)}, checkpoint_id=path)
+
+
+def load_training_state(pm, optimizer, path: str) -> None:
+    """save_training_state's checkpoint into this layout's model and optimizer."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
+    state = {"model": get_model_state_dict(pm.module), "optimizer": get_optimizer_state_dict(pm.module, optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(pm.module, state["model"])
+    set_optimizer_state_dict(pm.module, optimizer, state["optimizer"])
+
+
+def check_checkpoint_across_layouts(path: str, family: str = "flint") -> None:
+    """FSDP 2 x EP 2 matches one process, saves after one step; FSDP 4 loads it (model and
+    optimizer) and its next steps track the single-process losses. Models built on meta."""
     check_layouts([{"dp_shard": 2, "ep": 2}], {}, family)
     # 2-D expert and HSDP placements
     check_meta_init([{"dp_shard": 2, "ep": 2}, {"dp_replicate": 2, "dp_shard": 2}], family)
@@ -568,13 +584,9 @@ def check_checkpoint_across_layouts(path: str, family: str = "flint") -> None:
 
     pm, optimizer, local = layout({"dp_shard": 2, "ep": 2}, seed=0)
     step(pm, optimizer, local)
-    dcp.save({"model": get_model_state_dict(pm.module),
-              "optimizer": get_optimizer_state_dict(pm.module, optimizer)}, checkpoint_id=path)
+    save_training_state(pm, optimizer, path)
     pm, optimizer, local = layout({"dp_shard": 4}, seed=1)  # different weights until loaded
-    state = {"model": get_model_state_dict(pm.module), "optimizer": get_optimizer_state_dict(pm.module, optimizer)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(pm.module, state["model"])
-    set_optimizer_state_dict(pm.module, optimizer, state["optimizer"])
+    load_training_state(pm, optimizer, path)
     for index in range(1, STEPS):
         close(step(pm, optimizer, local), ref_losses[index], f"resumed with FSDP 4, step {index} loss")
 
@@ -588,9 +600,6 @@ def test_checkpoint_resumes_across_layouts(tmp_path, family):
 def check_pipeline_checkpoint(path: str, family: str) -> None:
     """PP 2 (meta build, one clipped AdamW step) saves model and optimizer, each pp rank its stage's
     share (alpha from the first); CP 2 loads it and its next steps track the single-process losses."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
     config = tiny_config(family, **PLAIN_INIT_OVERRIDES[family])
     batch = make_batch(vocab=min(256, config.vocab_size))
     ref_losses, _, _ = reference_run(config, batch, plain=True)
@@ -598,10 +607,7 @@ def check_pipeline_checkpoint(path: str, family: str) -> None:
         pm, mesh = meta_built(config, layout, seed)
         optimizer = torch.optim.AdamW(pm.module.parameters(), lr=LR, foreach=False)
         if index == 1:  # different weights until loaded (the optimizer state dict's lazy init steps)
-            state = {"model": get_model_state_dict(pm.module), "optimizer": get_optimizer_state_dict(pm.module, optimizer)}
-            dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(pm.module, state["model"])
-            set_optimizer_state_dict(pm.module, optimizer, state["optimizer"])
+            load_training_state(pm, optimizer, path)
         for step in range(index, STEPS if index else 1):
             loss = pm.forward_backward(*rows_of_this_rank(mesh, batch))
             pm.clip_grad_norm_(MAX_NORM)
@@ -609,8 +615,7 @@ def check_pipeline_checkpoint(path: str, family: str) -> None:
             optimizer.zero_grad()
             close(loss, ref_losses[step], f"{layout} step {step} loss")
         if index == 0:
-            dcp.save({"model": get_model_state_dict(pm.module),
-                      "optimizer": get_optimizer_state_dict(pm.module, optimizer)}, checkpoint_id=path)
+            save_training_state(pm, optimizer, path)
 
 
 @slow
