@@ -83,8 +83,9 @@ def context_share(loss: torch.Tensor, targets: torch.Tensor, mine: torch.Tensor,
 class Sinks(nn.Module):
     """The learned sink logits [Hq] in FP32, and the attention core that uses them.
 
-    Attention runs inside this module's forward so that, sharded as its own FP32 unit, the
-    sinks are gathered and used in FP32 while the projections around it run in the bulk dtype.
+    Attention runs inside this module's forward so that, in its block's FP32 FSDP unit (with the
+    router: `fp32_modules`), the sinks are gathered and used in FP32 while the projections around it
+    run in the bulk dtype.
     """
 
     def __init__(self, num_heads: int):
