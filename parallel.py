@@ -40,9 +40,11 @@ from moe import ExpertParallelExperts, MoE
 # torch 2.13 supports and announces it will deprecate, once per slice: keep the logs readable.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
 # FSDP2 warns when a unit returns a view, since an in-place op on it would skip the unit's backward
-# all-gather. The Sinks unit returns attention's output, a view, which Attention only reads (transpose,
-# reshape, o_proj): nothing for a user to act on.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(Sinks\) returned a view tensor")
+# all-gather. A dense block's FP32 unit, Sinks alone (FSDP2 renames a class it wraps FSDP<name>), returns
+# banded attention's output, a view, which Attention only reads (transpose, reshape, o_proj): nothing for
+# a user to act on. (An MoE block's unit ends with the router, whose output is no view.)
+FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(FSDPSinks\) returned a view tensor"
+warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp")
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
 AC_MODES = ("none", "full", "selective")

@@ -392,6 +392,27 @@ def test_fp32_residual_stream_under_bf16_policy():
     assert in_process_group(residual_dtypes, None) == {(bf16, f32)}
 
 
+def test_the_view_warning_filter_matches_what_fsdp_raises():
+    """parallel.py silences FSDP2's view warning for a dense block's Sinks unit (banded attention returns
+    a view): its pattern matches each such warning a BF16 FSDP step raises (FSDP2 renames the classes)."""
+    import re
+    import warnings
+    from parallel import FSDP_VIEW_WARNING
+
+    def view_warnings() -> list[str]:
+        # Layer 1 is dense and sliding; 20 tokens > 2 x (window 9 - 1) take the banded path.
+        config = tiny_config(layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"])
+        cfg = ParallelConfig(param_dtype="bfloat16")
+        pm = parallelize(build_model(config, seed=0), cfg, build_mesh(cfg, "cpu", config.num_experts))
+        ids = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pm.forward_backward(ids, ids.roll(-1, 1))
+        return [str(w.message) for w in caught if "FSDP2-wrapped" in str(w.message)]
+    messages = in_process_group(view_warnings)
+    assert messages and all(re.match(FSDP_VIEW_WARNING, m, re.IGNORECASE) for m in messages), messages
+
+
 def weight_dtypes_at_use(family: str, layout: dict) -> dict[str, set]:
     """Forward and backward under `layout`, recording the dtypes of each module's own parameters
     when the module is called -> {module name: dtypes}; the master weights and gradients stay FP32.
