@@ -31,6 +31,9 @@ from large4_config import PRESETS, Large4Config  # noqa: F401  (PRESETS: re-expo
 from model import Flint, Gather, Head, RMSNorm, build_model, context_share, default_positions, sample, seeded_normal
 from moe import MoE, SwiGLU
 
+# cos or sin [B, T, R/2] FP32, built once per forward; None on a pipeline stage when no layer from it on rotates
+Angles = torch.Tensor | None
+
 # ============================================================================= rotary, SSMax, indexer
 
 def yarn_frequencies(config: Large4Config) -> list[float]:
@@ -133,7 +136,7 @@ class Indexer(nn.Module):
         self.requires_grad_(False)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, cos, sin, log_positions, visible: Visibility,
+    def forward(self, x: torch.Tensor, cos: Angles, sin: Angles, log_positions: torch.Tensor, visible: Visibility,
                 cache: "LayerCache | None" = None, gather: Gather | None = None) -> torch.Tensor:
         """x [B, T, H] -> key indices [B, T, min(index_topk, S)], -1 where no visible key is left."""
         batch, seq_len, _ = x.shape
@@ -195,13 +198,13 @@ class MLAttention(nn.Module):
         if config.indexer_types[index] == "full":
             self.indexer = Indexer(config, bool(config.indexer_no_rope_layers[index]), dtype)
 
-    def latent(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def latent(self, x: torch.Tensor, cos: Angles, sin: Angles) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, T, H] -> normed latent [B, T, r] and rotated key [B, T, R] (None on NoPE layers)."""
         latent, rope_key = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         return self.kv_a_layernorm(latent), (rotate(rope_key, cos, sin) if self.rope_dim else None)
 
-    def forward(self, x: torch.Tensor, cos, sin, log_positions, mask: Mask, latent: torch.Tensor,
-                rope_key: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: Angles, sin: Angles, log_positions: torch.Tensor, mask: Mask,
+                latent: torch.Tensor, rope_key: torch.Tensor | None) -> torch.Tensor:
         """x [B, T, H] queries; latent [B, S, r] and rope_key [B, S, R] keys; mask: a BlockMask
         (FlexAttention) or bool [B, 1, T, S] (dense scores)."""
         batch, seq_len, _ = x.shape
@@ -248,9 +251,11 @@ class Large4Block(nn.Module):
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype)
 
-    def forward(self, x, cos, sin, log_positions, visible: Visibility, src_latent=None, src_rope_key=None,
-                prev_indices=None, prev_mask: Mask | None = None, cache: LayerCache | None = None,
-                backend: str = "sdpa", gather: Gather | None = None):
+    def forward(self, x: torch.Tensor, cos: Angles, sin: Angles, log_positions: torch.Tensor, visible: Visibility,
+                src_latent: torch.Tensor | None = None, src_rope_key: torch.Tensor | None = None,
+                prev_indices: torch.Tensor | None = None, prev_mask: Mask | None = None,
+                cache: LayerCache | None = None, backend: str = "sdpa", gather: Gather | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, Mask | None]:
         attn_in = self.input_layernorm(x)
         latent, rope_key, own = src_latent, src_rope_key, self.source == self.index
         if own:
@@ -325,7 +330,7 @@ class MistralLarge4(nn.Module):
         cos, sin = self.rotary(positions)  # [B, T, R/2] FP32
         return self.run_stage(h, cos, sin, positions, visible, caches=caches)[0]
 
-    def run_stage(self, h: torch.Tensor, cos, sin, positions: torch.Tensor, visible: Visibility,
+    def run_stage(self, h: torch.Tensor, cos: Angles, sin: Angles, positions: torch.Tensor, visible: Visibility,
                   shared: dict[int, tuple] | None = None, indices: torch.Tensor | None = None,
                   caches: dict[int, LayerCache] | None = None,
                   gather: Gather | None = None) -> tuple[torch.Tensor, dict[int, tuple], torch.Tensor | None]:
