@@ -1,10 +1,14 @@
-"""Everything about Flint attention that is not a projection.
+"""Everything about attention that is not a projection: Flint's, and Mistral Large 4's sparse selection.
 
 Masks are written once, as FlexAttention `mask_mod` functions, and realised two ways:
   * a FlexAttention `BlockMask` for the `flex` backend (the GPU path, compiled), and
   * a dense boolean mask for the `sdpa` backend (the CPU path, and decoding).
 Both backends implement learned sinks: one extra softmax column per query head whose logit is the
 sink `s_h` and whose value is zero, so  p_j = exp(a_j) / (exp(s_h) + sum_j exp(a_j)).
+
+Mistral Large 4's sparse attention: the indexer's top-k selection (`top_keys`) among the keys a query
+may see (`Visibility`: causal, same document), and the mask that a group of layers sharing one
+selection attends with (`selection_attention_mask`: bool for sdpa, a BlockMask from the indices for flex).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ LAYER_TYPES = (FULL, SLIDING)
 BACKENDS = ("auto", "flex", "sdpa")
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class BandMask(NamedTuple):
     """A sliding layer's mask in query blocks of `block` = window - 1 rows (sdpa backend).
 
