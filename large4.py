@@ -13,6 +13,8 @@ State shared between layers (the rope tables, a source layer's latent and rotate
 previous layer's selection and the attention mask built from it) is an explicit block input built
 once per forward (the mask once per group of layers sharing a selection), never a mutable
 dictionary: a checkpointed or pipelined block is then a pure function of its arguments.
+Large4Stage, at the end, is the same network as a pipeline stage and under context parallelism: the
+form parallel.py gives it.
 """
 
 from __future__ import annotations
