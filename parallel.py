@@ -204,7 +204,10 @@ class ContextParallel:
     """A cp group, as a model's stage form reads it (its `context`): the positions of this rank's
     queries, and the gather of a sequence's keys."""
     group: dist.ProcessGroup
-    size = property(lambda self: dist.get_world_size(self.group))
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
 
     def positions(self, seq_len: int, device) -> torch.Tensor:  # this rank's queries [T / cp]
         return cp_token_index(seq_len, self.size, dist.get_rank(self.group), device)
