@@ -282,15 +282,17 @@ def main_rank_works(run: Run, hours: float = 4.0):
 
 def check_compiled(model: ParallelModel, example: dict[str, torch.Tensor], run: Run, fallback: bool) -> None:
     """parallel.py compiled each decoder block; compilation happens at the first call, so one
-    forward and backward on a real batch shape shows a failure here, not mid-run, and counts the
-    graphs and graph breaks. A failure stops the run on this rank, whose exit ends the others
+    forward and backward, then one evaluation forward (no_grad graphs of their own), on a real
+    batch shape show a failure here, not mid-run, and count the graphs and graph breaks. A failure stops the run on this rank, whose exit ends the others
     (torchrun stops the group), unless `fallback` ([parallel].compile_fallback) asks for eager
     blocks instead, and then only for a failure of the compiler itself (`is_compile_error`)."""
     start = time.perf_counter()
     counters = torch._dynamo.utils.counters
     counters.clear()
     try:
-        model.forward_backward(**{k: v.to(run.device) for k, v in example.items()})
+        batch = {k: v.to(run.device) for k, v in example.items()}
+        model.forward_backward(**batch)
+        model.loss(**batch)
     except Exception as error:
         if not is_compile_error(error):
             raise

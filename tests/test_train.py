@@ -116,6 +116,21 @@ def test_compile_failure_stops_the_run(tmp_path, monkeypatch):
     assert not list((tmp_path / "ckpt").glob("run_*"))  # stopped before any work (only the lock file exists)
 
 
+def test_a_compile_failure_of_the_evaluation_graphs_stops_the_run_before_training(tmp_path, monkeypatch):
+    """Evaluation (no_grad) compiles graphs of its own: check_compiled compiles them too, so their
+    failure stops the run before the first step, not at the first evaluation."""
+    def failing_without_grad(graph_module, example_inputs):
+        if not torch.is_grad_enabled():
+            raise RuntimeError("the no_grad graph exploded")
+        return graph_module.forward
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": failing_without_grad}))
+    with pytest.raises(TrainingError, match=r"(?s)torch.compile of the decoder blocks failed.*no_grad graph exploded"):
+        run_debug(tmp_path, "--parallel.compile=true", "--training.steps=2")
+    assert not list((tmp_path / "ckpt").glob("run_*"))
+
+
 def test_compile_fallback_only_when_asked(tmp_path, monkeypatch, capsys):
     compile_with_backend_raising(monkeypatch, RuntimeError("inductor exploded"))
     summary = run_debug(tmp_path, "--parallel.compile=true", "--parallel.compile_fallback=true",
