@@ -22,3 +22,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles as a fresh process would: dynamo counts compiled graphs per code object
+    (recompile_limit), and the blocks of every model the suite has compiled share one code object,
+    so without a reset a test compiling late in the run would hit the limit that a training run,
+    one model per process, never reaches."""
+    yield
+    torch._dynamo.reset()
