@@ -435,7 +435,7 @@ def check_router_aux_loss(cfg: TrainConfig) -> None:
     if coef < 0:
         raise ConfigError(f"{cfg.where('model.router_aux_loss_coef')}: [model].router_aux_loss_coef must be >= 0, "
                           f"got {coef!r}")
-    bias_rate = getattr(cfg.model_config, "router_bias_update_rate", 0.0)
+    bias_rate = cfg.model_config.router_bias_update_rate
     if bias_rate and cfg.checkpoint.export_hf:
         raise ConfigError(f"{cfg.where('checkpoint.export_hf')}: [checkpoint].export_hf cannot export a model with "
                           f"[model].router_bias_update_rate = {bias_rate}: the published format has no place for "

@@ -277,7 +277,7 @@ def export_published(source: Source, config: Config, out: str | Path, dtype: tor
                      extras: Source | None = None) -> tuple[int, int]:
     """Write a native source, and `extras` (published tensors outside the model) as they are or cast to
     `dtype`, as a published checkpoint directory -> (tensors, bytes)."""
-    bias_rate = getattr(config, "router_bias_update_rate", 0.0)
+    bias_rate = config.router_bias_update_rate
     if bias_rate:
         raise ValueError(f"{source.name}: this model chooses experts with a per-expert selection bias "
                          f"(router_bias_update_rate = {bias_rate}), which the published format has no place "

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from attention import BACKENDS, FULL, LAYER_TYPES, SLIDING
-from moe import EXPERT_BACKENDS
+from moe import EXPERT_BACKENDS, check_bias_update_rate
 
 def read_config_json(source: dict | str | Path) -> tuple[dict, str]:
     """A config dict as given, or read from a config.json file (or another JSON object such as a
@@ -177,9 +177,7 @@ class FlintConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed} in this implementation, got {getattr(self, name)!r}")
-        if not (isinstance(self.router_bias_update_rate, (int, float)) and self.router_bias_update_rate >= 0):
-            raise ValueError(f"router_bias_update_rate must be >= 0 (0: no selection bias), got "
-                             f"{self.router_bias_update_rate!r}")
+        check_bias_update_rate(self.router_bias_update_rate)
         if self.attention_dropout != 0.0:
             raise ValueError(f"attention_dropout must be 0.0 (Flint trains without it), got {self.attention_dropout!r}")
         if self.rope_parameters.get("rope_type", "default") != "default":

@@ -249,7 +249,8 @@ class Large4Block(nn.Module):
             self.mlp = MoE(config.hidden_size, config.moe_intermediate_size,
                            config.moe_intermediate_size * config.n_shared_experts, config.n_routed_experts,
                            config.num_experts_per_tok, True, config.experts_backend, dtype,
-                           score_function="softmax", scaling=config.routed_scaling_factor)
+                           score_function="softmax", scaling=config.routed_scaling_factor,
+                           selection_bias=config.router_bias_update_rate > 0)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype)
 

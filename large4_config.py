@@ -12,7 +12,7 @@ from typing import Any
 
 from attention import BACKENDS
 from model import read_config_json
-from moe import EXPERT_BACKENDS
+from moe import EXPERT_BACKENDS, check_bias_update_rate
 
 LAYER_TYPE = "indexed_attention"  # the only layer type; it selects transformers' cache class
 MLP_TYPES = ("dense", "sparse")
@@ -78,6 +78,9 @@ class Large4Config:
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
     pad_token_id: int | None = None
+    # Not in the published format: > 0 gives each router a per-expert selection bias that training
+    # moves by this much per step towards balance (aux-loss-free balancing, see routing.py).
+    router_bias_update_rate: float = 0.0
     # Runtime choices (not written to text_config).
     attention_backend: str = "auto"  # auto (flex on GPUs, sdpa on the CPU) | flex | sdpa (dense scores)
     experts_backend: str = "grouped"  # grouped | loop
@@ -118,6 +121,7 @@ class Large4Config:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed} in this implementation, got {getattr(self, name)!r}")
+        check_bias_update_rate(self.router_bias_update_rate)
         if self.attention_dropout != 0.0:
             raise ValueError(f"attention_dropout must be 0.0, got {self.attention_dropout!r}")
         if self.qk_rope_head_dim % 2:
@@ -251,6 +255,8 @@ class Large4Config:
         text = {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_FIELDS}
         if self.indexer_no_rope_layers == self.no_rope_layers:
             del text["indexer_no_rope_layers"]  # flint's own field, only when it differs
+        if not self.router_bias_update_rate:  # a native-only field: written only when in use
+            del text["router_bias_update_rate"]
         text.update(model_type="mistral_large4_text", qk_head_dim=self.qk_head_dim,
                     head_dim=self.qk_rope_head_dim, layer_types=self.layer_types)
         return {"architectures": ["MistralLarge4ForConditionalGeneration"], **self.composite,

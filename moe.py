@@ -42,6 +42,12 @@ def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
+def check_bias_update_rate(rate: object) -> None:
+    """The configs' router_bias_update_rate (a native-only field of both models): a number >= 0."""
+    if isinstance(rate, bool) or not (isinstance(rate, (int, float)) and rate >= 0):
+        raise ValueError(f"router_bias_update_rate must be >= 0 (0: no selection bias), got {rate!r}")
+
+
 class Router(nn.Module):
     """Scores over experts, top-k, optionally renormalised. An FP32 module of its own.
 

@@ -8,7 +8,7 @@ tokens_per_expert). After each optimizer step the trainer sums those counts over
     expert has been idle for `idle_steps` steps;
   - with `router_bias_update_rate` > 0, moves each router's selection bias towards balance, as
     DeepSeek-V3 does without an auxiliary loss: bias_e += rate * sign(mean load - load_e). The
-    bias only chooses experts; the gate weights stay the unbiased sigmoid scores;
+    bias only chooses experts; the gate weights stay the unbiased scores (sigmoid or softmax);
   - reports, at logged steps, each layer's max and min load over the mean load (1.0 and 1.0:
     perfectly balanced; min 0: an expert got nothing).
 The counts are those of the step's last micro-batch (on every data-parallel rank).
@@ -48,7 +48,7 @@ class RoutingMonitor:
         self.idle = torch.where(self.counts == 0, self.idle + 1, 0)
         if self.idle_steps and bool((self.idle == self.idle_steps).any()):
             self.warn_idle(step)
-        rate = getattr(self.config, "router_bias_update_rate", 0.0)  # a Flint option
+        rate = self.config.router_bias_update_rate
         if rate > 0:
             update_selection_bias(self.routers, self.counts, rate)
 

@@ -348,3 +348,53 @@ def test_training_from_scratch_beyond_index_topk_is_refused():
     assert "index_topk" in config.training_error(seq_len=16, fresh_weights=True)
     assert config.training_error(seq_len=16, fresh_weights=False) is None
     assert config.training_error(seq_len=4, fresh_weights=True) is None
+
+
+# ============================================================================= aux-loss-free balancing (native only)
+
+@pytest.mark.parametrize("rate", [-0.01, "0.01", True])
+def test_router_bias_update_rate_must_be_a_number_at_least_zero(rate):
+    with pytest.raises(ValueError, match="router_bias_update_rate must be >= 0"):
+        Large4Config.from_name(PARITY, router_bias_update_rate=rate)
+
+
+def test_router_bias_update_rate_is_written_only_when_in_use():
+    assert "router_bias_update_rate" not in text_config(Large4Config.from_name(PARITY))
+    config = Large4Config.from_name(PARITY, router_bias_update_rate=0.01)
+    assert text_config(config)["router_bias_update_rate"] == 0.01
+    assert Large4Config.from_hf_config(config.to_hf_config()) == config
+
+
+def test_selection_bias_only_chooses_the_experts(parity_model):
+    """A zero bias changes nothing: same loss, same gradients, and no gradient of its own. A large one
+    sends every token to the favoured experts, whose gate weights stay the unbiased softmax scores."""
+    config = dataclasses.replace(parity_model.config, router_bias_update_rate=0.01)
+    biased = build_large4(config)
+    missing = biased.load_state_dict(parity_model.state_dict(), strict=False).missing_keys
+    assert missing and all(key.endswith("mlp.router.selection_bias") for key in missing)
+    ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    losses, grads = [], []
+    for model in (parity_model, biased):
+        model.zero_grad()
+        loss = model(ids, ids)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+    assert torch.equal(losses[0], losses[1]) and grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        assert torch.equal(grad, grads[1][name]), name
+    routers = [layer.mlp.router for layer in biased.layers.values() if hasattr(layer.mlp, "router")]
+    favoured = torch.arange(config.num_experts_per_tok)
+    for router in routers:
+        assert isinstance(router.selection_bias, torch.Tensor) and not router.selection_bias.requires_grad
+        router.selection_bias[favoured] = 10.0  # far above any softmax score difference
+    x = torch.randn(16, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    weights, indices = routers[0](x)
+    assert (indices.sort(dim=1).values == favoured).all()
+    scores = torch.softmax(x @ routers[0].weight.T, dim=-1).gather(-1, indices)
+    torch.testing.assert_close(weights, scores / scores.sum(-1, keepdim=True) * config.routed_scaling_factor)
+    biased.zero_grad()
+    biased(ids, ids).backward()
+    for router in routers:
+        assert router.tokens_per_expert[favoured].sum() == router.tokens_per_expert.sum()
+        assert router.weight.grad.abs().sum() > 0  # the gate weights still train the router

@@ -422,3 +422,21 @@ def test_cpu_peak_is_measured_once_per_machine_and_shared_by_its_processes(tmp_p
     assert train.run_peak_flops(cfg, four_on_two_machines) == 4e11
     given = train.load_config(DEBUG, ["--logging.peak_tflops=0.5"])
     assert train.run_peak_flops(given, two_on_one_machine) == pytest.approx(1e12)  # per device, as the key says
+
+
+def test_large4_trains_with_the_selection_bias_and_never_exports_it(tmp_path):
+    """router_bias_update_rate on Large 4: the bias moves by the rate each step, a native checkpoint
+    carries it and the rate, and both ways of exporting to the published format refuse."""
+    bias = "--model.router_bias_update_rate=0.01"
+    train.main(large4_args(tmp_path, bias, "--training.steps=4", "--checkpoint.every=4"))
+    step4 = tmp_path / "ckpt" / "run_0001" / "step_00000004"
+    model = convert.load_native(step4)
+    assert model.config.router_bias_update_rate == 0.01
+    biases = torch.stack([model.layers[str(i)].mlp.router.selection_bias for i in range(1, 8)])  # 0 is dense
+    steps = biases / 0.01  # each step moved each bias by -0.01, 0 or +0.01
+    torch.testing.assert_close(steps, steps.round(), rtol=0, atol=1e-4)
+    assert steps.abs().max().item() == pytest.approx(4) and (steps.abs().sum(dim=1) > 0).all()
+    with pytest.raises(ConfigError, match=r"export_hf cannot export a model with \[model\].router_bias_update_rate"):
+        train.main(large4_args(tmp_path / "export", bias, f"--checkpoint.export_hf={tmp_path / 'hf'}"))
+    with pytest.raises(ValueError, match=r"per-expert selection bias .* the published format has no place for"):
+        convert.export_published(convert.NativeDir(step4), model.config, tmp_path / "hf")
