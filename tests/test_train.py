@@ -347,7 +347,8 @@ def test_large4_finetune_from_hugging_face_exports_the_extras_of_its_source(tmp_
     """Training keeps only the text model; the export copies the vision tower and draft head from
     the init_from checkpoint, so the published loader finds nothing missing."""
     from large4 import build_large4
-    config = train.load_config(LARGE4_SMOKE, ["--model.index_topk=128"]).model_config
+    unbiased = "--model.router_bias_update_rate=0"  # the smoke config's selection bias is never exported
+    config = train.load_config(LARGE4_SMOKE, ["--model.index_topk=128", unbiased]).model_config
     convert.save_hf(build_large4(config, seed=3), tmp_path / "hf")
     shard = next((tmp_path / "hf").glob("*.safetensors"))
     state, extra = load_file(shard), torch.arange(6.0)
@@ -355,7 +356,7 @@ def test_large4_finetune_from_hugging_face_exports_the_extras_of_its_source(tmp_
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     index["weight_map"]["mtp_dspark.norm.weight"] = shard.name
     (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
-    train.main(large4_args(tmp_path, f"--model.init_from={tmp_path / 'hf'}", "--model.preset=",
+    train.main(large4_args(tmp_path, f"--model.init_from={tmp_path / 'hf'}", "--model.preset=", unbiased,
                            "--training.steps=2", f"--checkpoint.export_hf={tmp_path / 'out'}"))
     exported = exported_tensors(tmp_path / "out")
     assert torch.equal(exported["mtp_dspark.norm.weight"], extra)
