@@ -55,11 +55,12 @@ from torch.profiler import record_function
 from attention import FULL, SLIDING, build_masks, resolve_backend
 from baselines import NotApplicable, dense_logits_loss, plain_eager_loss, transformers_loss, transformers_reference
 from config import ConfigError, OptimSection, TrainConfig, config_from_tables, model_family, read_tables
+from metrics import CPU_PEAK_CACHE, run_peak_flops
 from model import FlintConfig, build_model, rope_tables
 from models import ModelConfig, model_class
 from parallel import apply_activation_checkpointing, apply_compile
 from profiling import OPTIMIZER, RANGE, profile_step, synchronize
-from train import CPU_PEAK_CACHE, Run, build_optimizer, run_peak_flops
+from train import Run, build_optimizer
 
 SECTIONS = ("main", "compiled", "baseline", "reference", "attention", "experts", "loss", "sweep")
 
@@ -110,14 +111,14 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, size: int) -> float:
 
 def peak_flops(cfg: TrainConfig, device: torch.device) -> tuple[float | None, str]:
     """FLOP/s to divide by for MFU, as train.py takes it for one process, and where it comes from;
-    None for a GPU missing from train.GPU_PEAK_TFLOPS (then: the best matmul rate of this run)."""
+    None for a GPU missing from metrics.GPU_PEAK_TFLOPS (then: the best matmul rate of this run)."""
     peak = run_peak_flops(cfg, Run(0, 1, 0, 1, device))
     if cfg.logging.peak_tflops:
         return peak, f"[logging].peak_tflops, {cfg.where('logging.peak_tflops')}"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        return peak, (f"dense BF16 peak of {name} (train.GPU_PEAK_TFLOPS)" if peak else
-                      f"best matmul rate measured in this run ({name} is not in train.GPU_PEAK_TFLOPS)")
+        return peak, (f"dense BF16 peak of {name} (metrics.GPU_PEAK_TFLOPS)" if peak else
+                      f"best matmul rate measured in this run ({name} is not in metrics.GPU_PEAK_TFLOPS)")
     return peak, f"this machine's FP32 matmul rate on {os.cpu_count()} cores, measured once ({CPU_PEAK_CACHE})"
 
 

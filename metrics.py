@@ -1,0 +1,179 @@
+"""What a person sees of a training run: one line per logging step and the same numbers in a JSON
+file (metrics.jsonl), with tokens/s and model FLOPs utilisation against the hardware's peak.
+
+train.py writes through MetricsLogger; bench.py divides by the same peak (run_peak_flops). On the CPU the
+peak is the machine's FP32 matmul rate, measured once and cached, so MFU does not move with whatever
+else ran during one measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import time
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from config import TrainConfig
+from models import ModelConfig, model_class
+from parallel import barrier
+from routing import worst_layer
+
+if TYPE_CHECKING:  # train.py imports this module; Run is only a type here
+    from train import Run
+
+# Dense BF16 tensor-core peaks in TFLOP/s, by a part of the device name (first match wins).
+GPU_PEAK_TFLOPS = [("B200", 2250.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("H800", 989.0),
+                   ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0)]
+
+
+def run_peak_flops(cfg: TrainConfig, run: Run) -> float | None:
+    """FLOP/s of all the run's hardware: the config's per-device value or a GPU's table entry times
+    the processes (one per device), or on the CPU the machine's cached matmul rate times the
+    machines: processes on one machine share its cores, so their peak is not multiplied."""
+    if cfg.logging.peak_tflops:
+        return cfg.logging.peak_tflops * 1e12 * run.world_size
+    if run.device.type == "cuda":
+        name = torch.cuda.get_device_name(run.device)
+        gpu = next((tflops * 1e12 for key, tflops in GPU_PEAK_TFLOPS if key in name), None)
+        return gpu * run.world_size if gpu else None
+    machines = max(1, run.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", run.world_size)))
+    return cpu_peak_flops(run) * machines
+
+
+# The CPU's FP32 matmul rate, measured once per machine (CPU model and core count) and kept here, so
+# MFU does not move with whatever else ran during a measurement. Delete the file to measure again.
+CPU_PEAK_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flint" / "cpu_peak.json"
+
+
+def cpu_peak_flops(run: Run) -> float:
+    """This machine's entry of CPU_PEAK_CACHE, measured by rank 0 if missing (others wait)."""
+    key = f"{cpu_model()} x {os.cpu_count()} cores"
+    if run.is_main and key not in read_json(CPU_PEAK_CACHE):
+        cache = {**read_json(CPU_PEAK_CACHE), key: measure_cpu_flops()}
+        CPU_PEAK_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = CPU_PEAK_CACHE.with_name(f"{CPU_PEAK_CACHE.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.rename(CPU_PEAK_CACHE)
+        run.print(f"measured this CPU's FP32 matmul rate once: {cache[key] / 1e12:.3f} TFLOP/s, kept in "
+                  f"{CPU_PEAK_CACHE} for MFU (delete it to measure again, or set logging.peak_tflops)")
+    barrier()
+    return read_json(CPU_PEAK_CACHE)[key]
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def cpu_model() -> str:
+    with suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def measure_cpu_flops(size: int = 2048) -> float:
+    """Best of 5 products of two size x size FP32 matrices on every core (about a second)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    best = float("inf")
+    for _ in range(6):  # the first one warms up
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(threads)
+    return 2 * size ** 3 / best
+
+
+def memory_gib(run: Run) -> float:
+    """Peak memory: allocated on the GPU, or this process's resident set on the CPU."""
+    if run.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(run.device) / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+
+
+def duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class MetricsLogger:
+    """A plain line per logging step (readable in a log file: no carriage returns), and the same
+    numbers as one JSON object per line in logging.jsonl."""
+
+    def __init__(self, cfg: TrainConfig, run: Run, config: ModelConfig, start_step: int):
+        t = cfg.training
+        self.cfg, self.run, self.total = cfg, run, t.steps
+        self.tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len * run.dp_size
+        with torch.device("meta"):  # the whole model's count, whichever stages this rank holds
+            self.flops_per_token = model_class(config)(config).flops_per_token(cfg.data.seq_len)
+        self.peak = run_peak_flops(cfg, run)
+        self.start = self.last_time = time.perf_counter()
+        self.last_step = start_step
+        self.first_step = start_step + 1  # always logged: the loss before any learning
+        self.summary: dict = {"first_loss": None}
+        self.path = Path(cfg.logging.jsonl)
+        if run.is_main:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            keep_records_until(self.path, start_step)  # a fresh run starts a fresh log; a resumed one appends
+            run.print(f"training steps {start_step + 1}..{t.steps}: {self.tokens_per_step:,} tokens per step, "
+                      f"{self.flops_per_token / 1e6:.2f} MFLOPs per token, peak "
+                      f"{f'{self.peak / 1e12:.2f} TFLOP/s' if self.peak else 'unknown (set logging.peak_tflops)'}")
+
+    def log_train(self, step: int, loss: float, lr: float, grad_norm: float, routing: dict) -> None:
+        now = time.perf_counter()
+        tokens_per_s = (step - self.last_step) * self.tokens_per_step / max(now - self.last_time, 1e-9)
+        remaining = (self.total - step) * (now - self.last_time) / max(step - self.last_step, 1)
+        self.last_time, self.last_step = now, step
+        mfu = 100 * tokens_per_s * self.flops_per_token / self.peak if self.peak else None
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                  "mfu_percent": mfu, "memory_gib": memory_gib(self.run), "elapsed_s": now - self.start,
+                  "remaining_s": remaining, "tokens": step * self.tokens_per_step, "routing": routing}
+        self.summary["first_loss"] = self.summary["first_loss"] or loss
+        self.summary.update(step=step, loss=loss, tokens_per_s=tokens_per_s, mfu_percent=mfu)
+        self.write(record)
+        self.run.print(f"step {step:>{len(str(self.total))}}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | "
+                       f"grad norm {grad_norm:.3f} | {tokens_per_s:,.0f} tokens/s | MFU "
+                       f"{f'{mfu:.2f}%' if mfu is not None else 'n/a'} | mem {record['memory_gib']:.2f} GiB | "
+                       f"{duration(now - self.start)} elapsed | {duration(remaining)} left{worst_layer(routing)}")
+
+    def log_eval(self, step: int, val_loss: float) -> None:
+        self.summary["val_loss"] = val_loss
+        self.write({"step": step, "val_loss": val_loss})
+        self.run.print(f"step {step:>{len(str(self.total))}}/{self.total} | validation loss {val_loss:.4f}")
+
+    def write(self, record: dict) -> None:
+        if self.run.is_main:
+            with open(self.path, "a") as log:
+                log.write(json.dumps(record) + "\n")
+
+    @contextmanager
+    def untimed(self):
+        """Time spent inside is left out of tokens/s and the remaining-time estimate."""
+        start = time.perf_counter()
+        yield
+        self.last_time += time.perf_counter() - start
+
+
+def keep_records_until(path: Path, step: int) -> None:
+    """Drop the records of steps after `step` (logged after the checkpoint a resume starts from, by
+    the run that went on past it), and any half-written last line, so that no step appears twice."""
+    kept = []
+    if step and path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            with suppress(ValueError, TypeError, KeyError):
+                if json.loads(line)["step"] <= step:
+                    kept.append(line + "\n")
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
