@@ -30,6 +30,28 @@ def read_config_json(source: dict | str | Path) -> tuple[dict, str]:
     return config, str(path)
 
 
+def check_positive_ints(config: Any, names: tuple[str, ...]) -> None:
+    """Each named field of `config` is an int > 0 (a bool is not), or a ValueError names it."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_choices(config: Any, choices: dict[str, tuple]) -> None:
+    """Each named field of `config` holds one of the values this implementation supports."""
+    for name, allowed in choices.items():
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"{name} must be one of {allowed} in this implementation, got {getattr(config, name)!r}")
+
+
+def from_preset(cls: type, presets: dict[str, dict], name: str, what: str, overrides: dict) -> Any:
+    """cls built from preset `name` of `presets` with `overrides` on top; `what` names the kind in errors."""
+    if name not in presets:
+        raise ValueError(f"unknown {what} preset {name!r}; choose one of {sorted(presets)}")
+    return cls(**{**presets[name], **overrides})
+
+
 def default_layer_types(num_layers: int) -> list[str]:
     """Full attention at 0, 1, every i with i % 4 == 1, and the last layer; sliding elsewhere."""
     return [FULL if i < 2 or i % 4 == 1 or i == num_layers - 1 else SLIDING for i in range(num_layers)]
@@ -139,13 +161,10 @@ class FlintConfig:
                 raise ValueError(f"{name.split(' ')[0]} must be {expected}, got {value!r}")
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "moe_intermediate_size",
-                     "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok",
-                     "max_position_embeddings", "decoder_sparse_step", "loss_chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "head_dim", "moe_intermediate_size",
+                                   "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok",
+                                   "max_position_embeddings", "decoder_sparse_step", "loss_chunk_size"))
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
             raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
         if self.head_dim % 2:
@@ -174,9 +193,7 @@ class FlintConfig:
                    "attention_bias": (False,), "attention_compute_dtype": (None,),
                    "residual_dtype": (None, "float32", "bfloat16"),
                    "attention_backend": BACKENDS, "experts_backend": EXPERT_BACKENDS}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed} in this implementation, got {getattr(self, name)!r}")
+        check_choices(self, choices)
         check_bias_update_rate(self.router_bias_update_rate)
         if self.attention_dropout != 0.0:
             raise ValueError(f"attention_dropout must be 0.0 (Flint trains without it), got {self.attention_dropout!r}")
@@ -199,9 +216,7 @@ class FlintConfig:
     # ------------------------------------------------------------------ presets and HF configs
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "FlintConfig":
-        if name not in PRESETS:
-            raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        return from_preset(cls, PRESETS, name, "model", overrides)
 
     @classmethod
     def from_hf_config(cls, source: dict | str | Path, **overrides: Any) -> "FlintConfig":

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from attention import BACKENDS
-from model import read_config_json
+from flint_config import check_choices, check_positive_ints, from_preset, read_config_json
 from moe import EXPERT_BACKENDS, check_bias_update_rate
 
 LAYER_TYPE = "indexed_attention"  # the only layer type; it selects transformers' cache class
@@ -107,20 +107,16 @@ class Large4Config:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                     "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "index_topk", "index_n_heads",
-                     "index_head_dim", "index_topk_freq", "no_rope_layer_interval", "max_position_embeddings",
-                     "loss_chunk_size", "indexer_chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_ints(self, (
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "index_topk", "index_n_heads",
+            "index_head_dim", "index_topk_freq", "no_rope_layer_interval", "max_position_embeddings",
+            "loss_chunk_size", "indexer_chunk_size"))
         choices = {"q_lora_rank": (None,), "hidden_act": ("silu",), "attention_bias": (False,),
                    "tie_word_embeddings": (False,), "n_group": (1,), "topk_group": (1,), "norm_topk_prob": (True,),
                    "attention_backend": BACKENDS, "experts_backend": EXPERT_BACKENDS}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed} in this implementation, got {getattr(self, name)!r}")
+        check_choices(self, choices)
         check_bias_update_rate(self.router_bias_update_rate)
         if self.attention_dropout != 0.0:
             raise ValueError(f"attention_dropout must be 0.0, got {self.attention_dropout!r}")
@@ -216,9 +212,7 @@ class Large4Config:
     # ------------------------------------------------------------------ presets and HF configs
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "Large4Config":
-        if name not in PRESETS:
-            raise ValueError(f"unknown Large 4 preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        return from_preset(cls, PRESETS, name, "Large 4", overrides)
 
     @classmethod
     def from_hf_config(cls, source: dict | str | Path, **overrides: Any) -> "Large4Config":

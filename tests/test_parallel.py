@@ -290,7 +290,7 @@ def test_pipeline_and_context_parallel_need_a_stage_form():
     assert unsupported_layout(ParallelConfig(pp=2, cp=2), Flint) is None
 
     class Plain(torch.nn.Module):
-        pass
+        """A model that names no stage form."""
     assert unsupported_layout(ParallelConfig(pp=2), Plain) == ("[parallel] pp = 2: pipeline parallelism is not "
                                                                "implemented for Plain; use pp = 1")
     assert unsupported_layout(ParallelConfig(cp=2), Plain).startswith("[parallel] cp = 2: context")
