@@ -183,7 +183,11 @@ class ExpertPlan(NamedTuple):
     slots: torch.Tensor | None  # [R] buffer row of each sorted assignment; None when not padded
     offsets: torch.Tensor  # int32 [E] cumulative padded group ends
     rows: int  # static buffer length: R + E * (align - 1)
-    padded: bool  # align > 1: the buffer has gaps between groups
+
+    @property
+    def padded(self) -> bool:
+        """align > 1: the buffer has gaps between groups."""
+        return self.slots is not None
 
 
 def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int) -> ExpertPlan:
@@ -192,7 +196,7 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int) -> Exper
     order = torch.argsort(flat, stable=True)
     counts = expert_counts(flat, num_experts)
     if align == 1:  # no gaps: sorted assignment i sits in buffer row i
-        return ExpertPlan(order, None, torch.cumsum(counts, 0).to(torch.int32), flat.numel(), False)
+        return ExpertPlan(order, None, torch.cumsum(counts, 0).to(torch.int32), flat.numel())
     padded = (counts + align - 1) // align * align
     starts = torch.cumsum(counts, 0) - counts
     padded_ends = torch.cumsum(padded, 0)
@@ -200,7 +204,7 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int) -> Exper
     rank_in_group = torch.arange(flat.numel(), device=flat.device) - starts[expert_of_sorted]
     slots = padded_ends[expert_of_sorted] - padded[expert_of_sorted] + rank_in_group
     rows = flat.numel() + num_experts * (align - 1)
-    return ExpertPlan(order, slots, padded_ends.to(torch.int32), rows, True)
+    return ExpertPlan(order, slots, padded_ends.to(torch.int32), rows)
 
 
 def grouped_swiglu(sorted_rows: torch.Tensor, plan: ExpertPlan, gate_up_proj: torch.Tensor,

@@ -77,7 +77,7 @@ def test_moe_matches_reference(norm_topk_prob):
 
 def test_sort_plan_pads_groups_without_overlap():
     indices = torch.tensor([[2, 0], [2, 1], [0, 2]])
-    order, slots, offsets, rows, padded = sort_by_expert(indices, num_experts=4, align=4)
+    order, slots, offsets, rows = sort_by_expert(indices, num_experts=4, align=4)
     assert offsets.tolist() == [4, 8, 12, 12]  # each group padded to 4 rows, expert 3 empty
     assert rows == 6 + 4 * 3
     assert sorted(slots.tolist()) == [0, 1, 4, 8, 9, 10]
