@@ -18,14 +18,21 @@ checkpoint directory holding one) or --preset, then --batch, --seq-len, --device
 loss chunks, [optim], activation checkpointing, compile) on one process; the others change one thing.
 
 Every row times whole training steps as train.py takes them (forward, backward, gradient clipping,
-AdamW from train.build_optimizer with [optim]) after warm-up, and reports the median of several
-repetitions; each row is printed as soon as it finishes. MFU divides the model's FLOPs
-(`flops_per_token`) per second by train.py's peak: [logging].peak_tflops, a GPU's dense BF16 peak
-from a table, or on the CPU the machine's matmul rate measured once and cached. The matmul rate is
-also measured before every row and shown, so a row timed while other processes held the cores stands
-out. Peak memory is the peak RSS of this process on the CPU (reset per row through
-/proc/self/clear_refs) and `max_memory_allocated` on a GPU. A row that cannot run (out of memory, say)
-is shown as FAILED with its error and the run goes on. On shared cores, compare rows of one run.
+AdamW from train.build_optimizer with [optim]) after --warmup steps, and reports the median of --reps.
+The rows that compare steps (sections main, compiled, baseline, reference) are all built and warmed up
+first (a compiled row compiles in its warm-up), then timed in rotation: one step of each in turn,
+--reps times. A machine whose speed drifts (shared cores) then slows every row alike, and the summary
+gives each ratio twice: of the median steps, and the median of each rotation's own ratio. The other
+rows (variants, and forward-only attention) are timed one after another, each printed as it ends.
+
+MFU divides the model's FLOPs (`flops_per_token`) per second by train.py's peak: [logging].peak_tflops,
+a GPU's dense BF16 peak from a table, or on the CPU the machine's matmul rate measured once and cached.
+The matmul rate is also measured before each rotation (the compared rows show its median) and before
+every other row, so a row timed while other processes held the cores stands out. Peak memory is taken
+during a row's own warm-up, above what the process held before building it (the rows compared side by
+side are all alive at once): RSS on the CPU (peak reset through /proc/self/clear_refs, freed heap
+returned first with malloc_trim), `max_memory_allocated` on a GPU. A row that cannot run (out of
+memory, say) is shown as FAILED with its error, and the run goes on.
 """
 
 from __future__ import annotations
@@ -38,14 +45,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import dataclasses
-import gc
 import json
-import resource
 import statistics
-import sys
-import time
 import warnings
-from contextlib import suppress
 from pathlib import Path
 from typing import Callable
 
@@ -59,55 +61,14 @@ from metrics import CPU_PEAK_CACHE, run_peak_flops
 from model import FlintConfig, build_model, rope_tables
 from models import ModelConfig, model_class
 from parallel import apply_activation_checkpointing, apply_compile
-from profiling import OPTIMIZER, RANGE, profile_step, synchronize
+from profiling import (OPTIMIZER, RANGE, matmul_rate, memory_in_use, peak_memory, profile_step, reset_peak_memory,
+                       time_call)
 from train import Run, build_optimizer
 
 SECTIONS = ("main", "compiled", "baseline", "reference", "attention", "experts", "loss", "sweep")
 
 
-# ============================================================================= measuring
-
-def time_calls(fn: Callable[[], object], warmup: int, reps: int, device: torch.device) -> tuple[list[float], float]:
-    """Seconds of each of `reps` calls after `warmup` calls, and the seconds the warm-up took."""
-    start = time.perf_counter()
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    warmup_seconds = time.perf_counter() - start
-    seconds = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return seconds, warmup_seconds
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak: CUDA's allocator statistics, or Linux's peak RSS of this process."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    with suppress(OSError):  # Linux: writing 5 resets the peak RSS getrusage reports (elsewhere: process-wide)
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
-
-
-def matmul_rate(device: torch.device, dtype: torch.dtype, size: int) -> float:
-    """The best FLOP/s of a square matmul right now: what this machine can do at this moment."""
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
-    seconds, _ = time_calls(lambda: a @ b, warmup=2, reps=10, device=device)
-    return 2 * size**3 / min(seconds)
-
+# ============================================================================= the peak for MFU
 
 def peak_flops(cfg: TrainConfig, device: torch.device) -> tuple[float | None, str]:
     """FLOP/s to divide by for MFU, as train.py takes it for one process, and where it comes from;
@@ -122,7 +83,7 @@ def peak_flops(cfg: TrainConfig, device: torch.device) -> tuple[float | None, st
     return peak, f"this machine's FP32 matmul rate on {os.cpu_count()} cores, measured once ({CPU_PEAK_CACHE})"
 
 
-# ============================================================================= the step and the split
+# ============================================================================= the step
 
 def model_loss(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return model(input_ids, targets)
@@ -142,20 +103,37 @@ def training_step(model: torch.nn.Module, input_ids: torch.Tensor, targets: torc
     return step
 
 
-# ============================================================================= graph counts
-
 def compiled_graph_counts() -> dict[str, int]:
     """Graphs dynamo compiled and graph breaks it met since the counters were last cleared."""
     counters = torch._dynamo.utils.counters
     return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 
 
+def describe(error: Exception) -> str:
+    """A row's error in one line; an optional row (transformers) or another model's comparison is skipped."""
+    if isinstance(error, (ImportError, NotApplicable)):
+        return f"skipped: {error}"
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+
+
 # ============================================================================= rows of the table
+
+Built = tuple[torch.nn.Module, Callable[[], None], float]  # a row's model, the call timed, its FLOPs per token
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A row built and warmed up (row["error"] when it could not be): its record, model and timed call."""
+
+    row: dict
+    model: torch.nn.Module | None = None
+    call: Callable[[], None] | None = None
+
 
 @dataclasses.dataclass
 class Bench:
     """What every row shares: the config (model, shape, optimizer, checkpointing, compile), the
-    device, the repetitions, the peak for MFU, and the rows so far."""
+    device, the repetitions, the peak for MFU, the rows so far and every matmul rate measured."""
 
     cfg: TrainConfig
     device: torch.device
@@ -165,14 +143,11 @@ class Bench:
     matmul_size: int
     peak: float | None  # FLOP/s for MFU; None: known only at the end (peak_flops)
     rows: list[dict] = dataclasses.field(default_factory=list)
+    rates: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def config(self) -> ModelConfig:
         return self.cfg.model_config
-
-    @property
-    def batch(self) -> int:
-        return self.cfg.training.batch_size
 
     @property
     def seq_len(self) -> int:
@@ -180,12 +155,12 @@ class Bench:
 
     @property
     def tokens(self) -> int:
-        return self.batch * self.seq_len
+        return self.cfg.training.batch_size * self.seq_len
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, self.config.vocab_size, (self.batch, self.seq_len + 1), generator=generator)
-        ids = ids.to(self.device)
+        ids = torch.randint(0, self.config.vocab_size, (self.cfg.training.batch_size, self.seq_len + 1),
+                            generator=generator).to(self.device)
         return ids[:, :-1], ids[:, 1:]  # inputs and next-token targets, [B, T] each
 
     def model(self, **overrides) -> torch.nn.Module:
@@ -194,79 +169,161 @@ class Bench:
         apply_activation_checkpointing(model, self.cfg.parallel.activation_checkpointing)
         return model
 
-    def measure_row(self, label: str, name: str, note: str, measure: Callable[[], dict]) -> dict:
-        """Measure the machine's matmul rate, start a new memory peak, then time the row; its label and
-        name are printed when it starts, its numbers as soon as it ends.
+    def matmul_rate(self) -> float:
+        self.rates.append(matmul_rate(self.device, self.dtype, self.matmul_size))
+        return self.rates[-1]
 
-        A row that cannot run here (out of memory, an op this device lacks) is recorded with its
-        error and shown in the table, so the other rows of a long run still come back.
-        """
-        print(f"{label:<{LABEL_WIDTH}} {name:<{NAME_WIDTH}}", end=" ", flush=True)
-        row = {"label": label, "name": name, "note": note,
-               "matmul_flops": matmul_rate(self.device, self.dtype, self.matmul_size)}
+    # ------------------------------------------------------------------ what a row builds
+
+    def training(self, loss_fn: Callable = model_loss, compiled: bool = False, **overrides) -> Built:
+        """Training steps of a fresh model built with `overrides`, its blocks compiled or not."""
+        model = self.model(**overrides)
+        if compiled:
+            torch._dynamo.reset()  # compile afresh, so that the warm-up counts and times the compilation
+            apply_compile(model)  # fullgraph: a graph break fails the row
+        return model, training_step(model, *self.inputs(), loss_fn, self.cfg.optim), model.flops_per_token(self.seq_len)
+
+    def reference(self) -> Built:
+        """Training steps of transformers' FlintForCausalLM on this shape's weights (baselines.py);
+        ImportError (a skipped row) when transformers cannot be imported."""
+        model = transformers_reference(self.model())
+        step = training_step(model, *self.inputs(), transformers_loss, self.cfg.optim)
+        return model, step, flops_per_token(self.config, self.seq_len)
+
+    def forward(self, **overrides) -> Built:
+        """Forwards without autograd (the only mode of flex attention on the CPU); a third of the FLOPs."""
+        model, (input_ids, _) = self.model(**overrides), self.inputs()
+        return model, torch.no_grad()(lambda: model(input_ids)), model.flops_per_token(self.seq_len) / 3
+
+    # ------------------------------------------------------------------ warming up, timing, printing
+
+    def prepare(self, label: str, name: str, note: str, build: Callable[[], Built], compiled: bool = False) -> Prepared:
+        """Build a row and run its warm-up calls (which compile a compiled row). Recorded: the warm-up's
+        seconds, the graphs compiled, and peak_memory_gib, the most memory in use during the warm-up
+        above what the process held before the build (other rows' models stay out of it). A row that
+        cannot run here (out of memory, an op this device lacks) keeps its error and the run goes on."""
+        row = {"label": label, "name": name, "note": note}
+        self.rows.append(row)
+        before = memory_in_use(self.device)
         reset_peak_memory(self.device)
         try:
-            timed = measure()
-        except (ImportError, NotApplicable) as error:  # an optional row (transformers), or another model's
-            row["error"] = f"skipped: {error}"
+            model, call, flops = build()
+            torch._dynamo.utils.counters.clear()
+            row["warmup_s"] = sum(time_call(call, self.device) for _ in range(self.warmup))
         except Exception as error:  # reported in the table and the JSON, never dropped
-            row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
-        else:
-            step = statistics.median(timed["step_s_all"])
-            row.update(timed, step_s=step, tokens_per_s=self.tokens / step,
-                       peak_memory_gib=peak_memory_gib(self.device))
+            row["error"] = describe(error)
+            return Prepared(row)
+        row.update(flops_per_token=flops, peak_memory_gib=(peak_memory(self.device) - before) / 2**30,
+                   **(compiled_graph_counts() if compiled else {}))
+        return Prepared(row, model, call)
+
+    def finish(self, row: dict) -> None:
+        """The median step of a timed row, its tokens/s and MFU; then it is printed."""
+        if "error" not in row:
+            row["step_s"] = statistics.median(row["step_s_all"])
+            row["tokens_per_s"] = self.tokens / row["step_s"]
             if self.peak:
                 row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / self.peak
-        profile_table = row.pop("profile_table", "")
-        if "split" in row:  # the profiler may have written to the terminal since the name: name it again
-            print(f"\n{label:<{LABEL_WIDTH}} {name:<{NAME_WIDTH}}", end=" ")
-        print(row_columns(row), flush=True)
-        if profile_table:
-            print(profile_table, flush=True)
-        self.rows.append(row)
-        return row
+        print(f"{row['label']:<{LABEL_WIDTH}} {row['name']:<{NAME_WIDTH}} {row_columns(row)}", flush=True)
 
-    def train(self, label: str, name: str, note: str, loss_fn: Callable = model_loss, compile_blocks: bool = False,
-              split_rows: int | None = None, **overrides) -> dict:
-        """Time training steps of a fresh model built with `overrides`; optionally split one step."""
-        def measure() -> dict:
-            model = self.model(**overrides)
-            if compile_blocks:
-                torch._dynamo.reset()  # compile afresh: every round counts and times its own compilation
-                apply_compile(model)  # fullgraph: a graph break fails the row
-            step = training_step(model, *self.inputs(), loss_fn, self.cfg.optim)
-            torch._dynamo.utils.counters.clear()
-            seconds, warmup_seconds = time_calls(step, self.warmup, self.reps, self.device)
-            timed = {"step_s_all": seconds, "warmup_s": warmup_seconds,
-                     "flops_per_token": model.flops_per_token(self.seq_len)}
-            if compile_blocks:
-                timed.update(compiled_graph_counts())
-            if split_rows is not None:
-                timed["split"], timed["profile_table"] = profile_step(model, step, self.device, split_rows)
-            return timed
-        return self.measure_row(label, name, note, measure)
+    def sequential(self, label: str, name: str, note: str, build: Callable[[], Built]) -> None:
+        """A row timed on its own: the machine's matmul rate, warm-up, then `reps` calls one after another."""
+        rate = self.matmul_rate()
+        prepared = self.prepare(label, name, note, build)
+        prepared.row["matmul_flops"] = rate
+        alternate([prepared], self.reps, self.device)
+        self.finish(prepared.row)
 
-    def reference(self, label: str, name: str, note: str) -> dict:
-        """Time training steps of transformers' FlintForCausalLM on this shape's weights (baselines.py);
-        a skipped row when transformers cannot be imported."""
-        def measure() -> dict:
-            model = transformers_reference(self.model())
-            step = training_step(model, *self.inputs(), transformers_loss, self.cfg.optim)
-            seconds, warmup_seconds = time_calls(step, self.warmup, self.reps, self.device)
-            return {"step_s_all": seconds, "warmup_s": warmup_seconds,
-                    "flops_per_token": flops_per_token(self.config, self.seq_len)}
-        return self.measure_row(label, name, note, measure)
 
-    def forward(self, label: str, name: str, note: str, **overrides) -> dict:
-        """Time forwards without autograd (the only mode of flex attention on the CPU)."""
-        def measure() -> dict:
-            model = self.model(**overrides)
-            input_ids, _ = self.inputs()
-            with torch.no_grad():
-                seconds, warmup_seconds = time_calls(lambda: model(input_ids), self.warmup, self.reps, self.device)
-            return {"step_s_all": seconds, "warmup_s": warmup_seconds,
-                    "flops_per_token": model.flops_per_token(self.seq_len) / 3}  # forward: a third
-        return self.measure_row(label, name, note, measure)
+def alternate(rows: list[Prepared], reps: int, device: torch.device, rate: Callable[[], float] | None = None) -> None:
+    """Time `reps` rotations, one call of each row in turn (a0, b0, c0, a1, b1, c1, ...), so that every
+    row sees the same state of a machine whose speed drifts; each call's seconds go to the row's
+    step_s_all. rate() (the machine's matmul rate) is measured before each rotation. A row that fails
+    (or was never built) keeps its error and sits out; the others go on."""
+    for _ in range(reps):
+        if rate:
+            rate()
+        for prepared in rows:
+            if "error" in prepared.row:
+                continue
+            try:
+                prepared.row.setdefault("step_s_all", []).append(time_call(prepared.call, device))
+            except Exception as error:
+                prepared.row["error"] = describe(error)
+                prepared.model = prepared.call = None  # its memory goes back to the other rows
+
+
+def compare(bench: Bench, own_label: str, sections: set[str], profile_rows: int) -> list[dict]:
+    """The rows that compare whole training steps, built and warmed up first, then timed alternating
+    (alternate): the config's own step (labelled with the config), the other of eager and compiled,
+    the plain eager baseline and the transformers reference. All are alive at once, so their models
+    and optimizer states must fit together (else choose fewer --sections). The config's own step,
+    when eager, is then profiled once for its time split."""
+    config, device, parallel = bench.config, bench.device, bench.cfg.parallel
+    family, compiled = model_family(bench.cfg), parallel.compile
+    backend = resolve_backend(config.attention_backend, device)
+    chunks = "one chunk" if bench.tokens <= config.loss_chunk_size else f"chunks of {config.loss_chunk_size} rows"
+    modes = {False: "eager", True: "compiled per block"}
+    candidates = {
+        "main": (own_label, f"{family} ({modes[compiled]})", f"{backend}, {config.experts_backend} experts, loss in "
+                 f"{chunks}, checkpointing {parallel.activation_checkpointing}", compiled,
+                 lambda: bench.training(compiled=compiled)),
+        "compiled": ("variant", f"{family} ({modes[not compiled]})", "not compiled" if compiled else
+                     "torch.compile(fullgraph=True) per block; warm-up compiles", not compiled,
+                     lambda: bench.training(compiled=not compiled)),
+        "baseline": ("baseline", "plain eager baseline", "scores + sink column + softmax, grouped GEMM, unchunked loss",
+                     False, lambda: bench.training(plain_eager_loss)),
+        "reference": ("reference", "transformers reference", "FlintForCausalLM: eager attention, grouped_mm experts, "
+                      "all logits", False, bench.reference)}
+    rows = []
+    for section, (label, name, note, compiles, build) in candidates.items():
+        if section in sections:
+            print(f"warming up {name} ...", end=" ", flush=True)
+            rows.append(bench.prepare(label, name, note, build, compiles))
+            print(rows[-1].row.get("error") or f"{rows[-1].row['warmup_s']:.1f} s", flush=True)
+    if not rows:
+        return rows
+    print(f"timing {bench.reps} rotation(s) of the rows above, one step of each in turn", flush=True)
+    first_rate = len(bench.rates)
+    alternate(rows, bench.reps, device, bench.matmul_rate)
+    print(table_header(), flush=True)
+    for prepared in rows:
+        prepared.row["matmul_flops"] = statistics.median(bench.rates[first_rate:])
+        bench.finish(prepared.row)
+    own = rows[0]
+    if "main" in sections and not compiled and "error" not in own.row:  # hooks would break compiled graphs
+        own.row["split"], table = profile_step(own.model, own.call, device, profile_rows)
+        print(table, end="", flush=True)
+    return [prepared.row for prepared in rows]
+
+
+def variants(bench: Bench, sections: set[str]) -> None:
+    """Rows that change one thing of the config's step, each timed on its own."""
+    config, device = bench.config, bench.device
+    backend = resolve_backend(config.attention_backend, device)
+    if "attention" in sections:
+        if device.type == "cpu":  # flex has no CPU backward: compare forwards
+            bench.sequential("variant", "attention sdpa (forward only)", "no autograd",
+                             lambda: bench.forward(attention_backend="sdpa"))
+            bench.sequential("variant", "attention flex (forward only)", "eager flex, no autograd (no CPU backward)",
+                             lambda: bench.forward(attention_backend="flex"))
+        else:
+            other = "sdpa" if backend == "flex" else "flex"
+            bench.sequential("variant", f"attention {other}", f"the config uses {backend}",
+                             lambda: bench.training(attention_backend=other))
+    if "experts" in sections:
+        other = "loop" if config.experts_backend == "grouped" else "grouped"
+        bench.sequential("variant", f"experts {other}", f"the config uses {config.experts_backend}",
+                         lambda: bench.training(experts_backend=other))
+    if "loss" in sections:
+        chunk = max(1, bench.tokens // 4)
+        bench.sequential("variant", f"loss in chunks of {chunk} rows", "each chunk's logits recomputed in backward",
+                         lambda: bench.training(loss_chunk_size=chunk))
+        if bench.tokens > config.loss_chunk_size:
+            bench.sequential("variant", "loss in one chunk", "logits recomputed in backward",
+                             lambda: bench.training(loss_chunk_size=bench.tokens))
+        bench.sequential("variant", "loss unchunked (logits + cross_entropy)", "all logits saved for backward",
+                         lambda: bench.training(dense_logits_loss))
 
 
 def attention_sweep(bench: Bench, lengths: list[int], tokens: int, reps: int) -> list[dict]:
@@ -296,14 +353,16 @@ def attention_sweep(bench: Bench, lengths: list[int], tokens: int, reps: int) ->
             mask = build_masks([layer_type], one_layer.window, None, batch, seq_len, bench.device, backend)[layer_type]
             positions = torch.arange(seq_len, device=bench.device).expand(batch, seq_len)
             rope = rope_tables(positions, one_layer.head_dim, one_layer.rope_theta)
-            seconds, _ = time_calls(lambda: attention(x, rope, mask).sum().backward(), 1, reps, bench.device)
-            step = statistics.median(seconds)
+
+            def layer_step() -> None:
+                attention(x, rope, mask).sum().backward()
+            layer_step()  # warm-up
+            step = statistics.median([time_call(layer_step, bench.device) for _ in range(reps)])
             points.append({"layer": layer_type, "seq_len": seq_len, "batch": batch, "ms": step * 1e3,
                            "us_per_token": step * 1e6 / (batch * seq_len)})
             first = next(p for p in points if p["layer"] == layer_type)["us_per_token"]
             print(f"  {layer_type:<18} {seq_len:>7} {batch:>6} {step * 1e3:>10.1f} {points[-1]['us_per_token']:>10.2f} "
                   f"{points[-1]['us_per_token'] / first:>8.2f}x", flush=True)
-            del x, mask
     print("  (us/token flat with length: cost linear in length; rising in proportion: quadratic)")
     return points
 
@@ -315,20 +374,20 @@ def run(args: argparse.Namespace, cfg: TrainConfig, device: torch.device) -> dic
     batch, seq_len = cfg.training.batch_size, cfg.data.seq_len
     peak, peak_source = peak_flops(cfg, device)
     bench = Bench(cfg, device, dtype, args.warmup, args.reps, args.matmul_size, peak)
+    sections = set(args.sections)
     print(f"{source_label(args, cfg)}: {model_family(cfg)}, batch {batch} x {seq_len} tokens, {device_name(device)}, "
           f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, {args.warmup} warm-up + "
-          f"{args.reps} timed steps per row (median), {args.rounds} round(s); MFU against "
+          f"{args.reps} timed steps per row (median); MFU against "
           f"{f'{peak / 1e12:.3f} TFLOP/s' if peak else 'the best matmul rate'} ({peak_source})")
-    if set(args.sections) - {"sweep"}:
+    compared = compare(bench, source_label(args, cfg), sections, args.profile)
+    if not compared and sections & {"attention", "experts", "loss"}:
         print(table_header(), flush=True)
-    for _ in range(args.rounds):
-        time_rows(bench, source_label(args, cfg), set(args.sections), args.profile)
+    variants(bench, sections)
     if not peak:
-        peak = max([row["matmul_flops"] for row in bench.rows] or [matmul_rate(device, dtype, args.matmul_size)])
+        peak = max(bench.rates or [bench.matmul_rate()])
         for row in bench.rows:
             if "error" not in row:
                 row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / peak
-    bench.rows = best_rounds(bench.rows)
     notes = []
     if any(row["name"] == "plain eager baseline" and "error" not in row for row in bench.rows):
         model, inputs = bench.model(), bench.inputs()  # the baseline must compute the same network
@@ -339,74 +398,31 @@ def run(args: argparse.Namespace, cfg: TrainConfig, device: torch.device) -> dic
               "batch": batch, "seq_len": seq_len, "device": device.type, "device_name": device_name(device),
               "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "warmup": args.warmup, "reps": args.reps,
-              "rounds": args.rounds, "peak_flops": peak, "peak_source": peak_source,
-              "flops_per_token": flops_per_token(config, seq_len), "rows": bench.rows, "notes": notes}
-    if "sweep" in args.sections:
+              "peak_flops": peak, "peak_source": peak_source, "flops_per_token": flops_per_token(config, seq_len),
+              "rows": bench.rows,
+              "alternated": [row["name"] for row in compared if "error" not in row],
+              "ratios": ratios(bench.rows, model_family(cfg)), "notes": notes}
+    if "sweep" in sections:
         result["sweep"] = attention_sweep(bench, args.sweep_lengths, args.sweep_tokens, args.sweep_reps)
     print_summary(result)
     return result
 
 
-def time_rows(bench: Bench, own_label: str, sections: set[str], profile_rows: int) -> None:
-    """One round: every row of the chosen sections, one after another. The first is the config's own
-    step (labelled with the config); the others change one thing (variant) or compare (baseline,
-    reference)."""
-    config, device, tokens = bench.config, bench.device, bench.tokens
-    family, parallel = model_family(bench.cfg), bench.cfg.parallel
-    compiled, checkpointing = parallel.compile, parallel.activation_checkpointing
-    backend = resolve_backend(config.attention_backend, device)
-    loss_note = "one chunk" if tokens <= config.loss_chunk_size else f"chunks of {config.loss_chunk_size} rows"
-    modes = {False: "eager", True: "compiled per block"}
-    if "main" in sections:
-        bench.train(own_label, f"{family} ({modes[compiled]})", f"{backend}, {config.experts_backend} experts, "
-                    f"loss in {loss_note}, checkpointing {checkpointing}", compile_blocks=compiled,
-                    split_rows=None if compiled else profile_rows)  # the split's hooks would break the graphs
-    if "compiled" in sections:
-        bench.train("variant", f"{family} ({modes[not compiled]})",
-                    "torch.compile(fullgraph=True) per block; warm-up compiles" if not compiled else "not compiled",
-                    compile_blocks=not compiled)
-    if "baseline" in sections:
-        bench.train("baseline", "plain eager baseline", "scores + sink column + softmax, grouped GEMM, unchunked loss",
-                    loss_fn=plain_eager_loss)
-    if "reference" in sections:
-        bench.reference("reference", "transformers reference",
-                        "FlintForCausalLM: eager attention, grouped_mm experts, all logits")
-    if "attention" in sections:
-        if device.type == "cpu":  # flex has no CPU backward: compare forwards
-            bench.forward("variant", "attention sdpa (forward only)", "no autograd", attention_backend="sdpa")
-            bench.forward("variant", "attention flex (forward only)", "eager flex, no autograd (no CPU backward)",
-                          attention_backend="flex")
-        else:
-            other = "sdpa" if backend == "flex" else "flex"
-            bench.train("variant", f"attention {other}", f"the config uses {backend}", attention_backend=other)
-    if "experts" in sections:
-        other = "loop" if config.experts_backend == "grouped" else "grouped"
-        bench.train("variant", f"experts {other}", f"the config uses {config.experts_backend}", experts_backend=other)
-    if "loss" in sections:
-        chunk = max(1, tokens // 4)
-        bench.train("variant", f"loss in chunks of {chunk} rows", "each chunk's logits recomputed in backward",
-                    loss_chunk_size=chunk)
-        if tokens > config.loss_chunk_size:
-            bench.train("variant", "loss in one chunk", "logits recomputed in backward", loss_chunk_size=tokens)
-        bench.train("variant", "loss unchunked (logits + cross_entropy)", "all logits saved for backward",
-                    loss_fn=dense_logits_loss)
-
-
-def best_rounds(rows: list[dict]) -> list[dict]:
-    """Per row name, the round with the lowest median step (other processes only ever slow a step
-    down), in first-seen order; every round's median is kept under round_step_s."""
-    rounds: dict[str, list[dict]] = {}
-    for row in rows:
-        rounds.setdefault(row["name"], []).append(row)
-    best = []
-    for same in rounds.values():
-        timed = [row for row in same if "error" not in row]
-        if not timed:
-            best.append(same[0])
-            continue
-        row = min(timed, key=lambda r: r["step_s"])
-        best.append({**row, "round_step_s": [r["step_s"] for r in timed]})
-    return best
+def ratios(rows: list[dict], family: str) -> list[dict]:
+    """How the compared rows stand, in tokens/s: the ratio of their median steps, and the median over
+    rotations of each rotation's own ratio (the two steps taken moments apart: the figure least moved
+    by a drifting machine). The eager and compiled steps against the plain baseline and the reference,
+    and compiled against eager."""
+    timed = {row["name"]: row for row in rows if "error" not in row}
+    eager, compiled = (timed.get(f"{family} ({mode})") for mode in ("eager", "compiled per block"))
+    baseline, reference = timed.get("plain eager baseline"), timed.get("transformers reference")
+    result = []
+    for row, other in ((eager, baseline), (compiled, baseline), (eager, reference), (compiled, eager)):
+        if row and other:
+            per_rotation = [theirs / ours for ours, theirs in zip(row["step_s_all"], other["step_s_all"])]
+            result.append({"row": row["name"], "vs": other["name"], "of_medians": other["step_s"] / row["step_s"],
+                           "median_per_rotation": statistics.median(per_rotation), "per_rotation": per_rotation})
+    return result
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
@@ -492,10 +508,10 @@ def row_columns(row: dict) -> str:
 
 
 def print_summary(result: dict) -> None:
-    """After the rows: the fastest round of each (several rounds), the split of the config's step, and
-    how the rows compare."""
-    if result["rounds"] > 1 or any("mfu" not in row for row in result["rows"] if "error" not in row):
-        print(f"\nfastest of {result['rounds']} round(s), MFU against {result['peak_flops'] / 1e12:.3f} TFLOP/s:")
+    """After the rows: the table again when MFU was known only at the end, the split of the config's
+    step, and how the compared rows stand."""
+    if any("mfu" not in row for row in result["rows"] if "error" not in row):
+        print(f"\nMFU against {result['peak_flops'] / 1e12:.3f} TFLOP/s, the best matmul rate of the run:")
         print(table_header())
         for row in result["rows"]:
             print(f"{row['label']:<{LABEL_WIDTH}} {row['name']:<{NAME_WIDTH}} {row_columns(row)}")
@@ -504,13 +520,12 @@ def print_summary(result: dict) -> None:
         print(f"\nstep time split ({own['name']}, one profiled step, scaled to the median {own['step_s']:.3f} s):")
         for category, fraction in filter(lambda item: item[1], own["split"].items()):  # the model's own categories
             print(f"  {category:<46} {100 * fraction:>6.1f} %  {fraction * own['step_s']:>7.3f} s")
-    rows = {row["name"]: row for row in result["rows"] if "error" not in row}
-    eager, compiled = (rows.get(f"{result['family']} ({mode})") for mode in ("eager", "compiled per block"))
-    baseline, reference = rows.get("plain eager baseline"), rows.get("transformers reference")
-    pairs = [(eager, baseline), (compiled, baseline), (eager, reference), (compiled, eager)]
-    for row, other in pairs:
-        if row and other:
-            print(f"{row['name']} vs {other['name']}: {row['tokens_per_s'] / other['tokens_per_s']:.2f}x tokens/s")
+    if result["ratios"]:
+        print(f"\ntokens/s, {', '.join(result['alternated'])} alternating step by step ({result['reps']} rotations):")
+    for ratio in result["ratios"]:
+        print(f"  {ratio['row']} vs {ratio['vs']}: {ratio['of_medians']:.2f}x of the median steps, "
+              f"{ratio['median_per_rotation']:.2f}x the median of the per-rotation ratios")
+    compiled = next((row for row in result["rows"] if "graphs" in row and "error" not in row), None)
     if compiled:
         print(f"{compiled['name']}: {compiled['graphs']} graphs, {compiled['graph_breaks']} graph breaks, "
               f"compiled during the {compiled['warmup_s']:.1f} s warm-up")
@@ -539,10 +554,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="bulk compute dtype (default: [parallel].param_dtype, auto: BF16 on GPUs, else FP32)")
     parser.add_argument("--batch", type=int, help="rows per step (default: [training].batch_size, else 4)")
     parser.add_argument("--seq-len", type=int, help="tokens per row (default: [data].seq_len, else 512)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (compiling happens here)")
-    parser.add_argument("--reps", type=int, default=5, help="timed steps per row; the median is reported")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="time every row this many times, in turn, and keep each row's fastest round")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps before timing, at least 1 (compiling happens here)")
+    parser.add_argument("--reps", type=int, default=5,
+                        help="timed steps per row (the compared rows alternate: rotations); the median is reported")
+    parser.add_argument("--rounds", help=argparse.SUPPRESS)  # replaced by alternation: named in its error
     parser.add_argument("--sections", type=lambda s: s.split(","), default=list(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--sweep-lengths", type=lambda s: [int(x) for x in s.split(",")],
@@ -569,11 +585,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.sections) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"--sections: unknown section {unknown[0]!r}; choose from {','.join(SECTIONS)}")
-    for flag in ("reps", "rounds", "sweep_tokens", "sweep_reps", "matmul_size", "threads"):
+    if args.rounds is not None:
+        raise ConfigError("--rounds was removed: the compared rows (main, compiled, baseline, reference) now "
+                          "alternate step by step; --reps sets the number of rotations")
+    for flag in ("reps", "sweep_tokens", "sweep_reps", "matmul_size", "threads"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
-    if args.warmup < 0:
-        raise ConfigError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.warmup < 1:  # the warm-up compiles, and its steps give a row's peak memory
+        raise ConfigError(f"--warmup must be >= 1, got {args.warmup}")
     return args
 
 

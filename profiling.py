@@ -1,4 +1,5 @@
-"""Where a training step's time goes: one profiled step, its ops attributed to the modules that ran them.
+"""Where a training step's time goes: one profiled step, its ops attributed to the modules that ran them;
+and what bench.py measures around it: a call's seconds, the machine's matmul rate, a row's memory.
 
 profile_step opens a torch.profiler range around the forward of each module kind of TIMED_MODULES (with
 hooks, from outside the model), bench.py one around the optimizer; split_step then gives every op of the
@@ -7,9 +8,15 @@ step to a category, forward and backward, and the rest (Python, framework) to OT
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import os
+import resource
+import sys
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -23,6 +30,52 @@ from moe import GroupedExperts, Router, SwiGLU
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], device: torch.device) -> float:
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, size: int) -> float:
+    """The best FLOP/s of a square matmul right now: what this machine can do at this moment."""
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(2):
+        a @ b
+    return 2 * size**3 / min(time_call(lambda: a @ b, device) for _ in range(10))
+
+
+def memory_in_use(device: torch.device) -> int:
+    """Bytes in use now: CUDA's allocated memory, or this process's resident set on Linux (0 elsewhere)
+    once glibc has handed freed heap back, so that a row's growth above it is memory of its own, not
+    memory the rows built before it freed."""
+    gc.collect()
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with suppress(OSError, AttributeError):  # glibc only
+        ctypes.CDLL(None).malloc_trim(0)
+    with suppress(OSError):  # Linux only; resident pages are the second field
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return 0
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: CUDA's allocator statistics, or Linux's peak RSS of this process."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with suppress(OSError):  # Linux: writing 5 resets the peak RSS getrusage reports (elsewhere: process-wide)
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+
+
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 # Each timed module opens a profiler range named RANGE + category around its forward; its backward

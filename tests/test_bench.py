@@ -5,6 +5,7 @@ import io
 import json
 import math
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -44,11 +45,13 @@ def test_quick_run_writes_wellformed_json(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert not list(tmp_path.glob("*.tmp")), "the temporary JSON was not renamed into place"
 
-    # Each row is on the screen as soon as it finishes: at some flush, the first row is complete and
-    # the second has not started.
-    first_done = next(text for text in stdout.at_flush if re.search(r"flint \(eager\) +[\d.]+ +\d+ ", text))
-    assert "plain eager baseline" not in first_done
-    assert re.search(r"\npreset tiny +flint \(eager\) ", first_done)  # labelled with the config
+    # The compared rows are all warmed up before any is timed; a row timed on its own is on the screen
+    # as soon as it finishes: at some flush, the first variant is complete and the next has not started.
+    text = stdout.getvalue()
+    assert text.index("warming up plain eager baseline") < text.index("timing 1 rotation(s)") < text.index("\npreset tiny ")
+    assert re.search(r"\npreset tiny +flint \(eager\) +[\d.]+ +\d+ ", text)  # labelled with the config
+    first_done = next(text for text in stdout.at_flush if re.search(r"sdpa \(forward only\) +[\d.]+ +\d+ ", text))
+    assert "attention flex" not in first_done
     assert result["peak_flops"] == 2e11 and "measured once" in result["peak_source"]
 
     rows = {row["name"]: row for row in result["rows"]}
@@ -116,6 +119,77 @@ def test_mistral_large4_is_timed_like_flint():
     assert baseline["error"].startswith("skipped: the plain eager baseline is Flint's") and result["sweep"] == []
 
 
+TINY = ["--preset", "tiny", "--batch", "2", "--seq-len", "32", "--threads", "1", "--matmul-size", "64",
+        "--warmup", "1", "--logging.peak_tflops=1"]
+
+
+def test_the_compared_rows_are_timed_in_rotation(monkeypatch, tmp_path):
+    """main, compiled, baseline and reference are warmed up in turn, then timed one step of each in
+    turn (e0 c0 b0 r0 e1 c1 b1 r1 ...); each ratio comes from the steps of its own two rows."""
+    compiled_models, calls = [], []
+    monkeypatch.setattr(bench, "apply_compile", compiled_models.append)  # recorded, not compiled: order only
+
+    def reference_loss(model, input_ids, targets):  # stands for transformers' model, which may be absent
+        return model(input_ids, targets)
+    monkeypatch.setattr(bench, "transformers_reference", lambda model: model)
+    monkeypatch.setattr(bench, "transformers_loss", reference_loss)
+    original = bench.training_step
+
+    def recorded_step(model, input_ids, targets, loss_fn, optim):
+        step = original(model, input_ids, targets, loss_fn, optim)
+        tag = {plain_eager_loss: "b", reference_loss: "r"}.get(loss_fn) or "ec"[model in compiled_models]
+        return lambda: calls.append(tag) or step()
+    monkeypatch.setattr(bench, "training_step", recorded_step)
+    out = tmp_path / "bench.json"
+    bench.main(TINY + ["--sections", "main,compiled,baseline,reference", "--reps", "3", "--json", str(out)])
+
+    assert "".join(calls) == "ecbr" + "ecbr" * 3 + "e"  # warm-ups, rotations, the main row's profiled step
+    result = json.loads(out.read_text())
+    rows = {row["name"]: row for row in result["rows"]}
+    assert result["alternated"] == ["flint (eager)", "flint (compiled per block)", "plain eager baseline",
+                                    "transformers reference"] == list(rows)
+    for row in rows.values():
+        assert len(row["step_s_all"]) == 3 and row["step_s"] == statistics.median(row["step_s_all"])
+    assert [(r["row"], r["vs"]) for r in result["ratios"]] == [
+        ("flint (eager)", "plain eager baseline"), ("flint (compiled per block)", "plain eager baseline"),
+        ("flint (eager)", "transformers reference"), ("flint (compiled per block)", "flint (eager)")]
+    ratio = result["ratios"][3]
+    eager, compiled = rows["flint (eager)"]["step_s_all"], rows["flint (compiled per block)"]["step_s_all"]
+    assert ratio["of_medians"] == pytest.approx(statistics.median(eager) / statistics.median(compiled))
+    assert ratio["per_rotation"] == pytest.approx([e / c for e, c in zip(eager, compiled)])
+    assert ratio["median_per_rotation"] == pytest.approx(statistics.median(ratio["per_rotation"]))
+
+
+def test_a_row_that_cannot_run_sits_out_of_the_rotation(monkeypatch):
+    """transformers missing: the reference is skipped and the others alternate without it; a row whose
+    step fails mid-rotation keeps its error, and the rows after it go on."""
+    def missing(model):
+        raise ImportError("No module named 'transformers'")
+    monkeypatch.setattr(bench, "transformers_reference", missing)
+    result = bench.main(TINY + ["--sections", "main,baseline,reference", "--reps", "2"])
+    eager, baseline, reference = result["rows"]
+    assert reference["error"] == "skipped: No module named 'transformers'" and "step_s_all" not in reference
+    assert len(eager["step_s_all"]) == len(baseline["step_s_all"]) == 2
+    assert result["alternated"] == ["flint (eager)", "plain eager baseline"]
+    assert [(r["row"], r["vs"]) for r in result["ratios"]] == [("flint (eager)", "plain eager baseline")]
+
+    calls = []
+
+    def failing_second_time():
+        calls.append("f")
+        if calls.count("f") == 2:
+            raise RuntimeError("out of memory\nmore detail")
+    rows = [bench.Prepared({"name": name}, call=call) for name, call in
+            (("a", lambda: calls.append("a")), ("f", failing_second_time), ("z", lambda: calls.append("z")))]
+    rows.append(bench.Prepared({"name": "skipped", "error": "skipped: absent"}))
+    bench.alternate(rows, 3, torch.device("cpu"), rate=lambda: calls.append("|") or 1.0)
+    assert "".join(calls) == "|afz|afz|az"
+    assert rows[1].row["error"] == "RuntimeError: out of memory" and len(rows[1].row["step_s_all"]) == 1
+    assert rows[1].call is None  # let go of, so that its memory serves the others
+    assert [len(prepared.row["step_s_all"]) for prepared in (rows[0], rows[2])] == [3, 3]
+    assert "step_s_all" not in rows[3].row
+
+
 def test_a_training_config_is_read_as_train_py_reads_it():
     args = bench.parse_args(["--config", "configs/smoke.toml", "--batch", "3", "--model.num_experts=4"])
     cfg = bench.load_bench_config(args)
@@ -136,6 +210,8 @@ def test_a_training_config_is_read_as_train_py_reads_it():
     (["--reeps", "3"], r"^command line: expected --section.key=value, got '--reeps'"),
     (["--batch", "0"], r"^command line --batch: \[training\].batch_size must be >= 1, got 0"),
     (["--sections", "main,warp"], r"^--sections: unknown section 'warp'"),
+    (["--rounds", "2"], r"^--rounds was removed: the compared rows .* alternate step by step; --reps sets"),
+    (["--warmup", "0"], r"^--warmup must be >= 1, got 0"),
 ])
 def test_command_line_errors_are_one_line_naming_the_flag(argv, message):
     with pytest.raises(ConfigError, match=message) as error:
