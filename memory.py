@@ -78,7 +78,13 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
     tokens = batch_size * seq_len / cfg.cp / (microbatches if cfg.pp > 1 else 1)
     per_token = _activation_bytes_per_token(config, layers_per_stage, cfg.activation_checkpointing, seq_len)
     activations = tokens * in_flight * per_token
-    logits = 2 * 4 * min(config.loss_chunk_size, tokens) * config.vocab_size  # one FP32 chunk and its grad
+    # Two FP32 chunks of logits at once, and the unsharded FP32 head gradient [V, H] before its
+    # reduce-scatter: the fused loss (model.LinearCrossEntropy) makes it in the head's forward, at the
+    # activations' peak, one per micro-batch in flight there (GPipe runs every forward first; 1F1B runs
+    # the last stage's backward right after its forward).
+    head_in_flight = microbatches if cfg.pp > 1 and cfg.pp_schedule == "GPipe" else 1
+    logits = 2 * 4 * min(config.loss_chunk_size, tokens) * config.vocab_size
+    logits += 4 * config.vocab_size * config.hidden_size * head_in_flight
     row = {"params": 4 * (sharded + frozen), "grads": 4 * sharded, "optimizer": 8 * sharded,
            "gathered": 2 * 2 * (expert_block + other_block), "activations": activations + logits}
     row = {name: value / GIB for name, value in row.items()}

@@ -16,7 +16,6 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from attention import SLIDING, KVCache, build_masks, resolve_backend, sink_attention
 from flint_config import FlintConfig, read_config_json  # noqa: F401  (read_config_json: re-exported)
@@ -163,9 +162,10 @@ class DecoderLayer(nn.Module):
 class Head(nn.Module):
     """Untied FP32 output head [V, H], with a chunked cross-entropy.
 
-    The loss never holds more than `chunk_size` rows of FP32 logits: each chunk's logits are
-    recomputed in backward instead of saved (150k vocab x 8k tokens would be 4.9 GB). An optional
-    soft-cap (Mistral Large 4) bounds the logits, in FP32, inside each chunk.
+    The loss never holds more than `chunk_size` rows of FP32 logits. In training it is one fused
+    step (LinearCrossEntropy): each chunk's gradients are taken as soon as its logits exist, so the
+    logits are neither saved nor recomputed. An optional soft-cap (Mistral Large 4) bounds the
+    logits, in FP32, inside each chunk.
     """
 
     def __init__(self, hidden: int, vocab: int, chunk_size: int, softcap: float | None = None):
@@ -180,13 +180,11 @@ class Head(nn.Module):
             return soft_cap(h @ self.weight.float().T, self.softcap)
         h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # [N, H], [N]
         count = (targets != -100).sum().clamp(min=1)
-        if h.shape[0] <= self.chunk_size:  # one chunk: saving its logits costs no more than recomputing
-            return _chunk_loss_sum(h, self.weight, targets, self.softcap) / count
-        total = h.new_zeros(())
-        for start in range(0, h.shape[0], self.chunk_size):
-            rows = slice(start, start + self.chunk_size)
-            total = total + checkpoint(_chunk_loss_sum, h[rows], self.weight, targets[rows], self.softcap,
-                                       use_reentrant=False)
+        weight = self.weight.float()
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+            return LinearCrossEntropy.apply(h, weight, targets, self.chunk_size, self.softcap) / count
+        total = sum(_chunk_loss_sum(h[rows], weight, targets[rows], self.softcap)
+                    for rows in _chunks(h.shape[0], self.chunk_size))
         return total / count
 
 
@@ -195,10 +193,69 @@ def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
+def _chunks(rows: int, chunk_size: int) -> list[slice]:
+    return [slice(start, start + chunk_size) for start in range(0, rows, chunk_size)]
+
+
 def _chunk_loss_sum(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                     softcap: float | None = None) -> torch.Tensor:
-    logits = soft_cap(h @ weight.float().T, softcap)  # [chunk, V] in FP32
+    logits = soft_cap(h @ weight.T, softcap)  # [chunk, V] in FP32
     return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of soft_cap(h @ weight^T) against targets (-100: ignored), with its
+    gradients taken in the forward, one chunk of rows at a time.
+
+    Per chunk: logits, log-softmax, loss; then, in place, the logits' gradient softmax - onehot
+    (times the soft-cap's derivative 1 - tanh^2), and from it the chunk's dh and its share of dW.
+    Three matmuls per chunk, as unchunked autograd takes, and no more (checkpointing each chunk
+    would recompute its logits: a fourth), and no logits kept. Backward only scales the saved
+    gradients by the incoming one. The price: dW [V, H] in FP32 is held from this forward to its
+    backward, one per micro-batch in flight (memory.py counts it).
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int,
+                softcap: float | None) -> torch.Tensor:
+        """h [N, H] FP32, weight [V, H] FP32, targets [N] -> the summed loss (scalar)."""
+        grad_h = torch.empty_like(h)  # [N, H]
+        grad_weight_t = h.new_zeros(h.shape[1], weight.shape[0])  # [H, V]: h^T @ grad is the fast order
+        total = h.new_zeros(())
+        for rows in _chunks(h.shape[0], chunk_size):
+            total = total + _chunk_forward_backward(h[rows], weight, targets[rows], softcap, grad_h[rows],
+                                                    grad_weight_t)
+        ctx.save_for_backward(grad_h, grad_weight_t)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_weight_t = ctx.saved_tensors
+        return grad_h * grad_loss, (grad_weight_t * grad_loss).T, None, None, None
+
+
+def _chunk_forward_backward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None,
+                            grad_h: torch.Tensor, grad_weight_t: torch.Tensor) -> torch.Tensor:
+    """One chunk of LinearCrossEntropy: writes its rows of grad_h [c, H], adds its share to
+    grad_weight_t [H, V], returns its summed loss."""
+    logits = h @ weight.T  # [c, V]
+    if softcap is not None:
+        capped = logits.div_(softcap).tanh_()  # tanh(logits / cap), in place
+        logits = capped * softcap
+    log_probs = torch.log_softmax(logits, dim=-1)  # [c, V]
+    del logits
+    keep = (targets != -100).to(h.dtype).unsqueeze(1)  # [c, 1]: 0 for ignored rows
+    picked = targets.clamp(min=0).unsqueeze(1)  # [c, 1]: any class for ignored rows, weighed by keep
+    loss = -(log_probs.gather(1, picked) * keep).sum()
+    grad = log_probs.exp_()  # softmax, in place: d loss / d logits = softmax - onehot(target)
+    grad.scatter_add_(1, picked, -keep)
+    if softcap is not None:
+        grad.mul_(1 - capped.square_())  # d(cap * tanh(x / cap)) / dx
+    # Ignored rows get no gradient: masked on the [c, H] sides of the matmuls, not on the [c, V] grad.
+    torch.mm(grad, weight, out=grad_h)
+    grad_h.mul_(keep)
+    grad_weight_t.addmm_((h * keep).T, grad)
+    return loss
 
 
 # ============================================================================= the model

@@ -199,6 +199,47 @@ def test_chunked_loss_equals_dense_loss():
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-8)
 
 
+def plain_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The contract's loss row by row: full softmax of the (soft-capped) logits, mean over kept rows."""
+    total, kept = 0.0, 0
+    for row, target in zip(h, targets.tolist()):
+        if target == -100:
+            continue
+        logits = weight @ row  # [V]
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        total = total - (logits[target] - torch.log(torch.exp(logits).sum()))
+        kept += 1
+    return total / max(kept, 1)
+
+
+@pytest.mark.parametrize("chunk", [4, 7, 10_000])
+@pytest.mark.parametrize("cap", [None, 2.5])
+def test_fused_head_loss_matches_plain_reference(chunk, cap):
+    """Head's fused chunked loss (gradients taken in its forward) against a per-row full softmax:
+    values and both gradients, ignored rows included; the no_grad path gives the same loss."""
+    from model import Head
+    generator = torch.Generator().manual_seed(0)
+    head = Head(12, 40, chunk, cap)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(40, 12, generator=generator))
+    h = torch.randn(2, 11, 12, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 40, (2, 11), generator=generator)
+    targets[0, 2], targets[1, :4] = -100, -100
+    loss = head(h, targets)
+    (3.0 * loss).backward()  # a non-unit incoming gradient must scale both saved gradients
+    weight = head.weight.detach().clone().requires_grad_()
+    h_ref = h.detach().clone().requires_grad_()
+    expected = plain_head_loss(h_ref.reshape(-1, 12), weight, targets.reshape(-1), cap)
+    (3.0 * expected).backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(head.weight.grad, weight.grad, rtol=1e-5, atol=1e-7)
+    assert h.grad[0, 2].abs().max() == 0 and h.grad[1, :4].abs().max() == 0
+    with torch.no_grad():
+        torch.testing.assert_close(head(h, targets), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_dtypes_of_fp32_units_with_bf16_bulk():
     model = build_model(FlintConfig.from_name("tiny"), dtype=torch.bfloat16, seed=0)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
