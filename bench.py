@@ -288,7 +288,8 @@ def compare(bench: Bench, own_label: str, sections: set[str], profile_rows: int)
     alternate(rows, bench.reps, device, bench.matmul_rate)
     print(table_header(), flush=True)
     for prepared in rows:
-        prepared.row["matmul_flops"] = statistics.median(bench.rates[first_rate:])
+        prepared.row["matmul_flops_all"] = bench.rates[first_rate:]  # before each rotation
+        prepared.row["matmul_flops"] = statistics.median(prepared.row["matmul_flops_all"])
         bench.finish(prepared.row)
     own = rows[0]
     if "main" in sections and not compiled and "error" not in own.row:  # hooks would break compiled graphs
@@ -497,8 +498,9 @@ def table_header() -> str:
 
 
 def row_columns(row: dict) -> str:
-    """A row's numbers, after its label and name (mm TFLOP/s: the matmul rate just before the row;
-    a low one means the cores were busy)."""
+    """A row's numbers, after its label and name (mm TFLOP/s: the matmul rate just before the row, or
+    for the alternating rows the median of those measured before each rotation; a low one means the
+    cores were busy)."""
     if "error" in row:
         status = "SKIPPED" if row["error"].startswith("skipped") else "FAILED"
         return f"{status}: {row['error'].removeprefix('skipped: ')}"

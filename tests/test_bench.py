@@ -149,7 +149,8 @@ def test_the_compared_rows_are_timed_in_rotation(monkeypatch, tmp_path):
     assert result["alternated"] == ["flint (eager)", "flint (compiled per block)", "plain eager baseline",
                                     "transformers reference"] == list(rows)
     for row in rows.values():
-        assert len(row["step_s_all"]) == 3 and row["step_s"] == statistics.median(row["step_s_all"])
+        assert len(row["step_s_all"]) == len(row["matmul_flops_all"]) == 3
+        assert row["step_s"] == statistics.median(row["step_s_all"])
     assert [(r["row"], r["vs"]) for r in result["ratios"]] == [
         ("flint (eager)", "plain eager baseline"), ("flint (compiled per block)", "plain eager baseline"),
         ("flint (eager)", "transformers reference"), ("flint (compiled per block)", "flint (eager)")]
