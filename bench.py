@@ -318,10 +318,10 @@ def variants(bench: Bench, sections: set[str]) -> None:
                          lambda: bench.training(experts_backend=other))
     if "loss" in sections:
         chunk = max(1, bench.tokens // 4)
-        bench.sequential("variant", f"loss in chunks of {chunk} rows", "each chunk's logits recomputed in backward",
+        bench.sequential("variant", f"loss in chunks of {chunk} rows", "fused: each chunk's gradients taken in forward",
                          lambda: bench.training(loss_chunk_size=chunk))
         if bench.tokens > config.loss_chunk_size:
-            bench.sequential("variant", "loss in one chunk", "logits recomputed in backward",
+            bench.sequential("variant", "loss in one chunk", "fused: gradients taken in forward",
                              lambda: bench.training(loss_chunk_size=bench.tokens))
         bench.sequential("variant", "loss unchunked (logits + cross_entropy)", "all logits saved for backward",
                          lambda: bench.training(dense_logits_loss))
