@@ -218,6 +218,45 @@ def grouped_swiglu(sorted_rows: torch.Tensor, plan: ExpertPlan, gate_up_proj: to
     return out.index_select(0, plan.slots) if plan.padded else out  # drop the padding rows: [R, H]
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """order [R], a permutation -> inverse [R] with inverse[order[i]] = i."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x.index_select(0, order) for a permutation `order`, whose backward is the gather by the
+    inverse permutation. Autograd's own backward of a gather is a scatter-add: compiled for the
+    CPU it adds row by row with atomics (about 5x slower than this gather), and on GPUs atomics
+    make the sum order, hence the gradient, vary from run to run."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def dispatch(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Each token once per chosen expert, in expert order: x [N, H] -> [N*k, H].
+    order [N*k]: the (token, choice) assignments sorted by expert (assignment a = token * k + choice);
+    inverse: its inverse permutation. Backward gathers and sums the k copies: no scatter."""
+    top_k = order.numel() // x.shape[0]
+    copies = x.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, x.shape[1])  # [N*k, H], assignment order
+    return _PermuteRows.apply(copies, order, inverse)
+
+
+def combine(out: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The experts' rows back to their tokens, weighted and summed over the k choices:
+    out [N*k, H] in expert order, weights [N, k] -> [N, H]."""
+    num_tokens, top_k = weights.shape
+    per_choice = _PermuteRows.apply(out, inverse, order).view(num_tokens, top_k, -1)  # [N, k, H]
+    return (per_choice * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+
+
 class GroupedExperts(nn.Module):
     """E routed SwiGLU experts held as two grouped weights, run with one grouped GEMM each."""
 
@@ -238,14 +277,10 @@ class GroupedExperts(nn.Module):
         return self.forward_grouped(x, weights, indices)
 
     def forward_grouped(self, x, weights, indices):
-        num_experts, top_k = self.gate_up_proj.shape[0], indices.shape[1]
-        plan = sort_by_expert(indices, num_experts, self.group_align or group_alignment(x.device))
-        token_of = plan.order // top_k  # [N*k]: which token each sorted assignment came from
-        # index_select, not x[token_of]: its backward is an index_add, 20x faster on the CPU than the
-        # accumulating index_put of advanced indexing
-        out = grouped_swiglu(x.index_select(0, token_of), plan, self.gate_up_proj, self.down_proj)  # [N*k, H]
-        out = out * weights.flatten().index_select(0, plan.order).unsqueeze(-1).to(out.dtype)
-        return torch.zeros_like(x).index_add(0, token_of, out)
+        plan = sort_by_expert(indices, self.gate_up_proj.shape[0], self.group_align or group_alignment(x.device))
+        inverse = inverse_permutation(plan.order)
+        out = grouped_swiglu(dispatch(x, plan.order, inverse), plan, self.gate_up_proj, self.down_proj)
+        return combine(out, plan.order, inverse, weights)
 
     def forward_loop(self, x, weights, indices):
         """The plain per-expert loop: the readable reference for the grouped path (host syncs)."""
@@ -328,18 +363,17 @@ class ExpertParallelExperts(nn.Module):
         local_experts = gate_up.shape[0]
         flat = indices.flatten()  # [N*k]
         order = torch.argsort(flat, stable=True)  # assignments sorted by expert, so by owning rank
-        token_of = order // indices.shape[1]
+        inverse = inverse_permutation(order)
         counts = expert_counts(flat, self.num_experts)  # [E] rows this rank sends
         received_counts = torch.empty_like(counts)  # [ep * El]: rows from source s for local expert j
         dist.all_to_all_single(received_counts, counts, group=self.group)
         send_splits = counts.view(ep, local_experts).sum(1).tolist()  # host sync: split sizes
         receive_splits = received_counts.view(ep, local_experts).sum(1).tolist()
         # [N*k, H] -> [R, H], ordered by source rank, then local expert
-        received = all_to_all_single_autograd(x.index_select(0, token_of), receive_splits, send_splits, self.group)
+        received = all_to_all_single_autograd(dispatch(x, order, inverse), receive_splits, send_splits, self.group)
         expert_of_row = torch.repeat_interleave(
             torch.arange(local_experts, device=x.device).repeat(ep), received_counts)
         align = self.group_align or group_alignment(x.device)
         out = local_experts_forward(received, expert_of_row, gate_up, down, align)
         returned = all_to_all_single_autograd(out, send_splits, receive_splits, self.group)  # [N*k, H]
-        returned = returned * weights.flatten().index_select(0, order).unsqueeze(-1).to(returned.dtype)
-        return torch.zeros_like(x).index_add(0, token_of, returned.to(x.dtype))
+        return combine(returned, order, inverse, weights).to(x.dtype)

@@ -64,6 +64,28 @@ def test_every_token_picks_the_same_experts():
     assert g_g["experts.gate_up_proj"][0].abs().max() == 0  # an expert with no tokens gets no gradient
 
 
+def test_grouped_backward_gathers_and_never_scatter_adds():
+    """Dispatch and combine move rows by a permutation: their backward gathers by the inverse one.
+    A scatter-add there is slow compiled for the CPU and, with atomics on GPUs, not reproducible."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpNames(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    moe = make_moe("grouped")
+    y = moe(routing_cases()["random"].requires_grad_())
+    with OpNames() as ops:
+        y.sum().backward()
+    assert "index_select" in ops.names
+    assert not ops.names & {"index_add", "index_add_", "scatter_add", "scatter_add_", "index_put", "index_put_"}
+
+
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_moe_matches_reference(norm_topk_prob):
     moe = make_moe(norm_topk_prob=norm_topk_prob)
