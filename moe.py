@@ -223,37 +223,41 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
-class _PermuteRows(torch.autograd.Function):
-    """x.index_select(0, order) for a permutation `order`, whose backward is the gather by the
-    inverse permutation. Autograd's own backward of a gather is a scatter-add: compiled for the
-    CPU it adds row by row with atomics (about 5x slower than this gather), and on GPUs atomics
-    make the sum order, hence the gradient, vary from run to run."""
+class _GatherRows(torch.autograd.Function):
+    """x.index_select(0, index) where every row of x appears exactly `copies` times in index, whose
+    backward gathers too: each row's copies, found through `inverse` (copy c of row r sits at
+    inverse[r * copies + c]), summed. Autograd's own backward of a gather is a scatter-add: compiled
+    for the CPU it adds row by row with atomics (about 5x slower), and on GPUs atomics make the sum
+    order, hence the gradient, vary from run to run."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, copies: int) -> torch.Tensor:
         ctx.save_for_backward(inverse)
-        return x.index_select(0, order)
+        ctx.copies = copies
+        return x.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+        grad_x = grad.index_select(0, inverse)  # [rows * copies, H], copies of a row side by side
+        if ctx.copies > 1:
+            grad_x = grad_x.view(-1, ctx.copies, grad.shape[1]).sum(dim=1)
+        return grad_x, None, None, None
 
 
 def dispatch(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """Each token once per chosen expert, in expert order: x [N, H] -> [N*k, H].
     order [N*k]: the (token, choice) assignments sorted by expert (assignment a = token * k + choice);
-    inverse: its inverse permutation. Backward gathers and sums the k copies: no scatter."""
+    inverse: its inverse permutation."""
     top_k = order.numel() // x.shape[0]
-    copies = x.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, x.shape[1])  # [N*k, H], assignment order
-    return _PermuteRows.apply(copies, order, inverse)
+    return _GatherRows.apply(x, order // top_k, inverse, top_k)
 
 
 def combine(out: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The experts' rows back to their tokens, weighted and summed over the k choices:
     out [N*k, H] in expert order, weights [N, k] -> [N, H]."""
     num_tokens, top_k = weights.shape
-    per_choice = _PermuteRows.apply(out, inverse, order).view(num_tokens, top_k, -1)  # [N, k, H]
+    per_choice = _GatherRows.apply(out, inverse, order, 1).view(num_tokens, top_k, -1)  # [N, k, H]
     return (per_choice * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
 
 
