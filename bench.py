@@ -63,7 +63,7 @@ from models import ModelConfig, model_class
 from parallel import apply_activation_checkpointing, apply_compile
 from profiling import (OPTIMIZER, RANGE, matmul_rate, memory_in_use, peak_memory, profile_step, reset_peak_memory,
                        time_call)
-from train import Run, build_optimizer, keep_freed_memory
+from train import Run, build_optimizer
 
 SECTIONS = ("main", "compiled", "baseline", "reference", "attention", "experts", "loss", "sweep")
 
@@ -373,7 +373,6 @@ def attention_sweep(bench: Bench, lengths: list[int], tokens: int, reps: int) ->
 def run(args: argparse.Namespace, cfg: TrainConfig, device: torch.device) -> dict:
     config, dtype = cfg.model_config, cfg.parallel.compute_dtype(device.type)
     batch, seq_len = cfg.training.batch_size, cfg.data.seq_len
-    kept = device.type == "cpu" and keep_freed_memory()  # as train.py runs on the CPU
     peak, peak_source = peak_flops(cfg, device)
     bench = Bench(cfg, device, dtype, args.warmup, args.reps, args.matmul_size, peak)
     sections = set(args.sections)
@@ -399,8 +398,7 @@ def run(args: argparse.Namespace, cfg: TrainConfig, device: torch.device) -> dic
     result = {"config": source_label(args, cfg), "family": model_family(cfg), "hf_config": config.to_hf_config(),
               "batch": batch, "seq_len": seq_len, "device": device.type, "device_name": device_name(device),
               "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "keep_freed_memory": kept,
-              "warmup": args.warmup, "reps": args.reps,
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "warmup": args.warmup, "reps": args.reps,
               "peak_flops": peak, "peak_source": peak_source, "flops_per_token": flops_per_token(config, seq_len),
               "rows": bench.rows,
               "alternated": [row["name"] for row in compared if "error" not in row],

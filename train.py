@@ -21,7 +21,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import ctypes
 import json
 import math
 import shlex
@@ -152,25 +151,6 @@ class Run:
             print(*args, flush=True)
 
 
-def keep_freed_memory() -> bool:
-    """On glibc, make a CPU step reuse the memory of the last one: blocks up to 32 MiB come from the
-    heap, and freed memory stays with the process instead of going back to the kernel.
-
-    By default glibc maps each block above its mmap threshold (128 KiB, rising to at most 32 MiB
-    after big frees) fresh from the kernel and unmaps it on free, so every step page-faults its
-    activations in again, zero-filled by the kernel. On the 2-core bench-cpu shape this cost 15-25 %
-    of an eager step (0.95-1.05 s against 0.79-0.93 s, half the system time). The price: the process's
-    resident memory stays at its peak. Process-wide; False where there is no glibc.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    mmap_threshold, trim_threshold, top_pad = -3, -1, -2  # mallopt's parameter numbers (malloc.h)
-    settings = ((mmap_threshold, 32 << 20), (trim_threshold, 2**31 - 1), (top_pad, 256 << 20))
-    return all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)
-
-
 def start_run(cfg: TrainConfig) -> Run:
     """One process per device, always in a process group (of one without torchrun), and the mesh."""
     t, parallel = cfg.training, cfg.parallel
@@ -179,8 +159,6 @@ def start_run(cfg: TrainConfig) -> Run:
     use_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
     check_device_choices(cfg, on_gpu=use_cuda and parallel.backend != "gloo")
     device = init_distributed(parallel.backend, use_cuda)
-    if device.type == "cpu":
-        keep_freed_memory()
     try:
         mesh = build_mesh(parallel, device.type, cfg.model_config.num_experts)
     except ValueError as error:  # the layout does not fit the world size
