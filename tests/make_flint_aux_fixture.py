@@ -20,14 +20,11 @@ Without transformers in this Python, the script creates a virtual environment (d
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
-import venv
 from pathlib import Path
 
+from hf_venv import rerun_with_transformers
+
 OUT = Path(__file__).resolve().parent / "fixtures" / "flint_aux"
-TRANSFORMERS_VERSION = "5.24.0"
 # Small but complete: full and sliding layers, one dense and three MoE layers (aggregated over
 # layers by the reference), padding in the vocabulary (96 rows).
 CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -37,26 +34,10 @@ CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_la
               rms_norm_eps=1e-6, initializer_range=0.02)
 
 
-def ensure_transformers(venv_dir: Path) -> None:
-    """Re-run this script in a virtual environment that has transformers, creating it if needed."""
-    try:
-        import transformers  # noqa: F401
-        return
-    except ImportError:
-        pass
-    python = venv_dir / "bin" / "python"
-    if not python.exists():
-        print(f"creating {venv_dir} with transformers {TRANSFORMERS_VERSION} (once)", flush=True)
-        venv.create(venv_dir, with_pip=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch", f"transformers=={TRANSFORMERS_VERSION}",
-                        "safetensors"], check=True)
-    os.execv(str(python), [str(python), __file__, *sys.argv[1:]])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--venv", default=".venv-flint-hf", help="virtual environment to create if needed")
-    ensure_transformers(Path(parser.parse_args().venv))
+    rerun_with_transformers(__file__, Path(parser.parse_args().venv))
 
     import torch
     from safetensors.torch import save_file

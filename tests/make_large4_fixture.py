@@ -29,13 +29,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from hf_venv import rerun_with_transformers
+
 VENV = Path(os.environ.get("FLINT_HF_VENV", Path.home() / ".cache" / "flint" / "hfvenv"))
-REQUIREMENTS = ["torch", "safetensors", "transformers==5.24.0"]
 OUT = Path(__file__).resolve().parent / "fixtures" / "large4"
 TIE_GAP = 1e-4  # smallest allowed gap between the k-th and (k+1)-th score of any top-k choice
 SEEDS = range(1000)
@@ -50,24 +50,6 @@ TEXT_CONFIG = dict(  # LARGE4.md section 2, parity config
 VISION_CONFIG = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, head_dim=16, image_size=28, patch_size=14, hidden_act="silu")
 BATCH, LENGTH, SHORT = 2, 40, 7
-
-
-def ensure_transformers() -> None:
-    """Re-execute this script under VENV (created on first use) unless transformers imports here."""
-    try:
-        import transformers  # noqa: F401
-        return
-    except ImportError:
-        pass
-    python = VENV / "bin" / "python"
-    if os.environ.get("FLINT_FIXTURE_REEXEC"):
-        sys.exit(f"{python}: transformers does not import in this venv; install {REQUIREMENTS} into it")
-    if not python.exists():
-        print(f"creating {VENV} with {' '.join(REQUIREMENTS)}")
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", *REQUIREMENTS], check=True)
-    env = dict(os.environ, FLINT_FIXTURE_REEXEC="1")
-    os.execve(str(python), [str(python), __file__, *sys.argv[1:]], env)
 
 
 # ============================================================================= the reference model
@@ -290,7 +272,7 @@ def generate(seed: int) -> dict | None:
 
 
 def main() -> None:
-    ensure_transformers()
+    rerun_with_transformers(__file__, VENV)
     import torch
     import transformers
     from safetensors.torch import save_file
