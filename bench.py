@@ -57,7 +57,7 @@ from torch.profiler import record_function
 from attention import FULL, SLIDING, build_masks, resolve_backend
 from baselines import NotApplicable, dense_logits_loss, plain_eager_loss, transformers_loss, transformers_reference
 from config import ConfigError, OptimSection, TrainConfig, config_from_tables, model_family, read_tables
-from metrics import CPU_PEAK_CACHE, run_peak_flops
+from metrics import CPU_PEAK_CACHE, run_peak_flops, write_atomically
 from model import FlintConfig, build_model, rope_tables
 from models import ModelConfig, model_class
 from parallel import apply_activation_checkpointing, apply_compile
@@ -535,14 +535,6 @@ def print_summary(result: dict) -> None:
         print(note)
 
 
-def write_json(result: dict, path: Path) -> None:
-    """Write to a temporary name, then rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(temporary, path)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags; the rest must be --section.key=value overrides (checked by load_bench_config)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
@@ -613,7 +605,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         torch.set_num_threads(threads)  # main() may run inside another process, such as a test
     if args.json:
-        write_json(result, args.json)
+        write_atomically(args.json, json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     return result
 

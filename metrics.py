@@ -56,10 +56,7 @@ def cpu_peak_flops(run: Run) -> float:
     key = f"{cpu_model()} x {os.cpu_count()} cores"
     if run.is_main and key not in read_json(CPU_PEAK_CACHE):
         cache = {**read_json(CPU_PEAK_CACHE), key: measure_cpu_flops()}
-        CPU_PEAK_CACHE.parent.mkdir(parents=True, exist_ok=True)
-        tmp = CPU_PEAK_CACHE.with_name(f"{CPU_PEAK_CACHE.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=1))
-        tmp.rename(CPU_PEAK_CACHE)
+        write_atomically(CPU_PEAK_CACHE, json.dumps(cache, indent=1))
         run.print(f"measured this CPU's FP32 matmul rate once: {cache[key] / 1e12:.3f} TFLOP/s, kept in "
                   f"{CPU_PEAK_CACHE} for MFU (delete it to measure again, or set logging.peak_tflops)")
     barrier()
@@ -174,6 +171,12 @@ def keep_records_until(path: Path, step: int) -> None:
             with suppress(ValueError, TypeError, KeyError):
                 if json.loads(line)["step"] <= step:
                     kept.append(line + "\n")
-    tmp = path.with_name(f"{path.name}.tmp")
-    tmp.write_text("".join(kept))
+    write_atomically(path, "".join(kept))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write to a temporary name of this process, then rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
     tmp.replace(path)
