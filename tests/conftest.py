@@ -29,6 +29,10 @@ def fresh_dynamo():
     """Each test compiles as a fresh process would: dynamo counts compiled graphs per code object
     (recompile_limit), and the blocks of every model the suite has compiled share one code object,
     so without a reset a test compiling late in the run would hit the limit that a training run,
-    one model per process, never reaches."""
-    yield
+    one model per process, never reaches. The settings apply_compile changes (process-wide, as a
+    run needs) are put back through torch's own config patch: setting them back by hand, or with
+    monkeypatch, can delete a key from torch's config module."""
+    dynamo = torch._dynamo.config
+    with dynamo.patch(recompile_limit=dynamo.recompile_limit, suppress_errors=dynamo.suppress_errors):
+        yield
     torch._dynamo.reset()

@@ -40,12 +40,23 @@ def yarn_inv_freq(dim: int, rope: dict) -> Tensor:
     return torch.tensor(freqs, dtype=torch.float32)
 
 
-def rope_pairs(x: Tensor, angles: Tensor) -> Tensor:
-    """Interleaved RoPE, output kept interleaved: x [..., R], angles [..., R/2] (broadcast)."""
+def yarn_magnitude(rope: dict) -> float:
+    """What YaRN multiplies cos and sin by: attention_factor when given, else 0.1 ln(factor) + 1
+    (1 for factor <= 1); 1 without YaRN."""
+    if rope["rope_type"] != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return rope["attention_factor"]
+    return 0.1 * math.log(rope["factor"]) + 1.0 if rope["factor"] > 1 else 1.0
+
+
+def rope_pairs(x: Tensor, angles: Tensor, magnitude: float) -> Tensor:
+    """Interleaved RoPE, output kept interleaved: x [..., R], angles [..., R/2] (broadcast); cos and
+    sin each scaled by `magnitude`."""
     out = []
     for j in range(x.shape[-1] // 2):
         a, b = x[..., 2 * j], x[..., 2 * j + 1]
-        c, s = torch.cos(angles[..., j]), torch.sin(angles[..., j])
+        c, s = magnitude * torch.cos(angles[..., j]), magnitude * torch.sin(angles[..., j])
         out += [a * c - b * s, b * c + a * s]
     return torch.stack(out, dim=-1)
 
@@ -79,8 +90,9 @@ def indexer_selection(p: dict, pre: str, x: Tensor, angles: Tensor | None, posit
         q = q * ssmax[..., None]
         k = layer_norm(x @ p[pre + "wk.weight"].T, p[pre + "k_norm.weight"], p[pre + "k_norm.bias"], eps)
         if angles is not None:  # rope on the FIRST R channels
-            q = torch.cat([rope_pairs(q[..., :R], angles[:, :, None]), q[..., R:]], -1)
-            k = torch.cat([rope_pairs(k[..., :R], angles), k[..., R:]], -1)
+            m = yarn_magnitude(cfg["rope_parameters"])
+            q = torch.cat([rope_pairs(q[..., :R], angles[:, :, None], m), q[..., R:]], -1)
+            k = torch.cat([rope_pairs(k[..., :R], angles, m), k[..., R:]], -1)
         w = (x @ p[pre + "weights_proj.weight"].T) / math.sqrt(Hi)  # [B, T, Hi]
         index = torch.zeros(B, T, T)
         selected = torch.zeros(B, T, T, dtype=torch.bool)
@@ -108,7 +120,8 @@ def mla(p: dict, pre: str, x: Tensor, latent: Tensor, k_rope: Tensor | None, ang
     B, T, _ = x.shape
     q = (x @ p[pre + "q_proj.weight"].T).view(B, T, heads, qk)
     if R:
-        q = torch.cat([q[..., :qk - R], rope_pairs(q[..., qk - R:], angles[:, :, None])], -1)
+        m = yarn_magnitude(cfg["rope_parameters"])
+        q = torch.cat([q[..., :qk - R], rope_pairs(q[..., qk - R:], angles[:, :, None], m)], -1)
     ssmax = p[pre + "softmax_scaling.scale"] * torch.log(positions.float() + 1)[..., None] + p[pre + "softmax_scaling.bias"]
     q = q * ssmax[..., None]
     kv = (latent @ p[pre + "kv_b_proj.weight"].T).view(B, T, heads, (qk - R) + v_dim)
@@ -173,7 +186,8 @@ def reference_forward(p: dict, cfg: dict, ids: Tensor, doc_ids: Tensor | None = 
         if cfg["kv_source_layers"][i] == i:
             kv = n1 @ p[pre + "self_attn.kv_a_proj_with_mqa.weight"].T
             latent = rms_norm(kv[..., :r], p[pre + "self_attn.kv_a_layernorm.weight"], cfg["rms_norm_eps"])
-            produced[i] = (latent, rope_pairs(kv[..., r:], angles) if rope else None)
+            k_rope = rope_pairs(kv[..., r:], angles, yarn_magnitude(cfg["rope_parameters"])) if rope else None
+            produced[i] = (latent, k_rope)
         latent, k_rope = produced[cfg["kv_source_layers"][i]]
         if cfg["indexer_types"][i] == "full":
             indexer_rope = cfg.get("indexer_no_rope_layers", cfg["no_rope_layers"])[i] == 1

@@ -239,9 +239,16 @@ def test_compiled_blocks_train_and_evaluate_past_the_recompile_limit(monkeypatch
     """All blocks share one code object; dynamo keeps a graph per distinct block and grad mode
     (training, evaluation under no_grad). Two block kinds make 4 graphs: past a limit of 2,
     apply_compile raises the limit for the model, so the first evaluation does not stop the run."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     config = FlintConfig.from_name("tiny", num_hidden_layers=2, mlp_only_layers=[0], layer_types=[FULL, SLIDING])
-    train_then_evaluate_compiled(build_model(config, seed=0), monkeypatch)
+    with torch._dynamo.config.patch(recompile_limit=2):  # torch's own means: monkeypatch would delete the key
+        train_then_evaluate_compiled(build_model(config, seed=0), monkeypatch)
+
+
+def test_dynamo_config_is_intact_after_a_patched_test():
+    """Runs after the test above: the key it patched is still there, at its default (conftest's
+    fresh_dynamo also undoes what apply_compile set), so later compiles in the process still work."""
+    assert torch._dynamo.config.recompile_limit == torch._dynamo.config._config["recompile_limit"].default
+    assert "recompile_limit" in torch._dynamo.config.get_config_copy()
 
 
 @pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1")

@@ -105,6 +105,20 @@ def test_logits_loss_and_every_gradient_match_reference(parity_model, seq_len):
     assert checked == sum(".indexer." not in n for n, _ in model.named_parameters())
 
 
+def test_yarn_default_attention_factor_matches_reference():
+    """A published config may omit attention_factor: cos and sin are then scaled by 0.1 ln(factor) + 1
+    (1.76 for the release's factor 2048), in attention and in the indexer alike."""
+    rope = {key: value for key, value in Large4Config().rope_parameters.items() if key != "attention_factor"}
+    config = Large4Config.from_hf_config(Large4Config.from_name(PARITY, rope_parameters=rope).to_hf_config())
+    assert "attention_factor" not in config.rope_parameters
+    model = randomized(config)
+    ids = torch.randint(0, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    record = {}
+    expected = reference_forward(params_of(model), text_config(config), ids, record=record)
+    assert boundary_gap(record, torch.arange(1, 41).expand(2, 40), config.index_topk) > 1e-4
+    torch.testing.assert_close(model(ids), expected, rtol=0, atol=2e-5)
+
+
 def test_packed_documents_match_reference_and_never_select_across(parity_model):
     model, config = parity_model, parity_model.config
     ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))

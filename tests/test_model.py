@@ -196,7 +196,7 @@ def test_chunked_loss_equals_dense_loss():
         losses.append(loss.detach())
         grads.append(model.lm_head.weight.grad)
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-8)
+    assert_close_to_scale(grads[0], grads[1], 1e-5, "head weight gradient")
 
 
 def plain_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -211,6 +211,13 @@ def plain_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
         total = total - (logits[target] - torch.log(torch.exp(logits).sum()))
         kept += 1
     return total / max(kept, 1)
+
+
+def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, relative: float, what: str) -> None:
+    """Every element within `relative` of the tensor's own scale (its largest magnitude): the unit in
+    which FP32 summation-order noise is uniform, where an absolute floor is not (gradients of 1e-3)."""
+    error, scale = (actual - expected).abs().max(), expected.abs().max()
+    assert error <= relative * scale, f"{what}: max error {error:.3g} is more than {relative:g} of its scale {scale:.3g}"
 
 
 @pytest.mark.parametrize("chunk", [4, 7, 10_000])
@@ -233,8 +240,8 @@ def test_fused_head_loss_matches_plain_reference(chunk, cap):
     expected = plain_head_loss(h_ref.reshape(-1, 12), weight, targets.reshape(-1), cap)
     (3.0 * expected).backward()
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(head.weight.grad, weight.grad, rtol=1e-5, atol=1e-7)
+    assert_close_to_scale(h.grad, h_ref.grad, 1e-5, "input gradient")
+    assert_close_to_scale(head.weight.grad, weight.grad, 1e-5, "weight gradient")
     assert h.grad[0, 2].abs().max() == 0 and h.grad[1, :4].abs().max() == 0
     with torch.no_grad():
         torch.testing.assert_close(head(h, targets), expected, rtol=1e-6, atol=1e-6)

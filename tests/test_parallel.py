@@ -26,6 +26,7 @@ from test_train import adamw_matches_plain
 SLOW = os.environ.get("FLINT_SLOW") == "1"
 slow = pytest.mark.skipif(not SLOW, reason="larger layouts: run with FLINT_SLOW=1")
 BATCH, SEQ = 4, 16
+LARGE4_SHARING = [0, 1, 1, 3, 1, 5, 5, 3]  # kv_source_layers of tiny_config("large4")
 STEPS, LR, MAX_NORM = 3, 1e-2, 0.05
 
 
@@ -53,11 +54,14 @@ def spawn(world: int, fn, *args) -> None:
 
 def tiny_config(family: str = "flint", **overrides) -> FlintConfig | Large4Config:
     if family == "large4":
-        # 8 layers: dense 0, MoE 1-7, NoPE 3 and 7; layers 1 and 4 both produce the RoPE latent
-        # (2 reads 1, 5 reads 4) and 7 reads 3; full indexers at 0, 1, 3, 5, 7, shared at the others.
-        # index_topk 4: queries of make_batch's documents (7 and 6 tokens) see up to 7 keys, so the
-        # selections drop keys and differ between layers (with 8 each would hold every visible key).
-        return Large4Config.from_name("large4-parity", **{"index_topk": 4, **overrides})
+        # 8 layers: dense 0, MoE 1-7, NoPE 3 and 7; layers 1 and 5 both produce the RoPE latent
+        # (2 and 4 read 1, 6 reads 5) and 7 reads 3; full indexers at 0, 1, 3, 5, 7, shared at the
+        # others. So a 2-stage pipeline (0-3 | 4-7) carries a rotated key (1's, to 4) and a NoPE
+        # latent (3's, to 7) across its boundary. index_topk 4: queries of make_batch's documents
+        # (7 and 6 tokens) see up to 7 keys, so the selections drop keys and differ between layers
+        # (with 8 each would hold every visible key).
+        return Large4Config.from_name("large4-parity", **{"index_topk": 4, "kv_source_layers": LARGE4_SHARING,
+                                                          **overrides})
     # 4 layers: dense 0-1, MoE 2-3; full attention at 0, 1, 3, sliding (window 9) at 2.
     return FlintConfig.from_name("tiny", num_hidden_layers=4, **overrides)
 
@@ -218,10 +222,11 @@ def test_large4_layouts_match_single_process():
 
 def test_large4_pipeline_stage_boundaries():
     """The tiny config's stage boundaries split what the pipeline layouts must carry: with 2 stages
-    (layers 0-3 | 4-7) layer 7 reads layer 3's NoPE latent and layer 4 shares layer 3's selection;
-    with 4 (0-1 | 2-3 | 4-5 | 6-7) layer 2 reads layer 1's RoPE latent and key and shares its
-    selection, and layer 3's latent crosses two boundaries to reach layer 7. A dense forward (T <=
-    index_topk) sends its absent selection as [B, T, 0]."""
+    (layers 0-3 | 4-7) layer 4 reads layer 1's RoPE latent and key and shares layer 3's selection,
+    and layer 7 reads layer 3's NoPE latent; with 4 (0-1 | 2-3 | 4-5 | 6-7) layer 2 reads layer 1's
+    RoPE latent and key and shares its selection, layer 3's latent crosses two boundaries to reach
+    layer 7, and layer 6 reads layer 5's latent and key. A dense forward (T <= index_topk) sends its
+    absent selection as [B, T, 0]."""
     from large4 import Large4Stage
     config = tiny_config("large4")
     with torch.device("meta"):
@@ -232,9 +237,9 @@ def test_large4_pipeline_stage_boundaries():
     h, table = ((2, SEQ, 64), torch.bfloat16, True), ((2, SEQ, 2), torch.float32, True)
     latent, key = ((2, SEQ, 24), torch.bfloat16, True), ((2, SEQ, 4), torch.bfloat16, True)
     selection = ((2, SEQ, 4), torch.int32, False)
-    assert shapes(4) == [h, table, table, latent, selection]  # layer 3 (NoPE): a latent, no rotated key
-    assert shapes(2) == [h, table, table, latent, key, selection]  # layer 1 (RoPE)
-    assert shapes(6) == [h, table, table, latent, selection]
+    assert shapes(4) == [h, table, table, latent, key, latent, selection]  # layer 1 (RoPE), layer 3 (NoPE)
+    assert shapes(2) == [h, table, table, latent, key, selection]  # layer 1
+    assert shapes(6) == [h, table, table, latent, latent, key, selection]  # layer 3, layer 5
     assert shapes(4, seq_len=4)[-1] == ((2, 4, 0), torch.int32, False)
     ids = torch.zeros(2, SEQ, dtype=torch.long)
     with pytest.raises(TypeError, match="takes input_ids alone; pass targets"):  # not read as a boundary tensor

@@ -68,6 +68,14 @@ def train_losses(tmp_path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records(tmp_path) if "loss" in r}
 
 
+def debug_schedule(step: int) -> float:
+    """configs/debug.toml's learning rate at step 1..20, written out: 2 warmup steps to 3e-3, then a
+    cosine to 3e-4 over the remaining 18."""
+    if step <= 2:
+        return 3e-3 * step / 2
+    return 3e-4 + (3e-3 - 3e-4) * (1 + math.cos(math.pi * (step - 2) / 18)) / 2
+
+
 def test_debug_config_trains_and_reports(tmp_path, capsys):
     summary = run_debug(tmp_path, "--training.eval_every=10")
     losses = train_losses(tmp_path)
@@ -80,6 +88,8 @@ def test_debug_config_trains_and_reports(tmp_path, capsys):
     assert set(record["routing"]) == {"2", "3"}  # the MoE layers of a 4-layer tiny Flint
     assert all(v["max_load"] >= 1 >= v["min_load"] >= 0 for v in record["routing"].values())
     assert [r["step"] for r in records(tmp_path) if "val_loss" in r] == [10, 20]
+    logged_lr = {r["step"]: r["lr"] for r in records(tmp_path) if "loss" in r}
+    assert logged_lr == pytest.approx({step: debug_schedule(step) for step in losses}, rel=1e-9)
     out = capsys.readouterr().out
     assert "\r" not in out and "tokens/s" in out and "MFU" in out and "GiB" in out and "left" in out
     assert summary["sample"].startswith("The ") and summary["val_loss"] < losses[1]
