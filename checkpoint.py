@@ -8,10 +8,13 @@ same names and full shapes, so a checkpoint saved by any parallel layout loads i
 
 from __future__ import annotations
 
+import enum
 import fcntl
+import io
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -24,8 +27,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
@@ -56,15 +62,28 @@ METADATA_CLASSES = {
      ("collections", "OrderedDict")}
 
 
+def enum_member(cls: type, name: str) -> enum.Enum:
+    """What `builtins.getattr` may do in metadata: fetch a member of an allowed enum by name. Some
+    Python builds (Debian 12's 3.11.2) pickle an enum member as getattr(its class, its name)."""
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str)
+            and name in cls.__members__):
+        raise pickle.UnpicklingError(f"it calls getattr({getattr(cls, '__name__', cls)!r}, {name!r}), which "
+                                     f"checkpoint metadata never holds (refused: loading it could run code)")
+    return cls[name]
+
+
 class MetadataUnpickler(pickle.Unpickler):
-    """pickle.Unpickler that refuses every global outside METADATA_CLASSES and torch dtypes: torch's
-    FileSystemReader.read_metadata calls pickle.load, which runs whatever a crafted file names."""
+    """pickle.Unpickler that refuses every global outside METADATA_CLASSES, torch dtypes and enum
+    members fetched by name: torch's FileSystemReader.read_metadata calls pickle.load, which runs
+    whatever a crafted file names."""
 
     def find_class(self, module: str, name: str):
         if (module, name) in METADATA_CLASSES:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
+        if (module, name) == ("builtins", "getattr"):
+            return enum_member
         raise pickle.UnpicklingError(f"it names {module}.{name}, which checkpoint metadata never holds "
                                      f"(refused: loading it could run code)")
 
@@ -87,7 +106,8 @@ def read_metadata(path: Path) -> Metadata:
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with read_metadata above; the tensor data itself is raw bytes, never pickled."""
+    """DCP's file reader with read_metadata above. DCP reads each tensor with torch.load(weights_only=
+    True); the non-tensor entries go through SafeLoadPlanner."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         metadata = read_metadata(Path(self.path))
@@ -95,6 +115,25 @@ class SafeReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, but a non-tensor entry (an optimizer group's lr, betas, ...) is read with
+    torch.load(weights_only=True): DCP's own planner loads it with weights_only=False, which runs
+    whatever a crafted .distcp file's pickle names."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        name = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+            what = f"it names {found.group(1)}" if found else "it is not plain data"
+            raise CheckpointError(f"entry {name!r} is refused: {what} (loading it could run code)") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[name], loaded)
+        else:
+            self.state_dict[name] = loaded
 
 
 # ============================================================================= saving and loading
@@ -115,8 +154,12 @@ def load_dcp(state: dict, path: Path, alone: bool = False, verified: bool = Fals
         if not verified:
             verify(path, alone)  # its own clear error for a damaged file, before DCP wraps it
         try:
-            dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=alone or not dist.is_initialized())
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
+                     no_dist=alone or not dist.is_initialized())
         except (Exception, CheckpointException) as error:  # DCP wraps a damaged file's error in a long report
+            refused = refusal(error)
+            if refused:
+                raise CheckpointError(f"{path}: {refused}") from None
             raise CheckpointError(short_file(Path(path)) or f"{path}: cannot load the checkpoint's tensors (a "
                                   f"damaged .distcp file?): {root_cause(error)}") from error
 
@@ -130,6 +173,16 @@ def short_file(path: Path) -> str | None:
         size = (path / name).stat().st_size if (path / name).is_file() else None
         if size is None or size < end:
             return f"{path / name}: {'missing' if size is None else f'truncated ({size} of {end} bytes)'}"
+    return None
+
+
+def refusal(error: BaseException) -> str | None:
+    """SafeLoadPlanner's refusal, if that is what DCP's report (or the error itself) holds."""
+    failures = getattr(error, "failures", None) or {}
+    for failure in [error, *failures.values()]:
+        failure = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(failure, CheckpointError):
+            return str(failure)
     return None
 
 
@@ -401,6 +454,11 @@ class Checkpointer:
         """-> the step to continue from: 0, or that of the checkpoint that checkpoint.resume picks."""
         choice = self.cfg.checkpoint.resume
         path = None if choice == "never" else self.newest_intact() if choice == "auto" else Path(choice)
+        if choice == "auto" and path is None and self.checkpoints():
+            raise CheckpointError(f"{self.cfg.where('checkpoint.resume')}: resume = \"auto\" found "
+                                  f"{len(self.checkpoints())} checkpoint(s) in {self.dir} and none is intact (each "
+                                  f"warning above says why); not starting over. Repair or move them, or set "
+                                  f"checkpoint.resume = \"never\" for a fresh run")
         continues = choice == "auto" and path is not None and path.parent.name.startswith("run_")
         self.run_dir = path.parent if continues else self.new_run_dir()
         if path is None:
