@@ -232,15 +232,16 @@ def write_checksums(directory: Path) -> None:
 
 
 def damage(directory: Path) -> str | None:
-    """None if the checkpoint is intact, else one line naming the damaged file. Checkpoints written
-    before checksums existed are checked for readable metadata only."""
+    """None if the checkpoint is intact, else one line naming the damaged file. Checkpoints without
+    checksums.json (written before it existed, or converted) are checked for readable metadata and
+    data files as long as the metadata says."""
     try:
         read_metadata(directory)
     except CheckpointError as error:
         return str(error)
     listed = directory / CHECKSUMS
     if not listed.exists():
-        return None
+        return short_file(directory)
     try:
         expected = json.loads(listed.read_text())
         entries = [(name, int(e["bytes"]), int(e["crc32"])) for name, e in expected.items()]
@@ -310,6 +311,39 @@ def process_alive(pid: int) -> bool:
 
 # ============================================================================= checkpoints of a run
 
+RUN_NAME = re.compile(r"run_\d{4,}")
+STEP_NAME = re.compile(r"step_\d{8,}")
+REMOVING = ".removing"  # a checkpoint being deleted: no longer complete
+
+
+def remove_leftovers(run_dir: Path) -> None:
+    """What a crash of this run directory's writer left: half-written saves (step_*.tmp) and
+    half-deleted checkpoints (step_*.removing). Only called with the directory's lock held."""
+    for leftover in [*run_dir.glob("step_*.tmp"), *run_dir.glob(f"step_*{REMOVING}")]:
+        shutil.rmtree(leftover)
+
+
+def hold_lock(directory: Path, what: str):
+    """An exclusive flock on directory/.lock, held until the returned file is closed (or the
+    process ends), with this process's pid and host written in it for whoever is refused."""
+    try:
+        lock_file = open(directory / ".lock", "a+")
+    except OSError as error:
+        raise CheckpointError(f"{what} {directory} is not writable ({error.strerror or error})") from error
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.seek(0)
+        holder = lock_file.read().strip() or "another process"
+        lock_file.close()
+        raise CheckpointError(f"{what} {directory} is in use by another run ({holder}); wait for it to finish "
+                              f"or give this run another checkpoint.dir") from None
+    lock_file.truncate(0)
+    lock_file.write(f"pid {os.getpid()} on {os.uname().nodename}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock_file.flush()
+    return lock_file
+
+
 class Checkpointer:
     """Checkpoints of training runs: checkpoint.dir/run_<4 digits>/step_<8 digits>, each holding DCP's
     {"model", "optimizer", "train"} files, config.json, train_config.json and checksums.json.
@@ -326,7 +360,7 @@ class Checkpointer:
     def __init__(self, cfg: TrainConfig, run: Run):
         self.cfg, self.run, self.dir = cfg, run, Path(cfg.checkpoint.dir)
         self.last: Path | None = None  # saved or resumed from by this run
-        self.lock_file = None
+        self.lock_files: list = []  # rank 0's: checkpoint.dir's and, once chosen, the run directory's
         self.run_dir: Path | None = None  # chosen at resume
         failure = None
         if run.is_main:
@@ -344,30 +378,18 @@ class Checkpointer:
     def lock(self) -> None:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self.lock_file = open(self.dir / ".lock", "a+")
         except OSError as error:
             raise CheckpointError(f"{self.where()}: checkpoint.dir {self.dir} is not a writable directory "
                                   f"({error.strerror or error})") from error
         if not os.access(self.dir, os.W_OK | os.X_OK):
             raise CheckpointError(f"{self.where()}: checkpoint.dir {self.dir} is not writable")
-        try:
-            fcntl.flock(self.lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.lock_file.seek(0)
-            holder = self.lock_file.read().strip() or "another process"
-            self.close()
-            raise CheckpointError(f"{self.where()}: checkpoint.dir {self.dir} is in use by another run ({holder}); "
-                                  f"wait for it to finish or give this run another checkpoint.dir") from None
-        self.lock_file.truncate(0)
-        self.lock_file.write(f"pid {os.getpid()} on {os.uname().nodename}, since "
-                             f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        self.lock_file.flush()
+        self.lock_files.append(hold_lock(self.dir, f"{self.where()}: checkpoint.dir"))
 
     def close(self) -> None:
-        """Releases the lock (the operating system also does when the process ends)."""
-        if self.lock_file is not None:
-            self.lock_file.close()
-            self.lock_file = None
+        """Releases the locks (the operating system also does when the process ends)."""
+        for lock_file in self.lock_files:
+            lock_file.close()
+        self.lock_files = []
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -378,14 +400,15 @@ class Checkpointer:
     # ------------------------------------------------------------------ finding checkpoints
 
     def runs(self) -> list[Path]:
-        return sorted(p for p in self.dir.glob("run_*") if p.is_dir())
+        return sorted(p for p in self.dir.glob("run_*") if p.is_dir() and RUN_NAME.fullmatch(p.name))
 
     def checkpoints(self, run_dir: Path | None = None) -> list[Path]:
-        """Complete checkpoints (renamed into place), oldest first: of one run directory, or of all
-        (run by run; a checkpoint.dir from before run directories counts as the oldest run)."""
+        """Complete checkpoints (renamed into place under their final name), oldest first: of one
+        run directory, or of all (run by run; a checkpoint.dir from before run directories counts as
+        the oldest run)."""
         places = [run_dir] if run_dir else [self.dir, *self.runs()]
         return [p for place in places for p in sorted(place.glob("step_*"))
-                if p.suffix != ".tmp" and is_native_checkpoint(p)]
+                if STEP_NAME.fullmatch(p.name) and is_native_checkpoint(p)]
 
     def latest(self) -> Path | None:
         """The newest checkpoint this run saved or resumed from (of the whole directory before it began)."""
@@ -402,11 +425,36 @@ class Checkpointer:
         return None
 
     def new_run_dir(self) -> Path:
-        numbers = [int(p.name[4:]) for p in self.runs() if p.name[4:].isdigit()]
+        """run_<n + 1>, n the highest run number in use by any entry (a stray file named run_0001
+        included: it is skipped, never overwritten)."""
+        numbers = [int(p.name[4:]) for p in self.dir.glob("run_*") if RUN_NAME.fullmatch(p.name)]
         path = self.dir / f"run_{max(numbers, default=0) + 1:04d}"
         if self.run.is_main:
             path.mkdir()
         return from_main_rank(path)
+
+    def enter_run_dir(self, path: Path) -> None:
+        """Write into `path` from now on: lock it (a run pointed at another run's directory as its
+        checkpoint.dir, or one continuing it, is refused) and clear what a crash there left."""
+        failure = None
+        if self.run.is_main:
+            try:
+                if path != self.dir:
+                    self.lock_files.append(hold_lock(path, f"{self.where()}: run directory"))
+                remove_leftovers(path)
+            except CheckpointError as error:
+                failure = str(error)
+        failure = from_main_rank(failure)
+        if failure:
+            raise CheckpointError(failure)
+        self.run_dir = path
+
+    def remove(self, checkpoint: Path) -> None:
+        """Unfinish, then delete: renamed away from its step name first, so a crash part-way through
+        never leaves a half-deleted checkpoint listed as complete (the next run clears the rest)."""
+        doomed = checkpoint.with_name(checkpoint.name + REMOVING)
+        sync_rename(checkpoint, doomed)
+        shutil.rmtree(doomed)
 
     # ------------------------------------------------------------------ saving
 
@@ -427,8 +475,7 @@ class Checkpointer:
         final = self.run_dir / f"step_{step:08d}"
         tmp = final.with_suffix(".tmp")
         if self.run.is_main:
-            for stale in self.run_dir.glob("step_*.tmp"):  # left by a crash
-                shutil.rmtree(stale)
+            remove_leftovers(self.run_dir)
             tmp.mkdir(parents=True)
         barrier()
         start = time.perf_counter()
@@ -442,7 +489,7 @@ class Checkpointer:
                 shutil.rmtree(final)
             sync_rename(tmp, final)
             for old in self.checkpoints(self.run_dir)[:-self.cfg.checkpoint.keep_last]:
-                shutil.rmtree(old)
+                self.remove(old)
             self.run.print(f"saved checkpoint {final} in {time.perf_counter() - start:.1f} s")
         barrier()
         self.last = final
@@ -459,8 +506,8 @@ class Checkpointer:
                                   f"{len(self.checkpoints())} checkpoint(s) in {self.dir} and none is intact (each "
                                   f"warning above says why); not starting over. Repair or move them, or set "
                                   f"checkpoint.resume = \"never\" for a fresh run")
-        continues = choice == "auto" and path is not None and path.parent.name.startswith("run_")
-        self.run_dir = path.parent if continues else self.new_run_dir()
+        continues = choice == "auto" and path is not None and RUN_NAME.fullmatch(path.parent.name)
+        self.enter_run_dir(path.parent if continues else self.new_run_dir())
         if path is None:
             self.run.print(f"a fresh run: checkpoints go to {self.run_dir}")
             return 0

@@ -108,7 +108,7 @@ class MetricsLogger:
     """A plain line per logging step (readable in a log file: no carriage returns), and the same
     numbers as one JSON object per line in logging.jsonl."""
 
-    def __init__(self, cfg: TrainConfig, run: Run, config: ModelConfig, start_step: int):
+    def __init__(self, cfg: TrainConfig, run: Run, config: ModelConfig, start_step: int, run_dir: Path):
         t = cfg.training
         self.cfg, self.run, self.total = cfg, run, t.steps
         self.tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len * run.dp_size
@@ -119,10 +119,10 @@ class MetricsLogger:
         self.last_step = start_step
         self.first_step = start_step + 1  # always logged: the loss before any learning
         self.summary: dict = {"first_loss": None}
-        self.path = Path(cfg.logging.jsonl)
+        self.path, self.run_name = Path(cfg.logging.jsonl), str(run_dir)
         if run.is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            keep_records_until(self.path, start_step)  # a fresh run starts a fresh log; a resumed one appends
+            drop_superseded_records(self.path, self.run_name, start_step)
             run.print(f"training steps {start_step + 1}..{t.steps}: {self.tokens_per_step:,} tokens per step, "
                       f"{self.flops_per_token / 1e6:.2f} MFLOPs per token, peak "
                       f"{f'{self.peak / 1e12:.2f} TFLOP/s' if self.peak else 'unknown (set logging.peak_tflops)'}")
@@ -152,7 +152,7 @@ class MetricsLogger:
     def write(self, record: dict) -> None:
         if self.run.is_main:
             with open(self.path, "a") as log:
-                log.write(json.dumps(record) + "\n")
+                log.write(json.dumps({"run": self.run_name, **record}) + "\n")
 
     @contextmanager
     def untimed(self):
@@ -162,16 +162,25 @@ class MetricsLogger:
         self.last_time += time.perf_counter() - start
 
 
-def keep_records_until(path: Path, step: int) -> None:
-    """Drop the records of steps after `step` (logged after the checkpoint a resume starts from, by
-    the run that went on past it), and any half-written last line, so that no step appears twice."""
-    kept = []
-    if step and path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            with suppress(ValueError, TypeError, KeyError):
-                if json.loads(line)["step"] <= step:
-                    kept.append(line + "\n")
-    write_atomically(path, "".join(kept))
+def drop_superseded_records(path: Path, run_name: str, step: int) -> None:
+    """Records are appended, one file for any number of runs, each record naming its run directory.
+    A run that continues its own directory from `step` drops that directory's records of later steps
+    (logged past the checkpoint it resumes from, and trained again now) so that no step of a run
+    appears twice; a half-written line (a crash) is dropped too. Every other run's records stay."""
+    if not path.exists():
+        return
+    kept, dropped = [], False
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            superseded = record.get("run") == run_name and record["step"] > step
+        except (ValueError, TypeError, KeyError, AttributeError):
+            superseded = True  # not a record
+        dropped |= superseded
+        if not superseded:
+            kept.append(line + "\n")
+    if dropped:
+        write_atomically(path, "".join(kept))
 
 
 def write_atomically(path: Path, text: str) -> None:

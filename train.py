@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
                 check_compiled(model, train_data.peek(), run, cfg.parallel.compile_fallback)
             optimizer = build_optimizer(model.module, cfg.optim)
             step = checkpoints.resume(model, optimizer, train_data)
-            logger = MetricsLogger(cfg, run, model.config, start_step=step)
+            logger = MetricsLogger(cfg, run, model.config, start_step=step, run_dir=checkpoints.run_dir)
             routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps,
                                      run.is_main)
             with Interruption(run) as interruption, explain_stop(checkpoints, run, argv):
@@ -363,6 +363,11 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
 # A loss above this many times that of a uniform guess, ln(vocab_size), means the run diverged: a
 # model starts near ln(vocab_size) and only a blown-up update goes far above it (lr 1e3: 2.6e6 at step 2).
 DIVERGED = 3.0
+# An update that more than doubles the norm of all the weights at once blew them up. A healthy step
+# changes it by well under 1%; AdamW moves each weight by about lr per step, so lr 1e6 takes weights
+# of about 1 to about 1e6 in one step, after which the loss can look ordinary (saturated outputs,
+# zero gradients) while every checkpoint after it is garbage.
+EXPLODED = 2.0
 
 
 def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: PackedLoader, cfg: TrainConfig,
@@ -384,9 +389,37 @@ def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: Pac
                             f"the gradient norm {grad_norm}: the run diverged; stopped before updating the weights. "
                             f"The last good checkpoint is {latest or 'none (none was saved yet)'}; try a lower "
                             f"optim.lr or more warmup")
+    before = weight_squares(model)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    check_update(torch.stack([before, weight_squares(model)]), step, cfg, checkpoints)
     return loss, grad_norm
+
+
+def weight_squares(model: ParallelModel) -> torch.Tensor:
+    """The sum of squares of this rank's local weights, on the device (no host sync)."""
+    squares = torch.zeros((), device=next(model.module.parameters()).device)
+    for param in model.module.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        squares += local.detach().float().square().sum()
+    return squares
+
+
+def check_update(squares: torch.Tensor, step: int, cfg: TrainConfig, checkpoints: "Checkpointer") -> None:
+    """Stops the run, before anything is saved, when the update made the weights non-finite or blew
+    them up. squares: [before, after] of this rank; summed over the ranks (replicas counted on each
+    rank that holds them, the same way every step, which is all a comparison needs) in one
+    all-reduce, read in one copy to the host."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(squares)
+    before, after = squares.sqrt().tolist()
+    if math.isfinite(after) and after <= EXPLODED * before:
+        return
+    latest = checkpoints.latest()
+    raise TrainingError(f"step {step}: the update took the norm of the weights from {before:.4g} to {after:.4g}: "
+                        f"the run diverged; nothing of this step is saved. The last good checkpoint is "
+                        f"{latest or 'none (none was saved yet)'}; try a lower optim.lr (now {cfg.optim.lr:g}, "
+                        f"{cfg.where('optim.lr')}) or more warmup")
 
 
 def evaluate(model: ParallelModel, data: PackedLoader, cfg: TrainConfig, run: Run) -> float:

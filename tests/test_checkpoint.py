@@ -29,7 +29,7 @@ def test_resume_gives_exactly_the_uninterrupted_losses(tmp_path):
     run_debug(tmp_path, *common)
     uninterrupted = train_losses(tmp_path)
     checkpoints = sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir())
-    assert checkpoints == ["step_00000004", "step_00000006"]  # keep_last = 2
+    assert checkpoints == [".lock", "step_00000004", "step_00000006"]  # keep_last = 2
     shutil.rmtree(tmp_path / "ckpt" / "run_0001" / "step_00000006")
     with open(tmp_path / "metrics.jsonl", "a") as log:
         log.write('{"step": 7, "lo')  # a line cut off by a crash
@@ -53,10 +53,10 @@ def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--training.sample_tokens=0")
     monkeypatch.setattr(checkpoint, "save_dcp", real_save)
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == ["step_00000002", "step_00000004.tmp"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [".lock", "step_00000002", "step_00000004.tmp"]
     summary = run_debug(tmp_path, "--training.steps=4", "--checkpoint.resume=auto", "--training.sample_tokens=0")
     assert summary["step"] == 4  # resumed from step 2 and went on
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == ["step_00000002", "step_00000004"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [".lock", "step_00000002", "step_00000004"]
 
 
 def test_checkpoint_from_another_architecture_is_refused(tmp_path):
@@ -241,8 +241,8 @@ def test_rerunning_never_deletes_a_run_and_auto_continues_the_latest(tmp_path, c
     assert all((ckpt / run / "step_00000002").is_dir() for run in ("run_0001", "run_0002"))
     run_debug(tmp_path, "--training.steps=3", "--training.sample_tokens=0", "--checkpoint.resume=auto")
     assert f"resumed from {ckpt / 'run_0002' / 'step_00000002'} at step 2" in capsys.readouterr().out
-    assert sorted(p.name for p in (ckpt / "run_0002").iterdir()) == ["step_00000002", "step_00000003"]
-    assert sorted(p.name for p in (ckpt / "run_0001").iterdir()) == ["step_00000002"]
+    assert sorted(p.name for p in (ckpt / "run_0002").iterdir()) == [".lock", "step_00000002", "step_00000003"]
+    assert sorted(p.name for p in (ckpt / "run_0001").iterdir()) == [".lock", "step_00000002"]
 
 
 def test_a_second_run_on_the_same_directory_is_refused(tmp_path):
@@ -256,6 +256,79 @@ def test_a_second_run_on_the_same_directory_is_refused(tmp_path):
             run_debug(tmp_path, "--training.steps=1")
     assert not list((tmp_path / "ckpt").glob("run_*"))
     run_debug(tmp_path, "--training.steps=1", "--training.sample_tokens=0")  # released: runs
+
+
+def test_a_run_pointed_at_a_live_runs_own_directory_is_refused(tmp_path):
+    """A live run holds its run directory's lock too: a second run whose checkpoint.dir is that
+    run_0001, or one continuing it through the parent directory, is refused before any work."""
+    import fcntl
+    run_debug(tmp_path, "--training.steps=1", "--training.sample_tokens=0")
+    live = tmp_path / "ckpt" / "run_0001"
+    with open(live / ".lock", "a+") as held:  # as the live run holds it while it trains there
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(CheckpointError, match=rf"checkpoint.dir {live} is in use by another run"):
+            run_debug(tmp_path / "second", f"--checkpoint.dir={live}", "--checkpoint.resume=auto")
+        with pytest.raises(CheckpointError, match=rf"run directory {live} is in use by another run"):
+            run_debug(tmp_path, "--training.steps=2", "--checkpoint.resume=auto")
+    assert sorted(p.name for p in live.iterdir()) == [".lock", "step_00000001"]
+
+
+def test_a_kill_during_rotation_never_leaves_a_half_deleted_checkpoint_listed(tmp_path, monkeypatch):
+    """keep_last renames a checkpoint away before deleting it: killed part-way through the delete,
+    the checkpoint is no longer listed as complete, and the next run clears what is left, and the
+    half-written save of a run killed while saving."""
+    real_rmtree = shutil.rmtree
+
+    def killed_part_way(path, *args, **kwargs):
+        if not str(path).endswith(".removing"):
+            return real_rmtree(path, *args, **kwargs)
+        next(Path(path).glob("*.distcp")).unlink()
+        raise KeyboardInterrupt("kill -9")
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_part_way)
+    with pytest.raises(KeyboardInterrupt):
+        run_debug(tmp_path, "--training.steps=2", "--checkpoint.every=1", "--checkpoint.keep_last=1",
+                  "--training.sample_tokens=0")
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
+    run_dir = tmp_path / "ckpt" / "run_0001"
+    (run_dir / "step_00000003.tmp").mkdir()  # and a save that was killed
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001.removing", "step_00000002",
+                                                          "step_00000003.tmp"]
+    run_debug(tmp_path, "--training.steps=3", "--checkpoint.resume=auto", "--checkpoint.keep_last=1",
+              "--training.sample_tokens=0")
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000003"]
+
+
+def test_a_stray_file_named_like_a_run_is_skipped(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "run_0001").write_text("not a run")
+    run_debug(tmp_path, "--training.steps=1", "--training.sample_tokens=0")
+    assert (tmp_path / "ckpt" / "run_0001").read_text() == "not a run"
+    assert (tmp_path / "ckpt" / "run_0002" / "step_00000001").is_dir()
+
+
+def test_a_truncated_data_file_without_checksums_is_reported_and_the_one_before_used(tmp_path, capsys):
+    run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--training.sample_tokens=0")
+    newest = tmp_path / "ckpt" / "run_0001" / "step_00000004"
+    (newest / "checksums.json").unlink()
+    shard = next(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    run_debug(tmp_path, "--training.steps=4", "--checkpoint.resume=auto", "--training.sample_tokens=0")
+    out = capsys.readouterr().out
+    assert f"WARNING: checkpoint {newest} is damaged" in out and f"{shard}: truncated" in out
+    assert f"resumed from {newest.parent / 'step_00000002'} at step 2" in out
+
+
+def test_runs_sharing_a_log_never_delete_each_others_records(tmp_path):
+    """A second fresh run appends to the same logging.jsonl; an explicit resume into a new run
+    directory keeps the first run's records of later steps; each record names its run."""
+    short = ["--training.steps=2", "--logging.every=1", "--training.sample_tokens=0", "--checkpoint.every=1"]
+    run_debug(tmp_path, *short)
+    first = records(tmp_path)
+    run_debug(tmp_path, *short)
+    run_debug(tmp_path, *short, f"--checkpoint.resume={tmp_path / 'ckpt' / 'run_0001' / 'step_00000001'}")
+    runs = [(Path(r["run"]).name, r["step"]) for r in records(tmp_path) if "loss" in r]
+    assert records(tmp_path)[:len(first)] == first
+    assert runs == [("run_0001", 1), ("run_0001", 2), ("run_0002", 1), ("run_0002", 2), ("run_0003", 2)]
 
 
 def test_sigterm_saves_a_checkpoint_and_prints_the_resume_command(tmp_path, monkeypatch, capsys):
@@ -323,10 +396,27 @@ def trained_once(tmp_path_factory) -> Path:
 
 
 def test_a_diverging_run_stops_at_the_step_it_diverges(tmp_path):
-    with pytest.raises(train.TrainingError, match=r"step 2: the training loss is \d{4,}.*diverged.*last good "
-                                                  r"checkpoint is .*step_00000001"):
-        run_debug(tmp_path, "--optim.lr=1e3", "--training.steps=8", "--checkpoint.every=1")
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == ["step_00000001"]
+    """lr 3e-2 trains for a step (step_1 saved); a step at lr 1e3 then blows the weights up, and
+    the run stops at that step, before saving it, naming step_1 as the last good checkpoint."""
+    run_debug(tmp_path, "--optim.lr=3e-2", "--training.steps=1", "--training.sample_tokens=0")
+    good = tmp_path / "ckpt" / "run_0001" / "step_00000001"
+    with pytest.raises(train.TrainingError, match=rf"step 2: the update took the norm of the weights from [\d.]+ to "
+                                                  rf"[\d.e+]+: the run diverged.*last good checkpoint is {good}"):
+        run_debug(tmp_path, "--optim.lr=1e3", "--optim.schedule=constant", "--optim.warmup_steps=0",
+                  "--training.steps=8", "--checkpoint.every=1", "--checkpoint.resume=auto")
+    assert sorted(p.name for p in good.parent.iterdir()) == [".lock", "step_00000001"]
+
+
+@pytest.mark.parametrize("lr, shown", [("1e6", r"1e\+06"), ("inf", "inf")])
+def test_blown_up_weights_are_never_saved_or_exported(tmp_path, lr, shown):
+    """One step at a constant lr of 1e6 (weights of about 1 moved by about 1e6) or inf: stopped at
+    step 1 with optim.lr named; no checkpoint and no export written."""
+    with pytest.raises(train.TrainingError, match=rf"step 1: .*diverged; nothing of this step is saved.*"
+                                                  rf"try a lower optim.lr \(now {shown}, command line --optim.lr\)"):
+        run_debug(tmp_path, f"--optim.lr={lr}", "--optim.schedule=constant", "--optim.warmup_steps=0",
+                  "--training.steps=1", f"--checkpoint.export_hf={tmp_path / 'hf'}")
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [".lock"]
+    assert not (tmp_path / "hf").exists()
 
 
 def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
@@ -344,7 +434,7 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
                                               r"The last good checkpoint is .*step_00000001"):
         run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=1", "--training.sample_tokens=0")
     good = tmp_path / "ckpt" / "run_0001" / "step_00000001"
-    assert sorted(p.name for p in good.parent.iterdir()) == [good.name]
+    assert sorted(p.name for p in good.parent.iterdir()) == [".lock", good.name]
     assert all(torch.isfinite(t).all() for t in convert.load_native(good).state_dict().values())
 
 

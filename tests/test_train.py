@@ -107,7 +107,7 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeyp
     monkeypatch.setattr(FlintStage, "forward", nan_on_third_call)
     with pytest.raises(TrainingError, match=r"step 3: the training loss is nan.*step_00000002"):
         run_debug(tmp_path, "--training.steps=5", "--checkpoint.every=2")
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == ["step_00000002"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [".lock", "step_00000002"]
 
 
 def compile_with_backend_raising(monkeypatch, error: Exception) -> None:
