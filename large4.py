@@ -30,7 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from attention import (Mask, Visibility, flex_masked_attention, masked_attention, resolve_backend,
                        selection_attention_mask, top_keys)
 from large4_config import PRESETS, Large4Config  # noqa: F401  (PRESETS: re-exported for users of large4)
-from model import Flint, Gather, Head, RMSNorm, build_model, context_share, default_positions, sample, seeded_normal
+from model import Flint, Gather, Head, RMSNorm, build_model, context_share, default_positions, generate, seeded_normal
 from moe import MoE, SwiGLU
 
 # cos or sin [B, T, R/2] FP32, built once per forward; None on a pipeline stage when no layer from it on rotates
@@ -363,20 +363,11 @@ class MistralLarge4(nn.Module):
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 eos_token_id: int | None = None) -> torch.Tensor:
-        """Extend prompt [B, T] by up to max_new_tokens -> [B, T + n], caching compressed latents
-        (+ rotary key, once per source, read by its consumers) and indexer keys: equal to running
-        the whole sequence again at every step. temperature 0 is greedy."""
-        self._check_inputs(prompt, None, None, None)
-        caches: dict[int, LayerCache] = {}
-        tokens, step_input = prompt, prompt
-        for _ in range(max_new_tokens):
-            logits = self.decode_step(step_input, caches, tokens.shape[1] - step_input.shape[1])  # [B, V]
-            step_input = sample(logits, temperature, top_k, generator)  # [B, 1]
-            tokens = torch.cat([tokens, step_input], dim=1)
-            if eos_token_id is not None and bool((step_input == eos_token_id).all()):
-                break
-        return tokens
+                 eos_token_id: int | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """Extend prompt [B, T] by up to max_new_tokens -> [B, T + n] (see model.stream), caching
+        compressed latents (+ rotary key, once per source, read by its consumers) and indexer keys:
+        equal to running the whole sequence again at every step."""
+        return generate(self, prompt, max_new_tokens, temperature, top_k, generator, eos_token_id, allowed)
 
     def decode_step(self, input_ids: torch.Tensor, caches: dict[int, LayerCache], start: int) -> torch.Tensor:
         """New tokens [B, t] at positions start.. through the cached layers -> last logits [B, V]."""

@@ -383,8 +383,7 @@ class Flint(nn.Module):
                  eos_token_id: int | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Extend prompt [B, T] by up to max_new_tokens with a KV cache -> [B, T + n] (see `stream`).
         Sliding layers cache only the last `window - 1` keys."""
-        new = list(stream(self, prompt, max_new_tokens, temperature, top_k, generator, eos_token_id, allowed))
-        return torch.cat([prompt, *new], dim=1)
+        return generate(self, prompt, max_new_tokens, temperature, top_k, generator, eos_token_id, allowed)
 
     def decode_step(self, input_ids: torch.Tensor, caches: dict[str, KVCache], start: int) -> torch.Tensor:
         """Run new tokens [B, t] at positions start.. through the cached layers -> last logits [B, V].
@@ -488,12 +487,22 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 
 @torch.no_grad()
+def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, generator: torch.Generator | None = None, eos_token_id: int | None = None,
+             allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """prompt [B, T] -> [B, T + n], n <= max_new_tokens: the prompt and everything `stream` yields."""
+    return torch.cat([prompt, *stream(model, prompt, max_new_tokens, temperature, top_k, generator, eos_token_id,
+                                      allowed)], dim=1)
+
+
+@torch.no_grad()
 def stream(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
            top_k: int | None = None, generator: torch.Generator | None = None, eos_token_id: int | None = None,
            allowed: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
-    """Yield each next token [B, 1] as it is chosen, up to max_new_tokens, stopping once every row
-    has produced eos_token_id. Any model with `decode_step(input_ids, caches, start)` that fills an
-    empty caches dict (Flint, Mistral Large 4).
+    """Yield each next token [B, 1] as it is chosen, up to max_new_tokens. A row that has produced
+    eos_token_id is finished: from then on it receives eos_token_id again (padding), and the stream
+    stops once every row has finished. Any model with `decode_step(input_ids, caches, start)` that
+    fills an empty caches dict (Flint, Mistral Large 4).
 
     temperature 0 is greedy; otherwise sample from softmax(logits / temperature), optionally
     restricted to the top_k tokens. allowed (bool [V]): the only ids that may be chosen, for a
@@ -511,12 +520,13 @@ def stream(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperat
         logits = model.decode_step(step_input, caches, start)  # [B, V] for the last position
         start += step_input.shape[1]
         next_token = sample(logits, temperature, top_k, generator, allowed)  # [B, 1]
+        if eos_token_id is not None:
+            next_token = next_token.masked_fill(finished[:, None], eos_token_id)
+            finished |= next_token[:, 0] == eos_token_id
         yield next_token
         step_input = next_token
-        if eos_token_id is not None:
-            finished |= next_token[:, 0] == eos_token_id
-            if bool(finished.all()):
-                return
+        if eos_token_id is not None and bool(finished.all()):
+            return
 
 
 # ============================================================================= pipeline stages

@@ -36,3 +36,23 @@ def fresh_dynamo():
     with dynamo.patch(recompile_limit=dynamo.recompile_limit, suppress_errors=dynamo.suppress_errors):
         yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def check_rows_stop_at_their_eos():
+    """A check for any model's generate: greedy rows that reach EOS at different steps each stop
+    there (EOS after it), the others go on unchanged, and the batch stops when every row has."""
+    def check(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> None:
+        free = model.generate(prompt, steps)  # [B, T + steps], no EOS
+        new = free[:, prompt.shape[1]:]
+        eos = int(new[0, 2])  # row 0 reaches it at its third new token
+        firsts = [row.tolist().index(eos) if eos in row.tolist() else None for row in new]
+        assert firsts[0] <= 2 and any(first != firsts[0] for first in firsts), "the rows must finish apart"
+        stopped = model.generate(prompt, steps, eos_token_id=eos)
+        length = steps if None in firsts else max(firsts) + 1
+        assert stopped.shape == (prompt.shape[0], prompt.shape[1] + length)
+        for row, first in enumerate(firsts):
+            end = length if first is None else first + 1
+            assert torch.equal(stopped[row, :prompt.shape[1] + end], free[row, :prompt.shape[1] + end])
+            assert (stopped[row, prompt.shape[1] + end:] == eos).all()
+    return check

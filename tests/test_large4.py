@@ -291,6 +291,12 @@ def test_generation_equals_recomputation(parity_model):
         torch.testing.assert_close(step, parity_model(tokens[:, :13])[:, -1], rtol=0, atol=1e-5)
 
 
+def test_rows_that_reach_eos_stop_there(parity_model, check_rows_stop_at_their_eos):
+    """Through the shared model.stream, as Flint's: rows finishing at different steps."""
+    prompt = torch.randint(0, 160, (3, 5), generator=torch.Generator().manual_seed(6))
+    check_rows_stop_at_their_eos(parity_model, prompt, 10)
+
+
 # ============================================================================= config
 
 def test_released_config_counts_and_schedules():

@@ -335,6 +335,11 @@ def test_generate_equals_full_recompute_beyond_the_window():
     assert torch.equal(generated, recompute_greedy(model, prompt, 12))
 
 
+def test_rows_that_reach_eos_stop_there(check_rows_stop_at_their_eos):
+    prompt = torch.randint(0, 256, (3, 4), generator=torch.Generator().manual_seed(2))
+    check_rows_stop_at_their_eos(perturbed_model(), prompt, 10)
+
+
 def test_sampling_respects_top_k_and_seed():
     model = perturbed_model()
     prompt = torch.randint(0, 256, (1, 3))
