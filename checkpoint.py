@@ -201,7 +201,10 @@ def is_native_checkpoint(path: Path) -> bool:
 
 
 def check_architecture(path: Path, config: ModelConfig) -> None:
-    saved = config_from_hf(path / "config.json").to_hf_config()
+    try:
+        saved = config_from_hf(path / "config.json").to_hf_config()
+    except (OSError, ValueError, TypeError, KeyError) as error:  # not JSON, or a field no model can have
+        raise CheckpointError(f"{path / 'config.json'}: not a usable model config ({error})") from None
     mine = config.to_hf_config()
     diffs = [f"{k} = {saved.get(k)!r} there, {mine.get(k)!r} here" for k in sorted(set(saved) | set(mine))
              if k not in INIT_FROM_SETTINGS and saved.get(k) != mine.get(k)]

@@ -66,6 +66,16 @@ def test_checkpoint_from_another_architecture_is_refused(tmp_path):
         run_debug(tmp_path, "--model.hidden_size=96", f"--checkpoint.resume={checkpoint}")
 
 
+@pytest.mark.parametrize("written", ["{not json", '{"model_type": "flint", "hidden_size": -4}'])
+def test_an_explicit_resume_of_a_checkpoint_with_a_bad_config_says_so_in_one_line(tmp_path, trained_once, written):
+    path = tmp_path / "copy"
+    shutil.copytree(trained_once, path)
+    (path / "config.json").write_text(written)
+    with pytest.raises(CheckpointError, match=rf"{path / 'config.json'}: not a usable model config") as refused:
+        run_debug(tmp_path, f"--checkpoint.resume={path}")
+    assert "\n" not in str(refused.value)
+
+
 def trained_checkpoint(tmp_path: Path) -> Path:
     run_debug(tmp_path, "--training.steps=1", "--training.sample_tokens=0")
     return tmp_path / "ckpt" / "run_0001" / "step_00000001"
