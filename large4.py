@@ -13,8 +13,7 @@ State shared between layers (the rope tables, a source layer's latent and rotate
 previous layer's selection and the attention mask built from it) is an explicit block input built
 once per forward (the mask once per group of layers sharing a selection), never a mutable
 dictionary: a checkpointed or pipelined block is then a pure function of its arguments.
-Large4Stage, at the end, is the same network as a pipeline stage and under context parallelism: the
-form parallel.py gives it.
+The one forward serves the whole model, a pipeline stage and a context-parallel rank alike.
 """
 
 from __future__ import annotations
@@ -285,6 +284,18 @@ def selects(top_k: int, visible: Visibility, cache: LayerCache | None) -> bool:
 # ============================================================================= the model
 
 class MistralLarge4(nn.Module):
+    """Mistral Large 4. One forward serves the whole model, a pipeline stage (parallel.py deletes
+    the layers of the other stages; the embedding and the rotary (alpha) stay on the first stage,
+    norm and head on the last) and a context-parallel rank. Parameter names never change. Each
+    stage rebuilds the positions, SSMax's log positions and the causal and document visibility from
+    the doc_ids every stage is given. Under context parallelism (`context`, set by parallel.py)
+    every rank of a cp group is given the whole batch and computes the queries at its share of the
+    positions; each layer gathers the small compressed latents, rotated keys and indexer keys over
+    the group, so attention and the selection see every key of the sequence, exactly."""
+
+    parallel_dims = ("pp", "cp")  # the layouts its forward serves beyond data and expert parallelism (parallel.py)
+    context = None  # cp > 1: parallel.ContextParallel (this rank's positions, the sequence gather)
+
     def __init__(self, config: Large4Config, dtype: torch.dtype | None = None):
         """Bulk parameters in `dtype`; alpha, routers, indexer weights_proj and k_norm, and the head
         are always FP32. Build on the meta device and call `init_weights()` (see `build_large4`)."""
@@ -314,18 +325,55 @@ class MistralLarge4(nn.Module):
             raise ValueError(f"{name}: no initialisation rule for a {param.dim()}-D parameter of {type(owner).__name__}")
         return seeded_normal(name, param, seed, self.config.initializer_range)
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, T] -> FP32 soft-capped logits [B, T, V], or the mean loss when targets
-        (already shifted, -100 ignored) are given. doc_ids [B, T] marks packed documents (< 0:
-        padding); positions default to restarting at each document. The causal/document mask and
-        the rope tables are built once here and passed to every block."""
-        self._check_inputs(input_ids, targets, doc_ids, positions)
-        batch, seq_len = input_ids.shape
-        positions = default_positions(doc_ids, batch, seq_len, input_ids.device) if positions is None else positions
-        visible = Visibility(doc_ids, batch, seq_len, seq_len, input_ids.device)
-        h = self.run_layers(self.embed_tokens(input_ids), positions, visible)
-        return self.lm_head(self.norm(h.float()), targets)
+    def forward(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The whole model, or one pipeline stage of it, or one context-parallel rank's share.
+
+        inputs: where the model holds the embedding (the whole model, a first stage), input_ids
+        [B, T], optionally followed by targets, doc_ids and positions as in model(ids, targets);
+        on a later stage, the previous stage's tuple (`stage_boundary`), so the rest come by
+        keyword. -> FP32 soft-capped logits [B, T, V] (of this rank's positions under cp), the mean
+        loss when targets (already shifted, -100 ignored) are given (under cp: this rank's share of
+        the mean over all positions), or, without a head, the next stage's tuple. doc_ids [B, T]
+        marks packed documents (< 0: padding); positions default to restarting at each document.
+        The visibility, positions and rope tables are built once per forward (on the first stage:
+        later ones receive the tables) and passed to every block."""
+        first = self.embed_tokens is not None
+        if first:
+            inputs, targets, doc_ids, positions = self._call_arguments(inputs, targets, doc_ids, positions)
+            self._check_inputs(inputs[0], targets, doc_ids, positions)
+        cp = self.context.size if self.context is not None else 1
+        batch, seq_len, device = inputs[0].shape[0], inputs[0].shape[1] * (1 if first else cp), inputs[0].device
+        mine = self.context.positions(seq_len, device) if cp > 1 else None  # [T / cp]
+        positions = default_positions(doc_ids, batch, seq_len, device) if positions is None else positions
+        positions = positions if mine is None else positions[:, mine]  # [B, T] -> [B, T / cp]
+        visible = Visibility(doc_ids, batch, positions.shape[1], seq_len, device, mine)
+        layers = [int(name) for name in self.layers]
+        if first:
+            ids = inputs[0] if mine is None else inputs[0][:, mine]  # [B, T] -> [B, T / cp]
+            h, (cos, sin), shared, indices = self.embed_tokens(ids), self.rotary(positions), {}, None
+        else:
+            h, cos, sin, shared, indices = self._unpack(inputs, layers[0])
+        gather = None if mine is None else self.context.gather
+        h, shared, indices = self.run_stage(h, cos, sin, positions, visible, shared, indices, gather=gather)
+        if self.lm_head is None:
+            return self._pack(h, cos, sin, shared, indices, layers[-1] + 1)
+        if mine is None or targets is None:
+            return self.lm_head(self.norm(h.float()), targets)
+        return context_share(self.lm_head(self.norm(h.float()), targets[:, mine]), targets, mine, cp)
+
+    @staticmethod
+    def _call_arguments(inputs: tuple, targets, doc_ids, positions) -> tuple:
+        """(input_ids, [targets, [doc_ids, [positions]]]) given positionally, each at most once."""
+        names, given = ("targets", "doc_ids", "positions"), [targets, doc_ids, positions]
+        if not 1 <= len(inputs) <= 4:
+            raise TypeError(f"Mistral Large 4 takes input_ids, targets, doc_ids, positions; got {len(inputs)} "
+                            f"positional arguments")
+        for index, value in enumerate(inputs[1:]):
+            if given[index] is not None:
+                raise TypeError(f"Mistral Large 4 got {names[index]} twice (by position and by keyword)")
+            given[index] = value
+        return (inputs[0],), *given
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, visible: Visibility,
                    caches: dict[int, LayerCache] | None = None) -> torch.Tensor:
@@ -432,60 +480,11 @@ class MistralLarge4(nn.Module):
         flops += c.indexer_types.count("full") * 2.0 * c.index_n_heads * c.index_head_dim * scored
         return flops
 
-
-# ============================================================================= pipeline stages
-
-class Large4Stage(MistralLarge4):
-    """Mistral Large 4 as one pipeline stage (parallel.py's pipeline_stage builds it): the model with
-    the layers of the other stages deleted, the embedding and the rotary (alpha) on the first stage
-    only, norm and head on the last. Parameter names do not change.
-
-    Stages exchange the fixed tuple of tensors that `stage_boundary` describes. Stage boundaries may
-    fall anywhere, between a KV source and its consumers or inside a group sharing one selection:
-    what a later layer still needs crosses. The rope tables cross as differentiable tensors, so alpha,
-    on the first stage, receives the gradient of every later layer. Each stage rebuilds the positions,
-    SSMax's log positions and the causal and document visibility from the doc_ids every stage is
-    given.
-
-    Context parallelism (`context`, set by parallel.py): every rank of a cp group is given the whole
-    batch and computes the queries at its share of the positions (`context.positions`); each layer
-    gathers the small compressed latents, rotated keys and indexer keys over the group, so attention
-    and the selection see every key of the sequence, exactly.
-    """
-
-    parallel_dims = ("pp", "cp")  # the layouts this form adds to data and expert parallelism (parallel.py)
-    context = None  # cp > 1: parallel.ContextParallel (positions of this rank, sequence gather)
-
-    def forward(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """inputs: (input_ids [B, T],) on the first stage, else the previous stage's tuple -> the next
-        stage's tuple, or on the last stage FP32 logits of this rank's positions, or the loss when
-        targets are given (under cp: this rank's share of the mean over all positions)."""
-        first = self.embed_tokens is not None
-        if first:
-            if len(inputs) != 1:  # forward(input_ids, targets) would read targets as a boundary tensor
-                raise TypeError("a Large 4 stage takes input_ids alone; pass targets, doc_ids and positions by keyword")
-            self._check_inputs(inputs[0], targets, doc_ids, positions)
-        cp = self.context.size if self.context is not None else 1
-        batch, seq_len, device = inputs[0].shape[0], inputs[0].shape[1] * (1 if first else cp), inputs[0].device
-        mine = self.context.positions(seq_len, device) if cp > 1 else None  # [T / cp]
-        positions = default_positions(doc_ids, batch, seq_len, device) if positions is None else positions
-        positions = positions if mine is None else positions[:, mine]  # [B, T] -> [B, T / cp]
-        visible = Visibility(doc_ids, batch, positions.shape[1], seq_len, device, mine)
-        layers = [int(name) for name in self.layers]
-        if first:
-            ids = inputs[0] if mine is None else inputs[0][:, mine]  # [B, T] -> [B, T / cp]
-            h, (cos, sin), shared, indices = self.embed_tokens(ids), self.rotary(positions), {}, None
-        else:
-            h, cos, sin, shared, indices = self._unpack(inputs, layers[0])
-        gather = None if mine is None else self.context.gather
-        h, shared, indices = self.run_stage(h, cos, sin, positions, visible, shared, indices, gather=gather)
-        if self.lm_head is None:
-            return self._pack(h, cos, sin, shared, indices, layers[-1] + 1)
-        if mine is None or targets is None:
-            return self.lm_head(self.norm(h.float()), targets)
-        return context_share(self.lm_head(self.norm(h.float()), targets[:, mine]), targets, mine, cp)
-
+    # ------------------------------------------------------------------ pipeline stages
+    # Stages exchange the fixed tuple of tensors that `stage_boundary` describes. Stage boundaries
+    # may fall anywhere, between a KV source and its consumers or inside a group sharing one
+    # selection: what a later layer still needs crosses. The rope tables cross as differentiable
+    # tensors, so alpha, on the first stage, receives the gradient of every later layer.
     def stage_io(self, batch: int, seq_len: int, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], ...]:
         """This stage's (inputs, outputs) for micro-batches [batch, seq_len], as meta tensors: static
         metadata for parallel.py's PipelineStage. Token ids into the first stage, the FP32 loss out of
@@ -549,9 +548,6 @@ class Large4Stage(MistralLarge4):
                   for source in sources}
         indices = rest.pop(0).long() if shares else None
         return h, cos, sin, shared, (indices if indices is not None and indices.shape[-1] else None)
-
-
-MistralLarge4.stage_form = Large4Stage  # the form parallel.py gives the model (models.py)
 
 
 def build_large4(config: Large4Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -20,7 +20,7 @@ import torch
 
 from config import ConfigError, load_config
 from models import ModelConfig, model_class
-from parallel import MESH_DIMS, ParallelConfig, pipeline_stage, stage_form, unsupported_layout
+from parallel import MESH_DIMS, ParallelConfig, pipeline_stage, unsupported_layout
 
 GIB = 2 ** 30
 # The GPUs the table marks, by usable memory (nvidia-smi: 143,771 MiB on an H200, 81,559 MiB on an
@@ -36,7 +36,7 @@ def _meta_model(config: ModelConfig) -> torch.nn.Module:
     if key not in _META_MODELS:
         cls = model_class(config)
         with torch.device("meta"):
-            _META_MODELS[key] = (stage_form(cls) or cls)(config)
+            _META_MODELS[key] = cls(config)
     return _META_MODELS[key]
 
 

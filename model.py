@@ -4,8 +4,8 @@ Flint is a decoder-only mixture-of-experts transformer. Most layers attend insid
 of 513 tokens with NeoX RoPE; every fourth layer (and the first two and the last) attends to the
 whole causal context with no positional encoding at all. Every attention head has a learned sink.
 All layers but the first two are MoE: 256 sigmoid-routed experts, top 6, plus one shared expert.
-See SPEC.md for the contract this file implements. FlintStage, at the end, is the same network as
-a pipeline stage and under context parallelism: the form parallel.py gives it.
+See SPEC.md for the contract this file implements. The one forward serves the whole model, a
+pipeline stage and a context-parallel rank alike.
 """
 
 from __future__ import annotations
@@ -263,6 +263,16 @@ def _chunk_forward_backward(h: torch.Tensor, weight: torch.Tensor, targets: torc
 # ============================================================================= the model
 
 class Flint(nn.Module):
+    """The Flint decoder. One forward serves the whole model, a pipeline stage and a context-parallel
+    rank: parallel.py deletes the layers of other stages (and the embedding, or the final norm and
+    head), and sets `context`. Parameter names never change. Under context parallelism every rank of
+    a cp group is given the whole batch and computes the queries at its share of the positions
+    (`context.positions`); attention gathers the keys and values over the group, so it sees every
+    key of the sequence, exactly."""
+
+    parallel_dims = ("pp", "cp")  # the layouts its forward serves beyond data and expert parallelism (parallel.py)
+    context = None  # cp > 1: parallel.ContextParallel (this rank's positions, the sequence gather)
+
     def __init__(self, config: FlintConfig, dtype: torch.dtype | None = None):
         """Bulk parameters in `dtype`; sinks, routers and the head are always FP32.
 
@@ -327,19 +337,37 @@ class Flint(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, T] -> FP32 logits [B, T, V], or the mean loss when targets are given.
+        """The whole model, or one pipeline stage of it, or one context-parallel rank's share.
 
+        input_ids: token ids [B, T] where the model holds the embedding (the whole model, a first
+        stage); on a later stage, the previous stage's hidden states [B, T / cp, H] (what
+        PipelineStage passes first). -> FP32 logits [B, T, V] (of this
+        rank's positions under cp), the mean loss when targets are given (under cp: this rank's
+        share of the mean over all positions), or, without a head, the next stage's hidden states.
         doc_ids [B, T] marks packed documents (< 0: padding); positions default to restarting at
-        each document. Masks and RoPE tables are built once here, outside the layers.
+        each document. Masks and RoPE tables are built once here, outside the layers, on every
+        stage, from the doc_ids every stage is given.
         """
-        self._check_inputs(input_ids, targets, doc_ids, positions)
-        rope, masks = self.block_inputs(doc_ids, positions, *input_ids.shape, input_ids.device)
-        h = self.embed(input_ids)
+        first, x = self.embed_tokens is not None, input_ids
+        if first:
+            self._check_inputs(x, targets, doc_ids, positions)
+        cp = self.context.size if self.context is not None else 1
+        batch, seq_len = x.shape[0], x.shape[1] * (1 if first else cp)
+        mine = self.context.positions(seq_len, x.device) if cp > 1 else None  # [T / cp]
+        rope, masks = self.block_inputs(doc_ids, positions, batch, seq_len, x.device, mine)
+        h = self.embed(x if mine is None else x[:, mine]) if first else x  # [B, T / cp, H]
+        gather = None if mine is None else self.context.gather
         for layer in self.layers.values():
-            h = layer(h, rope, masks)
-        loss = self.lm_head(self.norm(h.float()), targets)
-        router_loss = self.router_loss(doc_ids) if targets is not None else None
-        return loss if router_loss is None else loss + router_loss
+            h = layer(h, rope, masks, gather=gather)
+        if self.lm_head is None:
+            return h
+        h = self.norm(h.float())
+        if targets is None:
+            return self.lm_head(h)
+        if mine is None:  # config.py refuses the router loss with cp or pp: it needs every layer's whole batch
+            loss, router_loss = self.lm_head(h, targets), self.router_loss(doc_ids)
+            return loss if router_loss is None else loss + router_loss
+        return context_share(self.lm_head(h, targets[:, mine]), targets, mine, cp)
 
     def block_inputs(self, doc_ids: torch.Tensor | None, positions: torch.Tensor | None, batch: int, seq_len: int,
                      device, queries: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
@@ -527,52 +555,6 @@ def stream(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperat
         step_input = next_token
         if eos_token_id is not None and bool(finished.all()):
             return
-
-
-# ============================================================================= pipeline stages
-
-class FlintStage(Flint):
-    """Flint as one pipeline stage, and under context parallelism (parallel.py gives a model this
-    form): a stage is the model with the layers of other stages deleted (and the embedding, or the
-    final norm and head, set to None). Parameter names do not change. Stages exchange the hidden
-    state alone; each rebuilds the RoPE tables and masks from the doc_ids every stage is given.
-
-    Context parallelism (`context`, set by parallel.py): every rank of a cp group is given the whole
-    batch and computes the queries at its share of the positions (`context.positions`); attention
-    gathers the keys and values over the group, so it sees every key of the sequence, exactly.
-    """
-
-    parallel_dims = ("pp", "cp")  # the layouts this form adds to data and expert parallelism (parallel.py)
-    context = None  # cp > 1: parallel.ContextParallel (positions of this rank, sequence gather)
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """x: token ids [B, T] on the first stage, else hidden states [B, T / cp, H] -> the next
-        stage's hidden states, FP32 logits of this rank's positions, or the loss (under cp: this
-        rank's share of the mean over all positions)."""
-        first = self.embed_tokens is not None
-        if first:
-            self._check_inputs(x, targets, doc_ids, positions)
-        cp = self.context.size if self.context is not None else 1
-        batch, seq_len = x.shape[0], x.shape[1] * (1 if first else cp)
-        mine = self.context.positions(seq_len, x.device) if cp > 1 else None  # [T / cp]
-        rope, masks = self.block_inputs(doc_ids, positions, batch, seq_len, x.device, mine)
-        h = self.embed(x if mine is None else x[:, mine]) if first else x  # [B, T / cp, H]
-        gather = None if mine is None else self.context.gather
-        for layer in self.layers.values():
-            h = layer(h, rope, masks, gather=gather)
-        if self.lm_head is None:
-            return h
-        h = self.norm(h.float())
-        if targets is None:
-            return self.lm_head(h)
-        if mine is None:  # config.py refuses the router loss with cp or pp: it needs every layer's whole batch
-            loss, router_loss = self.lm_head(h, targets), self.router_loss(doc_ids)
-            return loss if router_loss is None else loss + router_loss
-        return context_share(self.lm_head(h, targets[:, mine]), targets, mine, cp)
-
-
-Flint.stage_form = FlintStage  # the form parallel.py gives the model (models.py)
 
 
 def build_model(config: FlintConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -8,8 +8,10 @@ experts with an all-to-all, in moe.py). The cp ranks of a group share a batch an
 sequence; the pp ranks split the layers. `parallelize` applies, in torchtitan's order: pipeline
 split, expert parallel, activation checkpointing, compile per block, then FSDP per block (the FP32
 units first), on the embedding and on the root. Parameter names never change, so a checkpoint
-written with one layout loads into any other. Pipeline and context parallelism run the form of
-the model its file names (`stage_form`, models.py); this file holds no model's code.
+written with one layout loads into any other. Pipeline and context parallelism run the model's
+own forward, which serves a stage (the layers, embedding or head a stage lacks are deleted) and a
+context-parallel rank (`context`) alike, for models that declare them in `parallel_dims`
+(models.py); this file holds no model's code.
 """
 
 from __future__ import annotations
@@ -218,16 +220,10 @@ class ContextParallel:
 
 # ============================================================================= pipeline stages
 
-def stage_form(model_type: type) -> type | None:
-    """The stage-aware form a model class names in its file (`stage_form`), or None. A form lists the
-    layouts it supports in `parallel_dims`; a model without one runs with pp = cp = 1."""
-    return getattr(model_type, "stage_form", None)
-
-
 def unsupported_layout(cfg: ParallelConfig, model_type: type) -> str | None:
     """Why `cfg` cannot lay out a `model_type` model, or None: pipeline and context parallelism
-    need a form of the model that supports them (`stage_form`), which only some models have."""
-    supported = getattr(stage_form(model_type), "parallel_dims", ())
+    need a forward that serves them, which a model declares in `parallel_dims` ("pp", "cp")."""
+    supported = getattr(model_type, "parallel_dims", ())
     for key in ("pp", "cp"):
         if getattr(cfg, key) > 1 and key not in supported:
             what = "pipeline" if key == "pp" else "context"
@@ -377,9 +373,6 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
     refusal = unsupported_layout(cfg, type(model))
     if refusal:
         raise ValueError(refusal)
-    form = stage_form(type(model))
-    if form is not None:  # same module, a forward that knows stages (and cp), no copy
-        model.__class__ = form
     parts, stage_ids = [model], [0]
     if cfg.pp > 1:
         num_stages = cfg.pp * cfg.stages_per_rank

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from large4 import Large4Config
+from large4 import Large4Config, MistralLarge4
 from model import FlintConfig, build_model
 from models import model_class
 from parallel import ParallelConfig, build_mesh, cp_token_index, init_weights, parallelize
@@ -227,10 +227,9 @@ def test_large4_pipeline_stage_boundaries():
     RoPE latent and key and shares its selection, layer 3's latent crosses two boundaries to reach
     layer 7, and layer 6 reads layer 5's latent and key. A dense forward (T <= index_topk) sends its
     absent selection as [B, T, 0]."""
-    from large4 import Large4Stage
     config = tiny_config("large4")
     with torch.device("meta"):
-        stage = Large4Stage(config)
+        stage = MistralLarge4(config)
 
     def shapes(layer, seq_len=SEQ):
         return [(tuple(t.shape), t.dtype, t.requires_grad) for t in stage.stage_boundary(layer, 2, seq_len, torch.bfloat16)]
@@ -242,8 +241,8 @@ def test_large4_pipeline_stage_boundaries():
     assert shapes(6) == [h, table, table, latent, latent, key, selection]  # layer 3, layer 5
     assert shapes(4, seq_len=4)[-1] == ((2, 4, 0), torch.int32, False)
     ids = torch.zeros(2, SEQ, dtype=torch.long)
-    with pytest.raises(TypeError, match="takes input_ids alone; pass targets"):  # not read as a boundary tensor
-        stage(ids, ids)
+    with pytest.raises(TypeError, match="got targets twice"):  # what a first stage reads positionally
+        stage(ids, ids, targets=ids)
 
 
 def flex_layouts(layouts: list[dict], overrides: dict) -> None:
@@ -286,16 +285,17 @@ def test_large4_layouts_four_processes():
                              {"cp": 2, "ep": 2, "dp_shard": 1}], {}, "large4")
 
 
-def test_pipeline_and_context_parallel_need_a_stage_form():
-    """Both models have one; a model without one is refused before any work, with the key named."""
-    from large4 import MistralLarge4
+def test_pipeline_and_context_parallel_need_a_forward_that_serves_them():
+    """Both models' forwards serve them (parallel_dims); a model whose forward does not is refused
+    before any work, with the key named. No class is ever swapped: the forward that trains is the
+    one a reader reads."""
     from model import Flint
     from parallel import unsupported_layout
     assert unsupported_layout(ParallelConfig(pp=2, cp=2), MistralLarge4) is None
     assert unsupported_layout(ParallelConfig(pp=2, cp=2), Flint) is None
 
     class Plain(torch.nn.Module):
-        """A model that names no stage form."""
+        """A model that declares no parallel_dims."""
     assert unsupported_layout(ParallelConfig(pp=2), Plain) == ("[parallel] pp = 2: pipeline parallelism is not "
                                                                "implemented for Plain; use pp = 1")
     assert unsupported_layout(ParallelConfig(cp=2), Plain).startswith("[parallel] cp = 2: context")

@@ -18,7 +18,7 @@ import metrics
 import train
 from config import ConfigError, OptimSection
 from data import EMBEDDED_CORPUS, DataError
-from model import FlintConfig, FlintStage, build_model
+from model import Flint, FlintConfig, build_model
 from train import TrainingError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,14 +97,14 @@ def test_debug_config_trains_and_reports(tmp_path, capsys):
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    real_forward, calls = FlintStage.forward, []
+    real_forward, calls = Flint.forward, []
 
     def nan_on_third_call(self, *args, **kwargs):
         calls.append(1)
         loss = real_forward(self, *args, **kwargs)
         return loss * float("nan") if len(calls) == 3 else loss
 
-    monkeypatch.setattr(FlintStage, "forward", nan_on_third_call)
+    monkeypatch.setattr(Flint, "forward", nan_on_third_call)
     with pytest.raises(TrainingError, match=r"step 3: the training loss is nan.*step_00000002"):
         run_debug(tmp_path, "--training.steps=5", "--checkpoint.every=2")
     assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [".lock", "step_00000002"]
