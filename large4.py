@@ -29,7 +29,8 @@ from torch.nn.attention.flex_attention import BlockMask
 from attention import (Mask, Visibility, flex_masked_attention, masked_attention, resolve_backend,
                        selection_attention_mask, top_keys)
 from large4_config import PRESETS, Large4Config  # noqa: F401  (PRESETS: re-exported for users of large4)
-from model import Flint, Gather, Head, RMSNorm, build_model, context_share, default_positions, generate, seeded_normal
+from decoder import (Gather, Head, RMSNorm, build, check_inputs, context_share, count_params, default_positions,
+                     generate, init_weights, seeded_normal)
 from moe import MoE, SwiGLU
 
 # cos or sin [B, T, R/2] FP32, built once per forward; None on a pipeline stage when no layer from it on rotates
@@ -308,8 +309,13 @@ class MistralLarge4(nn.Module):
         self.lm_head = Head(config.hidden_size, config.vocab_size, config.loss_chunk_size,
                             config.final_logit_softcapping)
 
-    init_weights = Flint.init_weights
-    _check_inputs = Flint._check_inputs
+    def init_weights(self, seed: int = 0) -> None:
+        """Every parameter from `initial_value` (decoder.init_weights): the same weights in every layout."""
+        init_weights(self, seed)
+
+    def _check_inputs(self, input_ids, targets, doc_ids, positions) -> None:
+        check_inputs(self.config, input_ids, targets, doc_ids, positions)
+
     first_stage_modules = ("embed_tokens", "rotary")  # what only the first pipeline stage keeps (parallel.py)
 
     def initial_value(self, name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
@@ -457,12 +463,7 @@ class MistralLarge4(nn.Module):
 
     def num_params(self, active: bool = False) -> int:
         """All parameters, or those one token uses (top-k of the routed experts, not all E)."""
-        total = sum(p.numel() for p in self.parameters())
-        if not active:
-            return total
-        c = self.config
-        moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
-        return total - moe_layers * (c.n_routed_experts - c.num_experts_per_tok) * 3 * c.hidden_size * c.moe_intermediate_size
+        return count_params(self, active)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (LARGE4.md section 6.3): 6 per active trainable matrix weight
@@ -552,5 +553,5 @@ class MistralLarge4(nn.Module):
 
 def build_large4(config: Large4Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  seed: int = 0) -> MistralLarge4:
-    """model.build_model for Mistral Large 4: meta build, materialise on `device`, initialise."""
-    return build_model(config, device, dtype, seed, MistralLarge4)
+    """decoder.build for Mistral Large 4: meta build, materialise on `device`, initialise."""
+    return build(MistralLarge4, config, device, dtype, seed)

@@ -10,35 +10,18 @@ pipeline stage and a context-parallel rank alike.
 
 from __future__ import annotations
 
-import zlib
-from typing import Callable, Iterator
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from attention import SLIDING, KVCache, build_masks, resolve_backend, sink_attention
+from decoder import (Gather, Head, RMSNorm, build, check_inputs, context_share, count_params, default_positions,
+                     generate, init_weights, seeded_normal)
 from flint_config import FlintConfig, read_config_json  # noqa: F401  (read_config_json: re-exported)
 from moe import MoE, Router, SwiGLU, load_balancing_loss
 
-# Context parallelism's sequence gather (parallel.ContextParallel.gather): a tensor holding this rank's
-# positions along `dim` (default 1), T / cp long, -> the whole sequence's, T long.
-Gather = Callable[..., torch.Tensor]
 
 
 # ============================================================================= building blocks
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * y).to(x.dtype)
-
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """NeoX RoPE over all head_dim channels: positions [B, T] -> cos, sin [B, 1, T, D] in FP32."""
@@ -53,30 +36,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated * sin).to(x.dtype)
-
-
-def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Positions that restart at 0 where each packed document begins: doc_ids [B, T] -> [B, T]."""
-    batch, seq_len = doc_ids.shape
-    index = torch.arange(seq_len, device=doc_ids.device).expand(batch, seq_len)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    start_index = torch.where(starts, index, torch.zeros_like(index))
-    return index - torch.cummax(start_index, dim=1).values
-
-
-def default_positions(doc_ids: torch.Tensor | None, batch: int, seq_len: int, device) -> torch.Tensor:
-    """Positions [B, T] that restart at 0 where each packed document begins (0 .. T - 1 without doc_ids)."""
-    if doc_ids is not None:
-        return document_positions(doc_ids)
-    return torch.arange(seq_len, device=device).expand(batch, seq_len)
-
-
-def context_share(loss: torch.Tensor, targets: torch.Tensor, mine: torch.Tensor, cp: int) -> torch.Tensor:
-    """The head's mean loss over the targets [B, T] at this cp rank's positions `mine` [T / cp] -> this
-    rank's share of the mean over the whole sequence's, so that the mean over the cp ranks is that mean
-    (every cp rank holds all targets: no communication)."""
-    return loss * (targets[:, mine] != -100).sum() * cp / (targets != -100).sum().clamp(min=1)
 
 
 class Sinks(nn.Module):
@@ -159,107 +118,6 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(mlp_in).to(x.dtype)
 
 
-class Head(nn.Module):
-    """Untied FP32 output head [V, H], with a chunked cross-entropy.
-
-    The loss never holds more than `chunk_size` rows of FP32 logits. In training it is one fused
-    step (LinearCrossEntropy): each chunk's gradients are taken as soon as its logits exist, so the
-    logits are neither saved nor recomputed. An optional soft-cap (Mistral Large 4) bounds the
-    logits, in FP32, inside each chunk.
-    """
-
-    def __init__(self, hidden: int, vocab: int, chunk_size: int, softcap: float | None = None):
-        super().__init__()
-        self.chunk_size, self.softcap = chunk_size, softcap
-        self.weight = nn.Parameter(torch.empty(vocab, hidden, dtype=torch.float32))
-
-    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """h [B, T, H] -> FP32 logits [B, T, V], or with targets [B, T] the mean loss (scalar)."""
-        h = h.float()
-        if targets is None:
-            return soft_cap(h @ self.weight.float().T, self.softcap)
-        h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)  # [N, H], [N]
-        count = (targets != -100).sum().clamp(min=1)
-        weight = self.weight.float()
-        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            return LinearCrossEntropy.apply(h, weight, targets, self.chunk_size, self.softcap) / count
-        total = sum(_chunk_loss_sum(h[rows], weight, targets[rows], self.softcap)
-                    for rows in _chunks(h.shape[0], self.chunk_size))
-        return total / count
-
-
-def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """cap * tanh(logits / cap), or the logits unchanged when cap is None."""
-    return logits if cap is None else cap * torch.tanh(logits / cap)
-
-
-def _chunks(rows: int, chunk_size: int) -> list[slice]:
-    return [slice(start, start + chunk_size) for start in range(0, rows, chunk_size)]
-
-
-def _chunk_loss_sum(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                    softcap: float | None = None) -> torch.Tensor:
-    logits = soft_cap(h @ weight.T, softcap)  # [chunk, V] in FP32
-    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
-
-
-class LinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of soft_cap(h @ weight^T) against targets (-100: ignored), with its
-    gradients taken in the forward, one chunk of rows at a time.
-
-    Per chunk: logits, log-softmax, loss; then, in place, the logits' gradient softmax - onehot
-    (times the soft-cap's derivative 1 - tanh^2), and from it the chunk's dh and its share of dW.
-    Three matmuls per chunk, as unchunked autograd takes, and no more (checkpointing each chunk
-    would recompute its logits: a fourth), and no logits kept. Backward only scales the saved
-    gradients by the incoming one. The price: dW [V, H] in FP32 is held from this forward to its
-    backward, one per micro-batch in flight (memory.py counts it).
-    """
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int,
-                softcap: float | None) -> torch.Tensor:
-        """h [N, H] FP32, weight [V, H] FP32, targets [N] -> the summed loss (scalar)."""
-        grad_h = torch.empty_like(h)  # [N, H]
-        grad_weight = torch.zeros_like(weight)  # [V, H]
-        total = h.new_zeros(())
-        for rows in _chunks(h.shape[0], chunk_size):
-            total = total + _chunk_forward_backward(h[rows], weight, targets[rows], softcap, grad_h[rows],
-                                                    grad_weight)
-        ctx.save_for_backward(grad_h, grad_weight)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        # Fresh contiguous products: the weight's gradient accumulator takes them as they are, with
-        # no copy (a [V, H] FP32 gradient is 1.2 GB for Flint's head)
-        grad_h, grad_weight = ctx.saved_tensors
-        return grad_h * grad_loss, grad_weight * grad_loss, None, None, None
-
-
-def _chunk_forward_backward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None,
-                            grad_h: torch.Tensor, grad_weight: torch.Tensor) -> torch.Tensor:
-    """One chunk of LinearCrossEntropy: writes its rows of grad_h [c, H], adds its share to
-    grad_weight [V, H], returns its summed loss."""
-    logits = h @ weight.T  # [c, V]
-    if softcap is not None:
-        capped = logits.div_(softcap).tanh_()  # tanh(logits / cap), in place
-        logits = capped * softcap
-    log_probs = torch.log_softmax(logits, dim=-1)  # [c, V]
-    del logits
-    keep = (targets != -100).to(h.dtype).unsqueeze(1)  # [c, 1]: 0 for ignored rows
-    picked = targets.clamp(min=0).unsqueeze(1)  # [c, 1]: any class for ignored rows, weighed by keep
-    loss = -(log_probs.gather(1, picked) * keep).sum()
-    grad = log_probs.exp_()  # softmax, in place: d loss / d logits = softmax - onehot(target)
-    grad.scatter_add_(1, picked, -keep)
-    if softcap is not None:
-        grad.mul_(1 - capped.square_())  # d(cap * tanh(x / cap)) / dx
-    # Ignored rows get no gradient: masked on the [c, H] sides of the matmuls, not on the [c, V] grad.
-    torch.mm(grad, weight, out=grad_h)
-    grad_h.mul_(keep)
-    grad_weight.addmm_(grad.T, h * keep)
-    return loss
-
-
 # ============================================================================= the model
 
 class Flint(nn.Module):
@@ -304,13 +162,9 @@ class Flint(nn.Module):
             router.logits = None  # the loss holds what backward needs
         return self.config.router_aux_loss_coef * balance
 
-    @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Every parameter from `initial_value`, buffers zeroed: the same weights in every layout."""
-        for name, param in self.named_parameters():
-            param.copy_(self.initial_value(name, param, seed))
-        for buffer in self.buffers():
-            buffer.zero_()
+        """Every parameter from `initial_value` (decoder.init_weights): the same weights in every layout."""
+        init_weights(self, seed)
 
     def initial_value(self, name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
         """The whole initial tensor of parameter `name` (param gives shape, dtype and device):
@@ -385,24 +239,7 @@ class Flint(nn.Module):
         return h.to(getattr(torch, self.config.residual_dtype)) if self.config.residual_dtype else h
 
     def _check_inputs(self, input_ids, targets, doc_ids, positions) -> None:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise ValueError(f"input_ids must be an integer tensor [batch, seq], got "
-                             f"{getattr(input_ids, 'dtype', type(input_ids))} {tuple(getattr(input_ids, 'shape', ()))}")
-        if 0 in input_ids.shape:  # an empty sequence also crashes the CPU attention kernel (SIGFPE)
-            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: it needs at least one sequence of at "
-                             f"least one token")
-        if input_ids.shape[1] > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")
-        for name, tensor in (("targets", targets), ("doc_ids", doc_ids), ("positions", positions)):
-            if tensor is None:
-                continue
-            if tensor.shape != input_ids.shape or tensor.is_floating_point():
-                raise ValueError(f"{name} must be an integer tensor of shape {tuple(input_ids.shape)} like "
-                                 f"input_ids, got {tensor.dtype} {tuple(tensor.shape)}")
-        check_token_ids("input_ids", input_ids, self.config.vocab_size)
-        if targets is not None:
-            check_token_ids("targets", targets, self.config.vocab_size, ignored=-100)
+        check_inputs(self.config, input_ids, targets, doc_ids, positions)
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -428,14 +265,7 @@ class Flint(nn.Module):
     # ------------------------------------------------------------------ accounting
     def num_params(self, active: bool = False) -> int:
         """All parameters, or those one token uses (top-k of the routed experts, not all E)."""
-        total = sum(p.numel() for p in self.parameters())
-        if not active:
-            return total
-        c = self.config
-        idle_experts = c.num_experts - c.num_experts_per_tok
-        per_expert = 3 * c.hidden_size * c.moe_intermediate_size
-        moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
-        return total - moe_layers * idle_experts * per_expert
+        return count_params(self, active)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward), checkable by hand.
@@ -470,99 +300,7 @@ class Flint(nn.Module):
         return sum(m.weight.numel() for m in self.modules() if isinstance(m, (RMSNorm, Sinks)))
 
 
-def seeded_normal(name: str, param: torch.Tensor, seed: int, std: float) -> torch.Tensor:
-    """normal(0, std) of param's shape, dtype and device from a generator seeded by crc32 of
-    (seed, name): the same tensor whichever rank, layout or order draws it."""
-    # 32 bits: the CPU generator (mt19937) keeps only the low 32 bits of a seed.
-    generator = torch.Generator(device=param.device).manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
-    value = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-    return value.normal_(0.0, std, generator=generator)
-
-
-def check_token_ids(name: str, ids: torch.Tensor, vocab: int, ignored: int | None = None) -> None:
-    """Token ids must index the vocabulary (the embedding would fail with a bare IndexError, a GPU
-    with a device-side assert). One reduction and one host sync per call."""
-    outside = (ids < 0) | (ids >= vocab)
-    if ignored is not None:
-        outside &= ids != ignored
-    if bool(outside.any()):
-        bad = ids[outside][0].item()
-        raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab}) of vocab_size {vocab}"
-                         + (f" ({ignored} marks an ignored target)" if ignored is not None else ""))
-
-
-def check_sampling(temperature: float, top_k: int | None) -> None:
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature >= 0:
-        raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0):
-        raise ValueError(f"top_k must be a positive integer or None (all tokens), got {top_k!r}")
-
-
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
-           generator: torch.Generator | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, V] -> next tokens [B, 1]: greedy at temperature 0, else top-k sampling; only ids
-    where allowed (bool [V]) is true, when given."""
-    check_sampling(temperature, top_k)
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-    if temperature <= 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
-
-
-@torch.no_grad()
-def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, generator: torch.Generator | None = None, eos_token_id: int | None = None,
-             allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """prompt [B, T] -> [B, T + n], n <= max_new_tokens: the prompt and everything `stream` yields."""
-    return torch.cat([prompt, *stream(model, prompt, max_new_tokens, temperature, top_k, generator, eos_token_id,
-                                      allowed)], dim=1)
-
-
-@torch.no_grad()
-def stream(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-           top_k: int | None = None, generator: torch.Generator | None = None, eos_token_id: int | None = None,
-           allowed: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
-    """Yield each next token [B, 1] as it is chosen, up to max_new_tokens. A row that has produced
-    eos_token_id is finished: from then on it receives eos_token_id again (padding), and the stream
-    stops once every row has finished. Any model with `decode_step(input_ids, caches, start)` that
-    fills an empty caches dict (Flint, Mistral Large 4).
-
-    temperature 0 is greedy; otherwise sample from softmax(logits / temperature), optionally
-    restricted to the top_k tokens. allowed (bool [V]): the only ids that may be chosen, for a
-    vocabulary padded beyond what the tokenizer can decode.
-    """
-    model._check_inputs(prompt, None, None, None)
-    limit = model.config.max_position_embeddings
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0 or prompt.shape[1] + max_new_tokens > limit:
-        raise ValueError(f"max_new_tokens must be an integer >= 0 with prompt length + max_new_tokens <= "
-                         f"max_position_embeddings ({prompt.shape[1]} + {max_new_tokens!r} > {limit})")
-    caches: dict = {}
-    step_input, start = prompt, 0
-    finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
-    for _ in range(max_new_tokens):
-        logits = model.decode_step(step_input, caches, start)  # [B, V] for the last position
-        start += step_input.shape[1]
-        next_token = sample(logits, temperature, top_k, generator, allowed)  # [B, 1]
-        if eos_token_id is not None:
-            next_token = next_token.masked_fill(finished[:, None], eos_token_id)
-            finished |= next_token[:, 0] == eos_token_id
-        yield next_token
-        step_input = next_token
-        if eos_token_id is not None and bool(finished.all()):
-            return
-
-
 def build_model(config: FlintConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 seed: int = 0, model_class: type[nn.Module] = Flint) -> nn.Module:
-    """Construct on the meta device (no memory), materialise on `device`, then initialise.
-    model_class: Flint, or another model with the same constructor and init_weights (large4.py)."""
-    with torch.device("meta"):
-        model = model_class(config, dtype)
-    model.to_empty(device=device)
-    model.init_weights(seed)
-    return model
+    """decoder.build for Flint (or, through model_class, any model with the same constructor)."""
+    return build(model_class, config, device, dtype, seed)

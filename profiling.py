@@ -23,7 +23,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from large4 import Indexer, MLAttention
-from model import Attention, Head, Sinks
+from decoder import Head
+from model import Attention, Sinks
 from moe import GroupedExperts, Router, SwiGLU
 
 

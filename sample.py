@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from checkpoint import is_native_checkpoint
-from model import stream
+from decoder import stream
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 

@@ -56,3 +56,14 @@ def check_rows_stop_at_their_eos():
             assert torch.equal(stopped[row, :prompt.shape[1] + end], free[row, :prompt.shape[1] + end])
             assert (stopped[row, prompt.shape[1] + end:] == eos).all()
     return check
+
+
+@pytest.fixture
+def assert_close_to_scale():
+    """A check that every element is within `relative` of the tensor's own scale (its largest
+    magnitude): the unit in which FP32 summation-order noise is uniform, where an absolute floor is
+    not (gradients of 1e-3)."""
+    def check(actual: torch.Tensor, expected: torch.Tensor, relative: float, what: str) -> None:
+        error, scale = (actual - expected).abs().max(), expected.abs().max()
+        assert error <= relative * scale, f"{what}: max error {error:.3g} is more than {relative:g} of its scale {scale:.3g}"
+    return check

@@ -13,7 +13,8 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 
 from attention import FULL, SLIDING, build_masks, flash_sink_attention
-from model import FlintConfig, build_model, document_positions, rope_tables
+from decoder import document_positions
+from model import FlintConfig, build_model, rope_tables
 from moe import _grouped_mm_op, expert_counts, grouped_mm
 
 SLOW = os.environ.get("FLINT_SLOW") == "1"

@@ -1,0 +1,60 @@
+"""decoder.py: the fused chunked loss of the shared head against a plain per-row softmax, the shared
+parameter count. Generation through the shared stream is checked for both models in test_model.py
+and test_large4.py (conftest's check_rows_stop_at_their_eos)."""
+
+import pytest
+import torch
+
+from decoder import Head, count_params
+from model import FlintConfig, build_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def plain_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The contract's loss row by row: full softmax of the (soft-capped) logits, mean over kept rows."""
+    total, kept = 0.0, 0
+    for row, target in zip(h, targets.tolist()):
+        if target == -100:
+            continue
+        logits = weight @ row  # [V]
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        total = total - (logits[target] - torch.log(torch.exp(logits).sum()))
+        kept += 1
+    return total / max(kept, 1)
+
+
+@pytest.mark.parametrize("chunk", [4, 7, 10_000])
+@pytest.mark.parametrize("cap", [None, 2.5])
+def test_fused_head_loss_matches_plain_reference(chunk, cap, assert_close_to_scale):
+    """Head's fused chunked loss (gradients taken in its forward) against a per-row full softmax:
+    values and both gradients, ignored rows included; the no_grad path gives the same loss."""
+    generator = torch.Generator().manual_seed(0)
+    head = Head(12, 40, chunk, cap)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(40, 12, generator=generator))
+    h = torch.randn(2, 11, 12, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 40, (2, 11), generator=generator)
+    targets[0, 2], targets[1, :4] = -100, -100
+    loss = head(h, targets)
+    (3.0 * loss).backward()  # a non-unit incoming gradient must scale both saved gradients
+    weight = head.weight.detach().clone().requires_grad_()
+    h_ref = h.detach().clone().requires_grad_()
+    expected = plain_head_loss(h_ref.reshape(-1, 12), weight, targets.reshape(-1), cap)
+    (3.0 * expected).backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    assert_close_to_scale(h.grad, h_ref.grad, 1e-5, "input gradient")
+    assert_close_to_scale(head.weight.grad, weight.grad, 1e-5, "weight gradient")
+    assert h.grad[0, 2].abs().max() == 0 and h.grad[1, :4].abs().max() == 0
+    with torch.no_grad():
+        torch.testing.assert_close(head(h, targets), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_active_parameters_leave_out_the_unchosen_experts():
+    """tiny: 2 MoE layers of 8 experts, top 2: 6 experts x 3 matrices of hidden x moe_intermediate idle."""
+    config = FlintConfig.from_name("tiny", num_hidden_layers=4)
+    model = build_model(config)
+    idle = 2 * (config.num_experts - config.num_experts_per_tok) * 3 * config.hidden_size * config.moe_intermediate_size
+    assert count_params(model) == sum(p.numel() for p in model.parameters())
+    assert count_params(model, active=True) == count_params(model) - idle
