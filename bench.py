@@ -5,34 +5,18 @@ r"""How fast a model trains, side by side, and where the step time goes.
     python bench.py --sections main --profile 25 # one step's torch.profiler table, top 25 ops
     python bench.py --config configs/smoke.toml --sections main,compiled    # a training config's step
     python bench.py --config configs/large4-smoke.toml --model.n_routed_experts=4  # Large 4, overridden
+    python bench.py --preset flint-shallow --device cuda --dtype bfloat16 --batch 2 --seq-len 4096  # one GPU
 
-One H100/H200 (preset flint-shallow: released widths, head counts and 256 experts, top-6, the
-first 6 layers of the released schedule; MFU against the device's dense BF16 peak):
-
-    python bench.py --preset flint-shallow --device cuda --dtype bfloat16 --batch 2 --seq-len 4096 \
-        --json flint-shallow-h200.json
-
-What is timed is read as train.py reads it: --config (a training TOML, or a config.json or a
-checkpoint directory holding one) or --preset, then --batch, --seq-len, --device, --dtype, then
-`--section.key=value` overrides. The first row, labelled with the config, is its own step (backends,
-loss chunks, [optim], activation checkpointing, compile) on one process; the others change one thing.
-
-Every row times whole training steps as train.py takes them (forward, backward, gradient clipping,
-AdamW from train.build_optimizer with [optim]) after --warmup steps, and reports the median of --reps.
-The rows that compare steps (sections main, compiled, baseline, reference) are all built and warmed up
-first (a compiled row compiles in its warm-up), then timed in rotation: one step of each in turn,
---reps times. A machine whose speed drifts (shared cores) then slows every row alike, and the summary
-gives each ratio twice: of the median steps, and the median of each rotation's own ratio. The other
-rows (variants, and forward-only attention) are timed one after another, each printed as it ends.
-
-MFU divides the model's FLOPs (`flops_per_token`) per second by train.py's peak: [logging].peak_tflops,
-a GPU's dense BF16 peak from a table, or on the CPU the machine's matmul rate measured once and cached.
-The matmul rate is also measured before each rotation (the compared rows show its median) and before
-every other row, so a row timed while other processes held the cores stands out. Peak memory is taken
-during a row's own warm-up, above what the process held before building it (the rows compared side by
-side are all alive at once): RSS on the CPU (peak reset through /proc/self/clear_refs, freed heap
-returned first with malloc_trim), `max_memory_allocated` on a GPU. A row that cannot run (out of
-memory, say) is shown as FAILED with its error, and the run goes on.
+What is timed is read as train.py reads it (--config or --preset, then --batch, --seq-len, --device,
+--dtype, then `--section.key=value` overrides). The first row is the config's own step on one process;
+the others change one thing. Every row times whole training steps (forward, backward, clipping, AdamW
+from train.build_optimizer) after --warmup steps, and reports the median of --reps. The rows that
+compare steps (main, compiled, baseline, reference) are built and warmed up first, then timed in
+rotation, one step of each in turn, so a machine whose speed drifts slows every row alike; ratios are
+given of the medians and as the median per-rotation ratio. MFU is against train.py's peak (a GPU's
+dense BF16 peak, or the CPU's cached matmul rate, also measured before each row so a loaded machine
+stands out). Peak memory is taken during a row's own warm-up, above what the process held before. A
+row that cannot run is shown as FAILED with its error, and the run goes on.
 """
 
 from __future__ import annotations
@@ -57,13 +41,15 @@ from torch.profiler import record_function
 from attention import FULL, SLIDING, build_masks, resolve_backend
 from baselines import NotApplicable, dense_logits_loss, plain_eager_loss, transformers_loss, transformers_reference
 from config import ConfigError, OptimSection, TrainConfig, config_from_tables, model_family, read_tables
-from metrics import CPU_PEAK_CACHE, run_peak_flops, write_atomically
+from files import write_atomically
+from metrics import CPU_PEAK_CACHE, model_flops_per_token, run_peak_flops
 from model import FlintConfig, build_model, rope_tables
 from models import ModelConfig, model_class
 from parallel import apply_activation_checkpointing, apply_compile
 from profiling import (OPTIMIZER, RANGE, matmul_rate, memory_in_use, peak_memory, profile_step, reset_peak_memory,
                        time_call)
-from train import Run, build_optimizer
+from parallel import Run
+from train import build_optimizer
 
 SECTIONS = ("main", "compiled", "baseline", "reference", "attention", "experts", "loss", "sweep")
 
@@ -188,7 +174,7 @@ class Bench:
         ImportError (a skipped row) when transformers cannot be imported."""
         model = transformers_reference(self.model())
         step = training_step(model, *self.inputs(), transformers_loss, self.cfg.optim)
-        return model, step, flops_per_token(self.config, self.seq_len)
+        return model, step, model_flops_per_token(self.config, self.seq_len)
 
     def forward(self, **overrides) -> Built:
         """Forwards without autograd (the only mode of flex attention on the CPU); a third of the FLOPs."""
@@ -399,7 +385,7 @@ def run(args: argparse.Namespace, cfg: TrainConfig, device: torch.device) -> dic
               "batch": batch, "seq_len": seq_len, "device": device.type, "device_name": device_name(device),
               "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "warmup": args.warmup, "reps": args.reps,
-              "peak_flops": peak, "peak_source": peak_source, "flops_per_token": flops_per_token(config, seq_len),
+              "peak_flops": peak, "peak_source": peak_source, "flops_per_token": model_flops_per_token(config, seq_len),
               "rows": bench.rows,
               "alternated": [row["name"] for row in compared if "error" not in row],
               "ratios": ratios(bench.rows, model_family(cfg)), "notes": notes}
@@ -424,11 +410,6 @@ def ratios(rows: list[dict], family: str) -> list[dict]:
             result.append({"row": row["name"], "vs": other["name"], "of_medians": other["step_s"] / row["step_s"],
                            "median_per_rotation": statistics.median(per_rotation), "per_rotation": per_rotation})
     return result
-
-
-def flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    with torch.device("meta"):  # counting needs the shapes only
-        return model_class(config)(config).flops_per_token(seq_len)
 
 
 # ============================================================================= what is timed

@@ -1,203 +1,36 @@
-"""Native checkpoints: torch.distributed.checkpoint (DCP) directories that train.py saves, resumes
-from and starts from ([model].init_from), and that convert.py reads and writes.
-
-A checkpoint is a directory holding DCP's .metadata and .distcp files plus config.json (the model's
-Hugging Face config) and train_config.json (the run's resolved configuration). Every layout saves the
-same names and full shapes, so a checkpoint saved by any parallel layout loads in any other.
+"""The checkpoints of training runs: checkpoint.dir/run_NNNN/step_NNNNNNNN directories that train.py
+saves, resumes from and starts from ([model].init_from). checkpoint_files.py reads and writes the
+files of one checkpoint; this file decides which checkpoints a run writes, keeps, locks and resumes.
+Every layout saves the same names and full shapes, so a checkpoint saved by any parallel layout
+loads in any other.
 """
 
 from __future__ import annotations
 
-import enum
 import fcntl
-import io
 import json
 import os
-import pickle
 import re
 import shutil
-import signal
-import sys
 import time
-import warnings
-import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from checkpoint_files import (CheckpointError, damage, from_main_rank, is_native_checkpoint, load_dcp,
+                              read_metadata, save_dcp, write_checksums)
 from config import INIT_FROM_SETTINGS
 from models import ModelConfig, config_from_hf
-from parallel import ParallelModel, barrier
+from files import sync_rename
+from parallel import ParallelModel, Run, barrier
 
-if TYPE_CHECKING:  # only for annotations: train.py imports this file
+if TYPE_CHECKING:  # only for annotations
     from config import TrainConfig
     from data import PackedLoader
-    from train import Run
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be used (incomplete, damaged, another architecture); the message says why."""
-
-
-# ============================================================================= reading metadata safely
-
-# Everything a DCP .metadata pickle names: its dataclasses, torch.Size, dtypes (below), layouts, and
-# the path DCP records as the checkpoint id. Nothing else can be called while unpickling.
-METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-     ("collections", "OrderedDict")}
-
-
-def enum_member(cls: type, name: str) -> enum.Enum:
-    """What `builtins.getattr` may do in metadata: fetch a member of an allowed enum by name. Some
-    Python builds (Debian 12's 3.11.2) pickle an enum member as getattr(its class, its name)."""
-    if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str)
-            and name in cls.__members__):
-        raise pickle.UnpicklingError(f"it calls getattr({getattr(cls, '__name__', cls)!r}, {name!r}), which "
-                                     f"checkpoint metadata never holds (refused: loading it could run code)")
-    return cls[name]
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """pickle.Unpickler that refuses every global outside METADATA_CLASSES, torch dtypes and enum
-    members fetched by name: torch's FileSystemReader.read_metadata calls pickle.load, which runs
-    whatever a crafted file names."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in METADATA_CLASSES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) == ("builtins", "getattr"):
-            return enum_member
-        raise pickle.UnpicklingError(f"it names {module}.{name}, which checkpoint metadata never holds "
-                                     f"(refused: loading it could run code)")
-
-
-def read_metadata(path: Path) -> Metadata:
-    """DCP's metadata of the checkpoint directory `path`, read without running any code it names."""
-    file = Path(path) / ".metadata"
-    try:
-        with open(file, "rb") as f:
-            metadata = MetadataUnpickler(f).load()
-    except OSError as error:
-        raise CheckpointError(f"{file}: cannot read: {error.strerror or error}") from error
-    except Exception as error:  # truncated, empty or garbage: pickle raises many kinds of errors
-        raise CheckpointError(f"{file}: not a valid checkpoint metadata file ({type(error).__name__}: "
-                              f"{error or 'truncated'})") from error
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{file}: not a valid checkpoint metadata file (it holds a "
-                              f"{type(metadata).__name__}, expected a DCP Metadata)")
-    return metadata
-
-
-class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with read_metadata above. DCP reads each tensor with torch.load(weights_only=
-    True); the non-tensor entries go through SafeLoadPlanner."""
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        metadata = read_metadata(Path(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, but a non-tensor entry (an optimizer group's lr, betas, ...) is read with
-    torch.load(weights_only=True): DCP's own planner loads it with weights_only=False, which runs
-    whatever a crafted .distcp file's pickle names."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        name = read_item.dest_index.fqn
-        try:
-            loaded = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as error:
-            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
-            what = f"it names {found.group(1)}" if found else "it is not plain data"
-            raise CheckpointError(f"entry {name!r} is refused: {what} (loading it could run code)") from None
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[name], loaded)
-        else:
-            self.state_dict[name] = loaded
-
-
-# ============================================================================= saving and loading
-
-
-def save_dcp(state: dict, path: Path) -> None:
-    with warnings.catch_warnings():  # DCP warns that one process saves alone: that is intended
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-
-
-def load_dcp(state: dict, path: Path, alone: bool = False, verified: bool = False) -> None:
-    """Fills `state` in place from the checkpoint at `path`; `alone`: this process reads without
-    the others (convert.py, the end-of-run sample), even inside a process group; `verified`: the
-    caller already checked the files (a streaming reader loads one tensor per call)."""
-    with warnings.catch_warnings():  # DCP warns that one process loads alone (even with no_dist): intended
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        if not verified:
-            verify(path, alone)  # its own clear error for a damaged file, before DCP wraps it
-        try:
-            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
-                     no_dist=alone or not dist.is_initialized())
-        except (Exception, CheckpointException) as error:  # DCP wraps a damaged file's error in a long report
-            refused = refusal(error)
-            if refused:
-                raise CheckpointError(f"{path}: {refused}") from None
-            raise CheckpointError(short_file(Path(path)) or f"{path}: cannot load the checkpoint's tensors (a "
-                                  f"damaged .distcp file?): {root_cause(error)}") from error
-
-
-def short_file(path: Path) -> str | None:
-    """The data file that is missing or shorter than the metadata says, if one is."""
-    ends: dict[str, int] = {}
-    for info in read_metadata(path).storage_data.values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(ends.items()):
-        size = (path / name).stat().st_size if (path / name).is_file() else None
-        if size is None or size < end:
-            return f"{path / name}: {'missing' if size is None else f'truncated ({size} of {end} bytes)'}"
-    return None
-
-
-def refusal(error: BaseException) -> str | None:
-    """SafeLoadPlanner's refusal, if that is what DCP's report (or the error itself) holds."""
-    failures = getattr(error, "failures", None) or {}
-    for failure in [error, *failures.values()]:
-        failure = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(failure, CheckpointError):
-            return str(failure)
-    return None
-
-
-def root_cause(error: BaseException) -> str:
-    """One line for DCP's CheckpointException, which holds each rank's exception and traceback."""
-    failures = getattr(error, "failures", None)
-    if failures:
-        first = next(iter(failures.values()))  # (exception, its traceback's frames)
-        error = first[0] if isinstance(first, tuple) else first
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else 'no message'}"[:300]
-
-
-def is_native_checkpoint(path: Path) -> bool:
-    return (path / ".metadata").is_file() and (path / "config.json").is_file()
 
 
 def check_architecture(path: Path, config: ModelConfig) -> None:
@@ -210,106 +43,6 @@ def check_architecture(path: Path, config: ModelConfig) -> None:
              if k not in INIT_FROM_SETTINGS and saved.get(k) != mine.get(k)]
     if diffs:
         raise CheckpointError(f"checkpoint {path} holds a different architecture: {'; '.join(diffs[:5])}")
-
-
-# ============================================================================= checksums
-
-CHECKSUMS = "checksums.json"
-CHUNK = 16 * 2 ** 20
-
-
-def crc32_of(file: Path) -> int:
-    crc = 0
-    with open(file, "rb") as f:
-        while chunk := f.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def write_checksums(directory: Path) -> None:
-    """CRC-32 and size of every file of a checkpoint directory, in checksums.json: a flipped bit or
-    a truncated file is then reported on load rather than trained on (CRC-32: accidents, not attacks)."""
-    files = {f.name: {"bytes": f.stat().st_size, "crc32": crc32_of(f)}
-             for f in sorted(directory.iterdir()) if f.is_file() and f.name != CHECKSUMS}
-    (directory / CHECKSUMS).write_text(json.dumps(files, indent=1) + "\n")
-
-
-def damage(directory: Path) -> str | None:
-    """None if the checkpoint is intact, else one line naming the damaged file. Checkpoints without
-    checksums.json (written before it existed, or converted) are checked for readable metadata and
-    data files as long as the metadata says."""
-    try:
-        read_metadata(directory)
-    except CheckpointError as error:
-        return str(error)
-    listed = directory / CHECKSUMS
-    if not listed.exists():
-        return short_file(directory)
-    try:
-        expected = json.loads(listed.read_text())
-        entries = [(name, int(e["bytes"]), int(e["crc32"])) for name, e in expected.items()]
-    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as error:
-        return f"{listed}: not a valid checksum list ({type(error).__name__}: {error})"
-    for name, size, crc in entries:
-        file = directory / name
-        if "/" in name or name in (".", "..") or not file.is_file():
-            return f"{file}: missing (listed in {listed})"
-        if file.stat().st_size != size:
-            return f"{file}: {file.stat().st_size} bytes, {size} when saved (truncated or overwritten)"
-        if crc32_of(file) != crc:
-            return f"{file}: checksum mismatch (the file changed since it was saved: a flipped bit or a damaged disk)"
-    return None
-
-
-def verify(directory: Path, alone: bool = False) -> None:
-    """Raises CheckpointError if `directory` is damaged. In a process group rank 0 reads the files
-    and tells the others, so a checkpoint is read once for the check, not once per process."""
-    problem = damage(directory) if alone or main_rank() else None
-    problem = problem if alone else from_main_rank(problem)
-    if problem:
-        raise CheckpointError(problem)
-
-
-def main_rank() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def from_main_rank(value):
-    """Rank 0's `value` on every rank (itself without a process group of several)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def sync_rename(source: Path, target: Path) -> None:
-    """Rename, then fsync the parent directory so that the rename itself survives a power cut."""
-    source.rename(target)
-    fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def remove_stale_temporaries(directory: Path, prefix: str) -> None:
-    """Remove directory/<prefix><pid>-* folders whose process is gone: what a killed conversion or
-    preparation left behind (a live process's folder is its work in progress, left alone)."""
-    for stale in directory.glob(f"{prefix}*"):
-        pid = stale.name[len(prefix):].split("-")[0]
-        if pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 # ============================================================================= checkpoints of a run
@@ -545,37 +278,3 @@ def weights_finite(model: ParallelModel) -> bool:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(bad)
     return not bool(bad)
-
-
-class Interruption:
-    """Ctrl-C (SIGINT) or SIGTERM while training: the step in progress finishes, a checkpoint is
-    saved and the run stops; a second signal stops at once, without saving. Every rank stops at the
-    same step: `requested` is the OR over the ranks."""
-
-    def __init__(self, run: Run):
-        self.run, self.name, self.previous = run, None, {}
-
-    def __enter__(self) -> "Interruption":
-        for number in (signal.SIGINT, signal.SIGTERM):
-            self.previous[number] = signal.signal(number, self.handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
-
-    def restore(self) -> None:
-        for number, handler in self.previous.items():
-            signal.signal(number, handler)
-        self.previous = {}
-
-    def handle(self, number: int, frame) -> None:
-        self.name = signal.Signals(number).name
-        self.restore()  # a second signal acts as usual
-        print(f"\n{self.name}: saving a checkpoint after this step, then stopping (send it again to stop at once, "
-              f"without saving)", file=sys.stderr, flush=True)
-
-    def requested(self) -> bool:
-        flag = torch.tensor(float(self.name is not None), device=self.run.device)
-        if self.run.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag)

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 import large4_hf
-from checkpoint import load_dcp, write_checksums
+from checkpoint_files import load_dcp, write_checksums
 from hf_io import (SAFETENSORS_DTYPES, Entry, NativeDir, Part, SafetensorsDir, Source, StateSource, atomic_directory,
                    dcp_call, parse_size, published_view, read_json, write_safetensors)
 from large4 import MistralLarge4

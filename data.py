@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from checkpoint import remove_stale_temporaries, sync_rename
+from files import remove_stale_temporaries, sync_rename
 from tokenizer import END_OF_TEXT, Tokenizer, TokenizerError, load_tokenizer
 
 # The Python Language Reference topics that CPython ships as pydoc_data/topics.py (see data/README.md).

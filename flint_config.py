@@ -6,29 +6,13 @@ is in model.py, which re-exports everything here.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from attention import BACKENDS, FULL, LAYER_TYPES, SLIDING
+from files import read_config_json
 from moe import EXPERT_BACKENDS, check_bias_update_rate
-
-def read_config_json(source: dict | str | Path) -> tuple[dict, str]:
-    """A config dict as given, or read from a config.json file (or another JSON object such as a
-    shard index) or checkpoint directory -> (dict, where it came from, for error messages)."""
-    if isinstance(source, dict):
-        return source, "config"
-    path = Path(source)
-    path = path / "config.json" if path.is_dir() else path
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: cannot read JSON: {error}") from error
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object, got a {type(config).__name__}")
-    return config, str(path)
-
 
 def check_positive_ints(config: Any, names: tuple[str, ...]) -> None:
     """Each named field of `config` is an int > 0 (a bool is not), or a ValueError names it."""

@@ -23,8 +23,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from checkpoint import load_dcp, read_metadata, remove_stale_temporaries, sync_rename, verify
-from model import read_config_json
+from checkpoint_files import load_dcp, read_metadata, verify
+from files import read_config_json, remove_stale_temporaries, sync_rename
 
 # The dtypes a checkpoint may hold, by their safetensors names.
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}

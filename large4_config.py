@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from attention import BACKENDS
-from flint_config import check_choices, check_positive_ints, from_preset, read_config_json
+from files import read_config_json
+from flint_config import check_choices, check_positive_ints, from_preset
 from moe import EXPERT_BACKENDS, check_bias_update_rate
 
 LAYER_TYPE = "indexed_attention"  # the only layer type; it selects transformers' cache class

@@ -15,17 +15,15 @@ import resource
 import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from config import TrainConfig
+from files import read_config_json, write_atomically
 from models import ModelConfig, model_class
-from parallel import barrier
+from parallel import Run, barrier
 from routing import worst_layer
 
-if TYPE_CHECKING:  # train.py imports this module; Run is only a type here
-    from train import Run
 
 # Dense BF16 tensor-core peaks in TFLOP/s, by a part of the device name (first match wins).
 GPU_PEAK_TFLOPS = [("B200", 2250.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("H800", 989.0),
@@ -54,19 +52,26 @@ CPU_PEAK_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) 
 def cpu_peak_flops(run: Run) -> float:
     """This machine's entry of CPU_PEAK_CACHE, measured by rank 0 if missing (others wait)."""
     key = f"{cpu_model()} x {os.cpu_count()} cores"
-    if run.is_main and key not in read_json(CPU_PEAK_CACHE):
-        cache = {**read_json(CPU_PEAK_CACHE), key: measure_cpu_flops()}
+    if run.is_main and key not in read_peak_cache():
+        cache = {**read_peak_cache(), key: measure_cpu_flops()}
         write_atomically(CPU_PEAK_CACHE, json.dumps(cache, indent=1))
         run.print(f"measured this CPU's FP32 matmul rate once: {cache[key] / 1e12:.3f} TFLOP/s, kept in "
                   f"{CPU_PEAK_CACHE} for MFU (delete it to measure again, or set logging.peak_tflops)")
     barrier()
-    return read_json(CPU_PEAK_CACHE)[key]
+    return read_peak_cache()[key]
 
 
-def read_json(path: Path) -> dict:
+def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """The whole model's training FLOPs per token, counted on the meta device (shapes only)."""
+    with torch.device("meta"):
+        return model_class(config)(config).flops_per_token(seq_len)
+
+
+def read_peak_cache() -> dict:
+    """The cached matmul rates by CPU; a missing or damaged cache is empty (measured again)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        return read_config_json(CPU_PEAK_CACHE)[0] if CPU_PEAK_CACHE.exists() else {}
+    except ValueError:
         return {}
 
 
@@ -112,8 +117,7 @@ class MetricsLogger:
         t = cfg.training
         self.cfg, self.run, self.total = cfg, run, t.steps
         self.tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len * run.dp_size
-        with torch.device("meta"):  # the whole model's count, whichever stages this rank holds
-            self.flops_per_token = model_class(config)(config).flops_per_token(cfg.data.seq_len)
+        self.flops_per_token = model_flops_per_token(config, cfg.data.seq_len)  # whichever stages this rank holds
         self.peak = run_peak_flops(cfg, run)
         self.start = self.last_time = time.perf_counter()
         self.last_step = start_step
@@ -181,11 +185,3 @@ def drop_superseded_records(path: Path, run_name: str, step: int) -> None:
             kept.append(line + "\n")
     if dropped:
         write_atomically(path, "".join(kept))
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write to a temporary name of this process, then rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)

@@ -16,7 +16,7 @@ import torch.nn as nn
 from attention import SLIDING, KVCache, build_masks, resolve_backend, sink_attention
 from decoder import (Gather, Head, RMSNorm, build, check_inputs, context_share, count_params, default_positions,
                      generate, init_weights, seeded_normal)
-from flint_config import FlintConfig, read_config_json  # noqa: F401  (read_config_json: re-exported)
+from flint_config import FlintConfig
 from moe import MoE, Router, SwiGLU, load_balancing_loss
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch.nn as nn
 
 from large4 import Large4Config, MistralLarge4
-from model import Flint, FlintConfig, read_config_json
+from files import read_config_json
+from model import Flint, FlintConfig
 
 ModelConfig = FlintConfig | Large4Config
 # family name -> (config class, model class)

@@ -218,6 +218,27 @@ class ContextParallel:
         return gather_sequence(t, self.group, dim)
 
 
+# ============================================================================= this process
+
+@dataclass
+class Run:
+    """This process in the job: its rank, where its data comes from, its device and the mesh."""
+    rank: int
+    world_size: int
+    dp_rank: int  # which batches this process reads: the cp ranks of a group share them
+    dp_size: int
+    device: torch.device
+    mesh: DeviceMesh | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def print(self, *args) -> None:
+        if self.is_main:
+            print(*args, flush=True)
+
+
 # ============================================================================= pipeline stages
 
 def unsupported_layout(cfg: ParallelConfig, model_type: type) -> str | None:

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from checkpoint import is_native_checkpoint
+from checkpoint_files import is_native_checkpoint
 from decoder import stream
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 

@@ -30,23 +30,21 @@ import sys
 import time
 import zlib
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 
-from checkpoint import (CheckpointError, Checkpointer, Interruption, check_architecture, is_native_checkpoint,
-                        load_dcp)
+from checkpoint import CheckpointError, Checkpointer, check_architecture
+from checkpoint_files import is_native_checkpoint, load_dcp
 from config import (ConfigError, OptimSection, TrainConfig, TrainingSection, help_text, load_config,
                     resolved_summary, resolved_toml)
 from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
 from metrics import MetricsLogger
 from models import config_from_hf, model_class
-from parallel import ParallelModel, barrier, build_mesh, init_distributed, init_weights, parallelize, uncompile
+from parallel import ParallelModel, Run, barrier, build_mesh, init_distributed, init_weights, parallelize, uncompile
 from routing import RoutingMonitor
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
@@ -132,24 +130,6 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
 
 
 # ============================================================================= devices and processes
-
-@dataclass
-class Run:
-    rank: int
-    world_size: int
-    dp_rank: int  # which batches this process reads: the cp ranks of a group share them
-    dp_size: int
-    device: torch.device
-    mesh: DeviceMesh | None = None
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def print(self, *args) -> None:
-        if self.is_main:
-            print(*args, flush=True)
-
 
 def start_run(cfg: TrainConfig) -> Run:
     """One process per device, always in a process group (of one without torchrun), and the mesh."""
@@ -358,6 +338,40 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
+
+
+class Interruption:
+    """Ctrl-C (SIGINT) or SIGTERM while training: the step in progress finishes, a checkpoint is
+    saved and the run stops; a second signal stops at once, without saving. Every rank stops at the
+    same step: `requested` is the OR over the ranks."""
+
+    def __init__(self, run: Run):
+        self.run, self.name, self.previous = run, None, {}
+
+    def __enter__(self) -> "Interruption":
+        for number in (signal.SIGINT, signal.SIGTERM):
+            self.previous[number] = signal.signal(number, self.handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        self.previous = {}
+
+    def handle(self, number: int, frame) -> None:
+        self.name = signal.Signals(number).name
+        self.restore()  # a second signal acts as usual
+        print(f"\n{self.name}: saving a checkpoint after this step, then stopping (send it again to stop at once, "
+              f"without saving)", file=sys.stderr, flush=True)
+
+    def requested(self) -> bool:
+        flag = torch.tensor(float(self.name is not None), device=self.run.device)
+        if self.run.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag)
 
 
 # A loss above this many times that of a uniform guess, ln(vocab_size), means the run diverged: a

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import checkpoint
+import checkpoint_files
 import convert
 import train
 from checkpoint import CheckpointError
@@ -133,7 +134,7 @@ def plant_in_entry(checkpoint_dir: Path, key: str, payload) -> None:
     with open(checkpoint_dir / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     (checkpoint_dir / "checksums.json").unlink()
-    checkpoint.write_checksums(checkpoint_dir)
+    checkpoint_files.write_checksums(checkpoint_dir)
 
 
 def test_crafted_entries_of_distcp_files_never_run_code(tmp_path):
@@ -142,7 +143,7 @@ def test_crafted_entries_of_distcp_files_never_run_code(tmp_path):
     an explicit resume, resume = "auto", [model].init_from, convert.py to-hf and convert.load_native."""
     marker = tmp_path / "code_ran"
     optimizer_entry = trained_checkpoint(tmp_path / "optimizer")
-    lr_key = next(key for key in checkpoint.read_metadata(optimizer_entry).state_dict_metadata
+    lr_key = next(key for key in checkpoint_files.read_metadata(optimizer_entry).state_dict_metadata
                   if key.startswith("optimizer.param_groups.") and key.endswith(".lr"))
     plant_in_entry(optimizer_entry, lr_key, CreatesMarker(marker))
     model_entry = trained_checkpoint(tmp_path / "model")
@@ -163,7 +164,7 @@ def test_crafted_entries_of_distcp_files_never_run_code(tmp_path):
     with pytest.raises(ValueError, match=not_a_tensor):
         convert.load_native(model_entry)
     with pytest.raises(CheckpointError, match=refused):  # and the loader they use, were that check gone
-        checkpoint.load_dcp({"model": {"norm.weight": torch.zeros(64)}}, model_entry, alone=True)
+        checkpoint_files.load_dcp({"model": {"norm.weight": torch.zeros(64)}}, model_entry, alone=True)
     assert not marker.exists() and not (tmp_path / "hf").exists()
     torch.load(io.BytesIO((model_entry / "__9_0.distcp").read_bytes()), weights_only=False)  # what DCP's planner does
     assert marker.exists()  # the trap works: the checks above would have seen it
@@ -175,7 +176,7 @@ def test_plain_non_tensor_entries_still_load(tmp_path):
     path = trained_checkpoint(tmp_path)
     state = {"optimizer.param_groups.x.betas": None}
     plant_in_entry(path, "optimizer.param_groups.x.betas", (0.9, 0.95, True, None, "adamw"))
-    checkpoint.load_dcp(state, path, alone=True)
+    checkpoint_files.load_dcp(state, path, alone=True)
     assert state["optimizer.param_groups.x.betas"] == (0.9, 0.95, True, None, "adamw")
 
 
@@ -214,7 +215,7 @@ def test_metadata_with_enum_members_by_name_is_read(tmp_path):
         <= globals_named(data)
     assert "STACK_GLOBAL" in {op.name for op, _, _ in pickletools.genops(data)}
     (path / ".metadata").write_bytes(data)
-    assert checkpoint.read_metadata(path) == expected
+    assert checkpoint_files.read_metadata(path) == expected
     # getattr on anything else is refused: a module (never allowed), an allowed class that is no enum.
     for module, name, attribute in [("os", "system", "__call__"),
                                     ("torch.distributed.checkpoint.metadata", "Metadata", "__init__"),
@@ -222,7 +223,7 @@ def test_metadata_with_enum_members_by_name_is_read(tmp_path):
         call = f"cbuiltins\ngetattr\n(c{module}\n{name}\nS'{attribute}'\ntR.".encode()
         (path / ".metadata").write_bytes(call)
         with pytest.raises(CheckpointError, match="could run code"):
-            checkpoint.read_metadata(path)
+            checkpoint_files.read_metadata(path)
 
 
 def test_auto_resume_that_can_read_no_checkpoint_stops(tmp_path):
@@ -240,7 +241,7 @@ def test_metadata_of_real_checkpoints_reads_with_the_restricted_unpickler(tmp_pa
     path = trained_checkpoint(tmp_path)
     with open(path / ".metadata", "rb") as f:
         expected = pickle.load(f)  # our own file, just written: safe to read the unrestricted way here
-    assert checkpoint.read_metadata(path) == expected
+    assert checkpoint_files.read_metadata(path) == expected
 
 
 def test_rerunning_never_deletes_a_run_and_auto_continues_the_latest(tmp_path, capsys):
@@ -465,8 +466,8 @@ def test_killed_conversions_and_preparations_leave_no_temporaries_for_good(tmp_p
 
 def test_streaming_readers_verify_each_file_once(tmp_path, trained_once, monkeypatch):
     """convert.py reads one tensor at a time: the checksums are checked once, not once per tensor."""
-    real, checked = checkpoint.crc32_of, []
-    monkeypatch.setattr(checkpoint, "crc32_of", lambda file: checked.append(file.name) or real(file))
+    real, checked = checkpoint_files.crc32_of, []
+    monkeypatch.setattr(checkpoint_files, "crc32_of", lambda file: checked.append(file.name) or real(file))
     convert.main(["to-hf", str(trained_once), str(tmp_path / "hf")])
     listed = json.loads((trained_once / "checksums.json").read_text())
     assert sorted(checked) == sorted(listed) and len(listed) >= 4

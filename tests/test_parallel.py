@@ -654,7 +654,7 @@ def test_large4_pipeline_checkpoint_resumes_in_context_parallel_and_one_process(
 def check_single_process_load(path: str, family: str) -> None:
     """A single process without a process group reads the checkpoint of one step from the plain init,
     as convert.py and sample.py do."""
-    from checkpoint import load_dcp
+    from checkpoint_files import load_dcp
     config = tiny_config(family, **PLAIN_INIT_OVERRIDES[family])
     batch = make_batch(vocab=min(256, config.vocab_size))
     expected = build(config, plain=True)

@@ -1,0 +1,48 @@
+"""The repository's shape, as DESIGN.md asks for it: low-level modules load nothing above them, no
+object changes its class at run time, and no source file grows past about 600 lines."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = sorted(ROOT.glob("*.py"))
+MODULES = {path.stem for path in SOURCES}
+ABOVE_THE_FILES = {"model", "large4", "flint_config", "large4_config", "models", "parallel", "moe", "attention",
+                   "checkpoint", "config", "train", "metrics", "routing", "convert", "decoder"}
+
+
+def repository_modules_loaded_by(module: str) -> set[str]:
+    """What `import module` loads of this repository, in a fresh interpreter."""
+    code = f"import sys; import {module}; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return set(loaded.stdout.split()) & MODULES - {module}
+
+
+@pytest.mark.parametrize("module, allowed", [
+    ("files", set()),
+    ("tokenizer", set()),
+    ("data", {"files", "tokenizer"}),
+    ("checkpoint_files", set()),
+    ("hf_io", {"files", "checkpoint_files"}),
+    ("decoder", set()),
+])
+def test_low_level_modules_load_no_model_and_no_parallel_layer(module, allowed):
+    loaded = repository_modules_loaded_by(module)
+    assert loaded <= allowed, f"import {module} loads {sorted(loaded - allowed)}"
+    assert not loaded & ABOVE_THE_FILES
+
+
+def test_no_object_changes_its_class():
+    """The forward that trains is the forward a reader reads (parallel.py once swapped classes)."""
+    swaps = [f"{path.name}:{n}" for path in SOURCES for n, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"__class__\s*=[^=]", line)]
+    assert not swaps, swaps
+
+
+def test_every_source_file_stays_under_600_lines():
+    lengths = {path.name: len(path.read_text().splitlines()) for path in SOURCES}
+    assert max(lengths.values()) < 600, {name: n for name, n in lengths.items() if n >= 600}
