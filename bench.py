@@ -43,6 +43,7 @@ from baselines import NotApplicable, dense_logits_loss, plain_eager_loss, transf
 from config import ConfigError, OptimSection, TrainConfig, config_from_tables, model_family, read_tables
 from files import write_atomically
 from metrics import CPU_PEAK_CACHE, model_flops_per_token, run_peak_flops
+from decoder import build
 from model import FlintConfig, build_model, rope_tables
 from models import ModelConfig, model_class
 from parallel import apply_activation_checkpointing, apply_compile
@@ -151,7 +152,7 @@ class Bench:
 
     def model(self, **overrides) -> torch.nn.Module:
         config = dataclasses.replace(self.config, **overrides)
-        model = build_model(config, self.device, self.dtype, seed=0, model_class=model_class(config))
+        model = build(model_class(config), config, self.device, self.dtype, seed=0)
         apply_activation_checkpointing(model, self.cfg.parallel.activation_checkpointing)
         return model
 
@@ -262,10 +263,10 @@ def compare(bench: Bench, own_label: str, sections: set[str], profile_rows: int)
         "reference": ("reference", "transformers reference", "FlintForCausalLM: eager attention, grouped_mm experts, "
                       "all logits", False, bench.reference)}
     rows = []
-    for section, (label, name, note, compiles, build) in candidates.items():
+    for section, (label, name, note, compiles, make) in candidates.items():
         if section in sections:
             print(f"warming up {name} ...", end=" ", flush=True)
-            rows.append(bench.prepare(label, name, note, build, compiles))
+            rows.append(bench.prepare(label, name, note, make, compiles))
             print(rows[-1].row.get("error") or f"{rows[-1].row['warmup_s']:.1f} s", flush=True)
     if not rows:
         return rows

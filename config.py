@@ -300,7 +300,7 @@ def resolve_model_config(cfg: TrainConfig) -> ModelConfig:
         where = cfg.where_any([f"model.{name}" for name in chosen])
         raise ConfigError(f"{where}: [model] needs exactly one of {', '.join(MODEL_SOURCES)}, got "
                           f"{chosen or 'none'}")
-    config_class = FAMILIES[model_family(cfg)][0]
+    config_class = FAMILIES[model_family(cfg)].config
     defaults, fields = config_class(), {f.name for f in dataclasses.fields(config_class)}
     for key, value in section.overrides.items():
         if key not in fields:
@@ -428,19 +428,14 @@ def check_paths(cfg: TrainConfig) -> None:
 
 
 def check_router_aux_loss(cfg: TrainConfig) -> None:
-    """The load-balancing term (output_router_logits) needs every MoE layer's logits of the whole
-    micro-batch in one place: one pipeline stage and no context split."""
+    """What the model's config refuses of the layout (Flint's load-balancing term needs one pipeline
+    stage and no context split), and a selection bias, which the published format cannot hold."""
     p = cfg.parallel
-    coef = getattr(cfg.model_config, "router_aux_loss_coef", 0.0)  # Flint fields; Large 4 has neither
-    if coef < 0:
-        raise ConfigError(f"{cfg.where('model.router_aux_loss_coef')}: [model].router_aux_loss_coef must be >= 0, "
-                          f"got {coef!r}")
     bias_rate = cfg.model_config.router_bias_update_rate
     if bias_rate and cfg.checkpoint.export_hf:
         raise ConfigError(f"{cfg.where('checkpoint.export_hf')}: [checkpoint].export_hf cannot export a model with "
                           f"[model].router_bias_update_rate = {bias_rate}: the published format has no place for "
                           f"the selection bias; sample with sample.py from the native checkpoint")
-    if getattr(cfg.model_config, "output_router_logits", False) and (p.pp > 1 or p.cp > 1):
-        key = "parallel.pp" if p.pp > 1 else "parallel.cp"
-        raise ConfigError(f"{cfg.where(key)}: [model].output_router_logits = true (the load-balancing loss) "
-                          f"works with [parallel].pp = 1 and cp = 1 only, got pp = {p.pp}, cp = {p.cp}")
+    refusal = cfg.model_config.layout_error(p.pp, p.cp)
+    if refusal:
+        raise ConfigError(f"{cfg.where('parallel.' + refusal[0])}: {refusal[1]}")

@@ -7,7 +7,8 @@ checkpoint, one tensor at a time.
 The native checkpoint is what train.py saves and resumes from: a torch.distributed.checkpoint
 directory whose state dict holds {"model": <native state dict>, optional "optimizer", "train"}, plus
 config.json. config.json's model_type picks the model family; each family declares its published key
-table (Flint: below, and SPEC.md; Mistral Large 4: large4_hf.py and LARGE4.md).
+table beside the model (Flint: flint_hf.py and SPEC.md; Mistral Large 4: large4_hf.py and LARGE4.md),
+named by models.py's registry.
 Published tensors outside the model (Large 4's vision tower and draft head) are "extras": to-native
 keeps them under "extra" in the DCP checkpoint, to-hf and save_hf write them back, never dropped.
 FP8 block-scaled weights (the Large 4 release) are dequantized on import; exports are BF16/FP16/FP32.
@@ -29,9 +30,8 @@ import re
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -39,80 +39,23 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-import large4_hf
 from checkpoint_files import load_dcp, write_checksums
-from hf_io import (SAFETENSORS_DTYPES, Entry, NativeDir, Part, SafetensorsDir, Source, StateSource, atomic_directory,
-                   dcp_call, parse_size, published_view, read_json, write_safetensors)
-from large4 import MistralLarge4
-from model import Flint, FlintConfig
-from models import ModelConfig, config_from_hf, model_class
+from hf_io import (SAFETENSORS_DTYPES, Entry, Layout, NativeDir, Part, SafetensorsDir, Source, StateSource,
+                   atomic_directory, dcp_call, parse_size, published_view, read_json, write_safetensors)
+from models import ModelConfig, config_from_hf, family_of, model_class
 
-# Native keys the model keeps in FP32 (a checkpoint may hold them in FP32 or in the bulk dtype).
-FP32_SUFFIXES = ("self_attn.sinks.weight", "mlp.router.weight", "lm_head.weight")
-# Of those, the ones the published layout keeps in FP32 even when exporting to a lower dtype.
-PUBLISHED_FP32_SUFFIXES = ("self_attn.sinks.weight", "mlp.router.weight")
 Log = Callable[[str], None]
 Config = ModelConfig
 
 
-# ============================================================================= the Flint key table
-
-
-def published_parts(native_key: str, config: FlintConfig, fused: bool = False,
-                    sinks_name: str = "softmax_offset") -> list[Part]:
-    """The published tensors that make up one native tensor, in the per-expert or the fused form."""
-    key = native_key if native_key == "lm_head.weight" else "model." + native_key
-    if native_key.endswith("self_attn.sinks.weight"):
-        return [Part(key.replace("sinks.weight", sinks_name), (), False)]
-    if native_key.endswith("mlp.router.weight"):
-        return [Part(key.replace("router.weight", "gate.weight"), (), False)]
-    if not native_key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-        return [Part(key, (), False)]
-    if fused:  # [E, 2*Im, H] or [E, H, Im]: transposing the last two dims gives the native layout
-        return [Part(key, (), True)]
-    experts, inter = key.rsplit(".", 1)[0], config.moe_intermediate_size
-    if native_key.endswith("down_proj"):  # down_e [H, Im] -> native[e] [Im, H]
-        return [Part(f"{experts}.{e}.down_proj.weight", (e,), True) for e in range(config.num_experts)]
-    # gate_e, up_e [Im, H] -> native[e] [H, 2*Im], gate columns first
-    halves = (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter)))
-    return [Part(f"{experts}.{e}.{name}.weight", (e, slice(None), columns), True)
-            for e in range(config.num_experts) for name, columns in halves]
-
-
-def published_layout(config: FlintConfig, present: set[str] | None = None) -> dict[str, list[Part]]:
-    """Native key -> its published parts. With `present` (a source's keys), in the form that source uses."""
-    present = present or set()
-    layout = {}
-    for native_key in native_meta(config):
-        fused = "model." + native_key in present  # the fused experts keep the native name (ignored for others)
-        sinks = "sinks" if "model." + native_key.removesuffix(".weight") in present else "softmax_offset"
-        layout[native_key] = published_parts(native_key, config, fused, sinks)
-    return layout
-
-
-# ============================================================================= published layouts by model
-
-@dataclass(frozen=True)
-class Layout:
-    """A model's published checkpoint layout, as conversions need it (models.py knows the classes)."""
-
-    table: Callable[[Any, set[str]], dict[str, list[Part]]]  # (config, published keys present) -> table
-    fp32_suffixes: tuple[str, ...]
-    published_fp32_suffixes: tuple[str, ...]
-    is_extra: Callable[[str], bool] = lambda key: False  # published keys outside the model, carried through
-    quantized_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # block-scaled, dequantized on import
-
-
-LAYOUTS = {  # by model class
-    Flint: Layout(published_layout, FP32_SUFFIXES, PUBLISHED_FP32_SUFFIXES),
-    MistralLarge4: Layout(lambda config, present: large4_hf.published_layout(native_meta(config), present),
-                          large4_hf.FP32_SUFFIXES, large4_hf.PUBLISHED_FP32_SUFFIXES, large4_hf.is_extra,
-                          large4_hf.FP8_DTYPES),
-}
-
-
 def layout_of(config: Config) -> Layout:
-    return LAYOUTS[model_class(config)]
+    """The published layout of the config's model family (models.py's registry)."""
+    return family_of(config).layout
+
+
+def published_table(config: Config, present: set[str] | None = None) -> dict[str, list[Part]]:
+    """Native key -> its published parts; with `present` (a source's keys), in the form that source uses."""
+    return layout_of(config).table(config, native_meta(config), present or set())
 
 
 def read_config(directory: str | Path) -> tuple[Config, dict]:
@@ -138,10 +81,10 @@ def open_published(path: str | Path, dtype: torch.dtype | None = None) -> tuple[
     source = SafetensorsDir(path, layout.quantized_dtypes)
     if not any(stored in layout.quantized_dtypes.values() for _, stored in source.meta.values()):
         return config, source
-    keep = {part.key for key, parts in layout.table(config, set()).items() for part in parts
+    keep = {part.key for key, parts in published_table(config).items() for part in parts
             if key.endswith(layout.published_fp32_suffixes)}
-    block = large4_hf.block_size(raw, str(Path(path) / "config.json"))
-    return config, large4_hf.Dequantized(source, block, dtype or torch.bfloat16, keep.__contains__)
+    return config, layout.dequantize(source, raw, str(Path(path) / "config.json"), dtype or torch.bfloat16,
+                                     keep.__contains__)
 
 
 # ============================================================================= checks
@@ -177,7 +120,7 @@ def check_keys(source: Source, expected: dict[str, tuple[int, ...]],
 
 
 def check_dtypes(source: Source, layout: dict[str, list[Part]],
-                 fp32_suffixes: tuple[str, ...] = FP32_SUFFIXES) -> dict[str, torch.dtype]:
+                 fp32_suffixes: tuple[str, ...]) -> dict[str, torch.dtype]:
     """One bulk dtype (that of the embedding); FP32 also allowed where the model keeps FP32 -> native dtypes."""
     first = layout["embed_tokens.weight"][0].key
     bulk = source.meta[first][1]
@@ -203,7 +146,7 @@ def check_source(source: Source, config: Config, published: bool) -> tuple[dict[
     spec, meta = layout_of(config), native_meta(config)
     skip = spec.is_extra if published else lambda key: False
     check_layers(source, config, skip)
-    layout = spec.table(config, set(source.meta)) if published else {k: [Part(k, (), False)] for k in meta}
+    layout = published_table(config, set(source.meta)) if published else {k: [Part(k, (), False)] for k in meta}
     check_keys(source, {p.key: tuple(published_view(meta[k], p).shape) for k, ps in layout.items() for p in ps}, skip)
     return layout, check_dtypes(source, layout, spec.fp32_suffixes)
 
@@ -256,7 +199,7 @@ def native_to_hf(native_state: dict[str, torch.Tensor], config: Config) -> dict[
     Tensors that need no transpose share memory with `native_state`.
     """
     check_source(StateSource(native_state, "native_state"), config, published=False)
-    layout = layout_of(config).table(config, set())
+    layout = published_table(config)
     return {p.key: published_view(native_state[k], p).contiguous() for k, parts in layout.items() for p in parts}
 
 
@@ -285,7 +228,7 @@ def export_published(source: Source, config: Config, out: str | Path, dtype: tor
     spec, dtypes = layout_of(config), check_source(source, config, published=False)[1]
     meta, limit = native_meta(config), parse_size(max_shard_size)
     entries = []
-    for native_key, parts in spec.table(config, set()).items():
+    for native_key, parts in published_table(config).items():
         cast = dtype if dtype is not None and not native_key.endswith(spec.published_fp32_suffixes) else None
         entries += [Entry(native_key, p, tuple(published_view(meta[native_key], p).shape), cast or dtypes[native_key])
                     for p in parts]
@@ -329,7 +272,7 @@ def export_published(source: Source, config: Config, out: str | Path, dtype: tor
     return len(entries), total
 
 
-def save_hf(model: Flint | MistralLarge4, path: str | Path, dtype: torch.dtype | None = None,
+def save_hf(model: nn.Module, path: str | Path, dtype: torch.dtype | None = None,
             max_shard_size: int | str = "5GB") -> None:
     """Write config.json, safetensors shards and model.safetensors.index.json in the published layout.
 
@@ -411,7 +354,7 @@ def save_native(model_or_state: nn.Module | dict[str, torch.Tensor], config: Con
 
 # ============================================================================= loading models
 
-def _empty_model(config: Config, dtype: torch.dtype, device: torch.device | str) -> Flint | MistralLarge4:
+def _empty_model(config: Config, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     with torch.device("meta"):
         model = model_class(config)(config, dtype)
     model.to_empty(device=device)
@@ -421,7 +364,7 @@ def _empty_model(config: Config, dtype: torch.dtype, device: torch.device | str)
 
 
 def load_hf(path: str | Path, dtype: torch.dtype | None = None,
-            device: torch.device | str = "cpu") -> Flint | MistralLarge4:
+            device: torch.device | str = "cpu") -> nn.Module:
     """Build the model config.json names from a published checkpoint directory. dtype None: the checkpoint's
     bulk dtype (BF16 for FP8 weights, which are dequantized). The checkpoint's extras (Large 4's vision
     tower and draft head) stay on disk; `model.published_extras` lets save_hf write them back."""
@@ -437,7 +380,7 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None,
 
 
 def load_native(path: str | Path, dtype: torch.dtype | None = None,
-                device: torch.device | str = "cpu") -> Flint | MistralLarge4:
+                device: torch.device | str = "cpu") -> nn.Module:
     """Build the model from a native checkpoint (model-only or training). dtype None: the checkpoint's bulk dtype."""
     config = read_config(path)[0]
     source = NativeDir(path)
@@ -469,12 +412,10 @@ def _keep_extras(model: nn.Module, extras: Source | None) -> None:
 # ============================================================================= command line
 
 def report_defaults(path: Path, config: ModelConfig, log: Callable[[str], None]) -> None:
-    """Name the published Flint fields that config.json leaves out, and the defaults used for them."""
-    if not isinstance(config, FlintConfig):
-        return
-    given = read_json(path)
-    given = {*given, *(["rope_parameters"] if "rope_theta" in given else [])}
-    missing = [k for k in config.to_hf_config() if k not in given and hasattr(config, k)]
+    """Name the published fields that config.json leaves out, and the defaults used for them (for the
+    families whose layout lists them)."""
+    listed = layout_of(config).missing_fields
+    missing = listed(config, read_json(path)) if listed else []
     if missing:
         values = ", ".join(f"{k} = {str(getattr(config, k))[:40]}" for k in missing)
         log(f"{path}: {len(missing)} field(s) missing, using the defaults: {values}")

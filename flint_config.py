@@ -132,7 +132,7 @@ class FlintConfig:
              "a list of layer indices or null"),
             ("rms_norm_eps", number(self.rms_norm_eps) and self.rms_norm_eps > 0, "a number > 0"),
             ("initializer_range", number(self.initializer_range) and self.initializer_range > 0, "a number > 0"),
-            ("router_aux_loss_coef", number(self.router_aux_loss_coef), "a number"),
+            ("router_aux_loss_coef", number(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0, ">= 0"),
             ("eos_token_id", self.eos_token_id is None or ints([self.eos_token_id]) or (
                 ints(self.eos_token_id) and self.eos_token_id), "a token id, a list of token ids or null"),
         ] + [(name, getattr(self, name) is None or ints([getattr(self, name)]), "a token id or null")
@@ -227,6 +227,15 @@ class FlintConfig:
 
     def training_error(self, seq_len: int, fresh_weights: bool) -> str | None:
         """Why training cannot start with this architecture, or None (see large4.py; Flint has no such limit)."""
+        return None
+
+    def layout_error(self, pp: int, cp: int) -> tuple[str, str] | None:
+        """(the [parallel] key, why) when this config cannot train with pp stages and cp ranks, or None:
+        the load-balancing term (output_router_logits) needs every MoE layer's logits of the whole
+        micro-batch in one place."""
+        if self.output_router_logits and (pp > 1 or cp > 1):
+            return ("pp" if pp > 1 else "cp", f"[model].output_router_logits = true (the load-balancing loss) "
+                    f"works with [parallel].pp = 1 and cp = 1 only, got pp = {pp}, cp = {cp}")
         return None
 
     def to_hf_config(self) -> dict:

@@ -15,9 +15,9 @@ import tempfile
 import warnings
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -37,6 +37,21 @@ class Part:
     key: str
     index: tuple
     transposed: bool
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A model family's published checkpoint layout, declared beside the model (flint_hf.py,
+    large4_hf.py) and named by models.py's registry: everything a conversion needs to know of it."""
+
+    table: Callable[[Any, dict, set[str]], dict[str, list[Part]]]  # (config, native meta, keys present) -> table
+    fp32_suffixes: tuple[str, ...]  # native keys the model keeps in FP32
+    published_fp32_suffixes: tuple[str, ...]  # those the published layout keeps in FP32 in any dtype
+    is_extra: Callable[[str], bool] = lambda key: False  # published keys outside the model, carried through
+    quantized_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # block-scaled, dequantized on import
+    # (source, config.json, its path, dtype, keep_fp32) -> the source read dequantized
+    dequantize: Callable[..., Source] | None = None
+    missing_fields: Callable[[Any, dict], list[str]] | None = None  # published fields config.json leaves out
 
 
 def published_view(native: torch.Tensor, part: Part) -> torch.Tensor:

@@ -201,6 +201,10 @@ class Large4Config:
             return "reuse" if self.indexer_types[i] == "shared" else "reuse_but_indexer"
         return "store" if i in self.kv_source_layers[i + 1:] else None
 
+    def layout_error(self, pp: int, cp: int) -> tuple[str, str] | None:
+        """(the [parallel] key, why) when this config cannot train with pp and cp: None, it trains with any."""
+        return None
+
     def training_error(self, seq_len: int, fresh_weights: bool) -> str | None:
         """Why training cannot start, or None. The indexer is frozen (its objective is unpublished):
         a random one would pick arbitrary keys whenever a query sees more than index_topk of them."""

@@ -36,7 +36,7 @@ import re
 
 import torch
 
-from hf_io import Part, Source
+from hf_io import Layout, Part, Source
 
 EXTRA_PREFIXES = ("vision_encoder.", "patch_merger.", "pre_mm_projector_norm.", "vision_language_adapter.",
                   "mtp_dspark.")
@@ -181,3 +181,13 @@ class Dequantized(Source):
         tensors = self.source.read(keys + [self.scales[k] for k in keys if k in self.scales])
         return {k: dequantize(tensors[k], tensors[self.scales[k]], self.block, self.meta[k][1]) if k in self.scales
                 else tensors[k].to(self.meta[k][1]) for k in keys}
+
+
+def dequantized(source: Source, hf_config: dict, where: str, dtype: torch.dtype,
+                keep_fp32) -> Source:
+    """The release's FP8 source read as `dtype` (see Dequantized), with config.json's block size."""
+    return Dequantized(source, block_size(hf_config, where), dtype, keep_fp32)
+
+
+LAYOUT = Layout(lambda config, native, present: published_layout(native, present), FP32_SUFFIXES,
+                PUBLISHED_FP32_SUFFIXES, is_extra, FP8_DTYPES, dequantized)

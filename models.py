@@ -1,42 +1,66 @@
-"""The model families flint trains, and how the shared machinery finds a config's model.
+"""The model families flint trains: the one place outside a model's own files that names it.
 
-Each family is a config class and a model class. A model declares the little that train.py,
-parallel.py, memory.py and convert.py need, so those files never ask which model they hold:
+Each family is a config class, a model class, its config.json model_type, its published checkpoint
+layout (the key table beside the model: flint_hf.py, large4_hf.py) and the module kinds of its own
+that profiling.py times. A model declares the little that train.py, parallel.py, memory.py and
+convert.py need, so those files never ask which model they hold:
     config: num_hidden_layers, num_experts, num_experts_per_tok, is_moe_layer(i), layer_types,
             max_position_embeddings, vocab_size, training_error(seq_len, fresh_weights),
-            from_name / from_hf_config / to_hf_config
+            layout_error(pp, cp), from_name / from_hf_config / to_hf_config
     model:  embed_tokens, layers (ModuleDict of blocks), norm, lm_head, init_weights(seed),
             initial_value(name, param, seed), fp32_modules(block), fp32_root_modules(),
             num_params(active), flops_per_token(seq_len), block_activation_bytes(), generate(...)
-    optional, for pipeline (and context) parallelism: stage_form (the class parallel.py gives the
-            model: its forward serves a stage, its parallel_dims lists "pp" and/or "cp"; Flint's is
-            model.FlintStage), first_stage_modules (kept by the first stage only; default the
-            embedding), and on the form stage_io(rows, seq_len, dtype): the tensors a stage receives
-            and returns, as static metadata (Large 4, whose stages exchange indices); under cp > 1
-            parallel.py sets the form's `context` (its positions and the sequence gather)
+    optional, for pipeline (and context) parallelism: parallel_dims ("pp" and/or "cp": its forward
+            serves a stage holding some of the layers, and a cp rank once parallel.py sets its
+            `context`), first_stage_modules (kept by the first stage only; default the embedding),
+            stage_io(rows, seq_len, dtype): the tensors a stage receives and returns, as static
+            metadata (Large 4, whose stages exchange more than the hidden state)
+A new model adds its files and one entry to FAMILIES.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.nn as nn
 
-from large4 import Large4Config, MistralLarge4
+import flint_hf
+import large4_hf
 from files import read_config_json
-from model import Flint, FlintConfig
+from hf_io import Layout
+from large4 import Indexer, Large4Config, MistralLarge4, MLAttention
+from model import Attention, Flint, FlintConfig, Sinks
 
 ModelConfig = FlintConfig | Large4Config
-# family name -> (config class, model class)
-FAMILIES: dict[str, tuple[type, type[nn.Module]]] = {"flint": (FlintConfig, Flint),
-                                                     "large4": (Large4Config, MistralLarge4)}
-# config.json model_type -> family name
-MODEL_TYPES = {"flint": "flint", "mistral_large4": "large4"}
+
+
+@dataclass(frozen=True)
+class Family:
+    config: type
+    model: type[nn.Module]
+    model_type: str  # config.json's model_type
+    layout: Layout  # the published checkpoint layout (convert.py)
+    timed_modules: tuple[tuple[type[nn.Module], str], ...]  # its own module kinds, for profiling.py
+
+
+FAMILIES: dict[str, Family] = {
+    "flint": Family(FlintConfig, Flint, "flint", flint_hf.LAYOUT,
+                    ((Sinks, "attention core"), (Attention, "attention proj/norm/rope"))),
+    "large4": Family(Large4Config, MistralLarge4, "mistral_large4", large4_hf.LAYOUT,
+                     ((Indexer, "indexer (Large 4)"), (MLAttention, "latent attention (Large 4: projections + core)"))),
+}
+MODEL_TYPES = {family.model_type: name for name, family in FAMILIES.items()}  # config.json model_type -> family
+
+
+def family_of(config: ModelConfig) -> Family:
+    """The family whose config class `config` is."""
+    return next(family for family in FAMILIES.values() if isinstance(config, family.config))
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
     """The model class that builds from `config`."""
-    return next(model for config_class, model in FAMILIES.values() if isinstance(config, config_class))
+    return family_of(config).model
 
 
 def family_of_hf_config(source: dict | str | Path) -> str:
@@ -50,4 +74,4 @@ def family_of_hf_config(source: dict | str | Path) -> str:
 
 def config_from_hf(source: dict | str | Path, **overrides) -> ModelConfig:
     """The config of whichever family a config.json describes."""
-    return FAMILIES[family_of_hf_config(source)][0].from_hf_config(source, **overrides)
+    return FAMILIES[family_of_hf_config(source)].config.from_hf_config(source, **overrides)

@@ -22,9 +22,8 @@ from typing import Callable, Iterator
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from large4 import Indexer, MLAttention
 from decoder import Head
-from model import Attention, Sinks
+from models import FAMILIES
 from moe import GroupedExperts, Router, SwiGLU
 
 
@@ -82,10 +81,10 @@ def peak_memory(device: torch.device) -> int:
 # Each timed module opens a profiler range named RANGE + category around its forward; its backward
 # is found through the autograd sequence numbers of the ops it ran. Innermost range wins.
 RANGE = "bench/"
-TIMED_MODULES = ((Sinks, "attention core"), (Attention, "attention proj/norm/rope"),
-                 (Indexer, "indexer (Large 4)"), (MLAttention, "latent attention (Large 4: projections + core)"),
-                 (Router, "router"), (GroupedExperts, "routed experts"), (SwiGLU, "dense MLP + shared expert"),
-                 (Head, "head + loss"))
+# Each family's own module kinds (models.py), then the shared ones.
+TIMED_MODULES = tuple(kind for family in FAMILIES.values() for kind in family.timed_modules) + (
+    (Router, "router"), (GroupedExperts, "routed experts"), (SwiGLU, "dense MLP + shared expert"),
+    (Head, "head + loss"))
 OPTIMIZER = "optimizer (clip + AdamW)"
 OTHER = "other (embedding, norms, residuals, overhead)"
 SPLIT_ORDER = [name for _, name in TIMED_MODULES] + [OPTIMIZER, OTHER]
