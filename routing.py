@@ -58,7 +58,7 @@ class RoutingMonitor:
             if experts and self.is_main:
                 print(f"WARNING: step {step}: layer {layer}: expert(s) {', '.join(map(str, experts))} "
                                 f"received no tokens for {self.idle_steps} steps in a row (routing collapse: "
-                                f"see the README's Routing statistics)", file=sys.stderr, flush=True)
+                                f"see the README's Load balancing)", file=sys.stderr, flush=True)
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per MoE layer (by index), the busiest and idlest expert's load over the mean load."""

@@ -157,17 +157,17 @@ def test_errors_of_command_line_overrides_name_the_command_line(tmp_path):
         load_config(debug, [f"--model.hf_config={config}"])
 
 
-def test_help_and_readme_list_every_key_with_its_default():
+def test_help_and_the_key_reference_list_every_key_with_its_default():
     import dataclasses
     from config import SECTIONS, help_text, toml_value
-    text, readme = help_text(), (ROOT / "README.md").read_text()
+    text, readme = help_text(), (ROOT / "CONFIG.md").read_text()
     for name, cls in SECTIONS.items():
         assert f"[{name}]" in text and f"`[{name}]`" in readme
         for f in dataclasses.fields(cls):
             if f.name != "overrides":
                 default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 assert (f"{f.name} = {toml_value(default)}" if default is not None else f"{f.name} (unset)") in text
-                assert f"| `{f.name}` |" in readme, f"README has no row for [{name}].{f.name}"
+                assert f"| `{f.name}` |" in readme, f"CONFIG.md has no row for [{name}].{f.name}"
 
 
 def test_print_config_loads_back_to_the_same_run_and_trains_nothing(tmp_path, capsys):

@@ -59,3 +59,13 @@ def test_only_the_registry_names_a_model_outside_its_own_files():
     naming = re.compile(r"^\s*(?:from|import) (" + "|".join(sorted(MODEL_FILES)) + r")\b", re.MULTILINE)
     offenders = {path.stem for path in SOURCES if naming.search(path.read_text())}
     assert offenders - MODEL_FILES - FLINT_BENCHMARKS == {"models"}
+
+
+def test_the_readme_is_a_readers_page_that_starts_with_the_two_commands():
+    """About nanoGPT's length; its first two code blocks are the commands .ci/run and a newcomer run."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.DOTALL)
+    assert len(readme.splitlines()) < 300
+    assert blocks[0].endswith("train.py --config configs/smoke.toml") and blocks[1].endswith("-m pytest -q")
+    assert all(block.startswith("python3 -m venv .venv && .venv/bin/pip install -r requirements.txt")
+               for block in blocks[:2])
