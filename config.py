@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from models import FAMILIES, ModelConfig, family_of_hf_config, model_class
-from parallel import ParallelConfig, unsupported_layout
+from parallel import LayoutError, ParallelConfig, unsupported_layout
 
 MODEL_SOURCES = ("preset", "hf_config", "init_from")
 # What [model] may change about an init_from checkpoint: training choices, not the architecture.
@@ -400,10 +400,9 @@ def validate(cfg: TrainConfig) -> None:
         cfg.parallel.validate(cfg.model_config.num_experts, cfg.model_config.num_hidden_layers, d.seq_len)
         refusal = unsupported_layout(cfg.parallel, model_class(cfg.model_config))
         if refusal:
-            raise ValueError(refusal)
-    except ValueError as error:
-        key = "parallel." + str(error).split()[1]  # messages read "[parallel] KEY ..."
-        raise ConfigError(f"{cfg.where(key)}: {error}") from error
+            raise refusal
+    except LayoutError as error:
+        raise ConfigError(f"{cfg.where('parallel.' + error.key)}: {error}") from error
 
 
 def check_paths(cfg: TrainConfig) -> None:

@@ -55,6 +55,15 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 # ============================================================================= configuration
 
+class LayoutError(ValueError):
+    """A [parallel] setting that cannot work; `key` names it (for example "ep"), so a caller can say
+    where it was set without reading the message."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
 @dataclass
 class ParallelConfig:
     """The `[parallel]` section of a training config."""
@@ -116,24 +125,24 @@ class ParallelConfig:
         for name in ("dp_replicate", "ep", "pp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{where} {name} must be an integer >= 1, got {value!r}")
+                raise LayoutError(name, f"{where} {name} must be an integer >= 1, got {value!r}")
         if self.dp_shard != -1 and self.dp_shard < 1:
-            raise ValueError(f"{where} dp_shard must be -1 (fill the world size) or >= 1, got {self.dp_shard!r}")
+            raise LayoutError("dp_shard", f"{where} dp_shard must be -1 (fill the world size) or >= 1, got {self.dp_shard!r}")
         if num_experts is not None and num_experts % self.ep:
-            raise ValueError(f"{where} ep = {self.ep} must divide the model's num_experts = {num_experts}")
+            raise LayoutError("ep", f"{where} ep = {self.ep} must divide the model's num_experts = {num_experts}")
         for key, allowed in (("pp_schedule", list(SCHEDULES)), ("activation_checkpointing", list(AC_MODES)),
                              ("backend", ["auto", "nccl", "gloo"]), ("param_dtype", ["auto", *DTYPES])):
             if getattr(self, key) not in allowed:
-                raise ValueError(f"{where} {key} must be one of {allowed}, got {getattr(self, key)!r}")
-        if seq_len is not None and seq_len % (2 * self.cp):
-            raise ValueError(f"{where} cp = {self.cp} splits each sequence into 2 * cp = {2 * self.cp} chunks: "
+                raise LayoutError(key, f"{where} {key} must be one of {allowed}, got {getattr(self, key)!r}")
+        if seq_len is not None and self.cp > 1 and seq_len % (2 * self.cp):
+            raise LayoutError("cp", f"{where} cp = {self.cp} splits each sequence into 2 * cp = {2 * self.cp} chunks: "
                              f"data.seq_len = {seq_len} must be divisible by {2 * self.cp}")
         if num_layers is not None and self.pp * self.stages_per_rank > num_layers:
-            raise ValueError(f"{where} pp = {self.pp} with {self.stages_per_rank} stage(s) per rank makes "
+            raise LayoutError("pp", f"{where} pp = {self.pp} with {self.stages_per_rank} stage(s) per rank makes "
                              f"{self.pp * self.stages_per_rank} pipeline stages, more than the model's {num_layers} layers")
         looped = self.pp_schedule == "Interleaved1F1B"
         if (self.stages_per_rank < 2) if looped else (self.stages_per_rank != 1):
-            raise ValueError(f"{where} pp_stages_per_rank = {self.stages_per_rank} does not fit pp_schedule "
+            raise LayoutError("pp_stages_per_rank", f"{where} pp_stages_per_rank = {self.stages_per_rank} does not fit pp_schedule "
                              f"{self.pp_schedule!r}: Interleaved1F1B needs >= 2, the others exactly 1")
 
 
@@ -241,15 +250,15 @@ class Run:
 
 # ============================================================================= pipeline stages
 
-def unsupported_layout(cfg: ParallelConfig, model_type: type) -> str | None:
+def unsupported_layout(cfg: ParallelConfig, model_type: type) -> LayoutError | None:
     """Why `cfg` cannot lay out a `model_type` model, or None: pipeline and context parallelism
     need a forward that serves them, which a model declares in `parallel_dims` ("pp", "cp")."""
     supported = getattr(model_type, "parallel_dims", ())
     for key in ("pp", "cp"):
         if getattr(cfg, key) > 1 and key not in supported:
             what = "pipeline" if key == "pp" else "context"
-            return (f"[parallel] {key} = {getattr(cfg, key)}: {what} parallelism is not implemented for "
-                    f"{model_type.__name__}; use {key} = 1")
+            return LayoutError(key, f"[parallel] {key} = {getattr(cfg, key)}: {what} parallelism is not implemented "
+                                    f"for {model_type.__name__}; use {key} = 1")
     return None
 
 
@@ -393,7 +402,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
     config = model.config
     refusal = unsupported_layout(cfg, type(model))
     if refusal:
-        raise ValueError(refusal)
+        raise refusal
     parts, stage_ids = [model], [0]
     if cfg.pp > 1:
         num_stages = cfg.pp * cfg.stages_per_rank

@@ -308,10 +308,8 @@ def is_compile_error(error: BaseException) -> bool:
 
 def build_optimizer(model: torch.nn.Module, o: OptimSection) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices (2-D weights and the stacked 3-D expert matrices), not on
-    norms or sinks. The fused kernel on every device, eager: on the bench-cpu shape (20 M
-    parameters, 2 shared cores) one step took 12-16 ms fused, 52-73 ms multi-tensor (foreach)
-    and 18-35 ms as a torch.compile'd foreach step (after 6 s of compiling, 47 s cold), so the
-    step is not compiled."""
+    norms or sinks. The fused kernel on every device, eager: faster than the multi-tensor one and
+    than a compiled step, which would also compile for seconds (BENCHMARKS.md, Compiled code)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

@@ -105,6 +105,17 @@ def test_config_errors_name_the_key_and_where(tmp_path, text, overrides, message
         load_config(write(tmp_path, text), overrides)
 
 
+@pytest.mark.parametrize("cp, seq_len, accepted", [(1, 63, True), (2, 63, False), (2, 64, True)])
+def test_only_context_parallelism_needs_the_length_to_split_into_chunks(cp, seq_len, accepted):
+    """An odd length is valid without context parallelism; with cp the error names parallel.cp."""
+    overrides = [f"--data.seq_len={seq_len}", f"--parallel.cp={cp}", "--parallel.dp_shard=1"]
+    if accepted:
+        assert load_config(CONFIGS / "debug.toml", overrides).data.seq_len == seq_len
+    else:
+        with pytest.raises(ConfigError, match=r"command line --parallel.cp: \[parallel\] cp = 2 .* by 4"):
+            load_config(CONFIGS / "debug.toml", overrides)
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match=r"cannot read config file .*nothere.toml"):
         load_config(tmp_path / "nothere.toml")
