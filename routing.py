@@ -10,7 +10,7 @@ tokens_per_expert). After each optimizer step the trainer sums those counts over
     DeepSeek-V3 does without an auxiliary loss: bias_e += rate * sign(mean load - load_e). The
     bias only chooses experts; the gate weights stay the unbiased scores (sigmoid or softmax);
   - reports, at logged steps, each layer's max and min load over the mean load (1.0 and 1.0:
-    perfectly balanced; min 0: an expert got nothing).
+    perfectly balanced; min 0: an expert got nothing) and every expert's token count.
 The counts are those of the step's last micro-batch (on every data-parallel rank).
 """
 
@@ -60,15 +60,16 @@ class RoutingMonitor:
                                 f"received no tokens for {self.idle_steps} steps in a row (routing collapse: "
                                 f"see the README's Load balancing)", file=sys.stderr, flush=True)
 
-    def stats(self) -> dict[str, dict[str, float]]:
-        """Per MoE layer (by index), the busiest and idlest expert's load over the mean load."""
+    def stats(self) -> dict[str, dict]:
+        """Per MoE layer (by index): the busiest and idlest expert's load over the mean load, and the
+        token count of every expert, so that a collapse shows in the record before it is complete."""
         if not self.moe_layers:
             return {}
-        counts = self.counts[self.moe_layers]
+        counts = self.counts[self.moe_layers]  # [moe layers, E]
         load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1e-9)
-        return {str(layer): {"max_load": round(hi, 3), "min_load": round(lo, 3)}
-                for layer, hi, lo in zip(self.moe_layers, load.max(dim=1).values.tolist(),
-                                         load.min(dim=1).values.tolist())}
+        return {str(layer): {"max_load": round(hi, 3), "min_load": round(lo, 3), "tokens": tokens}
+                for layer, hi, lo, tokens in zip(self.moe_layers, load.max(dim=1).values.tolist(),
+                                                 load.min(dim=1).values.tolist(), counts.long().tolist())}
 
 
 def worst_layer(stats: dict[str, dict[str, float]]) -> str:

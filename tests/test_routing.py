@@ -75,7 +75,8 @@ def test_loads_and_one_warning_per_idle_streak(capsys):
     for step in range(1, 6):
         monitor.after_step(step)
     stats = monitor.stats()
-    assert stats == {"1": {"max_load": 1.0, "min_load": 1.0}, "2": {"max_load": 2.0, "min_load": 0.0}}
+    assert stats == {"1": {"max_load": 1.0, "min_load": 1.0, "tokens": [4, 4, 4, 4]},
+                     "2": {"max_load": 2.0, "min_load": 0.0, "tokens": [8, 6, 2, 0]}}
     assert worst_layer(stats) == " | experts max/min load 2.00/0.00 (layer 2)"
     warnings = capsys.readouterr().err.strip().splitlines()
     assert warnings == ["WARNING: step 3: layer 2: expert(s) 3 received no tokens for 3 steps in a row (routing "

@@ -87,6 +87,8 @@ def test_debug_config_trains_and_reports(tmp_path, capsys):
         assert record[key] > 0 or key == "remaining_s"
     assert set(record["routing"]) == {"2", "3"}  # the MoE layers of a 4-layer tiny Flint
     assert all(v["max_load"] >= 1 >= v["min_load"] >= 0 for v in record["routing"].values())
+    # Every expert's tokens of the step's last micro-batch: 4 x 64 tokens, each routed to 2 of 8 experts.
+    assert all(len(v["tokens"]) == 8 and sum(v["tokens"]) == 4 * 64 * 2 for v in record["routing"].values())
     assert [r["step"] for r in records(tmp_path) if "val_loss" in r] == [10, 20]
     logged_lr = {r["step"]: r["lr"] for r in records(tmp_path) if "loss" in r}
     assert logged_lr == pytest.approx({step: debug_schedule(step) for step in losses}, rel=1e-9)
