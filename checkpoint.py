@@ -276,5 +276,6 @@ def weights_finite(model: ParallelModel) -> bool:
     for tensor in local:
         bad += (~torch.isfinite(tensor)).sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
+        bad = bad.to(model.collective_device)
         dist.all_reduce(bad)
     return not bool(bad)

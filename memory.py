@@ -63,7 +63,7 @@ def _activation_bytes_per_token(config: ModelConfig, layers: int, checkpointing:
 
 def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch_size: int) -> dict[str, float]:
     """GiB per GPU on the busiest pipeline stage: FP32 master weights, FP32 gradients and AdamW
-    moments (2 x FP32) of the trainable ones, the BF16 blocks FSDP gathers (the current block and the prefetched next),
+    moments (2 x FP32) of the trainable ones (in host memory instead with [parallel] offload: `host`), the BF16 blocks FSDP gathers (the current block and the prefetched next),
     and activations of the micro-batches in flight. An estimate: no allocator slack or buffers."""
     other_shards = cfg.dp_shard * cfg.ep * cfg.cp
     expert_shards = cfg.ep * cfg.dp_shard * cfg.cp
@@ -85,10 +85,12 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
     head_in_flight = microbatches if cfg.pp > 1 and cfg.pp_schedule == "GPipe" else 1
     logits = 2 * 4 * min(config.loss_chunk_size, tokens) * config.vocab_size
     logits += 4 * config.vocab_size * config.hidden_size * head_in_flight
-    row = {"params": 4 * (sharded + frozen), "grads": 4 * sharded, "optimizer": 8 * sharded,
+    states = {"params": 4 * (sharded + frozen), "grads": 4 * sharded, "optimizer": 8 * sharded}
+    row = {**({name: 0.0 for name in states} if cfg.offload else states),
            "gathered": 2 * 2 * (expert_block + other_block), "activations": activations + logits}
     row = {name: value / GIB for name, value in row.items()}
     row["total"] = sum(row.values())
+    row["host"] = sum(states.values()) / GIB if cfg.offload else 0.0  # [parallel] offload: in host memory
     return row
 
 
@@ -109,6 +111,7 @@ def candidate_layouts(gpus: int, num_experts: int, pipelines: bool = True) -> li
 def memory_table(config: ModelConfig, layouts: list[tuple[str, ParallelConfig]], seq_len: int, batch_size: int) -> str:
     """layouts: (label, layout) rows; the label says where a row comes from (the config, a candidate)."""
     names = ("params", "grads", "optimizer", "gathered", "activations", "total")
+    names += ("host",) if any(cfg.offload for _, cfg in layouts) else ()  # [parallel] offload's host memory
     fits = [f"fits {gpu}" for gpu in GPU_GIB]
     lines = [f"Memory per GPU (GiB, estimate) for seq_len {seq_len}, batch_size {batch_size} rows per "
              f"data-parallel rank, {config.num_hidden_layers} layers, {config.num_experts} experts; a layout "

@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -83,6 +83,7 @@ class ParallelConfig:
     param_dtype: str = "auto"  # bulk compute dtype: auto (bfloat16 on GPUs, float32 on the CPU) | bfloat16 |
     # float32; sinks, routers and the head always compute in FP32, master weights are always FP32
     reshard_after_forward: bool | None = None  # None: True, but False for pipeline stages
+    offload: bool = False  # FSDP2's CPU offload: sharded weights, gradients and AdamW states in host memory
     backend: str = "auto"  # process group: auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
 
     @classmethod
@@ -355,11 +356,14 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
         model.lm_head.compile(fullgraph=fullgraph)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reshard: bool) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reshard: bool,
+               offload: bool = False) -> None:
     """FSDP2 per unit, innermost first: the model's FP32 modules (`fp32_root_modules`, and under
     a narrower bulk dtype each block's `fp32_modules` as one unit) and the head, stored, gathered
     and computed in FP32; experts over the expert-data-parallel ranks, then each block, the
-    embedding and the root in the bulk policy. HSDP when dp_replicate > 1."""
+    embedding and the root in the bulk policy. HSDP when dp_replicate > 1. offload: every unit keeps
+    its shards (and so their gradients and the optimizer's states) in host memory, copied to the
+    device for each all-gather; the optimizer then steps on the CPU."""
     def dp_mesh(shard_dim: str) -> DeviceMesh:
         return mesh["dp_replicate", shard_dim] if mesh["dp_replicate"].size() > 1 else mesh[shard_dim]
     # No input casts: a block casts what it computes with to its weights' dtype itself, so an FP32
@@ -368,28 +372,30 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, res
     bulk = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
     fsdp_mesh, experts_mesh = dp_mesh("fsdp"), dp_mesh("efsdp")
+    policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
+    shard = partial(fully_shard, offload_policy=policy)
     for module in model.fp32_root_modules():
-        fully_shard(module, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
+        shard(module, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
     for layer in model.layers.values():
         # One list unit per block: one all-gather and one reduce-scatter of FP32 for all its FP32
         # modules (FSDP2 reduces one gradient dtype per unit, so they cannot join the block's).
         fp32_modules = model.fp32_modules(layer)
         if fp32_modules and param_dtype != torch.float32:  # in FP32 the block's own unit serves
-            fully_shard(fp32_modules, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
+            shard(fp32_modules, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
         if isinstance(layer.mlp, MoE):
             if isinstance(layer.mlp.experts, ExpertParallelExperts):
-                fully_shard(layer.mlp.experts, mesh=experts_mesh, mp_policy=bulk, reshard_after_forward=reshard)
+                shard(layer.mlp.experts, mesh=experts_mesh, mp_policy=bulk, reshard_after_forward=reshard)
                 # Expert gradients already sum over the ep ranks (their tokens came by all-to-all)
                 # and FSDP averages them over the efsdp ranks only: divide by ep as well, so they
                 # average over all data-parallel ranks like every other gradient.
                 ep = mesh["ep"].size()
                 layer.mlp.experts.set_all_reduce_hook(lambda reduced_grad: reduced_grad.div_(ep))
-        fully_shard(layer, mesh=fsdp_mesh, mp_policy=bulk, reshard_after_forward=reshard)
+        shard(layer, mesh=fsdp_mesh, mp_policy=bulk, reshard_after_forward=reshard)
     if model.embed_tokens is not None:
-        fully_shard(model.embed_tokens, mesh=fsdp_mesh, mp_policy=bulk, reshard_after_forward=reshard)
+        shard(model.embed_tokens, mesh=fsdp_mesh, mp_policy=bulk, reshard_after_forward=reshard)
     if model.lm_head is not None:  # backward starts here: keep it gathered after forward
-        fully_shard(model.lm_head, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=False)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=bulk, reshard_after_forward=reshard)
+        shard(model.lm_head, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=False)
+    shard(model, mesh=fsdp_mesh, mp_policy=bulk, reshard_after_forward=reshard)
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "ParallelModel":
@@ -411,7 +417,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
         parts = [pipeline_stage(model, s, num_stages) for s in stage_ids]
     reshard = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else cfg.pp == 1
     param_dtype = cfg.compute_dtype(mesh.device_type)
-    fsdp = mesh["dp_cp"].size() > 1 or param_dtype != torch.float32
+    fsdp = mesh["dp_cp"].size() > 1 or param_dtype != torch.float32 or cfg.offload
     for part in parts:
         if mesh["cp"].size() > 1:
             part.context = ContextParallel(mesh["cp"].get_group())
@@ -421,7 +427,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
         if cfg.compile:
             apply_compile(part, fullgraph=param_dtype == torch.float32 and cfg.ep == 1 and cfg.cp == 1)
         if fsdp:
-            apply_fsdp(part, mesh, param_dtype, reshard)
+            apply_fsdp(part, mesh, param_dtype, reshard, cfg.offload)
     pm = ParallelModel(parts, mesh, config)
     if cfg.pp > 1:
         pm.make_schedule = partial(pipeline_schedule, parts, stage_ids, cfg, mesh, param_dtype, pm.weighted_loss)
@@ -564,10 +570,9 @@ class ParallelModel:
         for grad in grads:
             key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else (None, None)
             groups.setdefault(key, []).append(grad.to_local() if isinstance(grad, DTensor) else grad)
-        device = grads[0].device if grads else torch.device("cpu")
-        total = torch.zeros((), device=device, dtype=torch.float32)
+        total = torch.zeros((), device=self.collective_device, dtype=torch.float32)
         for (grad_mesh, placements), local in groups.items():
-            squares = sum(g.float().pow(2).sum() for g in local)
+            squares = sum(g.float().pow(2).sum() for g in local).to(total.device)  # host shards when offloaded
             if grad_mesh is not None:
                 for dim, placement in enumerate(placements):
                     if not placement.is_replicate():  # Shard and _StridedShard split the tensor
@@ -578,5 +583,13 @@ class ParallelModel:
         norm = total.sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for grad in grads:
-            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale.to(grad.dtype))
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale.to(grad.device, grad.dtype))
         return norm
+
+    @property
+    def collective_device(self) -> torch.device:
+        """Where this rank's collectives run: its GPU under NCCL, also when the shards are offloaded
+        to host memory (NCCL reduces device tensors only); the CPU under gloo."""
+        if self.mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")

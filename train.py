@@ -404,7 +404,7 @@ def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: Pac
     before = weight_squares(model)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    check_update(torch.stack([before, weight_squares(model)]), step, cfg, checkpoints)
+    check_update(torch.stack([before, weight_squares(model)]).to(model.collective_device), step, cfg, checkpoints)
     return loss, grad_norm
 
 

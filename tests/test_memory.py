@@ -32,6 +32,17 @@ def test_memory_table_counts_sharded_state_by_hand():
     assert "| mine: dp_shard=2 ep=2 ac=none |" in memory_table(config, [("mine", ParallelConfig(dp_shard=2, ep=2))], 16, 2)
 
 
+def test_offload_moves_the_sharded_states_to_host_memory():
+    """[parallel] offload: weights, gradients and AdamW states (16 B per trainable parameter's shard)
+    leave the GPU's total for `host`; what FSDP gathers and the activations stay."""
+    config = tiny_config()
+    on_gpu = memory_per_gpu(config, ParallelConfig(dp_shard=4).resolve(4), 16, 2)
+    offloaded = memory_per_gpu(config, ParallelConfig(dp_shard=4, offload=True).resolve(4), 16, 2)
+    states = on_gpu["params"] + on_gpu["grads"] + on_gpu["optimizer"]
+    assert offloaded["host"] == pytest.approx(states) and on_gpu["host"] == 0
+    assert offloaded["total"] == pytest.approx(on_gpu["total"] - states)
+
+
 def test_command_prints_the_released_layouts_labelled(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     memory.main(["--config", "configs/flint-8gpu.toml", "--gpus", "8"])

@@ -183,10 +183,12 @@ def test_cp_token_index_balances_causal_work():
 # ----------------------------------------------------------------------------- every layout vs one process
 
 def test_data_parallel_layouts_match_single_process():
-    """FSDP, HSDP, full activation checkpointing, and context parallel (the window of 9 crosses
-    the cp chunks of 4 tokens; two documents and padding)."""
+    """FSDP, HSDP, full activation checkpointing, context parallel (the window of 9 crosses the cp
+    chunks of 4 tokens; two documents and padding), and FSDP with CPU offload (its shards and the
+    AdamW step in host memory: the same losses and gradients as without)."""
     spawn(2, check_layouts, [{"dp_shard": 2}, {"dp_shard": 1, "dp_replicate": 2},
-                             {"dp_shard": 2, "activation_checkpointing": "full"}, {"cp": 2, "dp_shard": 1}], {})
+                             {"dp_shard": 2, "activation_checkpointing": "full"}, {"cp": 2, "dp_shard": 1},
+                             {"dp_shard": 2, "offload": True}, {"ep": 2, "dp_shard": 1, "offload": True}], {})
 
 
 def test_expert_and_pipeline_layouts_match_single_process():
