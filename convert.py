@@ -60,11 +60,8 @@ def published_table(config: Config, present: set[str] | None = None) -> dict[str
 
 def read_config(directory: str | Path) -> tuple[Config, dict]:
     """config.json of a checkpoint directory -> (the model's config, the raw JSON)."""
-    raw = read_json(Path(directory) / "config.json")
-    text = {k: v for k, v in raw.items() if k != "quantization_config"}  # read by open_published
-    if isinstance(text.get("text_config"), dict):
-        text["text_config"] = {k: v for k, v in text["text_config"].items() if k != "quantization_config"}
-    return config_from_hf(text), raw
+    path = Path(directory) / "config.json"
+    return config_from_hf(path), read_json(path)
 
 
 def native_meta(config: Config) -> dict[str, torch.Tensor]:
@@ -206,8 +203,7 @@ def native_to_hf(native_state: dict[str, torch.Tensor], config: Config) -> dict[
 # ============================================================================= output directories
 
 def _write_config(directory: Path, config: Config, dtype: torch.dtype | None = None) -> None:
-    hf_config = config.to_hf_config()
-    hf_config.pop("quantization_config", None)  # a config read from an FP8 release carries it; we never write FP8
+    hf_config = config.to_hf_config()  # never a quantization_config: the configs ignore it, nothing is FP8
     if dtype is not None:
         hf_config["dtype"] = str(dtype).removeprefix("torch.")
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
@@ -447,11 +443,11 @@ def main(argv: list[str] | None = None) -> None:
             report_defaults(Path(args.hf_dir) / "config.json", config, print)
             tensors, size = import_native(source, config, args.out, log=print)
         else:
+            source = NativeDir(args.native_dir)  # first: a directory without .metadata is not native
             config = read_config(args.native_dir)[0]
             report_defaults(Path(args.native_dir) / "config.json", config, print)
             extras = published_extras(args.extras_from or args.native_dir, config)
-            tensors, size = export_published(NativeDir(args.native_dir), config, args.hf_dir, dtype,
-                                             args.max_shard_size, print, extras)
+            tensors, size = export_published(source, config, args.hf_dir, dtype, args.max_shard_size, print, extras)
     except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")
     out = args.out if args.command == "to-native" else args.hf_dir

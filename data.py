@@ -101,6 +101,9 @@ def _jsonl_record(line: bytes, path: Path, number: int, text_key: str) -> Iterat
     except (json.JSONDecodeError, KeyError, TypeError) as error:
         raise DataError(f"{path}:{number}: expected a JSON object with a string field "
                         f"{text_key!r} (data.text_key): {error!r}") from error
+    except RecursionError as error:  # json's decoder recurses once per level of nesting
+        raise DataError(f"{path}:{number}: expected a JSON object with a string field {text_key!r} "
+                        f"(data.text_key): the line nests arrays or objects too deeply to read") from None
     if not isinstance(text, str):
         raise DataError(f"{path}:{number}: field {text_key!r} must be a string, got {type(text).__name__}")
     yield text
@@ -262,27 +265,18 @@ class TokenShards:
     """Prepared shards as one list of documents: document(i) is a memmap view, no copy."""
 
     def __init__(self, directory: Path, tokenizer: Tokenizer | None = None):
-        meta_path = directory / "meta.json"
-        try:
-            self.meta = json.loads(meta_path.read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise DataError(f"{meta_path}: not a prepared data directory ({error})") from error
-        if self.meta.get("format") != SHARDS_FORMAT:
-            raise DataError(f"{meta_path}: format {self.meta.get('format')!r}, expected {SHARDS_FORMAT!r}")
+        self.meta = read_meta(directory / "meta.json")
         if tokenizer is not None and self.meta["tokenizer"] != tokenizer.fingerprint:
             raise DataError(f"{directory} was prepared with tokenizer {self.meta['tokenizer']}, but this run "
                             f"uses {tokenizer.fingerprint}; prepare it again or change data.tokenizer")
         self.tokens, shard_of, starts, ends = [], [], [], []
         for index, name in enumerate(self.meta["shards"]):
-            self.tokens.append(np.memmap(directory / f"tokens_{name}.bin", dtype=self.meta["dtype"], mode="r"))
-            bounds = np.load(directory / f"docs_{name}.npy")
-            if bounds[-1] != len(self.tokens[-1]):
-                raise DataError(f"{directory}/tokens_{name}.bin holds {len(self.tokens[-1])} tokens but "
-                                f"docs_{name}.npy ends at {bounds[-1]}: the shard is damaged, prepare again")
+            tokens, bounds = read_shard(directory, name, self.meta["dtype"])
+            self.tokens.append(tokens)
             shard_of.append(np.full(len(bounds) - 1, index, dtype=np.int32))
             starts.append(bounds[:-1])
             ends.append(bounds[1:])
-            check_token_range(directory / f"tokens_{name}.bin", self.tokens[-1],
+            check_token_range(directory / f"tokens_{name}.bin", tokens,
                               tokenizer.vocab_size if tokenizer else int(self.meta["vocab_size"]))
         self.doc_shard, self.doc_start = np.concatenate(shard_of), np.concatenate(starts)
         self.doc_len = np.concatenate(ends) - self.doc_start
@@ -295,6 +289,52 @@ class TokenShards:
     def document(self, i: int) -> np.ndarray:
         start = self.doc_start[i]
         return self.tokens[self.doc_shard[i]][start:start + self.doc_len[i]]
+
+
+# meta.json's keys that reading shards needs, with the type each must have.
+META_KEYS = {"tokenizer": str, "dtype": str, "vocab_size": int, "shards": list}
+
+
+def read_meta(path: Path) -> dict:
+    """A prepared directory's meta.json, with every key the loader reads, or a DataError naming it."""
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataError(f"{path}: not a prepared data directory ({error})") from error
+    if not isinstance(meta, dict):
+        raise DataError(f"{path}: expected a JSON object, got a {type(meta).__name__}; prepare the data again")
+    if meta.get("format") != SHARDS_FORMAT:
+        raise DataError(f"{path}: format {meta.get('format')!r}, expected {SHARDS_FORMAT!r}")
+    for key, kind in META_KEYS.items():
+        if not isinstance(meta.get(key), kind):
+            found = f"has {key!r} = {meta[key]!r:.40}" if key in meta else f"lacks key {key!r}"
+            raise DataError(f"{path} {found}, expected a {kind.__name__}: the file is damaged, prepare the data again")
+    if meta["dtype"] not in ("uint16", "uint32") or not meta["shards"] or not all(
+            isinstance(name, str) for name in meta["shards"]):
+        raise DataError(f"{path}: expected dtype uint16 or uint32 and a non-empty list of shard names, got "
+                        f"dtype {meta['dtype']!r}, shards {meta['shards']!r:.60}; prepare the data again")
+    return meta
+
+
+def read_shard(directory: Path, name: str, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """One shard's tokens (a memmap) and document bounds, checked against each other."""
+    tokens_file, docs_file = directory / f"tokens_{name}.bin", directory / f"docs_{name}.npy"
+    for file in (tokens_file, docs_file):
+        if not file.is_file() or file.stat().st_size == 0:
+            raise DataError(f"{file}: {'empty' if file.is_file() else 'missing'}; the prepared directory is "
+                            f"damaged, prepare the data again")
+    try:
+        tokens = np.memmap(tokens_file, dtype=dtype, mode="r")
+    except (OSError, ValueError) as error:
+        raise DataError(f"{tokens_file}: not a shard of {dtype} tokens ({error}); prepare the data again") from error
+    try:
+        bounds = np.load(docs_file)
+    except (OSError, ValueError, EOFError) as error:
+        raise DataError(f"{docs_file}: not a document index ({error}); prepare the data again") from error
+    if bounds.ndim != 1 or len(bounds) < 2 or bounds[-1] != len(tokens):
+        raise DataError(f"{tokens_file} holds {len(tokens)} tokens but {docs_file.name} ends at "
+                        f"{bounds[-1] if bounds.size else 'nothing'}: the shard is damaged, prepare again")
+    return tokens, bounds
 
 
 def check_token_range(file: Path, tokens: np.ndarray, vocab_size: int) -> None:

@@ -43,10 +43,11 @@ def default_layer_types(num_layers: int) -> list[str]:
 
 GROUPED_GEMM_MULTIPLE = 8  # BF16 values per 16 bytes
 
-# Hugging Face keys that carry no meaning for this implementation.
+# Hugging Face keys that carry no meaning for this implementation (quantization_config concerns the
+# files: convert.py refuses a dtype it cannot read, naming the key).
 IGNORED_HF_KEYS = {"architectures", "dtype", "torch_dtype", "transformers_version", "auto_map",
                    "use_cache", "model_type", "keys_to_ignore_at_inference", "_name_or_path",
-                   "rope_scaling", "rope_theta"}
+                   "rope_scaling", "rope_theta", "quantization_config"}
 # Fields of ours that are runtime choices, not part of the published config.
 RUNTIME_FIELDS = ("attention_backend", "experts_backend", "loss_chunk_size")
 
@@ -119,8 +120,14 @@ class FlintConfig:
         def ints(value) -> bool:
             return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
+        def count(value) -> bool:
+            return ints([value]) and value > 0
+
         rope = self.rope_parameters
-        checks = [
+        checks = [  # the layer counts first: the layer schedule is derived from them
+            ("num_hidden_layers", count(self.num_hidden_layers), "a positive integer"),
+            ("schedule_num_hidden_layers", self.schedule_num_hidden_layers is None or count(
+                self.schedule_num_hidden_layers), "a positive integer or null"),
             ("rope_parameters", isinstance(rope, dict),
              "an object such as {'rope_type': 'default', 'rope_theta': 1e4}"),
             ("rope_parameters.rope_theta (or rope_theta)",

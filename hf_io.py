@@ -123,6 +123,9 @@ class SafetensorsDir(Source):
                                  f"(loading one can run arbitrary code)")
             if not (path / shard).exists():
                 raise ValueError(f"{self.name}: weight_map names missing shard {shard!r} (holds {keys[0]!r})")
+            if not (path / shard).is_file():  # "" and "." name the directory itself
+                raise ValueError(f"{self.name}: weight_map places {keys[0]!r} in {shard!r}, which is not a file of "
+                                 f"{path}; expected a shard file name such as 'model-00001-of-00002.safetensors'")
         self.files: dict[str, Path] = {}
         self.meta = {}
         for shard in sorted(listed) if weight_map else [single.name]:

@@ -18,10 +18,12 @@ from moe import EXPERT_BACKENDS, check_bias_update_rate
 LAYER_TYPE = "indexed_attention"  # the only layer type; it selects transformers' cache class
 MLP_TYPES = ("dense", "sparse")
 INDEXER_TYPES = ("full", "shared")  # shared: no indexer of its own, the previous layer's selection
-# Keys of config.json that carry no meaning here (text_config or the composite around it).
+# Keys of config.json that carry no meaning here (text_config or the composite around it);
+# quantization_config concerns the files, and large4_hf.py reads it from config.json itself.
 IGNORED_HF_KEYS = {"architectures", "dtype", "torch_dtype", "transformers_version", "use_cache", "model_type",
                    "_name_or_path", "keys_to_ignore_at_inference", "output_router_logits", "pretraining_tp",
-                   "num_key_value_heads", "rope_interleave", "qk_head_dim", "head_dim", "layer_types"}
+                   "num_key_value_heads", "rope_interleave", "qk_head_dim", "head_dim", "layer_types",
+                   "quantization_config"}
 RUNTIME_FIELDS = ("attention_backend", "experts_backend", "loss_chunk_size", "indexer_chunk_size", "composite")
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2048.0, "original_max_position_embeddings": 512,
         "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0, "truncate": True}
@@ -90,6 +92,12 @@ class Large4Config:
     composite: dict = field(default_factory=dict)  # config.json around text_config (vision), carried through
 
     def __post_init__(self) -> None:
+        # The per-layer schedules below are derived from these: check them first, naming the field.
+        check_positive_ints(self, ("num_hidden_layers", "no_rope_layer_interval", "index_topk_freq"))
+        for name in ("first_k_dense_replace", "index_skip_topk_offset"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         n = self.num_hidden_layers
         if self.no_rope_layers is None:
             self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(n)]
@@ -224,6 +232,9 @@ class Large4Config:
         """From the composite config.json (its text_config) or a bare text config: a dict, a file or a
         checkpoint directory. Errors name the field."""
         source, where = read_config_json(source)
+        if not isinstance(source.get("text_config", {}), dict):
+            raise ValueError(f"{where}: text_config must be an object of the text model's fields, got "
+                             f"{type(source['text_config']).__name__} {source['text_config']!r:.40}")
         composite = ({k: v for k, v in source.items() if k != "text_config" and k not in IGNORED_HF_KEYS}
                      if "text_config" in source else {})
         text = dict(source.get("text_config", source))

@@ -67,7 +67,7 @@ def family_of_hf_config(source: dict | str | Path) -> str:
     """The family a config.json (dict, file or checkpoint directory) describes, by its model_type."""
     data, where = read_config_json(source)
     model_type = data.get("model_type", "flint")
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise ValueError(f"{where}: model_type {model_type!r} is not one of {sorted(MODEL_TYPES)}")
     return MODEL_TYPES[model_type]
 

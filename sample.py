@@ -1,7 +1,8 @@
 """Generate text from a checkpoint: `python sample.py --checkpoint DIR --prompt "The "`.
 
-DIR is any of: a run's checkpoint directory (`[checkpoint].dir`: its latest step is used), one step's
-checkpoint (`.../step_00000300`), or a Hugging Face directory (config.json and safetensors).
+DIR is any of: a run's checkpoint directory (`[checkpoint].dir`: its newest intact step is used, a damaged
+newer one skipped with a warning), one step's checkpoint (`.../step_00000300`), or a Hugging Face directory
+(config.json and safetensors). A bad flag, checkpoint or tokenizer stops with one line that names it.
 Tokens are printed as they are chosen. The tokenizer is the one the run trained with (its
 train_config.json), else the directory's tokenizer.json, else the byte tokenizer; --tokenizer overrides.
 train.py draws its end-of-run sample with the same `generate_text`.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -19,13 +20,18 @@ from typing import Callable
 
 import torch
 
-from checkpoint_files import is_native_checkpoint
+from checkpoint_files import damage, is_native_checkpoint
 from decoder import stream
+from files import read_config_json
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
 class SampleError(ValueError):
     """A checkpoint or tokenizer that cannot be sampled from; the message names it and says why."""
+
+
+# Below this, sampling is greedy in effect and logits / temperature can overflow FP32 (NaN probabilities).
+MIN_TEMPERATURE = 1e-3
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = sampling_tokenizer(checkpoint, args.tokenizer)
         start = time.perf_counter()
         model = load_model(checkpoint, args.device)
+        check_request(model, tokenizer, args)
     except (SampleError, TokenizerError, ValueError, OSError) as error:
         raise SystemExit(f"error: {error}")
     print(f"loaded {checkpoint} ({model.num_params() / 1e6:.2f}M parameters) in {time.perf_counter() - start:.1f} s; "
@@ -49,27 +56,30 @@ def main(argv: list[str] | None = None) -> None:
         print(flush=True)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag stops with one line that names it, not the usage text."""
+
+    def error(self, message: str):
+        raise SystemExit(f"error: {message}")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = OneLineParser(description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
-                        help="a run's checkpoint dir (latest step), one step's checkpoint, or a Hugging Face dir")
+                        help="a run's checkpoint dir (newest intact step), one step's checkpoint, or a Hugging Face dir")
     parser.add_argument("--prompt", default="The ", help="the text to continue")
     parser.add_argument("--num-samples", type=positive, default=1, help="independent continuations, one after another")
     parser.add_argument("--max-new-tokens", type=positive, default=200, help="tokens per sample (fewer at <|endoftext|>)")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--temperature", type=temperature, default=0.8, help="0: greedy")
     parser.add_argument("--top-k", type=positive, default=None, help="sample among the k likeliest tokens only")
-    parser.add_argument("--seed", type=int, default=0, help="the same seed gives the same samples")
+    parser.add_argument("--seed", type=seed, default=0, help="the same seed gives the same samples")
     parser.add_argument("--tokenizer", default="auto",
                         help="auto (the run's, else the directory's tokenizer.json, else byte) or a "
                              "data.tokenizer value: byte, a tokenizer.json directory, a .tiktoken file")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    args = parser.parse_args(argv)
-    if args.temperature < 0:
-        parser.error(f"--temperature must be >= 0, got {args.temperature}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no GPU is available; use --device cpu")
-    return args
+    parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu or cuda")
+    return parser.parse_args(argv)
 
 
 def positive(text: str) -> int:
@@ -79,6 +89,32 @@ def positive(text: str) -> int:
     return value
 
 
+def temperature(text: str) -> float:
+    value = float(text)
+    if value != 0 and not (math.isfinite(value) and value >= MIN_TEMPERATURE):
+        raise argparse.ArgumentTypeError(f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be 0 <= seed < 2**64, got {value}")
+    return value
+
+
+def device(text: str) -> str:
+    try:
+        kind = torch.device(text).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda (cuda:N), got {text!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: no GPU is available; use cpu")
+    return text
+
+
 # ============================================================================= what to load
 
 def is_hf_checkpoint(path: Path) -> bool:
@@ -86,7 +122,8 @@ def is_hf_checkpoint(path: Path) -> bool:
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory itself, or the latest complete step_* inside a run's checkpoint dir."""
+    """A checkpoint directory itself, or the newest intact step_* inside a run's checkpoint dir (a
+    damaged newer one is skipped with a warning)."""
     if is_native_checkpoint(path) or is_hf_checkpoint(path):
         return path
     if not path.is_dir():
@@ -96,14 +133,24 @@ def resolve_checkpoint(path: Path) -> Path:
     if not steps:
         raise SampleError(f"--checkpoint {path}: not a checkpoint (no .metadata, no config.json with safetensors) "
                           f"and no complete step_* checkpoint inside")
-    return steps[-1]
+    for step in reversed(steps):
+        problem = damage(step)
+        if problem is None:
+            return step
+        print(f"WARNING: skipping the damaged checkpoint {step}: {problem}", file=sys.stderr, flush=True)
+    raise SampleError(f"--checkpoint {path}: none of its {len(steps)} step_* checkpoints is intact (see the warnings)")
 
 
 def load_model(checkpoint: Path, device: str = "cpu") -> torch.nn.Module:
     """FP32 weights on `device`, from a native or a Hugging Face checkpoint, in eval mode."""
     from convert import load_hf, load_native
     load = load_native if is_native_checkpoint(checkpoint) else load_hf
-    return load(checkpoint, dtype=torch.float32, device=device).eval()
+    model = load(checkpoint, dtype=torch.float32, device=device).eval()
+    for name, param in model.named_parameters():
+        if not torch.isfinite(param).all():
+            raise SampleError(f"{checkpoint}: the checkpoint's weights are not finite ({name} holds NaN or inf); "
+                              f"it cannot be sampled from")
+    return model
 
 
 def sampling_tokenizer(checkpoint: Path, spec: str = "auto") -> Tokenizer:
@@ -113,8 +160,14 @@ def sampling_tokenizer(checkpoint: Path, spec: str = "auto") -> Tokenizer:
         return load_tokenizer(spec)
     run_config = checkpoint / "train_config.json"
     if run_config.is_file():
-        saved = json.loads(run_config.read_text())
+        saved = read_config_json(run_config)[0]
         data, model = saved.get("data", {}), saved.get("model", {})
+        settings = [("data", data, "tokenizer", "byte"), ("data", data, "eos_token", "<|endoftext|>"),
+                    ("model", model, "init_from", "")]
+        for section, table, key, default in settings:
+            if not isinstance(table, dict) or not isinstance(table.get(key, default), str):
+                raise SampleError(f"{run_config}: expected {section} to be an object whose {key} is a string (as "
+                                  f"train.py writes it), got {section} = {table!r:.60}; use --tokenizer")
         return load_tokenizer(data.get("tokenizer", "byte"), data.get("eos_token", "<|endoftext|>"),
                               model.get("init_from", ""))
     if (checkpoint / "tokenizer.json").is_file():
@@ -122,7 +175,33 @@ def sampling_tokenizer(checkpoint: Path, spec: str = "auto") -> Tokenizer:
     return load_tokenizer("byte")
 
 
+def check_request(model: torch.nn.Module, tokenizer: Tokenizer, args: argparse.Namespace) -> None:
+    """What the model and tokenizer cannot serve, refused before any token is drawn, naming the flag."""
+    vocab, context = model.config.vocab_size, model.config.max_position_embeddings
+    if tokenizer.vocab_size > vocab:
+        raise SampleError(f"--tokenizer {args.tokenizer}: {tokenizer.vocab_size} tokens, more than the model's "
+                          f"vocab_size = {vocab}; use the tokenizer the model was trained with")
+    prompt = len(prompt_ids(tokenizer, args.prompt))
+    if prompt + args.max_new_tokens > context:
+        raise SampleError(f"--max-new-tokens {args.max_new_tokens} and the prompt's {prompt} tokens exceed the "
+                          f"model's context of max_position_embeddings = {context} tokens; use at most "
+                          f"{max(context - prompt, 0)}")
+
+
 # ============================================================================= generating
+
+def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """The prompt's token ids (end-of-text alone for an empty prompt). tiktoken panics on a byte its
+    ranks lack, so each byte is looked up first."""
+    for char in dict.fromkeys(prompt):
+        for byte in char.encode("utf-8"):
+            try:
+                tokenizer.encoding.encode_single_token(bytes([byte]))
+            except KeyError:
+                raise SampleError(f"--prompt: character {char!r} (byte 0x{byte:02x}) has no token in the "
+                                  f"tokenizer ({tokenizer.vocab_size} tokens)") from None
+    return tokenizer.encoding.encode_ordinary(prompt) or [tokenizer.eos_id]
+
 
 def decodable_ids(tokenizer: Tokenizer, vocab_size: int) -> torch.Tensor:
     """bool [vocab_size]: the ids the tokenizer can decode. A model's vocabulary is often padded
@@ -144,7 +223,7 @@ def generate_text(model: torch.nn.Module, tokenizer: Tokenizer, prompt: str, max
     """Continue `prompt` -> the new text (without the prompt), ending early at the tokenizer's
     end-of-text. on_text receives each piece as soon as it decodes to whole characters."""
     device = next(model.parameters()).device
-    ids = tokenizer.encoding.encode_ordinary(prompt) or [tokenizer.eos_id]
+    ids = prompt_ids(tokenizer, prompt)
     allowed = decodable_ids(tokenizer, model.config.vocab_size).to(device)
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span tokens
     pieces = []

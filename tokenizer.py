@@ -94,8 +94,13 @@ def byte_encoding() -> tiktoken.Encoding:
 def tiktoken_file_encoding(path: Path) -> tiktoken.Encoding:
     """A .tiktoken ranks file ("<base64 token> <rank>" per line) with the cl100k split pattern;
     <|endoftext|> is added after the last rank."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise TokenizerError(f"{path}: not a text file ({error.reason} at byte {error.start}); expected "
+                             f"'<base64 token> <rank>' lines") from error
     ranks = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -103,6 +108,8 @@ def tiktoken_file_encoding(path: Path) -> tiktoken.Encoding:
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except ValueError as error:
             raise TokenizerError(f"{path}:{number}: expected '<base64 token> <rank>', got {line[:60]!r}") from error
+    if not ranks:
+        raise TokenizerError(f"{path}: no ranks (an empty file); expected '<base64 token> <rank>' lines")
     return tiktoken.Encoding(name=path.stem, pat_str=CL100K_PATTERN, mergeable_ranks=ranks,
                              special_tokens={END_OF_TEXT: max(ranks.values()) + 1})
 
@@ -169,6 +176,18 @@ def _split_pattern(pre_tokenizer: dict | None, where: Path) -> str:
     return patterns[0]
 
 
+def added_tokens(entries: object, where: Path) -> dict[str, int]:
+    """tokenizer.json's added_tokens ([{"content": ..., "id": ...}, ...]) -> content -> id."""
+    def valid(token: object) -> bool:
+        return isinstance(token, dict) and isinstance(token.get("content"), str) and isinstance(token.get("id"), int)
+
+    bad = [entries] if not isinstance(entries, list) else [t for t in entries if not valid(t)]
+    if bad:
+        raise TokenizerError(f"{where}: added_tokens must be a list of objects with a string 'content' and an "
+                             f"integer 'id', got {bad[0]!r:.60}")
+    return {t["content"]: t["id"] for t in entries}
+
+
 def hf_tokenizer_encoding(path: str | Path) -> tiktoken.Encoding:
     """A byte-level BPE tokenizer.json (or the directory holding it) as a tiktoken.Encoding with the same ids.
 
@@ -182,7 +201,11 @@ def hf_tokenizer_encoding(path: str | Path) -> tiktoken.Encoding:
         spec = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise TokenizerError(f"{path}: cannot read JSON: {error}") from error
-    bpe = spec.get("model") or {}
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+        found = f"model = {spec.get('model')!r:.40}" if isinstance(spec, dict) else f"a {type(spec).__name__}"
+        raise TokenizerError(f"{path}: expected a JSON object whose 'model' is an object (the BPE vocab and "
+                             f"merges), got {found}")
+    bpe = spec["model"]
     if bpe.get("type") != "BPE":
         raise TokenizerError(f"{path}: model.type must be 'BPE', got {bpe.get('type')!r}")
     for field in ("dropout", "byte_fallback", "continuing_subword_prefix", "end_of_word_suffix"):
@@ -191,9 +214,11 @@ def hf_tokenizer_encoding(path: str | Path) -> tiktoken.Encoding:
                                  f"a byte-level BPE for tiktoken needs it unset")
     if spec.get("normalizer") is not None:
         raise TokenizerError(f"{path}: normalizer must be null (tiktoken cannot normalize), got {spec['normalizer']!r}")
-    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    special = added_tokens(spec.get("added_tokens", []), path)
     to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
     vocab, ranks = bpe.get("vocab") or {}, {}
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()):
+        raise TokenizerError(f"{path}: model.vocab must be an object of token -> id, got {vocab!r:.40}")
     for token, token_id in vocab.items():
         if token in special:
             if special[token] != token_id:

@@ -1,0 +1,343 @@
+"""Inputs that once ended in a raw traceback or a misleading message (issue 19): each now stops with one
+line of the repository's own error kinds that names the file, key or flag and says what was expected.
+
+Every table row is (how to build the bad input, what the message must name, a pattern it must match);
+`{dir}` in the name stands for the row's directory. One small trained run (module-scoped) provides the
+checkpoints that the sample.py and convert.py rows copy and damage.
+"""
+
+import base64
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import convert
+import sample
+from config import ConfigError, load_config
+from data import DataError, TokenShards, prepare
+from large4 import Large4Config
+from model import FlintConfig
+from test_train import debug_args, run_debug
+from tokenizer import TokenizerError, load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def stops_with_one_line(call, kind: type[BaseException], named: str, pattern: str) -> None:
+    """call() raises `kind` whose message (a SystemExit's code) is one line holding `named` and `pattern`."""
+    with pytest.raises(kind) as caught:
+        call()
+    error = caught.value
+    message = str(error.code if isinstance(error, SystemExit) else error)
+    assert "\n" not in message, f"more than one line: {message!r}"
+    assert named in message, f"{named!r} is not named in {message!r}"
+    assert re.search(pattern, message), f"{pattern!r} does not match {message!r}"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """Two steps of configs/debug.toml: run_0001/step_00000001 and step_00000002 under ckpt/, and the
+    Hugging Face export hf/."""
+    directory = tmp_path_factory.mktemp("trained")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_debug(directory, "--training.steps=2", "--checkpoint.every=1", "--training.sample_tokens=0",
+                  f"--checkpoint.export_hf={directory / 'hf'}")
+    finally:
+        torch.set_num_threads(threads)
+    return directory
+
+
+def edit_json(file: Path, change) -> None:
+    data = json.loads(file.read_text())
+    file.write_text(json.dumps(change(data)))
+
+
+def ranks_file(path: Path, tokens: list[bytes]) -> str:
+    """A .tiktoken file ranking `tokens` in order."""
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
+    return str(path)
+
+
+# ============================================================================= train.py's configuration
+
+def debug(tmp_path: Path, *overrides: str) -> tuple[str, list[str]]:
+    """configs/debug.toml with test_train's paths under tmp_path, as (file, overrides) for load_config."""
+    args = debug_args(tmp_path, *overrides)
+    return args[1], args[2:]
+
+
+def not_utf8(tmp_path, monkeypatch):
+    (tmp_path / "run.toml").write_bytes(b'[model]\npreset = "tiny\xff"\n')
+    return tmp_path / "run.toml", []
+
+
+def hf_config(text: dict):
+    def build(tmp_path, monkeypatch):
+        (tmp_path / "config.json").write_text(json.dumps(text))
+        return debug(tmp_path, "--model.preset=", f"--model.hf_config={tmp_path / 'config.json'}")
+    return build
+
+
+def overrides(*given: str):
+    return lambda tmp_path, monkeypatch: debug(tmp_path, *given)
+
+
+def export_under_a_file(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("")
+    return debug(tmp_path, f"--checkpoint.export_hf={tmp_path / 'afile' / 'hf'}")
+
+
+def export_read_only(tmp_path, monkeypatch):
+    """A read-only directory; os.access says so even to root, who may write anywhere."""
+    (tmp_path / "ro").mkdir(mode=0o555)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and not (
+        Path(p) == tmp_path / "ro" and mode & os.W_OK))
+    return debug(tmp_path, f"--checkpoint.export_hf={tmp_path / 'ro' / 'hf'}")
+
+
+FLINT = FlintConfig.from_name("tiny").to_hf_config()
+CONFIG_CASES = {
+    "toml not utf-8": (not_utf8, "{dir}/run.toml", r"not UTF-8 text .* must be UTF-8"),
+    "seed -1": (overrides("--training.seed=-1"), "[training].seed", r"must be 0 <= seed < 2\*\*64, got -1$"),
+    "seed 2**64": (overrides(f"--training.seed={2**64}"), "[training].seed", r"must be 0 <= seed < 2\*\*64"),
+    "model_type a list": (hf_config({**FLINT, "model_type": ["flint"]}), "{dir}/config.json",
+                          r"model_type \['flint'\] is not one of"),
+    "text_config a string": (hf_config({"model_type": "mistral_large4", "text_config": "tiny"}), "text_config",
+                             r"config.json: text_config must be an object .* got str"),
+    "text_config a number": (hf_config({"model_type": "mistral_large4", "text_config": 3}), "text_config",
+                             r"config.json: text_config must be an object .* got int 3"),
+    "pp_microbatches 3 of 4 rows": (overrides("--parallel.pp=2", "--parallel.pp_microbatches=3"),
+                                    "--parallel.pp_microbatches", r"= 3 must divide the \[training\].batch_size = 4"),
+    "pp stages 2 of 3 rows": (overrides("--parallel.pp=2", "--training.batch_size=3"), "--training.batch_size",
+                              r"pp_microbatches = 2 \(one per pipeline stage\) must divide .*batch_size = 3"),
+    "pp_microbatches -1": (overrides("--parallel.pp=2", "--parallel.pp_microbatches=-1"),
+                           "[parallel].pp_microbatches", r"must be >= 0 .*got -1"),
+    "export under a file": (export_under_a_file, "checkpoint.export_hf", r"lies under .*afile, which is a file"),
+    "export read-only": (export_read_only, "checkpoint.export_hf", r"ro/hf is not writable"),
+}
+
+
+@pytest.mark.parametrize("build, named, pattern", CONFIG_CASES.values(), ids=CONFIG_CASES)
+def test_bad_training_configs_stop_with_one_line(tmp_path, monkeypatch, build, named, pattern):
+    path, given = build(tmp_path, monkeypatch)
+    stops_with_one_line(lambda: load_config(path, given), ConfigError, named.format(dir=tmp_path), pattern)
+
+
+# ============================================================================= data and tokenizers
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    """A prepared data directory of 20 small documents (one shard)."""
+    directory = tmp_path_factory.mktemp("prepared")
+    (directory / "docs.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 5}) + "\n" for i in range(20)))
+    return prepare(directory / "docs.jsonl", load_tokenizer("byte"), directory / "shards")
+
+
+def meta(change):
+    return lambda directory: edit_json(directory / "meta.json", change)
+
+
+PREPARED_CASES = {
+    "meta.json a list": (meta(lambda m: []), "{dir}/meta.json", r"expected a JSON object, got a list"),
+    "meta.json lacks shards": (meta(lambda m: {k: v for k, v in m.items() if k != "shards"}), "{dir}/meta.json",
+                               r"lacks key 'shards', expected a list"),
+    "meta.json lacks dtype": (meta(lambda m: {k: v for k, v in m.items() if k != "dtype"}), "{dir}/meta.json",
+                              r"lacks key 'dtype', expected a str"),
+    "missing shard": (lambda d: (d / "tokens_00000.bin").unlink(), "{dir}/tokens_00000.bin", r"missing; .*prepare"),
+    "empty shard": (lambda d: (d / "tokens_00000.bin").write_bytes(b""), "{dir}/tokens_00000.bin", r"empty; .*prepare"),
+}
+
+
+@pytest.mark.parametrize("damage, named, pattern", PREPARED_CASES.values(), ids=PREPARED_CASES)
+def test_damaged_prepared_directories_stop_with_one_line(tmp_path, prepared, damage, named, pattern):
+    directory = shutil.copytree(prepared, tmp_path / "shards")
+    damage(directory)
+    stops_with_one_line(lambda: TokenShards(directory, load_tokenizer("byte")), DataError,
+                        named.format(dir=directory), pattern)
+
+
+def test_a_deeply_nested_jsonl_line_stops_with_one_line(tmp_path):
+    (tmp_path / "deep.jsonl").write_text('{"text": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    stops_with_one_line(lambda: prepare(tmp_path / "deep.jsonl", load_tokenizer("byte"), tmp_path / "out"), DataError,
+                        f"{tmp_path / 'deep.jsonl'}:1", r"'text' \(data.text_key\): the line nests .* too deeply")
+
+
+def tokenizer_json(spec):
+    def build(directory: Path) -> str:
+        (directory / "tokenizer.json").write_text(json.dumps(spec))
+        return str(directory)
+    return build
+
+
+def tiktoken_bytes(content: bytes):
+    def build(directory: Path) -> str:
+        (directory / "ranks.tiktoken").write_bytes(content)
+        return str(directory / "ranks.tiktoken")
+    return build
+
+
+BPE = {"type": "BPE", "vocab": {"a": 0}, "merges": []}
+TOKENIZER_CASES = {
+    "empty .tiktoken": (tiktoken_bytes(b""), "{dir}/ranks.tiktoken", r"no ranks \(an empty file\)"),
+    "binary .tiktoken": (tiktoken_bytes(b"\x00\xff\xfe\x80"), "{dir}/ranks.tiktoken", r"not a text file"),
+    "tokenizer.json a list": (tokenizer_json([]), "{dir}/tokenizer.json", r"expected a JSON object .* got a list"),
+    "model a string": (tokenizer_json({"model": "BPE"}), "{dir}/tokenizer.json", r"got model = 'BPE'"),
+    "vocab a list": (tokenizer_json({"model": {**BPE, "vocab": ["a"]}, "normalizer": None}), "model.vocab",
+                     r"tokenizer.json: model.vocab must be an object of token -> id"),
+    "added token without content": (tokenizer_json({"model": BPE, "normalizer": None, "added_tokens": [{"id": 3}]}),
+                                    "added_tokens", r"tokenizer.json: added_tokens must be .* string 'content'"),
+}
+
+
+@pytest.mark.parametrize("build, named, pattern", TOKENIZER_CASES.values(), ids=TOKENIZER_CASES)
+def test_bad_tokenizer_files_stop_with_one_line(tmp_path, build, named, pattern):
+    spec = build(tmp_path)
+    stops_with_one_line(lambda: load_tokenizer(spec), TokenizerError, named.format(dir=tmp_path), pattern)
+
+
+# ============================================================================= sample.py
+
+def step_copy(change=None):
+    """sample.py's arguments for a copy of the run's last step, changed by change(directory)."""
+    def build(trained: Path, directory: Path) -> list[str]:
+        shutil.copytree(trained / "ckpt" / "run_0001" / "step_00000002", directory)
+        if change:
+            change(directory)
+        return ["--checkpoint", str(directory)]
+    return build
+
+
+def flags(*given: str, tokenizer=None):
+    """The last step with these flags (tokenizer: a list of byte strings for a .tiktoken file)."""
+    def build(trained: Path, directory: Path) -> list[str]:
+        extra = ["--tokenizer", ranks_file(directory.parent / "ranks.tiktoken", tokenizer)] if tokenizer else []
+        return [*step_copy()(trained, directory), *given, *extra]
+    return build
+
+
+def nan_weights(trained: Path, directory: Path) -> list[str]:
+    shutil.copytree(trained / "hf", directory)
+    shard = next(directory.glob("model-*.safetensors"))
+    state = load_file(shard)
+    state["model.embed_tokens.weight"][0, 0] = float("nan")
+    save_file(state, shard, metadata={"format": "pt"})
+    return ["--checkpoint", str(directory)]
+
+
+BYTES = [bytes([b]) for b in range(256)]
+SAMPLE_CASES = {
+    "train_config.json not JSON": (step_copy(lambda d: (d / "train_config.json").write_text("{nope")),
+                                   "{dir}/train_config.json", r"cannot read JSON"),
+    "train_config.json a list": (step_copy(lambda d: (d / "train_config.json").write_text("[]")),
+                                 "{dir}/train_config.json", r"expected a JSON object, got a list"),
+    "data a string": (step_copy(lambda d: (d / "train_config.json").write_text('{"data": "x"}')),
+                      "{dir}/train_config.json", r"expected data to be an object .* got data = 'x'"),
+    "model_type a list": (step_copy(lambda d: edit_json(d / "config.json", lambda c: {**c, "model_type": ["flint"]})),
+                          "{dir}/config.json", r"model_type \['flint'\] is not one of"),
+    "temperature inf": (flags("--temperature", "inf"), "--temperature", r"0 \(greedy\) or a finite number"),
+    "temperature nan": (flags("--temperature", "nan"), "--temperature", r"finite number >= 0.001, got nan"),
+    "temperature 1e-45": (flags("--temperature", "1e-45"), "--temperature", r"finite number >= 0.001, got 1e-45"),
+    "NaN weights": (nan_weights, "{dir}", r"the checkpoint's weights are not finite \(embed_tokens.weight"),
+    "max-new-tokens past the context": (flags("--max-new-tokens", "5000"), "--max-new-tokens",
+                                        r"prompt's 4 tokens exceed .* max_position_embeddings = 4096.* at most 4092"),
+    "prompt character the tokenizer lacks": (flags("--prompt", "é", tokenizer=BYTES[:128]), "--prompt",
+                                             r"character 'é' \(byte 0xc3\) has no token"),
+    "tokenizer larger than the vocabulary": (flags(tokenizer=BYTES + [bytes([65, b]) for b in range(20)]),
+                                             "--tokenizer", r"277 tokens, more than the model's vocab_size = 264"),
+    "device foo": (flags("--device", "foo"), "--device", r"expected cpu or cuda \(cuda:N\), got 'foo'"),
+    "seed 2**64": (flags("--seed", str(2**64)), "--seed", r"must be 0 <= seed < 2\*\*64"),
+}
+
+
+@pytest.mark.parametrize("build, named, pattern", SAMPLE_CASES.values(), ids=SAMPLE_CASES)
+def test_bad_sampling_inputs_stop_with_one_line(trained, tmp_path, build, named, pattern):
+    argv = build(trained, tmp_path / "checkpoint")
+    stops_with_one_line(lambda: sample.main([*argv[:2], "--max-new-tokens", "2", "--temperature", "0", *argv[2:]]),
+                        SystemExit, named.format(dir=tmp_path / "checkpoint"), pattern)
+
+
+def test_a_run_directory_samples_its_newest_intact_checkpoint(trained, tmp_path, capsys):
+    runs = shutil.copytree(trained / "ckpt", tmp_path / "ckpt")
+    newest = runs / "run_0001" / "step_00000002"
+    data_file = next(newest.glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[:-8])
+    assert sample.resolve_checkpoint(runs) == runs / "run_0001" / "step_00000001"
+    warning = capsys.readouterr().err
+    assert f"WARNING: skipping the damaged checkpoint {newest}: {data_file}" in warning
+    older = runs / "run_0001" / "step_00000001" / next(newest.glob("*.distcp")).name
+    older.write_bytes(older.read_bytes()[:-8])
+    stops_with_one_line(lambda: sample.resolve_checkpoint(runs), sample.SampleError, f"--checkpoint {runs}",
+                        r"none of its 2 step_\* checkpoints is intact")
+
+
+# ============================================================================= convert.py
+
+def hf_copy(change):
+    """convert.py to-native of a copy of the run's export, changed by change(directory)."""
+    def build(trained: Path, directory: Path) -> list[str]:
+        shutil.copytree(trained / "hf", directory)
+        change(directory)
+        return ["to-native", str(directory), str(directory.parent / "out")]
+    return build
+
+
+def weight_map_shard(shard: str):
+    def change(directory: Path) -> None:
+        def edit(index: dict) -> dict:
+            first = next(iter(index["weight_map"]))
+            return {**index, "weight_map": {**index["weight_map"], first: shard}}
+        edit_json(directory / "model.safetensors.index.json", edit)
+    return change
+
+
+def config_fields(**fields):
+    return lambda directory: edit_json(directory / "config.json", lambda c: {**c, **fields})
+
+
+def large4_config(**fields):
+    text = {**Large4Config.from_name("large4-tiny").to_hf_config()["text_config"], **fields}
+    return lambda directory: (directory / "config.json").write_text(
+        json.dumps({"model_type": "mistral_large4", "text_config": text}))
+
+
+def to_hf(change):
+    def build(trained: Path, directory: Path) -> list[str]:
+        directory.mkdir()
+        change(trained, directory)
+        return ["to-hf", str(directory), str(directory.parent / "out")]
+    return build
+
+
+INDEX = "{dir}/model.safetensors.index.json"
+CONVERT_CASES = {
+    "weight_map names ''": (hf_copy(weight_map_shard("")), INDEX, r"in '', which is not a file of"),
+    "weight_map names '.'": (hf_copy(weight_map_shard(".")), INDEX, r"in '\.', which is not a file of"),
+    "num_hidden_layers a string": (hf_copy(config_fields(num_hidden_layers="4")), "{dir}/config.json",
+                                   r"num_hidden_layers must be a positive integer, got '4'"),
+    "Large 4 num_hidden_layers a string": (hf_copy(large4_config(num_hidden_layers="8")), "{dir}/config.json",
+                                           r"num_hidden_layers must be a positive integer, got '8'"),
+    "model_type a list": (hf_copy(config_fields(model_type=["flint"])), "{dir}/config.json",
+                          r"model_type \['flint'\] is not one of"),
+    "text_config a list": (hf_copy(config_fields(model_type="mistral_large4", text_config=[1])), "{dir}/config.json",
+                           r"text_config must be an object .* got list \[1\]"),
+    "to-hf of a published checkpoint": (to_hf(lambda t, d: shutil.copytree(t / "hf", d, dirs_exist_ok=True)),
+                                        "{dir}", r"not a native checkpoint \(no .metadata"),
+    "to-hf of a config.json alone": (to_hf(lambda t, d: shutil.copy(t / "hf" / "config.json", d)), "{dir}",
+                                     r"not a native checkpoint \(no .metadata"),
+}
+
+
+@pytest.mark.parametrize("build, named, pattern", CONVERT_CASES.values(), ids=CONVERT_CASES)
+def test_bad_conversion_inputs_stop_with_one_line(trained, tmp_path, build, named, pattern):
+    argv = build(trained, tmp_path / "checkpoint")
+    stops_with_one_line(lambda: convert.main(argv), SystemExit, named.format(dir=tmp_path / "checkpoint"), pattern)
+    assert not (tmp_path / "out").exists()
