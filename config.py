@@ -215,9 +215,12 @@ def read_tables(path: str | Path) -> tuple[dict, Path, dict[str, str]]:
     """A TOML file's tables, the file, and "section.key" -> the file, for config_from_tables."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as error:
         raise ConfigError(f"cannot read config file {path}: {error.strerror}") from error
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start}); a TOML file must be "
+                          f"UTF-8") from error
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: not valid TOML: {error}") from error
     return raw, path, {f"{section}.{key}": str(path) for section, table in raw.items() if isinstance(table, dict)
@@ -355,6 +358,7 @@ def validate(cfg: TrainConfig) -> None:
         ("training.steps", t.steps >= 1, "be >= 1"),
         ("training.batch_size", t.batch_size >= 1, "be >= 1"),
         ("training.grad_accum", t.grad_accum >= 1, "be >= 1"),
+        ("training.seed", 0 <= t.seed < 2**64, "be 0 <= seed < 2**64"),
         ("training.device", t.device in ("auto", "cpu", "cuda"), "be auto, cpu or cuda"),
         ("training.eval_every", t.eval_every >= 0, "be >= 0"),
         ("training.eval_batches", t.eval_batches >= 1, "be >= 1"),
@@ -403,6 +407,7 @@ def validate(cfg: TrainConfig) -> None:
             raise refusal
     except LayoutError as error:
         raise ConfigError(f"{cfg.where('parallel.' + error.key)}: {error}") from error
+    check_microbatches(cfg)
 
 
 def check_paths(cfg: TrainConfig) -> None:
@@ -410,6 +415,12 @@ def check_paths(cfg: TrainConfig) -> None:
     the export): directories that are files, files that are directories, places that cannot be written."""
     places = [("checkpoint.dir", Path(cfg.checkpoint.dir), True), ("data.cache_dir", Path(cfg.data.cache_dir), True),
               ("logging.jsonl", Path(cfg.logging.jsonl), False)]
+    export = cfg.checkpoint.export_hf
+    if export and Path(export).exists():
+        raise ConfigError(f"{cfg.where('checkpoint.export_hf')}: checkpoint.export_hf {export} already exists; the "
+                          f"export never overwrites: remove it or choose another directory")
+    if export:  # the directory does not exist yet: its nearest existing parent must take it
+        places.append(("checkpoint.export_hf", Path(export), True))
     for key, path, is_dir in places:
         if is_dir and path.exists() and not path.is_dir():
             raise ConfigError(f"{cfg.where(key)}: {key} {path} is a file, expected a directory")
@@ -420,10 +431,21 @@ def check_paths(cfg: TrainConfig) -> None:
             raise ConfigError(f"{cfg.where(key)}: {key} {path} lies under {existing}, which is a file")
         if not os.access(existing, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
             raise ConfigError(f"{cfg.where(key)}: {key} {path} is not writable")
-    export = cfg.checkpoint.export_hf
-    if export and Path(export).exists():
-        raise ConfigError(f"{cfg.where('checkpoint.export_hf')}: checkpoint.export_hf {export} already exists; the "
-                          f"export never overwrites: remove it or choose another directory")
+
+
+def check_microbatches(cfg: TrainConfig) -> None:
+    """A pipeline cuts each rank's batch (training.batch_size rows) into pp_microbatches equal parts;
+    refused here rather than by every rank's first step."""
+    p, rows = cfg.parallel, cfg.training.batch_size
+    if p.pp_microbatches < 0:
+        raise ConfigError(f"{cfg.where('parallel.pp_microbatches')}: [parallel].pp_microbatches must be >= 0 "
+                          f"(0: one per pipeline stage), got {p.pp_microbatches}")
+    microbatches = p.pp_microbatches or p.pp * p.stages_per_rank
+    if p.pp > 1 and rows % microbatches:
+        keys = ["parallel.pp_microbatches"] if p.pp_microbatches else ["parallel.pp", "training.batch_size"]
+        raise ConfigError(f"{cfg.where_any(keys)}: [parallel].pp_microbatches = {microbatches}"
+                          f"{'' if p.pp_microbatches else ' (one per pipeline stage)'} must divide the "
+                          f"[training].batch_size = {rows} rows of each rank's batch")
 
 
 def check_router_aux_loss(cfg: TrainConfig) -> None:
