@@ -75,6 +75,7 @@ class TrainingSection:
 
 @dataclass
 class OptimSection:
+    name: str = "adamw"  # adamw | muon (Muon for the block matrices and experts, AdamW for the rest; muon.py)
     lr: float = 3e-4  # peak learning rate
     min_lr: float = 3e-5  # where the decay ends
     schedule: str = "cosine"  # cosine | wsd (warmup, stable, linear decay) | constant
@@ -85,6 +86,8 @@ class OptimSection:
     beta2: float = 0.95  # AdamW
     eps: float = 1e-8  # AdamW
     grad_clip: float = 1.0  # max global gradient norm; 0: no clipping
+    muon_lr: float = 0.02  # muon: the block matrices' peak learning rate (the schedule scales it as lr)
+    muon_momentum: float = 0.95  # muon: the momentum of the orthogonalised update (Nesterov)
 
 
 @dataclass
@@ -369,7 +372,10 @@ def validate(cfg: TrainConfig) -> None:
          f"be in [1, max_position_embeddings = {cfg.model_config.max_position_embeddings}]"),
         ("data.val_fraction", 0 <= d.val_fraction < 1, "be in [0, 1)"),
         ("data.epochs", d.epochs >= 1, "be >= 1"),
+        ("optim.name", o.name in ("adamw", "muon"), "be adamw or muon"),
         ("optim.lr", o.lr > 0, "be > 0"),
+        ("optim.muon_lr", o.muon_lr > 0, "be > 0"),
+        ("optim.muon_momentum", 0 <= o.muon_momentum < 1, "be in [0, 1)"),
         ("optim.min_lr", 0 <= o.min_lr <= o.lr, f"be in [0, optim.lr = {o.lr}]"),
         ("optim.schedule", o.schedule in ("cosine", "wsd", "constant"), "be cosine, wsd or constant"),
         ("optim.warmup_steps", o.warmup_steps >= 0, "be >= 0"),

@@ -63,8 +63,9 @@ def _activation_bytes_per_token(config: ModelConfig, layers: int, checkpointing:
 
 def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch_size: int) -> dict[str, float]:
     """GiB per GPU on the busiest pipeline stage: FP32 master weights, FP32 gradients and AdamW
-    moments (2 x FP32) of the trainable ones (in host memory instead with [parallel] offload: `host`), the BF16 blocks FSDP gathers (the current block and the prefetched next),
-    and activations of the micro-batches in flight. An estimate: no allocator slack or buffers."""
+    moments (2 x FP32) of the trainable ones (in host memory instead with [parallel] offload:
+    `host`), the BF16 blocks FSDP gathers (the current block and the prefetched next), and
+    activations of the micro-batches in flight. An estimate: no allocator slack or buffers."""
     other_shards = cfg.dp_shard * cfg.ep * cfg.cp
     expert_shards = cfg.ep * cfg.dp_shard * cfg.cp
     stages = _stage_params(config, cfg.pp)
@@ -74,7 +75,10 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
     expert_block = max(e for e, _, _ in stages) / layers_per_stage / cfg.ep
     other_block = (max(o + f for _, o, f in stages) - 2 * config.vocab_size * config.hidden_size / cfg.pp) / layers_per_stage
     microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
-    in_flight = 1 if cfg.pp == 1 else (microbatches if cfg.pp_schedule == "GPipe" else cfg.pp)
+    # Micro-batches whose activations a stage holds at the peak: GPipe all of them, 1F1B and
+    # interleaving pp, ZB-V pp as well (its point: 1F1B's memory), DualPipeV pp + 1 (DeepSeek-V3's report).
+    held = {"GPipe": microbatches, "DualPipeV": cfg.pp + 1}
+    in_flight = 1 if cfg.pp == 1 else held.get(cfg.pp_schedule, cfg.pp)
     tokens = batch_size * seq_len / cfg.cp / (microbatches if cfg.pp > 1 else 1)
     per_token = _activation_bytes_per_token(config, layers_per_stage, cfg.activation_checkpointing, seq_len)
     activations = tokens * in_flight * per_token

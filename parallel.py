@@ -31,8 +31,8 @@ from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B)
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                         ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from models import ModelConfig
@@ -48,7 +48,11 @@ warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mes
 FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(FSDPSinks\) returned a view tensor"
 warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp")
-SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
+SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
+             "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
+# Schedules of two stages per rank placed in a V: rank r holds stages r and 2 * pp - 1 - r, so the
+# last stage sits beside the first and the backward turns around on one rank.
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 AC_MODES = ("none", "full", "selective")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -73,8 +77,8 @@ class ParallelConfig:
     ep: int = 1  # expert parallel: must divide num_experts
     pp: int = 1  # pipeline parallel: stages
     cp: int = 1  # context parallel: the sequence length must divide by 2 * cp
-    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B
-    pp_stages_per_rank: int = 0  # 0: 1, or 2 for Interleaved1F1B
+    pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | ZBVZeroBubble | DualPipeV
+    pp_stages_per_rank: int = 0  # 0: 1, or 2 for Interleaved1F1B and the V schedules (ZBVZeroBubble, DualPipeV)
     pp_microbatches: int = 0  # 0: as many as pipeline stages
     activation_checkpointing: str = "none"  # none | full (every block) | selective (every 2nd block)
     compile: bool = False  # torch.compile each block
@@ -96,7 +100,13 @@ class ParallelConfig:
 
     @property
     def stages_per_rank(self) -> int:
-        return self.pp_stages_per_rank or (2 if self.pp_schedule == "Interleaved1F1B" else 1)
+        return self.pp_stages_per_rank or (2 if self.pp_schedule in ("Interleaved1F1B", *V_SCHEDULES) else 1)
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """The pipeline stages this pp rank holds: looped (r, r + pp, ...), or a V for V_SCHEDULES."""
+        if self.pp_schedule in V_SCHEDULES:
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
+        return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
 
     def compute_dtype(self, device_type: str) -> torch.dtype:
         if self.param_dtype == "auto":
@@ -141,10 +151,15 @@ class ParallelConfig:
         if num_layers is not None and self.pp * self.stages_per_rank > num_layers:
             raise LayoutError("pp", f"{where} pp = {self.pp} with {self.stages_per_rank} stage(s) per rank makes "
                              f"{self.pp * self.stages_per_rank} pipeline stages, more than the model's {num_layers} layers")
-        looped = self.pp_schedule == "Interleaved1F1B"
-        if (self.stages_per_rank < 2) if looped else (self.stages_per_rank != 1):
-            raise LayoutError("pp_stages_per_rank", f"{where} pp_stages_per_rank = {self.stages_per_rank} does not fit pp_schedule "
-                             f"{self.pp_schedule!r}: Interleaved1F1B needs >= 2, the others exactly 1")
+        if self.pp_schedule == "Interleaved1F1B":
+            needed, fits = "n >= 2", self.stages_per_rank >= 2
+        elif self.pp_schedule in V_SCHEDULES:
+            needed, fits = "n = 2", self.stages_per_rank == 2
+        else:
+            needed, fits = "n = 1", self.stages_per_rank == 1
+        if not fits:
+            raise LayoutError("pp_stages_per_rank", f"{where} pp_stages_per_rank = {self.stages_per_rank} does not fit "
+                              f"pp_schedule {self.pp_schedule!r}, which takes {needed} stages per rank")
 
 
 # ============================================================================= process group and mesh
@@ -413,7 +428,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
     if cfg.pp > 1:
         num_stages = cfg.pp * cfg.stages_per_rank
         pp_rank = mesh["pp"].get_local_rank()
-        stage_ids = [pp_rank + k * cfg.pp for k in range(cfg.stages_per_rank)]  # looped placement
+        stage_ids = cfg.stage_ids(pp_rank)
         parts = [pipeline_stage(model, s, num_stages) for s in stage_ids]
     reshard = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else cfg.pp == 1
     param_dtype = cfg.compute_dtype(mesh.device_type)

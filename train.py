@@ -44,6 +44,7 @@ from config import (ConfigError, OptimSection, TrainConfig, TrainingSection, hel
 from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
 from metrics import MetricsLogger
 from models import config_from_hf, model_class
+from muon import Muon, takes_muon
 from parallel import ParallelModel, Run, barrier, build_mesh, init_distributed, init_weights, parallelize, uncompile
 from routing import RoutingMonitor
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
@@ -306,11 +307,21 @@ def is_compile_error(error: BaseException) -> bool:
 
 # ============================================================================= optimizer and step
 
-def build_optimizer(model: torch.nn.Module, o: OptimSection) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices (2-D weights and the stacked 3-D expert matrices), not on
-    norms or sinks. The fused kernel on every device, eager: faster than the multi-tensor one and
-    than a compiled step, which would also compile for seconds (BENCHMARKS.md, Compiled code)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(model: torch.nn.Module, o: OptimSection) -> torch.optim.Optimizer:
+    """[optim] name: AdamW, weight decay on matrices (2-D weights and the stacked 3-D expert
+    matrices), not on norms or sinks; the fused kernel on every device, eager: faster than the
+    multi-tensor one and than a compiled step, which would also compile for seconds (BENCHMARKS.md,
+    Compiled code). Or Muon (muon.py) for the block matrices and experts, at muon_lr, and AdamW for
+    the embedding, head, routers (decayed) and 1-D parameters."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if o.name == "muon":
+        matrices = [p for n, p in named if takes_muon(n, p)]
+        others = [(n, p) for n, p in named if not takes_muon(n, p)]
+        groups = [{"params": matrices, "muon": True, "weight_decay": o.weight_decay, "lr_scale": o.muon_lr / o.lr},
+                  {"params": [p for _, p in others if p.dim() >= 2], "weight_decay": o.weight_decay},
+                  {"params": [p for _, p in others if p.dim() < 2], "weight_decay": 0.0}]
+        return Muon(groups, lr=o.lr, momentum=o.muon_momentum, betas=(o.beta1, o.beta2), eps=o.eps)
+    params = [p for _, p in named]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
@@ -333,8 +344,9 @@ def learning_rate(step: int, o: OptimSection, total: int) -> float:
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
+    """The schedule's lr on every group, times the group's lr_scale (Muon's matrices: muon_lr / lr)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     return lr
 
 

@@ -198,6 +198,24 @@ def test_expert_and_pipeline_layouts_match_single_process():
           + [{"pp": 2, "dp_shard": 1, "pp_schedule": s} for s in ("GPipe", "1F1B", "Interleaved1F1B")], {})
 
 
+@pytest.mark.parametrize("family", ["flint", "large4"])
+def test_zero_bubble_pipelines_match_single_process(family):
+    """ZB-V and DualPipeV: two stages per rank in a V (rank 0 holds stages 0 and 3, rank 1 stages 1
+    and 2), the backward split into input and weight gradients; Large 4's stages carry latents,
+    rotated keys and selections across all three boundaries."""
+    spawn(2, check_layouts, [{"pp": 2, "dp_shard": 1, "pp_schedule": s} for s in ("ZBVZeroBubble", "DualPipeV")],
+          {}, family)
+
+
+def test_v_schedules_place_two_stages_per_rank_in_a_v():
+    v = ParallelConfig(pp=4, pp_schedule="ZBVZeroBubble")
+    assert [v.stage_ids(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert ParallelConfig(pp=2, pp_schedule="Interleaved1F1B").stage_ids(1) == [1, 3]
+    with pytest.raises(ValueError, match="pp_stages_per_rank = 3 does not fit pp_schedule 'DualPipeV', which takes "
+                                         "n = 2"):
+        ParallelConfig(pp=2, pp_schedule="DualPipeV", pp_stages_per_rank=3).validate()
+
+
 @slow
 def test_combined_layouts_four_processes():
     spawn(4, check_layouts, [{"pp": 2, "dp_shard": 2}, {"dp_replicate": 2, "ep": 2, "dp_shard": 1},
@@ -555,6 +573,21 @@ def check_optimizer_on_shards(layouts: list[dict]) -> None:
         assert all(p.dtype == torch.float32 for p in pm.module.parameters()), layout
         assert all(isinstance(p, DTensor) for p in pm.module.parameters()), layout
         adamw_matches_plain(pm.module, build(config))
+
+
+def check_muon_on_shards(layouts: list[dict]) -> None:
+    from test_muon import muon_matches_plain
+    config = tiny_config()
+    for layout in layouts:
+        cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
+        pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
+        muon_matches_plain(pm.module, build(config))
+
+
+def test_muon_steps_like_the_plain_reference_on_two_ranks():
+    """FSDP 2 (every matrix sharded on its rows: gathered, orthogonalised whole, re-sharded) and
+    EP 2 (each rank orthogonalises its own experts' matrices, no communication)."""
+    spawn(2, check_muon_on_shards, [{"dp_shard": 2}, {"ep": 2, "dp_shard": 1}])
 
 
 def test_the_optimizer_steps_like_plain_adamw_on_shards():
