@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from files import remove_stale_temporaries, sync_rename
+from files import read_json_object, remove_stale_temporaries, sync_rename
 from tokenizer import END_OF_TEXT, Tokenizer, TokenizerError, load_tokenizer
 
 # The Python Language Reference topics that CPython ships as pydoc_data/topics.py (see data/README.md).
@@ -101,7 +101,7 @@ def _jsonl_record(line: bytes, path: Path, number: int, text_key: str) -> Iterat
     except (json.JSONDecodeError, KeyError, TypeError) as error:
         raise DataError(f"{path}:{number}: expected a JSON object with a string field "
                         f"{text_key!r} (data.text_key): {error!r}") from error
-    except RecursionError as error:  # json's decoder recurses once per level of nesting
+    except RecursionError:  # json's decoder recurses once per level of nesting
         raise DataError(f"{path}:{number}: expected a JSON object with a string field {text_key!r} "
                         f"(data.text_key): the line nests arrays or objects too deeply to read") from None
     if not isinstance(text, str):
@@ -298,11 +298,9 @@ META_KEYS = {"tokenizer": str, "dtype": str, "vocab_size": int, "shards": list}
 def read_meta(path: Path) -> dict:
     """A prepared directory's meta.json, with every key the loader reads, or a DataError naming it."""
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise DataError(f"{path}: not a prepared data directory ({error})") from error
-    if not isinstance(meta, dict):
-        raise DataError(f"{path}: expected a JSON object, got a {type(meta).__name__}; prepare the data again")
+        meta = read_json_object(path)
+    except ValueError as error:
+        raise DataError(f"{error}: not a prepared data directory; prepare the data again") from None
     if meta.get("format") != SHARDS_FORMAT:
         raise DataError(f"{path}: format {meta.get('format')!r}, expected {SHARDS_FORMAT!r}")
     for key, kind in META_KEYS.items():

@@ -19,13 +19,18 @@ def read_config_json(source: dict | str | Path) -> tuple[dict, str]:
         return source, "config"
     path = Path(source)
     path = path / "config.json" if path.is_dir() else path
+    return read_json_object(path), str(path)
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in the UTF-8 file `path`, or a ValueError naming the file and what is wrong."""
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: cannot read JSON: {error}") from error
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object, got a {type(config).__name__}")
-    return config, str(path)
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(value).__name__}")
+    return value
 
 
 def write_atomically(path: Path, text: str) -> None:
