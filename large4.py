@@ -295,7 +295,7 @@ class MistralLarge4(nn.Module):
     the group, so attention and the selection see every key of the sequence, exactly."""
 
     parallel_dims = ("pp", "cp")  # the layouts its forward serves beyond data and expert parallelism (parallel.py)
-    context = None  # cp > 1: parallel.ContextParallel (this rank's positions, the sequence gather)
+    context = None  # cp > 1: context_parallel.ContextParallel (this rank's positions, the sequence gather)
 
     def __init__(self, config: Large4Config, dtype: torch.dtype | None = None):
         """Bulk parameters in `dtype`; alpha, routers, indexer weights_proj and k_norm, and the head

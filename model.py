@@ -129,7 +129,7 @@ class Flint(nn.Module):
     key of the sequence, exactly."""
 
     parallel_dims = ("pp", "cp")  # the layouts its forward serves beyond data and expert parallelism (parallel.py)
-    context = None  # cp > 1: parallel.ContextParallel (this rank's positions, the sequence gather)
+    context = None  # cp > 1: context_parallel.ContextParallel (this rank's positions, the sequence gather)
 
     def __init__(self, config: FlintConfig, dtype: torch.dtype | None = None):
         """Bulk parameters in `dtype`; sinks, routers and the head are always FP32.

@@ -21,20 +21,20 @@ import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import checkpoint as checkpoint_module
-from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                          ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from context_parallel import ContextParallel
 from models import ModelConfig
 from moe import ExpertParallelExperts, MoE
 
@@ -196,51 +196,6 @@ def build_mesh(cfg: ParallelConfig, device_type: str, num_experts: int | None = 
                        ("fsdp", ("dp_shard", "ep", "cp")), ("efsdp", ("dp_shard", "cp"))):
         mesh[dims]._flatten(name)
     return mesh
-
-
-# ============================================================================= context parallel: sequence sharding
-
-@lru_cache(maxsize=64)
-def _cp_index(seq_len: int, cp: int, rank: int, device: str) -> torch.Tensor:
-    if seq_len % (2 * cp):
-        raise ValueError(f"context parallel: sequence length {seq_len} must be divisible by 2 * cp = {2 * cp}")
-    chunk = seq_len // (2 * cp)
-    chunks = (rank, 2 * cp - 1 - rank)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunks])
-
-
-def cp_token_index(seq_len: int, cp: int, rank: int, device) -> torch.Tensor:
-    """Positions [T / cp] that cp rank `rank` computes: chunks rank and 2*cp-1-rank of 2*cp equal
-    chunks, so every rank gets the same amount of causal attention work."""
-    if cp == 1:
-        return torch.arange(seq_len, device=device)
-    return _cp_index(seq_len, cp, rank, str(device))
-
-
-def gather_sequence(t: torch.Tensor, cp_group, dim: int) -> torch.Tensor:
-    """All-gather this rank's positions of a sequence (dim `dim`, T / cp long) over the cp group
-    (backward: reduce-scatter) and put them in sequence order -> T long."""
-    cp = dist.get_world_size(cp_group)
-    seq_len = t.shape[dim] * cp
-    gathered_order = torch.cat([cp_token_index(seq_len, cp, r, t.device) for r in range(cp)])
-    return all_gather_tensor_autograd(t.contiguous(), dim, cp_group).index_select(dim, torch.argsort(gathered_order))
-
-
-@dataclass
-class ContextParallel:
-    """A cp group, as a model's stage form reads it (its `context`): the positions of this rank's
-    queries, and the gather of a sequence's keys."""
-    group: dist.ProcessGroup
-
-    @property
-    def size(self) -> int:
-        return dist.get_world_size(self.group)
-
-    def positions(self, seq_len: int, device) -> torch.Tensor:  # this rank's queries [T / cp]
-        return cp_token_index(seq_len, self.size, dist.get_rank(self.group), device)
-
-    def gather(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:  # [B, T / cp, ...] -> [B, T, ...]
-        return gather_sequence(t, self.group, dim)
 
 
 # ============================================================================= this process

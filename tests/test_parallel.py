@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from large4 import Large4Config, MistralLarge4
 from model import FlintConfig, build_model
 from models import model_class
-from parallel import ParallelConfig, build_mesh, cp_token_index, init_weights, parallelize
+from parallel import ParallelConfig, build_mesh, init_weights, parallelize
 from test_large4 import randomized
 from test_train import adamw_matches_plain
 
@@ -172,12 +172,6 @@ def test_config_errors_name_the_key():
     with pytest.raises(ValueError, match=r"pp_schedule must be one of"):
         ParallelConfig(pp_schedule="zigzag").resolve(1)
     assert ParallelConfig(ep=2, cp=2).resolve(8).dp_shard == 2
-
-
-def test_cp_token_index_balances_causal_work():
-    chunks = [cp_token_index(16, 2, r, "cpu").tolist() for r in range(2)]
-    assert chunks == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
-    assert sum(chunks, []) != list(range(16)) and sorted(sum(chunks, [])) == list(range(16))
 
 
 # ----------------------------------------------------------------------------- every layout vs one process
