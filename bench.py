@@ -38,17 +38,15 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 
-from attention import FULL, SLIDING, build_masks, resolve_backend
-from baselines import NotApplicable, dense_logits_loss, plain_eager_loss, transformers_loss, transformers_reference
+from attention import FULL, SLIDING, resolve_backend
 from config import ConfigError, OptimSection, TrainConfig, config_from_tables, model_family, read_tables
 from files import write_atomically
 from metrics import CPU_PEAK_CACHE, model_flops_per_token, run_peak_flops
 from decoder import build
-from model import FlintConfig, build_model, rope_tables
-from models import ModelConfig, model_class
+from models import ModelConfig, family_of, model_class
 from parallel import apply_activation_checkpointing, apply_compile
-from profiling import (OPTIMIZER, RANGE, matmul_rate, memory_in_use, peak_memory, profile_step, reset_peak_memory,
-                       time_call)
+from profiling import (OPTIMIZER, RANGE, NotApplicable, dense_logits_loss, matmul_rate, memory_in_use, peak_memory,
+                       profile_step, reset_peak_memory, time_call)
 from parallel import Run
 from train import build_optimizer
 
@@ -171,10 +169,10 @@ class Bench:
         return model, training_step(model, *self.inputs(), loss_fn, self.cfg.optim), model.flops_per_token(self.seq_len)
 
     def reference(self) -> Built:
-        """Training steps of transformers' FlintForCausalLM on this shape's weights (baselines.py);
-        ImportError (a skipped row) when transformers cannot be imported."""
-        model = transformers_reference(self.model())
-        step = training_step(model, *self.inputs(), transformers_loss, self.cfg.optim)
+        """Training steps of the published implementation (transformers) on this shape's weights, as
+        the family's baselines build it; ImportError (a skipped row) when transformers is missing."""
+        model = baseline(self.config, "transformers_reference")(self.model())
+        step = training_step(model, *self.inputs(), baseline(self.config, "transformers_loss"), self.cfg.optim)
         return model, step, model_flops_per_token(self.config, self.seq_len)
 
     def forward(self, **overrides) -> Built:
@@ -259,7 +257,7 @@ def compare(bench: Bench, own_label: str, sections: set[str], profile_rows: int)
                      "torch.compile(fullgraph=True) per block; warm-up compiles", not compiled,
                      lambda: bench.training(compiled=not compiled)),
         "baseline": ("baseline", "plain eager baseline", "scores + sink column + softmax, grouped GEMM, unchunked loss",
-                     False, lambda: bench.training(plain_eager_loss)),
+                     False, lambda: bench.training(baseline(config, "plain_eager_loss"))),
         "reference": ("reference", "transformers reference", "FlintForCausalLM: eager attention, grouped_mm experts, "
                       "all logits", False, bench.reference)}
     rows = []
@@ -319,10 +317,12 @@ def attention_sweep(bench: Bench, lengths: list[int], tokens: int, reps: int) ->
 
     Each point runs about `tokens` tokens (batch = tokens // length, at least 1) so that time per
     token compares across lengths: flat for a cost linear in length, rising for a quadratic one.
-    Flint's layers only (another model's sweep would be its own).
+    The family's baselines build the layer (Flint's: flint_baselines.attention_layer_step).
     """
-    if not isinstance(bench.config, FlintConfig):
-        print("\nsweep skipped: it times Flint's sliding and full attention layers")
+    try:
+        layer_step_of = baseline(bench.config, "attention_layer_step")
+    except NotApplicable as error:
+        print(f"\nsweep skipped: {error}")
         return []
     backend = resolve_backend(bench.config.attention_backend, bench.device)
     if backend == "flex" and bench.device.type == "cpu":
@@ -331,19 +331,9 @@ def attention_sweep(bench: Bench, lengths: list[int], tokens: int, reps: int) ->
     print(f"  {'layer':<18} {'length':>7} {'batch':>6} {'ms':>10} {'us/token':>10} {'vs first':>9}", flush=True)
     points = []
     for layer_type in (SLIDING, FULL):
-        one_layer = dataclasses.replace(bench.config, num_hidden_layers=1, layer_types=[layer_type],
-                                        schedule_num_hidden_layers=None, no_rope_layer_indices=None)
-        attention = build_model(one_layer, bench.device, bench.dtype, seed=0).layers["0"].self_attn
         for seq_len in lengths:
             batch = max(1, tokens // seq_len)
-            x = torch.randn(batch, seq_len, one_layer.hidden_size, device=bench.device, dtype=bench.dtype,
-                            requires_grad=True)
-            mask = build_masks([layer_type], one_layer.window, None, batch, seq_len, bench.device, backend)[layer_type]
-            positions = torch.arange(seq_len, device=bench.device).expand(batch, seq_len)
-            rope = rope_tables(positions, one_layer.head_dim, one_layer.rope_theta)
-
-            def layer_step() -> None:
-                attention(x, rope, mask).sum().backward()
+            layer_step = layer_step_of(bench.config, layer_type, batch, seq_len, bench.device, bench.dtype, backend)
             layer_step()  # warm-up
             step = statistics.median([time_call(layer_step, bench.device) for _ in range(reps)])
             points.append({"layer": layer_type, "seq_len": seq_len, "batch": batch, "ms": step * 1e3,
@@ -353,6 +343,14 @@ def attention_sweep(bench: Bench, lengths: list[int], tokens: int, reps: int) ->
                   f"{points[-1]['us_per_token'] / first:>8.2f}x", flush=True)
     print("  (us/token flat with length: cost linear in length; rising in proportion: quadratic)")
     return points
+
+
+def baseline(config: ModelConfig, name: str) -> Callable:
+    """The family's comparison `name` (models.Family.baselines), or NotApplicable: a skipped row."""
+    module = family_of(config).baselines
+    if module is None:
+        raise NotApplicable(f"{type(config).__name__}'s family has no {name} to compare with (models.FAMILIES)")
+    return getattr(module, name)
 
 
 # ============================================================================= the run
@@ -380,7 +378,7 @@ def run(args: argparse.Namespace, cfg: TrainConfig, device: torch.device) -> dic
     if any(row["name"] == "plain eager baseline" and "error" not in row for row in bench.rows):
         model, inputs = bench.model(), bench.inputs()  # the baseline must compute the same network
         with torch.no_grad():
-            gap = abs(model_loss(model, *inputs).item() - plain_eager_loss(model, *inputs).item())
+            gap = abs(model_loss(model, *inputs).item() - baseline(config, "plain_eager_loss")(model, *inputs).item())
         notes.append(f"baseline and {model_family(cfg)} losses agree to {gap:.2e} (same weights, same batch)")
     result = {"config": source_label(args, cfg), "family": model_family(cfg), "hf_config": config.to_hf_config(),
               "batch": batch, "seq_len": seq_len, "device": device.type, "device_name": device_name(device),

@@ -1,9 +1,10 @@
 """The model families flint trains: the one place outside a model's own files that names it.
 
 Each family is a config class, a model class, its config.json model_type, its published checkpoint
-layout (the key table beside the model: flint_hf.py, large4_hf.py) and the module kinds of its own
-that profiling.py times. A model declares the little that train.py, parallel.py, memory.py and
-convert.py need, so those files never ask which model they hold:
+layout (the key table beside the model: flint_hf.py, large4_hf.py), the module kinds of its own that
+profiling.py times, and what bench.py compares it with (flint_baselines.py). A model declares the
+little that train.py, parallel.py, memory.py and convert.py need, so those files never ask which
+model they hold:
     config: num_hidden_layers, num_experts, num_experts_per_tok, is_moe_layer(i), layer_types,
             max_position_embeddings, vocab_size, training_error(seq_len, fresh_weights),
             layout_error(pp, cp), from_name / from_hf_config / to_hf_config
@@ -22,9 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch.nn as nn
 
+import flint_baselines
 import flint_hf
 import large4_hf
 from files import read_config_json
@@ -42,11 +45,13 @@ class Family:
     model_type: str  # config.json's model_type
     layout: Layout  # the published checkpoint layout (convert.py)
     timed_modules: tuple[tuple[type[nn.Module], str], ...]  # its own module kinds, for profiling.py
+    baselines: ModuleType | None = None  # what bench.py compares it with: plain_eager_loss,
+    # transformers_reference and transformers_loss, attention_layer_step (flint_baselines.py)
 
 
 FAMILIES: dict[str, Family] = {
     "flint": Family(FlintConfig, Flint, "flint", flint_hf.LAYOUT,
-                    ((Sinks, "attention core"), (Attention, "attention proj/norm/rope"))),
+                    ((Sinks, "attention core"), (Attention, "attention proj/norm/rope")), flint_baselines),
     "large4": Family(Large4Config, MistralLarge4, "mistral_large4", large4_hf.LAYOUT,
                      ((Indexer, "indexer (Large 4)"), (MLAttention, "latent attention (Large 4: projections + core)"))),
 }

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from decoder import Head
@@ -165,3 +167,16 @@ def profile_step(model: torch.nn.Module, step: Callable[[], None], device: torch
     sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=table_rows) if table_rows else ""
     return split_step(prof.events(), step_seconds, device), table
+
+
+# ============================================================================= comparisons
+
+class NotApplicable(Exception):
+    """A comparison the model's family does not have (models.Family.baselines): bench.py shows its
+    row as skipped."""
+
+
+def dense_logits_loss(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Any model's loss the unchunked way: all FP32 logits at once, then one cross-entropy."""
+    logits = model(input_ids)  # [B, T, V]
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)

@@ -1,6 +1,6 @@
-"""What bench.py measures against, on the same weights: the unchunked loss, the plain eager
-formulation of Flint's architecture, and the published implementation in transformers
-(FlintForCausalLM), when present.
+"""What bench.py measures Flint against, on the same weights: the plain eager formulation of its
+architecture, the published implementation in transformers (FlintForCausalLM), when present, and one
+attention layer by itself (the sweep). models.py names this file as Flint's baselines.
 
 transformers is not a dependency of this repository. The reference row runs when it can be
 imported, for example from another environment's site-packages:
@@ -10,23 +10,22 @@ imported, for example from another environment's site-packages:
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import FULL, SLIDING
-from model import Attention, Flint, rope_tables
+from attention import FULL, SLIDING, build_masks
+from flint_config import FlintConfig
+from model import Attention, Flint, build_model, rope_tables
 from moe import MoE, SwiGLU
 
 
 # ============================================================================= the plain eager baseline
-
-class NotApplicable(Exception):
-    """A comparison written for another model: bench.py shows its row as skipped."""
-
 
 def plain_eager_loss(model: Flint, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The widely used eager formulation of this architecture, over the same weights, to measure against.
@@ -35,8 +34,6 @@ def plain_eager_loss(model: Flint, input_ids: torch.Tensor, targets: torch.Tenso
     mask, appends the sink column and soft-maxes; experts sort tokens by expert and run two grouped
     GEMMs; the loss takes FP32 logits of every token at once. Written only from SPEC.md.
     """
-    if not isinstance(model, Flint):
-        raise NotApplicable(f"the plain eager baseline is Flint's (SPEC.md), not {type(model).__name__}'s")
     c = model.config
     batch, seq_len = input_ids.shape
     positions = torch.arange(seq_len, device=input_ids.device)
@@ -53,12 +50,6 @@ def plain_eager_loss(model: Flint, input_ids: torch.Tensor, targets: torch.Tenso
         mlp_in = _rms_norm(h, layer.post_attention_layernorm.weight, c.rms_norm_eps)
         h = h + (_eager_moe(layer.mlp, mlp_in) if isinstance(layer.mlp, MoE) else _swiglu(layer.mlp, mlp_in))
     logits = _rms_norm(h, model.norm.weight, c.rms_norm_eps).float() @ model.lm_head.weight.T  # [B, T, V]
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-
-
-def dense_logits_loss(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Any model's loss the unchunked way: all FP32 logits at once, then one cross-entropy."""
-    logits = model(input_ids)  # [B, T, V]
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
@@ -119,8 +110,6 @@ def transformers_reference(model: Flint) -> nn.Module:
     """transformers' FlintForCausalLM holding `model`'s weights, with eager attention and grouped_mm
     experts, in training mode. Loaded the way users load it: from a Hugging Face export of the model
     (convert.save_hf) through from_pretrained. Raises ImportError without transformers."""
-    if not isinstance(model, Flint):
-        raise NotApplicable(f"the transformers reference is FlintForCausalLM, not {type(model).__name__}")
     from transformers import FlintForCausalLM
     from convert import save_hf
     with tempfile.TemporaryDirectory() as directory:
@@ -136,3 +125,19 @@ def transformers_loss(reference: nn.Module, input_ids: torch.Tensor, targets: to
     """The mean next-token loss of `targets` (already shifted), from the reference's FP32 logits."""
     logits = reference(input_ids=input_ids).logits.float()  # [B, T, V]
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+# ============================================================================= the attention sweep
+
+def attention_layer_step(config: FlintConfig, layer_type: str, batch: int, seq_len: int, device: torch.device,
+                         dtype: torch.dtype, backend: str) -> Callable[[], None]:
+    """One attention layer of `layer_type` (projections + core) on random [batch, seq_len] input:
+    a function running its forward and backward once."""
+    one_layer = dataclasses.replace(config, num_hidden_layers=1, layer_types=[layer_type],
+                                    schedule_num_hidden_layers=None, no_rope_layer_indices=None)
+    attention = build_model(one_layer, device, dtype, seed=0).layers["0"].self_attn
+    x = torch.randn(batch, seq_len, one_layer.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    mask = build_masks([layer_type], one_layer.window, None, batch, seq_len, device, backend)[layer_type]
+    positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
+    rope = rope_tables(positions, one_layer.head_dim, one_layer.rope_theta)
+    return lambda: attention(x, rope, mask).sum().backward()
