@@ -403,8 +403,9 @@ def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: Pac
     """
     batches = [{k: v.to(run.device) for k, v in data.next_batch().items()} for _ in range(cfg.training.grad_accum)]
     num_tokens = model.global_tokens(torch.stack([b["targets"] for b in batches]))
-    loss = sum(model.forward_backward(**batch, num_tokens=num_tokens) for batch in batches).item()
-    grad_norm = float(model.clip_grad_norm_(cfg.optim.grad_clip or float("inf")))
+    loss = sum(model.forward_backward(**batch, num_tokens=num_tokens) for batch in batches)
+    grad_norm = model.clip_grad_norm_(cfg.optim.grad_clip or float("inf"))
+    loss, grad_norm = torch.stack([loss.float(), grad_norm.to(loss.device)]).tolist()  # one copy to the host
     uniform = math.log(model.config.vocab_size)  # the loss of a model that predicts nothing
     if not (math.isfinite(loss) and math.isfinite(grad_norm)) or loss > DIVERGED * uniform:
         optimizer.zero_grad(set_to_none=True)
