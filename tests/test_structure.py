@@ -67,3 +67,8 @@ def test_the_readme_is_a_readers_page_that_starts_with_the_two_commands():
     assert blocks[0].endswith("train.py --config configs/smoke.toml") and blocks[1].endswith("-m pytest -q")
     assert all(block.startswith("python3 -m venv .venv && .venv/bin/pip install -r requirements.txt")
                for block in blocks[:2])
+
+
+def test_every_source_file_has_its_test_file():
+    missing = [path.name for path in SOURCES if not (ROOT / "tests" / f"test_{path.name}").is_file()]
+    assert not missing, missing
