@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 from pathlib import Path
@@ -67,3 +68,29 @@ def assert_close_to_scale():
         error, scale = (actual - expected).abs().max(), expected.abs().max()
         assert error <= relative * scale, f"{what}: max error {error:.3g} is more than {relative:g} of its scale {scale:.3g}"
     return check
+
+
+# ----------------------------------------------------------------------------- train.py runs
+# Plain functions (not fixtures) because test files call them with their own arguments, many times.
+
+def debug_args(tmp_path: Path, *overrides: str) -> list[str]:
+    """configs/debug.toml with every path under tmp_path (peak FLOP/s given: no measurement)."""
+    from data import EMBEDDED_CORPUS
+    return ["--config", str(ROOT / "configs" / "debug.toml"), f"--data.path={EMBEDDED_CORPUS}",
+            f"--data.cache_dir={tmp_path / 'cache'}", f"--checkpoint.dir={tmp_path / 'ckpt'}",
+            f"--logging.jsonl={tmp_path / 'metrics.jsonl'}", "--logging.peak_tflops=0.1", *overrides]
+
+
+def run_debug(tmp_path: Path, *overrides: str) -> dict:
+    """train.py's main on configs/debug.toml under tmp_path -> its summary."""
+    import train
+    return train.main(debug_args(tmp_path, *overrides))
+
+
+def records(tmp_path: Path) -> list[dict]:
+    """The JSON records of such a run's logging.jsonl."""
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(tmp_path: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(tmp_path) if "loss" in r}

@@ -23,7 +23,7 @@ from config import ConfigError, load_config
 from data import DataError, TokenShards, prepare
 from large4 import Large4Config
 from model import FlintConfig
-from test_train import debug_args, run_debug
+from conftest import debug_args, run_debug
 from tokenizer import TokenizerError, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

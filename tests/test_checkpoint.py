@@ -19,7 +19,7 @@ import checkpoint_files
 import convert
 import train
 from checkpoint import CheckpointError
-from test_train import records, run_debug, train_losses
+from conftest import records, run_debug, train_losses
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import train
 from config import OptimSection
 from model import FlintConfig, build_model
+from conftest import run_debug, train_losses
 from muon import newton_schulz, takes_muon
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,7 +98,6 @@ def test_a_muon_run_saves_and_resumes_exactly(tmp_path):
     """train.py with [optim] name = "muon": the momentum buffers and AdamW states go through the
     checkpoint, so a resume from step 2 gives the uninterrupted losses of steps 3 and 4 bit for bit."""
     import shutil
-    from test_train import run_debug, train_losses
     common = ["--optim.name=muon", "--training.steps=4", "--logging.every=1", "--checkpoint.every=2",
               "--checkpoint.keep_last=2", "--training.sample_tokens=0"]
     run_debug(tmp_path, *common)

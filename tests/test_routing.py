@@ -8,7 +8,7 @@ from config import ConfigError
 from moe import Router
 from model import FlintConfig
 from routing import RoutingMonitor, update_selection_bias, worst_layer
-from test_train import run_debug, train_losses
+from conftest import run_debug, train_losses
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -20,6 +20,7 @@ from config import ConfigError, OptimSection
 from data import EMBEDDED_CORPUS, DataError
 from model import Flint, FlintConfig, build_model
 from train import TrainingError
+from conftest import debug_args, records, run_debug, train_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBUG = str(ROOT / "configs" / "debug.toml")
@@ -27,17 +28,6 @@ DEBUG = str(ROOT / "configs" / "debug.toml")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 slow = pytest.mark.skipif(os.environ.get("FLINT_SLOW") != "1", reason="multi-process Large 4 runs: FLINT_SLOW=1")
-
-
-def debug_args(tmp_path: Path, *overrides: str) -> list[str]:
-    """configs/debug.toml with every path under tmp_path (peak FLOP/s given: no measurement)."""
-    return ["--config", DEBUG, f"--data.path={EMBEDDED_CORPUS}", f"--data.cache_dir={tmp_path / 'cache'}",
-            f"--checkpoint.dir={tmp_path / 'ckpt'}", f"--logging.jsonl={tmp_path / 'metrics.jsonl'}",
-            "--logging.peak_tflops=0.1", *overrides]
-
-
-def run_debug(tmp_path: Path, *overrides: str) -> dict:
-    return train.main(debug_args(tmp_path, *overrides))
 
 
 def _torchrun_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
@@ -58,14 +48,6 @@ def run_two_processes(argv: list[str]) -> None:
 
 def run_debug_two_processes(tmp_path: Path, *overrides: str) -> None:
     run_two_processes(debug_args(tmp_path, *overrides))
-
-
-def records(tmp_path: Path) -> list[dict]:
-    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_losses(tmp_path: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(tmp_path) if "loss" in r}
 
 
 def debug_schedule(step: int) -> float:
