@@ -94,3 +94,45 @@ def records(tmp_path: Path) -> list[dict]:
 
 def train_losses(tmp_path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records(tmp_path) if "loss" in r}
+
+
+def trained_checkpoint(tmp_path: Path) -> Path:
+    """The checkpoint of one training step of configs/debug.toml under tmp_path."""
+    run_debug(tmp_path, "--training.steps=1", "--training.sample_tokens=0")
+    return tmp_path / "ckpt" / "run_0001" / "step_00000001"
+
+
+@pytest.fixture(scope="module")
+def trained_once(tmp_path_factory) -> Path:
+    """One such checkpoint per test file, for the tests that only read it (or copy it to damage it)."""
+    return trained_checkpoint(tmp_path_factory.mktemp("trained"))
+
+
+# ----------------------------------------------------------------------------- Large 4
+
+LARGE4_PARITY = "large4-parity"  # the preset the parity tests and the config tests share
+TWO_PRODUCERS = [0, 1, 1, 3, 4, 4, 6, 3]  # its kv_source_layers: layers 1 and 4 both produce the RoPE latent
+
+
+def text_config(config) -> dict:
+    """A Large4Config's text_config, as config.json holds it (what the reference reads)."""
+    return config.to_hf_config()["text_config"]
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled E4M3 by hand: one scale per [block] tile (partial at the edges), amax -> 448."""
+    (rows, cols), (bm, bn) = weight.shape, block
+    grid = (-(-rows // bm), -(-cols // bn))
+    padded = torch.zeros(grid[0] * bm, grid[1] * bn)
+    padded[:rows, :cols] = weight.abs()
+    scale = padded.view(grid[0], bm, grid[1], bn).amax(dim=(1, 3)) / 448.0  # [grid]
+    row_tile, col_tile = torch.arange(rows) // bm, torch.arange(cols) // bn
+    quantized = (weight / scale[row_tile[:, None], col_tile[None, :]]).to(torch.float8_e4m3fn)
+    return quantized, scale
+
+
+def dequantize_by_hand(quantized: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Each element times the scale of the tile it lies in, looked up by index."""
+    rows, cols = (torch.arange(n) // b for n, b in zip(quantized.shape, block))
+    return quantized.float() * scale[rows[:, None], cols[None, :]]
+

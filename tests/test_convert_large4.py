@@ -12,6 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import convert
 import large4_hf
+from conftest import dequantize_by_hand, quantize
 from large4 import Large4Config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "large4"
@@ -130,32 +131,6 @@ def test_strict_key_accounting_names_the_key(tmp_path, change, message):
 
 
 # ============================================================================= FP8
-
-def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-scaled E4M3 by hand: one scale per [block] tile (partial at the edges), amax -> 448."""
-    (rows, cols), (bm, bn) = weight.shape, block
-    grid = (-(-rows // bm), -(-cols // bn))
-    padded = torch.zeros(grid[0] * bm, grid[1] * bn)
-    padded[:rows, :cols] = weight.abs()
-    scale = padded.view(grid[0], bm, grid[1], bn).amax(dim=(1, 3)) / 448.0  # [grid]
-    row_tile, col_tile = torch.arange(rows) // bm, torch.arange(cols) // bn
-    quantized = (weight / scale[row_tile[:, None], col_tile[None, :]]).to(torch.float8_e4m3fn)
-    return quantized, scale
-
-
-def dequantize_by_hand(quantized: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """Each element times the scale of the tile it lies in, looked up by index."""
-    rows, cols = (torch.arange(n) // b for n, b in zip(quantized.shape, block))
-    return quantized.float() * scale[rows[:, None], cols[None, :]]
-
-
-def test_dequantize_broadcasts_each_scale_over_its_block_partial_edges_included():
-    weight = torch.randn(28, 40, generator=torch.Generator().manual_seed(0))
-    quantized, scale = quantize(weight, (8, 16))
-    got = large4_hf.dequantize(quantized, scale, (8, 16), torch.float32)
-    assert torch.equal(got, dequantize_by_hand(quantized, scale, (8, 16)))
-    assert (got - weight).abs().max() <= weight.abs().max() / 8  # E4M3 keeps 3 mantissa bits
-
 
 def fp8_checkpoint(directory: Path, block=(16, 32), scale_suffix=".qscale_weight") -> tuple[Path, dict]:
     """The fixture with every 2-D text matrix except router and embeddings in FP8 -> (dir, want)."""

@@ -1,10 +1,14 @@
 """hf_io.py: the pieces conversions are made of (tests/test_convert.py runs them whole): sizes, the
-view a published tensor is of a native one, the atomic output directory."""
+view a published tensor is of a native one, the atomic output directory, the streaming safetensors
+writer and the reader of published directories."""
+
+import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from hf_io import Part, atomic_directory, parse_size, published_view
+from hf_io import Entry, Part, SafetensorsDir, atomic_directory, parse_size, published_view, write_safetensors
 
 
 @pytest.mark.parametrize("size, expected", [(123, 123), ("5GB", 5_000_000_000), ("500MiB", 500 * 2**20),
@@ -36,3 +40,39 @@ def test_the_output_directory_appears_whole_or_not_at_all(tmp_path):
         (work / "half").write_text("x")
         raise RuntimeError("a conversion that fails part-way")
     assert not (tmp_path / "failed").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def write(path, tensors: dict[str, torch.Tensor]) -> None:
+    """`tensors` through the streaming writer, each entry's data asked for only when it is written."""
+    entries = [Entry(None, Part(key, (), False), tuple(t.shape), t.dtype) for key, t in tensors.items()]
+    write_safetensors(path, entries, lambda entry: tensors[entry.part.key])
+
+
+def test_the_streaming_writer_writes_what_safetensors_reads(tmp_path):
+    tensors = {"a": torch.arange(6.0).view(2, 3), "b": torch.arange(5).to(torch.bfloat16),  # 10 bytes: b ends unaligned
+               "c": torch.arange(4.0).view(2, 2).T.to(torch.float16)}  # not contiguous
+    write(tmp_path / "model.safetensors", tensors)
+    written = load_file(tmp_path / "model.safetensors")
+    assert list(written) == list(tensors) and all(torch.equal(written[k], t) for k, t in tensors.items())
+    source = SafetensorsDir(tmp_path)
+    assert source.meta == {"a": ((2, 3), torch.float32), "b": ((5,), torch.bfloat16), "c": ((2, 2), torch.float16)}
+    assert all(torch.equal(tensors[k], t) for k, t in source.read(["c", "a"]).items())
+
+
+def test_a_sharded_directory_reads_each_key_from_the_shard_its_index_names(tmp_path):
+    write(tmp_path / "one.safetensors", {"a": torch.ones(3)})
+    write(tmp_path / "two.safetensors", {"b": torch.zeros(2, 2), "c": torch.full((1,), 7.0)})
+    index = {"weight_map": {"a": "one.safetensors", "b": "two.safetensors", "c": "two.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    source = SafetensorsDir(tmp_path)
+    assert (source.where("a"), source.where("c")) == (str(tmp_path / "one.safetensors"), str(tmp_path / "two.safetensors"))
+    read = source.read(["c", "a"])
+    assert sorted(read) == ["a", "c"] and torch.equal(read["a"], torch.ones(3)) and read["c"].item() == 7.0
+
+
+def test_a_truncated_file_names_the_tensor_that_is_cut_off(tmp_path):
+    write(tmp_path / "model.safetensors", {"a": torch.ones(4), "b": torch.ones(100)})
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-8])  # the last two of b's floats
+    with pytest.raises(ValueError, match=r"model.safetensors: truncated or corrupt .* \(tensor 'b' is cut off\)"):
+        SafetensorsDir(tmp_path)

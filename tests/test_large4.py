@@ -1,8 +1,8 @@
-"""large4.py: config contract, parity with the plain reference (values and every gradient), the sparse
-selection's masks, KV and index sharing, activation checkpointing, frozen indexer, generation."""
+"""large4.py: the released size, parity with the plain reference (values and every gradient), the sparse
+selection's masks, KV and index sharing, activation checkpointing, frozen indexer, generation (the config
+contract is tests/test_large4_config.py's)."""
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -11,12 +11,11 @@ from torch.utils.checkpoint import checkpoint
 
 import large4
 from attention import Visibility, selection_attention_mask, selection_block_mask, selection_mask, top_keys
+from conftest import LARGE4_PARITY, TWO_PRODUCERS, text_config
 from large4 import Large4Config, MistralLarge4, build_large4
 from reference_large4 import reference_forward, reference_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-PARITY = "large4-parity"
-TWO_PRODUCERS = [0, 1, 1, 3, 4, 4, 6, 3]  # layers 1 and 4 both produce the RoPE latent
 
 
 def randomized(config: Large4Config, seed: int = 0) -> MistralLarge4:
@@ -51,13 +50,9 @@ def params_of(model: MistralLarge4) -> dict:
             for name, param in model.named_parameters()}
 
 
-def text_config(config: Large4Config) -> dict:
-    return config.to_hf_config()["text_config"]
-
-
 @pytest.fixture(scope="module")
 def parity_model():
-    return randomized(Large4Config.from_name(PARITY))
+    return randomized(Large4Config.from_name(LARGE4_PARITY))
 
 
 def boundary_gap(record: dict, visible_counts: torch.Tensor, top_k: int) -> float:
@@ -109,7 +104,7 @@ def test_yarn_default_attention_factor_matches_reference():
     """A published config may omit attention_factor: cos and sin are then scaled by 0.1 ln(factor) + 1
     (1.76 for the release's factor 2048), in attention and in the indexer alike."""
     rope = {key: value for key, value in Large4Config().rope_parameters.items() if key != "attention_factor"}
-    config = Large4Config.from_hf_config(Large4Config.from_name(PARITY, rope_parameters=rope).to_hf_config())
+    config = Large4Config.from_hf_config(Large4Config.from_name(LARGE4_PARITY, rope_parameters=rope).to_hf_config())
     assert "attention_factor" not in config.rope_parameters
     model = randomized(config)
     ids = torch.randint(0, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
@@ -297,7 +292,7 @@ def test_rows_that_reach_eos_stop_there(parity_model, check_rows_stop_at_their_e
     check_rows_stop_at_their_eos(parity_model, prompt, 10)
 
 
-# ============================================================================= config
+# ============================================================================= the released model
 
 def test_released_config_counts_and_schedules():
     config = Large4Config()
@@ -314,76 +309,7 @@ def test_released_config_counts_and_schedules():
         assert MistralLarge4(released).num_params() == 1_050_089_886_752
 
 
-def test_index_schedule_from_freq_offset_and_pattern():
-    glm = Large4Config.from_name("large4-tiny", index_topk_freq=4, index_skip_topk_offset=3, indexer_types=None)
-    assert glm.indexer_types == ["full", "full", "full", "shared", "shared", "shared", "full", "shared"]
-    pattern = Large4Config.from_name("large4-tiny", index_topk_pattern="FFSFSFSF", indexer_types=None)
-    assert pattern.indexer_types == Large4Config.from_name("large4-tiny").indexer_types
-
-
-def test_composite_hf_config_round_trip(tmp_path):
-    config = Large4Config.from_name(PARITY, composite={"vision_config": {"hidden_size": 32}, "image_token_index": 10})
-    hf = config.to_hf_config()
-    assert hf["model_type"] == "mistral_large4" and hf["text_config"]["kv_source_layers"] == TWO_PRODUCERS
-    hf["text_config"].update(transformers_version="5.24", dtype="float32")
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    loaded = Large4Config.from_hf_config(tmp_path)
-    assert loaded == config and loaded.to_hf_config()["vision_config"] == {"hidden_size": 32}
-    bare = dict(hf["text_config"])
-    del bare["indexer_types"], bare["n_routed_experts"]
-    bare["num_local_experts"] = 8  # transformers' alias
-    assert Large4Config.from_hf_config(bare).n_routed_experts == 8
-
-
-@pytest.mark.parametrize("change, field", [
-    (dict(kv_source_layers=[0, 1, 1, 3, 4, 4, 6, 1]), "kv_source_layers[7]"),  # NoPE reads RoPE
-    (dict(kv_source_layers=[0, 1, 2, 3, 4, 1, 4, 3]), "kv_source_layers[5]"),  # 4 is a later producer
-    (dict(kv_source_layers=[0, 1, 1, 3, 4, 2, 6, 3]), "kv_source_layers[5]"),  # source is a consumer
-    (dict(kv_source_layers=[0, 2, 2, 3, 4, 4, 6, 3]), "kv_source_layers[1]"),  # later source
-    (dict(indexer_types=["shared"] + ["full"] * 7), "indexer_types[0]"),
-    (dict(index_head_dim=2), "index_head_dim"),
-    (dict(no_rope_layers=[1] * 7), "no_rope_layers"),
-    (dict(mlp_layer_types=["dense"] * 7 + ["moe"]), "mlp_layer_types[7]"),
-    (dict(q_lora_rank=64), "q_lora_rank"),
-    (dict(qk_rope_head_dim=5), "qk_rope_head_dim"),
-])
-def test_config_errors_name_the_field(change, field):
-    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
-        Large4Config.from_name(PARITY, **change)
-
-
-def test_hf_config_errors_name_the_field():
-    hf = Large4Config.from_name(PARITY).to_hf_config()
-    hf["text_config"]["mystery"] = 1
-    with pytest.raises(ValueError, match="text_config.mystery"):
-        Large4Config.from_hf_config(hf)
-    hf = Large4Config.from_name(PARITY).to_hf_config()
-    hf["text_config"]["qk_head_dim"] = 99
-    with pytest.raises(ValueError, match="text_config.qk_head_dim"):
-        Large4Config.from_hf_config(hf)
-
-
-def test_training_from_scratch_beyond_index_topk_is_refused():
-    config = Large4Config.from_name("large4-tiny")
-    assert "index_topk" in config.training_error(seq_len=16, fresh_weights=True)
-    assert config.training_error(seq_len=16, fresh_weights=False) is None
-    assert config.training_error(seq_len=4, fresh_weights=True) is None
-
-
 # ============================================================================= aux-loss-free balancing (native only)
-
-@pytest.mark.parametrize("rate", [-0.01, "0.01", True])
-def test_router_bias_update_rate_must_be_a_number_at_least_zero(rate):
-    with pytest.raises(ValueError, match="router_bias_update_rate must be >= 0"):
-        Large4Config.from_name(PARITY, router_bias_update_rate=rate)
-
-
-def test_router_bias_update_rate_is_written_only_when_in_use():
-    assert "router_bias_update_rate" not in text_config(Large4Config.from_name(PARITY))
-    config = Large4Config.from_name(PARITY, router_bias_update_rate=0.01)
-    assert text_config(config)["router_bias_update_rate"] == 0.01
-    assert Large4Config.from_hf_config(config.to_hf_config()) == config
-
 
 def test_selection_bias_only_chooses_the_experts(parity_model):
     """A zero bias changes nothing: same loss, same gradients, and no gradient of its own. A large one

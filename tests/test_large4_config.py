@@ -1,8 +1,11 @@
-"""large4_config.py: presets and the composite config.json (the schedules' validation is in
-tests/test_large4.py, beside the sharing it protects)."""
+"""large4_config.py: presets, the per-layer schedules derived from the scalar fields, the composite
+config.json both ways, and what a config refuses, naming the field."""
+
+import json
 
 import pytest
 
+from conftest import LARGE4_PARITY, TWO_PRODUCERS, text_config
 from large4_config import PRESETS, Large4Config
 
 
@@ -20,3 +23,72 @@ def test_large4_trains_with_any_layout_and_refuses_a_random_indexer_past_index_t
     assert config.training_error(config.index_topk, fresh_weights=True) is None
     assert "index_topk" in config.training_error(config.index_topk + 1, fresh_weights=True)
     assert config.training_error(config.index_topk + 1, fresh_weights=False) is None
+
+
+def test_index_schedule_from_freq_offset_and_pattern():
+    glm = Large4Config.from_name("large4-tiny", index_topk_freq=4, index_skip_topk_offset=3, indexer_types=None)
+    assert glm.indexer_types == ["full", "full", "full", "shared", "shared", "shared", "full", "shared"]
+    pattern = Large4Config.from_name("large4-tiny", index_topk_pattern="FFSFSFSF", indexer_types=None)
+    assert pattern.indexer_types == Large4Config.from_name("large4-tiny").indexer_types
+
+
+def test_composite_hf_config_round_trip(tmp_path):
+    config = Large4Config.from_name(LARGE4_PARITY, composite={"vision_config": {"hidden_size": 32}, "image_token_index": 10})
+    hf = config.to_hf_config()
+    assert hf["model_type"] == "mistral_large4" and hf["text_config"]["kv_source_layers"] == TWO_PRODUCERS
+    hf["text_config"].update(transformers_version="5.24", dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    loaded = Large4Config.from_hf_config(tmp_path)
+    assert loaded == config and loaded.to_hf_config()["vision_config"] == {"hidden_size": 32}
+    bare = dict(hf["text_config"])
+    del bare["indexer_types"], bare["n_routed_experts"]
+    bare["num_local_experts"] = 8  # transformers' alias
+    assert Large4Config.from_hf_config(bare).n_routed_experts == 8
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(kv_source_layers=[0, 1, 1, 3, 4, 4, 6, 1]), "kv_source_layers[7]"),  # NoPE reads RoPE
+    (dict(kv_source_layers=[0, 1, 2, 3, 4, 1, 4, 3]), "kv_source_layers[5]"),  # 4 is a later producer
+    (dict(kv_source_layers=[0, 1, 1, 3, 4, 2, 6, 3]), "kv_source_layers[5]"),  # source is a consumer
+    (dict(kv_source_layers=[0, 2, 2, 3, 4, 4, 6, 3]), "kv_source_layers[1]"),  # later source
+    (dict(indexer_types=["shared"] + ["full"] * 7), "indexer_types[0]"),
+    (dict(index_head_dim=2), "index_head_dim"),
+    (dict(no_rope_layers=[1] * 7), "no_rope_layers"),
+    (dict(mlp_layer_types=["dense"] * 7 + ["moe"]), "mlp_layer_types[7]"),
+    (dict(q_lora_rank=64), "q_lora_rank"),
+    (dict(qk_rope_head_dim=5), "qk_rope_head_dim"),
+])
+def test_config_errors_name_the_field(change, field):
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        Large4Config.from_name(LARGE4_PARITY, **change)
+
+
+def test_hf_config_errors_name_the_field():
+    hf = Large4Config.from_name(LARGE4_PARITY).to_hf_config()
+    hf["text_config"]["mystery"] = 1
+    with pytest.raises(ValueError, match="text_config.mystery"):
+        Large4Config.from_hf_config(hf)
+    hf = Large4Config.from_name(LARGE4_PARITY).to_hf_config()
+    hf["text_config"]["qk_head_dim"] = 99
+    with pytest.raises(ValueError, match="text_config.qk_head_dim"):
+        Large4Config.from_hf_config(hf)
+
+
+def test_training_from_scratch_beyond_index_topk_is_refused():
+    config = Large4Config.from_name("large4-tiny")
+    assert "index_topk" in config.training_error(seq_len=16, fresh_weights=True)
+    assert config.training_error(seq_len=16, fresh_weights=False) is None
+    assert config.training_error(seq_len=4, fresh_weights=True) is None
+
+
+@pytest.mark.parametrize("rate", [-0.01, "0.01", True])
+def test_router_bias_update_rate_must_be_a_number_at_least_zero(rate):
+    with pytest.raises(ValueError, match="router_bias_update_rate must be >= 0"):
+        Large4Config.from_name(LARGE4_PARITY, router_bias_update_rate=rate)
+
+
+def test_router_bias_update_rate_is_written_only_when_in_use():
+    assert "router_bias_update_rate" not in text_config(Large4Config.from_name(LARGE4_PARITY))
+    config = Large4Config.from_name(LARGE4_PARITY, router_bias_update_rate=0.01)
+    assert text_config(config)["router_bias_update_rate"] == 0.01
+    assert Large4Config.from_hf_config(config.to_hf_config()) == config

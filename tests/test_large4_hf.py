@@ -1,10 +1,11 @@
-"""large4_hf.py: Mistral Large 4's published names, extras and FP8 block layout (the conversions that
-use them run in tests/test_convert_large4.py against the transformers fixture)."""
+"""large4_hf.py: Mistral Large 4's published names, extras, FP8 block layout and dequantization (the
+conversions that use them run in tests/test_convert_large4.py against the transformers fixture)."""
 
 import pytest
 import torch
 
 import large4_hf
+from conftest import dequantize_by_hand, quantize
 from large4 import Large4Config, MistralLarge4
 
 
@@ -45,3 +46,11 @@ def test_the_fp8_block_comes_from_either_level_of_the_config_and_scales_are_foun
     assert large4_hf.scale_key("a.weight", {"a.weight_scale_inv"}) == "a.weight_scale_inv"
     assert large4_hf.scale_key("a.weight", {"a.qscale_weight"}) == "a.qscale_weight"
     assert large4_hf.scale_grid((3, 300, 130), (128, 64)) == (3, 3, 3)
+
+
+def test_dequantize_broadcasts_each_scale_over_its_block_partial_edges_included():
+    weight = torch.randn(28, 40, generator=torch.Generator().manual_seed(0))
+    quantized, scale = quantize(weight, (8, 16))
+    got = large4_hf.dequantize(quantized, scale, (8, 16), torch.float32)
+    assert torch.equal(got, dequantize_by_hand(quantized, scale, (8, 16)))
+    assert (got - weight).abs().max() <= weight.abs().max() / 8  # E4M3 keeps 3 mantissa bits

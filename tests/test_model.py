@@ -1,6 +1,6 @@
-"""model.py: config contract, whole-model parity with the plain reference, loss, generation."""
+"""model.py: the released size, whole-model parity with the plain reference, loss, generation (the config
+contract is tests/test_flint_config.py's)."""
 
-import json
 import math
 
 import pytest
@@ -9,24 +9,9 @@ import torch.nn.attention.flex_attention as flex_module
 
 from decoder import document_positions
 from model import FlintConfig, Flint, build_model
-from reference import layer_types_from_schedule, reference_forward, reference_loss, reference_positions
+from reference import reference_forward, reference_loss, reference_positions
 
-# ============================================================================= config
-
-
-def test_released_schedule():
-    config = FlintConfig()
-    full = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
-    assert full == [0, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 48]
-    assert config.layer_types == layer_types_from_schedule(49)
-    assert [config.is_moe_layer(i) for i in range(4)] == [False, False, True, True]
-
-
-def test_prefix_keeps_source_schedule():
-    prefix = FlintConfig.from_name("tiny", num_hidden_layers=4, schedule_num_hidden_layers=49)
-    assert prefix.layer_types == ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]
-    alone = FlintConfig.from_name("tiny", num_hidden_layers=4)
-    assert alone.layer_types[3] == "full_attention"
+# ============================================================================= the released size
 
 
 def test_released_size_counts():
@@ -35,63 +20,6 @@ def test_released_size_counts():
     assert model.num_params() == pytest.approx(39.8e9, rel=0.01)
     embedding = 150144 * 2048  # a lookup, not a matmul: not counted as active
     assert model.num_params(active=True) - embedding == pytest.approx(2.5e9, rel=0.02)
-
-
-def test_hf_config_round_trip_and_ignored_keys(tmp_path):
-    config = FlintConfig.from_name("tiny")
-    hf = config.to_hf_config()
-    hf.update(transformers_version="5.0", torch_dtype="bfloat16", use_cache=False, auto_map={"x": "y"})
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(hf))
-    loaded = FlintConfig.from_hf_config(tmp_path)
-    assert loaded.to_hf_config() == config.to_hf_config()
-
-
-def test_top_level_rope_theta():
-    hf = FlintConfig.from_name("tiny").to_hf_config()
-    del hf["rope_parameters"]
-    hf["rope_theta"] = 500000.0
-    assert FlintConfig.from_hf_config(hf).rope_theta == 500000.0
-
-
-def tiny_hf(**changes):
-    hf = FlintConfig.from_name("tiny").to_hf_config()
-    hf.update(changes)
-    return hf
-
-
-@pytest.mark.parametrize("changes, field", [
-    (dict(layer_types=["full_attention"] * 3), "layer_types"),
-    (dict(layer_types=["full_attention"] * 5 + ["local"]), "layer_types"),
-    (dict(no_rope_layer_indices=[0, 1]), "no_rope_layer_indices"),
-    (dict(num_key_value_heads=3), "num_key_value_heads"),
-    (dict(tie_word_embeddings=True), "tie_word_embeddings"),
-    (dict(router_score_function="softmax"), "router_score_function"),
-    (dict(softmax_type="vanilla"), "softmax_type"),
-    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
-    (dict(hidden_size=0), "hidden_size"),
-    (dict(moe_intermediate_size=-4), "moe_intermediate_size"),
-    (dict(model_type="llama"), "model_type"),
-    (dict(some_new_field=1), "some_new_field"),
-    (dict(head_dim=15), "head_dim must be even"),
-    (dict(rope_parameters=[10000.0]), "rope_parameters must be an object"),
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}), r"rope_theta must be a number > 0, got '1e4'"),
-    (dict(rope_parameters=None, rope_theta=[1]), r"rope_theta must be a number > 0, got \[1\]"),
-    (dict(layer_types="full_attention"), "layer_types must be a list"),
-    (dict(mlp_only_layers=0), "mlp_only_layers must be a list of layer indices, got 0"),
-    (dict(mlp_only_layers=["0"]), "mlp_only_layers must be a list of layer indices"),
-    (dict(rms_norm_eps="1e-6"), "rms_norm_eps must be a number > 0, got '1e-6'"),
-    (dict(eos_token_id="2"), "eos_token_id must be a token id, a list of token ids or null, got '2'"),
-    (dict(eos_token_id=[2, None]), "eos_token_id must be"),
-])
-def test_contract_violations_name_the_field(changes, field):
-    with pytest.raises(ValueError, match=field):
-        FlintConfig.from_hf_config(tiny_hf(**changes))
-
-
-def test_unknown_preset():
-    with pytest.raises(ValueError, match="preset"):
-        FlintConfig.from_name("gigantic")
 
 
 # ============================================================================= parity with the reference
@@ -225,19 +153,6 @@ def test_bad_inputs_are_named(bad, message):
         args["input_ids"] = bad["input_ids"]
     with pytest.raises(ValueError, match=message):
         model(**args)
-
-
-def test_config_json_of_the_wrong_shape_or_encoding_names_the_file(tmp_path):
-    path = tmp_path / "config.json"
-    path.write_text("[1, 2]")
-    with pytest.raises(ValueError, match=rf"{path}: expected a JSON object, got a list"):
-        FlintConfig.from_hf_config(path)
-    path.write_bytes(b'{"model_type": "fl\xefnt"}')
-    with pytest.raises(ValueError, match=rf"{path}: cannot read JSON: 'utf-8' codec"):
-        FlintConfig.from_hf_config(path)
-    path.write_text(json.dumps(tiny_hf(rms_norm_eps=[1e-6])))
-    with pytest.raises(ValueError, match=rf"{path}: rms_norm_eps must be a number > 0"):
-        FlintConfig.from_hf_config(path)
 
 
 @pytest.mark.parametrize("call, message", [

@@ -14,7 +14,6 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import convert
-import metrics
 import train
 from config import ConfigError, OptimSection
 from data import EMBEDDED_CORPUS, DataError
@@ -401,23 +400,6 @@ def test_load_balancing_loss_trains_the_same_with_activation_checkpointing(tmp_p
     run_debug(tmp_path / "none", "--training.steps=3", "--logging.every=1", "--training.sample_tokens=0")
     cross_entropy = train_losses(tmp_path / "none")
     assert plain[1] - cross_entropy[1] == pytest.approx(0.1 * 2, abs=0.02)  # near-uniform routing at init: aux ~ k
-
-
-def test_cpu_peak_is_measured_once_per_machine_and_shared_by_its_processes(tmp_path, monkeypatch):
-    monkeypatch.setattr(metrics, "CPU_PEAK_CACHE", tmp_path / "cache" / "cpu_peak.json")
-    measured = []
-    monkeypatch.setattr(metrics, "measure_cpu_flops", lambda: measured.append(1) or 2e11)
-    cfg = train.load_config(DEBUG)
-    one = train.Run(0, 1, 0, 1, torch.device("cpu"))
-    assert metrics.run_peak_flops(cfg, one) == 2e11 and metrics.run_peak_flops(cfg, one) == 2e11
-    assert len(measured) == 1  # the second run reads the cache
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    two_on_one_machine = train.Run(0, 2, 0, 2, torch.device("cpu"))
-    assert metrics.run_peak_flops(cfg, two_on_one_machine) == 2e11  # shared cores: not 2 x
-    four_on_two_machines = train.Run(0, 4, 0, 4, torch.device("cpu"))
-    assert metrics.run_peak_flops(cfg, four_on_two_machines) == 4e11
-    given = train.load_config(DEBUG, ["--logging.peak_tflops=0.5"])
-    assert metrics.run_peak_flops(given, two_on_one_machine) == pytest.approx(1e12)  # per device, as the key says
 
 
 def test_large4_trains_with_the_selection_bias_and_never_exports_it(tmp_path):
