@@ -140,7 +140,8 @@ class MetricsLogger:
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "mfu_percent": mfu, "memory_gib": memory_gib(self.run), "elapsed_s": now - self.start,
                   "remaining_s": remaining, "tokens": step * self.tokens_per_step, "routing": routing}
-        self.summary["first_loss"] = self.summary["first_loss"] or loss
+        if self.summary["first_loss"] is None:
+            self.summary["first_loss"] = loss
         self.summary.update(step=step, loss=loss, tokens_per_s=tokens_per_s, mfu_percent=mfu)
         self.write(record)
         self.run.print(f"step {step:>{len(str(self.total))}}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | "

@@ -21,17 +21,13 @@ from typing import Callable
 import torch
 
 from checkpoint_files import damage, is_native_checkpoint
-from decoder import stream
+from decoder import MIN_TEMPERATURE, stream
 from files import read_config_json
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
 class SampleError(ValueError):
     """A checkpoint or tokenizer that cannot be sampled from; the message names it and says why."""
-
-
-# Below this, sampling is greedy in effect and logits / temperature can overflow FP32 (NaN probabilities).
-MIN_TEMPERATURE = 1e-3
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,7 +87,7 @@ def positive(text: str) -> int:
 
 def temperature(text: str) -> float:
     value = float(text)
-    if value != 0 and not (math.isfinite(value) and value >= MIN_TEMPERATURE):
+    if value != 0 and not (math.isfinite(value) and value >= MIN_TEMPERATURE):  # decoder.check_sampling's rule
         raise argparse.ArgumentTypeError(f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {text}")
     return value
 

@@ -99,6 +99,8 @@ def test_overrides_are_typed_toml_values(tmp_path):
      r"run.toml: \[parallel\] pp = 2 with 2 stage\(s\) per rank makes 4 pipeline stages, more than the model's 3"),
     ('[model]\npreset = "tiny"\nmoe_intermediate_size = 36\n', [],
      r"moe_intermediate_size must be a multiple of 8 .* got 36"),
+    ('[model]\npreset = "tiny"\n[training]\nsample_temperature = inf\n', [],
+     r"run.toml: \[training\].sample_temperature must be 0 \(greedy\) or a finite number >= 0.001, got inf"),
 ])
 def test_config_errors_name_the_key_and_where(tmp_path, text, overrides, message):
     with pytest.raises(ConfigError, match=message):

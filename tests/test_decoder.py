@@ -58,3 +58,12 @@ def test_active_parameters_leave_out_the_unchosen_experts():
     idle = 2 * (config.num_experts - config.num_experts_per_tok) * 3 * config.hidden_size * config.moe_intermediate_size
     assert count_params(model) == sum(p.numel() for p in model.parameters())
     assert count_params(model, active=True) == count_params(model) - idle
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), 1e-45, -0.5])
+def test_sampling_refuses_temperatures_that_make_nan_probabilities(temperature):
+    from decoder import check_sampling
+    with pytest.raises(ValueError, match="temperature must be"):
+        check_sampling(temperature, None)
+    check_sampling(0, None)
+    check_sampling(0.8, 5)
