@@ -158,22 +158,21 @@ def short_file(path: Path) -> str | None:
     return None
 
 
+def rank_failures(error: BaseException) -> list[BaseException]:
+    """The exceptions behind DCP's CheckpointException, which maps each failed rank to (exception, its
+    traceback's frames); [error] for any other exception."""
+    failures = getattr(error, "failures", None) or {}
+    return [f[0] if isinstance(f, tuple) else f for f in failures.values()] or [error]
+
+
 def refusal(error: BaseException) -> str | None:
     """SafeLoadPlanner's refusal, if that is what DCP's report (or the error itself) holds."""
-    failures = getattr(error, "failures", None) or {}
-    for failure in [error, *failures.values()]:
-        failure = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(failure, CheckpointError):
-            return str(failure)
-    return None
+    return next((str(f) for f in [error, *rank_failures(error)] if isinstance(f, CheckpointError)), None)
 
 
 def root_cause(error: BaseException) -> str:
-    """One line for DCP's CheckpointException, which holds each rank's exception and traceback."""
-    failures = getattr(error, "failures", None)
-    if failures:
-        first = next(iter(failures.values()))  # (exception, its traceback's frames)
-        error = first[0] if isinstance(first, tuple) else first
+    """One line for DCP's CheckpointException (its first rank's exception), or any other error."""
+    error = rank_failures(error)[0]
     lines = [line for line in str(error).splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[0] if lines else 'no message'}"[:300]
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import math
 import os
 import re
 import tomllib
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from decoder import MIN_TEMPERATURE
+from decoder import MIN_TEMPERATURE, usable_temperature
 from models import FAMILIES, ModelConfig, family_of_hf_config, model_class
 from parallel import LayoutError, ParallelConfig, unsupported_layout
 
@@ -368,8 +367,7 @@ def validate(cfg: TrainConfig) -> None:
         ("training.eval_every", t.eval_every >= 0, "be >= 0"),
         ("training.eval_batches", t.eval_batches >= 1, "be >= 1"),
         ("training.sample_tokens", t.sample_tokens >= 0, "be >= 0"),
-        ("training.sample_temperature", t.sample_temperature == 0 or (
-            math.isfinite(t.sample_temperature) and t.sample_temperature >= MIN_TEMPERATURE),
+        ("training.sample_temperature", usable_temperature(t.sample_temperature),
          f"be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}"),
         ("data.path", d.path != "", "name a file or directory"),
         ("data.seq_len", 1 <= d.seq_len <= cfg.model_config.max_position_embeddings,

@@ -248,10 +248,15 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab: int, ignored: int | Non
 MIN_TEMPERATURE = 1e-3
 
 
+def usable_temperature(temperature: float) -> bool:
+    """0 (greedy), or finite and at least MIN_TEMPERATURE."""
+    return temperature == 0 or (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE)
+
+
 def check_sampling(temperature: float, top_k: int | None) -> None:
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature >= 0:
         raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
-    if temperature != 0 and not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+    if not usable_temperature(temperature):
         raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0):
         raise ValueError(f"top_k must be a positive integer or None (all tokens), got {top_k!r}")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from config import TrainConfig
-from files import read_config_json, write_atomically
+from files import read_json_object, write_atomically
 from models import ModelConfig, model_class
 from parallel import Run, barrier
 from routing import worst_layer
@@ -70,7 +70,7 @@ def model_flops_per_token(config: ModelConfig, seq_len: int) -> float:
 def read_peak_cache() -> dict:
     """The cached matmul rates by CPU; a missing or damaged cache is empty (measured again)."""
     try:
-        return read_config_json(CPU_PEAK_CACHE)[0] if CPU_PEAK_CACHE.exists() else {}
+        return read_json_object(CPU_PEAK_CACHE) if CPU_PEAK_CACHE.exists() else {}
     except ValueError:
         return {}
 

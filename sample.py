@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import math
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Callable
 import torch
 
 from checkpoint_files import damage, is_native_checkpoint
-from decoder import MIN_TEMPERATURE, stream
+from decoder import MIN_TEMPERATURE, stream, usable_temperature
 from files import read_config_json
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
@@ -87,7 +86,7 @@ def positive(text: str) -> int:
 
 def temperature(text: str) -> float:
     value = float(text)
-    if value != 0 and not (math.isfinite(value) and value >= MIN_TEMPERATURE):  # decoder.check_sampling's rule
+    if not usable_temperature(value):
         raise argparse.ArgumentTypeError(f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {text}")
     return value
 

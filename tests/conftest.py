@@ -136,3 +136,24 @@ def dequantize_by_hand(quantized: torch.Tensor, scale: torch.Tensor, block: tupl
     rows, cols = (torch.arange(n) // b for n, b in zip(quantized.shape, block))
     return quantized.float() * scale[rows[:, None], cols[None, :]]
 
+
+
+# ----------------------------------------------------------------------------- optimizers against a plain reference
+
+def give_same_gradients(model: torch.nn.Module, references: dict, generator: torch.Generator) -> None:
+    """One random gradient per parameter: the full tensor to the reference's, this rank's share
+    (a DTensor of the same placements) to `model`'s."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    for name, param in model.named_parameters():
+        grad = torch.randn(references[name].shape, generator=generator)
+        references[name].grad = grad
+        param.grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None) \
+            if isinstance(param, DTensor) else grad.clone()
+
+
+def assert_weights_match(model: torch.nn.Module, references: dict, rtol: float, atol: float) -> None:
+    """Every weight of `model` (its full tensor if sharded) equals the reference's, within rtol/atol."""
+    from torch.distributed.tensor import DTensor
+    for name, param in model.named_parameters():
+        actual = param.full_tensor() if isinstance(param, DTensor) else param
+        torch.testing.assert_close(actual, references[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")

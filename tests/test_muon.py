@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 import train
 from config import OptimSection
 from model import FlintConfig, build_model
-from conftest import run_debug, train_losses
+from conftest import assert_weights_match, give_same_gradients, run_debug, train_losses
 from muon import newton_schulz, takes_muon
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -71,11 +70,7 @@ def muon_matches_plain(model: torch.nn.Module, reference: torch.nn.Module, steps
         lr = 1e-3 / step
         train.set_learning_rate(chosen, lr)
         train.set_learning_rate(adamw, lr)
-        for name, param in model.named_parameters():
-            grad = torch.randn(references[name].shape, generator=generator)
-            references[name].grad = grad
-            param.grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None) \
-                if isinstance(param, DTensor) else grad.clone()
+        give_same_gradients(model, references, generator)
         chosen.step()
         adamw.step()
         with torch.no_grad():
@@ -84,9 +79,7 @@ def muon_matches_plain(model: torch.nn.Module, reference: torch.nn.Module, steps
                 momenta[name] = 0.9 * momenta[name] + 0.1 * grad
                 update = plain_muon_update(grad + 0.9 * (momenta[name] - grad))
                 weight.mul_(1 - lr * 50 * 0.1).sub_(lr * 50 * update)  # muon_lr / lr = 50
-    for name, param in model.named_parameters():
-        actual = param.full_tensor() if isinstance(param, DTensor) else param
-        torch.testing.assert_close(actual, references[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_weights_match(model, references, rtol=1e-5, atol=1e-6)
 
 
 def test_muon_steps_like_the_plain_reference():

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 import convert
 import train
@@ -19,7 +18,7 @@ from config import ConfigError, OptimSection
 from data import EMBEDDED_CORPUS, DataError
 from model import Flint, FlintConfig, build_model
 from train import TrainingError
-from conftest import debug_args, records, run_debug, train_losses
+from conftest import assert_weights_match, debug_args, give_same_gradients, records, run_debug, train_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBUG = str(ROOT / "configs" / "debug.toml")
@@ -281,16 +280,10 @@ def adamw_matches_plain(model: torch.nn.Module, reference: torch.nn.Module, step
     for step in range(1, steps + 1):
         for optimizer in (chosen, plain):
             train.set_learning_rate(optimizer, 1e-2 / step)
-        for name, param in model.named_parameters():
-            grad = torch.randn(references[name].shape, generator=generator)
-            references[name].grad = grad
-            param.grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None) \
-                if isinstance(param, DTensor) else grad.clone()
+        give_same_gradients(model, references, generator)
         chosen.step()
         plain.step()
-    for name, param in model.named_parameters():
-        actual = param.full_tensor() if isinstance(param, DTensor) else param
-        torch.testing.assert_close(actual, references[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    assert_weights_match(model, references, rtol=1e-6, atol=1e-7)
 
 
 def test_the_optimizer_steps_like_plain_adamw():
