@@ -426,7 +426,7 @@ def weight_squares(model: ParallelModel) -> torch.Tensor:
     squares = torch.zeros((), device=next(model.module.parameters()).device)
     for param in model.module.parameters():
         local = param.to_local() if hasattr(param, "to_local") else param
-        squares += local.detach().float().square().sum()
+        squares += torch.linalg.vector_norm(local.detach(), dtype=torch.float32).square()  # no FP32 copy
     return squares
 
 
