@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from devices import kernel_device_type
+
 EXPERT_BACKENDS = ("grouped", "loop")
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
 
@@ -166,7 +168,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
     Native (and compiled by inductor) for BF16 on CUDA; the opaque custom operator otherwise.
     """
-    if x.device.type == "cuda" and x.dtype == torch.bfloat16:
+    if kernel_device_type(x.device) == "cuda" and x.dtype == torch.bfloat16:
         return torch._grouped_mm(x, w, offs=offsets)
     return _grouped_mm_op(x, w, offsets)
 
@@ -174,7 +176,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 def group_alignment(device: torch.device) -> int:
     """Rows per expert group are padded to a multiple of this: CUDA's bf16/fp8 grouped GEMMs need
     aligned groups (16 covers both); the CPU kernel needs none."""
-    return 16 if device.type == "cuda" else 1
+    return 16 if kernel_device_type(device) == "cuda" else 1
 
 
 class ExpertPlan(NamedTuple):

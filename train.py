@@ -57,6 +57,9 @@ class TrainingError(RuntimeError):
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv)
+    missing = missing_inputs(cfg)
+    if missing:  # before any process group or model: a user-supplied input is not there
+        raise ConfigError(missing)
     try:
         run = start_run(cfg)
         with Checkpointer(cfg, run) as checkpoints:  # locks checkpoint.dir: one run per directory
@@ -122,10 +125,20 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
     parser.add_argument("--config", required=True, help="a TOML file, e.g. configs/smoke.toml")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved configuration as TOML and exit without training")
+    rehearsal = parser.add_argument_group("rehearsal", "run rank R's first steps of the GPU job on this CPU, on a "
+                                          "fake world of its size (rehearsal.py), and exit")
+    rehearsal.add_argument("--dry-run", action="store_true", help="rehearse instead of training")
+    rehearsal.add_argument("--world-size", type=int, help="the job's GPUs (default: what [parallel] needs)")
+    rehearsal.add_argument("--rank", type=int, default=0, help="the rank to rehearse (default 0)")
+    rehearsal.add_argument("--gpu", default="H200", help="H100 | H200 | B200: the capacity to check against")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     if args.print_config:
         print(resolved_toml(cfg))
+        raise SystemExit(0)
+    if args.dry_run:
+        from rehearsal import rehearse  # fake tensors and a fake world: only a rehearsal needs them
+        rehearse(cfg, args.world_size, args.rank, args.gpu)
         raise SystemExit(0)
     return cfg
 
@@ -164,6 +177,20 @@ def check_device_choices(cfg: TrainConfig, on_gpu: bool) -> None:
 
 
 # ============================================================================= data and model
+
+def missing_inputs(cfg: TrainConfig) -> str | None:
+    """What the config names that is not on this machine (the corpus, a tokenizer directory or file),
+    said with how to supply it; None when everything is there."""
+    d = cfg.data
+    if not Path(d.path).exists():
+        return (f"{cfg.where('data.path')}: data.path {d.path} does not exist. Put your corpus there (text files, "
+                f"a directory of them, or JSONL with a {d.text_key!r} field), or tokenize it once with "
+                f"`python3 data.py prepare CORPUS... --out {d.path} --tokenizer TOKENIZER` (README, Your own data)")
+    if ("/" in d.tokenizer or d.tokenizer.endswith(".tiktoken")) and not Path(d.tokenizer).exists():
+        return (f"{cfg.where('data.tokenizer')}: data.tokenizer {d.tokenizer} does not exist: name a directory "
+                f"holding tokenizer.json (the released one comes with its checkpoint) or a .tiktoken file")
+    return None
+
 
 def setup_data(cfg: TrainConfig, run: Run) -> tuple[Tokenizer, PackedLoader, PackedLoader | None]:
     """Tokenizer, then shards (prepared once, by rank 0), then the training and validation loaders."""
@@ -208,13 +235,8 @@ def load_model(cfg: TrainConfig, run: Run) -> ParallelModel:
     """FP32 master weights, laid out by parallel.py: fresh from the seed, or from [model].init_from
     (native, or Hugging Face converted to native first). Built on meta and parallelized before
     any weight exists, so each rank only ever holds its own shards (the 40B model fits)."""
-    config = cfg.model_config  # an init_from checkpoint's config.json, with the training settings of [model]
-    with torch.device("meta"):
-        model = model_class(config)(config, torch.float32)
-    run.print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.num_params(active=True) / 1e6:.2f}M "
-              f"active per token; {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-              f"{config.num_experts} experts (top {config.num_experts_per_tok}), vocab {config.vocab_size}")
-    pm = parallelize(model, cfg.parallel, run.mesh)
+    pm = build_model(cfg, run)
+    config = pm.config
     if not cfg.model.init_from:
         init_weights(pm, run.device, cfg.training.seed)
         return pm
@@ -227,6 +249,17 @@ def load_model(cfg: TrainConfig, run: Run) -> ParallelModel:
     set_model_state_dict(pm.module, state["model"])
     run.print(f"loaded the weights of {source}")
     return pm
+
+
+def build_model(cfg: TrainConfig, run: Run) -> ParallelModel:
+    """The model on the meta device (no weight exists yet), laid out by parallel.py."""
+    config = cfg.model_config  # an init_from checkpoint's config.json, with the training settings of [model]
+    with torch.device("meta"):
+        model = model_class(config)(config, torch.float32)
+    run.print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.num_params(active=True) / 1e6:.2f}M "
+              f"active per token; {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+              f"{config.num_experts} experts (top {config.num_experts_per_tok}), vocab {config.vocab_size}")
+    return parallelize(model, cfg.parallel, run.mesh)
 
 
 def converted_checkpoint(hf_dir: Path, cfg: TrainConfig, run: Run) -> Path:

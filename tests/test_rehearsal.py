@@ -1,0 +1,92 @@
+"""The rehearsal (rehearsal.py, `train.py --dry-run`): its memory count, its fake world, and that it fails
+where the GPU job would."""
+
+import pytest
+import torch
+
+import rehearsal
+import train
+from config import load_config
+from rehearsal import GIB, PeakMemory, RehearsalError
+
+MIB = 2 ** 20
+
+
+def test_peak_memory_counts_each_storage_once_and_follows_frees_and_resizes():
+    tracker = PeakMemory()
+    with tracker.watching():
+        a = torch.zeros(MIB // 4)  # 1 MiB of FP32
+        view = a[: MIB // 8]  # a view: no new memory
+        b = torch.ones(MIB // 2, dtype=torch.bfloat16)  # 1 MiB
+        tracker.settle()
+        assert tracker.now == 2 * MIB
+        del a, view
+        c = b + 1  # the free is counted at the next op: then 1 MiB of b and 1 MiB of c
+        tracker.settle()
+        assert tracker.now == 2 * MIB and tracker.peak == 3 * MIB  # a was still there when c was made
+        c.untyped_storage().resize_(0)  # how FSDP2 frees a gathered weight
+        tracker.settle()
+        assert tracker.now == MIB
+    assert tracker.largest_at_peak(1)[0][0] == "start: aten.zeros.default"
+
+
+def rehearse_tiny(tmp_path, capsys, *overrides: str, world: int = 4, steps: int = 1) -> dict:
+    cfg = load_config("configs/debug.toml", [f"--checkpoint.dir={tmp_path}/ck", "--parallel.activation_checkpointing=full",
+                                             *overrides])
+    result = rehearsal.rehearse(cfg, world, rank=world - 1, steps=steps)
+    result["printed"] = capsys.readouterr().out
+    return result
+
+
+def test_a_tiny_job_is_rehearsed_on_a_fake_world_of_its_size(tmp_path, capsys):
+    result = rehearse_tiny(tmp_path, capsys, "--parallel.ep=2", world=4, steps=2)
+    printed = result["printed"]
+    for phase in ("fake world of 4 (dp_shard 2 x ep 2)", "data: data/python_reference.jsonl has enough rows",
+                  "step 1: forward, backward, clipping and adamw passed", "step 2:", "checkpoint:",
+                  "rank 3 of 4: peak"):
+        assert phase in printed, printed
+    assert 0 < result["peak_gib"] < 0.1 and result["estimate_gib"] > 0
+    assert not torch.distributed.is_initialized()  # the fake world is gone
+
+
+def test_train_py_dry_run_exits_zero(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--config", "configs/debug.toml", "--dry-run", "--world-size=2", f"--checkpoint.dir={tmp_path}/ck"])
+    assert stop.value.code == 0
+    assert "rehearsal rank 0 of 2: peak" in capsys.readouterr().out
+    assert not (tmp_path / "ck").exists()  # a rehearsal writes no checkpoint
+
+
+def test_a_layout_whose_weights_exceed_the_gpu_fails_before_its_first_step(capsys):
+    cfg = load_config("configs/flint-8gpu.toml", ["--data.path=data/pretrain", "--parallel.ep=1",
+                                                  "--parallel.dp_shard=1"])
+    with pytest.raises(RehearsalError, match=r"rank 0 of 1 needs 1\d\d\.\d GiB .* more than the 79 GiB of an H100"):
+        rehearsal.rehearse(cfg, 1, gpu="H100")
+    assert "step 1" not in capsys.readouterr().out
+
+
+def test_a_grouped_gemm_misalignment_fails_as_on_a_gpu(tmp_path, capsys):
+    # 12 BF16 values are 24 bytes: CUDA's grouped GEMM needs rows of a multiple of 16 bytes.
+    with pytest.raises(RehearsalError, match="16 bytes"):
+        rehearse_tiny(tmp_path, capsys, "--model.moe_intermediate_size=12", world=2)
+
+
+def test_an_fp32_unit_left_in_bf16_fails_as_on_a_gpu(tmp_path, capsys, monkeypatch):
+    # Without its FP32 unit the router's weight is gathered in BF16 with the block, while it computes
+    # in FP32: the dtype mismatch a GPU run would stop on.
+    from model import Flint
+    monkeypatch.setattr(Flint, "fp32_modules", lambda self, layer: [layer.self_attn.sinks])
+    with pytest.raises(RehearsalError, match="dtype"):
+        rehearse_tiny(tmp_path, capsys, world=2)
+
+
+def test_missing_user_data_is_reported_by_the_rehearsal_and_refused_by_the_run(tmp_path, capsys):
+    result = rehearse_tiny(tmp_path, capsys, f"--data.path={tmp_path}/corpus", world=2)
+    assert f"data: not checked: command line --data.path: data.path {tmp_path}/corpus does not exist" in result["printed"]
+    with pytest.raises(train.ConfigError, match="python3 data.py prepare"):
+        train.main(["--config", "configs/debug.toml", f"--data.path={tmp_path}/corpus"])
+
+
+def test_too_little_data_for_the_world_fails_the_rehearsal(tmp_path, capsys):
+    with pytest.raises(train.DataError, match="not enough data"):
+        rehearse_tiny(tmp_path, capsys, "--training.steps=100000", world=2)
