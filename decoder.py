@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import zlib
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
 import torch
@@ -216,9 +218,26 @@ def check_inputs(config: Any, input_ids: torch.Tensor, targets: torch.Tensor | N
         if tensor.shape != input_ids.shape or tensor.is_floating_point():
             raise ValueError(f"{name} must be an integer tensor of shape {tuple(input_ids.shape)} like "
                              f"input_ids, got {tensor.dtype} {tuple(tensor.shape)}")
+    if _ids_checked_at_load.get():
+        return
     check_token_ids("input_ids", input_ids, config.vocab_size)
     if targets is not None:
         check_token_ids("targets", targets, config.vocab_size, ignored=-100)
+
+
+_ids_checked_at_load = ContextVar("ids_checked_at_load", default=False)
+
+
+@contextmanager
+def token_ids_checked_at_load() -> Iterator[None]:
+    """Inside it, forwards skip check_token_ids (one host sync per call): for the trainer's batches,
+    whose ids data.py checked against the vocabulary when it loaded each shard (check_token_range).
+    Every other caller of a model keeps the check and its clear error."""
+    token = _ids_checked_at_load.set(True)
+    try:
+        yield
+    finally:
+        _ids_checked_at_load.reset(token)
 
 
 def seeded_normal(name: str, param: torch.Tensor, seed: int, std: float) -> torch.Tensor:

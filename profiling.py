@@ -22,7 +22,9 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from decoder import Head
 from models import FAMILIES
@@ -167,6 +169,94 @@ def profile_step(model: torch.nn.Module, step: Callable[[], None], device: torch
     sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_by, row_limit=table_rows) if table_rows else ""
     return split_step(prof.events(), step_seconds, device), table
+
+
+# ============================================================================= host syncs
+
+# Ops whose output shape depends on tensor values: on a GPU the kernel reads a size back to the host.
+# (The ops fake tensors refuse with DynamicOutputShapeException; each line's exception below.)
+SIZE_READS = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default, torch.ops.aten._unique.default,
+              torch.ops.aten._unique2.default, torch.ops.aten.unique_dim.default, torch.ops.aten.bincount.default,
+              torch.ops.aten.unique_consecutive.default, torch.ops.aten.repeat_interleave.Tensor,
+              torch.ops.aten.index.Tensor, torch.ops.aten.one_hot.default}
+# Ops that return a host value computed from device tensors.
+VALUE_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
+               torch.ops.aten.is_nonzero.default}
+CONVERSIONS = {torch.Tensor.tolist, torch.Tensor.numpy}
+# DeviceMesh keeps its table of ranks on the CPU on every device, and reads it (nonzero, tolist) each
+# time a sub-mesh is taken (mesh["dp"]): host work, never a device sync.
+HOST_SIDE = (str(Path(torch.distributed.__file__).parent / "device_mesh.py"),)
+
+
+def called_from_host_side() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename in HOST_SIDE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def reads_device_memory(func, args: tuple, kwargs: dict) -> bool:
+    """Would this aten op, run on a GPU, make the host wait for the device?"""
+    if func in VALUE_READS:
+        return True
+    if func is torch.ops.aten.repeat_interleave.Tensor:  # not when the caller gives the output size
+        return kwargs.get("output_size") is None
+    if func is torch.ops.aten.index.Tensor:  # only boolean masks (a nonzero inside); integer indices are not
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    if func is torch.ops.aten.one_hot.default:  # only without num_classes (a max inside)
+        return (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) < 0
+    if func in SIZE_READS:
+        return True
+    if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):  # device -> host
+        source, target = (args[0], kwargs.get("device")) if func is torch.ops.aten._to_copy.default else args[1::-1]
+        target = target.device if isinstance(target, torch.Tensor) else target
+        return source.device.type not in ("cpu", "meta") and torch.device(target or source.device).type == "cpu"
+    return False
+
+
+class HostSyncs(TorchDispatchMode):
+    """Inside `with HostSyncs() as syncs:`, `syncs.reads` lists every device-to-host copy the code makes
+    in eager mode, as the op's name: scalar reads (.item(), bool(), float(), int():
+    aten._local_scalar_dense), tensor -> list or array (.tolist(), .numpy(), seen by a function mode:
+    they never reach the dispatcher), ops whose output size depends on the values (nonzero, boolean
+    indexing, repeat_interleave without output_size, ...) and copies from a GPU to the CPU.
+
+    It counts what the same code would sync on a GPU: on the CPU every tensor is on the host and no
+    read waits for anything, so reads are counted whatever the device (`.to("cpu")` of a CPU tensor is
+    no copy, and is not counted). Host-side tensors the code reads on purpose count too (keep them
+    numpy or Python values), except DeviceMesh's own rank table (HOST_SIDE)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+        self._conversions = _Conversions(self.reads)
+
+    def __enter__(self) -> "HostSyncs":
+        self._conversions.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._conversions.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if reads_device_memory(func, args, kwargs) and not called_from_host_side():
+            self.reads.append(str(func.overloadpacket.__name__))
+        return func(*args, **kwargs)
+
+
+class _Conversions(TorchFunctionMode):
+    def __init__(self, reads: list[str]):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in CONVERSIONS and not called_from_host_side():
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 # ============================================================================= comparisons
