@@ -45,6 +45,7 @@ from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, sp
 from decoder import token_ids_checked_at_load
 from metrics import MetricsLogger
 from models import config_from_hf, model_class
+from moe import set_balanced_routing
 from muon import Muon, takes_muon
 from parallel import ParallelModel, Run, barrier, build_mesh, init_distributed, init_weights, parallelize, uncompile
 from routing import RoutingMonitor
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
         with Checkpointer(cfg, run) as checkpoints:  # locks checkpoint.dir: one run per directory
             tokenizer, train_data, val_data = setup_data(cfg, run)
             model = load_model(cfg, run)
+            set_balanced_routing(model.module, cfg.training.force_balanced_routing)
             if cfg.parallel.compile:
                 check_compiled(model, train_data.peek(), run, cfg.parallel.compile_fallback)
             optimizer = build_optimizer(model.module, cfg.optim)
