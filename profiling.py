@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from decoder import Head
+from decoder import HEAD_PRECISIONS, Head
 from models import FAMILIES
 from moe import GroupedExperts, Router, SwiGLU
 
@@ -257,6 +257,88 @@ class _Conversions(TorchFunctionMode):
         if func in CONVERSIONS and not called_from_host_side():
             self.reads.append(func.__name__)
         return func(*args, **(kwargs or {}))
+
+
+# ============================================================================= the head's matmul precision
+# decoder.Head's three matmuls per chunk at the precisions a GPU offers ([parallel].head_precision),
+# emulated on the CPU by rounding the operands and multiplying in FP32 (every product of the rounded
+# operands is exact in FP32, so only the rounding differs from the tensor cores, which also
+# accumulate in FP32), against the same head in FP64.
+
+def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """FP32 x with its mantissa rounded to `bits` bits (to nearest, ties away from zero, as CUDA's
+    cvt.rna.tf32.f32); TF32 is bits = 10. The sign bit is left alone, so adding half of the dropped
+    unit to the bit pattern rounds the magnitude, and a carry moves into the exponent."""
+    drop = 23 - bits
+    pattern = x.float().contiguous().view(torch.int32)
+    return ((pattern + (1 << (drop - 1))) & ~((1 << drop) - 1)).view(torch.float32)
+
+
+def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = hi + lo + O(2^-16 |x|): hi its BF16 rounding, lo the BF16 rounding of the rest (as FP32)."""
+    hi = x.bfloat16().float()
+    return hi, (x - hi).bfloat16().float()
+
+
+def emulated_mm(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
+    """a @ b as a GPU computes it at `precision` (FP32 accumulation in every case)."""
+    if precision == "float32":
+        return a @ b
+    if precision == "tf32":
+        return round_mantissa(a, 10) @ round_mantissa(b, 10)
+    if precision == "bf16":
+        return a.bfloat16().float() @ b.bfloat16().float()
+    (a_hi, a_lo), (b_hi, b_lo) = split_bf16(a), split_bf16(b)  # bf16x3: three BF16 products, lo x lo dropped
+    return a_lo @ b_hi + a_hi @ b_lo + a_hi @ b_hi
+
+
+def head_loss_and_grads(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                        mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The head's mean cross-entropy and its gradients as LinearCrossEntropy takes them, with every
+    matmul through `mm`: h [N, H], weight [V, H] -> loss, d loss / d h [N, H], d loss / d weight [V, H]."""
+    log_probs = torch.log_softmax(mm(h, weight.T), dim=-1)  # [N, V]
+    rows = torch.arange(h.shape[0])
+    loss = -log_probs[rows, targets].mean()
+    grad = log_probs.exp_()
+    grad[rows, targets] -= 1  # N x d loss / d logits [N, V]; the 1 / N comes after the matmuls, as there
+    return loss, mm(grad, weight) / h.shape[0], mm(grad.T, h) / h.shape[0]
+
+
+def head_precision_errors(vocab: int, hidden: int, tokens: int, logit_std: float = 3.0,
+                          seed: int = 0) -> list[dict[str, float]]:
+    """Each precision's error against the FP64 head on one batch: the loss's absolute error (nats) and
+    each gradient's relative error (Frobenius norm of the difference over the reference's).
+
+    The batch looks like a trained head's: hidden states of unit RMS (the final norm's output),
+    weights giving logits of std `logit_std`, targets drawn from the model's own distribution."""
+    generator = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=generator)
+    weight = torch.randn(vocab, hidden, generator=generator) * (logit_std / hidden ** 0.5)
+    with torch.no_grad():
+        probs = torch.softmax((h.double() @ weight.double().T), dim=-1)
+        targets = torch.multinomial(probs.float(), 1, generator=generator).flatten()
+        del probs
+        reference = head_loss_and_grads(h.double(), weight.double(), targets, torch.mm)
+        rows = []
+        for precision in HEAD_PRECISIONS:
+            got = head_loss_and_grads(h, weight, targets, lambda a, b: emulated_mm(a, b, precision))
+            rows.append({"precision": precision, "loss": reference[0].item(),
+                         "loss_error": abs(got[0].double() - reference[0]).item(),
+                         **{f"{name}_error": ((g.double() - r).norm() / r.norm()).item()
+                            for name, g, r in zip(("grad_h", "grad_weight"), got[1:], reference[1:])}})
+            del got
+    return rows
+
+
+def print_head_precision(vocab: int = 150144, hidden: int = 2048, tokens: int = 256) -> None:
+    """The BENCHMARKS.md table (Flint's head by default):
+    python3 -c 'import profiling; profiling.print_head_precision()'."""
+    rows = head_precision_errors(vocab, hidden, tokens)
+    print(f"head {vocab} x {hidden}, {tokens} tokens, loss {rows[0]['loss']:.3f} nats; errors against FP64:")
+    print("| precision | loss error (nats) | grad h rel. error | grad W rel. error |\n|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['precision']} | {row['loss_error']:.2e} | {row['grad_h_error']:.2e} | "
+              f"{row['grad_weight_error']:.2e} |", flush=True)
 
 
 # ============================================================================= comparisons
