@@ -368,11 +368,15 @@ def local_experts_forward(xs: torch.Tensor, expert_of_row: torch.Tensor, gate_up
     return torch.zeros_like(out).index_copy(0, plan.order, out)  # back to the order of xs
 
 
-class ExpertSplits(NamedTuple):
-    """What one expert-parallel forward exchanges, per expert rank."""
-    received_counts: torch.Tensor  # [ep * El] on the device: rows from source s for local expert j
-    send: list[int]  # rows this rank sends to each expert rank (host)
-    receive: list[int]  # rows it receives from each (host)
+class ExpertSplits:
+    """What one expert-parallel forward exchanges, per expert rank. A plain object, not a tuple: a
+    compiled block hands it from one all-to-all to the other without guarding on the sizes inside
+    (a tuple of ints would be specialised, and recompiled for, as the routing changes)."""
+
+    def __init__(self, received_counts: torch.Tensor, send: list[int], receive: list[int]):
+        self.received_counts = received_counts  # [ep * El] on the device: rows from source s for local expert j
+        self.send = send  # rows this rank sends to each expert rank (host)
+        self.receive = receive  # rows it receives from each (host)
 
 
 class SplitsForRecompute:
@@ -439,26 +443,42 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights/indices [N, k] -> [N, H]."""
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
         gate_up, down = _local_shard(self.gate_up_proj), _local_shard(self.down_proj)
         local_experts = gate_up.shape[0]
         flat = indices.flatten()  # [N*k]
         order = torch.argsort(flat, stable=True)  # assignments sorted by expert, so by owning rank
         inverse = inverse_permutation(order)
         rows = dispatch(x, order, inverse)  # [N*k, H]
-        splits = self.exchange_counts(flat, local_experts, rows)
-        # [N*k, H] -> [R, H], ordered by source rank, then local expert
-        received = all_to_all_single_autograd(rows, splits.receive, splits.send, self.group)
-        ep = len(splits.send)
-        expert_of_row = torch.repeat_interleave(torch.arange(local_experts, device=x.device).repeat(ep),
-                                                splits.received_counts, output_size=sum(splits.receive))
+        received, expert_of_row, splits = self.send_rows(rows, flat, local_experts)  # [R, H], [R]
         align = self.group_align or group_alignment(x.device)
         out = local_experts_forward(received, expert_of_row, gate_up, down, align)
-        returned = all_to_all_single_autograd(out, splits.send, splits.receive, self.group)  # [N*k, H]
-        return combine(returned, order, inverse, weights).to(x.dtype)
+        return combine(self.return_rows(out, splits), order, inverse, weights).to(x.dtype)
 
-    @torch.compiler.disable  # compiled, one graph break: host values, and the recompute's bookkeeping
+    # Compiled, each of the two exchanges is a graph break of its own (eager code between graphs):
+    # host values, the recompute's bookkeeping, and rows whose count changes with the routing, which
+    # the next graph takes as a dynamic size from the start (maybe_mark_dynamic) instead of recompiling.
+
+    @torch.compiler.disable
+    def send_rows(self, rows: torch.Tensor, flat: torch.Tensor,
+                  local_experts: int) -> tuple[torch.Tensor, torch.Tensor, ExpertSplits]:
+        """rows [N*k, H] in expert order, their experts flat [N*k] -> the rows this rank's experts
+        receive [R, H] (ordered by source rank, then local expert), each one's local expert [R], splits."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        splits = self.exchange_counts(flat, local_experts, rows)
+        received = all_to_all_single_autograd(rows, splits.receive, splits.send, self.group)
+        ep = len(splits.send)
+        expert_of_row = torch.repeat_interleave(torch.arange(local_experts, device=rows.device).repeat(ep),
+                                                splits.received_counts, output_size=received.shape[0])
+        for tensor in (received, expert_of_row):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        return received, expert_of_row, splits
+
+    @torch.compiler.disable
+    def return_rows(self, out: torch.Tensor, splits: ExpertSplits) -> torch.Tensor:
+        """The experts' outputs [R, H] back to the ranks that sent the rows -> [N*k, H] in expert order."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        return all_to_all_single_autograd(out, splits.send, splits.receive, self.group)
+
     def exchange_counts(self, flat: torch.Tensor, local_experts: int, rows: torch.Tensor) -> ExpertSplits:
         """How many rows go to and come from each expert rank, for expert ids flat [N*k]. rows: the
         dispatched rows, whose autograd node a remembered entry lives as long as."""

@@ -207,6 +207,29 @@ def check_forced_balance_on_two_ranks(norm_topk_prob: bool) -> None:
         torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_forced_balance_expert_parallel_equals_one_process():
+def check_compiled_routing_changes_without_recompiling() -> None:
+    """Compiled (dynamo only), the layer's graphs after its first call serve every later routing:
+    the exchanged rows' count is dynamic from the start, the split sizes are never guarded on."""
+    rank, counters = dist.get_rank(), torch._dynamo.utils.counters
+    eager, compiled = expert_parallel_moe(rank, ep=2), expert_parallel_moe(rank, ep=2)
+    compiled.compile(backend="eager")
+    loads, graphs = [], []
+    for seed in range(3):
+        x = torch.randn(2, 9, HIDDEN, generator=torch.Generator().manual_seed(10 * seed + rank))
+        want, got = run(eager, x), run(compiled, x)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+        loads.append(compiled.router.tokens_per_expert.tolist())
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert len({tuple(load) for load in loads}) == 3, loads  # the splits did change
+    assert graphs[0] == graphs[-1], graphs
+
+
+def check_expert_parallel_on_two_ranks() -> None:
+    check_forced_balance_on_two_ranks(norm_topk_prob=True)
+    check_compiled_routing_changes_without_recompiling()
+
+
+def test_expert_parallel_forced_balance_equals_one_process_and_compiles_once():
     from test_parallel import spawn
-    spawn(2, check_forced_balance_on_two_ranks, True)
+    spawn(2, check_expert_parallel_on_two_ranks)
