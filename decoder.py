@@ -124,30 +124,32 @@ def head_operand(x: torch.Tensor, precision: str) -> HeadOperand:
     return HeadOperand(hi, (x - hi.float()).bfloat16() if precision == "bf16x3" else None)
 
 
-def head_mm(a: HeadOperand, b: HeadOperand, precision: str, accumulate: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b in FP32 at `precision` (added to `accumulate` in place when given). TF32 goes through
-    an opaque operator, so that the compiler cannot move the product out of its setting's scope."""
-    if precision == "tf32":
-        if accumulate is None:
-            return _mm_tf32(a.hi, b.hi)
-        _addmm_tf32_(accumulate, a.hi, b.hi)
-        return accumulate
-    out = accumulate
+def head_mm(a: HeadOperand, b: HeadOperand, precision: str, out: torch.Tensor | None = None,
+            accumulate: bool = False) -> torch.Tensor:
+    """a @ b in FP32 at `precision`: a new tensor, or written into `out` (added to it with accumulate)."""
     # bf16x3: lo x hi and hi x lo first, so that the small terms are added before the large one
     for x, y in [(a.hi, b.hi)] if a.lo is None else [(a.lo, b.hi), (a.hi, b.lo), (a.hi, b.hi)]:
-        out = _product(x, y, out)
+        out = _product(x, y, precision, out, accumulate)
+        accumulate = True
     return out
 
 
-def _product(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """x @ y in FP32 (added into out when given). BF16 operands on CUDA: one BF16 GEMM with FP32
-    accumulation and output; elsewhere the same exact products through FP32 copies (for tests)."""
-    if x.dtype == torch.bfloat16 and x.is_cuda:
+def _product(x: torch.Tensor, y: torch.Tensor, precision: str, out: torch.Tensor | None,
+             accumulate: bool) -> torch.Tensor:
+    """One GEMM with FP32 accumulation and output. TF32 goes through an opaque operator, so that the
+    compiler cannot move the product out of its setting's scope. BF16 operands on CUDA take FP32
+    outputs (out_dtype); elsewhere the same exact products go through FP32 copies (for tests)."""
+    if precision == "tf32":
         if out is None:
-            return torch.mm(x, y, out_dtype=torch.float32)
-        return torch.addmm(out, x, y, out_dtype=torch.float32, out=out)
-    x, y = x.float(), y.float()
-    return x @ y if out is None else out.addmm_(x, y)
+            return _mm_tf32(x, y)
+        _addmm_tf32_(out, x, y, float(accumulate))
+        return out
+    dtype = {"out_dtype": torch.float32} if x.dtype == torch.bfloat16 and x.is_cuda else {}
+    if not dtype:
+        x, y = x.float(), y.float()
+    if out is None:
+        return torch.mm(x, y, **dtype)
+    return torch.addmm(out, x, y, beta=float(accumulate), out=out, **dtype)  # beta 0: out's old values ignored
 
 
 @torch.library.custom_op("flint::mm_tf32", mutates_args=())
@@ -162,9 +164,9 @@ def _(a, b):
 
 
 @torch.library.custom_op("flint::addmm_tf32_", mutates_args=("out",))
-def _addmm_tf32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def _addmm_tf32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float) -> None:
     with _tf32():
-        out.addmm_(a, b)
+        torch.addmm(out, a, b, beta=beta, out=out)
 
 
 @contextmanager
@@ -246,8 +248,8 @@ def _chunk_forward_backward(h: torch.Tensor, weight: HeadOperand, targets: torch
         grad.mul_(1 - capped.square_())  # d(cap * tanh(x / cap)) / dx
     # Ignored rows get no gradient: masked on the [c, H] sides of the matmuls, not on the [c, V] grad.
     grad_op = head_operand(grad, precision)
-    grad_h.copy_(head_mm(grad_op, weight, precision)).mul_(keep)
-    head_mm(grad_op.T, head_operand(h * keep, precision), precision, accumulate=grad_weight)
+    head_mm(grad_op, weight, precision, out=grad_h).mul_(keep)
+    head_mm(grad_op.T, head_operand(h * keep, precision), precision, out=grad_weight, accumulate=True)
     return loss
 
 

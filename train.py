@@ -76,10 +76,11 @@ def main(argv: list[str] | None = None) -> dict:
                 while step < cfg.training.steps:
                     step += 1
                     lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.training.steps))
-                    loss, grad_norm, stopping = train_step(model, optimizer, train_data, cfg, run, step, checkpoints,
-                                                           routing, interruption)
+                    loss, grad_norm, stop = train_step(model, optimizer, train_data, cfg, run, routing, interruption,
+                                                       step, checkpoints)
                     if due(step, cfg.logging.every, cfg.training.steps) or step == logger.first_step:
                         logger.log_train(step, loss, lr, grad_norm, routing.stats())
+                    stopping = interruption.requested(stop)
                     with logger.untimed():  # tokens/s counts training only
                         if val_data and due(step, cfg.training.eval_every, cfg.training.steps):
                             logger.log_eval(step, evaluate(model, val_data, cfg, run))
@@ -355,7 +356,7 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
 class Interruption:
     """Ctrl-C (SIGINT) or SIGTERM while training: the step in progress finishes, a checkpoint is
     saved and the run stops; a second signal stops at once, without saving. Every rank stops at the
-    same step: train_step sums each rank's `flag` over the ranks."""
+    same step: train_step sums each rank's `flag` over the ranks, in the step's one copy."""
 
     def __init__(self, run: Run):
         self.run, self.name, self.previous = run, None, {}
@@ -384,6 +385,12 @@ class Interruption:
         step's all-reduce (a fill on the device: no copy)."""
         return torch.full((1,), float(self.name is not None), device=device)
 
+    def requested(self, shared: bool) -> bool:
+        """shared: whether a rank had been asked to stop when the step read the flags (train_step).
+        A single process needs no agreement: a signal since then counts too. Several processes stop
+        at the step where they agree, the next one at the latest."""
+        return shared or (self.run.world_size == 1 and self.name is not None)
+
 
 # A loss above this many times that of a uniform guess, ln(vocab_size), means the run diverged: a
 # model starts near ln(vocab_size) and only a blown-up update goes far above it (lr 1e3: 2.6e6 at step 2).
@@ -396,8 +403,8 @@ EXPLODED = 2.0
 
 
 def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: PackedLoader, cfg: TrainConfig,
-               run: Run, step: int, checkpoints: "Checkpointer", routing: RoutingMonitor,
-               interruption: Interruption) -> tuple[float, float, bool]:
+               run: Run, routing: RoutingMonitor, interruption: Interruption, step: int,
+               checkpoints: "Checkpointer") -> tuple[float, float, bool]:
     """One optimizer step over grad_accum micro-batches -> (mean loss per target token, grad norm,
     whether any rank was asked to stop).
 
@@ -469,7 +476,8 @@ def evaluate(model: ParallelModel, data: PackedLoader, cfg: TrainConfig, run: Ru
     count = min(cfg.training.eval_batches, data.rows_per_epoch // (run.dp_size * cfg.training.batch_size))
     batches = [{k: v.to(run.device) for k, v in data.next_batch().items()} for _ in range(count)]
     num_tokens = model.global_tokens(torch.stack([b["targets"] for b in batches]))
-    return sum(model.loss(**batch, num_tokens=num_tokens) for batch in batches).item()
+    with token_ids_checked_at_load():
+        return sum(model.loss(**batch, num_tokens=num_tokens) for batch in batches).item()
 
 
 # Rank 0 loads the final model on the CPU in FP32 for the sample only up to this size (4 GB).

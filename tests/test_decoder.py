@@ -125,3 +125,22 @@ def test_token_ids_are_checked_unless_data_checked_them_at_load():
             model(ids)
     with pytest.raises(ValueError, match="input_ids holds token id 300"):
         model(ids)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16x3"])
+def test_the_gpu_precisions_compile_to_one_graph(precision):
+    """The fused loss at each GPU precision traces whole (the TF32 product as its opaque operator),
+    equal to eager. On the CPU the TF32 operator computes FP32: this checks the tracing, not TF32."""
+    from decoder import LinearCrossEntropy
+    h, weight, targets = small_head_case()
+
+    def loss(x, w):
+        return LinearCrossEntropy.apply(x, w, targets, 10, None, precision)  # two chunks
+
+    results = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        x, w = h.clone().requires_grad_(), weight.clone().requires_grad_()
+        value = fn(x, w)
+        results.append((value, *torch.autograd.grad(value, [x, w])))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)

@@ -430,9 +430,9 @@ def step_host_syncs(argv: list[str]) -> list[str]:
             optimizer = train.build_optimizer(model.module, cfg.optim)
             routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps)
             step = (model, optimizer, data, cfg, run)
-            train.train_step(*step, 1, checkpoints, routing, interruption)
+            train.train_step(*step, routing, interruption, 1, checkpoints)
             with HostSyncs() as syncs:
-                train.train_step(*step, 2, checkpoints, routing, interruption)
+                train.train_step(*step, routing, interruption, 2, checkpoints)
     finally:
         torch.distributed.destroy_process_group()
     return syncs.reads
@@ -458,5 +458,5 @@ def test_an_expert_parallel_step_copies_once_per_moe_layer_and_micro_batch(tmp_p
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = debug_args(tmp_path, "--parallel.ep=2", "--parallel.dp_shard=1", "--training.grad_accum=2",
-                      "--parallel.activation_checkpointing=full")
+                      "--parallel.activation_checkpointing=full", "--data.seq_len=16", "--training.batch_size=2")
     mp.spawn(_expert_parallel_syncs_worker, args=(port, argv), nprocs=2)
