@@ -230,7 +230,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 
 def _chunk_forward_backward(h: torch.Tensor, weight: HeadOperand, targets: torch.Tensor, softcap: float | None,
-                            grad_h: torch.Tensor, grad_weight: torch.Tensor, precision: str = "float32") -> torch.Tensor:
+                            grad_h: torch.Tensor, grad_weight: torch.Tensor, precision: str) -> torch.Tensor:
     """One chunk of LinearCrossEntropy: writes its rows of grad_h [c, H], adds its share to
     grad_weight [V, H], returns its summed loss."""
     logits = head_mm(head_operand(h, precision), weight.T, precision)  # [c, V]

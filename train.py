@@ -426,10 +426,11 @@ def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: Pac
     optimizer.zero_grad(set_to_none=True)
     routing.after_step(step)  # expert loads, idle streaks, the selection bias: on the device
     squares = torch.stack([before, weight_squares(model)]).to(model.collective_device)
-    shared = torch.cat([squares, interruption.flag(squares.device)])  # [before, after, stop]
+    shared = torch.cat([squares, interruption.flag(squares.device)])  # [before^2, after^2, stop requests]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(shared)  # squares: replicas counted on each rank that holds them, the same way every step
-    checked = torch.cat([torch.stack([loss.float(), grad_norm.float()]).to(shared.device), shared[:2].sqrt(), shared[2:]])
+    norms = torch.cat([shared[:2].sqrt(), shared[2:]])
+    checked = torch.cat([torch.stack([loss.float(), grad_norm.float()]).to(norms.device), norms])
     loss, grad_norm, before, after, stop = checked.tolist()  # the step's one copy to the host
     check_loss(loss, grad_norm, step, model, checkpoints)
     check_update(before, after, step, cfg, checkpoints)

@@ -28,20 +28,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 slow = pytest.mark.skipif(os.environ.get("FLINT_SLOW") != "1", reason="multi-process Large 4 runs: FLINT_SLOW=1")
 
 
-def _torchrun_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
-    """What torchrun does for one process: the environment, then train.py's main."""
+def _torchrun_worker(rank: int, world: int, port: int, argv: list[str], fn=None) -> None:
+    """What torchrun does for one process: the environment, then train.py's main (or fn) on argv."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    train.main(argv)
+    (fn or train.main)(argv)
 
 
-def run_two_processes(argv: list[str]) -> None:
-    """train.main(argv) in 2 processes, as `torchrun --nproc-per-node 2` would start it."""
+def run_two_processes(argv: list[str], fn=None) -> None:
+    """train.main(argv), or fn(argv), in 2 processes, as `torchrun --nproc-per-node 2` would start it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_torchrun_worker, args=(2, port, argv), nprocs=2)
+    mp.spawn(_torchrun_worker, args=(2, port, argv, fn), nprocs=2)
 
 
 def run_debug_two_processes(tmp_path: Path, *overrides: str) -> None:
@@ -444,9 +444,7 @@ def test_a_step_copies_to_the_host_once(tmp_path):
     assert step_host_syncs(debug_args(tmp_path, "--training.grad_accum=2")) == ["tolist"]
 
 
-def _expert_parallel_syncs_worker(rank: int, port: int, argv: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+def check_expert_parallel_step_syncs(argv: list[str]) -> None:
     reads = step_host_syncs(argv)
     # The step's copy, then one per MoE layer (2) per micro-batch (2): none in the recompute, none
     # for repeat_interleave (given its output size).
@@ -454,9 +452,6 @@ def _expert_parallel_syncs_worker(rank: int, port: int, argv: list[str]) -> None
 
 
 def test_an_expert_parallel_step_copies_once_per_moe_layer_and_micro_batch(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = debug_args(tmp_path, "--parallel.ep=2", "--parallel.dp_shard=1", "--training.grad_accum=2",
-                      "--parallel.activation_checkpointing=full", "--data.seq_len=16", "--training.batch_size=2")
-    mp.spawn(_expert_parallel_syncs_worker, args=(port, argv), nprocs=2)
+    run_two_processes(debug_args(tmp_path, "--parallel.ep=2", "--parallel.dp_shard=1", "--training.grad_accum=2",
+                                 "--parallel.activation_checkpointing=full", "--data.seq_len=16",
+                                 "--training.batch_size=2"), check_expert_parallel_step_syncs)
