@@ -72,6 +72,7 @@ class TrainingSection:
     sample_tokens: int = 200  # tokens generated after training; 0: none
     sample_prompt: str = "The "  # the text the end-of-run sample continues
     sample_temperature: float = 0.8  # 0: greedy
+    force_balanced_routing: bool = False  # true: every expert gets the same tokens (benchmarks, rehearsals; moe.py)
 
 
 @dataclass

@@ -9,6 +9,8 @@ results are weighted after the down projection and added back to their tokens.
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from typing import NamedTuple
 
 import torch
@@ -44,6 +46,29 @@ def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
+def balanced_choices(num_tokens: int, top_k: int, num_experts: int, device: torch.device) -> torch.Tensor:
+    """Forced-balance routing's expert choices [N, k], round-robin: assignment a = token * k + choice
+    goes to expert a % E (k consecutive, so distinct, experts per token), so expert e gets
+    balanced_counts(N * k, E)[e] rows whatever the scores: known on the host from the shapes."""
+    return torch.arange(num_tokens * top_k, device=device).view(num_tokens, top_k) % num_experts
+
+
+def balanced_counts(rows: int, num_experts: int) -> list[int]:
+    """Rows per expert of balanced_choices: rows / E each (the first rows % E experts one more)."""
+    return [rows // num_experts + (expert < rows % num_experts) for expert in range(num_experts)]
+
+
+def set_balanced_routing(model: nn.Module, enabled: bool) -> None:
+    """Forced-balance routing in every MoE layer of `model` ([training].force_balanced_routing, the
+    rehearsal, benchmarks): each router assigns its tokens round-robin (balanced_choices) and weighs
+    them by its real scores at those experts, so the router still learns; expert-parallel layers
+    then take their split sizes from the shapes and read nothing from the device. What published
+    MoE throughput tables measure; not a way to train a model that routes."""
+    for module in model.modules():
+        if isinstance(module, (Router, ExpertParallelExperts)):
+            module.balanced = enabled
+
+
 def check_bias_update_rate(rate: object) -> None:
     """The configs' router_bias_update_rate (a native-only field of both models): a number >= 0."""
     if isinstance(rate, bool) or not (isinstance(rate, (int, float)) and rate >= 0):
@@ -70,6 +95,7 @@ class Router(nn.Module):
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.score_function, self.scaling = score_function, scaling
         self.keep_logits = False
+        self.balanced = False  # forced balance: see set_balanced_routing
         self.logits: torch.Tensor | None = None
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
@@ -83,7 +109,10 @@ class Router(nn.Module):
         if self.keep_logits:
             self.logits = logits
         scores = torch.softmax(logits, dim=-1) if self.score_function == "softmax" else torch.sigmoid(logits)
-        if self.selection_bias is None:
+        if self.balanced:  # round-robin experts, weighed by the real scores there
+            indices = balanced_choices(x.shape[0], self.top_k, self.weight.shape[0], x.device)
+            weights = scores.gather(-1, indices)
+        elif self.selection_bias is None:
             weights, indices = torch.topk(scores, self.top_k, dim=-1)
         else:  # the bias chooses the experts; the unbiased scores weigh them
             indices = torch.topk(scores + self.selection_bias, self.top_k, dim=-1).indices
@@ -341,6 +370,54 @@ def local_experts_forward(xs: torch.Tensor, expert_of_row: torch.Tensor, gate_up
     return torch.zeros_like(out).index_copy(0, plan.order, out)  # back to the order of xs
 
 
+class ExpertSplits:
+    """What one expert-parallel forward exchanges, per expert rank. A plain object, not a tuple: a
+    compiled block hands it from one all-to-all to the other without guarding on the sizes inside
+    (a tuple of ints would be specialised, and recompiled for, as the routing changes)."""
+
+    def __init__(self, received_counts: torch.Tensor, send: list[int], receive: list[int]):
+        self.received_counts = received_counts  # [ep * El] on the device: rows from source s for local expert j
+        self.send = send  # rows this rank sends to each expert rank (host)
+        self.receive = receive  # rows it receives from each (host)
+
+
+class SplitsForRecompute:
+    """The split sizes of the forwards an activation-checkpointed backward will recompute, kept on
+    the host so the recompute makes no device-to-host copy (nor count exchange) of its own.
+
+    An entry lives as long as its forward's autograd graph: it holds a weak reference to a node of
+    that graph (the dispatch's), so a forward whose backward never comes (no checkpointing, an
+    abandoned step) leaves nothing stale behind. Recomputes come in the order of their forwards
+    (each micro-batch's backward follows its forward, in every pipeline schedule), so a recompute
+    takes the oldest live entry, and checks on the device (no sync) that its own counts match."""
+
+    def __init__(self):
+        self.entries: deque[tuple[weakref.ref, torch.Tensor, ExpertSplits]] = deque()
+
+    def remember(self, node, counts: torch.Tensor, splits: ExpertSplits) -> None:
+        self._drop_dead()
+        self.entries.append((weakref.ref(node), counts, splits))
+
+    def take(self, counts: torch.Tensor) -> ExpertSplits | None:
+        """In a recompute: the splits of the forward it recomputes (None if there is none)."""
+        self._drop_dead()
+        if not self.entries:
+            return None
+        _, remembered, splits = self.entries.popleft()
+        torch._assert_async((remembered == counts).all(), "expert parallel: a recompute routed differently "
+                            "from its forward (backward out of forward order?)")
+        return splits
+
+    def _drop_dead(self) -> None:
+        while self.entries and self.entries[0][0]() is None:
+            self.entries.popleft()
+
+
+def in_recompute() -> bool:
+    """A forward that runs inside a backward pass: activation checkpointing recomputing a block."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class ExpertParallelExperts(nn.Module):
     """GroupedExperts sharded over the expert dimension: the expert rank r holds experts
     [r * E / ep, (r + 1) * E / ep) and exchanges tokens with the other expert ranks.
@@ -349,6 +426,11 @@ class ExpertParallelExperts(nn.Module):
     the rank that owns it (all-to-all: counts first, then rows), run the grouped GEMM on the local
     experts, send the results back the same way, weight them and add them to their tokens.
     Autograd runs through both all-to-alls. Parameter names match GroupedExperts.
+
+    Host syncs: the all-to-all needs its split sizes on the host, so each forward copies them from
+    the device once (both directions in one copy); a recompute reuses them (SplitsForRecompute).
+    Under forced balance (`balanced`, see set_balanced_routing) they follow from the shapes and
+    nothing is read from the device.
     """
 
     def __init__(self, experts: GroupedExperts, group, num_experts: int):
@@ -357,29 +439,78 @@ class ExpertParallelExperts(nn.Module):
             raise ValueError(f"expert parallelism needs experts_backend 'grouped', got {experts.backend!r}")
         self.group, self.num_experts = group, num_experts
         self.group_align = experts.group_align
+        self.balanced = False
+        self.recompute_splits = SplitsForRecompute()
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights/indices [N, k] -> [N, H]."""
-        import torch.distributed as dist
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
-        ep = dist.get_world_size(self.group)
         gate_up, down = _local_shard(self.gate_up_proj), _local_shard(self.down_proj)
         local_experts = gate_up.shape[0]
         flat = indices.flatten()  # [N*k]
         order = torch.argsort(flat, stable=True)  # assignments sorted by expert, so by owning rank
         inverse = inverse_permutation(order)
-        counts = expert_counts(flat, self.num_experts)  # [E] rows this rank sends
-        received_counts = torch.empty_like(counts)  # [ep * El]: rows from source s for local expert j
-        dist.all_to_all_single(received_counts, counts, group=self.group)
-        send_splits = counts.view(ep, local_experts).sum(1).tolist()  # host sync: split sizes
-        receive_splits = received_counts.view(ep, local_experts).sum(1).tolist()
-        # [N*k, H] -> [R, H], ordered by source rank, then local expert
-        received = all_to_all_single_autograd(dispatch(x, order, inverse), receive_splits, send_splits, self.group)
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(local_experts, device=x.device).repeat(ep), received_counts)
+        rows = dispatch(x, order, inverse)  # [N*k, H]
+        received, expert_of_row, splits = self.send_rows(rows, flat, local_experts)  # [R, H], [R]
         align = self.group_align or group_alignment(x.device)
         out = local_experts_forward(received, expert_of_row, gate_up, down, align)
-        returned = all_to_all_single_autograd(out, send_splits, receive_splits, self.group)  # [N*k, H]
-        return combine(returned, order, inverse, weights).to(x.dtype)
+        return combine(self.return_rows(out, splits), order, inverse, weights).to(x.dtype)
+
+    # Compiled, each of the two exchanges is a graph break of its own (eager code between graphs):
+    # host values, the recompute's bookkeeping, and rows whose count changes with the routing, which
+    # the next graph takes as a dynamic size from the start (maybe_mark_dynamic) instead of recompiling.
+
+    @torch.compiler.disable
+    def send_rows(self, rows: torch.Tensor, flat: torch.Tensor,
+                  local_experts: int) -> tuple[torch.Tensor, torch.Tensor, ExpertSplits]:
+        """rows [N*k, H] in expert order, their experts flat [N*k] -> the rows this rank's experts
+        receive [R, H] (ordered by source rank, then local expert), each one's local expert [R], splits."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        splits = self.exchange_counts(flat, local_experts, rows)
+        received = all_to_all_single_autograd(rows, splits.receive, splits.send, self.group)
+        ep = len(splits.send)
+        expert_of_row = torch.repeat_interleave(torch.arange(local_experts, device=rows.device).repeat(ep),
+                                                splits.received_counts, output_size=received.shape[0])
+        for tensor in (received, expert_of_row):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        return received, expert_of_row, splits
+
+    @torch.compiler.disable
+    def return_rows(self, out: torch.Tensor, splits: ExpertSplits) -> torch.Tensor:
+        """The experts' outputs [R, H] back to the ranks that sent the rows -> [N*k, H] in expert order."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        return all_to_all_single_autograd(out, splits.send, splits.receive, self.group)
+
+    def exchange_counts(self, flat: torch.Tensor, local_experts: int, rows: torch.Tensor) -> ExpertSplits:
+        """How many rows go to and come from each expert rank, for expert ids flat [N*k]. rows: the
+        dispatched rows, whose autograd node a remembered entry lives as long as."""
+        import torch.distributed as dist
+
+        ep = dist.get_world_size(self.group)
+        if self.balanced:
+            return balanced_splits(flat.numel(), self.num_experts, ep, dist.get_rank(self.group), flat.device)
+        counts = expert_counts(flat, self.num_experts)  # [E] rows this rank sends
+        recomputing = in_recompute()
+        remembered = self.recompute_splits.take(counts) if recomputing else None
+        if remembered is not None:
+            return remembered
+        received_counts = torch.empty_like(counts)  # [ep * El]
+        dist.all_to_all_single(received_counts, counts, group=self.group)
+        per_rank = torch.stack([counts.view(ep, local_experts).sum(1), received_counts.view(ep, local_experts).sum(1)])
+        send, receive = per_rank.tolist()  # [2, ep]: the layer's one device-to-host copy
+        splits = ExpertSplits(received_counts, send, receive)
+        if rows.grad_fn is not None and not recomputing:
+            self.recompute_splits.remember(rows.grad_fn, counts, splits)
+        return splits
+
+
+def balanced_splits(rows: int, num_experts: int, ep: int, rank: int, device: torch.device) -> ExpertSplits:
+    """The splits of forced-balance routing (balanced_choices) from the shapes alone: every expert
+    rank routes the same `rows` assignments (equal micro-batches), expert e gets balanced_counts."""
+    counts = balanced_counts(rows, num_experts)
+    local = num_experts // ep
+    per_rank = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
+    mine = torch.arange(rank * local, (rank + 1) * local, device=device)
+    received_counts = (rows // num_experts + (mine < rows % num_experts).long()).repeat(ep)  # [ep * El], no copy
+    return ExpertSplits(received_counts, per_rank, [per_rank[rank]] * ep)
+

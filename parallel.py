@@ -35,6 +35,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleD
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from context_parallel import ContextParallel
+from decoder import HEAD_PRECISIONS
 from models import ModelConfig
 from moe import ExpertParallelExperts, MoE
 
@@ -89,6 +90,7 @@ class ParallelConfig:
     reshard_after_forward: bool | None = None  # None: True, but False for pipeline stages
     offload: bool = False  # FSDP2's CPU offload: sharded weights, gradients and AdamW states in host memory
     backend: str = "auto"  # process group: auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
+    head_precision: str = "tf32"  # the FP32 head's matmuls on GPUs: tf32 | bf16x3 | bf16 | float32 (decoder.py)
 
     @classmethod
     def from_dict(cls, section: dict, where: str = "[parallel]") -> "ParallelConfig":
@@ -142,7 +144,8 @@ class ParallelConfig:
         if num_experts is not None and num_experts % self.ep:
             raise LayoutError("ep", f"{where} ep = {self.ep} must divide the model's num_experts = {num_experts}")
         for key, allowed in (("pp_schedule", list(SCHEDULES)), ("activation_checkpointing", list(AC_MODES)),
-                             ("backend", ["auto", "nccl", "gloo"]), ("param_dtype", ["auto", *DTYPES])):
+                             ("backend", ["auto", "nccl", "gloo"]), ("param_dtype", ["auto", *DTYPES]),
+                             ("head_precision", list(HEAD_PRECISIONS))):
             if getattr(self, key) not in allowed:
                 raise LayoutError(key, f"{where} {key} must be one of {allowed}, got {getattr(self, key)!r}")
         if seq_len is not None and self.cp > 1 and seq_len % (2 * self.cp):
@@ -389,6 +392,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
     param_dtype = cfg.compute_dtype(mesh.device_type)
     fsdp = mesh["dp_cp"].size() > 1 or param_dtype != torch.float32 or cfg.offload
     for part in parts:
+        if part.lm_head is not None:  # None on pipeline stages other than the last
+            part.lm_head.precision = cfg.head_precision  # on GPUs only: the CPU's head stays FP32
         if mesh["cp"].size() > 1:
             part.context = ContextParallel(mesh["cp"].get_group())
         if cfg.ep > 1:

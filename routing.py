@@ -35,9 +35,11 @@ class RoutingMonitor:
         self.moe_layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
         self.counts = torch.zeros(config.num_hidden_layers, config.num_experts, device=device)  # [layers, E]
         self.idle = torch.zeros_like(self.counts, dtype=torch.long)  # steps in a row without a token
+        self.idle_since = torch.zeros_like(self.idle)  # step a streak reached idle_steps, not yet reported (0: none)
 
     def after_step(self, step: int) -> None:
-        """Gather this step's counts, update the idle streaks (warning once) and the biases."""
+        """Gather this step's counts, update the idle streaks and the biases: all on the device (no
+        host sync); a streak that reaches idle_steps is noted with its step and reported by `stats`."""
         if not self.moe_layers:
             return
         self.counts.zero_()
@@ -46,25 +48,34 @@ class RoutingMonitor:
         if dist.is_initialized():
             dist.all_reduce(self.counts)  # over data-parallel ranks, and the stages that hold each layer
         self.idle = torch.where(self.counts == 0, self.idle + 1, 0)
-        if self.idle_steps and bool((self.idle == self.idle_steps).any()):
-            self.warn_idle(step)
+        if self.idle_steps:  # the step at which each streak reached idle_steps, until reported
+            reached = (self.idle == self.idle_steps) & (self.idle_since == 0)
+            self.idle_since = torch.where(reached, step, self.idle_since)
         rate = self.config.router_bias_update_rate
         if rate > 0:
             update_selection_bias(self.routers, self.counts, rate)
 
-    def warn_idle(self, step: int) -> None:
+    def warn_idle(self) -> None:
+        """One warning per idle streak noted since the last report, with the step it reached idle_steps."""
+        since = self.idle_since.tolist()
+        self.idle_since.zero_()
         for layer in self.moe_layers:
-            experts = (self.idle[layer] == self.idle_steps).nonzero().flatten().tolist()
-            if experts and self.is_main:
-                print(f"WARNING: step {step}: layer {layer}: expert(s) {', '.join(map(str, experts))} "
-                                f"received no tokens for {self.idle_steps} steps in a row (routing collapse: "
-                                f"see the README's Load balancing)", file=sys.stderr, flush=True)
+            for step in sorted({s for s in since[layer] if s}):
+                experts = [e for e, s in enumerate(since[layer]) if s == step]
+                if self.is_main:
+                    print(f"WARNING: step {step}: layer {layer}: expert(s) {', '.join(map(str, experts))} "
+                          f"received no tokens for {self.idle_steps} steps in a row (routing collapse: "
+                          f"see the README's Load balancing)", file=sys.stderr, flush=True)
 
     def stats(self) -> dict[str, dict]:
-        """Per MoE layer (by index): the busiest and idlest expert's load over the mean load, and the
-        token count of every expert, so that a collapse shows in the record before it is complete."""
+        """At logged steps (the only time the monitor reads the device): the idle-expert warnings
+        since the last call, then per MoE layer (by index) the busiest and idlest expert's load over
+        the mean load, and the token count of every expert, so that a collapse shows in the record
+        before it is complete."""
         if not self.moe_layers:
             return {}
+        if self.idle_steps:
+            self.warn_idle()
         counts = self.counts[self.moe_layers]  # [moe layers, E]
         load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1e-9)
         return {str(layer): {"max_load": round(hi, 3), "min_load": round(lo, 3), "tokens": tokens}

@@ -42,8 +42,10 @@ from checkpoint_files import is_native_checkpoint, load_dcp
 from config import (ConfigError, OptimSection, TrainConfig, TrainingSection, help_text, load_config,
                     resolved_summary, resolved_toml)
 from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
+from decoder import token_ids_checked_at_load
 from metrics import MetricsLogger
 from models import config_from_hf, model_class
+from moe import set_balanced_routing
 from muon import Muon, takes_muon
 from parallel import ParallelModel, Run, barrier, build_mesh, init_distributed, init_weights, parallelize, uncompile
 from routing import RoutingMonitor
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         with Checkpointer(cfg, run) as checkpoints:  # locks checkpoint.dir: one run per directory
             tokenizer, train_data, val_data = setup_data(cfg, run)
             model = load_model(cfg, run)
+            set_balanced_routing(model.module, cfg.training.force_balanced_routing)
             if cfg.parallel.compile:
                 check_compiled(model, train_data.peek(), run, cfg.parallel.compile_fallback)
             optimizer = build_optimizer(model.module, cfg.optim)
@@ -76,11 +79,11 @@ def main(argv: list[str] | None = None) -> dict:
                 while step < cfg.training.steps:
                     step += 1
                     lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.training.steps))
-                    loss, grad_norm = train_step(model, optimizer, train_data, cfg, run, step, checkpoints)
-                    routing.after_step(step)  # expert loads, idle-expert warnings, the selection bias
+                    loss, grad_norm, stop = train_step(model, optimizer, train_data, cfg, run, routing, interruption,
+                                                       step, checkpoints)
                     if due(step, cfg.logging.every, cfg.training.steps) or step == logger.first_step:
                         logger.log_train(step, loss, lr, grad_norm, routing.stats())
-                    stopping = interruption.requested()
+                    stopping = interruption.requested(stop)
                     with logger.untimed():  # tokens/s counts training only
                         if val_data and due(step, cfg.training.eval_every, cfg.training.steps):
                             logger.log_eval(step, evaluate(model, val_data, cfg, run))
@@ -386,7 +389,7 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
 class Interruption:
     """Ctrl-C (SIGINT) or SIGTERM while training: the step in progress finishes, a checkpoint is
     saved and the run stops; a second signal stops at once, without saving. Every rank stops at the
-    same step: `requested` is the OR over the ranks."""
+    same step: train_step sums each rank's `flag` over the ranks, in the step's one copy."""
 
     def __init__(self, run: Run):
         self.run, self.name, self.previous = run, None, {}
@@ -410,11 +413,16 @@ class Interruption:
         print(f"\n{self.name}: saving a checkpoint after this step, then stopping (send it again to stop at once, "
               f"without saving)", file=sys.stderr, flush=True)
 
-    def requested(self) -> bool:
-        flag = torch.tensor(float(self.name is not None), device=self.run.device)
-        if self.run.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag)
+    def flag(self, device: torch.device) -> torch.Tensor:
+        """[1]: 1 when this rank was asked to stop, else 0; train_step sums it over the ranks in the
+        step's all-reduce (a fill on the device: no copy)."""
+        return torch.full((1,), float(self.name is not None), device=device)
+
+    def requested(self, shared: bool) -> bool:
+        """shared: whether a rank had been asked to stop when the step read the flags (train_step).
+        A single process needs no agreement: a signal since then counts too. Several processes stop
+        at the step where they agree, the next one at the latest."""
+        return shared or (self.run.world_size == 1 and self.name is not None)
 
 
 # A loss above this many times that of a uniform guess, ln(vocab_size), means the run diverged: a
@@ -428,30 +436,51 @@ EXPLODED = 2.0
 
 
 def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: PackedLoader, cfg: TrainConfig,
-               run: Run, step: int, checkpoints: "Checkpointer") -> tuple[float, float]:
-    """One optimizer step over grad_accum micro-batches -> (mean loss per target token, grad norm).
+               run: Run, routing: RoutingMonitor, interruption: Interruption, step: int,
+               checkpoints: "Checkpointer") -> tuple[float, float, bool]:
+    """One optimizer step over grad_accum micro-batches -> (mean loss per target token, grad norm,
+    whether any rank was asked to stop).
 
     Every target token weighs the same, whichever micro-batch or rank holds it: each micro-batch
     is weighted by its tokens over those of the whole step (see parallel.ParallelModel).
+
+    The host waits for the device once per step: what the step's checks need (loss, grad norm, the
+    weights' norm before and after the update, the stop request) comes back in one copy, after the
+    update. A diverged step has then updated the weights in memory, never on disk: its error stops
+    the run before anything is saved. The batches' token ids were checked by data.py at load.
     """
     batches = [{k: v.to(run.device) for k, v in data.next_batch().items()} for _ in range(cfg.training.grad_accum)]
     num_tokens = model.global_tokens(torch.stack([b["targets"] for b in batches]))
-    loss = sum(model.forward_backward(**batch, num_tokens=num_tokens) for batch in batches)
+    with token_ids_checked_at_load():
+        loss = sum(model.forward_backward(**batch, num_tokens=num_tokens) for batch in batches)
     grad_norm = model.clip_grad_norm_(cfg.optim.grad_clip or float("inf"))
-    loss, grad_norm = torch.stack([loss.float(), grad_norm.to(loss.device)]).tolist()  # one copy to the host
-    uniform = math.log(model.config.vocab_size)  # the loss of a model that predicts nothing
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)) or loss > DIVERGED * uniform:
-        optimizer.zero_grad(set_to_none=True)
-        latest = checkpoints.latest()
-        raise TrainingError(f"step {step}: the training loss is {loss} (a uniform guess scores {uniform:.2f}) and "
-                            f"the gradient norm {grad_norm}: the run diverged; stopped before updating the weights. "
-                            f"The last good checkpoint is {latest or 'none (none was saved yet)'}; try a lower "
-                            f"optim.lr or more warmup")
     before = weight_squares(model)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    check_update(torch.stack([before, weight_squares(model)]).to(model.collective_device), step, cfg, checkpoints)
-    return loss, grad_norm
+    routing.after_step(step)  # expert loads, idle streaks, the selection bias: on the device
+    squares = torch.stack([before, weight_squares(model)]).to(model.collective_device)
+    shared = torch.cat([squares, interruption.flag(squares.device)])  # [before^2, after^2, stop requests]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(shared)  # squares: replicas counted on each rank that holds them, the same way every step
+    norms = torch.cat([shared[:2].sqrt(), shared[2:]])
+    checked = torch.cat([torch.stack([loss.float(), grad_norm.float()]).to(norms.device), norms])
+    loss, grad_norm, before, after, stop = checked.tolist()  # the step's one copy to the host
+    check_loss(loss, grad_norm, step, model, checkpoints)
+    check_update(before, after, step, cfg, checkpoints)
+    return loss, grad_norm, stop > 0
+
+
+def check_loss(loss: float, grad_norm: float, step: int, model: ParallelModel, checkpoints: "Checkpointer") -> None:
+    """Stops the run, before anything is saved, on a non-finite loss or gradient norm, or a loss far
+    above a uniform guess's."""
+    uniform = math.log(model.config.vocab_size)  # the loss of a model that predicts nothing
+    if math.isfinite(loss) and math.isfinite(grad_norm) and loss <= DIVERGED * uniform:
+        return
+    latest = checkpoints.latest()
+    raise TrainingError(f"step {step}: the training loss is {loss} (a uniform guess scores {uniform:.2f}) and "
+                        f"the gradient norm {grad_norm}: the run diverged; nothing of this step is saved. "
+                        f"The last good checkpoint is {latest or 'none (none was saved yet)'}; try a lower "
+                        f"optim.lr or more warmup")
 
 
 def weight_squares(model: ParallelModel) -> torch.Tensor:
@@ -463,14 +492,9 @@ def weight_squares(model: ParallelModel) -> torch.Tensor:
     return squares
 
 
-def check_update(squares: torch.Tensor, step: int, cfg: TrainConfig, checkpoints: "Checkpointer") -> None:
+def check_update(before: float, after: float, step: int, cfg: TrainConfig, checkpoints: "Checkpointer") -> None:
     """Stops the run, before anything is saved, when the update made the weights non-finite or blew
-    them up. squares: [before, after] of this rank; summed over the ranks (replicas counted on each
-    rank that holds them, the same way every step, which is all a comparison needs) in one
-    all-reduce, read in one copy to the host."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(squares)
-    before, after = squares.sqrt().tolist()
+    them up. before, after: the norm of all the weights (summed over the ranks) around the update."""
     if math.isfinite(after) and after <= EXPLODED * before:
         return
     latest = checkpoints.latest()
@@ -486,7 +510,8 @@ def evaluate(model: ParallelModel, data: PackedLoader, cfg: TrainConfig, run: Ru
     count = min(cfg.training.eval_batches, data.rows_per_epoch // (run.dp_size * cfg.training.batch_size))
     batches = [{k: v.to(run.device) for k, v in data.next_batch().items()} for _ in range(count)]
     num_tokens = model.global_tokens(torch.stack([b["targets"] for b in batches]))
-    return sum(model.loss(**batch, num_tokens=num_tokens) for batch in batches).item()
+    with token_ids_checked_at_load():
+        return sum(model.loss(**batch, num_tokens=num_tokens) for batch in batches).item()
 
 
 # Rank 0 loads the final model on the CPU in FP32 for the sample only up to this size (4 GB).

@@ -67,3 +67,80 @@ def test_sampling_refuses_temperatures_that_make_nan_probabilities(temperature):
         check_sampling(temperature, None)
     check_sampling(0, None)
     check_sampling(0.8, 5)
+
+
+def small_head_case(generator_seed: int = 0):
+    generator = torch.Generator().manual_seed(generator_seed)
+    h = torch.randn(19, 24, generator=generator)
+    weight = torch.randn(50, 24, generator=generator) * 0.5
+    targets = torch.randint(0, 50, (19,), generator=generator)
+    return h, weight, targets
+
+
+def test_the_cpu_head_computes_fp32_at_every_gpu_precision():
+    """[parallel].head_precision applies on CUDA only: on the CPU every setting is the FP32 head, bit for bit."""
+    from decoder import HEAD_PRECISIONS
+    h, weight, targets = small_head_case()
+    results = []
+    for precision in HEAD_PRECISIONS:
+        head = Head(24, 50, chunk_size=8)
+        head.precision = precision
+        with torch.no_grad():
+            head.weight.copy_(weight)
+        x = h.clone().requires_grad_()
+        loss = head(x[None], targets[None])
+        loss.backward()
+        results.append((loss.detach(), x.grad, head.weight.grad))
+    for result in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(result, results[0]))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16x3"])
+def test_the_bf16_head_products_are_the_emulated_ones(precision, assert_close_to_scale):
+    """The fused loss at a BF16 precision (on the CPU, the same exact products through FP32 copies)
+    equals profiling's emulation of it (operands rounded by hand, plain log-softmax), and differs
+    from FP32 by about what that emulation says."""
+    from decoder import LinearCrossEntropy
+    from profiling import emulated_mm, head_loss_and_grads
+    h, weight, targets = small_head_case()
+    x, w = h.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = LinearCrossEntropy.apply(x, w, targets, 8, None, precision) / len(targets)
+    loss.backward()
+    expected = head_loss_and_grads(h, weight, targets, lambda a, b: emulated_mm(a, b, precision))
+    fp32 = head_loss_and_grads(h, weight, targets, torch.mm)
+    torch.testing.assert_close(loss.detach(), expected[0], rtol=1e-6, atol=1e-6)
+    assert_close_to_scale(x.grad, expected[1], 1e-5, "input gradient")
+    assert_close_to_scale(w.grad, expected[2], 1e-5, "weight gradient")
+    assert (w.grad - fp32[2]).abs().max() > 10 * (w.grad - expected[2]).abs().max()  # the rounding is there
+
+
+def test_token_ids_are_checked_unless_data_checked_them_at_load():
+    from decoder import token_ids_checked_at_load
+    model = build_model(FlintConfig.from_name("tiny", num_hidden_layers=2))
+    ids = torch.tensor([[1, 2, 300]])  # 300 is outside the tiny vocabulary of 256
+    with pytest.raises(ValueError, match="input_ids holds token id 300, outside the vocabulary"):
+        model(ids)
+    with token_ids_checked_at_load():
+        with pytest.raises(IndexError):  # no check: the embedding's own error
+            model(ids)
+    with pytest.raises(ValueError, match="input_ids holds token id 300"):
+        model(ids)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16x3"])
+def test_the_gpu_precisions_compile_to_one_graph(precision):
+    """The fused loss at each GPU precision traces whole (the TF32 product as its opaque operator),
+    equal to eager. On the CPU the TF32 operator computes FP32: this checks the tracing, not TF32."""
+    from decoder import LinearCrossEntropy
+    h, weight, targets = small_head_case()
+
+    def loss(x, w):
+        return LinearCrossEntropy.apply(x, w, targets, 10, None, precision)  # two chunks
+
+    results = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        x, w = h.clone().requires_grad_(), weight.clone().requires_grad_()
+        value = fn(x, w)
+        results.append((value, *torch.autograd.grad(value, [x, w])))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)

@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-from moe import MoE, sort_by_expert
+from moe import ExpertParallelExperts, GroupedExperts, MoE, balanced_counts, set_balanced_routing, sort_by_expert
 from reference import reference_moe
 
 HIDDEN, INTER, SHARED, EXPERTS, TOP_K = 16, 8, 12, 6, 2
@@ -112,3 +114,122 @@ def test_router_statistics_count_tokens():
     counts = moe.router.tokens_per_expert
     assert counts.sum().item() == 4 * 7 * TOP_K
     assert moe.router.weight.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- forced balance, expert parallel
+
+def balanced_reference(x, router_w, gate_up, down, top_k, norm_topk_prob):
+    """Forced balance by hand: the j-th choice of token n is expert (n * k + j) mod E, weighed by
+    its sigmoid score (renormalised over the token's choices)."""
+    num_experts, im = router_w.shape[0], down.shape[1]
+    rows = []
+    for n in range(x.shape[0]):
+        experts = [(n * top_k + j) % num_experts for j in range(top_k)]
+        scores = [torch.sigmoid(x[n] @ router_w[e]) for e in experts]
+        total = sum(scores) if norm_topk_prob else 1.0
+        y = torch.zeros(x.shape[1])
+        for e, score in zip(experts, scores):
+            hidden = F.silu(x[n] @ gate_up[e, :, :im]) * (x[n] @ gate_up[e, :, im:])
+            y = y + score / total * (hidden @ down[e])
+        rows.append(y)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_forced_balance_routes_round_robin_by_the_real_scores(norm_topk_prob, assert_close_to_scale):
+    moe = make_moe(norm_topk_prob=norm_topk_prob)
+    set_balanced_routing(moe, True)
+    x = routing_cases()["random"].reshape(-1, HIDDEN)  # 18 tokens x 2 choices over 6 experts: 6 each
+    y, dx, grads = run(moe, x)
+    assert moe.router.tokens_per_expert.tolist() == [6] * EXPERTS == balanced_counts(18 * TOP_K, EXPERTS)
+    reference = make_moe(norm_topk_prob=norm_topk_prob)
+    params = dict(reference.named_parameters())
+    x_ref = x.clone().requires_grad_()
+    expected = balanced_reference(x_ref, params["router.weight"], params["experts.gate_up_proj"],
+                                  params["experts.down_proj"], TOP_K, norm_topk_prob) + reference.shared_expert(x_ref)
+    expected.backward(torch.ones_like(expected) + torch.arange(expected.numel()).view_as(expected) * 1e-3)
+    torch.testing.assert_close(y, expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx, x_ref.grad, rtol=1e-5, atol=1e-6)
+    for name, param in params.items():
+        assert_close_to_scale(grads[name], param.grad, 1e-5, name)  # FP32 sums in another order
+    assert grads["router.weight"].abs().max() > 0  # the router still learns
+    assert balanced_counts(7, 3) == [3, 2, 2]
+
+
+def expert_parallel_moe(rank: int, ep: int, norm_topk_prob: bool = True) -> MoE:
+    """make_moe's layer with its experts sharded: this rank holds E / ep of them."""
+    moe, local = make_moe(norm_topk_prob=norm_topk_prob), EXPERTS // ep
+    experts = GroupedExperts(HIDDEN, INTER, local)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(moe.experts.gate_up_proj[rank * local:(rank + 1) * local])
+        experts.down_proj.copy_(moe.experts.down_proj[rank * local:(rank + 1) * local])
+    moe.experts = ExpertParallelExperts(experts, dist.group.WORLD, EXPERTS)
+    return moe
+
+
+def test_forced_balance_reads_nothing_from_the_device_under_expert_parallelism():
+    """On fake tensors over a fake world of 2, where any host read of a device value raises: the
+    forward and backward of an expert-parallel layer pass under forced balance, and fail without."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with FakeTensorMode():
+            moe = expert_parallel_moe(rank=0, ep=2)
+            x = torch.randn(2, 9, HIDDEN, requires_grad=True)
+            set_balanced_routing(moe, True)
+            moe(x).sum().backward()
+            assert moe.experts.gate_up_proj.grad.shape == (EXPERTS // 2, HIDDEN, 2 * INTER)
+            set_balanced_routing(moe, False)
+            with pytest.raises(DataDependentOutputException):
+                moe(x)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_forced_balance_on_two_ranks(norm_topk_prob: bool) -> None:
+    rank = dist.get_rank()
+    inputs = [torch.randn(2, 9, HIDDEN, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    references = [make_moe(norm_topk_prob=norm_topk_prob) for _ in inputs]
+    expected = []
+    for reference, x in zip(references, inputs):
+        set_balanced_routing(reference, True)
+        expected.append(run(reference, x))
+    moe = expert_parallel_moe(rank, ep=2, norm_topk_prob=norm_topk_prob)
+    set_balanced_routing(moe, True)
+    y, dx, grads = run(moe, inputs[rank])
+    y_ref, dx_ref, grads_ref = expected[rank]
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-6)
+    mine = slice(rank * EXPERTS // 2, (rank + 1) * EXPERTS // 2)
+    for name, grad in grads.items():  # the experts' gradients gather both ranks' tokens
+        want = sum(g[name][mine] for _, _, g in expected) if name.startswith("experts.") else grads_ref[name]
+        torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def check_compiled_routing_changes_without_recompiling() -> None:
+    """Compiled (dynamo only), the layer's graphs after its first call serve every later routing:
+    the exchanged rows' count is dynamic from the start, the split sizes are never guarded on."""
+    rank, counters = dist.get_rank(), torch._dynamo.utils.counters
+    eager, compiled = expert_parallel_moe(rank, ep=2), expert_parallel_moe(rank, ep=2)
+    compiled.compile(backend="eager")
+    loads, graphs = [], []
+    for seed in range(3):
+        x = torch.randn(2, 9, HIDDEN, generator=torch.Generator().manual_seed(10 * seed + rank))
+        want, got = run(eager, x), run(compiled, x)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+        loads.append(compiled.router.tokens_per_expert.tolist())
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert len({tuple(load) for load in loads}) == 3, loads  # the splits did change
+    assert graphs[0] == graphs[-1], graphs
+
+
+def check_expert_parallel_on_two_ranks() -> None:
+    check_forced_balance_on_two_ranks(norm_topk_prob=True)
+    check_compiled_routing_changes_without_recompiling()
+
+
+def test_expert_parallel_forced_balance_equals_one_process_and_compiles_once():
+    from test_parallel import spawn
+    spawn(2, check_expert_parallel_on_two_ranks)

@@ -28,20 +28,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 slow = pytest.mark.skipif(os.environ.get("FLINT_SLOW") != "1", reason="multi-process Large 4 runs: FLINT_SLOW=1")
 
 
-def _torchrun_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
-    """What torchrun does for one process: the environment, then train.py's main."""
+def _torchrun_worker(rank: int, world: int, port: int, argv: list[str], fn=None) -> None:
+    """What torchrun does for one process: the environment, then train.py's main (or fn) on argv."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    train.main(argv)
+    (fn or train.main)(argv)
 
 
-def run_two_processes(argv: list[str]) -> None:
-    """train.main(argv) in 2 processes, as `torchrun --nproc-per-node 2` would start it."""
+def run_two_processes(argv: list[str], fn=None) -> None:
+    """train.main(argv), or fn(argv), in 2 processes, as `torchrun --nproc-per-node 2` would start it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_torchrun_worker, args=(2, port, argv), nprocs=2)
+    mp.spawn(_torchrun_worker, args=(2, port, argv, fn), nprocs=2)
 
 
 def run_debug_two_processes(tmp_path: Path, *overrides: str) -> None:
@@ -411,3 +411,47 @@ def test_large4_trains_with_the_selection_bias_and_never_exports_it(tmp_path):
         train.main(large4_args(tmp_path / "export", bias, f"--checkpoint.export_hf={tmp_path / 'hf'}"))
     with pytest.raises(ValueError, match=r"per-expert selection bias .* the published format has no place for"):
         convert.export_published(convert.NativeDir(step4), model.config, tmp_path / "hf")
+
+
+# ----------------------------------------------------------------------------- host syncs of a step
+
+def step_host_syncs(argv: list[str]) -> list[str]:
+    """What train_step copies to the host in step 2 (not a logged step) of train.py's run of argv:
+    main's setup, step 1, then step 2 under profiling.HostSyncs (see there what counts)."""
+    from checkpoint import Checkpointer
+    from profiling import HostSyncs
+    from routing import RoutingMonitor
+    cfg = train.parse_args(argv)
+    run = train.start_run(cfg)
+    try:
+        with Checkpointer(cfg, run) as checkpoints, train.Interruption(run) as interruption:
+            _, data, _ = train.setup_data(cfg, run)
+            model = train.load_model(cfg, run)
+            optimizer = train.build_optimizer(model.module, cfg.optim)
+            routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps)
+            step = (model, optimizer, data, cfg, run)
+            train.train_step(*step, routing, interruption, 1, checkpoints)
+            with HostSyncs() as syncs:
+                train.train_step(*step, routing, interruption, 2, checkpoints)
+    finally:
+        torch.distributed.destroy_process_group()
+    return syncs.reads
+
+
+def test_a_step_copies_to_the_host_once(tmp_path):
+    """No sync per micro-batch (the batches' token ids were checked at load): loss, grad norm, the
+    update check and the stop request come back in one copy."""
+    assert step_host_syncs(debug_args(tmp_path, "--training.grad_accum=2")) == ["tolist"]
+
+
+def check_expert_parallel_step_syncs(argv: list[str]) -> None:
+    reads = step_host_syncs(argv)
+    # The step's copy, then one per MoE layer (2) per micro-batch (2): none in the recompute, none
+    # for repeat_interleave (given its output size).
+    assert reads == ["tolist"] * (1 + 2 * 2), reads
+
+
+def test_an_expert_parallel_step_copies_once_per_moe_layer_and_micro_batch(tmp_path):
+    run_two_processes(debug_args(tmp_path, "--parallel.ep=2", "--parallel.dp_shard=1", "--training.grad_accum=2",
+                                 "--parallel.activation_checkpointing=full", "--data.seq_len=16",
+                                 "--training.batch_size=2"), check_expert_parallel_step_syncs)
