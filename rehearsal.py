@@ -18,8 +18,9 @@ fake world of the job's size, and says what would fail before any GPU hour is sp
 
 What a rehearsal cannot show: values (no loss, no NaN), speed, and anything a fake world hides (a
 collective's timeout, a hang). What it treats differently, printed as such:
-- Routing is forced to be balanced (moe.py's forced balance): with no values, a router cannot choose,
-  and expert-parallel split sizes must be known on the host.
+- Routing is forced to be balanced ([training] force_balanced_routing, moe.py): with no values a router
+  cannot choose, and expert-parallel split sizes must be known on the host. Every expert gets the same
+  rows, as in published MoE throughput tables; a real router's imbalance needs more memory.
 - Block masks are built without document boundaries (they cannot be built on fake tensors; the masks'
   memory is that of their block counts, the same either way) and the data's tokens are not read.
 - torch.compile is not rehearsed: dynamo refuses to trace under the memory tracker's dispatch mode. The
@@ -32,9 +33,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import traceback
 import weakref
 from collections import Counter
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 from unittest import mock
 
@@ -52,8 +55,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import attention
 import train
 from config import ConfigError, TrainConfig
+from decoder import token_ids_checked_at_load
 from devices import targeting
 from memory import memory_per_gpu
+from moe import set_balanced_routing
 from parallel import MESH_DIMS, Run, build_mesh
 
 GIB = 2 ** 30
@@ -199,7 +204,8 @@ def gpu_config(cfg: TrainConfig) -> TrainConfig:
     docstring), balanced routing."""
     parallel = dataclasses.replace(cfg.parallel, compile=False,
                                    param_dtype=str(cfg.parallel.compute_dtype("cuda")).removeprefix("torch."))
-    return dataclasses.replace(cfg, parallel=parallel)
+    training = dataclasses.replace(cfg.training, force_balanced_routing=True)
+    return dataclasses.replace(cfg, parallel=parallel, training=training)
 
 
 # ============================================================================= the rehearsal
@@ -220,6 +226,7 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
         batches = rehearsal_batches(job, run, say)
         prebuild_block_masks(job)
         model = train.build_model(job, run)  # on meta
+        set_balanced_routing(model.module, job.training.force_balanced_routing)
         tracker = PeakMemory()
         with FakeTensorMode(allow_non_fake_inputs=True), tracker.watching():
             for part in model.parts:
@@ -227,19 +234,26 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
             optimizer = train.build_optimizer(model.module, job.optim)
             say(f"model: {job.model_config.num_hidden_layers} layers laid out ({len(model.parts)} stage(s) here), "
                 f"{str(job.parallel.compute_dtype('cuda'))[6:]} compute, weights {tracker.now / GIB:.1f} GiB")
-            check_fits(job, world, rank, gpu, tracker, "its FP32 weights alone")
+            check_fits(job, world, rank, gpu, tracker, "for its FP32 weights alone")
             for step in range(1, steps + 1):
                 try:
                     fake_step(model, optimizer, batches(), job, tracker)
                 except (RuntimeError, ValueError, TypeError, IndexError) as error:
                     first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
                     raise RehearsalError(f"{job.source}: rank {rank} of {world} fails at step {step}, in the "
-                                         f"{tracker.phase}, as the GPU job would: {type(error).__name__}: "
-                                         f"{first_line}") from error
+                                         f"{tracker.phase} ({where_in_repository(error)}), as the GPU job would: "
+                                         f"{type(error).__name__}: {first_line}") from error
                 say(f"step {step}: forward, backward, clipping and {job.optim.name} passed")
             checkpoint_bytes = state_dict_bytes(model, optimizer)
             say(f"checkpoint: this rank's state dicts hold {checkpoint_bytes / GIB:.1f} GiB (model and optimizer)")
     return report(job, world, rank, gpu, tracker, say)
+
+
+def where_in_repository(error: BaseException) -> str:
+    """The innermost line of this repository's code that the error passed through: file:line (function)."""
+    ours = [frame for frame in traceback.extract_tb(error.__traceback__)
+            if Path(frame.filename).parent == Path(__file__).parent and Path(frame.filename) != Path(__file__)]
+    return f"{Path(ours[-1].filename).name}:{ours[-1].lineno}, {ours[-1].name}" if ours else "in torch"
 
 
 class Phases:
@@ -294,12 +308,14 @@ def prebuild_block_masks(cfg: TrainConfig) -> None:
 
 
 def fake_step(model, optimizer, batches: list[dict], cfg: TrainConfig, tracker: PeakMemory) -> None:
-    """train.train_step without its one read of the loss and norm to the host (fake tensors hold no
-    values): micro-batches weighted by the step's tokens, clipping, the optimizer."""
+    """train.train_step without its one copy to the host (the loss, the norms: fake tensors hold no
+    values): micro-batches weighted by the step's tokens, clipping, the optimizer. Any other read of a
+    value fails here (DataDependentOutputException), as a host sync the GPU step would make."""
     tracker.phase = "forward and backward"
     num_tokens = model.global_tokens(torch.stack([b["targets"] for b in batches]))
-    for batch in batches:
-        model.forward_backward(**batch, num_tokens=num_tokens)
+    with token_ids_checked_at_load():  # as in train_step: data.py checks the real run's ids at load
+        for batch in batches:
+            model.forward_backward(**batch, num_tokens=num_tokens)
     tracker.phase = "optimizer"
     model.clip_grad_norm_(cfg.optim.grad_clip or float("inf"))
     optimizer.step()
@@ -319,7 +335,7 @@ def check_fits(cfg: TrainConfig, world: int, rank: int, gpu: str, tracker: PeakM
     needed, capacity = tracker.peak / GIB, GPU_GIB[gpu]
     if needed > capacity:
         raise RehearsalError(f"{cfg.source}: rank {rank} of {world} needs {needed:.1f} GiB {what}, more than the "
-                             f"{capacity:.0f} GiB of an {gpu}: the job would run out of memory. Shard more "
+                             f"{capacity:.1f} GiB of an {gpu}: the job would run out of memory. Shard more "
                              f"([parallel] dp_shard, ep, pp), set [parallel] activation_checkpointing = \"full\" "
                              f"or offload = true, or lower [training] batch_size")
 
@@ -328,7 +344,7 @@ def report(cfg: TrainConfig, world: int, rank: int, gpu: str, tracker: PeakMemor
     parallel = cfg.parallel.resolve(world, cfg.model_config.num_experts)
     estimate = memory_per_gpu(cfg.model_config, parallel, cfg.data.seq_len, cfg.training.batch_size)["total"]
     peak, capacity = tracker.peak / GIB, GPU_GIB[gpu]
-    say(f"peak {peak:.1f} GiB of {capacity:.0f} GiB on an {gpu} (memory.py {estimate:.1f} GiB), "
+    say(f"peak {peak:.1f} GiB of {capacity:.1f} GiB on an {gpu} (memory.py {estimate:.1f} GiB), "
         f"in the {tracker.peak_phase}; held by: " + ", ".join(f"{gib:.1f} GiB from {origin}"
                                                             for origin, gib in tracker.largest_at_peak()))
     check_fits(cfg, world, rank, gpu, tracker, "at its peak")
