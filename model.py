@@ -193,15 +193,16 @@ class Flint(nn.Module):
         """FP32 units outside the blocks, besides the head (which parallel.py keeps gathered)."""
         return []
 
-    def forward(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, *rest: torch.Tensor, targets: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The whole model, or one pipeline stage of it, or one context-parallel rank's share.
 
-        inputs: where the model holds the embedding (the whole model, a first stage), token ids
-        [B, T], optionally followed by targets, doc_ids and positions as in model(ids, targets); on a
-        later stage, what the previous stage returned: its hidden states [B, T / cp, H], followed by
-        the router-loss statistics when a router loss is on (router_loss.py), so the rest come by
-        keyword. -> FP32 logits [B, T, V] (of this rank's positions under cp), the mean loss when
+        input_ids, rest: where the model holds the embedding (the whole model, a first stage), token
+        ids [B, T], optionally followed by targets, doc_ids and positions as in model(ids, targets);
+        on a later stage, what the previous stage returned: its hidden states [B, T / cp, H], then
+        the router-loss statistics when a router loss is on (router_loss.py), so the others come
+        by keyword. -> FP32 logits [B, T, V] (of this rank's positions under cp), the mean loss when
         targets are given (under cp: this rank's share of the mean over all positions), plus the
         router losses when on, or, without a head, what the next stage takes. doc_ids [B, T] marks
         packed documents (< 0: padding); positions default to restarting at each document. Masks
@@ -210,9 +211,10 @@ class Flint(nn.Module):
         """
         first = self.embed_tokens is not None
         if first:
-            inputs, targets, doc_ids, positions = call_arguments("Flint", inputs, targets, doc_ids, positions)
-            self._check_inputs(inputs[0], targets, doc_ids, positions)
-        x = inputs[0]
+            (x,), targets, doc_ids, positions = call_arguments("Flint", (input_ids, *rest), targets, doc_ids, positions)
+            self._check_inputs(x, targets, doc_ids, positions)
+        else:
+            x = input_ids
         cp = self.context.size if self.context is not None else 1
         batch, seq_len = x.shape[0], x.shape[1] * (1 if first else cp)
         mine = self.context.positions(seq_len, x.device) if cp > 1 else None  # [T / cp]
@@ -221,7 +223,7 @@ class Flint(nn.Module):
         gather = None if mine is None else self.context.gather
         stats = None  # the router losses' statistics, in training with a router loss on
         if self.router_losses.active and targets is not None:
-            stats = self.router_losses.start(batch, x.device) if first else self.router_losses.unpack(inputs[1:])
+            stats = self.router_losses.start(batch, x.device) if first else self.router_losses.unpack(rest)
             real = real_tokens(doc_ids, batch, seq_len, x.device)  # [B, T]
             mine_real = real if mine is None else real[:, mine]
         for layer in self.layers.values():
