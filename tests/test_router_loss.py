@@ -236,6 +236,28 @@ def test_no_router_keeps_its_logits_after_backward():
         assert not [name for name, value in vars(router).items() if torch.is_tensor(value)]
 
 
+def test_an_moe_block_with_its_statistics_compiles_to_one_graph(one_thread):
+    """fullgraph=True: adding the statistics breaks no graph (counts by scatter-add into a fixed
+    size); the compiled block gives the eager block's output, statistics and gradients."""
+    model = build(tiny_config(**LOSSES["flint"]))
+    block, (ids, targets, doc_ids) = model.layers["2"], make_batch()
+    rope, masks = model.block_inputs(doc_ids, None, *ids.shape, ids.device)
+    x = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+
+    def run(layer) -> tuple:
+        out, stats = layer(x, rope, masks, stats=model.router_losses.start(ids.shape[0], x.device), real=doc_ids >= 0)
+        objective = out.sum() + sum(value.float().sum() for value in stats.values())
+        return out, stats, torch.autograd.grad(objective, [x, *layer.parameters()])
+    torch._dynamo.reset()
+    (out, stats, grads), compiled = run(block), run(torch.compile(block, fullgraph=True, backend="aot_eager"))
+    close(compiled[0], out, "output")
+    for name, value in stats.items():
+        close(compiled[1][name], value, name)
+    for grad, expected in zip(compiled[2], grads):
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+
+
 def test_a_pipeline_stage_sends_the_statistics_on():
     """Large 4's static stage metadata ends with the enabled losses' statistics; off, nothing more."""
     from large4 import MistralLarge4
@@ -264,29 +286,31 @@ def one_process(config, batch, parts: int) -> tuple[torch.Tensor, dict]:
     return total, {n: p.grad for n, p in model.named_parameters()}
 
 
-def check_router_losses_in_layouts(family: str, layouts: list[tuple[dict, int]]) -> None:
-    config = tiny_config(family, **LOSSES[family])
-    batch = family_batch(config)
-    for layout, parts in layouts:
-        expected, expected_grads = one_process(config, batch, parts)
-        cfg = ParallelConfig.from_dict({"param_dtype": "float32", "dp_shard": 1, **layout})
-        mesh = build_mesh(cfg, "cpu", config.num_experts)
-        pm = parallelize(build(config), cfg, mesh)
-        close(pm.forward_backward(*rows_of_this_rank(mesh, batch)), expected, f"{layout} loss")
-        for name, param in pm.module.named_parameters():
-            if expected_grads[name] is None:
-                assert param.grad is None, f"{layout}: frozen {name} got a gradient"
-            else:
-                close(full(param.grad), expected_grads[name], f"{layout} grad {name}")
+def check_router_losses_in_layouts(layouts: dict[str, list[tuple[dict, int]]]) -> None:
+    """For each family and (layout, micro-batches of the one-process run): the step's loss and every
+    gradient with every router loss on."""
+    for family, cases in layouts.items():
+        config = tiny_config(family, **LOSSES[family])
+        batch = family_batch(config)
+        for layout, parts in cases:
+            expected, expected_grads = one_process(config, batch, parts)
+            cfg = ParallelConfig.from_dict({"param_dtype": "float32", "dp_shard": 1, **layout})
+            mesh = build_mesh(cfg, "cpu", config.num_experts)
+            pm = parallelize(build(config), cfg, mesh)
+            close(pm.forward_backward(*rows_of_this_rank(mesh, batch)), expected, f"{family} {layout} loss")
+            for name, param in pm.module.named_parameters():
+                if expected_grads[name] is None:
+                    assert param.grad is None, f"{family} {layout}: frozen {name} got a gradient"
+                else:
+                    close(full(param.grad), expected_grads[name], f"{family} {layout} grad {name}")
 
 
-@pytest.mark.parametrize("family", ["flint", "large4"])
-def test_router_losses_in_every_layout_match_one_process(family):
-    """Every router loss on, on 2 gloo ranks: a pipeline of 2 stages (1F1B: 2 micro-batches; for
-    Flint also ZB-V, 4 stages in a V, whose boundaries carry the statistics 3 times), context
-    parallel (counts summed over the cp group, each rank's share of the sums) and expert parallel
-    (each rank's own batch), each against one process run on the same micro-batches."""
-    layouts = [({"pp": 2}, 2), ({"cp": 2}, 1), ({"ep": 2}, 2)]
-    if family == "flint":
-        layouts.append(({"pp": 2, "pp_schedule": "ZBVZeroBubble"}, 4))
-    spawn(2, check_router_losses_in_layouts, family, layouts)
+def test_router_losses_in_every_layout_match_one_process():
+    """Every router loss on, on 2 gloo ranks, against one process run on the same micro-batches:
+    a pipeline of 2 stages (1F1B: 2 micro-batches; Large 4's stages 0-3 | 4-7 both hold MoE
+    layers, so the statistics cross with their gradient; for Flint also ZB-V, 4 stages in a V, whose
+    boundaries carry them 3 times), context parallel (counts summed over the cp group, each rank's
+    share of the sums) and expert parallel (each rank's own batch)."""
+    spawn(2, check_router_losses_in_layouts, {
+        "flint": [({"pp": 2}, 2), ({"cp": 2}, 1), ({"ep": 2}, 2), ({"pp": 2, "pp_schedule": "ZBVZeroBubble"}, 4)],
+        "large4": [({"pp": 2}, 2), ({"cp": 2}, 1), ({"ep": 2}, 2)]})
