@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed._functional_collectives import all_reduce
 
 from moe import router_scores
@@ -76,15 +77,15 @@ def add_layer(stats: Stats, slot: int, logits: torch.Tensor, indices: torch.Tens
     """One MoE layer's share of the statistics (those `stats` holds, see RouterLosses.fields): its
     router's FP32 logits [B, T, E] and chosen experts [B, T, k], real [B, T] (false: padding), slot:
     its place among the model's MoE layers, score_function: its router's (sigmoid | softmax)."""
-    batch, seq_len, num_experts = logits.shape
+    batch, _, num_experts = logits.shape
     top_k, weight = indices.shape[-1], real.float()  # [B, T]
     out = dict(stats)
     if "balance_probs" in stats:
         flat, rows = logits.reshape(-1, num_experts), weight.reshape(-1)  # [N, E], [N]
         probs = torch.softmax(flat, dim=-1)
         chosen = torch.topk(probs, top_k, dim=-1).indices  # [N, k]: of the softmax, as the reference
-        out["balance_counts"] = stats["balance_counts"] + real_counts(chosen.flatten(), rows.repeat_interleave(top_k) > 0,
-                                                                    num_experts)
+        chosen_real = real.reshape(-1).repeat_interleave(top_k)  # [N * k]
+        out["balance_counts"] = stats["balance_counts"] + real_counts(chosen.flatten(), chosen_real, num_experts)
         out["balance_probs"] = stats["balance_probs"] + (probs * rows.unsqueeze(-1)).sum(dim=0)
     if "sequence_scores" in stats:
         scores = router_scores(logits, score_function)
@@ -163,4 +164,4 @@ class RouterLosses:
             total = total + self.sequence * (per_sequence * loss_tokens).sum() / loss_tokens.sum().clamp(min=1)
         if self.z:
             total = total + self.z * stats["z"].sum() / tokens
-        return total if cp_group is None else total * torch.distributed.get_world_size(cp_group)
+        return total if cp_group is None else total * dist.get_world_size(cp_group)

@@ -240,7 +240,7 @@ def test_an_moe_block_with_its_statistics_compiles_to_one_graph(one_thread):
     """fullgraph=True: adding the statistics breaks no graph (counts by scatter-add into a fixed
     size); the compiled block gives the eager block's output, statistics and gradients."""
     model = build(tiny_config(**LOSSES["flint"]))
-    block, (ids, targets, doc_ids) = model.layers["2"], make_batch()
+    block, (ids, _, doc_ids) = model.layers["2"], make_batch()
     rope, masks = model.block_inputs(doc_ids, None, *ids.shape, ids.device)
     x = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(0),
                     requires_grad=True)
