@@ -22,7 +22,7 @@ import convert
 from moe import Router
 from parallel import ParallelConfig, build_mesh, parallelize
 from router_loss import RouterLosses, add_layer
-from test_parallel import build, close, full, make_batch, rows_of_this_rank, spawn, tiny_config
+from test_parallel import build, close, full, make_batch, rows_of_this_rank, slow, spawn, tiny_config
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "flint_aux"
 
@@ -314,3 +314,11 @@ def test_router_losses_in_every_layout_match_one_process():
     spawn(2, check_router_losses_in_layouts, {
         "flint": [({"pp": 2}, 2), ({"cp": 2}, 1), ({"ep": 2}, 2), ({"pp": 2, "pp_schedule": "ZBVZeroBubble"}, 4)],
         "large4": [({"pp": 2}, 2), ({"cp": 2}, 1), ({"ep": 2}, 2)]})
+
+
+@slow
+def test_router_losses_in_combined_layouts_four_processes():
+    """Pipeline with context parallel (the last stage sums the counts over its cp group), and expert
+    with context parallel, on 4 ranks."""
+    spawn(4, check_router_losses_in_layouts, {"flint": [({"pp": 2, "cp": 2}, 2), ({"ep": 2, "cp": 2}, 2)],
+                                              "large4": [({"pp": 2, "cp": 2}, 2)]})
