@@ -458,8 +458,8 @@ def check_microbatches(cfg: TrainConfig) -> None:
 
 
 def check_router_aux_loss(cfg: TrainConfig) -> None:
-    """What the model's config refuses of the layout (Flint's load-balancing term needs one pipeline
-    stage and no context split), and a selection bias, which the published format cannot hold."""
+    """What the model's config refuses of the layout (its layout_error), and a selection bias, which
+    the published format cannot hold."""
     p = cfg.parallel
     bias_rate = cfg.model_config.router_bias_update_rate
     if bias_rate and cfg.checkpoint.export_hf:
