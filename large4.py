@@ -395,12 +395,13 @@ class MistralLarge4(nn.Module):
         h, shared, indices, stats = self.run_stage(h, cos, sin, positions, visible, shared, indices, gather=gather,
                                                    stats=stats, real=mine_real)
         if self.lm_head is None:
-            carried = () if stats is None else self.router_losses.pack(stats)
-            return self._pack(h, cos, sin, shared, indices, layers[-1] + 1) + carried
+            statistics = () if stats is None else self.router_losses.pack(stats)
+            return self._pack(h, cos, sin, shared, indices, layers[-1] + 1) + statistics
+        h = self.norm(h.float())
         if targets is None:
-            return self.lm_head(self.norm(h.float()))
-        loss = self.lm_head(self.norm(h.float()), targets) if mine is None else context_share(
-            self.lm_head(self.norm(h.float()), targets[:, mine]), targets, mine, cp)
+            return self.lm_head(h)
+        loss = self.lm_head(h, targets) if mine is None else context_share(self.lm_head(h, targets[:, mine]), targets,
+                                                                            mine, cp)
         if stats is None:
             return loss
         return loss + self.router_losses.loss(stats, real, targets, None if mine is None else self.context.group)
