@@ -22,14 +22,18 @@ statistics ([E] or [B, E] numbers per layer, never its [N, E] logits) to a dict 
 along as an explicit input and output (a pipeline stage sends it on with the hidden state); the
 model forms the loss after its last layer and adds it to the cross-entropy. Gradients reach every
 router by ordinary autograd, through the pipeline's own backward and whatever weight the trainer
-gives the loss, so the result is exact in every layout:
+gives the loss. (An autograd function injecting each layer's gradient in backward, torchtitan's
+proposal, would need there every later layer's counts and, on an early pipeline stage, the weight
+the trainer gives the loss: neither is at hand.) The result is exact in every layout:
   - pp: the statistics cross the stage boundaries; the last stage holds all layers' sums.
   - cp: a rank sees its positions only. Expert counts (no gradient) are summed over the cp group;
     the probability, score and logsumexp sums are linear in the tokens, so each rank returns cp x
     its share (FSDP averages gradients over the cp ranks, as for the cross-entropy's context_share):
     the mean over the group of the values and of the gradients is the whole sequence's.
   - dp and ep: per micro-batch of each rank (the reference's forward), not pooled over ranks.
-A dropped row (all padding) counts for nothing.
+The balance and z terms are means over a micro-batch, as the reference's over its forward, so how a
+step is cut into micro-batches (a pipeline's, gradient accumulation, data-parallel ranks) changes
+them; the sequence-wise term does not depend on the cut. A row of padding only counts for nothing.
 """
 
 from __future__ import annotations

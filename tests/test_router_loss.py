@@ -307,18 +307,21 @@ def check_router_losses_in_layouts(layouts: dict[str, list[tuple[dict, int]]]) -
 
 def test_router_losses_in_every_layout_match_one_process():
     """Every router loss on, on 2 gloo ranks, against one process run on the same micro-batches:
-    a pipeline of 2 stages (1F1B: 2 micro-batches; Large 4's stages 0-3 | 4-7 both hold MoE
-    layers, so the statistics cross with their gradient; for Flint also ZB-V, 4 stages in a V, whose
-    boundaries carry them 3 times), context parallel (counts summed over the cp group, each rank's
-    share of the sums) and expert parallel (each rank's own batch)."""
+    a pipeline of 2 stages (1F1B: 2 micro-batches; Large 4's stages 0-3 | 4-7 both hold MoE layers,
+    so the statistics cross with their gradient), context parallel (counts summed over the cp group,
+    each rank's share of the sums), expert parallel (each rank's own batch) and FSDP with every block
+    recomputed in backward (the statistics are block outputs: the recompute adds nothing twice)."""
     spawn(2, check_router_losses_in_layouts, {
-        "flint": [({"pp": 2}, 2), ({"cp": 2}, 1), ({"ep": 2}, 2), ({"pp": 2, "pp_schedule": "ZBVZeroBubble"}, 4)],
-        "large4": [({"pp": 2}, 2), ({"cp": 2}, 1), ({"ep": 2}, 2)]})
+        "flint": [({"pp": 2}, 2), ({"cp": 2}, 1), ({"ep": 2}, 2), ({"dp_shard": 2, "activation_checkpointing": "full"}, 2)],
+        "large4": [({"pp": 2}, 2), ({"cp": 2}, 1)]})
 
 
 @slow
-def test_router_losses_in_combined_layouts_four_processes():
-    """Pipeline with context parallel (the last stage sums the counts over its cp group), and expert
-    with context parallel, on 4 ranks."""
+def test_router_losses_in_more_layouts_match_one_process():
+    """ZB-V (4 stages in a V, whose boundaries carry the statistics 3 times, the backward split into
+    input and weight gradients) and Large 4 under expert parallel, on 2 ranks; pipeline with context
+    parallel (the last stage sums the counts over its cp group) and expert with context parallel on 4."""
+    spawn(2, check_router_losses_in_layouts, {"flint": [({"pp": 2, "pp_schedule": "ZBVZeroBubble"}, 4)],
+                                              "large4": [({"ep": 2}, 2)]})
     spawn(4, check_router_losses_in_layouts, {"flint": [({"pp": 2, "cp": 2}, 2), ({"ep": 2, "cp": 2}, 2)],
                                               "large4": [({"pp": 2, "cp": 2}, 2)]})
