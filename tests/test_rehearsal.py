@@ -7,7 +7,7 @@ import torch
 import rehearsal
 import train
 from config import load_config
-from rehearsal import GIB, PeakMemory, RehearsalError
+from rehearsal import PeakMemory, RehearsalError
 
 MIB = 2 ** 20
 

@@ -382,7 +382,7 @@ def test_large4_two_processes_match_one_resume_in_one_and_export(tmp_path):
 
 
 def test_load_balancing_loss_trains_the_same_with_activation_checkpointing(tmp_path):
-    """The routers keep their logits for the balancing term; recomputing a block in backward
+    """The blocks add the balancing term's statistics as they run; recomputing a block in backward
     must give the same loss and updates as keeping its activations."""
     balance = ["--model.output_router_logits=true", "--model.router_aux_loss_coef=0.1", "--training.steps=3",
                "--logging.every=1", "--training.sample_tokens=0"]
