@@ -37,11 +37,11 @@ def test_resume_gives_exactly_the_uninterrupted_losses(tmp_path):
 def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     real_save = checkpoint.save_dcp
 
-    def crash_at_step_4(state, path):
+    def crash_at_step_4(state, path, *how):
         if path.name.startswith("step_00000004"):
             (path / "__0_0.distcp").write_bytes(b"half written")
             raise KeyboardInterrupt("power cut")
-        real_save(state, path)
+        return real_save(state, path, *how)
 
     monkeypatch.setattr(checkpoint, "save_dcp", crash_at_step_4)
     with pytest.raises(KeyboardInterrupt):
