@@ -138,22 +138,30 @@ class RecordingWriter(dcp.FileSystemWriter):
 
 def save_dcp(state: dict, path: Path, group: dist.ProcessGroup | None = None,
              stager: AsyncStager | None = None) -> Future:
-    """Writes `state` to the checkpoint directory `path` -> a Future of the files this process wrote.
-    Without `stager`, they are written when this returns; with one, dcp.async_save has copied `state`
-    to host memory when this returns, and a background thread writes it while the caller trains on.
-    `group`: the processes saving together (the default group without one)."""
-    writer = RecordingWriter(path)
-    written: Future = Future()
+    """Writes `state` to the checkpoint directory `path` -> a Future of the files this process wrote
+    (or of a CheckpointError naming the cause). Without `stager`, they are written when this returns;
+    with one, dcp.async_save has copied `state` to host memory when this returns, and a background
+    thread writes it while the caller trains on. `group`: the processes saving together."""
+    writer, written = RecordingWriter(path), Future()
+
+    def settle(error: BaseException | None) -> None:
+        if error is None:
+            written.set_result(writer.written)
+        else:  # DCP reports every rank's failure, the same on every rank
+            written.set_exception(CheckpointError(f"{path}: cannot write the checkpoint: {root_cause(error)}"))
+
     with warnings.catch_warnings():  # DCP warns that one process saves alone: that is intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         where = dict(storage_writer=writer, process_group=group, no_dist=not dist.is_initialized())
-        if stager is None:
-            dcp.save(state, **where)
-            written.set_result(writer.written)
+        if stager is not None:
+            dcp.async_save(state, async_stager=stager, **where).add_done_callback(lambda done: settle(done.exception()))
             return written
-        saving = dcp.async_save(state, async_stager=stager, **where)
-    saving.add_done_callback(lambda done: written.set_exception(done.exception()) if done.exception()
-                             else written.set_result(writer.written))
+        try:
+            dcp.save(state, **where)
+        except (Exception, CheckpointException) as error:
+            settle(error)
+        else:
+            settle(None)
     return written
 
 
