@@ -338,20 +338,26 @@ def test_async_save_writes_while_training_and_a_crash_in_flight_keeps_the_last_c
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000002", "step_00000004"]
 
 
-def _rank_of_train(rank: int, world: int, port: int, argv: list[str], killed_at_step: int) -> None:
-    """One rank of `torchrun --nproc-per-node world train.py argv`; with `killed_at_step`, killed
-    (SIGKILL) half-way through writing its files of that step's checkpoint."""
+def _rank_of_train(rank: int, world: int, port: int, argv: list[str], killed_at_step: int, crc_log: str) -> None:
+    """One rank of `torchrun --nproc-per-node world train.py argv`, noting in `crc_log` each file it
+    checksums; with `killed_at_step`, killed (SIGKILL) half-way through writing its files of that
+    step's checkpoint."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    real_write = checkpoint_files.RecordingWriter.write_data
+    real_write, real_crc = checkpoint_files.RecordingWriter.write_data, checkpoint_files.crc32_of
 
     def killed_at_its_step(self, plan, planner):
         if Path(self.path).name == f"step_{killed_at_step:08d}.tmp":
             (Path(self.path) / f"__{rank}_0.distcp").write_bytes(b"half written")
             os.kill(os.getpid(), signal.SIGKILL)
         return real_write(self, plan, planner)
-    checkpoint_files.RecordingWriter.write_data = killed_at_its_step
+
+    def noted_crc(file: Path) -> int:
+        with open(crc_log, "a") as log:
+            log.write(f"{rank} {file.parent.name} {file.name}\n")
+        return real_crc(file)
+    checkpoint_files.RecordingWriter.write_data, checkpoint_files.crc32_of = killed_at_its_step, noted_crc
     train.main(argv)
 
 
@@ -364,17 +370,27 @@ def free_port() -> int:
 def test_kill_9_of_two_ranks_during_an_async_save_keeps_the_last_checkpoint(tmp_path):
     """FSDP on 2 gloo ranks with async_save, both killed with SIGKILL while step 4's checkpoint is
     being written (after step 4 trained and was logged): step 2's checkpoint is intact, auto-resume
-    picks it, and 2 ranks train steps 3 and 4 to the killed run's losses, bit for bit."""
+    picks it, and 2 ranks train steps 3 and 4 to the killed run's losses, bit for bit. Each rank
+    checksums the files it wrote, and on resume verifies its share: every file read once."""
     argv = debug_args(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--logging.every=1",
                       "--training.sample_tokens=0", "--training.eval_every=0", "--parallel.dp_shard=2",
                       "--checkpoint.async_save=true")
+    crc_log = tmp_path / "crc.log"
     with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
-        mp.spawn(_rank_of_train, args=(2, free_port(), argv, 4), nprocs=2)
+        mp.spawn(_rank_of_train, args=(2, free_port(), argv, 4, str(crc_log)), nprocs=2)
     killed = train_losses(tmp_path)
     run_dir = tmp_path / "ckpt" / "run_0001"
     assert sorted(killed) == [1, 2, 3, 4]
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000002", "step_00000004.tmp"]
-    mp.spawn(_rank_of_train, args=(2, free_port(), [*argv, "--checkpoint.resume=auto"], 0), nprocs=2)
+    mp.spawn(_rank_of_train, args=(2, free_port(), [*argv, "--checkpoint.resume=auto"], 0, str(crc_log)), nprocs=2)
     assert [Path(r["run"]).name for r in records(tmp_path) if "loss" in r] == ["run_0001"] * 4  # continued it
     assert train_losses(tmp_path) == killed  # steps 3 and 4 trained again from step 2 (their records replaced)
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000002", "step_00000004"]
+
+    checksummed = [line.split() for line in crc_log.read_text().splitlines()]
+    assert sorted((int(rank), name) for rank, where, name in checksummed if where == "step_00000002.tmp") == [
+        (0, ".metadata"), (0, "__0_0.distcp"), (0, "config.json"), (0, "train_config.json"), (1, "__1_0.distcp")]
+    verified = [(int(rank), name) for rank, where, name in checksummed if where == "step_00000002"]
+    assert sorted(name for _, name in verified) == sorted(json.loads((run_dir / "step_00000002" / "checksums.json")
+                                                                     .read_text()))
+    assert {rank for rank, _ in verified} == {0, 1}

@@ -5,6 +5,7 @@ import math
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -36,12 +37,12 @@ def _torchrun_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
     train.main(argv)
 
 
-def run_two_processes(argv: list[str]) -> None:
+def run_two_processes(argv: list[str], worker=_torchrun_worker) -> None:
     """train.main(argv) in 2 processes, as `torchrun --nproc-per-node 2` would start it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_torchrun_worker, args=(2, port, argv), nprocs=2)
+    mp.spawn(worker, args=(2, port, argv), nprocs=2)
 
 
 def run_debug_two_processes(tmp_path: Path, *overrides: str) -> None:
@@ -411,3 +412,24 @@ def test_large4_trains_with_the_selection_bias_and_never_exports_it(tmp_path):
         train.main(large4_args(tmp_path / "export", bias, f"--checkpoint.export_hf={tmp_path / 'hf'}"))
     with pytest.raises(ValueError, match=r"per-expert selection bias .* the published format has no place for"):
         convert.export_published(convert.NativeDir(step4), model.config, tmp_path / "hf")
+
+
+def _rank_0_prepares_slowly(rank: int, world: int, port: int, argv: list[str]) -> None:
+    """_torchrun_worker, with rank 0's data preparation taking a minute longer."""
+    if rank == 0:
+        real_prepare = train.prepare
+        train.prepare = lambda *args: (time.sleep(60), real_prepare(*args))
+    _torchrun_worker(rank, world, port, argv)
+
+
+def test_no_rank_waits_for_rank_0_longer_than_collective_timeout_minutes(tmp_path):
+    """[parallel].collective_timeout_minutes reaches the process group: while rank 0 prepares the data
+    for a minute, rank 1 gives up after 6 s with an error naming the key (the default would wait)."""
+    argv = debug_args(tmp_path, "--training.steps=1", "--training.sample_tokens=0",
+                      "--parallel.collective_timeout_minutes=0.1")
+    start = time.perf_counter()
+    with pytest.raises(mp.ProcessRaisedException, match=r"DataError: rank 1 waited for rank 0 to prepare .* longer "
+                       r"than \[parallel\].collective_timeout_minutes = 0.1 \(command line "
+                       r"--parallel.collective_timeout_minutes\)"):
+        run_two_processes(argv, _rank_0_prepares_slowly)
+    assert time.perf_counter() - start < 60
