@@ -294,12 +294,12 @@ def verify(directory: Path, alone: bool = False) -> None:
         raise CheckpointError(problem)
 
 
-def from_main_rank(value, group: dist.ProcessGroup | None = None):
-    """Rank 0's `value` on every rank of `group` (itself without a process group of several)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+def from_main_rank(value):
+    """Rank 0's `value` on every rank (itself without a process group of several)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
