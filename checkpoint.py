@@ -171,7 +171,9 @@ class Checkpointer:
                 if STEP_NAME.fullmatch(p.name) and is_native_checkpoint(p)]
 
     def latest(self) -> Path | None:
-        """The newest checkpoint this run saved or resumed from (of the whole directory before it began)."""
+        """The newest checkpoint this run saved (the save in flight finished first) or resumed from (of
+        the whole directory before it began)."""
+        self.wait()
         done = self.checkpoints(self.run_dir)
         return done[-1] if done else self.last
 
