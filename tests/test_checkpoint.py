@@ -293,10 +293,11 @@ def saved_data_checksums(checkpoint_dir: Path) -> dict[str, int]:
 
 def test_async_save_writes_while_training_and_a_crash_in_flight_keeps_the_last_checkpoint(tmp_path, monkeypatch,
                                                                                          capsys):
-    """async_save: step 2's checkpoint is written only after step 3 has trained (its write is held
-    back until then), yet holds bit for bit the tensors of the synchronous save of step 2; the losses
-    are the synchronous run's. A crash while step 4's save is in flight leaves step_00000004.tmp and
-    step 2 complete; auto-resume picks step 2 and trains steps 3 and 4 to the same losses."""
+    """async_save: step 2's checkpoint is written only after steps 3 and 4 have trained (its write is
+    held back until then), yet holds bit for bit the tensors of the synchronous save of step 2; the losses
+    are the synchronous run's; step 4's save starts once step 2's has completed. A crash while step
+    4's save is in flight leaves step_00000004.tmp and step 2 complete (keep_last = 1 removes it only
+    once step 4 is complete); auto-resume picks step 2 and trains steps 3 and 4 to the same losses."""
     common = ["--training.steps=4", "--checkpoint.every=2", "--logging.every=1", "--training.sample_tokens=0"]
     run_debug(tmp_path / "sync", *common)
     expected = train_losses(tmp_path / "sync")
@@ -310,21 +311,23 @@ def test_async_save_writes_while_training_and_a_crash_in_flight_keeps_the_last_c
     def held_back_write(self, plan, planner):
         step = int(Path(self.path).name[5:13])
         if step == 4:
+            events.append(f"writing 4, step 2 {'complete' if (run_dir / 'step_00000002').is_dir() else 'in flight'}")
             (Path(self.path) / "__0_0.distcp").write_bytes(b"half written")
             raise OSError("the disk went away")
-        for _ in range(600):  # up to 60 s for the main thread to train step 3
-            if "trained 3" in events:
+        for _ in range(600):  # up to 60 s for the main thread to train steps 3 and 4
+            if "trained 4" in events:
                 break
             time.sleep(0.1)
         events.append(f"writing {step}")
         return real_write(self, plan, planner)
 
+    run_dir = tmp_path / "async" / "ckpt" / "run_0001"
     monkeypatch.setattr(train, "train_step", recorded_step)
     monkeypatch.setattr(checkpoint_files.RecordingWriter, "write_data", held_back_write)
-    run_dir = tmp_path / "async" / "ckpt" / "run_0001"
+    asynchronous = [*common, "--checkpoint.async_save=true", "--checkpoint.keep_last=1"]
     with pytest.raises(CheckpointError, match=r"step_00000004.tmp: cannot write the checkpoint: OSError: the disk went away"):
-        run_debug(tmp_path / "async", *common, "--checkpoint.async_save=true")
-    assert events.index("writing 2") > events.index("trained 3")
+        run_debug(tmp_path / "async", *asynchronous)
+    assert events.index("writing 2") > events.index("trained 4") and "writing 4, step 2 complete" in events
     assert train_losses(tmp_path / "async") == expected  # bit for bit
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000002", "step_00000004.tmp"]
     sync_step_2 = tmp_path / "sync" / "ckpt" / "run_0001" / "step_00000002"
@@ -332,10 +335,10 @@ def test_async_save_writes_while_training_and_a_crash_in_flight_keeps_the_last_c
 
     monkeypatch.setattr(checkpoint_files.RecordingWriter, "write_data", real_write)
     capsys.readouterr()
-    run_debug(tmp_path / "async", *common, "--checkpoint.async_save=true", "--checkpoint.resume=auto")
+    run_debug(tmp_path / "async", *asynchronous, "--checkpoint.resume=auto")
     assert f"resumed from {run_dir / 'step_00000002'} at step 2" in capsys.readouterr().out
     assert train_losses(tmp_path / "async") == expected  # the resumed steps 3 and 4 (records of 3, 4 replaced)
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000002", "step_00000004"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000004"]
 
 
 def _rank_of_train(rank: int, world: int, port: int, argv: list[str], killed_at_step: int, crc_log: str) -> None:
