@@ -107,14 +107,17 @@ class Checkpointer:
         self.last: Path | None = None  # saved or resumed from by this run
         self.lock_files: list = []  # rank 0's: checkpoint.dir's and, once chosen, the run directory's
         self.run_dir: Path | None = None  # chosen at resume
-        # Saves talk over a gloo group of their own: dcp.async_save's thread needs one on the CPU, and
-        # its waits end at collective_timeout_minutes, as the main group's do.
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=cfg.parallel.collective_timeout_minutes))
-        self.stager = DefaultStager(StagingOptions(  # a copy of this rank's state in host memory, reused per save
-            use_pinned_memory=run.device.type == "cuda", use_shared_memory=False, use_async_staging=False,
-            use_non_blocking_copy=run.device.type == "cuda")) if cfg.checkpoint.async_save else None
-        self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")  # at most one save
+        self.group: dist.ProcessGroup | None = None  # synchronous saves talk over the main group
+        self.stager: DefaultStager | None = None
         self.saving: Future | None = None  # the async save in flight
+        if cfg.checkpoint.async_save:
+            # The background saves talk over a gloo group of their own: dcp.async_save needs one on the
+            # CPU, and the training's collectives go on meanwhile in the main group.
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=cfg.parallel.collective_timeout_minutes))
+            self.stager = DefaultStager(StagingOptions(  # this rank's state in host memory, reused per save
+                use_pinned_memory=run.device.type == "cuda", use_shared_memory=False, use_async_staging=False,
+                use_non_blocking_copy=run.device.type == "cuda"))
+        self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")  # one save at a time
         failure = None
         if run.is_main:
             try:
@@ -254,7 +257,7 @@ class Checkpointer:
     def complete(self, written: Future, tmp: Path, final: Path, model_config: dict, start: float) -> None:
         """After this rank's files are written: each rank checksums its own, all at once; rank 0 lists
         them in checksums.json, renames tmp to final (then the checkpoint is complete) and removes
-        those keep_last lets go; the others wait for it on `group` (collective_timeout_minutes)."""
+        those keep_last lets go, while the others wait (collective_timeout_minutes)."""
         listed = to_main_rank(checksums(written.result()), self.group)
         if self.run.is_main:
             (tmp / "config.json").write_text(json.dumps(model_config, indent=1))
