@@ -371,29 +371,29 @@ def free_port() -> int:
 
 
 def test_kill_9_of_two_ranks_during_an_async_save_keeps_the_last_checkpoint(tmp_path):
-    """FSDP on 2 gloo ranks with async_save, both killed with SIGKILL while step 4's checkpoint is
-    being written (after step 4 trained and was logged): step 2's checkpoint is intact, auto-resume
-    picks it, and 2 ranks train steps 3 and 4 to the killed run's losses, bit for bit. Each rank
+    """FSDP on 2 gloo ranks with async_save, both killed with SIGKILL while step 2's checkpoint is
+    being written (after step 2 trained and was logged): step 1's checkpoint is intact, auto-resume
+    picks it, and 2 ranks train step 2 again to the killed run's loss, bit for bit. Each rank
     checksums the files it wrote, and on resume verifies its share: every file read once."""
-    argv = debug_args(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--logging.every=1",
+    argv = debug_args(tmp_path, "--training.steps=2", "--checkpoint.every=1", "--logging.every=1",
                       "--training.sample_tokens=0", "--training.eval_every=0", "--parallel.dp_shard=2",
                       "--checkpoint.async_save=true")
     crc_log = tmp_path / "crc.log"
     with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
-        mp.spawn(_rank_of_train, args=(2, free_port(), argv, 4, str(crc_log)), nprocs=2)
+        mp.spawn(_rank_of_train, args=(2, free_port(), argv, 2, str(crc_log)), nprocs=2)
     killed = train_losses(tmp_path)
     run_dir = tmp_path / "ckpt" / "run_0001"
-    assert sorted(killed) == [1, 2, 3, 4]
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000002", "step_00000004.tmp"]
+    assert sorted(killed) == [1, 2]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001", "step_00000002.tmp"]
     mp.spawn(_rank_of_train, args=(2, free_port(), [*argv, "--checkpoint.resume=auto"], 0, str(crc_log)), nprocs=2)
-    assert [Path(r["run"]).name for r in records(tmp_path) if "loss" in r] == ["run_0001"] * 4  # continued it
-    assert train_losses(tmp_path) == killed  # steps 3 and 4 trained again from step 2 (their records replaced)
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000002", "step_00000004"]
+    assert [Path(r["run"]).name for r in records(tmp_path) if "loss" in r] == ["run_0001"] * 2  # continued it
+    assert train_losses(tmp_path) == killed  # step 2 trained again from step 1 (its record replaced)
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001", "step_00000002"]
 
     checksummed = [line.split() for line in crc_log.read_text().splitlines()]
-    assert sorted((int(rank), name) for rank, where, name in checksummed if where == "step_00000002.tmp") == [
+    assert sorted((int(rank), name) for rank, where, name in checksummed if where == "step_00000001.tmp") == [
         (0, ".metadata"), (0, "__0_0.distcp"), (0, "config.json"), (0, "train_config.json"), (1, "__1_0.distcp")]
-    verified = [(int(rank), name) for rank, where, name in checksummed if where == "step_00000002"]
-    assert sorted(name for _, name in verified) == sorted(json.loads((run_dir / "step_00000002" / "checksums.json")
+    verified = [(int(rank), name) for rank, where, name in checksummed if where == "step_00000001"]
+    assert sorted(name for _, name in verified) == sorted(json.loads((run_dir / "step_00000001" / "checksums.json")
                                                                      .read_text()))
     assert {rank for rank, _ in verified} == {0, 1}
