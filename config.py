@@ -101,6 +101,7 @@ class CheckpointSection:
     resume: str = "auto"  # auto (latest in dir, if any) | never (a fresh run; nothing removed) | a checkpoint
     export_hf: str = ""  # write the final model here in Hugging Face format
     export_dtype: str = ""  # "" keeps the training dtype | bfloat16 | float32
+    async_save: bool = False  # true: training goes on while a checkpoint is written (a copy in host memory)
 
 
 @dataclass

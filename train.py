@@ -47,7 +47,8 @@ from metrics import MetricsLogger
 from models import config_from_hf, model_class
 from moe import set_balanced_routing
 from muon import Muon, takes_muon
-from parallel import ParallelModel, Run, barrier, build_mesh, init_distributed, init_weights, parallelize, uncompile
+from parallel import (ParallelModel, Run, barrier, build_mesh, init_distributed, init_weights, parallelize, uncompile,
+                      waiting_for_main_rank)
 from routing import RoutingMonitor
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
@@ -90,10 +91,10 @@ def main(argv: list[str] | None = None) -> dict:
                         if due(step, cfg.checkpoint.every, cfg.training.steps) or stopping:
                             checkpoints.save(step, model, optimizer, train_data)
                     if stopping:
-                        run.print(f"stopped by {interruption.name} after step {step}; saved {checkpoints.last}. "
+                        run.print(f"stopped by {interruption.name} after step {step}; saved {checkpoints.wait()}. "
                                   f"Resume with:\n  {resume_command(argv, run)}")
                         raise SystemExit(128 + getattr(signal, interruption.name))
-            return finish(checkpoints.last, tokenizer, cfg, run, logger)
+            return finish(checkpoints.wait(), tokenizer, cfg, run, logger)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -155,7 +156,7 @@ def start_run(cfg: TrainConfig) -> Run:
         raise ConfigError(f"{cfg.where('training.device')}: [training].device = \"cuda\" but no GPU is available")
     use_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
     check_device_choices(cfg, on_gpu=use_cuda and parallel.backend != "gloo")
-    device = init_distributed(parallel.backend, use_cuda)
+    device = init_distributed(parallel.backend, use_cuda, timedelta(minutes=parallel.collective_timeout_minutes))
     try:
         mesh = build_mesh(parallel, device.type, cfg.model_config.num_experts)
     except ValueError as error:  # the layout does not fit the world size
@@ -208,7 +209,9 @@ def setup_data(cfg: TrainConfig, run: Run) -> tuple[Tokenizer, PackedLoader, Pac
     if run.is_main and not (directory / "meta.json").is_file():
         run.print(f"preparing {source} -> {directory}")
         prepare(source, tokenizer, directory, d.text_key)
-    barrier()
+    with waiting_for_main_rank(f"prepare {source} in {directory}", cfg.parallel.collective_timeout_minutes,
+                               cfg.where("parallel.collective_timeout_minutes"), DataError):
+        barrier()
     shards = TokenShards(directory, tokenizer)
     train_docs, val_docs = split_documents(shards.num_docs, d.val_fraction, str(source))
     loader = dict(seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed, rank=run.dp_rank, world_size=run.dp_size)

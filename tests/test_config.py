@@ -79,6 +79,8 @@ def test_overrides_are_typed_toml_values(tmp_path):
     ('[model]\npreset = "tiny"\n', ["--training.steps=0"], r"command line --training.steps: \[training\].steps must be >= 1"),
     ('[model]\npreset = "tiny"\n', ["--optim.lr=1e-5"], r"run.toml \(default\): \[optim\].min_lr must be in \[0, optim.lr = 1e-05\]"),
     ('[model]\npreset = "tiny"\n', ["--data.seq_len=5000"], r"max_position_embeddings = 4096"),
+    ('[model]\npreset = "tiny"\n', ["--parallel.collective_timeout_minutes=0"], r"command line "
+     r"--parallel.collective_timeout_minutes: \[parallel\] collective_timeout_minutes must be a number of minutes > 0"),
     ('[model]\npreset = "tiny"\n', ["--training.eval_every=5", "--data.val_fraction=0"], r"needs a validation split"),
     ('[model]\npreset = "tiny"\n', ["--data.seq_len"], r"expected --section.key=value"),
     ('[model]\npreset = "tiny"\n[trainer]\nsteps = 1\n', [], r"unknown section \[trainer\]"),
