@@ -1,12 +1,17 @@
 """The rehearsal (rehearsal.py, `train.py --dry-run`): its memory count, its fake world, and that it fails
 where the GPU job would."""
 
+import json
+import os
+
 import pytest
 import torch
 
 import rehearsal
 import train
 from config import load_config
+from flint_config import FlintConfig
+from large4_config import Large4Config
 from rehearsal import PeakMemory, RehearsalError
 
 MIB = 2 ** 20
@@ -95,3 +100,45 @@ def test_missing_user_data_is_reported_by_the_rehearsal_and_refused_by_the_run(t
 def test_too_little_data_for_the_world_fails_the_rehearsal(tmp_path, capsys):
     with pytest.raises(train.DataError, match="not enough data"):
         rehearse_tiny(tmp_path, capsys, "--training.steps=100000", world=2)
+
+
+# ----------------------------------------------------------------------------- every GPU config, at its real size
+
+SLOW = os.environ.get("FLINT_SLOW") == "1"
+slow = pytest.mark.skipif(not SLOW, reason="released-size rehearsals of minutes each: FLINT_SLOW=1")
+
+
+def released_checkpoint(tmp_path, family: str) -> str:
+    """A stand-in for a released checkpoint directory: its config.json only (a rehearsal reads no weight)."""
+    config = {"flint": lambda: FlintConfig.from_name("flint"), "large4": lambda: Large4Config.from_name("large4")}[family]()
+    directory = tmp_path / f"released-{family}"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config.to_hf_config()))
+    return str(directory)
+
+
+def rehearse_config(tmp_path, capsys, name: str, world: int, *overrides: str) -> dict:
+    cfg = load_config(f"configs/{name}.toml", [f"--checkpoint.dir={tmp_path}/ck", *overrides])
+    result = rehearsal.rehearse(cfg, gpu="H200")
+    printed = capsys.readouterr().out
+    assert f"rehearsal rank 0 of {world}: step 2: forward, backward, clipping and adamw passed" in printed, printed
+    assert f"rehearsal rank 0 of {world}: peak" in printed
+    # memory.py's estimate agrees with the measured peak (the balanced routing both assume)
+    assert abs(result["estimate_gib"] - result["peak_gib"]) <= 0.1 * result["peak_gib"], result
+    return result
+
+
+def test_flint_8gpu_is_rehearsed_at_its_real_size(tmp_path, capsys):
+    """The released Flint, 8 ranks, experts split 32 per rank, full checkpointing: what
+    `torchrun --nproc-per-node 8 train.py --config configs/flint-8gpu.toml` runs on rank 0."""
+    result = rehearse_config(tmp_path, capsys, "flint-8gpu", 8)
+    assert result["peak_gib"] < rehearsal.GPU_GIB["H200"]
+
+
+@slow
+@pytest.mark.parametrize("name, world, overrides", [
+    ("flint-multinode", 32, ()), ("flint", 8, ()), ("large4-256gpu", 256, ()),
+    ("finetune", 8, ("init_from:flint",)), ("large4", 256, ("init_from:large4",))])
+def test_every_gpu_config_is_rehearsed_at_its_real_size(tmp_path, capsys, name, world, overrides):
+    args = [f"--model.init_from={released_checkpoint(tmp_path, o.split(':')[1])}" for o in overrides]
+    rehearse_config(tmp_path, capsys, name, world, *args, *([] if name != "finetune" else ["--parallel.dp_shard=8"]))
