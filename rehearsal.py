@@ -342,7 +342,8 @@ def check_fits(cfg: TrainConfig, world: int, rank: int, gpu: str, tracker: PeakM
 
 def report(cfg: TrainConfig, world: int, rank: int, gpu: str, tracker: PeakMemory, say: Phases) -> dict:
     parallel = cfg.parallel.resolve(world, cfg.model_config.num_experts)
-    estimate = memory_per_gpu(cfg.model_config, parallel, cfg.data.seq_len, cfg.training.batch_size)["total"]
+    estimate = memory_per_gpu(cfg.model_config, parallel, cfg.data.seq_len, cfg.training.batch_size,
+                              cfg.training.grad_accum)["total"]
     peak, capacity = tracker.peak / GIB, GPU_GIB[gpu]
     say(f"peak {peak:.1f} GiB of {capacity:.1f} GiB on an {gpu} (memory.py {estimate:.1f} GiB), "
         f"in the {tracker.peak_phase}; held by: " + ", ".join(f"{gib:.1f} GiB from {origin}"
