@@ -66,10 +66,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.module_tracker import ModuleTracker
 
-import attention
 import decoder
 import moe
-from config import ConfigError, TrainConfig, config_from_tables, load_config
+from config import ConfigError, TrainConfig, load_config
 from memory import _meta_model
 from models import ModelConfig, model_class
 from parallel import MESH_DIMS, ParallelConfig, apply_activation_checkpointing
@@ -173,6 +172,7 @@ class OpCost:
     flops: float = 0.0
     bytes: float = 0.0
     expert_weight_bytes: float = 0.0  # of `bytes`: the grouped GEMMs' expert weights (1/ep of them per rank)
+    fused_bytes: float = 0.0  # `bytes` once compiling fuses chains of elementwise ops (fuse_chains)
     calls: int = 0
 
 
@@ -210,7 +210,56 @@ ATTENTION_KERNELS = {torch.ops.flint.flash_sink_attention, torch.ops.flint.flash
 GROUPED_GEMMS = {torch.ops.flint.grouped_mm: 1, torch.ops.flint.grouped_mm_weight_grad: None}  # the weight: arg 1, the output
 
 
+# Ops the compiler fuses into one kernel with their neighbours (torch's pointwise and reduction tags, casts, softmax).
+FUSIBLE_NAMES = {"_to_copy", "clone", "copy_", "_softmax", "_log_softmax", "_softmax_backward_data",
+                 "_log_softmax_backward_data"}
+
+
+def fusible(func) -> bool:
+    return torch.Tag.pointwise in func.tags or torch.Tag.reduction in func.tags or \
+        func._overloadpacket.__name__ in FUSIBLE_NAMES
+
+
+@dataclasses.dataclass
+class Call:
+    """One op call as fuse_chains sees it: which OpCost, and the storages it reads and writes."""
+
+    cost: OpCost
+    fusible: bool
+    phase: str
+    reads: list[tuple[int, int]]  # (storage id, bytes)
+    writes: list[tuple[int, int]]
+    moved: int  # moved_bytes: what it moves unfused
+
+
+def fuse_chains(calls: list[Call]) -> None:
+    """Set each OpCost's fused_bytes: within a phase (a compiled forward or backward graph), a fusible
+    op does not read a storage another fusible op wrote, and does not write one that only fusible ops
+    of the same phase read; other ops move what they always move. Perfect fusion, an optimistic bound."""
+    writer: dict[int, Call] = {}
+    needed: set[tuple[int, int]] = set()  # (id of the writing call, storage) that must reach memory
+    elided_reads: dict[int, int] = defaultdict(int)  # id of call -> bytes it need not read
+    for call in calls:
+        for storage, size in call.reads:
+            source = writer.get(storage)
+            if source is None:
+                continue
+            if call.fusible and source.fusible and source.phase == call.phase:
+                elided_reads[id(call)] += size
+            else:
+                needed.add((id(source), storage))
+        for storage, _ in call.writes:
+            writer[storage] = call
+    for call in calls:
+        if not call.fusible:
+            call.cost.fused_bytes += call.moved
+            continue
+        written = sum(size for storage, size in call.writes if (id(call), storage) in needed)
+        call.cost.fused_bytes += sum(size for _, size in call.reads) - elided_reads[id(call)] + written
+
+
 class StepRecorder(TorchDispatchMode):
+
     """Records every op's FLOPs (FlopCounterMode's formulas, CUSTOM_FLOPS included) and bytes, by
     OpCost's key. An op is of the attention core if it is an attention kernel or touches a
     [B, H, q_len, kv_len] score matrix (kv_len + 1: with a sink column)."""
@@ -222,6 +271,13 @@ class StepRecorder(TorchDispatchMode):
         self.tracker = ModuleTracker()  # its parents are reliable in forward only
         self.phase = "forward"
         self.costs: dict[tuple, OpCost] = {}
+        self.calls: list[Call] = []
+        self.storages: list = []  # held, so that no storage id is reused during the trace
+
+    def storage(self, tensor: torch.Tensor) -> tuple[int, int]:
+        storage = tensor.untyped_storage()
+        self.storages.append(storage)
+        return storage._cdata, _bytes(tensor)
 
     def __enter__(self):
         self.tracker.__enter__()
@@ -251,7 +307,14 @@ class StepRecorder(TorchDispatchMode):
         key = (self.phase, self.module(), str(packet).removeprefix("aten."), dtype, shapes, core)
         cost = self.costs.setdefault(key, OpCost(*key))
         cost.flops += self.formulas[packet](*args, **kwargs, out_val=out) if packet in self.formulas else 0
-        cost.bytes += moved_bytes(func, args, kwargs, out)
+        moved = moved_bytes(func, args, kwargs, out)
+        cost.bytes += moved
+        if not func.is_view:
+            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            outs += ins[:1] if packet.__name__.endswith("_") else []  # in place: self is written
+            self.calls.append(Call(cost, fusible(func), self.phase, [self.storage(t) for t in ins],
+                                   [self.storage(t) for t in outs], moved))
         if packet in GROUPED_GEMMS:
             cost.expert_weight_bytes += _bytes(out if GROUPED_GEMMS[packet] is None else args[GROUPED_GEMMS[packet]])
         cost.calls += 1
@@ -286,6 +349,7 @@ def trace_step(config: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype
             loss = model(ids, ids)
             recorder.phase = "backward"
             loss.backward()
+    fuse_chains(recorder.calls)
     _TRACES[key] = list(recorder.costs.values())
     return _TRACES[key]
 
@@ -302,20 +366,35 @@ class Item:
     bound: str  # compute | memory | link
 
 
-def matmul_peak(cost: OpCost, device: Device, head_precision: str) -> float:
-    """FLOP/s for a matmul of this dtype: BF16 tensor cores; FP32 ones in the head at head_precision,
-    elsewhere (routers) at torch's default "highest" precision, on CUDA cores."""
-    if cost.dtype != "float32":
-        return device.bf16
-    return HEAD_PRECISION_PEAKS[head_precision](device) if cost.module.startswith("lm_head") else device.fp32
+@dataclasses.dataclass(frozen=True)
+class Pricing:
+    """What an op costs depends on: the device, the head's FP32 matmul precision, the expert-parallel
+    degree (each rank reads 1/ep of the expert weights), and whether the blocks are compiled."""
 
+    device: Device
+    head_precision: str = "tf32"
+    ep: int = 1
+    compiled: bool = False
 
-def op_seconds(cost: OpCost, device: Device, head_precision: str, ep: int) -> tuple[float, str]:
-    """The roofline of one OpCost on one GPU: max(FLOPs / peak, bytes / HBM bandwidth)."""
-    moved = cost.bytes - cost.expert_weight_bytes * (1 - 1 / ep)
-    compute = cost.flops / matmul_peak(cost, device, head_precision) if cost.flops else 0.0
-    memory = moved / device.hbm
-    return max(compute, memory), "compute" if compute >= memory else "memory"
+    @property
+    def gpu(self) -> bool:
+        return not self.device.name.startswith("cpu")
+
+    def matmul_peak(self, cost: OpCost) -> float:
+        """FLOP/s for a matmul of this dtype: BF16 tensor cores; FP32 ones in the head at head_precision,
+        elsewhere (routers) at torch's default "highest" precision, on CUDA cores."""
+        if cost.dtype != "float32":
+            return self.device.bf16
+        if cost.module.startswith("lm_head"):
+            return HEAD_PRECISION_PEAKS[self.head_precision](self.device)
+        return self.device.fp32
+
+    def seconds(self, cost: OpCost) -> tuple[float, str]:
+        """The roofline of one OpCost: max(FLOPs / peak, bytes / HBM bandwidth), and which bounds it."""
+        moved = (cost.fused_bytes if self.compiled else cost.bytes) - cost.expert_weight_bytes * (1 - 1 / self.ep)
+        compute = cost.flops / self.matmul_peak(cost) if cost.flops else 0.0
+        memory = moved / self.device.hbm
+        return max(compute, memory), "compute" if compute >= memory else "memory"
 
 
 def recomputed_share(config: ModelConfig, checkpointing: str) -> float:
@@ -334,15 +413,15 @@ def attention_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     return model.flops_per_token(seq_len) - (one - per_key)
 
 
-def compute_items(config: ModelConfig, costs: list[OpCost], device: Device, seq_len: int, tokens: float,
-                  checkpointing: str, head_precision: str, ep: int, gpu: bool) -> list[Item]:
+def compute_items(config: ModelConfig, costs: list[OpCost], pricing: Pricing, seq_len: int, tokens: float,
+                  checkpointing: str) -> list[Item]:
     """The traced ops grouped by (op, dtype, shapes), in seconds per micro-batch. On a GPU the
     attention core becomes one flex kernel (the module docstring, point 2)."""
     groups: dict[str, Item] = {}
     for cost in costs:
-        if gpu and cost.attention_core:
+        if pricing.gpu and cost.attention_core:
             continue
-        seconds, bound = op_seconds(cost, device, head_precision, ep)
+        seconds, bound = pricing.seconds(cost)
         where = f" ({cost.module})" if cost.module else ""
         label = f"{cost.op} {cost.dtype} {cost.shapes}"
         item = groups.setdefault(label, Item(label, 0.0, 0.0, bound))
@@ -350,10 +429,10 @@ def compute_items(config: ModelConfig, costs: list[OpCost], device: Device, seq_
         if where and not item.label.endswith(")"):
             item.label += where
     items = list(groups.values())
-    if gpu:
+    if pricing.gpu:
         units = 2 + 5 + 2 * recomputed_share(config, checkpointing)  # flash: the backward recomputes the scores
-        flops = attention_flops_per_token(config, seq_len) * tokens * units / 6
-        items.append(Item("attention core (flex kernel, BF16)", flops / device.bf16, flops / device.bf16, "compute"))
+        seconds = attention_flops_per_token(config, seq_len) * tokens * units / 6 / pricing.device.bf16
+        items.append(Item("attention core (flex kernel, BF16)", seconds, seconds, "compute"))
     return items
 
 
@@ -486,12 +565,6 @@ class Plan:
     def mfu(self) -> float:
         return self.model_flops_per_token * self.tokens_per_second / self.device.bf16
 
-    @property
-    def fused_mfu(self) -> float:
-        """MFU if compiling fused every memory-bound op but AdamW away: the ceiling of the eager estimate."""
-        eager_memory = sum(item.exposed for item in self.items if item.bound == "memory" and item is not self.items[-1])
-        return self.mfu * self.step_seconds / (self.step_seconds - eager_memory)
-
 
 def trainable_shard(config: ModelConfig, layout: ParallelConfig) -> float:
     """Trainable parameters one GPU holds a shard of (memory.py's count, busiest stage)."""
@@ -500,22 +573,31 @@ def trainable_shard(config: ModelConfig, layout: ParallelConfig) -> float:
                for e, o, _ in _stage_params(config, layout.pp))
 
 
+def head_precision(layout: ParallelConfig) -> str:
+    """[parallel] head_precision where the config has it (tf32 otherwise: what the GPU configs choose)."""
+    precision = getattr(layout, "head_precision", "tf32")
+    if precision not in HEAD_PRECISION_PEAKS:
+        raise ConfigError(f"[parallel] head_precision = {precision!r}: the planner knows {sorted(HEAD_PRECISION_PEAKS)}")
+    return precision
+
+
 def plan_step(cfg: TrainConfig, layout: ParallelConfig, device: Device) -> Plan:
-    """Predict one optimizer step of `cfg` on one GPU of the resolved `layout` (module docstring)."""
+    """Predict one optimizer step of `cfg` on one GPU of the resolved `layout` (module docstring);
+    [parallel] compile chooses the fused bytes of compiled blocks or the eager ones."""
     config, seq_len, batch = cfg.model_config, cfg.data.seq_len, cfg.training.batch_size
-    gpu = not device.name.startswith("cpu")
+    pricing = Pricing(device, head_precision(layout), layout.ep, layout.compile)
+    gpu = pricing.gpu
     dtype = layout.compute_dtype("cuda" if gpu else "cpu")
     bulk_bytes = torch.empty((), dtype=dtype).element_size()
-    head_precision = getattr(layout, "head_precision", "tf32")
     checkpointing = layout.activation_checkpointing
     costs = trace_step(config, batch, seq_len, dtype, checkpointing, 16 if gpu and layout.ep == 1 else 1)
     tokens = batch * seq_len / layout.cp  # this rank's, per micro-batch
     share = 1 / (layout.cp * layout.pp)  # of the traced whole-model, whole-sequence step
-    ops = compute_items(config, costs, device, seq_len, batch * seq_len, checkpointing, head_precision, layout.ep, gpu)
+    ops = compute_items(config, costs, pricing, seq_len, batch * seq_len, checkpointing)
     for item in ops:
         item.seconds, item.exposed = item.seconds * share, item.exposed * share
     compute = sum(item.seconds for item in ops)
-    head = sum(op_seconds(c, device, head_precision, layout.ep)[0] for c in costs if c.phase == "forward"
+    head = sum(pricing.seconds(c)[0] for c in costs if c.phase == "forward"
                and not c.module.startswith("layers.")) * share
     layer_compute = (compute - head) / math.ceil(config.num_hidden_layers / layout.pp)
     recomputed = recomputed_share(config, checkpointing)
@@ -551,10 +633,10 @@ def summary(plan: Plan) -> str:
 def plan_table(plan: Plan, top: int = 10) -> str:
     """The summary line and the `top` items that cost the step most (exposed seconds)."""
     lines = [f"{plan.device.name}, {describe_layout(plan.layout)}, head_precision "
-             f"{getattr(plan.layout, 'head_precision', 'tf32')}: step {plan.step_seconds:.3f} s, "
+             f"{head_precision(plan.layout)}: step {plan.step_seconds:.3f} s, "
              f"{plan.tokens_per_second:,.0f} tokens/s per GPU, MFU {100 * plan.mfu:.1f} % "
-             f"({plan.model_flops_per_token * plan.tokens_per_second / 1e12:.3g} model TFLOP/s per GPU); "
-             f"{100 * plan.fused_mfu:.1f} % if compiling fused every memory-bound op but AdamW away",
+             f"({plan.model_flops_per_token * plan.tokens_per_second / 1e12:.3g} model TFLOP/s per GPU), "
+             f"{'compiled' if plan.layout.compile else 'eager'}",
              summary(plan), "| # | op or collective | seconds per step | share of step | bound |", "|---|---|---|---|---|"]
     ranked = sorted(plan.items, key=lambda item: -item.exposed)[:top]
     for rank, item in enumerate(ranked, 1):
