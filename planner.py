@@ -8,14 +8,14 @@
 
 prints tokens/s per GPU, MFU, the step time and the ten ops or collectives that cost most. Method:
 
-1. Compute: one training step of one rank (forward, the recompute forward of activation checkpointing,
-   backward) runs on fake tensors (shapes and dtypes, no values) at the rank's micro-batch
-   [batch_size, seq_len] in the run's dtypes (BF16 bulk, FP32 sinks, routers and head). A dispatch
-   mode records every op: its FLOPs (torch.utils.flop_counter's formulas, plus this repo's custom
-   operators) and the bytes it reads and writes (its tensors' sizes; views move nothing). Each op
-   costs max(FLOPs / the peak of its dtype, bytes / HBM bandwidth): a roofline, at 100% of the data
-   sheet's peaks, so a prediction is an upper bound on speed. Ops are eager, one by one: compiling
-   fuses elementwise chains, so memory-bound time is an upper bound too.
+1. Compute: one forward and backward (with the recompute forward of activation checkpointing) of the
+   whole model at a rank's micro-batch [batch_size, seq_len], in the run's dtypes (BF16 bulk, FP32
+   sinks, routers and head), traced op by op on fake tensors (op_trace.py: FLOPs by FlopCounterMode's
+   formulas, bytes read and written). An expert-parallel rank computes the same (balanced loads),
+   reading 1/ep of the expert weights. Each op costs max(FLOPs / the peak of its dtype, bytes / HBM
+   bandwidth): a roofline at 100% of the data sheets' peaks, so a prediction bounds the speed from
+   above. With [parallel] compile the bytes are those left once chains of elementwise ops are fused
+   (op_trace.fuse_chains, perfect fusion inside each forward or backward graph); eager, every op's own.
 2. The trace runs the CPU's code path (fake CUDA tensors cannot take gradients on a CPU build of
    torch). For a GPU the attention core is replaced: the ops of the CPU kernel (its flash custom op,
    or the dense [B, H, T, S] score matrices of Mistral Large 4's sdpa path) are dropped and one flex
@@ -36,7 +36,8 @@ prints tokens/s per GPU, MFU, the step time and the ten ops or collectives that 
      tokens x top-k x hidden in BF16 each way), 2 in backward, 2 more per recomputed forward. They
      do not overlap (the experts wait for their rows). Expert loads are assumed balanced.
    - Pipeline: each stage computes 1/pp of the rank's trace, sends [B, T, H] BF16 activations forward
-     and gradients back per micro-batch (exposed), and idles a bubble of (pp - 1) / (m + pp - 1).
+     and gradients back per micro-batch (exposed), and idles a bubble of (pp - 1) / (m x v) of its
+     compute (m micro-batches, v stages per rank).
    - Context parallelism: each rank computes 1/cp of the trace and all-gathers the keys and values
      of every layer (forward, recompute) and reduce-scatters their gradients (backward), exposed.
 4. Per step: grad_accum micro-batches, then AdamW over the FP32 shards: 32 bytes per trainable
@@ -52,26 +53,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import re
 import time
 from collections import defaultdict
-from contextlib import ExitStack
 from pathlib import Path
-from unittest import mock
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
-from torch.utils.module_tracker import ModuleTracker
 
-import decoder
-import moe
 from config import ConfigError, TrainConfig, load_config
 from memory import _meta_model
-from models import ModelConfig, model_class
-from parallel import MESH_DIMS, ParallelConfig, apply_activation_checkpointing
+from models import ModelConfig
+from op_trace import OpCost, trace_step
+from parallel import MESH_DIMS, ParallelConfig
 
 TFLOPS, TBPS, GBPS = 1e12, 1e12, 1e9
 
@@ -131,227 +123,6 @@ def device_named(name: str) -> Device:
         if name.upper() == key:
             return device
     raise ConfigError(f"--gpu: unknown GPU {name!r}; choose one of {', '.join(GPUS)} or cpu")
-
-
-# ============================================================================= tracing one step
-
-def _grouped_mm_flop(x_shape, w_shape, offsets_shape, out_shape=None, **kwargs) -> int:
-    """flint::grouped_mm: x [M, K] @ the groups of w [G, K, N]: each row meets one group."""
-    return 2 * x_shape[0] * x_shape[1] * w_shape[-1]
-
-
-def _grouped_mm_weight_grad_flop(x_shape, grad_shape, offsets_shape, out_shape=None, **kwargs) -> int:
-    return 2 * x_shape[0] * x_shape[1] * grad_shape[1]
-
-
-def _flash_sink_flop(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(q_shape, k_shape, v_shape)  # every key given, as the CPU kernel with a mask
-
-
-def _flash_sink_backward_flop(dy_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(dy_shape, q_shape, k_shape, v_shape)
-
-
-# FLOP formulas of this repo's custom operators, beside torch's own: FlopCounterMode's custom_mapping.
-CUSTOM_FLOPS = {torch.ops.flint.grouped_mm: _grouped_mm_flop,
-                torch.ops.flint.grouped_mm_weight_grad: _grouped_mm_weight_grad_flop,
-                torch.ops.flint.flash_sink_attention: _flash_sink_flop,
-                torch.ops.flint.flash_sink_attention_backward: _flash_sink_backward_flop}
-
-
-@dataclasses.dataclass
-class OpCost:
-    """One kind of op in a traced step (same phase, module, op, dtype and input shapes), summed over its calls."""
-
-    phase: str  # forward | backward (the recompute forward of checkpointed blocks runs in backward)
-    module: str  # where a forward op ran, layer numbers as *: layers.*.self_attn.q_proj ("" in backward)
-    op: str
-    dtype: str
-    shapes: str  # of the first two tensor inputs: which matmul it is
-    attention_core: bool  # part of the attention kernel (replaced by one flex kernel on a GPU)
-    flops: float = 0.0
-    bytes: float = 0.0
-    expert_weight_bytes: float = 0.0  # of `bytes`: the grouped GEMMs' expert weights (1/ep of them per rank)
-    fused_bytes: float = 0.0  # `bytes` once compiling fuses chains of elementwise ops (fuse_chains)
-    calls: int = 0
-
-
-def _bytes(tensor: object) -> int:
-    """Bytes a kernel touches in a tensor: its elements, or its storage if smaller (an expanded view)."""
-    if not isinstance(tensor, torch.Tensor):
-        return 0
-    return min(tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes())
-
-
-def moved_bytes(func, args: tuple, kwargs: dict, out: object) -> int:
-    """Bytes an op reads and writes: every tensor in and out; views move nothing; indexed reads
-    (gather, index_select, embedding) read only the rows they return; indexed writes (scatter,
-    index_add, index_copy, index_put) touch only the rows they write (plus a copy of self unless in place)."""
-    if func.is_view:
-        return 0
-    name = func._overloadpacket.__name__
-    tensors_in = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    tensors_out = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    if name in INDEXED_READS:
-        return 2 * sum(map(_bytes, tensors_out)) + sum(_bytes(t) for t in tensors_in[1:])
-    if name.rstrip("_") in INDEXED_WRITES:
-        others = [_bytes(t) for t in tensors_in[1:]]
-        copy = 0 if name.endswith("_") else 2 * _bytes(tensors_in[0])
-        return sum(others) + max(others, default=0) + copy
-    return sum(map(_bytes, tensors_in + tensors_out))
-
-
-INDEXED_READS = {"gather", "index_select", "embedding"}
-INDEXED_WRITES = {"scatter", "scatter_add", "index_add", "index_copy", "index_put"}
-ATTENTION_KERNELS = {torch.ops.flint.flash_sink_attention, torch.ops.flint.flash_sink_attention_backward,
-                     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-                     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
-                     torch.ops.aten.scaled_dot_product_attention, torch.ops.aten._scaled_dot_product_attention_math}
-GROUPED_GEMMS = {torch.ops.flint.grouped_mm: 1, torch.ops.flint.grouped_mm_weight_grad: None}  # the weight: arg 1, the output
-
-
-# Ops the compiler fuses into one kernel with their neighbours (torch's pointwise and reduction tags, casts, softmax).
-FUSIBLE_NAMES = {"_to_copy", "clone", "copy_", "_softmax", "_log_softmax", "_softmax_backward_data",
-                 "_log_softmax_backward_data"}
-
-
-def fusible(func) -> bool:
-    return torch.Tag.pointwise in func.tags or torch.Tag.reduction in func.tags or \
-        func._overloadpacket.__name__ in FUSIBLE_NAMES
-
-
-@dataclasses.dataclass
-class Call:
-    """One op call as fuse_chains sees it: which OpCost, and the storages it reads and writes."""
-
-    cost: OpCost
-    fusible: bool
-    phase: str
-    reads: list[tuple[int, int]]  # (storage id, bytes)
-    writes: list[tuple[int, int]]
-    moved: int  # moved_bytes: what it moves unfused
-
-
-def fuse_chains(calls: list[Call]) -> None:
-    """Set each OpCost's fused_bytes: within a phase (a compiled forward or backward graph), a fusible
-    op does not read a storage another fusible op wrote, and does not write one that only fusible ops
-    of the same phase read; other ops move what they always move. Perfect fusion, an optimistic bound."""
-    writer: dict[int, Call] = {}
-    needed: set[tuple[int, int]] = set()  # (id of the writing call, storage) that must reach memory
-    elided_reads: dict[int, int] = defaultdict(int)  # id of call -> bytes it need not read
-    for call in calls:
-        for storage, size in call.reads:
-            source = writer.get(storage)
-            if source is None:
-                continue
-            if call.fusible and source.fusible and source.phase == call.phase:
-                elided_reads[id(call)] += size
-            else:
-                needed.add((id(source), storage))
-        for storage, _ in call.writes:
-            writer[storage] = call
-    for call in calls:
-        if not call.fusible:
-            call.cost.fused_bytes += call.moved
-            continue
-        written = sum(size for storage, size in call.writes if (id(call), storage) in needed)
-        call.cost.fused_bytes += sum(size for _, size in call.reads) - elided_reads[id(call)] + written
-
-
-class StepRecorder(TorchDispatchMode):
-
-    """Records every op's FLOPs (FlopCounterMode's formulas, CUSTOM_FLOPS included) and bytes, by
-    OpCost's key. An op is of the attention core if it is an attention kernel or touches a
-    [B, H, q_len, kv_len] score matrix (kv_len + 1: with a sink column)."""
-
-    def __init__(self, q_len: int, kv_len: int):
-        super().__init__()
-        self.formulas = FlopCounterMode(display=False, custom_mapping=CUSTOM_FLOPS).flop_registry
-        self.scores = {(q_len, kv_len), (q_len, kv_len + 1)}
-        self.tracker = ModuleTracker()  # its parents are reliable in forward only
-        self.phase = "forward"
-        self.costs: dict[tuple, OpCost] = {}
-        self.calls: list[Call] = []
-        self.storages: list = []  # held, so that no storage id is reused during the trace
-
-    def storage(self, tensor: torch.Tensor) -> tuple[int, int]:
-        storage = tensor.untyped_storage()
-        self.storages.append(storage)
-        return storage._cdata, _bytes(tensor)
-
-    def __enter__(self):
-        self.tracker.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        super().__exit__(*exc)
-        self.tracker.__exit__(*exc)
-
-    def module(self) -> str:
-        if self.phase != "forward":
-            return ""
-        deepest = max(self.tracker.parents, key=lambda name: name.count("."))
-        return re.sub(r"\.\d+(?=\.|$)", ".*", deepest.partition(".")[2]) or "(model)"
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        if func.namespace == "prim" or not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
-            return out  # metadata (prim.device, sizes): no kernel
-        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        core = packet in ATTENTION_KERNELS or any(t.dim() == 4 and tuple(t.shape[-2:]) in self.scores for t in tensors)
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)][:2]
-        shapes = "x".join(str(list(t.shape)) for t in inputs)
-        dtype = str(tensors[0].dtype).removeprefix("torch.")
-        key = (self.phase, self.module(), str(packet).removeprefix("aten."), dtype, shapes, core)
-        cost = self.costs.setdefault(key, OpCost(*key))
-        cost.flops += self.formulas[packet](*args, **kwargs, out_val=out) if packet in self.formulas else 0
-        moved = moved_bytes(func, args, kwargs, out)
-        cost.bytes += moved
-        if not func.is_view:
-            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            outs += ins[:1] if packet.__name__.endswith("_") else []  # in place: self is written
-            self.calls.append(Call(cost, fusible(func), self.phase, [self.storage(t) for t in ins],
-                                   [self.storage(t) for t in outs], moved))
-        if packet in GROUPED_GEMMS:
-            cost.expert_weight_bytes += _bytes(out if GROUPED_GEMMS[packet] is None else args[GROUPED_GEMMS[packet]])
-        cost.calls += 1
-        return out
-
-
-_TRACES: dict[str, list[OpCost]] = {}
-
-
-def trace_step(config: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype, checkpointing: str,
-               group_align: int = 1) -> list[OpCost]:
-    """The ops of one forward and backward of the whole model on fake CPU tensors: micro-batch
-    [batch, seq_len], bulk `dtype`, [parallel] activation_checkpointing, expert groups padded to
-    `group_align` rows. Traced once per argument set (the released models take a minute)."""
-    key = repr((config, batch, seq_len, dtype, checkpointing, group_align))
-    if key in _TRACES:
-        return _TRACES[key]
-    with torch.device("meta"):
-        model = model_class(config)(config, dtype)
-    apply_activation_checkpointing(model, checkpointing)
-    for module in model.modules():
-        if isinstance(module, moe.GroupedExperts):
-            module.group_align = group_align
-    recorder = StepRecorder(seq_len, seq_len)
-    with ExitStack() as stack:
-        # The token-id check reads values (a host sync, which fake tensors refuse); train.py's data is checked.
-        stack.enter_context(mock.patch.object(decoder, "check_token_ids", lambda *args, **kwargs: None))
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        model.to_empty(device="cpu")
-        ids = torch.zeros(batch, seq_len, dtype=torch.long)
-        with recorder:
-            loss = model(ids, ids)
-            recorder.phase = "backward"
-            loss.backward()
-    fuse_chains(recorder.calls)
-    _TRACES[key] = list(recorder.costs.values())
-    return _TRACES[key]
 
 
 # ============================================================================= costing the ops
