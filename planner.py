@@ -28,7 +28,8 @@ prints tokens/s per GPU, MFU, the step time and the ten ops or collectives that 
    stays inside a node of 8 GPUs, which the mesh order pp, dp_replicate, dp_shard, ep, cp decides,
    else the network):
    - FSDP: each block all-gathers its parameters in forward and again in backward (BF16, FP32 units
-     in FP32) and reduce-scatters FP32 gradients; routed experts over dp_shard x cp, the rest over
+     in FP32; the root units, embedding, norm and head, once) and reduce-scatters FP32 gradients, every
+     micro-batch (train.py keeps gradient sync on during accumulation); routed experts over dp_shard x cp, the rest over
      dp_shard x ep x cp. A block's collectives overlap the compute of its neighbours: exposed are the
      first block's all-gather and reduce-scatter, and whatever of each block's collectives outlasts
      that block's compute. HSDP adds an all-reduce over dp_replicate, exposed.
@@ -259,8 +260,9 @@ def fsdp_items(config: ModelConfig, layout: ParallelConfig, device: Device, bulk
     for index, (other, expert, other_grad, expert_grad) in enumerate(units):
         gather = ring_seconds(other, fsdp, fsdp_bw) + ring_seconds(expert, efsdp, efsdp_bw)
         scatter = ring_seconds(other_grad, fsdp, fsdp_bw) + ring_seconds(expert_grad, efsdp, efsdp_bw)
-        gathers, scatters = gathers + 2 * gather, scatters + scatter  # gathered again in backward
-        exposed += gather + scatter if index == 0 else max(0.0, 2 * gather + scatter - layer_compute)
+        times = 1 if index == len(units) - 1 else 2  # blocks are gathered again in backward; the root units once
+        gathers, scatters = gathers + times * gather, scatters + scatter
+        exposed += gather + scatter if index == 0 else max(0.0, times * gather + scatter - layer_compute)
     items = [Item(f"FSDP all-gathers (group {fsdp}, experts {efsdp})", gathers, 0.0, "link"),
              Item(f"FSDP reduce-scatters (group {fsdp}, experts {efsdp})", scatters, 0.0, "link")]
     total = gathers + scatters
