@@ -128,15 +128,19 @@ def test_bad_gpu_and_missing_config_are_one_line_errors(monkeypatch):
     assert result.returncode == 1 and result.stderr.startswith("error: --gpu") and "Traceback" not in result.stderr
 
 
-@pytest.mark.skipif(not SLOW, reason="the released Flint's trace: about a minute on 2 busy cores; FLINT_SLOW=1")
-def test_released_flint_step_is_its_model_flops_plus_one_recomputed_forward():
-    """configs/flint-8gpu.toml (BF16, full recompute): the traced matmuls outside attention are 8
-    FLOPs per active weight per token (2 forward, 2 recompute, 4 backward), the weights being what
-    model.flops_per_token counts beside attention."""
+@pytest.mark.skipif(not SLOW, reason="the released Flint's traces: about two minutes on 2 busy cores; FLINT_SLOW=1")
+def test_released_flint_step_is_its_model_flops_plus_at_most_one_recomputed_forward():
+    """configs/flint-8gpu.toml in BF16 at 1,024 tokens: without checkpointing, the traced matmuls outside
+    attention are 6 FLOPs per weight that model.flops_per_token counts beside attention; full
+    checkpointing adds at most one forward of the blocks (2 per block weight) and at least 90 % of it
+    (torch's checkpoint stops recomputing once the last tensor backward needs is back)."""
     from config import load_config
-    cfg = load_config(ROOT / "configs" / "flint-8gpu.toml")
-    config, seq_len = cfg.model_config, cfg.data.seq_len
-    costs = trace_step(config, 1, seq_len, torch.bfloat16, "full")
+    config, seq_len = load_config(ROOT / "configs" / "flint-8gpu.toml").model_config, 1024
     weights = (planner._meta_model(config).flops_per_token(seq_len) - attention_flops_per_token(config, seq_len)) / 6
-    traced = sum(cost.flops for cost in costs if not cost.attention_core)
-    assert traced == pytest.approx(8 * weights * seq_len, rel=1e-9)
+    block_weights = weights - config.vocab_size * config.hidden_size  # the head is not checkpointed
+
+    def traced(checkpointing):
+        costs = trace_step(config, 1, seq_len, torch.bfloat16, checkpointing)
+        return sum(cost.flops for cost in costs if not cost.attention_core) / seq_len
+    assert traced("none") == pytest.approx(6 * weights, rel=1e-9)
+    assert 0.9 * 2 * block_weights <= traced("full") - traced("none") <= 2 * block_weights
