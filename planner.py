@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from config import ConfigError, TrainConfig, load_config
-from memory import _meta_model
+from memory import _meta_model, _stage_params
 from models import ModelConfig
 from op_trace import OpCost, trace_step
 from parallel import MESH_DIMS, ParallelConfig
@@ -341,7 +341,6 @@ class Plan:
 
 def trainable_shard(config: ModelConfig, layout: ParallelConfig) -> float:
     """Trainable parameters one GPU holds a shard of (memory.py's count, busiest stage)."""
-    from memory import _stage_params
     return max(e / (layout.ep * layout.dp_shard * layout.cp) + o / (layout.dp_shard * layout.ep * layout.cp)
                for e, o, _ in _stage_params(config, layout.pp))
 
@@ -370,9 +369,9 @@ def plan_step(cfg: TrainConfig, layout: ParallelConfig, device: Device) -> Plan:
     for item in ops:
         item.seconds, item.exposed = item.seconds * share, item.exposed * share
     compute = sum(item.seconds for item in ops)
-    head = sum(pricing.seconds(c)[0] for c in costs if c.phase == "forward"
-               and not c.module.startswith("layers.")) * share
-    layer_compute = (compute - head) / math.ceil(config.num_hidden_layers / layout.pp)
+    outside_blocks = sum(pricing.seconds(c)[0] for c in costs if c.phase == "forward"  # embedding, head and loss
+                         and not c.module.startswith("layers.")) * share
+    layer_compute = (compute - outside_blocks) / math.ceil(config.num_hidden_layers / layout.pp)
     recomputed = recomputed_share(config, checkpointing)
     comms = fsdp_items(config, layout, device, bulk_bytes, layer_compute) if gpu else []
     comms += [item for item in (expert_parallel_item(config, layout, device, tokens, bulk_bytes, recomputed),
