@@ -250,7 +250,7 @@ def trace_step(config: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype
     with ExitStack() as stack:
         # The token-id check reads values (a host sync, which fake tensors refuse); train.py's data is checked.
         stack.enter_context(mock.patch.object(decoder, "check_token_ids", lambda *args, **kwargs: None))
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))  # to_empty reads the meta parameters
         model.to_empty(device="cpu")
         ids = torch.zeros(batch, seq_len, dtype=torch.long)
         with recorder:

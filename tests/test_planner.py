@@ -144,3 +144,20 @@ def test_released_flint_step_is_its_model_flops_plus_at_most_one_recomputed_forw
         return sum(cost.flops for cost in costs if not cost.attention_core) / seq_len
     assert traced("none") == pytest.approx(6 * weights, rel=1e-9)
     assert 0.9 * 2 * block_weights <= traced("full") - traced("none") <= 2 * block_weights
+
+
+def test_large4_dense_scores_are_the_attention_core_a_gpu_replaces():
+    """Mistral Large 4's CPU path materialises [B, H, T, S] scores: on a GPU those ops give way to the
+    flex kernel, whose FLOPs (LARGE4.md section 6.3) are 6 * heads * (qk + v) per attended key per layer,
+    plus the indexers' 2 * Hi * Di per scored key (T + 1) / 2 on full-indexer layers."""
+    from large4_config import Large4Config
+    c, seq_len = Large4Config.from_name("large4-tiny"), 48
+    costs = trace_step(c, 2, seq_len, torch.bfloat16, "none")
+    score_ops = {cost.op for cost in costs if cost.attention_core}
+    assert {"bmm", "_softmax"} <= score_ops
+    kept = [cost for cost in costs if not cost.attention_core and cost.op == "_softmax"]
+    assert all(f"{seq_len}, {seq_len}]" not in cost.shapes for cost in kept)  # every score softmax is in the core
+    attended = sum(min(i + 1, c.index_topk) for i in range(seq_len)) / seq_len
+    expected = (c.num_hidden_layers * 6 * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * attended
+                + c.indexer_types.count("full") * 2 * c.index_n_heads * c.index_head_dim * (seq_len + 1) / 2)
+    assert attention_flops_per_token(c, seq_len) == pytest.approx(expected)
