@@ -12,7 +12,8 @@ import train
 from config import load_config
 from flint_config import FlintConfig
 from large4_config import Large4Config
-from rehearsal import PeakMemory, RehearsalError
+from model import Flint as FlintModel
+from rehearsal import GIB, PeakMemory, RehearsalError
 
 MIB = 2 ** 20
 
@@ -142,3 +143,16 @@ def test_flint_8gpu_is_rehearsed_at_its_real_size(tmp_path, capsys):
 def test_every_gpu_config_is_rehearsed_at_its_real_size(tmp_path, capsys, name, world, overrides):
     args = [f"--model.init_from={released_checkpoint(tmp_path, o.split(':')[1])}" for o in overrides]
     rehearse_config(tmp_path, capsys, name, world, *args, *([] if name != "finetune" else ["--parallel.dp_shard=8"]))
+
+
+def test_offload_counts_the_sharded_states_in_host_memory(tmp_path, capsys):
+    """[parallel] offload: the GPU's peak leaves out the shards of weights, gradients and AdamW states
+    (16 bytes per trainable parameter's shard), which the rehearsal reports as host memory."""
+    on_gpu = rehearse_tiny(tmp_path / "gpu", capsys, world=2)
+    offloaded = rehearse_tiny(tmp_path / "host", capsys, "--parallel.offload=true", world=2)
+    config = load_config("configs/debug.toml").model_config
+    with torch.device("meta"):
+        params = FlintModel(config).num_params()
+    assert offloaded["host_gib"] == pytest.approx(16 * params / 2 / GIB, rel=0.02)
+    assert offloaded["peak_gib"] < on_gpu["peak_gib"]
+    assert "GiB in host memory ([parallel] offload)" in offloaded["printed"]
