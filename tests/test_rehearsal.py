@@ -120,7 +120,7 @@ def released_checkpoint(tmp_path, family: str) -> str:
 
 def rehearse_config(tmp_path, capsys, name: str, world: int, *overrides: str) -> dict:
     cfg = load_config(f"configs/{name}.toml", [f"--checkpoint.dir={tmp_path}/ck", *overrides])
-    result = rehearsal.rehearse(cfg, gpu="H200")
+    result = rehearsal.rehearse(cfg, world, gpu="H200")
     printed = capsys.readouterr().out
     assert f"rehearsal rank 0 of {world}: step 2: forward, backward, clipping and adamw passed" in printed, printed
     assert f"rehearsal rank 0 of {world}: peak" in printed
@@ -142,7 +142,7 @@ def test_flint_8gpu_is_rehearsed_at_its_real_size(tmp_path, capsys):
     ("finetune", 8, ("init_from:flint",)), ("large4", 256, ("init_from:large4",))])
 def test_every_gpu_config_is_rehearsed_at_its_real_size(tmp_path, capsys, name, world, overrides):
     args = [f"--model.init_from={released_checkpoint(tmp_path, o.split(':')[1])}" for o in overrides]
-    rehearse_config(tmp_path, capsys, name, world, *args, *([] if name != "finetune" else ["--parallel.dp_shard=8"]))
+    rehearse_config(tmp_path, capsys, name, world, *args)
 
 
 def test_offload_counts_the_sharded_states_in_host_memory(tmp_path, capsys):
