@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.attention.flex_attention as flex_module
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
@@ -221,10 +221,9 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
         raise ConfigError(f"--rank must be in [0, {world}), got {rank}")
     job = gpu_config(cfg)
     say = Phases(f"rank {rank} of {world}")
-    with fake_world(world, rank), targeting("cuda"), flex_on_fake_tensors():
+    with fake_world(world, rank), targeting("cuda"), flex_on_fake_tensors(), block_masks_on_real_tensors():
         run = start_fake_run(job, say)
         batches = rehearsal_batches(job, run, say)
-        prebuild_block_masks(job)
         model = train.build_model(job, run)  # on meta
         set_balanced_routing(model.module, job.training.force_balanced_routing)
         tracker = PeakMemory()
@@ -301,12 +300,18 @@ def rehearsal_batches(cfg: TrainConfig, run: Run, say: Phases):
     return batches
 
 
-def prebuild_block_masks(cfg: TrainConfig) -> None:
-    """Build the shape-only block masks before the fake mode starts (attention caches them by shape)."""
-    config = cfg.model_config
-    for layer_type in sorted(set(getattr(config, "layer_types", ()))):
-        attention.block_mask(layer_type, getattr(config, "window", None), None, cfg.training.batch_size,
-                             cfg.data.seq_len, "cpu")
+@contextmanager
+def block_masks_on_real_tensors() -> Iterator[None]:
+    """create_block_mask evaluates its mask_mod through a trace of its own, which fake tensors refuse:
+    the shape-only masks the rehearsal uses (no documents) are built on real tensors (block counts and
+    indices, a few MiB) and handed to the fake step like any other constant."""
+    build = attention.new_block_mask
+
+    def build_for_real(*args, **kwargs):
+        with unset_fake_temporarily():
+            return build(*args, **kwargs)
+    with mock.patch.object(attention, "new_block_mask", build_for_real):
+        yield
 
 
 def fake_step(model, optimizer, batches: list[dict], cfg: TrainConfig, tracker: PeakMemory) -> None:
