@@ -46,6 +46,8 @@ import torch.distributed as dist
 import torch.nn.attention.flex_attention as flex_module
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.pipelining._utils import InferenceMode
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
@@ -199,6 +201,20 @@ def flex_on_fake_tensors() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def pipeline_votes_on_fake_tensors() -> Iterator[None]:
+    """A pipeline schedule's first step has its stages vote, through the ring of ranks, for static or
+    dynamic metadata, and reads the result (a value): in a fake world no vote arrives. Every rank runs
+    the same model code, whose stages declare the same metadata, so each stage takes the vote of its
+    own declaration, which is what the real vote returns."""
+    def vote_alone(schedule, stages, has_backward, p2p_done):
+        for stage in stages:
+            dynamic = InferenceMode.needs_dynamic(stage._user_meta, has_backward)
+            stage._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
+    with mock.patch.object(_PipelineSchedule, "_warmup_p2p", vote_alone):
+        yield
+
+
 def gpu_config(cfg: TrainConfig) -> TrainConfig:
     """The config as the GPU job resolves it: its compute dtype on CUDA, eager blocks (see the module
     docstring), balanced routing."""
@@ -221,7 +237,8 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
         raise ConfigError(f"--rank must be in [0, {world}), got {rank}")
     job = gpu_config(cfg)
     say = Phases(f"rank {rank} of {world}")
-    with fake_world(world, rank), targeting("cuda"), flex_on_fake_tensors(), block_masks_on_real_tensors():
+    with fake_world(world, rank), targeting("cuda"), flex_on_fake_tensors(), block_masks_on_real_tensors(), \
+            pipeline_votes_on_fake_tensors():
         run = start_fake_run(job, say)
         batches = rehearsal_batches(job, run, say)
         model = train.build_model(job, run)  # on meta

@@ -36,20 +36,25 @@ def test_peak_memory_counts_each_storage_once_and_follows_frees_and_resizes():
     assert tracker.largest_at_peak(1)[0][0] == "start: aten.zeros.default"
 
 
-def rehearse_tiny(tmp_path, capsys, *overrides: str, world: int = 4, steps: int = 1) -> dict:
-    cfg = load_config("configs/debug.toml", [f"--checkpoint.dir={tmp_path}/ck", "--parallel.activation_checkpointing=full",
-                                             *overrides])
+def rehearse_tiny(tmp_path, capsys, *overrides: str, world: int = 4, steps: int = 1, config: str = "debug") -> dict:
+    cfg = load_config(f"configs/{config}.toml", [f"--checkpoint.dir={tmp_path}/ck",
+                                                 "--parallel.activation_checkpointing=full", *overrides])
     result = rehearsal.rehearse(cfg, world, rank=world - 1, steps=steps)
     result["printed"] = capsys.readouterr().out
     return result
 
 
-def test_a_tiny_job_is_rehearsed_on_a_fake_world_of_its_size(tmp_path, capsys):
-    result = rehearse_tiny(tmp_path, capsys, "--parallel.ep=2", world=4, steps=2)
+@pytest.mark.parametrize("config, layout, world, mesh", [
+    ("debug", ["--parallel.ep=2"], 4, "dp_shard 2 x ep 2"),
+    ("debug", ["--parallel.pp=2"], 4, "pp 2 x dp_shard 2"),
+    ("debug", ["--parallel.cp=2", "--parallel.ep=2"], 4, "ep 2 x cp 2"),
+    ("large4-smoke", ["--parallel.pp=2", "--training.steps=10"], 2, "pp 2")])
+def test_a_tiny_job_is_rehearsed_on_a_fake_world_of_its_size(tmp_path, capsys, config, layout, world, mesh):
+    result = rehearse_tiny(tmp_path, capsys, *layout, world=world, steps=2, config=config)
     printed = result["printed"]
-    for phase in ("fake world of 4 (dp_shard 2 x ep 2)", "data: data/python_reference.jsonl has enough rows",
+    for phase in (f"fake world of {world} ({mesh})", "data: data/python_reference.jsonl has enough rows",
                   "step 1: forward, backward, clipping and adamw passed", "step 2:", "checkpoint:",
-                  "rank 3 of 4: peak"):
+                  f"rank {world - 1} of {world}: peak"):
         assert phase in printed, printed
     assert 0 < result["peak_gib"] < 0.1 and result["estimate_gib"] > 0
     assert not torch.distributed.is_initialized()  # the fake world is gone
