@@ -26,6 +26,8 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
+from devices import kernel_device_type
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
 BACKENDS = ("auto", "flex", "sdpa")
@@ -129,7 +131,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
+        return "flex" if kernel_device_type(device) == "cuda" else "sdpa"
     return backend
 
 

@@ -13,20 +13,24 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from checkpoint_files import (CheckpointError, damage, from_main_rank, is_native_checkpoint, load_dcp,
-                              read_metadata, save_dcp, write_checksums)
+from checkpoint_files import (CheckpointError, checksums, damage_found_together, from_main_rank,
+                              is_native_checkpoint, load_dcp, read_metadata, save_dcp, to_main_rank, write_checksums)
 from config import INIT_FROM_SETTINGS
 from models import ModelConfig, config_from_hf
 from files import sync_rename
-from parallel import ParallelModel, Run, barrier
+from parallel import ParallelModel, Run, barrier, waiting_for_main_rank
 
 if TYPE_CHECKING:  # only for annotations
     from config import TrainConfig
@@ -89,7 +93,12 @@ class Checkpointer:
       checkpoint of the newest run and writes on in that run's directory; an explicit checkpoint
       starts a new run directory from its step. keep_last applies to the run's own directory.
     - One run per checkpoint.dir: rank 0 holds an exclusive lock on dir/.lock for the life of the run.
-    - Crash-safe saves: written under a .tmp name, checksummed, renamed, the rename made durable.
+    - Crash-safe saves: written under a .tmp name, each rank checksumming its own files, renamed by
+      rank 0 once every rank's are listed, the rename made durable; a kill at any point leaves the
+      checkpoints before it complete. On resume every rank verifies its share of the files.
+    - checkpoint.async_save: the state is copied to host memory and written by a background thread
+      while training goes on; at most one save is in flight (the next save, the end of the run and
+      close() wait for it), and it completes, rotation included, exactly as a synchronous one.
     - A checkpoint whose weights hold non-finite values is never written.
     """
 
@@ -98,6 +107,17 @@ class Checkpointer:
         self.last: Path | None = None  # saved or resumed from by this run
         self.lock_files: list = []  # rank 0's: checkpoint.dir's and, once chosen, the run directory's
         self.run_dir: Path | None = None  # chosen at resume
+        self.group: dist.ProcessGroup | None = None  # synchronous saves talk over the main group
+        self.stager: DefaultStager | None = None
+        self.saving: Future | None = None  # the async save in flight
+        if cfg.checkpoint.async_save:
+            # The background saves talk over a gloo group of their own: dcp.async_save needs one on the
+            # CPU, and the training's collectives go on meanwhile in the main group.
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=cfg.parallel.collective_timeout_minutes))
+            self.stager = DefaultStager(StagingOptions(  # this rank's state in host memory, reused per save
+                use_pinned_memory=run.device.type == "cuda", use_shared_memory=False, use_async_staging=False,
+                use_non_blocking_copy=run.device.type == "cuda"))
+        self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")  # one save at a time
         failure = None
         if run.is_main:
             try:
@@ -122,10 +142,17 @@ class Checkpointer:
         self.lock_files.append(hold_lock(self.dir, f"{self.where()}: checkpoint.dir"))
 
     def close(self) -> None:
-        """Releases the locks (the operating system also does when the process ends)."""
-        for lock_file in self.lock_files:
-            lock_file.close()
-        self.lock_files = []
+        """Waits for the save in flight, then releases the locks (the operating system also does when
+        the process ends)."""
+        try:
+            self.wait()
+        finally:
+            self.background.shutdown()
+            if self.stager is not None:
+                self.stager.close()
+            for lock_file in self.lock_files:
+                lock_file.close()
+            self.lock_files = []
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -147,14 +174,16 @@ class Checkpointer:
                 if STEP_NAME.fullmatch(p.name) and is_native_checkpoint(p)]
 
     def latest(self) -> Path | None:
-        """The newest checkpoint this run saved or resumed from (of the whole directory before it began)."""
+        """The newest checkpoint this run saved (the save in flight finished first) or resumed from (of
+        the whole directory before it began)."""
+        self.wait()
         done = self.checkpoints(self.run_dir)
         return done[-1] if done else self.last
 
     def newest_intact(self) -> Path | None:
         """The newest checkpoint that is not damaged; damaged newer ones are reported and skipped."""
         for path in reversed(self.checkpoints()):
-            problem = from_main_rank(damage(path) if self.run.is_main else None)
+            problem = damage_found_together(path)
             if not problem:
                 return path
             self.run.print(f"WARNING: checkpoint {path} is damaged, trying the one before it: {problem}")
@@ -204,7 +233,10 @@ class Checkpointer:
             train["cuda_rng"] = torch.cuda.get_rng_state(self.run.device)
         return {"model": model_state, "optimizer": optimizer_state, "train": train}
 
-    def save(self, step: int, model: ParallelModel, optimizer: torch.optim.Optimizer, data: PackedLoader) -> Path:
+    def save(self, step: int, model: ParallelModel, optimizer: torch.optim.Optimizer, data: PackedLoader) -> None:
+        """Writes the checkpoint of `step`, once the save before it (if one is in flight) has finished:
+        at once, or with checkpoint.async_save while training goes on (wait() waits for it)."""
+        self.wait()
         if not weights_finite(model):
             raise CheckpointError(f"step {step}: the weights hold non-finite values; not saving them. The last "
                                   f"good checkpoint is {self.latest() or 'none (none was saved yet)'}")
@@ -215,21 +247,41 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         barrier()
         start = time.perf_counter()
-        save_dcp(self.state(model, optimizer, data, step), tmp)
-        barrier()  # every rank's files are written
+        written = save_dcp(self.state(model, optimizer, data, step), tmp, self.group, self.stager)
+        finish = partial(self.complete, written, tmp, final, model.config.to_hf_config(), start)
+        if self.stager is None:
+            finish()
+        else:  # the state is staged in host memory: training may change the weights now
+            self.saving = self.background.submit(finish)
+
+    def complete(self, written: Future, tmp: Path, final: Path, model_config: dict, start: float) -> None:
+        """After this rank's files are written: each rank checksums its own, all at once; rank 0 lists
+        them in checksums.json, renames tmp to final (then the checkpoint is complete) and removes
+        those keep_last lets go, while the others wait (collective_timeout_minutes)."""
+        listed = to_main_rank(checksums(written.result()), self.group)
         if self.run.is_main:
-            (tmp / "config.json").write_text(json.dumps(model.config.to_hf_config(), indent=1))
+            (tmp / "config.json").write_text(json.dumps(model_config, indent=1))
             (tmp / "train_config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
-            write_checksums(tmp)
+            write_checksums(tmp, {name: entry for files in listed for name, entry in files.items()})
             if final.exists():
                 shutil.rmtree(final)
             sync_rename(tmp, final)
             for old in self.checkpoints(self.run_dir)[:-self.cfg.checkpoint.keep_last]:
                 self.remove(old)
-            self.run.print(f"saved checkpoint {final} in {time.perf_counter() - start:.1f} s")
-        barrier()
+            self.run.print(f"saved checkpoint {final} in {time.perf_counter() - start:.1f} s"
+                           + (" (in the background)" if self.stager else ""))
+        with waiting_for_main_rank(f"list and rename checkpoint {final}", self.cfg.parallel.collective_timeout_minutes,
+                                   self.cfg.where("parallel.collective_timeout_minutes"), CheckpointError):
+            dist.barrier(group=self.group)
         self.last = final
-        return final
+
+    def wait(self) -> Path | None:
+        """The last finished checkpoint, once the save in flight (if any) has finished; its error, if
+        it failed, is raised here."""
+        saving, self.saving = self.saving, None
+        if saving is not None:
+            saving.result()
+        return self.last
 
     # ------------------------------------------------------------------ resuming
 

@@ -15,6 +15,7 @@ import pickle
 import re
 import warnings
 import zlib
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.staging import AsyncStager
 
 
 class CheckpointError(ValueError):
@@ -121,10 +123,46 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 # ============================================================================= saving and loading
 
 
-def save_dcp(state: dict, path: Path) -> None:
+class RecordingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, noting the files this process wrote: the ones it checksums."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.written: list[Path] = []
+
+    def write_data(self, plan, planner):
+        results = super().write_data(plan, planner)  # a finished future: the writer writes before it returns
+        self.written = sorted({Path(self.path) / r.storage_data.relative_path for r in results.wait()})
+        return results
+
+
+def save_dcp(state: dict, path: Path, group: dist.ProcessGroup | None = None,
+             stager: AsyncStager | None = None) -> Future:
+    """Writes `state` to the checkpoint directory `path` -> a Future of the files this process wrote
+    (or of a CheckpointError naming the cause). Without `stager`, they are written when this returns;
+    with one, dcp.async_save has copied `state` to host memory when this returns, and a background
+    thread writes it while the caller trains on. `group`: the processes saving together."""
+    writer, written = RecordingWriter(path), Future()
+
+    def settle(error: BaseException | None) -> None:
+        if error is None:
+            written.set_result(writer.written)
+        else:  # DCP reports every rank's failure, the same on every rank
+            written.set_exception(CheckpointError(f"{path}: cannot write the checkpoint: {root_cause(error)}"))
+
     with warnings.catch_warnings():  # DCP warns that one process saves alone: that is intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        where = dict(storage_writer=writer, process_group=group, no_dist=not dist.is_initialized())
+        if stager is not None:
+            dcp.async_save(state, async_stager=stager, **where).add_done_callback(lambda done: settle(done.exception()))
+            return written
+        try:
+            dcp.save(state, **where)
+        except (Exception, CheckpointException) as error:
+            settle(error)
+        else:
+            settle(None)
+    return written
 
 
 def load_dcp(state: dict, path: Path, alone: bool = False, verified: bool = False) -> None:
@@ -195,18 +233,26 @@ def crc32_of(file: Path) -> int:
     return crc
 
 
-def write_checksums(directory: Path) -> None:
-    """CRC-32 and size of every file of a checkpoint directory, in checksums.json: a flipped bit or
-    a truncated file is then reported on load rather than trained on (CRC-32: accidents, not attacks)."""
-    files = {f.name: {"bytes": f.stat().st_size, "crc32": crc32_of(f)}
-             for f in sorted(directory.iterdir()) if f.is_file() and f.name != CHECKSUMS}
+def checksums(files: list[Path]) -> dict[str, dict]:
+    """{file name: its size and CRC-32} (CRC-32: accidents, not attacks)."""
+    return {f.name: {"bytes": f.stat().st_size, "crc32": crc32_of(f)} for f in files}
+
+
+def write_checksums(directory: Path, known: dict[str, dict] | None = None) -> None:
+    """The size and CRC-32 of every file of a checkpoint directory, in checksums.json: a flipped bit or
+    a truncated file is then reported on load rather than trained on. `known`: the entries of files
+    that other processes checksummed (each its own, in parallel); the rest are computed here."""
+    known = known or {}
+    rest = [f for f in sorted(directory.iterdir()) if f.is_file() and f.name not in known and f.name != CHECKSUMS]
+    files = dict(sorted({**known, **checksums(rest)}.items()))
     (directory / CHECKSUMS).write_text(json.dumps(files, indent=1) + "\n")
 
 
-def damage(directory: Path) -> str | None:
+def damage(directory: Path, rank: int = 0, world_size: int = 1) -> str | None:
     """None if the checkpoint is intact, else one line naming the damaged file. Checkpoints without
     checksums.json (written before it existed, or converted) are checked for readable metadata and
-    data files as long as the metadata says."""
+    data files as long as the metadata says. Of `world_size` processes checking together, `rank`
+    reads every world_size-th listed file, largest first, so each reads about as many bytes."""
     try:
         read_metadata(directory)
     except CheckpointError as error:
@@ -219,7 +265,7 @@ def damage(directory: Path) -> str | None:
         entries = [(name, int(e["bytes"]), int(e["crc32"])) for name, e in expected.items()]
     except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as error:
         return f"{listed}: not a valid checksum list ({type(error).__name__}: {error})"
-    for name, size, crc in entries:
+    for name, size, crc in sorted(entries, key=lambda e: (-e[1], e[0]))[rank::world_size]:
         file = directory / name
         if "/" in name or name in (".", "..") or not file.is_file():
             return f"{file}: missing (listed in {listed})"
@@ -230,17 +276,22 @@ def damage(directory: Path) -> str | None:
     return None
 
 
+def damage_found_together(directory: Path) -> str | None:
+    """damage() with every process of the group reading its share of the files at once, on every
+    rank: the first problem any rank found (the same on every rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return damage(directory)
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, damage(directory, dist.get_rank(), dist.get_world_size()))
+    return next((problem for problem in found if problem), None)
+
+
 def verify(directory: Path, alone: bool = False) -> None:
-    """Raises CheckpointError if `directory` is damaged. In a process group rank 0 reads the files
-    and tells the others, so a checkpoint is read once for the check, not once per process."""
-    problem = damage(directory) if alone or main_rank() else None
-    problem = problem if alone else from_main_rank(problem)
+    """Raises CheckpointError if `directory` is damaged: read by this process `alone`, or in a process
+    group by all its processes, each reading its share of the files."""
+    problem = damage(directory) if alone else damage_found_together(directory)
     if problem:
         raise CheckpointError(problem)
-
-
-def main_rank() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def from_main_rank(value):
@@ -250,3 +301,12 @@ def from_main_rank(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def to_main_rank(value, group: dist.ProcessGroup | None = None) -> list | None:
+    """Every rank's `value` of `group`, in rank order, on rank 0; None on the others."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [value]
+    gathered = [None] * dist.get_world_size(group) if dist.get_rank() == 0 else None
+    dist.gather_object(value, gathered, dst=0, group=group)
+    return gathered

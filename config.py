@@ -32,7 +32,8 @@ from parallel import LayoutError, ParallelConfig, unsupported_layout
 
 MODEL_SOURCES = ("preset", "hf_config", "init_from")
 # What [model] may change about an init_from checkpoint: training choices, not the architecture.
-INIT_FROM_SETTINGS = ("router_aux_loss_coef", "output_router_logits", "attention_backend")
+INIT_FROM_SETTINGS = ("router_aux_loss_coef", "output_router_logits", "router_sequence_loss_coef", "router_z_loss_coef",
+                      "attention_backend")
 
 
 class ConfigError(ValueError):
@@ -100,6 +101,7 @@ class CheckpointSection:
     resume: str = "auto"  # auto (latest in dir, if any) | never (a fresh run; nothing removed) | a checkpoint
     export_hf: str = ""  # write the final model here in Hugging Face format
     export_dtype: str = ""  # "" keeps the training dtype | bfloat16 | float32
+    async_save: bool = False  # true: training goes on while a checkpoint is written (a copy in host memory)
 
 
 @dataclass
@@ -458,8 +460,8 @@ def check_microbatches(cfg: TrainConfig) -> None:
 
 
 def check_router_aux_loss(cfg: TrainConfig) -> None:
-    """What the model's config refuses of the layout (Flint's load-balancing term needs one pipeline
-    stage and no context split), and a selection bias, which the published format cannot hold."""
+    """What the model's config refuses of the layout (its layout_error), and a selection bias, which
+    the published format cannot hold."""
     p = cfg.parallel
     bias_rate = cfg.model_config.router_bias_update_rate
     if bias_rate and cfg.checkpoint.export_hf:

@@ -5,7 +5,7 @@
 - Head: the untied FP32 output head with its fused, chunked cross-entropy (optionally soft-capped).
 - Building a model: meta device, materialise, `init_weights` from per-name seeded values, so every
   parallel layout starts from one process's weights; parameter counts.
-- Input checks with messages that name the argument.
+- Input checks with messages that name the argument; a forward's positional arguments (call_arguments).
 - Generation: sampling, and `stream`, the KV-cached decoding loop of any model with `decode_step`.
 
 It imports nothing of this repository.
@@ -324,6 +324,21 @@ def token_ids_checked_at_load() -> Iterator[None]:
         yield
     finally:
         _ids_checked_at_load.reset(token)
+
+
+def call_arguments(model: str, inputs: tuple, targets, doc_ids, positions) -> tuple:
+    """A first stage's forward(*inputs, targets=, doc_ids=, positions=): (input_ids, [targets, [doc_ids,
+    [positions]]]) given positionally, each at most once -> ((input_ids,), targets, doc_ids, positions).
+    A later pipeline stage takes the previous stage's tuple positionally, so the rest come by keyword."""
+    names, given = ("targets", "doc_ids", "positions"), [targets, doc_ids, positions]
+    if not 1 <= len(inputs) <= 4:
+        raise TypeError(f"{model} takes input_ids, targets, doc_ids, positions; got {len(inputs)} "
+                        f"positional arguments")
+    for index, value in enumerate(inputs[1:]):
+        if given[index] is not None:
+            raise TypeError(f"{model} got {names[index]} twice (by position and by keyword)")
+        given[index] = value
+    return (inputs[0],), *given
 
 
 def seeded_normal(name: str, param: torch.Tensor, seed: int, std: float) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import Any
 from attention import BACKENDS, FULL, LAYER_TYPES, SLIDING
 from files import read_config_json
 from moe import EXPERT_BACKENDS, check_bias_update_rate
+from router_loss import COEFFICIENTS, check_coefficients
 
 def check_positive_ints(config: Any, names: tuple[str, ...]) -> None:
     """Each named field of `config` is an int > 0 (a bool is not), or a ValueError names it."""
@@ -50,6 +51,7 @@ IGNORED_HF_KEYS = {"architectures", "dtype", "torch_dtype", "transformers_versio
                    "rope_scaling", "rope_theta", "quantization_config"}
 # Fields of ours that are runtime choices, not part of the published config.
 RUNTIME_FIELDS = ("attention_backend", "experts_backend", "loss_chunk_size")
+NATIVE_FIELDS = ("router_bias_update_rate", *COEFFICIENTS)  # not in the published format: written only when on
 
 
 @dataclass
@@ -95,6 +97,11 @@ class FlintConfig:
     # Not in the published format: > 0 gives each router a per-expert selection bias that training
     # moves by this much per step towards balance (aux-loss-free balancing, see routing.py).
     router_bias_update_rate: float = 0.0
+    # Not in the published format either, written only when on: the router losses beyond the
+    # published balance term (router_loss.py), 0 = off. The papers use 0.0001 (DeepSeek-V3's
+    # sequence-wise balance loss) and 0.001 (ST-MoE's router z-loss).
+    router_sequence_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
     # Runtime choices (not written to config.json).
     attention_backend: str = "auto"  # auto | flex | sdpa
     experts_backend: str = "grouped"  # grouped | loop
@@ -186,6 +193,7 @@ class FlintConfig:
                    "attention_backend": BACKENDS, "experts_backend": EXPERT_BACKENDS}
         check_choices(self, choices)
         check_bias_update_rate(self.router_bias_update_rate)
+        check_coefficients(self)
         if self.attention_dropout != 0.0:
             raise ValueError(f"attention_dropout must be 0.0 (Flint trains without it), got {self.attention_dropout!r}")
         if self.rope_parameters.get("rope_type", "default") != "default":
@@ -238,17 +246,14 @@ class FlintConfig:
 
     def layout_error(self, pp: int, cp: int) -> tuple[str, str] | None:
         """(the [parallel] key, why) when this config cannot train with pp stages and cp ranks, or None:
-        the load-balancing term (output_router_logits) needs every MoE layer's logits of the whole
-        micro-batch in one place."""
-        if self.output_router_logits and (pp > 1 or cp > 1):
-            return ("pp" if pp > 1 else "cp", f"[model].output_router_logits = true (the load-balancing loss) "
-                    f"works with [parallel].pp = 1 and cp = 1 only, got pp = {pp}, cp = {cp}")
+        Flint has no such limit (the router losses serve every layout, router_loss.py)."""
         return None
 
     def to_hf_config(self) -> dict:
         config = {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_FIELDS}
-        if not self.router_bias_update_rate:  # a native-only field: written only when in use
-            del config["router_bias_update_rate"]
+        for name in NATIVE_FIELDS:
+            if not config[name]:
+                del config[name]
         config["no_rope_layer_indices"] = [i for i, t in enumerate(self.layer_types) if t == FULL]
         return {"architectures": ["FlintForCausalLM"], "model_type": "flint", **config}
 

@@ -29,9 +29,10 @@ from torch.nn.attention.flex_attention import BlockMask
 from attention import (Mask, Visibility, flex_masked_attention, masked_attention, resolve_backend,
                        selection_attention_mask, top_keys)
 from large4_config import PRESETS, Large4Config  # noqa: F401  (PRESETS: re-exported for users of large4)
-from decoder import (Gather, Head, RMSNorm, build, check_inputs, context_share, count_params, default_positions,
-                     generate, init_weights, seeded_normal)
+from decoder import (Gather, Head, RMSNorm, build, call_arguments, check_inputs, context_share, count_params,
+                     default_positions, generate, init_weights, seeded_normal)
 from moe import MoE, SwiGLU
+from router_loss import RouterLosses, Stats, add_layer, real_tokens
 
 # cos or sin [B, T, R/2] FP32, built once per forward; None on a pipeline stage when no layer from it on rotates
 Angles = torch.Tensor | None
@@ -231,7 +232,8 @@ class Large4Block(nn.Module):
     A pure function of its arguments (see the module docstring):
     (x, cos, sin, log_positions, visible, src_latent, src_rope_key, prev_indices, prev_mask)
         -> (y, own_latent, own_rope_key, indices, mask)
-    own_* are None on a KV consumer; indices is None when attention is dense (every query may
+    With the router-loss statistics so far (`stats`, and real [B, T]: false at padding), the MoE
+    adds its own and they come back as a sixth output (None without). own_* are None on a KV consumer; indices is None when attention is dense (every query may
     attend index_topk keys or fewer), else [B, T, k] with -1 for invalid slots. A layer whose
     indexer selects starts a group: it builds the group's attention mask from its selection, once,
     and returns it; the other layers attend with prev_mask. `cache` (generation), `backend` (flex |
@@ -242,6 +244,7 @@ class Large4Block(nn.Module):
     def __init__(self, config: Large4Config, index: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.index, self.source = index, config.kv_source_layers[index]
+        self.loss_slot = sum(config.is_moe_layer(i) for i in range(index))  # its place among the MoE layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = MLAttention(config, index, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -257,8 +260,10 @@ class Large4Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: Angles, sin: Angles, log_positions: torch.Tensor, visible: Visibility,
                 src_latent: torch.Tensor | None = None, src_rope_key: torch.Tensor | None = None,
                 prev_indices: torch.Tensor | None = None, prev_mask: Mask | None = None,
-                cache: LayerCache | None = None, backend: str = "sdpa", gather: Gather | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, Mask | None]:
+                cache: LayerCache | None = None, backend: str = "sdpa", gather: Gather | None = None,
+                stats: Stats | None = None, real: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, Mask | None,
+                           Stats | None]:
         attn_in = self.input_layernorm(x)
         latent, rope_key, own = src_latent, src_rope_key, self.source == self.index
         if own:
@@ -272,8 +277,13 @@ class Large4Block(nn.Module):
             indices = self.self_attn.indexer(attn_in, cos, sin, log_positions, visible, cache, gather)
             mask = selection_attention_mask(visible, indices, backend)
         h = x + self.self_attn(attn_in, cos, sin, log_positions, mask, latent, rope_key)
-        y = h + self.mlp(self.post_attention_layernorm(h))
-        return y, (latent if own else None), (rope_key if own else None), indices, mask
+        mlp_in = self.post_attention_layernorm(h)
+        if stats is None or not isinstance(self.mlp, MoE):
+            y = h + self.mlp(mlp_in)
+        else:
+            routed, logits, chosen = self.mlp.routed(mlp_in)
+            y, stats = h + routed, add_layer(stats, self.loss_slot, logits, chosen, real, self.mlp.router.score_function)
+        return y, (latent if own else None), (rope_key if own else None), indices, mask, stats
 
 
 def selects(top_k: int, visible: Visibility, cache: LayerCache | None) -> bool:
@@ -283,6 +293,14 @@ def selects(top_k: int, visible: Visibility, cache: LayerCache | None) -> bool:
 
 
 # ============================================================================= the model
+
+def router_losses_of(config: Large4Config) -> RouterLosses:
+    """The router losses Large 4's config asks for: DeepSeek-V3's sequence-wise term and the z-loss
+    (router_loss.py). The published Large 4 has no balancing term of its own."""
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    return RouterLosses(config.num_experts, config.num_experts_per_tok, moe_layers,
+                        sequence=config.router_sequence_loss_coef, z=config.router_z_loss_coef)
+
 
 class MistralLarge4(nn.Module):
     """Mistral Large 4. One forward serves the whole model, a pipeline stage (parallel.py deletes
@@ -313,6 +331,11 @@ class MistralLarge4(nn.Module):
         """Every parameter from `initial_value` (decoder.init_weights): the same weights in every layout."""
         init_weights(self, seed)
 
+    @property
+    def router_losses(self) -> RouterLosses:
+        """The router losses its config asks for (router_loss.py), read at each forward as the config is."""
+        return router_losses_of(self.config)
+
     def _check_inputs(self, input_ids, targets, doc_ids, positions) -> None:
         check_inputs(self.config, input_ids, targets, doc_ids, positions)
 
@@ -340,13 +363,14 @@ class MistralLarge4(nn.Module):
         on a later stage, the previous stage's tuple (`stage_boundary`), so the rest come by
         keyword. -> FP32 soft-capped logits [B, T, V] (of this rank's positions under cp), the mean
         loss when targets (already shifted, -100 ignored) are given (under cp: this rank's share of
-        the mean over all positions), or, without a head, the next stage's tuple. doc_ids [B, T]
+        the mean over all positions), plus the router losses when on, or, without a head, the next
+        stage's tuple (followed by the router-loss statistics when on). doc_ids [B, T]
         marks packed documents (< 0: padding); positions default to restarting at each document.
         The visibility, positions and rope tables are built once per forward (on the first stage:
         later ones receive the tables) and passed to every block."""
         first = self.embed_tokens is not None
         if first:
-            inputs, targets, doc_ids, positions = self._call_arguments(inputs, targets, doc_ids, positions)
+            inputs, targets, doc_ids, positions = call_arguments("Mistral Large 4", inputs, targets, doc_ids, positions)
             self._check_inputs(inputs[0], targets, doc_ids, positions)
         cp = self.context.size if self.context is not None else 1
         batch, seq_len, device = inputs[0].shape[0], inputs[0].shape[1] * (1 if first else cp), inputs[0].device
@@ -355,31 +379,32 @@ class MistralLarge4(nn.Module):
         positions = positions if mine is None else positions[:, mine]  # [B, T] -> [B, T / cp]
         visible = Visibility(doc_ids, batch, positions.shape[1], seq_len, device, mine)
         layers = [int(name) for name in self.layers]
+        stats = real = None  # the router losses' statistics, in training with a router loss on
+        if self.router_losses.active and targets is not None:
+            carried = len(self.router_losses.fields)
+            stats = self.router_losses.start(batch, device) if first else self.router_losses.unpack(inputs[-carried:])
+            inputs = inputs if first else inputs[:-carried]
+            real = real_tokens(doc_ids, batch, seq_len, device)  # [B, T]
         if first:
             ids = inputs[0] if mine is None else inputs[0][:, mine]  # [B, T] -> [B, T / cp]
             h, (cos, sin), shared, indices = self.embed_tokens(ids), self.rotary(positions), {}, None
         else:
             h, cos, sin, shared, indices = self._unpack(inputs, layers[0])
         gather = None if mine is None else self.context.gather
-        h, shared, indices = self.run_stage(h, cos, sin, positions, visible, shared, indices, gather=gather)
+        mine_real = real if real is None or mine is None else real[:, mine]  # [B, T / cp]
+        h, shared, indices, stats = self.run_stage(h, cos, sin, positions, visible, shared, indices, gather=gather,
+                                                   stats=stats, real=mine_real)
         if self.lm_head is None:
-            return self._pack(h, cos, sin, shared, indices, layers[-1] + 1)
-        if mine is None or targets is None:
-            return self.lm_head(self.norm(h.float()), targets)
-        return context_share(self.lm_head(self.norm(h.float()), targets[:, mine]), targets, mine, cp)
-
-    @staticmethod
-    def _call_arguments(inputs: tuple, targets, doc_ids, positions) -> tuple:
-        """(input_ids, [targets, [doc_ids, [positions]]]) given positionally, each at most once."""
-        names, given = ("targets", "doc_ids", "positions"), [targets, doc_ids, positions]
-        if not 1 <= len(inputs) <= 4:
-            raise TypeError(f"Mistral Large 4 takes input_ids, targets, doc_ids, positions; got {len(inputs)} "
-                            f"positional arguments")
-        for index, value in enumerate(inputs[1:]):
-            if given[index] is not None:
-                raise TypeError(f"Mistral Large 4 got {names[index]} twice (by position and by keyword)")
-            given[index] = value
-        return (inputs[0],), *given
+            statistics = () if stats is None else self.router_losses.pack(stats)
+            return self._pack(h, cos, sin, shared, indices, layers[-1] + 1) + statistics
+        h = self.norm(h.float())
+        if targets is None:
+            return self.lm_head(h)
+        loss = self.lm_head(h, targets) if mine is None else context_share(self.lm_head(h, targets[:, mine]), targets,
+                                                                            mine, cp)
+        if stats is None:
+            return loss
+        return loss + self.router_losses.loss(stats, real, targets, None if mine is None else self.context.group)
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, visible: Visibility,
                    caches: dict[int, LayerCache] | None = None) -> torch.Tensor:
@@ -389,9 +414,11 @@ class MistralLarge4(nn.Module):
 
     def run_stage(self, h: torch.Tensor, cos: Angles, sin: Angles, positions: torch.Tensor, visible: Visibility,
                   shared: dict[int, tuple] | None = None, indices: torch.Tensor | None = None,
-                  caches: dict[int, LayerCache] | None = None,
-                  gather: Gather | None = None) -> tuple[torch.Tensor, dict[int, tuple], torch.Tensor | None]:
-        """The layers this module holds (all of them, or a pipeline stage's) -> (h, shared, indices).
+                  caches: dict[int, LayerCache] | None = None, gather: Gather | None = None,
+                  stats: Stats | None = None, real: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, dict[int, tuple], torch.Tensor | None, Stats | None]:
+        """The layers this module holds (all of them, or a pipeline stage's) -> (h, shared, indices,
+        stats: the router-loss statistics with these layers' added, when given; see Large4Block).
         `shared` maps a source layer to its latent and rotated key, `indices` is the current selection;
         both live only in this call (a pipeline stage receives and returns them as tensors) and
         reach each layer as arguments, as does the attention mask of the current group. That mask is
@@ -407,11 +434,12 @@ class MistralLarge4(nn.Module):
         for layer in self.layers.values():
             source_kv = shared.get(layer.source, (None, None))
             cache = None if caches is None else caches.setdefault(layer.index, LayerCache())
-            h, latent, rope_key, indices, mask = layer(h, cos, sin, log_positions, visible, *source_kv, indices,
-                                                       mask, cache=cache, backend=backend, gather=gather)
+            h, latent, rope_key, indices, mask, stats = layer(
+                h, cos, sin, log_positions, visible, *source_kv, indices, mask, cache=cache, backend=backend,
+                gather=gather, stats=stats, real=real)
             if self.config.kv_mode(layer.index) == "store":
                 shared[layer.index] = (latent, rope_key)
-        return h, shared, indices
+        return h, shared, indices, stats
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -504,8 +532,9 @@ class MistralLarge4(nn.Module):
         later layer rotates; for each source layer a later layer reads, its latent [B, S, r] and, if
         RoPE, its rotated key [B, S, R]; the int32 selection [B, T, k] if `layer` shares it. A dense
         forward (S <= index_topk: no selection) sends it as [B, T, 0], so a boundary is always the
-        same tuple of tensors. h, latents and keys are in the compute `dtype`. S = seq_len; T is
-        seq_len / cp, this rank's queries (latents cross gathered over the cp group)."""
+        same tuple of tensors. Last, with a router loss on, its statistics (router_loss.py). h, latents
+        and keys are in the compute `dtype`. S = seq_len; T is seq_len / cp, this rank's queries
+        (latents cross gathered over the cp group)."""
         c = self.config
         sources, rope, shares = self._crossing(layer)
         local = seq_len // (self.context.size if self.context is not None else 1)
@@ -518,7 +547,7 @@ class MistralLarge4(nn.Module):
             tensors += [meta(c.qk_rope_head_dim, length=seq_len)] * c.no_rope_layers[source]
         if shares:
             tensors.append(meta(c.index_topk if seq_len > c.index_topk else 0, torch.int32))
-        return tuple(tensors)
+        return tuple(tensors) + self.router_losses.boundary(batch)
 
     def _crossing(self, layer: int) -> tuple[list[int], bool, bool]:
         """The KV sources that layers from `layer` on read from earlier layers, whether one of them

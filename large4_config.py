@@ -12,8 +12,9 @@ from typing import Any
 
 from attention import BACKENDS
 from files import read_config_json
-from flint_config import check_choices, check_positive_ints, from_preset
+from flint_config import NATIVE_FIELDS, check_choices, check_positive_ints, from_preset
 from moe import EXPERT_BACKENDS, check_bias_update_rate
+from router_loss import check_coefficients
 
 LAYER_TYPE = "indexed_attention"  # the only layer type; it selects transformers' cache class
 MLP_TYPES = ("dense", "sparse")
@@ -84,6 +85,10 @@ class Large4Config:
     # Not in the published format: > 0 gives each router a per-expert selection bias that training
     # moves by this much per step towards balance (aux-loss-free balancing, see routing.py).
     router_bias_update_rate: float = 0.0
+    # Not in the published format either, written only when on: DeepSeek-V3's sequence-wise balance
+    # loss and ST-MoE's router z-loss (router_loss.py), 0 = off; the papers use 0.0001 and 0.001.
+    router_sequence_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
     # Runtime choices (not written to text_config).
     attention_backend: str = "auto"  # auto (flex on GPUs, sdpa on the CPU) | flex | sdpa (dense scores)
     experts_backend: str = "grouped"  # grouped | loop
@@ -127,6 +132,7 @@ class Large4Config:
                    "attention_backend": BACKENDS, "experts_backend": EXPERT_BACKENDS}
         check_choices(self, choices)
         check_bias_update_rate(self.router_bias_update_rate)
+        check_coefficients(self)
         if self.attention_dropout != 0.0:
             raise ValueError(f"attention_dropout must be 0.0, got {self.attention_dropout!r}")
         if self.qk_rope_head_dim % 2:
@@ -265,8 +271,9 @@ class Large4Config:
         text = {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_FIELDS}
         if self.indexer_no_rope_layers == self.no_rope_layers:
             del text["indexer_no_rope_layers"]  # flint's own field, only when it differs
-        if not self.router_bias_update_rate:  # a native-only field: written only when in use
-            del text["router_bias_update_rate"]
+        for name in NATIVE_FIELDS:
+            if not text[name]:
+                del text[name]
         text.update(model_type="mistral_large4_text", qk_head_dim=self.qk_head_dim,
                     head_dim=self.qk_rope_head_dim, layer_types=self.layer_types)
         return {"architectures": ["MistralLarge4ForConditionalGeneration"], **self.composite,

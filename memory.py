@@ -61,11 +61,18 @@ def _activation_bytes_per_token(config: ModelConfig, layers: int, checkpointing:
     return kept * block + (layers - kept) * 2 * config.hidden_size + (block if kept < layers else 0)
 
 
-def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch_size: int) -> dict[str, float]:
+def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch_size: int,
+                   grad_accum: int = 1) -> dict[str, float]:
     """GiB per GPU on the busiest pipeline stage: FP32 master weights, FP32 gradients and AdamW
     moments (2 x FP32) of the trainable ones (in host memory instead with [parallel] offload:
     `host`), the BF16 blocks FSDP gathers (the current block and the prefetched next), and
-    activations of the micro-batches in flight. An estimate: no allocator slack or buffers."""
+    activations of the micro-batches in flight. An estimate: no allocator slack or buffers.
+
+    `total` is the step's peak. With one micro-batch and no pipeline, activations and gradients never
+    peak together: the activations peak at the head, before any block has a gradient, and the
+    gradients at the end of the backward, when only the last block's recompute is left (the rehearsal
+    measures both, rehearsal.py). Under gradient accumulation or a pipeline, later micro-batches run
+    their forward while the gradients are there: the sum."""
     other_shards = cfg.dp_shard * cfg.ep * cfg.cp
     expert_shards = cfg.ep * cfg.dp_shard * cfg.cp
     stages = _stage_params(config, cfg.pp)
@@ -93,7 +100,12 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
     row = {**({name: 0.0 for name in states} if cfg.offload else states),
            "gathered": 2 * 2 * (expert_block + other_block), "activations": activations + logits}
     row = {name: value / GIB for name, value in row.items()}
-    row["total"] = sum(row.values())
+    if cfg.pp > 1 or grad_accum > 1:
+        row["total"] = sum(row.values())
+    else:
+        last_block = tokens * _meta_model(config).block_activation_bytes(seq_len) / GIB
+        row["total"] = row["params"] + row["optimizer"] + row["gathered"] + max(row["activations"],
+                                                                                 row["grads"] + last_block)
     row["host"] = sum(states.values()) / GIB if cfg.offload else 0.0  # [parallel] offload: in host memory
     return row
 
@@ -112,7 +124,8 @@ def candidate_layouts(gpus: int, num_experts: int, pipelines: bool = True) -> li
     return layouts
 
 
-def memory_table(config: ModelConfig, layouts: list[tuple[str, ParallelConfig]], seq_len: int, batch_size: int) -> str:
+def memory_table(config: ModelConfig, layouts: list[tuple[str, ParallelConfig]], seq_len: int, batch_size: int,
+                 grad_accum: int = 1) -> str:
     """layouts: (label, layout) rows; the label says where a row comes from (the config, a candidate)."""
     names = ("params", "grads", "optimizer", "gathered", "activations", "total")
     names += ("host",) if any(cfg.offload for _, cfg in layouts) else ()  # [parallel] offload's host memory
@@ -124,7 +137,7 @@ def memory_table(config: ModelConfig, layouts: list[tuple[str, ParallelConfig]],
     for label, cfg in layouts:
         layout = " ".join(f"{d}={getattr(cfg, d)}" for d in MESH_DIMS if getattr(cfg, d) > 1)
         layout = f"{label}: {layout or 'one GPU'} ac={cfg.activation_checkpointing}"
-        row = memory_per_gpu(config, cfg, seq_len, batch_size)
+        row = memory_per_gpu(config, cfg, seq_len, batch_size, grad_accum)
         marks = ["yes" if row["total"] + OVERHEAD_GIB <= usable else "NO" for usable in GPU_GIB.values()]
         lines.append(f"| {layout} | " + " | ".join([f"{row[n]:.1f}" for n in names] + marks) + " |")
     return "\n".join(lines)
@@ -153,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         candidates = candidate_layouts(gpus, config.num_experts, pipelines)
         layouts += [("candidate", c) for c in candidates]
         layouts += [("candidate", dataclasses.replace(c, activation_checkpointing="full")) for c in candidates]
-    print(memory_table(config, layouts, cfg.data.seq_len, cfg.training.batch_size))
+    print(memory_table(config, layouts, cfg.data.seq_len, cfg.training.batch_size, cfg.training.grad_accum))
 
 
 if __name__ == "__main__":

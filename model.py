@@ -14,11 +14,11 @@ import torch
 import torch.nn as nn
 
 from attention import SLIDING, KVCache, build_masks, resolve_backend, sink_attention
-from decoder import (Gather, Head, RMSNorm, build, check_inputs, context_share, count_params, default_positions,
-                     generate, init_weights, seeded_normal)
+from decoder import (Gather, Head, RMSNorm, build, call_arguments, check_inputs, context_share, count_params,
+                     default_positions, generate, init_weights, seeded_normal)
 from flint_config import FlintConfig
-from moe import MoE, Router, SwiGLU, load_balancing_loss
-
+from moe import MoE, SwiGLU
+from router_loss import RouterLosses, Stats, add_layer, real_tokens
 
 
 # ============================================================================= building blocks
@@ -91,12 +91,22 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
+def router_losses_of(config: FlintConfig) -> RouterLosses:
+    """The router losses Flint's config asks for: the published balance term (with output_router_logits),
+    DeepSeek-V3's sequence-wise term and the z-loss (router_loss.py)."""
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    return RouterLosses(config.num_experts, config.num_experts_per_tok, moe_layers,
+                        balance=config.router_aux_loss_coef if config.output_router_logits else 0.0,
+                        sequence=config.router_sequence_loss_coef, z=config.router_z_loss_coef)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm: h = x + attn(norm(x)); y = h + mlp(norm(h)). The MLP is dense or MoE by schedule."""
 
     def __init__(self, config: FlintConfig, index: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.layer_type = config.layer_types[index]
+        self.loss_slot = sum(config.is_moe_layer(i) for i in range(index))  # its place among the MoE layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, self.layer_type, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -109,13 +119,21 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype)
 
     def forward(self, x: torch.Tensor, rope, masks: dict, cache: KVCache | None = None,
-                positions: torch.Tensor | None = None, gather: Gather | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, gather: Gather | None = None, stats: Stats | None = None,
+                real: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, Stats]:
+        """x [B, T, H] -> [B, T, H]; given the router-loss statistics so far (and real [B, T], false
+        at padding), also those statistics with this layer's added."""
         compute_dtype = self.input_layernorm.weight.dtype  # the residual stream may be wider
         attn_in = self.input_layernorm(x).to(compute_dtype)
         mask = None if cache is not None else masks[self.layer_type]
         h = x + self.self_attn(attn_in, rope, mask, cache, positions, gather).to(x.dtype)
         mlp_in = self.post_attention_layernorm(h).to(compute_dtype)
-        return h + self.mlp(mlp_in).to(x.dtype)
+        if stats is None:
+            return h + self.mlp(mlp_in).to(x.dtype)
+        if not isinstance(self.mlp, MoE):
+            return h + self.mlp(mlp_in).to(x.dtype), stats
+        y, logits, indices = self.mlp.routed(mlp_in)
+        return h + y.to(x.dtype), add_layer(stats, self.loss_slot, logits, indices, real, self.mlp.router.score_function)
 
 
 # ============================================================================= the model
@@ -142,29 +160,15 @@ class Flint(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = Head(config.hidden_size, config.vocab_size, config.loss_chunk_size)
-        for router in self.routers():
-            router.keep_logits = config.output_router_logits
-
-    def routers(self) -> list[Router]:
-        """The routers of the MoE layers this module holds (a pipeline stage holds some layers)."""
-        return [layer.mlp.router for layer in self.layers.values() if isinstance(layer.mlp, MoE)]
-
-    def router_loss(self, doc_ids: torch.Tensor | None) -> torch.Tensor | None:
-        """With output_router_logits, router_aux_loss_coef x the load-balancing term over the MoE
-        layers of this forward, padding (doc_ids < 0) left out: what the published reference adds
-        to its loss. Without it (the released default), None: the loss is the cross-entropy alone."""
-        routers = self.routers()
-        if not self.config.output_router_logits or not routers:
-            return None
-        mask = None if doc_ids is None else doc_ids >= 0
-        balance = load_balancing_loss([router.logits for router in routers], self.config.num_experts_per_tok, mask)
-        for router in routers:
-            router.logits = None  # the loss holds what backward needs
-        return self.config.router_aux_loss_coef * balance
 
     def init_weights(self, seed: int = 0) -> None:
         """Every parameter from `initial_value` (decoder.init_weights): the same weights in every layout."""
         init_weights(self, seed)
+
+    @property
+    def router_losses(self) -> RouterLosses:
+        """The router losses its config asks for (router_loss.py), read at each forward as the config is."""
+        return router_losses_of(self.config)
 
     def initial_value(self, name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
         """The whole initial tensor of parameter `name` (param gives shape, dtype and device):
@@ -189,39 +193,54 @@ class Flint(nn.Module):
         """FP32 units outside the blocks, besides the head (which parallel.py keeps gathered)."""
         return []
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, *rest: torch.Tensor, targets: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The whole model, or one pipeline stage of it, or one context-parallel rank's share.
 
-        input_ids: token ids [B, T] where the model holds the embedding (the whole model, a first
-        stage); on a later stage, the previous stage's hidden states [B, T / cp, H] (what
-        PipelineStage passes first). -> FP32 logits [B, T, V] (of this
-        rank's positions under cp), the mean loss when targets are given (under cp: this rank's
-        share of the mean over all positions), or, without a head, the next stage's hidden states.
-        doc_ids [B, T] marks packed documents (< 0: padding); positions default to restarting at
-        each document. Masks and RoPE tables are built once here, outside the layers, on every
-        stage, from the doc_ids every stage is given.
+        input_ids, rest: where the model holds the embedding (the whole model, a first stage), token
+        ids [B, T], optionally followed by targets, doc_ids and positions as in model(ids, targets);
+        on a later stage, what the previous stage returned: its hidden states [B, T / cp, H], then
+        the router-loss statistics when a router loss is on (router_loss.py), so the others come
+        by keyword. -> FP32 logits [B, T, V] (of this rank's positions under cp), the mean loss when
+        targets are given (under cp: this rank's share of the mean over all positions), plus the
+        router losses when on, or, without a head, what the next stage takes. doc_ids [B, T] marks
+        packed documents (< 0: padding); positions default to restarting at each document. Masks
+        and RoPE tables are built once here, outside the layers, on every stage, from the doc_ids
+        every stage is given.
         """
-        first, x = self.embed_tokens is not None, input_ids
+        first = self.embed_tokens is not None
         if first:
+            (x,), targets, doc_ids, positions = call_arguments("Flint", (input_ids, *rest), targets, doc_ids, positions)
             self._check_inputs(x, targets, doc_ids, positions)
+        else:
+            x = input_ids
         cp = self.context.size if self.context is not None else 1
         batch, seq_len = x.shape[0], x.shape[1] * (1 if first else cp)
         mine = self.context.positions(seq_len, x.device) if cp > 1 else None  # [T / cp]
         rope, masks = self.block_inputs(doc_ids, positions, batch, seq_len, x.device, mine)
         h = self.embed(x if mine is None else x[:, mine]) if first else x  # [B, T / cp, H]
         gather = None if mine is None else self.context.gather
+        stats = None  # the router losses' statistics, in training with a router loss on
+        if self.router_losses.active and targets is not None:
+            stats = self.router_losses.start(batch, x.device) if first else self.router_losses.unpack(rest)
+            real = real_tokens(doc_ids, batch, seq_len, x.device)  # [B, T]
+            mine_real = real if mine is None else real[:, mine]
         for layer in self.layers.values():
-            h = layer(h, rope, masks, gather=gather)
+            if stats is None:
+                h = layer(h, rope, masks, gather=gather)
+            else:
+                h, stats = layer(h, rope, masks, gather=gather, stats=stats, real=mine_real)
         if self.lm_head is None:
-            return h
+            return h if stats is None else (h, *self.router_losses.pack(stats))
         h = self.norm(h.float())
         if targets is None:
             return self.lm_head(h)
-        if mine is None:  # config.py refuses the router loss with cp or pp: it needs every layer's whole batch
-            loss, router_loss = self.lm_head(h, targets), self.router_loss(doc_ids)
-            return loss if router_loss is None else loss + router_loss
-        return context_share(self.lm_head(h, targets[:, mine]), targets, mine, cp)
+        loss = self.lm_head(h, targets) if mine is None else context_share(self.lm_head(h, targets[:, mine]),
+                                                                            targets, mine, cp)
+        if stats is None:
+            return loss
+        return loss + self.router_losses.loss(stats, real, targets, None if mine is None else self.context.group)
 
     def block_inputs(self, doc_ids: torch.Tensor | None, positions: torch.Tensor | None, batch: int, seq_len: int,
                      device, queries: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from devices import kernel_device_type
+
 EXPERT_BACKENDS = ("grouped", "loop")
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
 
@@ -73,6 +75,11 @@ def check_bias_update_rate(rate: object) -> None:
         raise ValueError(f"router_bias_update_rate must be >= 0 (0: no selection bias), got {rate!r}")
 
 
+def router_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """A router's scores over all experts from its logits [..., E]: sigmoid or softmax."""
+    return torch.softmax(logits, dim=-1) if score_function == "softmax" else torch.sigmoid(logits)
+
+
 class Router(nn.Module):
     """Scores over experts, top-k, optionally renormalised. An FP32 module of its own.
 
@@ -80,9 +87,9 @@ class Router(nn.Module):
     chosen k (+1e-20 in the denominator, as its reference does) and multiplies by `scaling`.
 
     It also records how many tokens each expert received in its last forward, as a buffer, so the
-    trainer can read routing statistics without a host sync per layer. With keep_logits set (the
-    model's output_router_logits), its last logits stay in `logits` for the load-balancing loss,
-    which the model computes once all layers have run (see `load_balancing_loss`).
+    trainer can read routing statistics without a host sync per layer. It keeps no tensor of the
+    graph: its logits go out with the weights, to the router losses (router_loss.py), and live on
+    only in what autograd saves for backward.
     """
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool,
@@ -92,21 +99,17 @@ class Router(nn.Module):
             raise ValueError(f"router score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.score_function, self.scaling = score_function, scaling
-        self.keep_logits = False
         self.balanced = False  # forced balance: see set_balanced_routing
-        self.logits: torch.Tensor | None = None
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
         # Aux-loss-free balancing (routing.py updates it from the measured load): saved with the
         # weights, but the published format has no place for it.
         self.selection_bias = nn.Buffer(torch.zeros(num_experts)) if selection_bias else None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> FP32 weights [N, k] and expert indices [N, k]."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H] -> FP32 weights [N, k], expert indices [N, k] and the FP32 logits [N, E]."""
         logits = x.float() @ self.weight.float().T  # [N, E]
-        if self.keep_logits:
-            self.logits = logits
-        scores = torch.softmax(logits, dim=-1) if self.score_function == "softmax" else torch.sigmoid(logits)
+        scores = router_scores(logits, self.score_function)
         if self.balanced:  # round-robin experts, weighed by the real scores there
             indices = balanced_choices(x.shape[0], self.top_k, self.weight.shape[0], x.device)
             weights = scores.gather(-1, indices)
@@ -122,34 +125,7 @@ class Router(nn.Module):
         with torch.no_grad():
             # copy, not add: activation recompute stays exact
             self.tokens_per_expert.copy_(expert_counts(indices, self.weight.shape[0]))
-        return weights, indices
-
-
-def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The Switch Transformer balancing term as the published reference (transformers'
-    FlintForCausalLM, `load_balancing_loss_func`) computes it, over all MoE layers of one batch.
-
-    router_logits: each MoE layer's [N, E] router logits (before the sigmoid); mask [N] (or [B, T]):
-    true for real tokens, false for padding, which then counts for nothing. Per layer, the softmax
-    of the logits gives each token's probabilities and its top-k experts; both are summed over the
-    real tokens and the layers, then divided by (real tokens x layers):
-        f_e = share of top-k assignments to expert e (sums to k),  P_e = mean probability of e
-        loss = E * sum_e f_e * P_e
-    Only P carries a gradient (to the router weights and the layer inputs). Balanced routing gives
-    k; all tokens on the same k experts give about E.
-    """
-    num_experts = router_logits[0].shape[-1]
-    rows = torch.ones(router_logits[0].shape[0], device=router_logits[0].device) if mask is None \
-        else mask.reshape(-1).to(router_logits[0].device, torch.float32)  # [N]: 1 real, 0 padding
-    assignments = torch.zeros(num_experts, device=rows.device)
-    probabilities = torch.zeros(num_experts, device=rows.device)
-    for logits in router_logits:
-        probs = torch.softmax(logits.float(), dim=-1)  # [N, E]
-        chosen = torch.topk(probs, top_k, dim=-1).indices  # [N, k]
-        assignments = assignments.scatter_add(0, chosen.flatten(), rows.repeat_interleave(top_k))
-        probabilities = probabilities + (probs * rows.unsqueeze(-1)).sum(dim=0)
-    total = rows.sum() * len(router_logits)
-    return num_experts * torch.sum(assignments / total * probabilities / total)
+        return weights, indices, logits
 
 
 # torch 2.13's _grouped_mm has a meta (shape) kernel for BF16 only, so the compiler cannot trace an
@@ -195,7 +171,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
     Native (and compiled by inductor) for BF16 on CUDA; the opaque custom operator otherwise.
     """
-    if x.device.type == "cuda" and x.dtype == torch.bfloat16:
+    if kernel_device_type(x.device) == "cuda" and x.dtype == torch.bfloat16:
         return torch._grouped_mm(x, w, offs=offsets)
     return _grouped_mm_op(x, w, offsets)
 
@@ -203,7 +179,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 def group_alignment(device: torch.device) -> int:
     """Rows per expert group are padded to a multiple of this: CUDA's bf16/fp8 grouped GEMMs need
     aligned groups (16 covers both); the CPU kernel needs none."""
-    return 16 if device.type == "cuda" else 1
+    return 16 if kernel_device_type(device) == "cuda" else 1
 
 
 class ExpertPlan(NamedTuple):
@@ -343,11 +319,16 @@ class MoE(nn.Module):
         self.shared_expert = SwiGLU(hidden, shared_intermediate, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.routed(x)[0]
+
+    def routed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> y [B, T, H], and the router's FP32 logits [B, T, E] and chosen experts
+        [B, T, k] (what the router losses read)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [B, T, H] -> [N, H]
-        weights, indices = self.router(x)
+        weights, indices, logits = self.router(x)
         y = self.experts(x, weights, indices) + self.shared_expert(x)
-        return y.view(shape)
+        return y.view(shape), logits.view(*shape[:-1], -1), indices.view(*shape[:-1], -1)
 
 
 # ============================================================================= expert parallel

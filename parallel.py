@@ -20,7 +20,9 @@ import copy
 import dataclasses
 import os
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from typing import Callable
 
@@ -91,6 +93,8 @@ class ParallelConfig:
     offload: bool = False  # FSDP2's CPU offload: sharded weights, gradients and AdamW states in host memory
     backend: str = "auto"  # process group: auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
     head_precision: str = "tf32"  # the FP32 head's matmuls on GPUs: tf32 | bf16x3 | bf16 | float32 (decoder.py)
+    collective_timeout_minutes: float = 60.0  # how long a rank waits at a collective (for rank 0's data
+    # preparation and checkpoint listing, a slow rank's checkpoint write) before the run stops
 
     @classmethod
     def from_dict(cls, section: dict, where: str = "[parallel]") -> "ParallelConfig":
@@ -148,6 +152,9 @@ class ParallelConfig:
                              ("head_precision", list(HEAD_PRECISIONS))):
             if getattr(self, key) not in allowed:
                 raise LayoutError(key, f"{where} {key} must be one of {allowed}, got {getattr(self, key)!r}")
+        if not 0 < self.collective_timeout_minutes < float("inf"):
+            raise LayoutError("collective_timeout_minutes", f"{where} collective_timeout_minutes must be a number of "
+                              f"minutes > 0, got {self.collective_timeout_minutes!r}")
         if seq_len is not None and self.cp > 1 and seq_len % (2 * self.cp):
             raise LayoutError("cp", f"{where} cp = {self.cp} splits each sequence into 2 * cp = {2 * self.cp} chunks: "
                              f"data.seq_len = {seq_len} must be divisible by {2 * self.cp}")
@@ -167,9 +174,12 @@ class ParallelConfig:
 
 # ============================================================================= process group and mesh
 
-def init_distributed(backend: str = "auto", use_cuda: bool | None = None) -> torch.device:
+def init_distributed(backend: str = "auto", use_cuda: bool | None = None,
+                     timeout: timedelta = timedelta(minutes=ParallelConfig.collective_timeout_minutes)) -> torch.device:
     """Start the process group: from torchrun's environment, or, for a plain `python` process, a
-    group of one (so that one process takes the same path as many). NCCL on CUDA, gloo on the CPU."""
+    group of one (so that one process takes the same path as many). NCCL on CUDA, gloo on the CPU.
+    A collective that waits longer than `timeout` stops the run: NCCL's and gloo's default of 10
+    and 30 minutes is shorter than rank 0 preparing a corpus."""
     cuda = (torch.cuda.is_available() if use_cuda is None else use_cuda) and backend != "gloo"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -177,8 +187,25 @@ def init_distributed(backend: str = "auto", use_cuda: bool | None = None) -> tor
     if not dist.is_initialized():
         backend = backend if backend != "auto" else ("nccl" if cuda else "gloo")
         alone = {} if "WORLD_SIZE" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-        dist.init_process_group(backend, device_id=device if cuda else None, **alone)
+        dist.init_process_group(backend, device_id=device if cuda else None, timeout=timeout, **alone)
     return device
+
+
+@contextmanager
+def waiting_for_main_rank(what: str, minutes: float, where: str, error: type[Exception] = RuntimeError):
+    """Around a collective where the other ranks wait for rank 0 to do `what` alone. The wait ends at
+    the group's timeout, [parallel].collective_timeout_minutes (`minutes`, set at `where`): gloo then
+    raises a RuntimeError, reported here as `error` naming the key (NCCL's watchdog ends the process
+    instead, its log giving the timeout in milliseconds)."""
+    try:
+        yield
+    except RuntimeError as failure:
+        if dist.get_rank() == 0:
+            raise
+        first_line = (str(failure).splitlines() or ["no message"])[0][:200]
+        raise error(f"rank {dist.get_rank()} waited for rank 0 to {what} and gave up ({first_line}): rank 0 stopped "
+                    f"(its own error says why) or took longer than [parallel].collective_timeout_minutes = "
+                    f"{minutes:g} ({where}); raise it if rank 0 is only slow") from failure
 
 
 def barrier() -> None:

@@ -47,7 +47,8 @@ from metrics import MetricsLogger
 from models import config_from_hf, model_class
 from moe import set_balanced_routing
 from muon import Muon, takes_muon
-from parallel import ParallelModel, Run, barrier, build_mesh, init_distributed, init_weights, parallelize, uncompile
+from parallel import (ParallelModel, Run, barrier, build_mesh, init_distributed, init_weights, parallelize, uncompile,
+                      waiting_for_main_rank)
 from routing import RoutingMonitor
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
@@ -59,6 +60,9 @@ class TrainingError(RuntimeError):
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv)
+    missing = missing_inputs(cfg)
+    if missing:  # before any process group or model: a user-supplied input is not there
+        raise ConfigError(missing)
     try:
         run = start_run(cfg)
         with Checkpointer(cfg, run) as checkpoints:  # locks checkpoint.dir: one run per directory
@@ -87,10 +91,10 @@ def main(argv: list[str] | None = None) -> dict:
                         if due(step, cfg.checkpoint.every, cfg.training.steps) or stopping:
                             checkpoints.save(step, model, optimizer, train_data)
                     if stopping:
-                        run.print(f"stopped by {interruption.name} after step {step}; saved {checkpoints.last}. "
+                        run.print(f"stopped by {interruption.name} after step {step}; saved {checkpoints.wait()}. "
                                   f"Resume with:\n  {resume_command(argv, run)}")
                         raise SystemExit(128 + getattr(signal, interruption.name))
-            return finish(checkpoints.last, tokenizer, cfg, run, logger)
+            return finish(checkpoints.wait(), tokenizer, cfg, run, logger)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -125,10 +129,20 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
     parser.add_argument("--config", required=True, help="a TOML file, e.g. configs/smoke.toml")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved configuration as TOML and exit without training")
+    rehearsal = parser.add_argument_group("rehearsal", "run rank R's first steps of the GPU job on this CPU, on a "
+                                          "fake world of its size (rehearsal.py), and exit")
+    rehearsal.add_argument("--dry-run", action="store_true", help="rehearse instead of training")
+    rehearsal.add_argument("--world-size", type=int, help="the job's GPUs (default: what [parallel] needs)")
+    rehearsal.add_argument("--rank", type=int, default=0, help="the rank to rehearse (default 0)")
+    rehearsal.add_argument("--gpu", default="H200", help="H100 | H200 | B200: the capacity to check against")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     if args.print_config:
         print(resolved_toml(cfg))
+        raise SystemExit(0)
+    if args.dry_run:
+        from rehearsal import rehearse  # fake tensors and a fake world: only a rehearsal needs them
+        rehearse(cfg, args.world_size, args.rank, args.gpu)
         raise SystemExit(0)
     return cfg
 
@@ -142,7 +156,7 @@ def start_run(cfg: TrainConfig) -> Run:
         raise ConfigError(f"{cfg.where('training.device')}: [training].device = \"cuda\" but no GPU is available")
     use_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
     check_device_choices(cfg, on_gpu=use_cuda and parallel.backend != "gloo")
-    device = init_distributed(parallel.backend, use_cuda)
+    device = init_distributed(parallel.backend, use_cuda, timedelta(minutes=parallel.collective_timeout_minutes))
     try:
         mesh = build_mesh(parallel, device.type, cfg.model_config.num_experts)
     except ValueError as error:  # the layout does not fit the world size
@@ -168,6 +182,20 @@ def check_device_choices(cfg: TrainConfig, on_gpu: bool) -> None:
 
 # ============================================================================= data and model
 
+def missing_inputs(cfg: TrainConfig) -> str | None:
+    """What the config names that is not on this machine (the corpus, a tokenizer directory or file),
+    said with how to supply it; None when everything is there."""
+    d = cfg.data
+    if not Path(d.path).exists():
+        return (f"{cfg.where('data.path')}: data.path {d.path} does not exist. Put your corpus there (text files, "
+                f"a directory of them, or JSONL with a {d.text_key!r} field), or tokenize it once with "
+                f"`python3 data.py prepare CORPUS... --out {d.path} --tokenizer TOKENIZER` (README, Your own data)")
+    if ("/" in d.tokenizer or d.tokenizer.endswith(".tiktoken")) and not Path(d.tokenizer).exists():
+        return (f"{cfg.where('data.tokenizer')}: data.tokenizer {d.tokenizer} does not exist: name a directory "
+                f"holding tokenizer.json (the released one comes with its checkpoint) or a .tiktoken file")
+    return None
+
+
 def setup_data(cfg: TrainConfig, run: Run) -> tuple[Tokenizer, PackedLoader, PackedLoader | None]:
     """Tokenizer, then shards (prepared once, by rank 0), then the training and validation loaders."""
     d, t = cfg.data, cfg.training
@@ -181,7 +209,9 @@ def setup_data(cfg: TrainConfig, run: Run) -> tuple[Tokenizer, PackedLoader, Pac
     if run.is_main and not (directory / "meta.json").is_file():
         run.print(f"preparing {source} -> {directory}")
         prepare(source, tokenizer, directory, d.text_key)
-    barrier()
+    with waiting_for_main_rank(f"prepare {source} in {directory}", cfg.parallel.collective_timeout_minutes,
+                               cfg.where("parallel.collective_timeout_minutes"), DataError):
+        barrier()
     shards = TokenShards(directory, tokenizer)
     train_docs, val_docs = split_documents(shards.num_docs, d.val_fraction, str(source))
     loader = dict(seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed, rank=run.dp_rank, world_size=run.dp_size)
@@ -211,13 +241,8 @@ def load_model(cfg: TrainConfig, run: Run) -> ParallelModel:
     """FP32 master weights, laid out by parallel.py: fresh from the seed, or from [model].init_from
     (native, or Hugging Face converted to native first). Built on meta and parallelized before
     any weight exists, so each rank only ever holds its own shards (the 40B model fits)."""
-    config = cfg.model_config  # an init_from checkpoint's config.json, with the training settings of [model]
-    with torch.device("meta"):
-        model = model_class(config)(config, torch.float32)
-    run.print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.num_params(active=True) / 1e6:.2f}M "
-              f"active per token; {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-              f"{config.num_experts} experts (top {config.num_experts_per_tok}), vocab {config.vocab_size}")
-    pm = parallelize(model, cfg.parallel, run.mesh)
+    pm = build_model(cfg, run)
+    config = pm.config
     if not cfg.model.init_from:
         init_weights(pm, run.device, cfg.training.seed)
         return pm
@@ -230,6 +255,17 @@ def load_model(cfg: TrainConfig, run: Run) -> ParallelModel:
     set_model_state_dict(pm.module, state["model"])
     run.print(f"loaded the weights of {source}")
     return pm
+
+
+def build_model(cfg: TrainConfig, run: Run) -> ParallelModel:
+    """The model on the meta device (no weight exists yet), laid out by parallel.py."""
+    config = cfg.model_config  # an init_from checkpoint's config.json, with the training settings of [model]
+    with torch.device("meta"):
+        model = model_class(config)(config, torch.float32)
+    run.print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.num_params(active=True) / 1e6:.2f}M "
+              f"active per token; {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+              f"{config.num_experts} experts (top {config.num_experts_per_tok}), vocab {config.vocab_size}")
+    return parallelize(model, cfg.parallel, run.mesh)
 
 
 def converted_checkpoint(hf_dir: Path, cfg: TrainConfig, run: Run) -> Path:

@@ -1,18 +1,23 @@
 """checkpoint.py: saving, exact resume, crash-safe saves, and the checks on what a checkpoint holds."""
 
+import json
 import os
 import shutil
 import signal
+import socket
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 import checkpoint
+import checkpoint_files
 import convert
 import train
 from checkpoint import CheckpointError
-from conftest import records, run_debug, train_losses
+from conftest import debug_args, records, run_debug, train_losses
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,11 +42,11 @@ def test_resume_gives_exactly_the_uninterrupted_losses(tmp_path):
 def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     real_save = checkpoint.save_dcp
 
-    def crash_at_step_4(state, path):
+    def crash_at_step_4(state, path, *how):
         if path.name.startswith("step_00000004"):
             (path / "__0_0.distcp").write_bytes(b"half written")
             raise KeyboardInterrupt("power cut")
-        real_save(state, path)
+        return real_save(state, path, *how)
 
     monkeypatch.setattr(checkpoint, "save_dcp", crash_at_step_4)
     with pytest.raises(KeyboardInterrupt):
@@ -276,3 +281,119 @@ def test_killed_conversions_and_preparations_leave_no_temporaries_for_good(tmp_p
         [f".hf.tmp-{live}-abc", f"prepared.tmp-{live}", "hf", "prepared", "text.txt"])
 
 
+
+
+# ----------------------------------------------------------------------------- asynchronous saves
+
+def saved_data_checksums(checkpoint_dir: Path) -> dict[str, int]:
+    """The CRC-32 of each .distcp file (the tensors; .metadata holds a save id and differs per save)."""
+    listed = json.loads((checkpoint_dir / "checksums.json").read_text())
+    return {name: entry["crc32"] for name, entry in listed.items() if name.endswith(".distcp")}
+
+
+def test_async_save_writes_while_training_and_a_crash_in_flight_keeps_the_last_checkpoint(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """async_save: step 2's checkpoint is written only after steps 3 and 4 have trained (its write is
+    held back until then), yet holds bit for bit the tensors of the synchronous save of step 2; the losses
+    are the synchronous run's; step 4's save starts once step 2's has completed. A crash while step
+    4's save is in flight leaves step_00000004.tmp and step 2 complete (keep_last = 1 removes it only
+    once step 4 is complete); auto-resume picks step 2 and trains steps 3 and 4 to the same losses."""
+    common = ["--training.steps=4", "--checkpoint.every=2", "--logging.every=1", "--training.sample_tokens=0"]
+    run_debug(tmp_path / "sync", *common)
+    expected = train_losses(tmp_path / "sync")
+    events, real_step, real_write = [], train.train_step, checkpoint_files.RecordingWriter.write_data
+
+    def recorded_step(*args):
+        result = real_step(*args)
+        events.append(f"trained {args[-2]}")
+        return result
+
+    def held_back_write(self, plan, planner):
+        step = int(Path(self.path).name[5:13])
+        if step == 4:
+            events.append(f"writing 4, step 2 {'complete' if (run_dir / 'step_00000002').is_dir() else 'in flight'}")
+            (Path(self.path) / "__0_0.distcp").write_bytes(b"half written")
+            raise OSError("the disk went away")
+        for _ in range(600):  # up to 60 s for the main thread to train steps 3 and 4
+            if "trained 4" in events:
+                break
+            time.sleep(0.1)
+        events.append(f"writing {step}")
+        return real_write(self, plan, planner)
+
+    run_dir = tmp_path / "async" / "ckpt" / "run_0001"
+    monkeypatch.setattr(train, "train_step", recorded_step)
+    monkeypatch.setattr(checkpoint_files.RecordingWriter, "write_data", held_back_write)
+    asynchronous = [*common, "--checkpoint.async_save=true", "--checkpoint.keep_last=1"]
+    with pytest.raises(CheckpointError, match=r"step_00000004.tmp: cannot write the checkpoint: OSError: the disk went away"):
+        run_debug(tmp_path / "async", *asynchronous)
+    assert events.index("writing 2") > events.index("trained 4") and "writing 4, step 2 complete" in events
+    assert train_losses(tmp_path / "async") == expected  # bit for bit
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000002", "step_00000004.tmp"]
+    sync_step_2 = tmp_path / "sync" / "ckpt" / "run_0001" / "step_00000002"
+    assert saved_data_checksums(run_dir / "step_00000002") == saved_data_checksums(sync_step_2)
+
+    monkeypatch.setattr(checkpoint_files.RecordingWriter, "write_data", real_write)
+    capsys.readouterr()
+    run_debug(tmp_path / "async", *asynchronous, "--checkpoint.resume=auto")
+    assert f"resumed from {run_dir / 'step_00000002'} at step 2" in capsys.readouterr().out
+    assert train_losses(tmp_path / "async") == expected  # the resumed steps 3 and 4 (records of 3, 4 replaced)
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000004"]
+
+
+def _rank_of_train(rank: int, world: int, port: int, argv: list[str], killed_at_step: int, crc_log: str) -> None:
+    """One rank of `torchrun --nproc-per-node world train.py argv`, noting in `crc_log` each file it
+    checksums; with `killed_at_step`, killed (SIGKILL) half-way through writing its files of that
+    step's checkpoint."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    real_write, real_crc = checkpoint_files.RecordingWriter.write_data, checkpoint_files.crc32_of
+
+    def killed_at_its_step(self, plan, planner):
+        if Path(self.path).name == f"step_{killed_at_step:08d}.tmp":
+            (Path(self.path) / f"__{rank}_0.distcp").write_bytes(b"half written")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_write(self, plan, planner)
+
+    def noted_crc(file: Path) -> int:
+        with open(crc_log, "a") as log:
+            log.write(f"{rank} {file.parent.name} {file.name}\n")
+        return real_crc(file)
+    checkpoint_files.RecordingWriter.write_data, checkpoint_files.crc32_of = killed_at_its_step, noted_crc
+    train.main(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_kill_9_of_two_ranks_during_an_async_save_keeps_the_last_checkpoint(tmp_path):
+    """FSDP on 2 gloo ranks with async_save, both killed with SIGKILL while step 2's checkpoint is
+    being written (after step 2 trained and was logged): step 1's checkpoint is intact, auto-resume
+    picks it, and 2 ranks train step 2 again to the killed run's loss, bit for bit. Each rank
+    checksums the files it wrote, and on resume verifies its share: every file read once."""
+    argv = debug_args(tmp_path, "--training.steps=2", "--checkpoint.every=1", "--logging.every=1",
+                      "--training.sample_tokens=0", "--training.eval_every=0", "--parallel.dp_shard=2",
+                      "--checkpoint.async_save=true")
+    crc_log = tmp_path / "crc.log"
+    with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
+        mp.spawn(_rank_of_train, args=(2, free_port(), argv, 2, str(crc_log)), nprocs=2)
+    killed = train_losses(tmp_path)
+    run_dir = tmp_path / "ckpt" / "run_0001"
+    assert sorted(killed) == [1, 2]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001", "step_00000002.tmp"]
+    mp.spawn(_rank_of_train, args=(2, free_port(), [*argv, "--checkpoint.resume=auto"], 0, str(crc_log)), nprocs=2)
+    assert [Path(r["run"]).name for r in records(tmp_path) if "loss" in r] == ["run_0001"] * 2  # continued it
+    assert train_losses(tmp_path) == killed  # step 2 trained again from step 1 (its record replaced)
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001", "step_00000002"]
+
+    checksummed = [line.split() for line in crc_log.read_text().splitlines()]
+    assert sorted((int(rank), name) for rank, where, name in checksummed if where == "step_00000001.tmp") == [
+        (0, ".metadata"), (0, "__0_0.distcp"), (0, "config.json"), (0, "train_config.json"), (1, "__1_0.distcp")]
+    verified = [(int(rank), name) for rank, where, name in checksummed if where == "step_00000001"]
+    assert sorted(name for _, name in verified) == sorted(json.loads((run_dir / "step_00000001" / "checksums.json")
+                                                                     .read_text()))
+    assert {rank for rank, _ in verified} == {0, 1}

@@ -241,3 +241,36 @@ def test_streaming_readers_verify_each_file_once(tmp_path, trained_once, monkeyp
     convert.main(["to-hf", str(trained_once), str(tmp_path / "hf")])
     listed = json.loads((trained_once / "checksums.json").read_text())
     assert sorted(checked) == sorted(listed) and len(listed) >= 4
+
+
+def test_processes_checking_together_read_each_file_once_in_shares_of_similar_size(saved, monkeypatch):
+    """damage(rank, world_size): every listed file is read by exactly one of the processes, largest
+    first in turn, so no share exceeds another by more than one file; a damaged file is found by the
+    process that reads it, and only by it."""
+    for index, size in enumerate([900, 50, 400, 10, 700, 300]):
+        (saved / f"__{index}_0.distcp").write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+    (saved / "checksums.json").unlink()
+    write_checksums(saved)
+    sizes = {name: entry["bytes"] for name, entry in json.loads((saved / "checksums.json").read_text()).items()}
+    real, read = checkpoint_files.crc32_of, {}
+    for rank in range(3):
+        monkeypatch.setattr(checkpoint_files, "crc32_of", lambda file: read.setdefault(rank, []).append(file.name)
+                            or real(file))
+        assert damage(saved, rank, 3) is None
+    assert sorted(name for names in read.values() for name in names) == sorted(sizes)
+    shares = sorted(sum(sizes[name] for name in names) for names in read.values())
+    assert shares[-1] - shares[0] <= max(sizes.values())
+    victim = read[2][0]
+    (saved / victim).write_bytes(b"\0" * sizes[victim])
+    assert [damage(saved, rank, 3) is not None for rank in range(3)] == [False, False, True]
+
+
+def test_write_checksums_reads_only_the_files_no_other_process_listed(saved, monkeypatch):
+    """Rank 0 lists what the other ranks checksummed of their own files and reads only the rest."""
+    listed = json.loads((saved / "checksums.json").read_text())
+    shard = next(name for name in listed if name.endswith(".distcp"))
+    real, read = checkpoint_files.crc32_of, []
+    monkeypatch.setattr(checkpoint_files, "crc32_of", lambda file: read.append(file.name) or real(file))
+    write_checksums(saved, {shard: listed[shard]})
+    assert shard not in read and sorted(read) == sorted(set(listed) - {shard})
+    assert json.loads((saved / "checksums.json").read_text()) == listed

@@ -16,16 +16,20 @@ def test_every_preset_round_trips_through_its_config_json(name):
     assert hf["model_type"] == "flint" and FlintConfig.from_hf_config(hf).to_hf_config() == hf
 
 
-def test_the_load_balancing_term_refuses_pipelines_and_context_splits_by_key():
-    config = FlintConfig.from_name("tiny", output_router_logits=True)
-    assert config.layout_error(1, 1) is None
-    assert config.layout_error(2, 1)[0] == "pp" and config.layout_error(1, 2)[0] == "cp"
-    assert "works with [parallel].pp = 1 and cp = 1 only" in config.layout_error(2, 2)[1]
-    assert FlintConfig.from_name("tiny").layout_error(4, 4) is None
+def test_the_router_losses_refuse_no_layout_and_are_written_only_when_on():
+    """The router losses serve pipelines and context splits (router_loss.py, tests/test_router_loss.py);
+    the two native coefficients reach config.json only when on, and come back from it."""
+    config = FlintConfig.from_name("tiny", output_router_logits=True, router_sequence_loss_coef=1e-4,
+                                   router_z_loss_coef=1e-3)
+    assert config.layout_error(4, 4) is None
+    loaded = FlintConfig.from_hf_config(config.to_hf_config())
+    assert (loaded.router_sequence_loss_coef, loaded.router_z_loss_coef) == (1e-4, 1e-3)
+    assert not {"router_sequence_loss_coef", "router_z_loss_coef"} & set(FlintConfig().to_hf_config())
 
 
 @pytest.mark.parametrize("field, value, message", [
     ("router_aux_loss_coef", -0.1, "router_aux_loss_coef must be >= 0, got -0.1"),
+    ("router_sequence_loss_coef", "1e-4", r"router_sequence_loss_coef must be a number >= 0 \(0: off\), got '1e-4'"),
     ("num_experts_per_tok", 99, r"num_experts_per_tok \(99\) must be <= num_experts"),
 ])
 def test_impossible_fields_are_refused_by_name(field, value, message):

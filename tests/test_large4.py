@@ -335,7 +335,7 @@ def test_selection_bias_only_chooses_the_experts(parity_model):
         assert isinstance(router.selection_bias, torch.Tensor) and not router.selection_bias.requires_grad
         router.selection_bias[favoured] = 10.0  # far above any softmax score difference
     x = torch.randn(16, config.hidden_size, generator=torch.Generator().manual_seed(1))
-    weights, indices = routers[0](x)
+    weights, indices, _ = routers[0](x)
     assert (indices.sort(dim=1).values == favoured).all()
     scores = torch.softmax(x @ routers[0].weight.T, dim=-1).gather(-1, indices)
     torch.testing.assert_close(weights, scores / scores.sum(-1, keepdim=True) * config.routed_scaling_factor)

@@ -40,7 +40,20 @@ def test_offload_moves_the_sharded_states_to_host_memory():
     offloaded = memory_per_gpu(config, ParallelConfig(dp_shard=4, offload=True).resolve(4), 16, 2)
     states = on_gpu["params"] + on_gpu["grads"] + on_gpu["optimizer"]
     assert offloaded["host"] == pytest.approx(states) and on_gpu["host"] == 0
-    assert offloaded["total"] == pytest.approx(on_gpu["total"] - states)
+    assert offloaded["total"] == pytest.approx(offloaded["gathered"] + offloaded["activations"])
+    assert (offloaded["gathered"], offloaded["activations"]) == (on_gpu["gathered"], on_gpu["activations"])
+
+
+def test_activations_and_gradients_peak_together_only_under_accumulation_or_a_pipeline():
+    """One micro-batch: the peak is at the head (activations, no block gradient yet) or at the end of the
+    backward (every gradient, the last block's recompute), whichever is larger; otherwise their sum."""
+    config, layout = tiny_config(), ParallelConfig(dp_shard=4, activation_checkpointing="full").resolve(4)
+    one = memory_per_gpu(config, layout, 16, 2)
+    accumulating = memory_per_gpu(config, layout, 16, 2, grad_accum=2)
+    columns = ("params", "grads", "optimizer", "gathered", "activations")
+    assert accumulating["total"] == pytest.approx(sum(accumulating[c] for c in columns))
+    assert one["params"] + one["optimizer"] + one["gathered"] + max(one["activations"], one["grads"]) <= one["total"]
+    assert one["total"] < accumulating["total"]
 
 
 def test_command_prints_the_released_layouts_labelled(capsys, monkeypatch):

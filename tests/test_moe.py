@@ -235,6 +235,16 @@ def test_expert_parallel_forced_balance_equals_one_process_and_compiles_once():
     spawn(2, check_expert_parallel_on_two_ranks)
 
 
+def test_routed_gives_the_output_and_what_the_router_losses_read():
+    """MoE.routed: forward's output, with the router's FP32 logits x @ W^T [B, T, E] and its chosen
+    experts [B, T, k] (the top-k of the sigmoid scores), shaped like the tokens."""
+    moe, x = make_moe(), torch.randn(3, 5, HIDDEN)
+    y, logits, indices = moe.routed(x)
+    assert torch.equal(y, moe(x))
+    torch.testing.assert_close(logits, x @ moe.router.weight.T)
+    assert torch.equal(indices, torch.topk(torch.sigmoid(logits), TOP_K, dim=-1).indices)
+
+
 def test_a_recompute_reuses_its_forwards_splits_and_nothing_goes_stale():
     """Activation checkpointing recomputes an expert-parallel layer in backward (here ep = 1 in a
     group of one): the recompute copies nothing to the host (its forward's splits are reused), an

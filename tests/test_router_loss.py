@@ -1,4 +1,7 @@
-"""The load-balancing loss against fixtures from the published reference implementation.
+"""The router losses (router_loss.py): the published balance term against fixtures from the
+reference implementation and against the formula flint computed before the losses moved into the
+layers, DeepSeek-V3's sequence-wise term and the z-loss against plain loops, in one process and in
+pipeline, context and expert parallel layouts against one process.
 
 tests/make_flint_aux_fixture.py wrote tests/fixtures/flint_aux/ once with transformers'
 FlintForCausalLM (output_router_logits true, router_aux_loss_coef 0.25): a tiny random model, a
@@ -7,6 +10,8 @@ attention_mask. Here the same weights, loaded with convert.load_hf, must give th
 """
 
 import dataclasses
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -14,7 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 import convert
-from moe import load_balancing_loss
+from moe import Router
+from parallel import ParallelConfig, build_mesh, parallelize
+from router_loss import RouterLosses, add_layer
+from test_parallel import build, close, full, make_batch, rows_of_this_rank, slow, spawn, tiny_config
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "flint_aux"
 
@@ -57,15 +65,263 @@ def test_without_output_router_logits_the_loss_is_the_cross_entropy(batch):
     torch.testing.assert_close((with_term - without) / 0.25, expected["aux_loss"], rtol=1e-5, atol=1e-6)
 
 
-def test_balancing_term_by_hand():
-    """Two layers, four tokens, E = 4, k = 1, the last token padding: f and P counted by hand."""
-    big = 30.0  # softmax of a one-hot logit row of this size is one-hot to FP32 precision
+def pooled_reference(router_logits: list[torch.Tensor], top_k: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The balance term as flint computed it before the router losses moved into the layers (the
+    routers kept their logits, the model pooled them here): per layer, the softmax and its top-k;
+    both summed over the real tokens and the layers, divided by (real tokens x layers);
+    E * sum_e f_e * P_e."""
+    num_experts = router_logits[0].shape[-1]
+    rows = torch.ones(router_logits[0].shape[0]) if mask is None else mask.reshape(-1).float()  # [N]
+    assignments = torch.zeros(num_experts)
+    probabilities = torch.zeros(num_experts)
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)  # [N, E]
+        chosen = torch.topk(probs, top_k, dim=-1).indices  # [N, k]
+        assignments = assignments.scatter_add(0, chosen.flatten(), rows.repeat_interleave(top_k))
+        probabilities = probabilities + (probs * rows.unsqueeze(-1)).sum(dim=0)
+    total = rows.sum() * len(router_logits)
+    return num_experts * torch.sum(assignments / total * probabilities / total)
+
+
+def sequence_reference(routing: list, real: torch.Tensor, targets: torch.Tensor, score_function: str,
+                       top_k: int) -> torch.Tensor:
+    """DeepSeek-V3's eqs. 17-20 token by token: for each MoE layer (logits [B, T, E], chosen
+    [B, T, k]) and each row, f_e = E / (k T) * (its real tokens routed to e), P_e = the mean over
+    them of the scores normalised to sum 1; sum_e f_e P_e, the rows weighed by their loss tokens."""
+    loss_tokens = [int((row != -100).sum()) for row in targets]
+    total = torch.zeros(())
+    for logits, chosen in routing:
+        num_experts = logits.shape[-1]
+        for b in range(logits.shape[0]):
+            tokens = [t for t in range(logits.shape[1]) if real[b, t]]
+            f, p = [0.0] * num_experts, [torch.zeros(()) for _ in range(num_experts)]
+            for t in tokens:
+                scores = torch.sigmoid(logits[b, t]) if score_function == "sigmoid" else torch.softmax(logits[b, t], 0)
+                for e in range(num_experts):
+                    p[e] = p[e] + scores[e] / scores.sum() / len(tokens)
+                for e in chosen[b, t].tolist():
+                    f[e] += num_experts / (top_k * len(tokens))
+            total = total + sum(f[e] * p[e] for e in range(num_experts)) * loss_tokens[b] / sum(loss_tokens)
+    return total
+
+
+def z_reference(routing: list, real: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's eq. 5 token by token: the mean over real tokens of log(sum_e exp(logit_e))^2, summed
+    over MoE layers."""
+    total, tokens = torch.zeros(()), int(real.sum())
+    for logits, _ in routing:
+        for b, t in real.nonzero().tolist():
+            total = total + torch.log(torch.exp(logits[b, t]).sum()) ** 2 / tokens
+    return total
+
+
+def captured_routing(model: torch.nn.Module) -> list:
+    """Hooks that collect each router's (logits [B, T, E], chosen [B, T, k]) of the next forward."""
+    routing = []
+
+    def hook(module, args, output):
+        batch, seq_len = hook.shape
+        routing.append((output[2].view(batch, seq_len, -1), output[1].view(batch, seq_len, -1)))
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.register_forward_hook(hook)
+    return routing, hook
+
+
+LOSSES = {"flint": dict(output_router_logits=True, router_aux_loss_coef=0.25, router_sequence_loss_coef=0.1,
+                        router_z_loss_coef=0.01),
+          "large4": dict(router_sequence_loss_coef=0.1, router_z_loss_coef=0.01)}
+
+
+def family_batch(config):
+    return make_batch(vocab=min(256, config.vocab_size))
+
+
+def loss_and_grads(model, batch, extra=None) -> tuple[torch.Tensor, dict]:
+    """model's loss on batch (plus extra(routing) of the routing it captured), and its gradients."""
+    routing, hook = captured_routing(model)
+    hook.shape = batch[0].shape
+    loss = model(*batch)
+    if extra is not None:
+        loss = loss + extra(routing)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_the_layers_give_the_pooled_balance_term_bit_for_bit(masked):
+    """What flint computed before (every router's logits kept, pooled after the last layer) and
+    the statistics the layers add now: the same loss and gradients, to the bit."""
+    config = tiny_config(output_router_logits=True, router_aux_loss_coef=0.25)
+    ids, targets, doc_ids = make_batch()
+    batch = (ids, targets, doc_ids if masked else None)
+    loss, grads = loss_and_grads(build(config), batch)
+    mask = doc_ids >= 0 if masked else None
+    expected, expected_grads = loss_and_grads(build(dataclasses.replace(config, output_router_logits=False)), batch,
+                                              lambda r: 0.25 * pooled_reference([l.flatten(0, 1) for l, _ in r], 2, mask))
+    assert torch.equal(loss, expected)
+    for name, grad in grads.items():
+        assert torch.equal(grad, expected_grads[name]), name
+
+
+@pytest.mark.parametrize("family", ["flint", "large4"])
+def test_sequence_wise_and_z_losses_equal_the_plain_loops(family):
+    """Each loss alone (and Flint's three together) against the loops above: values and gradients."""
+    config = tiny_config(family)  # every router loss off
+    batch = family_batch(config)
+    real, score_function = batch[2] >= 0, "sigmoid" if family == "flint" else "softmax"
+    terms = {"router_sequence_loss_coef": lambda r: 0.1 * sequence_reference(r, real, batch[1], score_function,
+                                                                             config.num_experts_per_tok),
+             "router_z_loss_coef": lambda r: 0.01 * z_reference(r, real)}
+    cases = [{name: value} for name, value in (("router_sequence_loss_coef", 0.1), ("router_z_loss_coef", 0.01))]
+    if family == "flint":
+        cases.append(LOSSES["flint"])
+        terms["output_router_logits"] = lambda r: 0.25 * pooled_reference([l.flatten(0, 1) for l, _ in r], 2, real)
+    plain, _ = loss_and_grads(build(config), batch)
+    for case in cases:
+        loss, grads = loss_and_grads(build(dataclasses.replace(config, **case)), batch)
+        expected, expected_grads = loss_and_grads(build(config), batch,
+                                                  lambda r: sum(terms[name](r) for name in case if name in terms))
+        assert (loss - plain).abs() > 1e-3, f"{case}: the term adds nothing to compare"
+        close(loss, expected, f"{family} {case} loss")
+        for name, grad in grads.items():
+            if grad is not None or expected_grads[name] is not None:
+                close(grad, expected_grads[name], f"{family} {case} grad {name}")
+
+
+def test_terms_by_hand():
+    """Two layers of four tokens, E = 4, k = 1, the last token padding: f and P counted by hand."""
+    big = 30.0  # the softmax of a one-hot logit row of this size is one-hot in FP32
     first = torch.tensor([[big, 0, 0, 0], [big, 0, 0, 0], [0, big, 0, 0], [0, 0, 0, big]])
     second = torch.tensor([[0, 0, big, 0], [0, 0, big, 0], [0, 0, big, 0], [big, 0, 0, 0]])
-    mask = torch.tensor([True, True, True, False])
-    # real assignments over both layers: expert 0 twice, 1 once, 2 three times, of 6 -> f = P
+    real, targets = torch.tensor([[True, True, True, False]]), torch.zeros(1, 4, dtype=torch.long)
+
+    def loss(losses: RouterLosses, layers: list[torch.Tensor], real: torch.Tensor) -> torch.Tensor:
+        stats = losses.start(1, torch.device("cpu"))
+        for slot, logits in enumerate(layers):
+            stats = add_layer(stats, slot, logits.unsqueeze(0), logits.argmax(-1).view(1, -1, 1), real, "softmax")
+        return losses.loss(stats, real, targets)
+    # balance, pooled over both layers: expert 0 twice, 1 once, 2 three times, of 6 -> f = P
     share = torch.tensor([2, 1, 3, 0]) / 6
-    expected = 4 * (share * share).sum()
-    torch.testing.assert_close(load_balancing_loss([first, second], 1, mask), expected)
-    balanced = torch.eye(4) * big  # every expert once: f = P = 1/4 -> E * 4 / 16 = 1 = k
-    torch.testing.assert_close(load_balancing_loss([balanced], 1), torch.tensor(1.0))
+    torch.testing.assert_close(loss(RouterLosses(4, 1, 2, balance=1.0), [first, second], real),
+                               4 * (share * share).sum())
+    # sequence-wise, per layer over the row's 3 tokens: f_e = 4 / 3 * count_e and P_e = count_e / 3, with
+    # counts (2, 1, 0, 0), then (0, 0, 3, 0)
+    torch.testing.assert_close(loss(RouterLosses(4, 1, 2, sequence=1.0), [first, second], real),
+                               torch.tensor(4 / 9 * (4 + 1) + 4 / 9 * 9))
+    torch.testing.assert_close(loss(RouterLosses(4, 1, 2, z=1.0), [first, second], real), torch.tensor(2 * big ** 2))
+    balanced = torch.eye(4) * big  # every expert once: f = P = 1/4: both balance terms give k = 1
+    torch.testing.assert_close(loss(RouterLosses(4, 1, 1, balance=1.0, sequence=1.0), [balanced],
+                                    torch.ones(1, 4, dtype=torch.bool)), torch.tensor(2.0))
+
+
+def test_no_router_keeps_its_logits_after_backward():
+    """The logits live on only in what autograd saves, and backward frees that (issue 21: 47 layers
+    of [N, E] FP32 logits kept after each step)."""
+    model = build(tiny_config(**LOSSES["flint"]))
+    alive = []
+
+    def hook(module, args, output):
+        alive.append(weakref.ref(output[2]))
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    for router in routers:
+        router.register_forward_hook(hook)
+    loss = model(*make_batch())
+    assert len(alive) == 2 and all(ref() is not None for ref in alive)  # held by the graph until backward
+    loss.backward()
+    del loss
+    gc.collect()
+    assert all(ref() is None for ref in alive), "a router's logits outlived backward"
+    for router in routers:  # and no router holds a tensor besides its weight and statistics buffers
+        assert not [name for name, value in vars(router).items() if torch.is_tensor(value)]
+
+
+def test_an_moe_block_with_its_statistics_compiles_to_one_graph(one_thread):
+    """fullgraph=True: adding the statistics breaks no graph (counts by scatter-add into a fixed
+    size); the compiled block gives the eager block's output, statistics and gradients."""
+    model = build(tiny_config(**LOSSES["flint"]))
+    block, (ids, _, doc_ids) = model.layers["2"], make_batch()
+    rope, masks = model.block_inputs(doc_ids, None, *ids.shape, ids.device)
+    x = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(0),
+                    requires_grad=True)
+
+    def run(layer) -> tuple:
+        out, stats = layer(x, rope, masks, stats=model.router_losses.start(ids.shape[0], x.device), real=doc_ids >= 0)
+        objective = out.sum() + sum(value.float().sum() for value in stats.values())
+        return out, stats, torch.autograd.grad(objective, [x, *layer.parameters()])
+    torch._dynamo.reset()
+    (out, stats, grads), compiled = run(block), run(torch.compile(block, fullgraph=True, backend="aot_eager"))
+    close(compiled[0], out, "output")
+    for name, value in stats.items():
+        close(compiled[1][name], value, name)
+    for grad, expected in zip(compiled[2], grads):
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_a_pipeline_stage_sends_the_statistics_on():
+    """Large 4's static stage metadata ends with the enabled losses' statistics; off, nothing more."""
+    from large4 import MistralLarge4
+    with torch.device("meta"):
+        stage, plain = MistralLarge4(tiny_config("large4", **LOSSES["large4"])), MistralLarge4(tiny_config("large4"))
+
+    def described(model) -> list[tuple]:
+        return [(tuple(t.shape), t.dtype, t.requires_grad) for t in model.stage_boundary(4, 2, 16, torch.bfloat16)]
+    moe_layers, experts = 7, plain.config.num_experts
+    assert described(stage) == described(plain) + [((moe_layers, 2, experts), torch.int32, False),
+                                                   ((moe_layers, 2, experts), torch.float32, True),
+                                                   ((1,), torch.float32, True)]
+
+
+# ----------------------------------------------------------------------------- layouts against one process
+
+def one_process(config, batch, parts: int) -> tuple[torch.Tensor, dict]:
+    """One process that cuts the batch into `parts` micro-batches as a layout does (a pipeline's
+    micro-batches, the expert-parallel ranks' batches: the balance and z terms are per micro-batch),
+    each weighed by its loss tokens as ParallelModel weighs them."""
+    model, tokens, total = build(config), (batch[1] != -100).sum(), torch.zeros(())
+    for chunk in zip(*(t.chunk(parts) for t in batch)):
+        loss = model(*chunk) * (chunk[1] != -100).sum() / tokens
+        loss.backward()
+        total += loss.detach()
+    return total, {n: p.grad for n, p in model.named_parameters()}
+
+
+def check_router_losses_in_layouts(layouts: dict[str, list[tuple[dict, int]]]) -> None:
+    """For each family and (layout, micro-batches of the one-process run): the step's loss and every
+    gradient with every router loss on."""
+    for family, cases in layouts.items():
+        config = tiny_config(family, **LOSSES[family])
+        batch = family_batch(config)
+        for layout, parts in cases:
+            expected, expected_grads = one_process(config, batch, parts)
+            cfg = ParallelConfig.from_dict({"param_dtype": "float32", "dp_shard": 1, **layout})
+            mesh = build_mesh(cfg, "cpu", config.num_experts)
+            pm = parallelize(build(config), cfg, mesh)
+            close(pm.forward_backward(*rows_of_this_rank(mesh, batch)), expected, f"{family} {layout} loss")
+            for name, param in pm.module.named_parameters():
+                if expected_grads[name] is None:
+                    assert param.grad is None, f"{family} {layout}: frozen {name} got a gradient"
+                else:
+                    close(full(param.grad), expected_grads[name], f"{family} {layout} grad {name}")
+
+
+def test_router_losses_in_every_layout_match_one_process():
+    """Every router loss on, on 2 gloo ranks, against one process run on the same micro-batches:
+    a pipeline of 2 stages (1F1B: 2 micro-batches; Large 4's stages 0-3 | 4-7 both hold MoE layers,
+    so the statistics cross with their gradient), context parallel (counts summed over the cp group,
+    each rank's share of the sums), expert parallel (each rank's own batch) and FSDP with every block
+    recomputed in backward (the statistics are block outputs: the recompute adds nothing twice)."""
+    spawn(2, check_router_losses_in_layouts, {
+        "flint": [({"pp": 2}, 2), ({"cp": 2}, 1), ({"ep": 2}, 2), ({"dp_shard": 2, "activation_checkpointing": "full"}, 2)],
+        "large4": [({"pp": 2}, 2), ({"cp": 2}, 1)]})
+
+
+@slow
+def test_router_losses_in_more_layouts_match_one_process():
+    """ZB-V (4 stages in a V, whose boundaries carry the statistics 3 times, the backward split into
+    input and weight gradients) and Large 4 under expert parallel, on 2 ranks; pipeline with context
+    parallel (the last stage sums the counts over its cp group) and expert with context parallel on 4."""
+    spawn(2, check_router_losses_in_layouts, {"flint": [({"pp": 2, "pp_schedule": "ZBVZeroBubble"}, 4)],
+                                              "large4": [({"ep": 2}, 2)]})
+    spawn(4, check_router_losses_in_layouts, {"flint": [({"pp": 2, "cp": 2}, 2), ({"ep": 2, "cp": 2}, 2)],
+                                              "large4": [({"pp": 2, "cp": 2}, 2)]})

@@ -26,7 +26,7 @@ def test_the_bias_chooses_and_the_scores_weigh():
     router = collapsed_router(selection_bias=True)
     x = torch.rand(32, 16, generator=torch.Generator().manual_seed(1))
     router.selection_bias[5:7] = 10.0  # far above any sigmoid score difference
-    weights, indices = router(x)
+    weights, indices, _ = router(x)
     assert (indices.sort(dim=1).values == torch.tensor([5, 6])).all()
     scores = torch.sigmoid(x @ router.weight.T)[:, 5:7]
     torch.testing.assert_close(weights.sort(dim=1).values, (scores / scores.sum(1, keepdim=True)).sort(dim=1).values)

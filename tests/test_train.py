@@ -5,6 +5,7 @@ import math
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -382,7 +383,7 @@ def test_large4_two_processes_match_one_resume_in_one_and_export(tmp_path):
 
 
 def test_load_balancing_loss_trains_the_same_with_activation_checkpointing(tmp_path):
-    """The routers keep their logits for the balancing term; recomputing a block in backward
+    """The blocks add the balancing term's statistics as they run; recomputing a block in backward
     must give the same loss and updates as keeping its activations."""
     balance = ["--model.output_router_logits=true", "--model.router_aux_loss_coef=0.1", "--training.steps=3",
                "--logging.every=1", "--training.sample_tokens=0"]
@@ -455,3 +456,24 @@ def test_an_expert_parallel_step_copies_once_per_moe_layer_and_micro_batch(tmp_p
     run_two_processes(debug_args(tmp_path, "--parallel.ep=2", "--parallel.dp_shard=1", "--training.grad_accum=2",
                                  "--parallel.activation_checkpointing=full", "--data.seq_len=16",
                                  "--training.batch_size=2"), check_expert_parallel_step_syncs)
+
+
+def _rank_0_prepares_slowly(argv: list[str]) -> None:
+    """train.main, with rank 0's data preparation taking a minute longer."""
+    if os.environ["RANK"] == "0":
+        real_prepare = train.prepare
+        train.prepare = lambda *args: (time.sleep(60), real_prepare(*args))
+    train.main(argv)
+
+
+def test_no_rank_waits_for_rank_0_longer_than_collective_timeout_minutes(tmp_path):
+    """[parallel].collective_timeout_minutes reaches the process group: while rank 0 prepares the data
+    for a minute, rank 1 gives up after 6 s with an error naming the key (the default would wait)."""
+    argv = debug_args(tmp_path, "--training.steps=1", "--training.sample_tokens=0",
+                      "--parallel.collective_timeout_minutes=0.1")
+    start = time.perf_counter()
+    with pytest.raises(mp.ProcessRaisedException, match=r"DataError: rank 1 waited for rank 0 to prepare .* longer "
+                       r"than \[parallel\].collective_timeout_minutes = 0.1 \(command line "
+                       r"--parallel.collective_timeout_minutes\)"):
+        run_two_processes(argv, _rank_0_prepares_slowly)
+    assert time.perf_counter() - start < 60

@@ -1,0 +1,370 @@
+"""Rehearse a GPU job on this CPU: `python3 train.py --config configs/X.toml --dry-run [--world-size N]
+[--rank R] [--gpu H200]` runs, in one process, what rank R of the real job runs in its first steps, on a
+fake world of the job's size, and says what would fail before any GPU hour is spent.
+
+- The world: a fake process group of N ranks (torch.testing's `fake_pg`: every collective returns at
+  once, moving nothing) and the real device mesh over it.
+- The tensors: fake (FakeTensorMode: shapes, dtypes and strides, no values, no memory), on the CPU
+  device, in the GPU run's dtypes (BF16 bulk compute, FP32 master weights, sinks, routers and head).
+  The kernels are chosen as on a GPU (devices.targeting): the grouped GEMM with its 16-row groups,
+  whose CUDA shape and dtype checks run on fake tensors too, and FlexAttention for "auto".
+- The job: the real-size model built on meta and laid out by the real `parallelize` (FSDP2 or HSDP,
+  expert parallel, this rank's pipeline stages, context parallel, activation checkpointing), then a few
+  optimizer steps (forward, backward, clipping, the optimizer) and the checkpoint's state dicts, with
+  the data check on the real data the config names when it is there.
+- Measured: the peak of live tensor memory of this rank (every fake allocation, FSDP's storage resizes
+  included), beside memory.py's estimate and the GPU's capacity. A peak above the capacity fails the
+  rehearsal, as it would fail the job.
+
+What a rehearsal cannot show: values (no loss, no NaN), speed, and anything a fake world hides (a
+collective's timeout, a hang). What it treats differently, printed as such:
+- Routing is forced to be balanced ([training] force_balanced_routing, moe.py): with no values a router
+  cannot choose, and expert-parallel split sizes must be known on the host. Every expert gets the same
+  rows, as in published MoE throughput tables; a real router's imbalance needs more memory.
+- Block masks are built without document boundaries (they cannot be built on fake tensors; the masks'
+  memory is that of their block counts, the same either way) and the data's tokens are not read.
+- torch.compile is not rehearsed: dynamo refuses to trace under the memory tracker's dispatch mode. The
+  compiled blocks are traced whole in tests/test_compile.py, and compiling changes no tensor a step keeps.
+- FlexAttention refuses a backward on CPU tensors and, called eagerly, compiles a wrapper of its own:
+  both are lifted for fake tensors (`flex_on_fake_tensors`), whose kernels compute nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+import weakref
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn.attention.flex_attention as flex_module
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attention
+import train
+from config import ConfigError, TrainConfig
+from decoder import token_ids_checked_at_load
+from devices import targeting
+from memory import memory_per_gpu
+from moe import set_balanced_routing
+from parallel import MESH_DIMS, Run, build_mesh
+
+GIB = 2 ** 30
+# Usable memory per GPU (nvidia-smi's total: 81,559 MiB on an H100 80GB, 143,771 MiB on an H200,
+# 183,359 MiB on a B200).
+GPU_GIB = {"H100": 79.6, "H200": 140.4, "B200": 179.1}
+
+
+class RehearsalError(train.TrainingError):
+    """What would stop the real job, found by the rehearsal; the message says what to change."""
+
+
+# ============================================================================= measuring memory
+
+class PeakMemory(TorchDispatchMode):
+    """The live bytes of every CPU tensor storage created while active (fake tensors count their size),
+    their peak, and the phase of the step it came in. Storages are counted once however many views
+    share them, and freed when Python frees them; FSDP2 frees and re-allocates its gathered weights by
+    resizing their storage, which is followed too.
+
+    DTensor computes the global shape of an op's output by running the op on fake tensors of the
+    global size; on a GPU those never exist (DTensor makes them in a fake mode of its own), so they
+    are not counted (`ShardingPropagator._propagate_tensor_meta_non_cached`, paused). Counting them
+    is what made torch's FSDPMemTracker report 537 GiB per rank for the 40B model on 8 ranks."""
+
+    supports_higher_order_operators = True  # FlexAttention is a higher-order operator
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[int, str]] = {}  # id of a storage -> its bytes, and what made it
+        self.by_origin: Counter[str] = Counter()  # live bytes by what made them: the phase and the op
+        self.now = self.peak = 0
+        self.at_peak: Counter[str] = Counter()
+        self.phase, self.peak_phase = "start", "start"
+        self.paused = 0
+        self.freed: list[int] = []  # storages freed since the last settle
+
+    def track(self, tensor: torch.Tensor, origin: str) -> None:
+        if tensor.device.type != "cpu":  # meta tensors hold no memory
+            return
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self.live:
+            return
+        origin = f"{self.phase}: {origin}"
+        self.live[key] = (storage.nbytes(), origin)
+        weakref.finalize(storage, self._free, key)
+        self._add(storage.nbytes(), origin)
+
+    def _free(self, key: int) -> None:
+        self.freed.append(key)  # a finalizer may run mid-update: counted at the next op (settle)
+
+    def settle(self) -> None:
+        while self.freed:
+            nbytes, origin = self.live.pop(self.freed.pop(), (0, ""))
+            self._add(-nbytes, origin)
+
+    def _add(self, nbytes: int, origin: str) -> None:
+        self.now += nbytes
+        self.by_origin[origin] += nbytes
+        if self.now > self.peak:
+            self.peak, self.peak_phase = self.now, self.phase
+            self.at_peak = +self.by_origin
+
+    def largest_at_peak(self, count: int = 8) -> list[tuple[str, float]]:
+        """What held the most memory at the peak, in GiB: (phase: op that made it, GiB)."""
+        return [(origin, nbytes / GIB) for origin, nbytes in self.at_peak.most_common(count)]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run its local ops, which come back here
+        self.settle()
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            for leaf in pytree.tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self.track(leaf, str(func))
+        return out
+
+    @contextmanager
+    def watching(self) -> Iterator["PeakMemory"]:
+        """Active, following storage resizes, and blind to DTensor's global-shape propagation."""
+        resize, propagate = torch.UntypedStorage.resize_, ShardingPropagator._propagate_tensor_meta_non_cached
+        tracker = self
+
+        def tracked_resize(storage, size):
+            tracker.settle()
+            key, old = id(storage), storage.nbytes()
+            result = resize(storage, size)
+            if key in tracker.live:
+                origin = tracker.live[key][1]
+                tracker.live[key] = (storage.nbytes(), origin)
+                tracker._add(storage.nbytes() - old, origin)
+            return result
+
+        def unseen_propagation(propagator, op_schema):
+            tracker.paused += 1
+            try:
+                return propagate(propagator, op_schema)
+            finally:
+                tracker.paused -= 1
+
+        with mock.patch.object(torch.UntypedStorage, "resize_", tracked_resize), \
+                mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached", unseen_propagation), self:
+            yield self
+
+
+# ============================================================================= the fake world
+
+def world_size_of(cfg: TrainConfig, world_size: int | None) -> int:
+    """--world-size, or what the config's layout needs (dp_shard = -1 counting as 1), as memory.py."""
+    if world_size is not None:
+        if world_size < 1:
+            raise ConfigError(f"--world-size must be >= 1, got {world_size}")
+        return world_size
+    p = cfg.parallel
+    return p.dp_replicate * max(p.dp_shard, 1) * p.ep * p.pp * p.cp
+
+
+@contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """This process as rank `rank` of a fake process group of `world_size`."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def flex_on_fake_tensors() -> Iterator[None]:
+    """FlexAttention as a GPU runs it, on fake CPU tensors: its device check refuses a backward on
+    CPU tensors (the CPU has no backward kernel, and fake tensors need none), and called eagerly it
+    wraps its operator in a torch.compile, which cannot run under the memory tracker: call the
+    operator directly (its fake kernels give the GPU kernel's outputs and saved tensors)."""
+    with mock.patch.object(flex_module, "_validate_device", lambda query, key, value: None), \
+            mock.patch.object(flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True):
+        yield
+
+
+def gpu_config(cfg: TrainConfig) -> TrainConfig:
+    """The config as the GPU job resolves it: its compute dtype on CUDA, eager blocks (see the module
+    docstring), balanced routing."""
+    parallel = dataclasses.replace(cfg.parallel, compile=False,
+                                   param_dtype=str(cfg.parallel.compute_dtype("cuda")).removeprefix("torch."))
+    training = dataclasses.replace(cfg.training, force_balanced_routing=True)
+    return dataclasses.replace(cfg, parallel=parallel, training=training)
+
+
+# ============================================================================= the rehearsal
+
+def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu: str = "H200",
+             steps: int = 2) -> dict:
+    """Rank `rank`'s first `steps` steps of `cfg` on a fake world; prints each phase as it passes and
+    returns the measurements. Raises RehearsalError (or the error the real run would raise)."""
+    if gpu not in GPU_GIB:
+        raise ConfigError(f"--gpu must be one of {', '.join(GPU_GIB)}, got {gpu!r}")
+    world = world_size_of(cfg, world_size)
+    if not 0 <= rank < world:
+        raise ConfigError(f"--rank must be in [0, {world}), got {rank}")
+    job = gpu_config(cfg)
+    say = Phases(f"rank {rank} of {world}")
+    with fake_world(world, rank), targeting("cuda"), flex_on_fake_tensors():
+        run = start_fake_run(job, say)
+        batches = rehearsal_batches(job, run, say)
+        prebuild_block_masks(job)
+        model = train.build_model(job, run)  # on meta
+        set_balanced_routing(model.module, job.training.force_balanced_routing)
+        tracker = PeakMemory()
+        with FakeTensorMode(allow_non_fake_inputs=True), tracker.watching():
+            for part in model.parts:
+                part.to_empty(device="cpu")  # fake: nothing is allocated, nothing initialised
+            optimizer = train.build_optimizer(model.module, job.optim)
+            say(f"model: {job.model_config.num_hidden_layers} layers laid out ({len(model.parts)} stage(s) here), "
+                f"{str(job.parallel.compute_dtype('cuda'))[6:]} compute, weights {tracker.now / GIB:.1f} GiB")
+            if not job.parallel.offload:
+                check_fits(job, world, rank, gpu, tracker.peak / GIB, "for its FP32 weights alone")
+            for step in range(1, steps + 1):
+                try:
+                    fake_step(model, optimizer, batches(), job, tracker)
+                except (RuntimeError, ValueError, TypeError, IndexError) as error:
+                    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                    raise RehearsalError(f"{job.source}: rank {rank} of {world} fails at step {step}, in the "
+                                         f"{tracker.phase} ({where_in_repository(error)}), as the GPU job would: "
+                                         f"{type(error).__name__}: {first_line}") from error
+                say(f"step {step}: forward, backward, clipping and {job.optim.name} passed")
+            checkpoint_bytes = state_dict_bytes(model, optimizer)
+            say(f"checkpoint: this rank's state dicts hold {checkpoint_bytes / GIB:.1f} GiB (model and optimizer)")
+            host = offloaded_bytes(model, optimizer) if job.parallel.offload else 0
+    return report(job, world, rank, gpu, tracker, say, host)
+
+
+def where_in_repository(error: BaseException) -> str:
+    """The innermost line of this repository's code that the error passed through: file:line (function)."""
+    ours = [frame for frame in traceback.extract_tb(error.__traceback__)
+            if Path(frame.filename).parent == Path(__file__).parent and Path(frame.filename) != Path(__file__)]
+    return f"{Path(ours[-1].filename).name}:{ours[-1].lineno}, {ours[-1].name}" if ours else "in torch"
+
+
+class Phases:
+    """Prints each phase with the seconds it took."""
+
+    def __init__(self, who: str):
+        self.who, self.last = who, time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        now = time.perf_counter()
+        print(f"rehearsal {self.who}: {message} ({now - self.last:.1f} s)", flush=True)
+        self.last = now
+
+
+def start_fake_run(cfg: TrainConfig, say: Phases) -> Run:
+    try:
+        mesh = build_mesh(cfg.parallel, "cpu", cfg.model_config.num_experts)  # outside FakeTensorMode
+    except ValueError as error:
+        raise ConfigError(f"{cfg.where_any([f'parallel.{d}' for d in MESH_DIMS])}: {error}") from error
+    run = Run(dist.get_rank(), dist.get_world_size(), mesh["dp"].get_local_rank(), mesh["dp"].size(),
+              torch.device("cpu"), mesh)
+    layout = " x ".join(f"{name} {mesh[name].size()}" for name in mesh.mesh_dim_names if mesh[name].size() > 1)
+    say(f"fake world of {run.world_size} ({layout or 'no parallelism'}); routing forced balanced, block masks "
+        f"without documents, blocks eager (see rehearsal.py)")
+    return run
+
+
+def rehearsal_batches(cfg: TrainConfig, run: Run, say: Phases):
+    """The data check on the data the config names, when it exists here; the step's batches are
+    fake token ids of the real shape (a rehearsal reads no values)."""
+    missing = train.missing_inputs(cfg)
+    if missing:
+        say(f"data: not checked: {missing}")
+    else:
+        train.setup_data(cfg, run)
+        say(f"data: {cfg.data.path} has enough rows for {cfg.training.steps} steps on {run.dp_size} "
+            f"data-parallel ranks")
+    shape = (cfg.training.batch_size, cfg.data.seq_len)
+
+    def batches() -> list[dict[str, torch.Tensor]]:
+        return [{"input_ids": torch.zeros(shape, dtype=torch.long), "targets": torch.zeros(shape, dtype=torch.long)}
+                for _ in range(cfg.training.grad_accum)]
+    return batches
+
+
+def prebuild_block_masks(cfg: TrainConfig) -> None:
+    """Build the shape-only block masks before the fake mode starts (attention caches them by shape)."""
+    config = cfg.model_config
+    for layer_type in sorted(set(getattr(config, "layer_types", ()))):
+        attention.block_mask(layer_type, getattr(config, "window", None), None, cfg.training.batch_size,
+                             cfg.data.seq_len, "cpu")
+
+
+def fake_step(model, optimizer, batches: list[dict], cfg: TrainConfig, tracker: PeakMemory) -> None:
+    """train.train_step without its one copy to the host (the loss, the norms: fake tensors hold no
+    values): micro-batches weighted by the step's tokens, clipping, the optimizer. Any other read of a
+    value fails here (DataDependentOutputException), as a host sync the GPU step would make."""
+    tracker.phase = "forward and backward"
+    num_tokens = model.global_tokens(torch.stack([b["targets"] for b in batches]))
+    with token_ids_checked_at_load():  # as in train_step: data.py checks the real run's ids at load
+        for batch in batches:
+            model.forward_backward(**batch, num_tokens=num_tokens)
+    tracker.phase = "optimizer"
+    model.clip_grad_norm_(cfg.optim.grad_clip or float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def state_dict_bytes(model, optimizer) -> int:
+    """The bytes this rank's checkpoint would write: its shards of the model and optimizer states."""
+    states = [get_model_state_dict(model.module), get_optimizer_state_dict(model.module, optimizer)]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in pytree.tree_leaves(states)
+             if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def check_fits(cfg: TrainConfig, world: int, rank: int, gpu: str, needed: float, what: str) -> None:
+    """The job would run out of memory where this rank needs more than the GPU's capacity (GiB)."""
+    capacity = GPU_GIB[gpu]
+    if needed > capacity:
+        raise RehearsalError(f"{cfg.source}: rank {rank} of {world} needs {needed:.1f} GiB {what}, more than the "
+                             f"{capacity:.1f} GiB of an {gpu}: the job would run out of memory. Shard more "
+                             f"([parallel] dp_shard, ep, pp), set [parallel] activation_checkpointing = \"full\" "
+                             f"or offload = true, or lower [training] batch_size")
+
+
+def offloaded_bytes(model, optimizer) -> int:
+    """What [parallel] offload keeps in host memory: this rank's shards of the weights, of the
+    gradients of the trainable ones, and the optimizer's states."""
+    params = [p.to_local() if isinstance(p, DTensor) else p for p in model.module.parameters()]
+    states = [t for state in optimizer.state.values() for t in state.values()
+              if isinstance(t, torch.Tensor) and t.dim() > 0]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in states]
+    return (sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in params)
+            + sum(t.numel() * t.element_size() for t in local))
+
+
+def report(cfg: TrainConfig, world: int, rank: int, gpu: str, tracker: PeakMemory, say: Phases,
+           host: int) -> dict:
+    """The measured peak on the GPU (less what offload keeps in host memory: on fake CPU tensors both
+    are counted), beside memory.py's estimate and the GPU's capacity."""
+    parallel = cfg.parallel.resolve(world, cfg.model_config.num_experts)
+    estimate = memory_per_gpu(cfg.model_config, parallel, cfg.data.seq_len, cfg.training.batch_size,
+                              cfg.training.grad_accum)["total"]
+    peak, capacity = (tracker.peak - host) / GIB, GPU_GIB[gpu]
+    offloaded = f", and {host / GIB:.1f} GiB in host memory ([parallel] offload)" if host else ""
+    say(f"peak {peak:.1f} GiB of {capacity:.1f} GiB on an {gpu} (memory.py {estimate:.1f} GiB){offloaded}, "
+        f"in the {tracker.peak_phase}; held by: " + ", ".join(f"{gib:.1f} GiB from {origin}"
+                                                            for origin, gib in tracker.largest_at_peak()))
+    check_fits(cfg, world, rank, gpu, peak, "at its peak")
+    return {"peak_gib": peak, "estimate_gib": estimate, "capacity_gib": capacity, "host_gib": host / GIB,
+            "phase": tracker.peak_phase, "world_size": world, "rank": rank}

@@ -1,0 +1,163 @@
+"""planner.py: the traced FLOPs, the layout's collectives and the command, against counts made by hand."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import planner
+from config import ConfigError
+from model import FlintConfig
+from op_trace import OpCost, trace_step
+from parallel import ParallelConfig
+from planner import GPUS, Pricing, attention_flops_per_token, expert_parallel_item, fsdp_items, unit_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+SLOW = os.environ.get("FLINT_SLOW") == "1"
+
+
+def tiny():
+    return FlintConfig.from_name("tiny")  # 6 layers (0, 1 dense), 8 experts top 2, window 9
+
+
+def matrices_per_token(c: FlintConfig) -> int:
+    """Active matrix weights one token meets, from the config's fields: attention, dense MLP or
+    router + top-k experts + shared expert, and the head (the embedding is a lookup, no FLOPs)."""
+    attention = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    dense = 3 * c.hidden_size * c.intermediate_size
+    moe = c.hidden_size * (c.num_experts + 3 * c.num_experts_per_tok * c.moe_intermediate_size
+                           + 3 * c.shared_expert_intermediate_size)
+    layers = sum(moe if i not in c.mlp_only_layers else dense for i in range(c.num_hidden_layers))
+    return c.num_hidden_layers * attention + layers + c.vocab_size * c.hidden_size
+
+
+def test_traced_flops_of_a_tiny_flint_equal_the_hand_formula():
+    """One FP32 step, no recompute, no padding: the matmuls outside attention are 6 FLOPs per active
+    weight per token (2 forward, 4 backward; the head's three in its fused loss); the CPU attention
+    kernel computes 4 * Hq * D per query per key it is given in forward and 10 in backward (torch's
+    count: the flash backward recomputes the scores): every key on full layers (a dense mask), and on
+    sliding layers blocks of window - 1 queries against two blocks of keys. Both are exact counts
+    (tolerance 1e-9)."""
+    c, batch, seq_len = tiny(), 2, 64
+    costs = trace_step(c, batch, seq_len, torch.float32, "none")
+    tokens = batch * seq_len
+    matmuls = sum(cost.flops for cost in costs if not cost.attention_core)
+    assert matmuls == pytest.approx(6 * matrices_per_token(c) * tokens, rel=1e-9)
+    block = c.sliding_window - 1
+    keys = sum(seq_len if kind == "full_attention" else math.ceil(seq_len / block) * block * 2 * block / seq_len
+               for kind in c.layer_types)  # keys per query the kernel computes, summed over the layers
+    core = sum(cost.flops for cost in costs if cost.attention_core)
+    assert core == pytest.approx(14 * c.num_attention_heads * c.head_dim * keys * tokens, rel=1e-9)
+
+
+def test_model_attention_flops_are_the_keys_each_query_attends():
+    """What a GPU's flex kernel computes per token: 12 * Hq * D per attended key, (i + 1) keys at
+    position i on full layers, min(i + 1, window) on sliding ones."""
+    c, seq_len = tiny(), 64
+    attended = sum(sum(i + 1 if kind == "full_attention" else min(i + 1, c.sliding_window) for i in range(seq_len))
+                   for kind in c.layer_types) / seq_len
+    assert attention_flops_per_token(c, seq_len) == pytest.approx(12 * c.num_attention_heads * c.head_dim * attended)
+
+
+def test_collectives_of_a_stated_layout_equal_the_hand_count():
+    """4 GPUs of one H100 node, dp_shard = 2 x ep = 2, BF16. Per MoE block, FSDP gathers the
+    non-expert weights (BF16; sinks and router FP32) over all 4 GPUs and this rank's half of the
+    experts over its dp_shard group of 2; gradients are FP32. The all-to-all sends each token's k
+    rows of H BF16 values, half of them to the other rank, 6 times per MoE layer with full recompute."""
+    c = tiny()
+    layout = ParallelConfig(dp_shard=2, ep=2, activation_checkpointing="full").resolve(4, c.num_experts)
+    h, hq, hkv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    attention = h * d * (2 * hq + 2 * hkv) + 2 * d  # projections, q/k norms
+    bulk = attention + 2 * h + 3 * h * c.shared_expert_intermediate_size  # and the two block norms
+    fp32 = hq + c.num_experts * h  # sinks, router
+    experts = 3 * c.num_experts * h * c.moe_intermediate_size // 2
+    block = unit_bytes(c, layout, bulk_bytes=2)[2]  # layer 2: the first MoE block
+    assert block == (2 * bulk + 4 * fp32, 2 * experts, 4 * (bulk + fp32), 4 * experts)
+    h100 = GPUS["H100"]
+    items = fsdp_items(c, layout, h100, 2, layer_compute=0.0)  # no compute: nothing overlaps
+    units = unit_bytes(c, layout, 2)
+    times = [2] * (len(units) - 1) + [1]  # blocks again in backward, the root units (embedding, head) once
+    gathers = sum(n * (other * 3 / 4 + expert / 2) for n, (other, expert, _, _) in zip(times, units)) / h100.nvlink
+    assert items[0].seconds == pytest.approx(gathers)
+    tokens = 8 * 64
+    a2a = expert_parallel_item(c, layout, h100, tokens, 2, recomputed=1.0)
+    moe_layers = c.num_hidden_layers - len(c.mlp_only_layers)
+    assert a2a.seconds == pytest.approx(moe_layers * 6 * tokens * c.num_experts_per_tok * h * 2 / 2 / h100.nvlink)
+
+
+def test_head_matmuls_run_at_the_head_precision():
+    """An FP32 matmul of the head costs FLOPs / the peak [parallel] head_precision names; an FP32
+    router matmul runs at torch's default, the CUDA cores' FP32 peak."""
+    h100 = GPUS["H100"]
+    head = OpCost("forward", "lm_head", "mm", "float32", "", False, flops=1e12)
+    router = OpCost("forward", "layers.*.mlp.router", "mm", "float32", "", False, flops=1e12)
+    assert Pricing(h100, "tf32").seconds(head)[0] == pytest.approx(1e12 / h100.tf32)
+    assert Pricing(h100, "bf16x3").seconds(head)[0] == pytest.approx(3e12 / h100.bf16)
+    assert Pricing(h100, "tf32").seconds(router)[0] == pytest.approx(1e12 / h100.fp32)
+    with pytest.raises(ConfigError, match=r"\[parallel\] head_precision = 'fp64'"):
+        planner.head_precision(SimpleNamespace(head_precision="fp64"))
+
+
+def test_command_prints_tokens_mfu_and_the_ten_costliest(capsys, monkeypatch):
+    """A released config (4 layers, short sequences, to stay fast), then the CPU device on a tiny preset."""
+    monkeypatch.chdir(ROOT)
+    plan = planner.main(["--config", "configs/flint-8gpu.toml", "--gpu", "h200", "--model.num_hidden_layers=4",
+                         "--data.seq_len=1024"])
+    out = capsys.readouterr().out
+    assert "H200 SXM, ep=8 ac=full" in out and "tokens/s per GPU, MFU" in out and "expert-parallel all-to-all" in out
+    assert len([line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]) == 10
+    assert 0 < plan.mfu < 1 and plan.step_seconds == pytest.approx(sum(item.exposed for item in plan.items))
+    monkeypatch.setattr(planner, "measure_cpu", lambda: planner.Device("cpu (test)", 1e11, 1e11, 1e11, 1e10, 0, 0, 1))
+    cpu = planner.main(["--gpu", "cpu", "--preset", "tiny", "--data.seq_len=64"])
+    assert "cpu (test), one GPU ac=none" in capsys.readouterr().out and cpu.step_seconds > 0
+
+
+def test_bad_gpu_and_missing_config_are_one_line_errors(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ConfigError, match=r"--gpu: unknown GPU 'A100'; choose one of H100, H200, B200 or cpu"):
+        planner.main(["--config", "configs/flint-8gpu.toml", "--gpu", "A100"])
+    with pytest.raises(ConfigError, match="give --config or --preset"):
+        planner.main(["--gpu", "H100"])
+    result = subprocess.run([sys.executable, "planner.py", "--config", "configs/flint-8gpu.toml", "--gpu", "A100"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr.startswith("error: --gpu") and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(not SLOW, reason="the released Flint's traces: about two minutes on 2 busy cores; FLINT_SLOW=1")
+def test_released_flint_step_is_its_model_flops_plus_at_most_one_recomputed_forward():
+    """configs/flint-8gpu.toml in BF16 at 1,024 tokens: without checkpointing, the traced matmuls outside
+    attention are 6 FLOPs per weight that model.flops_per_token counts beside attention; full
+    checkpointing adds at most one forward of the blocks (2 per block weight) and at least 90 % of it
+    (torch's checkpoint stops recomputing once the last tensor backward needs is back)."""
+    from config import load_config
+    config, seq_len = load_config(ROOT / "configs" / "flint-8gpu.toml").model_config, 1024
+    weights = (planner._meta_model(config).flops_per_token(seq_len) - attention_flops_per_token(config, seq_len)) / 6
+    block_weights = weights - config.vocab_size * config.hidden_size  # the head is not checkpointed
+
+    def traced(checkpointing):
+        costs = trace_step(config, 1, seq_len, torch.bfloat16, checkpointing)
+        return sum(cost.flops for cost in costs if not cost.attention_core) / seq_len
+    assert traced("none") == pytest.approx(6 * weights, rel=1e-9)
+    assert 0.9 * 2 * block_weights <= traced("full") - traced("none") <= 2 * block_weights
+
+
+def test_large4_dense_scores_are_the_attention_core_a_gpu_replaces():
+    """Mistral Large 4's CPU path materialises [B, H, T, S] scores: on a GPU those ops give way to the
+    flex kernel, whose FLOPs (LARGE4.md section 6.3) are 6 * heads * (qk + v) per attended key per layer,
+    plus the indexers' 2 * Hi * Di per scored key (T + 1) / 2 on full-indexer layers."""
+    from large4_config import Large4Config
+    c, seq_len = Large4Config.from_name("large4-tiny"), 48
+    costs = trace_step(c, 2, seq_len, torch.bfloat16, "none")
+    score_ops = {cost.op for cost in costs if cost.attention_core}
+    assert {"bmm", "_softmax"} <= score_ops
+    kept = [cost for cost in costs if not cost.attention_core and cost.op == "_softmax"]
+    assert all(f"{seq_len}, {seq_len}]" not in cost.shapes for cost in kept)  # every score softmax is in the core
+    attended = sum(min(i + 1, c.index_topk) for i in range(seq_len)) / seq_len
+    expected = (c.num_hidden_layers * 6 * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * attended
+                + c.indexer_types.count("full") * 2 * c.index_n_heads * c.index_head_dim * (seq_len + 1) / 2)
+    assert attention_flops_per_token(c, seq_len) == pytest.approx(expected)

@@ -1,0 +1,158 @@
+"""The rehearsal (rehearsal.py, `train.py --dry-run`): its memory count, its fake world, and that it fails
+where the GPU job would."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import rehearsal
+import train
+from config import load_config
+from flint_config import FlintConfig
+from large4_config import Large4Config
+from model import Flint as FlintModel
+from rehearsal import GIB, PeakMemory, RehearsalError
+
+MIB = 2 ** 20
+
+
+def test_peak_memory_counts_each_storage_once_and_follows_frees_and_resizes():
+    tracker = PeakMemory()
+    with tracker.watching():
+        a = torch.zeros(MIB // 4)  # 1 MiB of FP32
+        view = a[: MIB // 8]  # a view: no new memory
+        b = torch.ones(MIB // 2, dtype=torch.bfloat16)  # 1 MiB
+        c = b + 1  # 1 MiB
+        tracker.settle()
+        assert tracker.now == tracker.peak == 3 * MIB
+        del a, view
+        tracker.settle()  # a Python free is counted at the next op, or here
+        assert tracker.now == 2 * MIB and tracker.peak == 3 * MIB
+        c.untyped_storage().resize_(0)  # how FSDP2 frees a gathered weight
+        tracker.settle()
+        assert tracker.now == MIB
+    assert tracker.largest_at_peak(1)[0][0] == "start: aten.zeros.default"
+
+
+def rehearse_tiny(tmp_path, capsys, *overrides: str, world: int = 4, steps: int = 1) -> dict:
+    cfg = load_config("configs/debug.toml", [f"--checkpoint.dir={tmp_path}/ck", "--parallel.activation_checkpointing=full",
+                                             *overrides])
+    result = rehearsal.rehearse(cfg, world, rank=world - 1, steps=steps)
+    result["printed"] = capsys.readouterr().out
+    return result
+
+
+def test_a_tiny_job_is_rehearsed_on_a_fake_world_of_its_size(tmp_path, capsys):
+    result = rehearse_tiny(tmp_path, capsys, "--parallel.ep=2", world=4, steps=2)
+    printed = result["printed"]
+    for phase in ("fake world of 4 (dp_shard 2 x ep 2)", "data: data/python_reference.jsonl has enough rows",
+                  "step 1: forward, backward, clipping and adamw passed", "step 2:", "checkpoint:",
+                  "rank 3 of 4: peak"):
+        assert phase in printed, printed
+    assert 0 < result["peak_gib"] < 0.1 and result["estimate_gib"] > 0
+    assert not torch.distributed.is_initialized()  # the fake world is gone
+
+
+def test_train_py_dry_run_exits_zero(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--config", "configs/debug.toml", "--dry-run", "--world-size=2", f"--checkpoint.dir={tmp_path}/ck"])
+    assert stop.value.code == 0
+    assert "rehearsal rank 0 of 2: peak" in capsys.readouterr().out
+    assert not (tmp_path / "ck").exists()  # a rehearsal writes no checkpoint
+
+
+def test_a_layout_whose_weights_exceed_the_gpu_fails_before_its_first_step(capsys):
+    cfg = load_config("configs/flint-8gpu.toml", ["--data.path=data/pretrain", "--parallel.ep=1",
+                                                  "--parallel.dp_shard=1"])
+    with pytest.raises(RehearsalError, match=r"rank 0 of 1 needs 1\d\d\.\d GiB .* more than the 79.6 GiB of an H100"):
+        rehearsal.rehearse(cfg, 1, gpu="H100")
+    assert "step 1" not in capsys.readouterr().out
+
+
+def test_a_grouped_gemm_misalignment_fails_as_on_a_gpu(tmp_path, capsys, monkeypatch):
+    # 12 BF16 values are 24 bytes: CUDA's grouped GEMM needs rows of a multiple of 16 bytes. The
+    # config refuses this width; a model that slipped past its config check meets the kernel's own.
+    cfg = load_config("configs/debug.toml", [f"--checkpoint.dir={tmp_path}/ck"])
+    cfg.model_config.moe_intermediate_size = 12
+    with pytest.raises(RehearsalError, match=r"moe.py:\d+, grouped_mm.*16 bytes"):
+        rehearsal.rehearse(cfg, 2)
+
+
+def test_an_fp32_unit_meeting_bf16_fails_as_on_a_gpu(tmp_path, capsys, monkeypatch):
+    # Experts put in a block's FP32 unit are gathered in FP32 while their rows arrive in BF16: the
+    # grouped GEMM refuses the mix, as it would on a GPU.
+    from model import Flint
+    from moe import MoE
+    monkeypatch.setattr(Flint, "fp32_modules", lambda self, layer: [layer.self_attn.sinks] + (
+        [layer.mlp.router, layer.mlp.experts] if isinstance(layer.mlp, MoE) else []))
+    with pytest.raises(RehearsalError, match="grouped_mm.*BF16|bfloat16"):
+        rehearse_tiny(tmp_path, capsys, world=2)
+
+
+def test_missing_user_data_is_reported_by_the_rehearsal_and_refused_by_the_run(tmp_path, capsys):
+    result = rehearse_tiny(tmp_path, capsys, f"--data.path={tmp_path}/corpus", world=2)
+    assert f"data: not checked: command line --data.path: data.path {tmp_path}/corpus does not exist" in result["printed"]
+    with pytest.raises(train.ConfigError, match="python3 data.py prepare"):
+        train.main(["--config", "configs/debug.toml", f"--data.path={tmp_path}/corpus"])
+
+
+def test_too_little_data_for_the_world_fails_the_rehearsal(tmp_path, capsys):
+    with pytest.raises(train.DataError, match="not enough data"):
+        rehearse_tiny(tmp_path, capsys, "--training.steps=100000", world=2)
+
+
+# ----------------------------------------------------------------------------- every GPU config, at its real size
+
+SLOW = os.environ.get("FLINT_SLOW") == "1"
+slow = pytest.mark.skipif(not SLOW, reason="released-size rehearsals of minutes each: FLINT_SLOW=1")
+
+
+def released_checkpoint(tmp_path, family: str) -> str:
+    """A stand-in for a released checkpoint directory: its config.json only (a rehearsal reads no weight)."""
+    config = {"flint": lambda: FlintConfig.from_name("flint"), "large4": lambda: Large4Config.from_name("large4")}[family]()
+    directory = tmp_path / f"released-{family}"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config.to_hf_config()))
+    return str(directory)
+
+
+def rehearse_config(tmp_path, capsys, name: str, world: int, *overrides: str) -> dict:
+    cfg = load_config(f"configs/{name}.toml", [f"--checkpoint.dir={tmp_path}/ck", *overrides])
+    result = rehearsal.rehearse(cfg, world, gpu="H200")
+    printed = capsys.readouterr().out
+    assert f"rehearsal rank 0 of {world}: step 2: forward, backward, clipping and adamw passed" in printed, printed
+    assert f"rehearsal rank 0 of {world}: peak" in printed
+    # memory.py's estimate agrees with the measured peak (the balanced routing both assume)
+    assert abs(result["estimate_gib"] - result["peak_gib"]) <= 0.1 * result["peak_gib"], result
+    return result
+
+
+def test_flint_8gpu_is_rehearsed_at_its_real_size(tmp_path, capsys):
+    """The released Flint, 8 ranks, experts split 32 per rank, full checkpointing: what
+    `torchrun --nproc-per-node 8 train.py --config configs/flint-8gpu.toml` runs on rank 0."""
+    result = rehearse_config(tmp_path, capsys, "flint-8gpu", 8)
+    assert result["peak_gib"] < rehearsal.GPU_GIB["H200"]
+
+
+@slow
+@pytest.mark.parametrize("name, world, overrides", [
+    ("flint-multinode", 32, ()), ("flint", 8, ()), ("large4-256gpu", 256, ()),
+    ("finetune", 8, ("init_from:flint",)), ("large4", 256, ("init_from:large4",))])
+def test_every_gpu_config_is_rehearsed_at_its_real_size(tmp_path, capsys, name, world, overrides):
+    args = [f"--model.init_from={released_checkpoint(tmp_path, o.split(':')[1])}" for o in overrides]
+    rehearse_config(tmp_path, capsys, name, world, *args)
+
+
+def test_offload_counts_the_sharded_states_in_host_memory(tmp_path, capsys):
+    """[parallel] offload: the GPU's peak leaves out the shards of weights, gradients and AdamW states
+    (16 bytes per trainable parameter's shard), which the rehearsal reports as host memory."""
+    on_gpu = rehearse_tiny(tmp_path / "gpu", capsys, world=2)
+    offloaded = rehearse_tiny(tmp_path / "host", capsys, "--parallel.offload=true", world=2)
+    config = load_config("configs/debug.toml").model_config
+    with torch.device("meta"):
+        params = FlintModel(config).num_params()
+    assert offloaded["host_gib"] == pytest.approx(16 * params / 2 / GIB, rel=0.02)
+    assert offloaded["peak_gib"] < on_gpu["peak_gib"]
+    assert "GiB in host memory ([parallel] offload)" in offloaded["printed"]
