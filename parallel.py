@@ -342,7 +342,8 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
         gathers every parameter of a unit in that unit's param_dtype and reduce-scatters only one
         gradient dtype per unit. Left out of FSDP (ignored_params, replicated), they would need a
         gradient all-reduce of their own, and the fused AdamW refuses a mix of tensors and DTensors.
-      - Under expert parallelism, the all-to-all split sizes (a host sync).
+      - Under expert parallelism, the two token exchanges (moe.ExpertParallelExperts.send_rows and
+        return_rows: host split sizes), eager between graphs that take their rows as dynamic sizes.
     Context parallelism (a key/value all-gather in each block) is not asked to be whole either."""
     torch._dynamo.config.suppress_errors = False
     # All blocks share one code object, and dynamo keeps one graph per distinct block and grad mode

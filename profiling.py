@@ -174,7 +174,8 @@ def profile_step(model: torch.nn.Module, step: Callable[[], None], device: torch
 # ============================================================================= host syncs
 
 # Ops whose output shape depends on tensor values: on a GPU the kernel reads a size back to the host.
-# (The ops fake tensors refuse with DynamicOutputShapeException; each line's exception below.)
+# (Those fake tensors refuse with DynamicOutputShapeException; reads_device_memory names the calls of
+# them that read nothing.)
 SIZE_READS = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default, torch.ops.aten._unique.default,
               torch.ops.aten._unique2.default, torch.ops.aten.unique_dim.default, torch.ops.aten.bincount.default,
               torch.ops.aten.unique_consecutive.default, torch.ops.aten.repeat_interleave.Tensor,
@@ -189,6 +190,7 @@ HOST_SIDE = (str(Path(torch.distributed.__file__).parent / "device_mesh.py"),)
 
 
 def called_from_host_side() -> bool:
+    """Is the op being counted called, at any depth, from HOST_SIDE code?"""
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_filename in HOST_SIDE:
