@@ -267,15 +267,16 @@ def test_large4_compiled_trains_and_evaluates(monkeypatch, one_thread):
 GRAPH_CALLS = [0]  # compiled graphs run so far in this process (counting_backend)
 
 
-def counting_backend(graph, example_inputs):
-    """aot_eager, counting each run of a compiled graph: the graphs a block runs per forward are its
-    graph breaks plus one (a segment with no op between two breaks makes no graph)."""
-    from torch._dynamo.backends.debugging import aot_eager
-    compiled = aot_eager(graph, example_inputs)
+def counting_backend(graph, example_inputs, inner: str = "aot_eager"):
+    """The `inner` backend, counting each run of a compiled graph: the graphs a block runs per forward
+    are its graph breaks plus one (a segment with no op between two breaks makes no graph)."""
+    compiled = torch._dynamo.lookup_backend(inner)(graph, example_inputs)
+    boxed = getattr(compiled, "_boxed_call", False)  # called with one list of inputs
 
     def run(*args):
         GRAPH_CALLS[0] += 1
         return compiled(*args)
+    run._boxed_call = boxed
     return run
 
 
@@ -289,16 +290,17 @@ def parallel_block_model(family: str):
     return build(FlintConfig.from_name("tiny", num_hidden_layers=2, mlp_only_layers=[0]))
 
 
-def parallel_step(family: str, layout: dict, compile: bool):
+def parallel_step(family: str, layout: dict, compile: bool, device: str = "cpu"):
     """One forward and backward of parallelize's layout on this rank's rows -> the loss, the full
     gradients by native name, the graphs each block ran in the forward (by layer name) and
-    how often each block's forward ran, in the forward and in backward (a recompute)."""
+    how often each block's forward ran, in the forward and in backward (a recompute), and dynamo's graph
+    breaks by reason. scripts/gpu_check.sh runs it on a GPU, with inductor."""
     from test_parallel import full, make_batch, rows_of_this_rank
     from parallel import ParallelConfig, build_mesh, parallelize
     model = parallel_block_model(family)
     names = [name for name, _ in model.named_parameters()]
     cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout, "compile": compile})
-    pm = parallelize(model, cfg, build_mesh(cfg, "cpu", model.config.num_experts))
+    pm = parallelize(model, cfg, build_mesh(cfg, device, model.config.num_experts))
     graphs, calls, counting = {}, {}, set()
 
     def count(name):
@@ -320,7 +322,8 @@ def parallel_step(family: str, layout: dict, compile: bool):
             layer.register_forward_pre_hook(before)
             layer.register_forward_hook(after)
     torch._dynamo.utils.counters.clear()
-    loss = pm.forward_backward(*rows_of_this_rank(pm.mesh, make_batch(vocab=model.config.vocab_size)))
+    batch = [t.to(pm.collective_device) for t in make_batch(vocab=model.config.vocab_size)]
+    loss = pm.forward_backward(*rows_of_this_rank(pm.mesh, batch))
     grads = {n: full(p.grad) for n, p in pm.module.named_parameters() if p.grad is not None}
     assert set(name for name, _ in pm.module.named_parameters()) <= set(names), "parallelize renamed parameters"
     breaks = torch._dynamo.utils.counters["graph_break"]
@@ -328,12 +331,12 @@ def parallel_step(family: str, layout: dict, compile: bool):
 
 
 def check_checkpointed_compiled_matches_eager(family: str, layout: dict, expected_graphs: dict, rtol: float,
-                                              atol: float) -> None:
+                                              atol: float, device: str = "cpu") -> None:
     """The compiled step against the eager one of the same layout: loss and gradients within
     rtol/atol, every block recomputed as the checkpointing mode says, and the graphs each block
     ran in its forward as `expected_graphs` (by layer name, this rank's), every break at an FSDP hook."""
-    eager_loss, eager_grads, _, eager_calls, _ = parallel_step(family, layout, compile=False)
-    loss, grads, graphs, calls, breaks = parallel_step(family, layout, compile=True)
+    eager_loss, eager_grads, _, eager_calls, _ = parallel_step(family, layout, False, device)
+    loss, grads, graphs, calls, breaks = parallel_step(family, layout, True, device)
     torch.testing.assert_close(loss, eager_loss, rtol=rtol, atol=atol)
     assert grads.keys() == eager_grads.keys()
     for name, grad in eager_grads.items():
