@@ -304,8 +304,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     """Compile the forward of each block and of the head with its chunked loss, in place (names
     unchanged). The module's hooks (FSDP's own, activation checkpointing's) stay outside the graph
-    and eager: dynamo cannot trace the checkpoint's generator, and a unit's own FSDP hooks at the
-    edge of its graph add nothing to trace. Errors are raised, never hidden by eager.
+    and eager: the checkpoint's hooks hold a generator that dynamo cannot trace ("reconstructing
+    @contextmanager object"), and a unit's own FSDP hooks at the edge of its graph add nothing to
+    trace. Errors are raised, never hidden by eager.
 
     fullgraph=True makes any graph break an error: each block is one graph. parallelize asks for
     it whenever the block holds no other distributed code: one process, or FSDP with every unit
@@ -320,8 +321,8 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
         their own, and the fused AdamW refuses a mix of tensors and DTensors.
       - Context parallelism (a key/value all-gather in each block) is not asked to be whole.
     Two settings keep those breaks to the ones FSDP forces: nested_graph_breaks resumes tracing
-    inside the module that broke (by default dynamo breaks the whole call chain up to the block,
-    and a dense block under BF16 ran 5 graphs instead of 3), and capture_scalar_outputs with
+    inside the module that broke (by default dynamo breaks at every call on the way down to it,
+    each module of that chain then running graphs of its own), and capture_scalar_outputs with
     capture_dynamic_output_shape_ops trace expert parallelism's split sizes (`.tolist()`) and
     the shapes they make (`repeat_interleave`) as symbolic sizes instead of breaking the graph."""
     dynamo = torch._dynamo.config

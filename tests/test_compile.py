@@ -290,11 +290,12 @@ def parallel_block_model(family: str):
     return build(FlintConfig.from_name("tiny", num_hidden_layers=2, mlp_only_layers=[0]))
 
 
-def parallel_step(family: str, layout: dict, compile: bool, device: str = "cpu"):
-    """One forward and backward of parallelize's layout on this rank's rows -> the loss, the full
-    gradients by native name, the graphs each block ran in the forward (by layer name) and
-    how often each block's forward ran, in the forward and in backward (a recompute), and dynamo's graph
-    breaks by reason. scripts/gpu_check.sh runs it on a GPU, with inductor."""
+def parallel_step(family: str, layout: dict, compile: bool, device: str = "cpu", batches: int = 1):
+    """Forward and backward of parallelize's layout on this rank's rows of `batches` batches (the
+    later ones must not recompile) -> the summed loss, the accumulated full gradients by native
+    name, the graphs each block ran in its first forward (by layer name), how often each block's
+    forward ran in the forward and in backward (a recompute), and dynamo's graph breaks by reason.
+    scripts/gpu_check.sh runs it on a GPU, with inductor."""
     from test_parallel import full, make_batch, rows_of_this_rank
     from parallel import ParallelConfig, build_mesh, parallelize
     model = parallel_block_model(family)
@@ -324,6 +325,11 @@ def parallel_step(family: str, layout: dict, compile: bool, device: str = "cpu")
     torch._dynamo.utils.counters.clear()
     batch = [t.to(pm.collective_device) for t in make_batch(vocab=model.config.vocab_size)]
     loss = pm.forward_backward(*rows_of_this_rank(pm.mesh, batch))
+    graphs_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for seed in range(1, batches):  # other tokens, other routing: other expert-parallel split sizes
+        batch = [t.to(pm.collective_device) for t in make_batch(seed, vocab=model.config.vocab_size)]
+        loss = loss + pm.forward_backward(*rows_of_this_rank(pm.mesh, batch))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_compiled, "a later batch recompiled"
     grads = {n: full(p.grad) for n, p in pm.module.named_parameters() if p.grad is not None}
     assert set(name for name, _ in pm.module.named_parameters()) <= set(names), "parallelize renamed parameters"
     breaks = torch._dynamo.utils.counters["graph_break"]
@@ -331,12 +337,12 @@ def parallel_step(family: str, layout: dict, compile: bool, device: str = "cpu")
 
 
 def check_checkpointed_compiled_matches_eager(family: str, layout: dict, expected_graphs: dict, rtol: float,
-                                              atol: float, device: str = "cpu") -> None:
+                                              atol: float, batches: int = 1) -> None:
     """The compiled step against the eager one of the same layout: loss and gradients within
     rtol/atol, every block recomputed as the checkpointing mode says, and the graphs each block
     ran in its forward as `expected_graphs` (by layer name, this rank's), every break at an FSDP hook."""
-    eager_loss, eager_grads, _, eager_calls, _ = parallel_step(family, layout, False, device)
-    loss, grads, graphs, calls, breaks = parallel_step(family, layout, True, device)
+    eager_loss, eager_grads, _, eager_calls, _ = parallel_step(family, layout, False, batches=batches)
+    loss, grads, graphs, calls, breaks = parallel_step(family, layout, True, batches=batches)
     torch.testing.assert_close(loss, eager_loss, rtol=rtol, atol=atol)
     assert grads.keys() == eager_grads.keys()
     for name, grad in eager_grads.items():
@@ -392,10 +398,11 @@ def test_checkpointed_blocks_under_bf16_expert_parallel():
     """ep = 2 over 2 gloo ranks, BF16 policy, every block checkpointed: an MoE block runs 6 graphs,
     its nested units' FSDP hooks (sinks, router, and the experts' own unit on the efsdp mesh) less
     one empty segment; the split sizes (`.tolist()`) and the rows they make (`repeat_interleave`)
-    stay inside the graphs as symbolic sizes (without apply_compile's capture settings: 9)."""
+    stay inside the graphs as symbolic sizes (without apply_compile's capture settings: 9), so a
+    second batch, routed otherwise, runs the same graphs."""
     from test_parallel import spawn
     spawn(2, spawned, check_checkpointed_compiled_matches_eager, "flint",
-          {"param_dtype": "bfloat16", "ep": 2, "activation_checkpointing": "full"}, {"0": 3, "1": 6}, 1e-2, 1e-3)
+          {"param_dtype": "bfloat16", "ep": 2, "activation_checkpointing": "full"}, {"0": 3, "1": 6}, 1e-2, 1e-3, 2)
 
 
 @SLOW_ONLY
