@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                          ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -512,8 +512,15 @@ class ParallelModel:
     @torch.no_grad()
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None,
              num_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Like forward_backward, without the backward (for evaluation)."""
-        return self._run(input_ids, targets, doc_ids, num_tokens, backward=False)
+        """Like forward_backward, without the backward (for evaluation). The FSDP units a forward
+        leaves gathered (the head; a pipeline stage's blocks) are resharded after it: left gathered
+        by a forward without autograd, torch 2.13's FSDP2 doubled the head's gradient in the next
+        backward."""
+        loss = self._run(input_ids, targets, doc_ids, num_tokens, backward=False)
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return loss
 
     def _run(self, input_ids, targets, doc_ids, num_tokens, backward: bool) -> torch.Tensor:
         num_tokens = self.global_tokens(targets) if num_tokens is None else num_tokens

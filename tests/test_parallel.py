@@ -764,3 +764,26 @@ def test_compiled_blocks_under_fp32_fsdp_are_whole():
     """FSDP over 2 processes in FP32 has no nested FP32 units: each block compiles to one graph
     (fullgraph=True) and matches the eager blocks."""
     spawn(2, check_compiled_fp32_fsdp_is_whole)
+
+
+def gradients_after_an_evaluation(evaluate: bool) -> dict[str, torch.Tensor]:
+    """A BF16 FSDP model (a group of one): a step, optionally an evaluation, then the gradients of
+    the next batch's forward and backward."""
+    config = FlintConfig.from_name("tiny", num_hidden_layers=2, mlp_only_layers=[0])
+    cfg = ParallelConfig(param_dtype="bfloat16")
+    pm = parallelize(build_model(config, seed=0), cfg, build_mesh(cfg, "cpu", config.num_experts))
+    pm.forward_backward(*make_batch(0))
+    if evaluate:
+        pm.loss(*make_batch(0))
+    pm.module.zero_grad(set_to_none=True)
+    pm.forward_backward(*make_batch(1))
+    return {name: full(param.grad) for name, param in pm.module.named_parameters()}
+
+
+def test_an_evaluation_leaves_the_next_gradients_alone():
+    """The head's FSDP unit stays gathered after forward (reshard_after_forward=False); after a
+    forward under no_grad, FSDP2 once doubled its gradient in the next backward (train.py evaluates
+    every eval_every steps, and check_compiled before step 1)."""
+    expected = in_process_group(gradients_after_an_evaluation, False)
+    for name, grad in in_process_group(gradients_after_an_evaluation, True).items():
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
