@@ -1,5 +1,7 @@
 """Compiled code: every block kind as one graph (fullgraph=True), the custom operators that keep
-the CPU kernels inside it, and no host sync in a block.
+the CPU kernels inside it, and no host sync in a block. Through parallelize: checkpointed blocks
+compiled whole in FP32, and under BF16 policies (FSDP, FSDP x EP, PP) the graphs each block kind
+runs pinned, all against the eager blocks.
 
 Dynamo and AOT autograd (backend aot_eager: the graph, its fake shapes and its backward formula,
 as inductor receives them) run in the suite in seconds; inductor's code generation, about a
