@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                          ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -316,45 +316,59 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """In place, names unchanged (composable API). `full` recomputes every block in backward,
-    `selective` every second block (half the recompute for about half the saving). Masks and RoPE
-    tables are block inputs built once per batch, so a recomputed block sees the same values.
+    """In place, names unchanged (composable API: hooks on the block, no wrapper module). `full`
+    recomputes every block in backward, `selective` every second block (half the recompute for
+    about half the saving). Masks and RoPE tables are block inputs built once per batch, so a
+    recomputed block sees the same values. The hooks run eagerly around a compiled block's forward
+    (apply_compile), which the recompute calls again.
 
-    Op-level selective checkpointing is not offered: its replay check fails on the nested FSDP
-    hooks of the FP32 units inside each block."""
+    Not torch.utils.checkpoint inside the compiled graph (checkpoint_wrapper's higher-order op):
+    under a BF16 policy, the nested FP32 units' FSDP hooks cannot run inside the op's body, and
+    dynamo then runs the whole block eagerly. Op-level selective checkpointing is not offered
+    either: its replay check fails on those nested hooks."""
     for index, layer in enumerate(model.layers.values()):
         if mode == "full" or (mode == "selective" and index % 2 == 0):
             checkpoint_module(layer)
 
 
 def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
-    """Compile each block and the head with its chunked loss in place (names unchanged). Errors
-    are raised, never hidden by eager.
+    """Compile the forward of each block and of the head with its chunked loss, in place (names
+    unchanged). The module's hooks (FSDP's own, activation checkpointing's) stay outside the graph
+    and eager: the checkpoint's hooks hold a generator that dynamo cannot trace ("reconstructing
+    @contextmanager object"), and a unit's own FSDP hooks at the edge of its graph add nothing to
+    trace. Errors are raised, never hidden by eager.
 
     fullgraph=True makes any graph break an error: each block is one graph. parallelize asks for
     it whenever the block holds no other distributed code: one process, or FSDP with every unit
-    in FP32 (a block's own FSDP hooks run at the edge of its graph and break nothing). The known
-    breaks otherwise, which train.check_compiled counts:
-      - Under a BF16 policy, two per kind of FP32 unit nested in a block (sinks, router): torch
-        2.13's FSDP2 wraps each of its hooks in torch._dynamo.disable (fsdp/_fully_shard/
-        _fsdp_common.py, with no setting to trace them), so a nested unit's pre- and post-forward
-        hooks inside a compiled block each end a graph. The units cannot join the block's: FSDP2
-        gathers every parameter of a unit in that unit's param_dtype and reduce-scatters only one
-        gradient dtype per unit. Left out of FSDP (ignored_params, replicated), they would need a
-        gradient all-reduce of their own, and the fused AdamW refuses a mix of tensors and DTensors.
+    in FP32. What breaks a block's graph otherwise, which train.check_compiled counts:
+      - A nested FSDP unit (under a BF16 policy, each block's FP32 unit of sinks, router or
+        indexer; under expert parallelism, the experts' own unit): torch 2.13's FSDP2 wraps each of
+        its hooks in torch._dynamo.disable (fsdp/_fully_shard/_fsdp_common.py, with no setting to
+        trace them), so each call of a module of such a unit ends a graph at its pre- and its
+        post-forward hook. The FP32 units cannot join the block's: FSDP2 gathers every parameter of
+        a unit in that unit's param_dtype and reduce-scatters only one gradient dtype per unit.
+        Left out of FSDP (ignored_params, replicated), they would need a gradient all-reduce of
+        their own, and the fused AdamW refuses a mix of tensors and DTensors.
       - Under expert parallelism, the two token exchanges (moe.ExpertParallelExperts.send_rows and
         return_rows: host split sizes), eager between graphs that take their rows as dynamic sizes.
-    Context parallelism (a key/value all-gather in each block) is not asked to be whole either."""
-    torch._dynamo.config.suppress_errors = False
+      - Context parallelism (a key/value all-gather in each block) is not asked to be whole.
+    Two settings keep those breaks to the ones named: nested_graph_breaks resumes tracing inside
+    the module that broke (by default dynamo breaks at every call on the way down to it, each
+    module of that chain then running graphs of its own), and capture_scalar_outputs with
+    capture_dynamic_output_shape_ops trace what is left of sizes read from tensors as symbolic
+    sizes instead of breaking the graph."""
+    dynamo = torch._dynamo.config
+    dynamo.suppress_errors = False
+    dynamo.nested_graph_breaks = True
+    dynamo.capture_scalar_outputs = dynamo.capture_dynamic_output_shape_ops = True
     # All blocks share one code object, and dynamo keeps one graph per distinct block and grad mode
     # (training, and evaluation under no_grad): Large 4's 8 distinct blocks make 16, past the
     # default limit of 8, which would stop the run at its first evaluation.
     limit = 2 * model.config.num_hidden_layers
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-    for layer in model.layers.values():
-        layer.compile(fullgraph=fullgraph)
-    if model.lm_head is not None:  # None on pipeline stages other than the last
-        model.lm_head.compile(fullgraph=fullgraph)
+    dynamo.recompile_limit = max(dynamo.recompile_limit, limit)
+    for module in [*model.layers.values(), model.lm_head]:  # the head is None on all but the last stage
+        if module is not None:
+            module.forward = torch.compile(module.forward, fullgraph=fullgraph)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reshard: bool,
@@ -482,8 +496,8 @@ def uncompile(pm: "ParallelModel") -> None:
     """Back to the eager blocks after a compile failure (the caller says so, loudly)."""
     for part in pm.parts:
         for module in [*part.layers.values(), part.lm_head]:
-            if module is not None:
-                module._compiled_call_impl = None
+            if module is not None and "forward" in vars(module):
+                del module.forward
 
 
 # ============================================================================= the training surface
@@ -532,8 +546,15 @@ class ParallelModel:
     @torch.no_grad()
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None,
              num_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Like forward_backward, without the backward (for evaluation)."""
-        return self._run(input_ids, targets, doc_ids, num_tokens, backward=False)
+        """Like forward_backward, without the backward (for evaluation). The FSDP units a forward
+        leaves gathered (the head; a pipeline stage's blocks) are resharded after it: left gathered
+        by a forward without autograd, torch 2.13's FSDP2 doubled the head's gradient in the next
+        backward."""
+        loss = self._run(input_ids, targets, doc_ids, num_tokens, backward=False)
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return loss
 
     def _run(self, input_ids, targets, doc_ids, num_tokens, backward: bool) -> torch.Tensor:
         num_tokens = self.global_tokens(targets) if num_tokens is None else num_tokens

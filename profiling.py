@@ -354,3 +354,22 @@ def dense_logits_loss(model: nn.Module, input_ids: torch.Tensor, targets: torch.
     """Any model's loss the unchunked way: all FP32 logits at once, then one cross-entropy."""
     logits = model(input_ids)  # [B, T, V]
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def cosine_parity(reference: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor],
+                  min_cosine: float) -> tuple[bool, str]:
+    """Whether every tensor of `candidate` (a BF16 run's gradients, say) points where the same-named
+    tensor of `reference` (the FP32 run's) does: each pair's cosine similarity, in FP64, at least
+    `min_cosine`. A direction does not depend on a tensor's scale, so a small gradient (the sinks')
+    is judged like a large one, where a relative gap over all gradients flakes on the smallest.
+    Two zero tensors agree; one zero tensor does not. -> (verdict, a line naming the worst tensor)."""
+    if reference.keys() != candidate.keys():
+        raise ValueError(f"the runs' tensors differ: {sorted(reference.keys() ^ candidate.keys())}")
+    cosines = {}
+    for name, want in reference.items():
+        a, b = want.detach().double().flatten(), candidate[name].detach().double().flatten()
+        norms = a.norm() * b.norm()
+        cosines[name] = float(a @ b / norms) if norms > 0 else float(a.norm() == b.norm())
+    worst = min(cosines, key=cosines.get)
+    return cosines[worst] >= min_cosine, (f"{len(cosines)} tensors, worst cosine similarity {cosines[worst]:.5f} "
+                                         f"({worst}; at least {min_cosine} needed)")
