@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -327,6 +328,18 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
             module.forward = torch.compile(module.forward, fullgraph=fullgraph)
 
 
+def least_padding(shards: int) -> Callable[[nn.Parameter], Shard | None]:
+    """Where FSDP2 splits a parameter over `shards` ranks: dim 0 (None), in equal chunks with the last
+    padded, unless dim 0 is shorter than the shards. Large 4's 16 experts per expert-parallel rank over
+    32 ranks would give every rank a whole expert, half of them padding: twice each rank's share of
+    the expert weights, gradients and optimizer states (the rehearsal measured it). Those parameters
+    are split along dim 1 instead, as torchtitan splits its experts."""
+    def placement(param: nn.Parameter) -> Shard | None:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(1) if local.dim() > 1 and local.shape[0] < shards else None
+    return placement
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reshard: bool,
                offload: bool = False) -> None:
     """FSDP2 per unit, innermost first: the model's FP32 modules (`fp32_root_modules`, and under
@@ -344,7 +357,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, res
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
     fsdp_mesh, experts_mesh = dp_mesh("fsdp"), dp_mesh("efsdp")
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
-    shard = partial(fully_shard, offload_policy=policy)
+    shard = partial(fully_shard, offload_policy=policy, shard_placement_fn=least_padding(mesh["fsdp"].size()))
     for module in model.fp32_root_modules():
         shard(module, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
     for layer in model.layers.values():
@@ -355,7 +368,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, res
             shard(fp32_modules, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
         if isinstance(layer.mlp, MoE):
             if isinstance(layer.mlp.experts, ExpertParallelExperts):
-                shard(layer.mlp.experts, mesh=experts_mesh, mp_policy=bulk, reshard_after_forward=reshard)
+                shard(layer.mlp.experts, mesh=experts_mesh, mp_policy=bulk, reshard_after_forward=reshard,
+                      shard_placement_fn=least_padding(mesh["efsdp"].size()))
                 # Expert gradients already sum over the ep ranks (their tokens came by all-to-all)
                 # and FSDP averages them over the efsdp ranks only: divide by ep as well, so they
                 # average over all data-parallel ranks like every other gradient.
