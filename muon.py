@@ -12,9 +12,10 @@ Which parameters: the matrices inside the blocks (attention projections, dense a
 and the routed experts' stacked `[E, H, 2*Im]` / `[E, Im, H]` weights, orthogonalised one expert matrix at
 a time (batched). The embedding, the head, norms, sinks, routers and every other 1-D parameter take AdamW.
 
-Sharded parameters (DTensor): the experts are sharded along the expert dimension only (FSDP's Shard(0) of
-[E, ., .], expert parallelism's slice of E), so each rank orthogonalises the whole expert matrices it holds,
-with no communication. Any other sharded matrix is all-gathered (its momentum-updated gradient, one
+Sharded parameters (DTensor): the experts are sharded along the expert dimension (FSDP's Shard(0) of
+[E, ., .], expert parallelism's slice of E) wherever each rank gets whole experts, so it orthogonalises the
+expert matrices it holds, with no communication; where FSDP splits them along dim 1 instead (fewer local
+experts than ranks, parallel.least_padding) they are gathered like any other matrix. Any other sharded matrix is all-gathered (its momentum-updated gradient, one
 all-gather per matrix per step), orthogonalised on every rank alike, and each rank keeps its own shard:
 the communication of one extra all-gather of the matrix gradients per step, and redundant compute.
 """

@@ -11,11 +11,13 @@
 #    an FSDP hook, and the loss of the eager blocks within 2 % (step 1 judges the values).
 # 3. train: 20 BF16 steps through train.py (FSDP BF16 policy, compile, full checkpointing) of flint-shallow's
 #    widths with 4 layers, 8 experts and the byte vocabulary, so that its final checkpoint is small (2.5
-#    GiB); the loss must fall and stay finite. Its peak memory is printed beside memory.py's estimate.
+#    GiB); the loss must fall and stay finite. Its peak memory is printed beside memory.py's estimate and
+#    the rehearsal's (train.py --dry-run on the same config).
 # 4. bench: bench.py's GPU shape (flint-shallow, 2 x 4096, BF16), the compiled row then the eager row, each
 #    in a process of its own: one flint-shallow (about 42 GB with its optimizer) is alive at a time, and
 #    no row inherits another's compiled code, so bench.py's dynamo reset before a compiled row finds
-#    nothing to reset. The compiled row compiles with fullgraph=True: 0 graph breaks, or it fails.
+#    nothing to reset. The compiled row compiles with fullgraph=True: 0 graph breaks, or it fails. Its MFU
+#    is printed beside planner.py's prediction for the same step.
 # 5. two GPUs (skipped with one): 2 processes of the debug model, ep 2, full checkpointing, compile, 8
 #    steps saving at 4 and 8; a second run resumes from step 4: steps 5 to 8 have the same losses.
 # Outputs land in ${OUT:-runs/gpu_check}. A check that fails prints FAIL and its log's tail; the
@@ -136,6 +138,7 @@ activation_checkpointing = "full"
 param_dtype = "bfloat16"
 TOML
 rm -f "$OUT/train.jsonl"
+timeout 60 python3 train.py --config "$OUT/train.toml" --dry-run --world-size 1 > "$OUT/rehearsal.log" 2>&1
 timeout 150 python3 train.py --config "$OUT/train.toml" > "$OUT/train.log" 2>&1
 status=$?
 if [ $status -eq 0 ]; then  # the loss must fall and stay finite; peak memory against memory.py's estimate
@@ -149,9 +152,11 @@ losses, peak = [r["loss"] for r in records], max(r["memory_gib"] for r in record
 estimate = memory_per_gpu(cfg.model_config, cfg.parallel.resolve(1, cfg.model_config.num_experts),
                           cfg.data.seq_len, cfg.training.batch_size)["total"]
 compiled = re.search(r"\d+ graphs, \d+ graph breaks", open(sys.argv[3]).read())
+rehearsed = re.search(r"peak (\d+\.\d) GiB", open(sys.argv[3].replace("train.log", "rehearsal.log")).read())
 assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
 print(f"20 BF16 steps (compile: {compiled and compiled.group(0)}; full checkpointing): loss {losses[0]:.3f} -> "
-      f"{losses[-1]:.3f}; peak memory {peak:.2f} GiB, memory.py {estimate:.2f} GiB ({peak / estimate:.2f}x)")
+      f"{losses[-1]:.3f}; peak memory {peak:.2f} GiB, memory.py {estimate:.2f} GiB ({peak / estimate:.2f}x), the "
+      f"rehearsal (train.py --dry-run) {rehearsed.group(1) + ' GiB' if rehearsed else 'failed: see rehearsal.log'}")
 PY
 fi
 verdict "BF16 training run through train.py" $status "$OUT/train.log"
@@ -177,6 +182,13 @@ goal = "n/a MFU" if mfu is None else f"{100 * mfu:.1f} % MFU ({'meets' if mfu >=
 print(f"flint-shallow BF16: eager {eager['tokens_per_s']:.0f} tokens/s, compiled {compiled['tokens_per_s']:.0f} "
       f"tokens/s, {goal}, 0 graph breaks; peak memory "
       f"{compiled['peak_memory_gib']:.1f} GiB compiled, {eager['peak_memory_gib']:.1f} GiB eager")
+import torch, planner  # the prediction for the same step, beside the measurement
+gpu = next((g for g in ("B200", "H200", "H100") if g in torch.cuda.get_device_name()), None)
+if gpu and mfu is not None:
+    plan = planner.main(["--preset", "flint-shallow", "--gpu", gpu, "--data.seq_len=4096", "--training.batch_size=2",
+                         "--parallel.compile=true", "--parallel.param_dtype=bfloat16"])
+    print(f"planner.py predicts {100 * plan.mfu:.1f} % MFU on an {gpu}; measured {100 * mfu:.1f} % "
+          f"({mfu / plan.mfu:.2f}x the prediction)")
 PY
 fi
 verdict "bench.py flint-shallow on the GPU, one row at a time" $status "$OUT/bench.log"
