@@ -357,8 +357,10 @@ def check_checkpointed_compiled_matches_eager(family: str, layout: dict, expecte
     assert calls == eager_calls, (calls, eager_calls)
     expected_graphs = {name: expected_graphs[name] for name in calls}  # this pipeline rank's blocks
     assert graphs == expected_graphs, f"graphs per block {graphs}, expected {expected_graphs}"
-    not_fsdp = [reason.splitlines()[0] for reason in breaks if "_fsdp_common.py" not in reason]
-    assert not not_fsdp, not_fsdp
+    # FSDP's hooks, and under expert parallelism the exchanges moe.py keeps eager (torch.compiler.disable)
+    known = ("_fsdp_common.py", "send_rows", "return_rows")
+    unknown = [reason.splitlines()[0] for reason in breaks if not any(mark in reason for mark in known)]
+    assert not unknown, unknown
 
 
 def spawned(check, *args) -> None:
@@ -397,14 +399,15 @@ def test_checkpointed_blocks_under_a_bf16_policy(family, monkeypatch):
 
 
 def test_checkpointed_blocks_under_bf16_expert_parallel():
-    """ep = 2 over 2 gloo ranks, BF16 policy, every block checkpointed: an MoE block runs 6 graphs,
+    """ep = 2 over 2 gloo ranks, BF16 policy, every block checkpointed: an MoE block runs 8 graphs:
     its nested units' FSDP hooks (sinks, router, and the experts' own unit on the efsdp mesh) less
-    one empty segment; the split sizes (`.tolist()`) and the rows they make (`repeat_interleave`)
-    stay inside the graphs as symbolic sizes (without apply_compile's capture settings: 9), so a
+    one empty segment make 6, and the two token exchanges (moe.ExpertParallelExperts.send_rows and
+    return_rows) run eager between graphs, so that their host split sizes are read once per forward
+    and reused by the recompute. The rows they pass enter the next graph as dynamic sizes, so a
     second batch, routed otherwise, runs the same graphs."""
     from test_parallel import spawn
     spawn(2, spawned, check_checkpointed_compiled_matches_eager, "flint",
-          {"param_dtype": "bfloat16", "ep": 2, "activation_checkpointing": "full"}, {"0": 3, "1": 6}, 1e-2, 1e-3, 2)
+          {"param_dtype": "bfloat16", "ep": 2, "activation_checkpointing": "full"}, {"0": 3, "1": 8}, 1e-2, 1e-3, 2)
 
 
 @SLOW_ONLY
