@@ -48,11 +48,17 @@ def expert_capacity(tokens: int, top_k: int, num_experts: int, ratio: tuple[int,
     return -(-numerator * tokens * top_k // (denominator * num_experts))
 
 
+def dropped_assignments(counts: torch.Tensor, top_k: int, ratio: tuple[int, int]) -> torch.Tensor:
+    """The assignments past capacity, per expert [E], of a forward whose router counted `counts`
+    [E] (moe.Router's tokens_per_expert: N * k in all), on the device: what routing.py logs."""
+    counts = counts.long()
+    return (counts - expert_capacity(counts.sum() // top_k, top_k, counts.numel(), ratio)).clamp(min=0)
+
+
 class CapacityPlan(NamedTuple):
     """Where each (token, choice) assignment a = token * k + choice sits in the [E * C] buffer rows."""
     sources: torch.Tensor  # [E * C] the assignment in each buffer row; N * k: an empty row
     slots: torch.Tensor  # [N * k] the buffer row of each assignment; E * C: dropped
-    dropped: torch.Tensor  # [E] assignments past each expert's capacity
 
 
 def plan_capacity(indices: torch.Tensor, num_experts: int, capacity: int) -> CapacityPlan:
@@ -72,7 +78,7 @@ def plan_capacity(indices: torch.Tensor, num_experts: int, capacity: int) -> Cap
     place = torch.arange(capacity, device=flat.device)
     position = (starts.unsqueeze(1) + place).clamp(max=assignments - 1)  # [E, C] sorted position of a slot
     sources = torch.where(place < counts.unsqueeze(1), order[position], assignments).flatten()  # [E * C]
-    return CapacityPlan(sources, slots, (counts - capacity).clamp(min=0))
+    return CapacityPlan(sources, slots)
 
 
 def batched_swiglu(rows: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:

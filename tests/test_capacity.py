@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from capacity import capacity_ratio, expert_capacity, plan_capacity
+from capacity import capacity_ratio, dropped_assignments, expert_capacity, plan_capacity
 from large4 import Large4Config
 from model import FlintConfig, build_model
 from models import model_class
@@ -87,8 +87,7 @@ def test_a_factor_large_enough_to_drop_nothing_equals_dropless():
     for factor in (NO_DROP, 10.0):
         capped = make_moe(factor)
         assert_runs_equal(run(capped, x), dropless)
-    indices = make_moe().router(x.reshape(-1, HIDDEN))[1]
-    assert plan_capacity(indices, EXPERTS, expert_capacity(18, TOP_K, EXPERTS, capacity_ratio(NO_DROP))).dropped.sum() == 0
+        assert dropped_assignments(capped.router.tokens_per_expert, TOP_K, capacity_ratio(factor)).sum() == 0
 
 
 @pytest.mark.parametrize("factor", [0.25, 0.75, 1.0])
@@ -102,16 +101,19 @@ def test_a_small_factor_drops_exactly_what_the_plain_reference_drops(factor, bac
     plan = plan_capacity(indices, EXPERTS, expert_capacity(18, TOP_K, EXPERTS, capacity_ratio(factor)))
     dropped = (plan.slots == plan.sources.numel()).view(18, TOP_K)  # the dropped row E * C
     assert sorted((n, int(indices[n, j])) for n, j in dropped.nonzero().tolist()) == sorted(refused)
-    assert plan.dropped.sum() == len(refused)
+    per_expert = dropped_assignments(moe.router.tokens_per_expert, TOP_K, capacity_ratio(factor))
+    assert per_expert.tolist() == [sum(e == expert for _, e in refused) for expert in range(EXPERTS)]
 
 
 def test_plan_keeps_the_earliest_tokens_and_leaves_empty_rows_empty():
     indices = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 1]])  # assignments 0..7
-    sources, slots, dropped = plan_capacity(indices, num_experts=3, capacity=2)
+    sources, slots = plan_capacity(indices, num_experts=3, capacity=2)
     assert sources.tolist() == [1, 4, 3, 7, 0, 2]  # expert 0: tokens 0, 2; 1: 1, 3; 2: tokens 0, 1
     assert slots.tolist() == [4, 0, 5, 2, 1, 6, 6, 3]  # token 2's and 3's expert 2 dropped (row 6)
-    assert dropped.tolist() == [0, 0, 2]
-    sources, slots, _ = plan_capacity(indices[:1], num_experts=3, capacity=2)
+    counts = torch.tensor([2.0, 2.0, 4.0])  # capacity ceil(1.5 * 4 * 2 / 3) = 4, ceil(0.75 * 8 / 3) = 2
+    assert dropped_assignments(counts, 2, (3, 2)).tolist() == [0, 0, 0]
+    assert dropped_assignments(counts, 2, (3, 4)).tolist() == [0, 0, 2]
+    sources, slots = plan_capacity(indices[:1], num_experts=3, capacity=2)
     assert sources.tolist() == [1, 2, 2, 2, 0, 2] and slots.tolist() == [4, 0]  # 2: the empty row
 
 
@@ -143,6 +145,29 @@ def test_models_route_their_moe_layers_with_the_configured_capacity(family, pres
         logits[factor] = model(ids)
     torch.testing.assert_close(logits[100.0], logits[None], rtol=1e-5, atol=1e-5)
     assert (logits[0.5] - logits[None]).abs().max() > 1e-3
+
+
+def test_the_routing_record_gives_each_layer_its_dropped_assignments():
+    """RoutingMonitor's stats under capacity: each MoE layer's dropped assignments, as many as the
+    plain reference refuses for that layer's input (routing.py derives them from the router's counts)."""
+    from routing import RoutingMonitor
+    factor = 0.5
+    config = FlintConfig.from_name("tiny", num_hidden_layers=4, capacity_factor=factor)
+    model, inputs = build_model(config, seed=0), {}
+    for index, layer in model.layers.items():
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.register_forward_hook(lambda module, args, out, index=index: inputs.update({index: args[0]}))
+    model(torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0)))
+    monitor = RoutingMonitor(model, config, torch.device("cpu"), idle_steps=0)
+    monitor.after_step(1)
+    stats = monitor.stats()
+    assert sorted(stats) == sorted(inputs) == ["2", "3"]
+    for index, x in inputs.items():
+        mlp = model.layers[index].mlp
+        with torch.no_grad():
+            _, refused = capacity_reference(x.reshape(-1, x.shape[-1]), mlp.router.weight, mlp.experts.gate_up_proj,
+                                            mlp.experts.down_proj, config.num_experts_per_tok, factor)
+        assert stats[index]["dropped"] == len(refused) > 0, index
 
 
 def test_a_capacity_block_compiles_to_one_graph(one_thread):
@@ -216,3 +241,19 @@ def check_capacity_on_two_ranks() -> None:
 def test_expert_parallel_capacity_equals_one_process_compiles_whole_and_never_syncs():
     from test_parallel import spawn
     spawn(2, check_capacity_on_two_ranks)
+
+
+def check_capacity_step_syncs(argv: list[str]) -> None:
+    from test_train import step_host_syncs
+    reads = step_host_syncs(argv)
+    assert reads == ["tolist"], reads  # the step's own copy only: no split size per layer, none in the recompute
+
+
+def test_an_expert_parallel_training_step_under_capacity_copies_to_the_host_once(tmp_path):
+    """train.py's step with ep 2, 2 micro-batches and full activation checkpointing: where dropless
+    routing copies once per MoE layer and micro-batch, capacity copies nothing beyond the step's one."""
+    from conftest import debug_args
+    from test_train import run_two_processes
+    run_two_processes(debug_args(tmp_path, "--parallel.ep=2", "--parallel.dp_shard=1", "--training.grad_accum=2",
+                                 "--parallel.activation_checkpointing=full", "--data.seq_len=16",
+                                 "--training.batch_size=2", "--model.capacity_factor=1.25"), check_capacity_step_syncs)
