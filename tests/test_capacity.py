@@ -2,7 +2,9 @@
 nothing drops, and under expert parallelism equals one process, compiles whole and reads nothing
 from the device."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from capacity import capacity_ratio, dropped_assignments, expert_capacity, plan_capacity
+from config import load_config
 from large4 import Large4Config
 from model import FlintConfig, build_model
 from models import model_class
@@ -131,6 +134,15 @@ def test_capacity_factor_is_a_runtime_field_checked_by_name(config_class):
     for bad in (0, -1.0, True, "1.25"):
         with pytest.raises(ValueError, match=r"capacity_factor must be a number > 0 .* or unset for dropless"):
             config_class(capacity_factor=bad)
+
+
+def test_a_run_may_set_the_capacity_factor_over_an_init_from_checkpoint(tmp_path):
+    """A run setting, not the architecture: allowed with init_from, whose config.json never holds it."""
+    (tmp_path / "config.json").write_text(json.dumps(FlintConfig.from_name("tiny", capacity_factor=2.0).to_hf_config()))
+    finetune = Path(__file__).resolve().parent.parent / "configs" / "finetune.toml"
+    cfg = load_config(finetune, [f"--model.init_from={tmp_path}", "--model.capacity_factor=1.25"])
+    assert cfg.model_config.capacity_factor == 1.25
+    assert load_config(finetune, [f"--model.init_from={tmp_path}"]).model_config.capacity_factor is None
 
 
 @pytest.mark.parametrize("family, preset", [("flint", "tiny"), ("large4", "large4-parity")])
