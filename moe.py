@@ -4,7 +4,8 @@ Routed experts hold native grouped weights so that `x @ w` needs no transpose:
     gate_up_proj [E, H, 2 * Im]   (gate columns first, then up)
     down_proj    [E, Im, H]
 Tokens are sorted by expert, each projection is one grouped GEMM over the sorted rows, and the
-results are weighted after the down projection and added back to their tokens.
+results are weighted after the down projection and added back to their tokens. With a capacity
+factor (capacity.py) the rows go to a static [E, C, H] buffer instead, and past C they drop.
 """
 
 from __future__ import annotations
