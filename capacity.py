@@ -1,8 +1,9 @@
 """Optional expert capacity ([model] capacity_factor; None, the default, is dropless).
 
-With a factor c, each expert takes at most C = ceil(c * N * k / E) rows per forward, N the tokens of
-this rank's micro-batch (its shard of the sequence under context parallelism), k the experts per
-token, E the routed experts. The routed experts then run on a static [E, C, H] buffer, so no shape
+With a factor c, each expert takes at most C = ceil(c * N * k / E) rows per forward (training,
+validation and generation alike), N the tokens this rank's forward holds (its micro-batch: a
+pipeline micro-batch under pp, its shard of the sequence under cp), k the experts per token, E the
+routed experts. The routed experts then run on a static [E, C, H] buffer, so no shape
 depends on the routing: under expert parallelism every all-to-all split is C * E / ep rows, known
 from the shapes, and an MoE block compiles whole.
 
