@@ -269,3 +269,13 @@ def test_an_expert_parallel_training_step_under_capacity_copies_to_the_host_once
     run_two_processes(debug_args(tmp_path, "--parallel.ep=2", "--parallel.dp_shard=1", "--training.grad_accum=2",
                                  "--parallel.activation_checkpointing=full", "--data.seq_len=16",
                                  "--training.batch_size=2", "--model.capacity_factor=1.25"), check_capacity_step_syncs)
+
+
+@pytest.mark.parametrize("family", ["flint", "large4"])
+def test_expert_parallel_training_under_capacity_matches_one_process(family):
+    """parallel.py's expert-parallel model (DTensor expert shards, ep 2) under a capacity that drops
+    nothing at either batch size (factor 4 >= E / k: C >= the tokens of a forward): three AdamW
+    steps' losses, every gradient and the clipped norms equal the single-process run, through the
+    static all-to-alls."""
+    from test_parallel import check_layouts, spawn
+    spawn(2, check_layouts, [{"ep": 2, "dp_shard": 1}], {"capacity_factor": 4.0}, family)
