@@ -99,11 +99,14 @@ class RoutingMonitor:
 
 
 def worst_layer(stats: dict[str, dict[str, float]]) -> str:
-    """The log line's summary: the layer whose busiest expert is the busiest."""
+    """The log line's summary: the layer whose busiest expert is the busiest, and under expert
+    capacity the assignments all layers dropped."""
     if not stats:
         return ""
     layer, worst = max(stats.items(), key=lambda item: item[1]["max_load"])
-    return f" | experts max/min load {worst['max_load']:.2f}/{worst['min_load']:.2f} (layer {layer})"
+    dropped = [layer_stats["dropped"] for layer_stats in stats.values() if "dropped" in layer_stats]
+    return (f" | experts max/min load {worst['max_load']:.2f}/{worst['min_load']:.2f} (layer {layer})"
+            + (f", {sum(dropped)} assignments dropped" if dropped else ""))
 
 
 @torch.no_grad()

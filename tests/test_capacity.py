@@ -162,7 +162,7 @@ def test_models_route_their_moe_layers_with_the_configured_capacity(family, pres
 def test_the_routing_record_gives_each_layer_its_dropped_assignments():
     """RoutingMonitor's stats under capacity: each MoE layer's dropped assignments, as many as the
     plain reference refuses for that layer's input (routing.py derives them from the router's counts)."""
-    from routing import RoutingMonitor
+    from routing import RoutingMonitor, worst_layer
     factor = 0.5
     config = FlintConfig.from_name("tiny", num_hidden_layers=4, capacity_factor=factor)
     model, inputs = build_model(config, seed=0), {}
@@ -180,6 +180,7 @@ def test_the_routing_record_gives_each_layer_its_dropped_assignments():
             _, refused = capacity_reference(x.reshape(-1, x.shape[-1]), mlp.router.weight, mlp.experts.gate_up_proj,
                                             mlp.experts.down_proj, config.num_experts_per_tok, factor)
         assert stats[index]["dropped"] == len(refused) > 0, index
+    assert worst_layer(stats).endswith(f", {stats['2']['dropped'] + stats['3']['dropped']} assignments dropped")
 
 
 def test_a_capacity_block_compiles_to_one_graph(one_thread):
