@@ -20,7 +20,8 @@ import torch
 
 from config import ConfigError, load_config
 from models import ModelConfig, model_class
-from parallel import MESH_DIMS, ParallelConfig, pipeline_stage, unsupported_layout
+from parallel import MESH_DIMS, ParallelConfig, unsupported_layout
+from pipeline import pipeline_stage
 
 GIB = 2 ** 30
 # The GPUs the table marks, by usable memory (nvidia-smi: 143,771 MiB on an H200, 81,559 MiB on an

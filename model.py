@@ -304,6 +304,21 @@ class Flint(nn.Module):
             flops += 12.0 * c.num_attention_heads * c.head_dim * mean_keys
         return flops
 
+    def stage_io(self, batch: int, seq_len: int, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """This stage's (inputs, outputs) for micro-batches [batch, seq_len], as meta tensors: static
+        metadata for parallel.py's PipelineStage (no shape inference, no metadata exchanged between
+        ranks at the first step). Token ids into the first stage, the FP32 loss out of the last; between
+        stages the hidden states [B, T / cp, H] in the residual stream's dtype, then the router-loss
+        statistics when a router loss is on."""
+        local = seq_len // (self.context.size if self.context is not None else 1)
+        residual = getattr(torch, self.config.residual_dtype) if self.config.residual_dtype else dtype
+        between = (torch.empty(batch, local, self.config.hidden_size, dtype=residual, device="meta",
+                               requires_grad=True), *self.router_losses.boundary(batch))
+        inputs = ((torch.empty(batch, seq_len, dtype=torch.long, device="meta"),) if self.embed_tokens is not None
+                  else between)
+        outputs = (torch.empty((), device="meta", requires_grad=True),) if self.lm_head is not None else between
+        return inputs, outputs
+
     def block_activation_bytes(self, seq_len: int) -> float:
         """Activations one block saves for backward per token, in BF16 (FP32 router scores and
         lse); flash attention keeps no score matrix, so seq_len does not enter (memory.py)."""

@@ -410,12 +410,10 @@ class SplitsForRecompute:
         self.entries: deque[tuple[weakref.ref, torch.Tensor, ExpertSplits]] = deque()
 
     def remember(self, node, counts: torch.Tensor, splits: ExpertSplits) -> None:
-        self._drop_dead()
-        self.entries.append((weakref.ref(node), counts, splits))
+        self.entries.append((weakref.ref(node, self._forget_dead), counts, splits))
 
     def take(self, counts: torch.Tensor) -> ExpertSplits | None:
         """In a recompute: the splits of the forward it recomputes (None if there is none)."""
-        self._drop_dead()
         if not self.entries:
             return None
         _, remembered, splits = self.entries.popleft()
@@ -423,9 +421,9 @@ class SplitsForRecompute:
                             "from its forward (backward out of forward order?)")
         return splits
 
-    def _drop_dead(self) -> None:
-        while self.entries and self.entries[0][0]() is None:
-            self.entries.popleft()
+    def _forget_dead(self, _) -> None:
+        """A graph died: its entry goes (called by the weak reference)."""
+        self.entries = deque(entry for entry in self.entries if entry[0]() is not None)
 
 
 def in_recompute() -> bool:

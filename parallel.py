@@ -16,7 +16,6 @@ context-parallel rank (`context`) alike, for models that declare them in `parall
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import warnings
@@ -24,22 +23,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
-                                         ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from context_parallel import ContextParallel
 from decoder import HEAD_PRECISIONS
 from models import ModelConfig
 from moe import ExpertParallelExperts, MoE
+from pipeline import SCHEDULES, V_SCHEDULES, merged_view, pipeline_schedule, pipeline_stage
 
 # build_mesh's flattened views (dp, dp_cp, fsdp, efsdp) are sliced from the root mesh, which
 # torch 2.13 supports and announces it will deprecate, once per slice: keep the logs readable.
@@ -51,11 +48,6 @@ warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mes
 FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(FSDPSinks\) returned a view tensor"
 warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp")
-SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-             "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
-# Schedules of two stages per rank placed in a V: rank r holds stages r and 2 * pp - 1 - r, so the
-# last stage sits beside the first and the backward turns around on one rank.
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 AC_MODES = ("none", "full", "selective")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -263,42 +255,6 @@ def unsupported_layout(cfg: ParallelConfig, model_type: type) -> LayoutError | N
     return None
 
 
-def pipeline_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
-    """A copy of the model holding only the layers of `stage` (contiguous, as even as possible);
-    the embedding (and whatever else the model lists in `first_stage_modules`) stays on the first
-    stage, norm and head on the last."""
-    layers = len(model.layers)
-    if num_stages > layers:
-        raise ValueError(f"[parallel] {num_stages} pipeline stages need at least as many layers, got {layers}")
-    owned = set(range(stage * layers // num_stages, (stage + 1) * layers // num_stages))
-    part = copy.deepcopy(model)
-    for name in list(part.layers):
-        if int(name) not in owned:
-            del part.layers[name]
-    if stage > 0:
-        for name in getattr(part, "first_stage_modules", ("embed_tokens",)):
-            setattr(part, name, None)
-    if stage < num_stages - 1:
-        part.norm = part.lm_head = None
-    return part
-
-
-def merged_view(parts: list[nn.Module]) -> nn.Module:
-    """One module with the native parameter names over all of this rank's pipeline stages, for
-    the optimizer and for checkpoints (it shares, not copies, the stages' modules)."""
-    if len(parts) == 1:
-        return parts[0]
-    view = nn.Module()
-    view.layers = nn.ModuleDict()
-    for part in parts:
-        for name, child in part.named_children():
-            if name == "layers":
-                view.layers.update(child)
-            elif child is not None:
-                setattr(view, name, child)
-    return view
-
-
 # ============================================================================= expert parallel, AC, compile, FSDP
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -316,44 +272,59 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """In place, names unchanged (composable API). `full` recomputes every block in backward,
-    `selective` every second block (half the recompute for about half the saving). Masks and RoPE
-    tables are block inputs built once per batch, so a recomputed block sees the same values.
+    """In place, names unchanged (composable API: hooks on the block, no wrapper module). `full`
+    recomputes every block in backward, `selective` every second block (half the recompute for
+    about half the saving). Masks and RoPE tables are block inputs built once per batch, so a
+    recomputed block sees the same values. The hooks run eagerly around a compiled block's forward
+    (apply_compile), which the recompute calls again.
 
-    Op-level selective checkpointing is not offered: its replay check fails on the nested FSDP
-    hooks of the FP32 units inside each block."""
+    Not torch.utils.checkpoint inside the compiled graph (checkpoint_wrapper's higher-order op):
+    under a BF16 policy, the nested FP32 units' FSDP hooks cannot run inside the op's body, and
+    dynamo then runs the whole block eagerly. Op-level selective checkpointing is not offered
+    either: its replay check fails on those nested hooks."""
     for index, layer in enumerate(model.layers.values()):
         if mode == "full" or (mode == "selective" and index % 2 == 0):
             checkpoint_module(layer)
 
 
 def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
-    """Compile each block and the head with its chunked loss in place (names unchanged). Errors
-    are raised, never hidden by eager.
+    """Compile the forward of each block and of the head with its chunked loss, in place (names
+    unchanged). The module's hooks (FSDP's own, activation checkpointing's) stay outside the graph
+    and eager: the checkpoint's hooks hold a generator that dynamo cannot trace ("reconstructing
+    @contextmanager object"), and a unit's own FSDP hooks at the edge of its graph add nothing to
+    trace. Errors are raised, never hidden by eager.
 
     fullgraph=True makes any graph break an error: each block is one graph. parallelize asks for
     it whenever the block holds no other distributed code: one process, or FSDP with every unit
-    in FP32 (a block's own FSDP hooks run at the edge of its graph and break nothing). The known
-    breaks otherwise, which train.check_compiled counts:
-      - Under a BF16 policy, two per kind of FP32 unit nested in a block (sinks, router): torch
-        2.13's FSDP2 wraps each of its hooks in torch._dynamo.disable (fsdp/_fully_shard/
-        _fsdp_common.py, with no setting to trace them), so a nested unit's pre- and post-forward
-        hooks inside a compiled block each end a graph. The units cannot join the block's: FSDP2
-        gathers every parameter of a unit in that unit's param_dtype and reduce-scatters only one
-        gradient dtype per unit. Left out of FSDP (ignored_params, replicated), they would need a
-        gradient all-reduce of their own, and the fused AdamW refuses a mix of tensors and DTensors.
-      - Under expert parallelism, the all-to-all split sizes (a host sync).
-    Context parallelism (a key/value all-gather in each block) is not asked to be whole either."""
-    torch._dynamo.config.suppress_errors = False
+    in FP32. What breaks a block's graph otherwise, which train.check_compiled counts:
+      - A nested FSDP unit (under a BF16 policy, each block's FP32 unit of sinks, router or
+        indexer; under expert parallelism, the experts' own unit): torch 2.13's FSDP2 wraps each of
+        its hooks in torch._dynamo.disable (fsdp/_fully_shard/_fsdp_common.py, with no setting to
+        trace them), so each call of a module of such a unit ends a graph at its pre- and its
+        post-forward hook. The FP32 units cannot join the block's: FSDP2 gathers every parameter of
+        a unit in that unit's param_dtype and reduce-scatters only one gradient dtype per unit.
+        Left out of FSDP (ignored_params, replicated), they would need a gradient all-reduce of
+        their own, and the fused AdamW refuses a mix of tensors and DTensors.
+      - Under expert parallelism, the two token exchanges (moe.ExpertParallelExperts.send_rows and
+        return_rows: host split sizes), eager between graphs that take their rows as dynamic sizes.
+      - Context parallelism (a key/value all-gather in each block) is not asked to be whole.
+    Two settings keep those breaks to the ones named: nested_graph_breaks resumes tracing inside
+    the module that broke (by default dynamo breaks at every call on the way down to it, each
+    module of that chain then running graphs of its own), and capture_scalar_outputs with
+    capture_dynamic_output_shape_ops trace what is left of sizes read from tensors as symbolic
+    sizes instead of breaking the graph."""
+    dynamo = torch._dynamo.config
+    dynamo.suppress_errors = False
+    dynamo.nested_graph_breaks = True
+    dynamo.capture_scalar_outputs = dynamo.capture_dynamic_output_shape_ops = True
     # All blocks share one code object, and dynamo keeps one graph per distinct block and grad mode
     # (training, and evaluation under no_grad): Large 4's 8 distinct blocks make 16, past the
     # default limit of 8, which would stop the run at its first evaluation.
     limit = 2 * model.config.num_hidden_layers
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-    for layer in model.layers.values():
-        layer.compile(fullgraph=fullgraph)
-    if model.lm_head is not None:  # None on pipeline stages other than the last
-        model.lm_head.compile(fullgraph=fullgraph)
+    dynamo.recompile_limit = max(dynamo.recompile_limit, limit)
+    for module in [*model.layers.values(), model.lm_head]:  # the head is None on all but the last stage
+        if module is not None:
+            module.forward = torch.compile(module.forward, fullgraph=fullgraph)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reshard: bool,
@@ -436,28 +407,6 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
     return pm
 
 
-def pipeline_schedule(parts: list[nn.Module], stage_ids: list[int], cfg: ParallelConfig, mesh: DeviceMesh,
-                      dtype: torch.dtype, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                      batch_shape: tuple[int, int]) -> ScheduleGPipe | Schedule1F1B | ScheduleInterleaved1F1B:
-    """This rank's stages and their schedule for batches of batch_shape (rows, seq_len). A stage that
-    declares its input and output tensors (`stage_io(rows, seq_len, dtype)`, meta tensors, in the bulk
-    compute `dtype`) gets static metadata; shape inference, which runs a stage on uninitialised
-    inputs, serves the others."""
-    num_stages = cfg.pp * cfg.stages_per_rank
-    microbatches = cfg.pp_microbatches or num_stages
-    rows, seq_len = batch_shape
-    if rows % microbatches:
-        raise ValueError(f"[parallel] pp_microbatches = {microbatches} must divide the {rows} rows of a batch")
-    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-    ios = [part.stage_io(rows // microbatches, seq_len, dtype) if hasattr(part, "stage_io") else (None, None)
-           for part in parts]
-    stages = [PipelineStage(part, s, num_stages, device, input_args=inputs, output_args=outputs,
-                            group=mesh["pp"].get_group()) for part, s, (inputs, outputs) in zip(parts, stage_ids, ios)]
-    # scale_grads=False: the loss function already weighs each micro-batch by its tokens.
-    return SCHEDULES[cfg.pp_schedule](stages if cfg.stages_per_rank > 1 else stages[0], microbatches,
-                                      loss_fn=loss_fn, scale_grads=False)
-
-
 @torch.no_grad()
 def init_weights(pm: "ParallelModel", device: torch.device, seed: int | None) -> None:
     """Materialise a meta-built, parallelized model: this rank's shards of the model's `initial_value` (the
@@ -481,8 +430,8 @@ def uncompile(pm: "ParallelModel") -> None:
     """Back to the eager blocks after a compile failure (the caller says so, loudly)."""
     for part in pm.parts:
         for module in [*part.layers.values(), part.lm_head]:
-            if module is not None:
-                module._compiled_call_impl = None
+            if module is not None and "forward" in vars(module):
+                del module.forward
 
 
 # ============================================================================= the training surface
@@ -531,8 +480,15 @@ class ParallelModel:
     @torch.no_grad()
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None,
              num_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Like forward_backward, without the backward (for evaluation)."""
-        return self._run(input_ids, targets, doc_ids, num_tokens, backward=False)
+        """Like forward_backward, without the backward (for evaluation). The FSDP units a forward
+        leaves gathered (the head; a pipeline stage's blocks) are resharded after it: left gathered
+        by a forward without autograd, torch 2.13's FSDP2 doubled the head's gradient in the next
+        backward."""
+        loss = self._run(input_ids, targets, doc_ids, num_tokens, backward=False)
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return loss
 
     def _run(self, input_ids, targets, doc_ids, num_tokens, backward: bool) -> torch.Tensor:
         num_tokens = self.global_tokens(targets) if num_tokens is None else num_tokens

@@ -174,7 +174,8 @@ def profile_step(model: torch.nn.Module, step: Callable[[], None], device: torch
 # ============================================================================= host syncs
 
 # Ops whose output shape depends on tensor values: on a GPU the kernel reads a size back to the host.
-# (The ops fake tensors refuse with DynamicOutputShapeException; each line's exception below.)
+# (Those fake tensors refuse with DynamicOutputShapeException; reads_device_memory names the calls of
+# them that read nothing.)
 SIZE_READS = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default, torch.ops.aten._unique.default,
               torch.ops.aten._unique2.default, torch.ops.aten.unique_dim.default, torch.ops.aten.bincount.default,
               torch.ops.aten.unique_consecutive.default, torch.ops.aten.repeat_interleave.Tensor,
@@ -189,6 +190,7 @@ HOST_SIDE = (str(Path(torch.distributed.__file__).parent / "device_mesh.py"),)
 
 
 def called_from_host_side() -> bool:
+    """Is the op being counted called, at any depth, from HOST_SIDE code?"""
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_filename in HOST_SIDE:
@@ -352,3 +354,22 @@ def dense_logits_loss(model: nn.Module, input_ids: torch.Tensor, targets: torch.
     """Any model's loss the unchunked way: all FP32 logits at once, then one cross-entropy."""
     logits = model(input_ids)  # [B, T, V]
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def cosine_parity(reference: dict[str, torch.Tensor], candidate: dict[str, torch.Tensor],
+                  min_cosine: float) -> tuple[bool, str]:
+    """Whether every tensor of `candidate` (a BF16 run's gradients, say) points where the same-named
+    tensor of `reference` (the FP32 run's) does: each pair's cosine similarity, in FP64, at least
+    `min_cosine`. A direction does not depend on a tensor's scale, so a small gradient (the sinks')
+    is judged like a large one, where a relative gap over all gradients flakes on the smallest.
+    Two zero tensors agree; one zero tensor does not. -> (verdict, a line naming the worst tensor)."""
+    if reference.keys() != candidate.keys():
+        raise ValueError(f"the runs' tensors differ: {sorted(reference.keys() ^ candidate.keys())}")
+    cosines = {}
+    for name, want in reference.items():
+        a, b = want.detach().double().flatten(), candidate[name].detach().double().flatten()
+        norms = a.norm() * b.norm()
+        cosines[name] = float(a @ b / norms) if norms > 0 else float(a.norm() == b.norm())
+    worst = min(cosines, key=cosines.get)
+    return cosines[worst] >= min_cosine, (f"{len(cosines)} tensors, worst cosine similarity {cosines[worst]:.5f} "
+                                         f"({worst}; at least {min_cosine} needed)")

@@ -45,7 +45,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.attention.flex_attention as flex_module
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.pipelining._utils import InferenceMode
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
@@ -199,6 +201,20 @@ def flex_on_fake_tensors() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def pipeline_votes_on_fake_tensors() -> Iterator[None]:
+    """A pipeline schedule's first step has its stages vote, through the ring of ranks, for static or
+    dynamic metadata, and reads the result (a value): in a fake world no vote arrives. Every rank runs
+    the same model code, whose stages declare the same metadata, so each stage takes the vote of its
+    own declaration, which is what the real vote returns."""
+    def vote_alone(schedule, stages, has_backward, p2p_done):
+        for stage in stages:
+            dynamic = InferenceMode.needs_dynamic(stage._user_meta, has_backward)
+            stage._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
+    with mock.patch.object(_PipelineSchedule, "_warmup_p2p", vote_alone):
+        yield
+
+
 def gpu_config(cfg: TrainConfig) -> TrainConfig:
     """The config as the GPU job resolves it: its compute dtype on CUDA, eager blocks (see the module
     docstring), balanced routing."""
@@ -221,10 +237,10 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
         raise ConfigError(f"--rank must be in [0, {world}), got {rank}")
     job = gpu_config(cfg)
     say = Phases(f"rank {rank} of {world}")
-    with fake_world(world, rank), targeting("cuda"), flex_on_fake_tensors():
+    with fake_world(world, rank), targeting("cuda"), flex_on_fake_tensors(), block_masks_on_real_tensors(), \
+            pipeline_votes_on_fake_tensors():
         run = start_fake_run(job, say)
         batches = rehearsal_batches(job, run, say)
-        prebuild_block_masks(job)
         model = train.build_model(job, run)  # on meta
         set_balanced_routing(model.module, job.training.force_balanced_routing)
         tracker = PeakMemory()
@@ -234,7 +250,8 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
             optimizer = train.build_optimizer(model.module, job.optim)
             say(f"model: {job.model_config.num_hidden_layers} layers laid out ({len(model.parts)} stage(s) here), "
                 f"{str(job.parallel.compute_dtype('cuda'))[6:]} compute, weights {tracker.now / GIB:.1f} GiB")
-            check_fits(job, world, rank, gpu, tracker, "for its FP32 weights alone")
+            if not job.parallel.offload:
+                check_fits(job, world, rank, gpu, tracker.peak / GIB, "for its FP32 weights alone")
             for step in range(1, steps + 1):
                 try:
                     fake_step(model, optimizer, batches(), job, tracker)
@@ -246,7 +263,8 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
                 say(f"step {step}: forward, backward, clipping and {job.optim.name} passed")
             checkpoint_bytes = state_dict_bytes(model, optimizer)
             say(f"checkpoint: this rank's state dicts hold {checkpoint_bytes / GIB:.1f} GiB (model and optimizer)")
-    return report(job, world, rank, gpu, tracker, say)
+            host = offloaded_bytes(model, optimizer) if job.parallel.offload else 0
+    return report(job, world, rank, gpu, tracker, say, host)
 
 
 def where_in_repository(error: BaseException) -> str:
@@ -299,12 +317,18 @@ def rehearsal_batches(cfg: TrainConfig, run: Run, say: Phases):
     return batches
 
 
-def prebuild_block_masks(cfg: TrainConfig) -> None:
-    """Build the shape-only block masks before the fake mode starts (attention caches them by shape)."""
-    config = cfg.model_config
-    for layer_type in sorted(set(getattr(config, "layer_types", ()))):
-        attention.block_mask(layer_type, getattr(config, "window", None), None, cfg.training.batch_size,
-                             cfg.data.seq_len, "cpu")
+@contextmanager
+def block_masks_on_real_tensors() -> Iterator[None]:
+    """create_block_mask evaluates its mask_mod through a trace of its own, which fake tensors refuse:
+    the shape-only masks the rehearsal uses (no documents) are built on real tensors (block counts and
+    indices, a few MiB) and handed to the fake step like any other constant."""
+    build = attention.new_block_mask
+
+    def build_for_real(*args, **kwargs):
+        with unset_fake_temporarily():
+            return build(*args, **kwargs)
+    with mock.patch.object(attention, "new_block_mask", build_for_real):
+        yield
 
 
 def fake_step(model, optimizer, batches: list[dict], cfg: TrainConfig, tracker: PeakMemory) -> None:
@@ -330,9 +354,9 @@ def state_dict_bytes(model, optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-def check_fits(cfg: TrainConfig, world: int, rank: int, gpu: str, tracker: PeakMemory, what: str) -> None:
-    """The job would run out of memory where this rank's peak so far exceeds the GPU's capacity."""
-    needed, capacity = tracker.peak / GIB, GPU_GIB[gpu]
+def check_fits(cfg: TrainConfig, world: int, rank: int, gpu: str, needed: float, what: str) -> None:
+    """The job would run out of memory where this rank needs more than the GPU's capacity (GiB)."""
+    capacity = GPU_GIB[gpu]
     if needed > capacity:
         raise RehearsalError(f"{cfg.source}: rank {rank} of {world} needs {needed:.1f} GiB {what}, more than the "
                              f"{capacity:.1f} GiB of an {gpu}: the job would run out of memory. Shard more "
@@ -340,14 +364,29 @@ def check_fits(cfg: TrainConfig, world: int, rank: int, gpu: str, tracker: PeakM
                              f"or offload = true, or lower [training] batch_size")
 
 
-def report(cfg: TrainConfig, world: int, rank: int, gpu: str, tracker: PeakMemory, say: Phases) -> dict:
+def offloaded_bytes(model, optimizer) -> int:
+    """What [parallel] offload keeps in host memory: this rank's shards of the weights, of the
+    gradients of the trainable ones, and the optimizer's states."""
+    params = [p.to_local() if isinstance(p, DTensor) else p for p in model.module.parameters()]
+    states = [t for state in optimizer.state.values() for t in state.values()
+              if isinstance(t, torch.Tensor) and t.dim() > 0]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in states]
+    return (sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in params)
+            + sum(t.numel() * t.element_size() for t in local))
+
+
+def report(cfg: TrainConfig, world: int, rank: int, gpu: str, tracker: PeakMemory, say: Phases,
+           host: int) -> dict:
+    """The measured peak on the GPU (less what offload keeps in host memory: on fake CPU tensors both
+    are counted), beside memory.py's estimate and the GPU's capacity."""
     parallel = cfg.parallel.resolve(world, cfg.model_config.num_experts)
     estimate = memory_per_gpu(cfg.model_config, parallel, cfg.data.seq_len, cfg.training.batch_size,
                               cfg.training.grad_accum)["total"]
-    peak, capacity = tracker.peak / GIB, GPU_GIB[gpu]
-    say(f"peak {peak:.1f} GiB of {capacity:.1f} GiB on an {gpu} (memory.py {estimate:.1f} GiB), "
+    peak, capacity = (tracker.peak - host) / GIB, GPU_GIB[gpu]
+    offloaded = f", and {host / GIB:.1f} GiB in host memory ([parallel] offload)" if host else ""
+    say(f"peak {peak:.1f} GiB of {capacity:.1f} GiB on an {gpu} (memory.py {estimate:.1f} GiB){offloaded}, "
         f"in the {tracker.peak_phase}; held by: " + ", ".join(f"{gib:.1f} GiB from {origin}"
                                                             for origin, gib in tracker.largest_at_peak()))
-    check_fits(cfg, world, rank, gpu, tracker, "at its peak")
-    return {"peak_gib": peak, "estimate_gib": estimate, "capacity_gib": capacity, "phase": tracker.peak_phase,
-            "world_size": world, "rank": rank}
+    check_fits(cfg, world, rank, gpu, peak, "at its peak")
+    return {"peak_gib": peak, "estimate_gib": estimate, "capacity_gib": capacity, "host_gib": host / GIB,
+            "phase": tracker.peak_phase, "world_size": world, "rank": rank}

@@ -34,7 +34,9 @@ def fresh_dynamo():
     run needs) are put back through torch's own config patch: setting them back by hand, or with
     monkeypatch, can delete a key from torch's config module."""
     dynamo = torch._dynamo.config
-    with dynamo.patch(recompile_limit=dynamo.recompile_limit, suppress_errors=dynamo.suppress_errors):
+    settings = ("recompile_limit", "suppress_errors", "nested_graph_breaks", "capture_scalar_outputs",
+                "capture_dynamic_output_shape_ops")
+    with dynamo.patch(**{name: getattr(dynamo, name) for name in settings}):
         yield
     torch._dynamo.reset()
 

@@ -1,5 +1,7 @@
 """Compiled code: every block kind as one graph (fullgraph=True), the custom operators that keep
-the CPU kernels inside it, and no host sync in a block.
+the CPU kernels inside it, and no host sync in a block. Through parallelize: checkpointed blocks
+compiled whole in FP32, and under BF16 policies (FSDP, FSDP x EP, PP) the graphs each block kind
+runs pinned, all against the eager blocks.
 
 Dynamo and AOT autograd (backend aot_eager: the graph, its fake shapes and its backward formula,
 as inductor receives them) run in the suite in seconds; inductor's code generation, about a
@@ -7,6 +9,7 @@ minute per block on 2 busy cores with a cold cache, runs with FLINT_SLOW=1.
 """
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from model import FlintConfig, build_model, rope_tables
 from moe import _grouped_mm_op, expert_counts, grouped_mm
 
 SLOW = os.environ.get("FLINT_SLOW") == "1"
+SLOW_ONLY = pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1")
 BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1"))]
 BATCH, SEQ = 2, 32  # 32 > 2 * (window 9 - 1): sliding layers take the banded path
 
@@ -258,3 +262,154 @@ def test_large4_compiled_trains_and_evaluates(monkeypatch, one_thread):
     limit of 8 (which stopped configs/large4-smoke.toml with compile = true at its first evaluation)."""
     from large4 import Large4Config, build_large4
     train_then_evaluate_compiled(build_large4(Large4Config.from_name("large4-parity"), seed=0), monkeypatch)
+
+
+# ----------------------------------------------------------------------------- parallelize: checkpointed, compiled blocks
+
+GRAPH_CALLS = [0]  # compiled graphs run so far in this process (counting_backend)
+
+
+def counting_backend(graph, example_inputs, inner: str = "aot_eager"):
+    """The `inner` backend, counting each run of a compiled graph: the graphs a block runs per forward
+    are its graph breaks plus one (a segment with no op between two breaks makes no graph)."""
+    compiled = torch._dynamo.lookup_backend(inner)(graph, example_inputs)
+    boxed = getattr(compiled, "_boxed_call", False)  # called with one list of inputs
+
+    def run(*args):
+        GRAPH_CALLS[0] += 1
+        return compiled(*args)
+    run._boxed_call = boxed
+    return run
+
+
+def parallel_block_model(family: str):
+    """One block of each kind whose FP32 units differ: Flint's dense and MoE blocks; Large 4's dense
+    block with its own latent and full indexer, an MoE block owning both, and one sharing them."""
+    from test_parallel import build, tiny_config
+    if family == "large4":
+        return build(tiny_config("large4", num_hidden_layers=3, kv_source_layers=[0, 1, 1],
+                                 indexer_types=["full", "full", "shared"]))
+    return build(FlintConfig.from_name("tiny", num_hidden_layers=2, mlp_only_layers=[0]))
+
+
+def parallel_step(family: str, layout: dict, compile: bool, device: str = "cpu", batches: int = 1):
+    """Forward and backward of parallelize's layout on this rank's rows of `batches` batches (the
+    later ones must not recompile) -> the summed loss, the accumulated full gradients by native
+    name, the graphs each block ran in its first forward (by layer name), how often each block's
+    forward ran in the forward and in backward (a recompute), and dynamo's graph breaks by reason.
+    scripts/gpu_check.sh runs it on a GPU, with inductor."""
+    from test_parallel import full, make_batch, rows_of_this_rank
+    from parallel import ParallelConfig, build_mesh, parallelize
+    model = parallel_block_model(family)
+    names = [name for name, _ in model.named_parameters()]
+    cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout, "compile": compile})
+    pm = parallelize(model, cfg, build_mesh(cfg, device, model.config.num_experts))
+    graphs, calls, counting = {}, {}, set()
+
+    def count(name):
+        def before(module, args):
+            recompute = torch._C._current_graph_task_id() != -1  # a forward run by backward
+            calls.setdefault(name, [0, 0])[recompute] += 1
+            if name not in graphs and torch.is_grad_enabled() and not recompute:  # the first training forward
+                graphs[name] = -GRAPH_CALLS[0]
+                counting.add(name)
+
+        def after(module, args, output):
+            if name in counting:
+                graphs[name] += GRAPH_CALLS[0]
+                counting.remove(name)
+        return before, after
+    for part in pm.parts:
+        for name, layer in part.layers.items():
+            before, after = count(name)
+            layer.register_forward_pre_hook(before)
+            layer.register_forward_hook(after)
+    torch._dynamo.utils.counters.clear()
+    batch = [t.to(pm.collective_device) for t in make_batch(vocab=model.config.vocab_size)]
+    loss = pm.forward_backward(*rows_of_this_rank(pm.mesh, batch))
+    graphs_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for seed in range(1, batches):  # other tokens, other routing: other expert-parallel split sizes
+        batch = [t.to(pm.collective_device) for t in make_batch(seed, vocab=model.config.vocab_size)]
+        loss = loss + pm.forward_backward(*rows_of_this_rank(pm.mesh, batch))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_compiled, "a later batch recompiled"
+    grads = {n: full(p.grad) for n, p in pm.module.named_parameters() if p.grad is not None}
+    assert set(name for name, _ in pm.module.named_parameters()) <= set(names), "parallelize renamed parameters"
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    return loss, grads, (graphs if compile else {}), calls, breaks
+
+
+def check_checkpointed_compiled_matches_eager(family: str, layout: dict, expected_graphs: dict, rtol: float,
+                                              atol: float, batches: int = 1) -> None:
+    """The compiled step against the eager one of the same layout: loss and gradients within
+    rtol/atol, every block recomputed as the checkpointing mode says, and the graphs each block
+    ran in its forward as `expected_graphs` (by layer name, this rank's), every break at an FSDP hook."""
+    eager_loss, eager_grads, _, eager_calls, _ = parallel_step(family, layout, False, batches=batches)
+    loss, grads, graphs, calls, breaks = parallel_step(family, layout, True, batches=batches)
+    torch.testing.assert_close(loss, eager_loss, rtol=rtol, atol=atol)
+    assert grads.keys() == eager_grads.keys()
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=rtol, atol=atol, msg=lambda m: f"gradient {name}: {m}")
+    mode = layout.get("activation_checkpointing", "none")
+    for name, (forwards, recomputes) in calls.items():
+        checkpointed = mode == "full" or (mode == "selective" and int(name) % 2 == 0)
+        # a pipeline stage's shape inference is one more forward, with no backward
+        assert 1 <= forwards and (recomputes > 0) == checkpointed and recomputes <= forwards, (name, calls[name])
+    assert calls == eager_calls, (calls, eager_calls)
+    expected_graphs = {name: expected_graphs[name] for name in calls}  # this pipeline rank's blocks
+    assert graphs == expected_graphs, f"graphs per block {graphs}, expected {expected_graphs}"
+    not_fsdp = [reason.splitlines()[0] for reason in breaks if "_fsdp_common.py" not in reason]
+    assert not not_fsdp, not_fsdp
+
+
+def spawned(check, *args) -> None:
+    """check(*args) in a spawned rank, whose torch.compile counts its graphs."""
+    torch.compile = partial(torch.compile, backend=counting_backend)  # this spawned process only
+    check(*args)
+
+
+@pytest.mark.parametrize("family", ["flint", "large4"])
+def test_checkpointed_blocks_compile_whole_and_match_eager(family, monkeypatch):
+    """FP32 in a group of one, selective checkpointing (block 0 recomputed in backward, block 1 not):
+    every block compiles with fullgraph=True (a break raises) to one graph; loss and gradients equal
+    the eager blocks'; the parameter names are the model's own."""
+    from test_parallel import in_process_group
+    monkeypatch.setattr(torch, "compile", partial(torch.compile, backend=counting_backend))
+    layers = parallel_block_model(family).config.num_hidden_layers
+    in_process_group(check_checkpointed_compiled_matches_eager, family, {"activation_checkpointing": "selective"},
+                     {str(i): 1 for i in range(layers)}, 1e-5, 1e-6)
+
+
+# Graphs a block runs per forward under a BF16 policy: 1 + 2 per call of a nested FP32 unit's module
+# (its FSDP pre- and post-forward hooks), less the empty segments between two adjacent hooks.
+# Flint: sinks in every block, the router in MoE blocks. Large 4: the full indexer's weights_proj and
+# k_norm (adjacent: 3 graphs, not 5) and the router; a shared indexer has no FP32 module.
+BF16_GRAPHS = {"flint": {"0": 3, "1": 5}, "large4": {"0": 4, "1": 6, "2": 3}}
+
+
+@pytest.mark.parametrize("family", ["flint", pytest.param("large4", marks=SLOW_ONLY)])
+def test_checkpointed_blocks_under_a_bf16_policy(family, monkeypatch):
+    """A BF16 FSDP policy in a group of one, every block checkpointed: the graphs per block kind are
+    pinned (BF16_GRAPHS), each break is at an FSDP hook, and the values are the eager blocks'."""
+    from test_parallel import in_process_group
+    monkeypatch.setattr(torch, "compile", partial(torch.compile, backend=counting_backend))
+    in_process_group(check_checkpointed_compiled_matches_eager, family,
+                     {"param_dtype": "bfloat16", "activation_checkpointing": "full"}, BF16_GRAPHS[family], 1e-2, 1e-3)
+
+
+def test_checkpointed_blocks_under_bf16_expert_parallel():
+    """ep = 2 over 2 gloo ranks, BF16 policy, every block checkpointed: an MoE block runs 6 graphs,
+    its nested units' FSDP hooks (sinks, router, and the experts' own unit on the efsdp mesh) less
+    one empty segment; the split sizes (`.tolist()`) and the rows they make (`repeat_interleave`)
+    stay inside the graphs as symbolic sizes (without apply_compile's capture settings: 9), so a
+    second batch, routed otherwise, runs the same graphs."""
+    from test_parallel import spawn
+    spawn(2, spawned, check_checkpointed_compiled_matches_eager, "flint",
+          {"param_dtype": "bfloat16", "ep": 2, "activation_checkpointing": "full"}, {"0": 3, "1": 6}, 1e-2, 1e-3, 2)
+
+
+@SLOW_ONLY
+def test_checkpointed_blocks_under_bf16_pipeline_stages():
+    """pp = 2 over 2 gloo ranks, BF16 policy: each stage's blocks run the graphs of the FSDP layout."""
+    from test_parallel import spawn
+    spawn(2, spawned, check_checkpointed_compiled_matches_eager, "flint",
+          {"param_dtype": "bfloat16", "pp": 2, "activation_checkpointing": "full"}, BF16_GRAPHS["flint"], 1e-2, 1e-3)

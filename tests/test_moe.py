@@ -243,3 +243,33 @@ def test_routed_gives_the_output_and_what_the_router_losses_read():
     assert torch.equal(y, moe(x))
     torch.testing.assert_close(logits, x @ moe.router.weight.T)
     assert torch.equal(indices, torch.topk(torch.sigmoid(logits), TOP_K, dim=-1).indices)
+
+
+def test_a_recompute_reuses_its_forwards_splits_and_nothing_goes_stale():
+    """Activation checkpointing recomputes an expert-parallel layer in backward (here ep = 1 in a
+    group of one): the recompute copies nothing to the host (its forward's splits are reused), an
+    abandoned forward's splits die with its graph, and a recompute out of forward order is refused."""
+    import gc
+    from torch.distributed._composable import checkpoint
+    from profiling import HostSyncs
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        plain, recomputed = expert_parallel_moe(0, ep=1), expert_parallel_moe(0, ep=1)
+        checkpoint(recomputed)
+        first, second = (torch.randn(2, 9, HIDDEN, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+        recomputed(first.requires_grad_())  # abandoned: its graph, and so its splits, are dropped
+        gc.collect()
+        assert not recomputed.experts.recompute_splits.entries
+        with HostSyncs() as syncs:
+            y, dx, grads = run(recomputed, second)
+        assert syncs.reads == ["tolist"]  # the forward's; the recompute's came from the forward
+        y_ref, dx_ref, grads_ref = run(plain, second)
+        torch.testing.assert_close(dx, dx_ref, rtol=1e-6, atol=1e-7)
+        for name in grads:
+            torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-6, atol=1e-7, msg=name)
+        early, late = recomputed(first.clone().requires_grad_()), recomputed(second.clone().requires_grad_())
+        with pytest.raises(RuntimeError, match="a recompute routed differently from its forward"):
+            late.sum().backward()  # recomputes `late` first, with `early`'s splits
+        del early
+    finally:
+        dist.destroy_process_group()

@@ -1,5 +1,9 @@
-"""profiling.py: one profiled step's time split by module kind, with every family's kinds timed, and
-the unchunked loss bench.py compares the fused one with."""
+"""profiling.py: one profiled step's time split by module kind, with every family's kinds timed, the
+unchunked loss bench.py compares the fused one with, and scripts/gpu_check.sh's BF16 parity verdict."""
+
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,7 +11,7 @@ import torch
 from decoder import Head
 from model import FlintConfig, Sinks, build_model
 from models import FAMILIES
-from profiling import SPLIT_ORDER, TIMED_MODULES, dense_logits_loss, profile_step
+from profiling import SPLIT_ORDER, TIMED_MODULES, cosine_parity, dense_logits_loss, profile_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,3 +55,46 @@ def test_the_bf16_split_keeps_sixteen_bits_and_the_precisions_rank_as_measured()
         assert order == sorted(order), (key, order)
     assert errors["bf16x3"]["loss_error"] < errors["tf32"]["loss_error"] < errors["bf16"]["loss_error"]
     assert errors["float32"]["grad_weight_error"] < 1e-5 and errors["bf16"]["grad_weight_error"] > 1e-3
+
+
+def gradients_of_two_runs():
+    """An FP32 run's gradients and a BF16 run's stand-in (each rounded to BF16 and back): a large
+    matrix, and sinks of 4 heads whose gradient is a thousand times smaller."""
+    g = torch.Generator().manual_seed(0)
+    fp32 = {"layers.0.mlp.down_proj.weight": torch.randn(64, 32, generator=g),
+            "layers.0.self_attn.sinks.weight": 1e-3 * torch.tensor([0.9, -0.4, 0.05, 0.7])}
+    return fp32, {name: grad.bfloat16().float() for name, grad in fp32.items()}
+
+
+def test_cosine_parity_accepts_bf16_rounding_at_every_scale():
+    fp32, bf16 = gradients_of_two_runs()
+    ok, line = cosine_parity(fp32, bf16, 0.9999)
+    assert ok and "2 tensors" in line
+    for name, grad in fp32.items():  # the verdict's measure, against torch's own cosine similarity
+        expected = torch.nn.functional.cosine_similarity(grad.flatten().double(), bf16[name].flatten().double(), dim=0)
+        assert expected >= 0.9999
+
+
+def test_cosine_parity_names_the_tensor_that_points_elsewhere():
+    """A wrong sink gradient fails the verdict however small it is; a zero gradient against a
+    nonzero one fails too, and two zeros agree."""
+    fp32, bf16 = gradients_of_two_runs()
+    sinks = "layers.0.self_attn.sinks.weight"
+    wrong = {**bf16, sinks: bf16[sinks].flip(0)}
+    ok, line = cosine_parity(fp32, wrong, 0.98)
+    expected = torch.nn.functional.cosine_similarity(fp32[sinks].double(), wrong[sinks].double(), dim=0)
+    assert not ok and sinks in line and f"{expected:.5f}" in line
+    assert not cosine_parity(fp32, {**bf16, sinks: torch.zeros(4)}, 0.98)[0]
+    assert cosine_parity({sinks: torch.zeros(4)}, {sinks: torch.zeros(4)}, 0.98)[0]
+    with pytest.raises(ValueError, match="down_proj"):
+        cosine_parity(fp32, {sinks: bf16[sinks]}, 0.98)
+
+
+def test_gpu_check_script_parses():
+    """scripts/gpu_check.sh cannot run here (no GPU): its bash and each of its Python pieces at least parse."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    pieces = re.findall(r"<<'PY'[^\n]*\n(.*?)\nPY\n", script.read_text(), re.DOTALL)
+    assert len(pieces) == 5
+    for number, piece in enumerate(pieces):
+        compile(piece, f"gpu_check.sh, Python piece {number + 1}", "exec")

@@ -12,7 +12,8 @@ import train
 from config import load_config
 from flint_config import FlintConfig
 from large4_config import Large4Config
-from rehearsal import PeakMemory, RehearsalError
+from model import Flint as FlintModel
+from rehearsal import GIB, PeakMemory, RehearsalError
 
 MIB = 2 ** 20
 
@@ -35,20 +36,25 @@ def test_peak_memory_counts_each_storage_once_and_follows_frees_and_resizes():
     assert tracker.largest_at_peak(1)[0][0] == "start: aten.zeros.default"
 
 
-def rehearse_tiny(tmp_path, capsys, *overrides: str, world: int = 4, steps: int = 1) -> dict:
-    cfg = load_config("configs/debug.toml", [f"--checkpoint.dir={tmp_path}/ck", "--parallel.activation_checkpointing=full",
-                                             *overrides])
+def rehearse_tiny(tmp_path, capsys, *overrides: str, world: int = 4, steps: int = 1, config: str = "debug") -> dict:
+    cfg = load_config(f"configs/{config}.toml", [f"--checkpoint.dir={tmp_path}/ck",
+                                                 "--parallel.activation_checkpointing=full", *overrides])
     result = rehearsal.rehearse(cfg, world, rank=world - 1, steps=steps)
     result["printed"] = capsys.readouterr().out
     return result
 
 
-def test_a_tiny_job_is_rehearsed_on_a_fake_world_of_its_size(tmp_path, capsys):
-    result = rehearse_tiny(tmp_path, capsys, "--parallel.ep=2", world=4, steps=2)
+@pytest.mark.parametrize("config, layout, world, mesh", [
+    ("debug", ["--parallel.ep=2"], 4, "dp_shard 2 x ep 2"),
+    ("debug", ["--parallel.pp=2"], 4, "pp 2 x dp_shard 2"),
+    ("debug", ["--parallel.cp=2", "--parallel.ep=2"], 4, "ep 2 x cp 2"),
+    ("large4-smoke", ["--parallel.pp=2", "--training.steps=10"], 2, "pp 2")])
+def test_a_tiny_job_is_rehearsed_on_a_fake_world_of_its_size(tmp_path, capsys, config, layout, world, mesh):
+    result = rehearse_tiny(tmp_path, capsys, *layout, world=world, steps=2, config=config)
     printed = result["printed"]
-    for phase in ("fake world of 4 (dp_shard 2 x ep 2)", "data: data/python_reference.jsonl has enough rows",
+    for phase in (f"fake world of {world} ({mesh})", "data: data/python_reference.jsonl has enough rows",
                   "step 1: forward, backward, clipping and adamw passed", "step 2:", "checkpoint:",
-                  "rank 3 of 4: peak"):
+                  f"rank {world - 1} of {world}: peak"):
         assert phase in printed, printed
     assert 0 < result["peak_gib"] < 0.1 and result["estimate_gib"] > 0
     assert not torch.distributed.is_initialized()  # the fake world is gone
@@ -119,7 +125,7 @@ def released_checkpoint(tmp_path, family: str) -> str:
 
 def rehearse_config(tmp_path, capsys, name: str, world: int, *overrides: str) -> dict:
     cfg = load_config(f"configs/{name}.toml", [f"--checkpoint.dir={tmp_path}/ck", *overrides])
-    result = rehearsal.rehearse(cfg, gpu="H200")
+    result = rehearsal.rehearse(cfg, world, gpu="H200")
     printed = capsys.readouterr().out
     assert f"rehearsal rank 0 of {world}: step 2: forward, backward, clipping and adamw passed" in printed, printed
     assert f"rehearsal rank 0 of {world}: peak" in printed
@@ -141,4 +147,17 @@ def test_flint_8gpu_is_rehearsed_at_its_real_size(tmp_path, capsys):
     ("finetune", 8, ("init_from:flint",)), ("large4", 256, ("init_from:large4",))])
 def test_every_gpu_config_is_rehearsed_at_its_real_size(tmp_path, capsys, name, world, overrides):
     args = [f"--model.init_from={released_checkpoint(tmp_path, o.split(':')[1])}" for o in overrides]
-    rehearse_config(tmp_path, capsys, name, world, *args, *([] if name != "finetune" else ["--parallel.dp_shard=8"]))
+    rehearse_config(tmp_path, capsys, name, world, *args)
+
+
+def test_offload_counts_the_sharded_states_in_host_memory(tmp_path, capsys):
+    """[parallel] offload: the GPU's peak leaves out the shards of weights, gradients and AdamW states
+    (16 bytes per trainable parameter's shard), which the rehearsal reports as host memory."""
+    on_gpu = rehearse_tiny(tmp_path / "gpu", capsys, world=2)
+    offloaded = rehearse_tiny(tmp_path / "host", capsys, "--parallel.offload=true", world=2)
+    config = load_config("configs/debug.toml").model_config
+    with torch.device("meta"):
+        params = FlintModel(config).num_params()
+    assert offloaded["host_gib"] == pytest.approx(16 * params / 2 / GIB, rel=0.02)
+    assert offloaded["peak_gib"] < on_gpu["peak_gib"]
+    assert "GiB in host memory ([parallel] offload)" in offloaded["printed"]

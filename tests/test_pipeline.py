@@ -1,0 +1,41 @@
+"""pipeline.py: a model's stages and the view of a rank's stages (the schedules run in test_parallel.py)."""
+
+import pytest
+import torch
+
+from flint_config import FlintConfig
+from model import Flint
+from pipeline import SCHEDULES, V_SCHEDULES, merged_view, pipeline_stage
+
+
+def meta_flint(layers: int) -> Flint:
+    with torch.device("meta"):
+        return Flint(FlintConfig.from_name("tiny", num_hidden_layers=layers))
+
+
+def test_stages_split_the_layers_contiguously_with_the_embedding_first_and_the_head_last():
+    model = meta_flint(7)
+    stages = [pipeline_stage(model, s, 3) for s in range(3)]
+    assert [list(stage.layers) for stage in stages] == [["0", "1"], ["2", "3"], ["4", "5", "6"]]
+    assert [stage.embed_tokens is not None for stage in stages] == [True, False, False]
+    assert [stage.lm_head is not None and stage.norm is not None for stage in stages] == [False, False, True]
+    assert len(model.layers) == 7  # the model itself is left whole
+
+
+def test_a_rank_s_stages_keep_the_native_parameter_names():
+    model = meta_flint(4)
+    names = {name for name, _ in model.named_parameters()}
+    first, last = pipeline_stage(model, 0, 4), pipeline_stage(model, 3, 4)
+    view = merged_view([first, last])  # a V placement: rank 0 of 2 holds stages 0 and 3
+    assert {name for name, _ in view.named_parameters()} == {
+        n for n in names if not n.startswith(("layers.1.", "layers.2."))}
+    assert merged_view([first]) is first
+
+
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(ValueError, match="3 pipeline stages need at least as many layers, got 2"):
+        pipeline_stage(meta_flint(2), 0, 3)
+
+
+def test_the_v_schedules_are_schedules():
+    assert set(V_SCHEDULES) <= set(SCHEDULES)
