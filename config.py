@@ -33,7 +33,7 @@ from parallel import LayoutError, ParallelConfig, unsupported_layout
 MODEL_SOURCES = ("preset", "hf_config", "init_from")
 # What [model] may change about an init_from checkpoint: training choices, not the architecture.
 INIT_FROM_SETTINGS = ("router_aux_loss_coef", "output_router_logits", "router_sequence_loss_coef", "router_z_loss_coef",
-                      "attention_backend")
+                      "attention_backend", "capacity_factor")
 
 
 class ConfigError(ValueError):

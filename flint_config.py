@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from attention import BACKENDS, FULL, LAYER_TYPES, SLIDING
+from capacity import check_capacity_factor
 from files import read_config_json
 from moe import EXPERT_BACKENDS, check_bias_update_rate
 from router_loss import COEFFICIENTS, check_coefficients
@@ -50,7 +51,7 @@ IGNORED_HF_KEYS = {"architectures", "dtype", "torch_dtype", "transformers_versio
                    "use_cache", "model_type", "keys_to_ignore_at_inference", "_name_or_path",
                    "rope_scaling", "rope_theta", "quantization_config"}
 # Fields of ours that are runtime choices, not part of the published config.
-RUNTIME_FIELDS = ("attention_backend", "experts_backend", "loss_chunk_size")
+RUNTIME_FIELDS = ("attention_backend", "experts_backend", "loss_chunk_size", "capacity_factor")
 NATIVE_FIELDS = ("router_bias_update_rate", *COEFFICIENTS)  # not in the published format: written only when on
 
 
@@ -106,6 +107,7 @@ class FlintConfig:
     attention_backend: str = "auto"  # auto | flex | sdpa
     experts_backend: str = "grouped"  # grouped | loop
     loss_chunk_size: int = 4096  # tokens whose FP32 logits exist at once in the loss
+    capacity_factor: float | None = None  # None: dropless; c: <= ceil(c * N * k / E) rows per expert (capacity.py)
 
     def __post_init__(self) -> None:
         self.check_types()
@@ -193,6 +195,7 @@ class FlintConfig:
                    "attention_backend": BACKENDS, "experts_backend": EXPERT_BACKENDS}
         check_choices(self, choices)
         check_bias_update_rate(self.router_bias_update_rate)
+        check_capacity_factor(self.capacity_factor)
         check_coefficients(self)
         if self.attention_dropout != 0.0:
             raise ValueError(f"attention_dropout must be 0.0 (Flint trains without it), got {self.attention_dropout!r}")

@@ -253,7 +253,7 @@ class Large4Block(nn.Module):
                            config.moe_intermediate_size * config.n_shared_experts, config.n_routed_experts,
                            config.num_experts_per_tok, True, config.experts_backend, dtype,
                            score_function="softmax", scaling=config.routed_scaling_factor,
-                           selection_bias=config.router_bias_update_rate > 0)
+                           selection_bias=config.router_bias_update_rate > 0, capacity_factor=config.capacity_factor)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from attention import BACKENDS
+from capacity import check_capacity_factor
 from files import read_config_json
 from flint_config import NATIVE_FIELDS, check_choices, check_positive_ints, from_preset
 from moe import EXPERT_BACKENDS, check_bias_update_rate
@@ -25,7 +26,8 @@ IGNORED_HF_KEYS = {"architectures", "dtype", "torch_dtype", "transformers_versio
                    "_name_or_path", "keys_to_ignore_at_inference", "output_router_logits", "pretraining_tp",
                    "num_key_value_heads", "rope_interleave", "qk_head_dim", "head_dim", "layer_types",
                    "quantization_config"}
-RUNTIME_FIELDS = ("attention_backend", "experts_backend", "loss_chunk_size", "indexer_chunk_size", "composite")
+RUNTIME_FIELDS = ("attention_backend", "experts_backend", "loss_chunk_size", "indexer_chunk_size", "capacity_factor",
+                  "composite")
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2048.0, "original_max_position_embeddings": 512,
         "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0, "truncate": True}
 
@@ -94,6 +96,7 @@ class Large4Config:
     experts_backend: str = "grouped"  # grouped | loop
     loss_chunk_size: int = 4096  # tokens whose FP32 logits exist at once in the loss
     indexer_chunk_size: int = 1024  # queries whose FP32 index scores exist at once
+    capacity_factor: float | None = None  # None: dropless; c: <= ceil(c * N * k / E) rows per expert (capacity.py)
     composite: dict = field(default_factory=dict)  # config.json around text_config (vision), carried through
 
     def __post_init__(self) -> None:
@@ -132,6 +135,7 @@ class Large4Config:
                    "attention_backend": BACKENDS, "experts_backend": EXPERT_BACKENDS}
         check_choices(self, choices)
         check_bias_update_rate(self.router_bias_update_rate)
+        check_capacity_factor(self.capacity_factor)
         check_coefficients(self)
         if self.attention_dropout != 0.0:
             raise ValueError(f"attention_dropout must be 0.0, got {self.attention_dropout!r}")

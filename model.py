@@ -114,7 +114,7 @@ class DecoderLayer(nn.Module):
             self.mlp = MoE(config.hidden_size, config.moe_intermediate_size,
                            config.shared_expert_intermediate_size, config.num_experts,
                            config.num_experts_per_tok, config.norm_topk_prob, config.experts_backend, dtype,
-                           selection_bias=config.router_bias_update_rate > 0)
+                           selection_bias=config.router_bias_update_rate > 0, capacity_factor=config.capacity_factor)
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype)
 

@@ -4,19 +4,21 @@ Routed experts hold native grouped weights so that `x @ w` needs no transpose:
     gate_up_proj [E, H, 2 * Im]   (gate columns first, then up)
     down_proj    [E, Im, H]
 Tokens are sorted by expert, each projection is one grouped GEMM over the sorted rows, and the
-results are weighted after the down projection and added back to their tokens.
+results are weighted after the down projection and added back to their tokens. With a capacity
+factor (capacity.py) the rows go to a static [E, C, H] buffer instead, and past C they drop.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from capacity import batched_swiglu, capacity_ratio, expert_capacity, plan_capacity
 from devices import kernel_device_type
 
 EXPERT_BACKENDS = ("grouped", "loop")
@@ -233,48 +235,76 @@ class _GatherRows(torch.autograd.Function):
     backward gathers too: each row's copies, found through `inverse` (copy c of row r sits at
     inverse[r * copies + c]), summed. Autograd's own backward of a gather is a scatter-add: compiled
     for the CPU it adds row by row with atomics (about 5x slower), and on GPUs atomics make the sum
-    order, hence the gradient, vary from run to run."""
+    order, hence the gradient, vary from run to run.
+
+    `padded` (expert capacity): index may name row len(x) and inverse row len(grad), a zero row
+    each, for the empty buffer rows and the dropped copies, so a row of x then appears at most
+    `copies` times."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, copies: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, copies: int,
+                padded: bool) -> torch.Tensor:
         ctx.save_for_backward(inverse)
-        ctx.copies = copies
-        return x.index_select(0, index)
+        ctx.copies, ctx.padded = copies, padded
+        return with_zero_row(x, padded).index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
-        grad_x = grad.index_select(0, inverse)  # [rows * copies, H], copies of a row side by side
+        grad_x = with_zero_row(grad, ctx.padded).index_select(0, inverse)  # [rows * copies, H], copies side by side
         if ctx.copies > 1:
             grad_x = grad_x.view(-1, ctx.copies, grad.shape[1]).sum(dim=1)
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
-def dispatch(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """Each token once per chosen expert, in expert order: x [N, H] -> [N*k, H].
-    order [N*k]: the (token, choice) assignments sorted by expert (assignment a = token * k + choice);
-    inverse: its inverse permutation."""
-    top_k = order.numel() // x.shape[0]
-    return _GatherRows.apply(x, order // top_k, inverse, top_k)
+def with_zero_row(x: torch.Tensor, padded: bool) -> torch.Tensor:
+    """x [R, H] -> [R + 1, H] with a zero last row if padded, else x itself."""
+    return torch.cat([x, x.new_zeros(1, x.shape[1])]) if padded else x
 
 
-def combine(out: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def dispatch(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, padded: bool = False) -> torch.Tensor:
+    """Each token once per chosen expert, in expert order: x [N, H] -> [len(order), H].
+    order: the (token, choice) assignment each output row holds (assignment a = token * k + choice);
+    inverse [N*k]: the output row of each assignment. Dropless, order [N*k] is the assignments
+    sorted by expert and inverse its inverse permutation; padded (capacity), an empty row's
+    order is N*k and a dropped assignment's inverse len(order)."""
+    top_k = inverse.numel() // x.shape[0]
+    return _GatherRows.apply(x, order // top_k, inverse, top_k, padded)
+
+
+def combine(out: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor,
+            padded: bool = False) -> torch.Tensor:
     """The experts' rows back to their tokens, weighted and summed over the k choices:
-    out [N*k, H] in expert order, weights [N, k] -> [N, H]."""
+    out [len(order), H] laid out as dispatch made it, weights [N, k] -> [N, H] (a dropped
+    assignment adds zero)."""
     num_tokens, top_k = weights.shape
-    per_choice = _GatherRows.apply(out, inverse, order, 1).view(num_tokens, top_k, -1)  # [N, k, H]
+    per_choice = _GatherRows.apply(out, inverse, order, 1, padded).view(num_tokens, top_k, -1)  # [N, k, H]
     return (per_choice * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
 
 
+def capacity_forward(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, num_experts: int,
+                     ratio: tuple[int, int], experts: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Routed experts under expert capacity (capacity.py: who counts, what drops and in what
+    order): x [N, H], weights/indices [N, k], ratio the capacity factor's capacity_ratio; experts
+    maps the buffer [E, C, H] to its outputs."""
+    capacity = expert_capacity(x.shape[0], indices.shape[1], num_experts, ratio)
+    plan = plan_capacity(indices, num_experts, capacity)
+    rows = dispatch(x, plan.sources, plan.slots, padded=True)  # [E * C, H]
+    out = experts(rows.view(num_experts, capacity, -1)).view(num_experts * capacity, -1)
+    return combine(out, plan.sources, plan.slots, weights, padded=True)
+
+
 class GroupedExperts(nn.Module):
-    """E routed SwiGLU experts held as two grouped weights, run with one grouped GEMM each."""
+    """E routed SwiGLU experts held as two grouped weights, run with one grouped GEMM each (under
+    expert capacity, one batched matmul each over the static [E, C, H] buffer: capacity.py)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int,
-                 backend: str = "grouped", dtype: torch.dtype | None = None):
+                 backend: str = "grouped", dtype: torch.dtype | None = None, capacity_factor: float | None = None):
         super().__init__()
         if backend not in EXPERT_BACKENDS:
             raise ValueError(f"experts_backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
-        self.backend = backend
+        self.backend, self.capacity_factor = backend, capacity_factor
+        self.capacity_ratio = None if capacity_factor is None else capacity_ratio(capacity_factor)
         self.group_align: int | None = None  # None: group_alignment(device); tests force padding
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden, dtype=dtype))
@@ -283,6 +313,9 @@ class GroupedExperts(nn.Module):
         """x [N, H], weights/indices [N, k] -> [N, H]."""
         if self.backend == "loop":
             return self.forward_loop(x, weights, indices)
+        if self.capacity_ratio is not None:
+            return capacity_forward(x, weights, indices, self.gate_up_proj.shape[0], self.capacity_ratio,
+                                    lambda rows: batched_swiglu(rows, self.gate_up_proj, self.down_proj))
         return self.forward_grouped(x, weights, indices)
 
     def forward_grouped(self, x, weights, indices):
@@ -293,10 +326,13 @@ class GroupedExperts(nn.Module):
 
     def forward_loop(self, x, weights, indices):
         """The plain per-expert loop: the readable reference for the grouped path (host syncs)."""
-        intermediate = self.down_proj.shape[1]
+        num_experts, intermediate = self.gate_up_proj.shape[0], self.down_proj.shape[1]
+        capacity = None if self.capacity_ratio is None else expert_capacity(
+            x.shape[0], indices.shape[1], num_experts, self.capacity_ratio)
         y = torch.zeros_like(x)
-        for expert in range(self.gate_up_proj.shape[0]):
-            token, slot = torch.where(indices == expert)
+        for expert in range(num_experts):
+            token, slot = torch.where(indices == expert)  # in token order
+            token, slot = token[:capacity], slot[:capacity]  # the earliest tokens within capacity
             if token.numel() == 0:
                 continue
             gate_up = x[token] @ self.gate_up_proj[expert]  # [n, 2*Im]
@@ -312,10 +348,10 @@ class MoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, shared_intermediate: int, num_experts: int,
                  top_k: int, norm_topk_prob: bool, backend: str = "grouped",
                  dtype: torch.dtype | None = None, score_function: str = "sigmoid", scaling: float = 1.0,
-                 selection_bias: bool = False):
+                 selection_bias: bool = False, capacity_factor: float | None = None):
         super().__init__()
         self.router = Router(hidden, num_experts, top_k, norm_topk_prob, score_function, scaling, selection_bias)
-        self.experts = GroupedExperts(hidden, intermediate, num_experts, backend, dtype)
+        self.experts = GroupedExperts(hidden, intermediate, num_experts, backend, dtype, capacity_factor)
         self.shared_expert = SwiGLU(hidden, shared_intermediate, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -407,7 +443,8 @@ class ExpertParallelExperts(nn.Module):
     Host syncs: the all-to-all needs its split sizes on the host, so each forward copies them from
     the device once (both directions in one copy); a recompute reuses them (SplitsForRecompute).
     Under forced balance (`balanced`, see set_balanced_routing) they follow from the shapes and
-    nothing is read from the device.
+    nothing is read from the device. Under expert capacity (capacity.py) every split is C rows
+    per expert, the exchanges pass no split sizes at all, and the layer compiles whole.
     """
 
     def __init__(self, experts: GroupedExperts, group, num_experts: int):
@@ -415,7 +452,7 @@ class ExpertParallelExperts(nn.Module):
         if experts.backend != "grouped":
             raise ValueError(f"expert parallelism needs experts_backend 'grouped', got {experts.backend!r}")
         self.group, self.num_experts = group, num_experts
-        self.group_align = experts.group_align
+        self.group_align, self.capacity_ratio = experts.group_align, experts.capacity_ratio
         self.balanced = False
         self.recompute_splits = SplitsForRecompute()
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
@@ -423,6 +460,9 @@ class ExpertParallelExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights/indices [N, k] -> [N, H]."""
         gate_up, down = _local_shard(self.gate_up_proj), _local_shard(self.down_proj)
+        if self.capacity_ratio is not None:
+            return capacity_forward(x, weights, indices, self.num_experts, self.capacity_ratio,
+                                    lambda rows: self.exchange_capacity_rows(rows, gate_up, down)).to(x.dtype)
         local_experts = gate_up.shape[0]
         flat = indices.flatten()  # [N*k]
         order = torch.argsort(flat, stable=True)  # assignments sorted by expert, so by owning rank
@@ -432,6 +472,20 @@ class ExpertParallelExperts(nn.Module):
         align = self.group_align or group_alignment(x.device)
         out = local_experts_forward(received, expert_of_row, gate_up, down, align)
         return combine(self.return_rows(out, splits), order, inverse, weights).to(x.dtype)
+
+    def exchange_capacity_rows(self, rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """This rank's capacity buffer [E, C, H] -> its experts' outputs [E, C, H]: C rows per
+        expert to its owner and back, in two even all-to-alls; the local experts run on the
+        [El, ep * C, H] rows of every source rank."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        num_experts, capacity, hidden = rows.shape
+        local_experts = gate_up.shape[0]
+        ep = num_experts // local_experts
+        received = all_to_all_single_autograd(rows.flatten(0, 1), None, None, self.group)  # [ep * El * C, H]
+        by_expert = received.view(ep, local_experts, capacity, hidden).transpose(0, 1)  # [El, ep, C, H]
+        out = batched_swiglu(by_expert.reshape(local_experts, ep * capacity, hidden), gate_up, down)
+        out = out.view(local_experts, ep, capacity, hidden).transpose(0, 1).reshape(-1, hidden)  # [ep * El * C, H]
+        return all_to_all_single_autograd(out, None, None, self.group).view(num_experts, capacity, hidden)
 
     # Compiled, each of the two exchanges is a graph break of its own (eager code between graphs):
     # host values, the recompute's bookkeeping, and rows whose count changes with the routing, which

@@ -10,7 +10,9 @@ tokens_per_expert). After each optimizer step the trainer sums those counts over
     DeepSeek-V3 does without an auxiliary loss: bias_e += rate * sign(mean load - load_e). The
     bias only chooses experts; the gate weights stay the unbiased scores (sigmoid or softmax);
   - reports, at logged steps, each layer's max and min load over the mean load (1.0 and 1.0:
-    perfectly balanced; min 0: an expert got nothing) and every expert's token count.
+    perfectly balanced; min 0: an expert got nothing) and every expert's token count (routed,
+    before any drop), and under expert capacity (capacity.py) the (token, expert) assignments
+    the layer dropped.
 The counts are those of the step's last micro-batch (on every data-parallel rank).
 """
 
@@ -21,6 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from capacity import capacity_ratio, dropped_assignments
 from models import ModelConfig
 from moe import Router
 
@@ -34,6 +37,9 @@ class RoutingMonitor:
         self.routers = {int(name.split(".")[1]): m for name, m in module.named_modules() if isinstance(m, Router)}
         self.moe_layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
         self.counts = torch.zeros(config.num_hidden_layers, config.num_experts, device=device)  # [layers, E]
+        factor = config.capacity_factor
+        self.capacity_ratio = None if factor is None else capacity_ratio(factor)
+        self.dropped = torch.zeros(config.num_hidden_layers, device=device)  # [layers] assignments past capacity
         self.idle = torch.zeros_like(self.counts, dtype=torch.long)  # steps in a row without a token
         self.idle_since = torch.zeros_like(self.idle)  # step a streak reached idle_steps, not yet reported (0: none)
 
@@ -45,8 +51,13 @@ class RoutingMonitor:
         self.counts.zero_()
         for layer, router in self.routers.items():
             self.counts[layer] = router.tokens_per_expert.float()
+            if self.capacity_ratio:  # per rank, before the sum: each rank drops past its own capacity
+                self.dropped[layer] = dropped_assignments(router.tokens_per_expert, self.config.num_experts_per_tok,
+                                                          self.capacity_ratio).sum()
         if dist.is_initialized():
             dist.all_reduce(self.counts)  # over data-parallel ranks, and the stages that hold each layer
+            if self.capacity_ratio:
+                dist.all_reduce(self.dropped)
         self.idle = torch.where(self.counts == 0, self.idle + 1, 0)
         if self.idle_steps:  # the step at which each streak reached idle_steps, until reported
             reached = (self.idle == self.idle_steps) & (self.idle_since == 0)
@@ -78,17 +89,24 @@ class RoutingMonitor:
             self.warn_idle()
         counts = self.counts[self.moe_layers]  # [moe layers, E]
         load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1e-9)
-        return {str(layer): {"max_load": round(hi, 3), "min_load": round(lo, 3), "tokens": tokens}
-                for layer, hi, lo, tokens in zip(self.moe_layers, load.max(dim=1).values.tolist(),
-                                                 load.min(dim=1).values.tolist(), counts.long().tolist())}
+        stats = {str(layer): {"max_load": round(hi, 3), "min_load": round(lo, 3), "tokens": tokens}
+                 for layer, hi, lo, tokens in zip(self.moe_layers, load.max(dim=1).values.tolist(),
+                                                  load.min(dim=1).values.tolist(), counts.long().tolist())}
+        if self.capacity_ratio:
+            for layer, dropped in zip(self.moe_layers, self.dropped[self.moe_layers].long().tolist()):
+                stats[str(layer)]["dropped"] = dropped
+        return stats
 
 
 def worst_layer(stats: dict[str, dict[str, float]]) -> str:
-    """The log line's summary: the layer whose busiest expert is the busiest."""
+    """The log line's summary: the layer whose busiest expert is the busiest, and under expert
+    capacity the assignments all layers dropped."""
     if not stats:
         return ""
     layer, worst = max(stats.items(), key=lambda item: item[1]["max_load"])
-    return f" | experts max/min load {worst['max_load']:.2f}/{worst['min_load']:.2f} (layer {layer})"
+    dropped = [layer_stats["dropped"] for layer_stats in stats.values() if "dropped" in layer_stats]
+    return (f" | experts max/min load {worst['max_load']:.2f}/{worst['min_load']:.2f} (layer {layer})"
+            + (f", {sum(dropped)} assignments dropped" if dropped else ""))
 
 
 @torch.no_grad()
