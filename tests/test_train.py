@@ -145,8 +145,8 @@ def test_out_of_memory_and_collective_errors_are_never_compile_errors(tmp_path, 
 
 
 def test_data_errors_stop_before_training(tmp_path):
-    with pytest.raises(DataError, match="does not exist"):
-        run_debug(tmp_path, f"--data.path={tmp_path / 'nowhere'}")
+    with pytest.raises(ConfigError, match=r"data.path .*nowhere does not exist\. Put your corpus there"):
+        run_debug(tmp_path, f"--data.path={tmp_path / 'nowhere'}")  # at config time, before a process group
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="empty directory"):
         run_debug(tmp_path, f"--data.path={tmp_path / 'empty'}")
