@@ -305,8 +305,8 @@ def rehearsal_batches(cfg: TrainConfig, run: Run, say: Phases):
     missing = train.missing_inputs(cfg)
     if missing:
         say(f"data: not checked: {missing}")
-    else:
-        train.setup_data(cfg, run)
+    else:  # as rank 0 for the preparation the real job's rank 0 does while this rank waits
+        train.setup_data(cfg, dataclasses.replace(run, rank=0))
         say(f"data: {cfg.data.path} has enough rows for {cfg.training.steps} steps on {run.dp_size} "
             f"data-parallel ranks")
     shape = (cfg.training.batch_size, cfg.data.seq_len)
