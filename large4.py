@@ -471,6 +471,13 @@ class MistralLarge4(nn.Module):
         first pipeline stage only)."""
         return [self.rotary] if self.rotary is not None else []
 
+    def checkpointed_block_bytes(self, seq_len: int) -> float:
+        """What a checkpointed block keeps for backward per token (memory.py): its BF16 input and, with
+        the selection on (seq_len > index_topk), the int64 top-k key indices [T, k] each block receives
+        (the rehearsal measured 128 MiB per block at 8,192 tokens)."""
+        c = self.config
+        return 2 * c.hidden_size + (8 * c.index_topk if seq_len > c.index_topk else 0)
+
     def block_activation_bytes(self, seq_len: int) -> float:
         """Activations one block saves for backward per token, in BF16 (memory.py, which assumes
         GPUs): the projections; the selection and its group's attention mask (shared by the layers

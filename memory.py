@@ -56,10 +56,11 @@ def _stage_params(config: ModelConfig, pp: int) -> list[tuple[int, int, int]]:
 
 def _activation_bytes_per_token(config: ModelConfig, layers: int, checkpointing: str, seq_len: int) -> float:
     """Saved activations of `layers` blocks for one token (the model's own per-block estimate)."""
-    block = _meta_model(config).block_activation_bytes(seq_len)
+    model = _meta_model(config)
+    block, checkpointed = model.block_activation_bytes(seq_len), model.checkpointed_block_bytes(seq_len)
     kept = {"none": layers, "full": 0, "selective": layers // 2}[checkpointing]
-    # Checkpointed blocks keep their input only; one block at a time is recomputed in full.
-    return kept * block + (layers - kept) * 2 * config.hidden_size + (block if kept < layers else 0)
+    # Checkpointed blocks keep their inputs only; one block at a time is recomputed in full.
+    return kept * block + (layers - kept) * checkpointed + (block if kept < layers else 0)
 
 
 def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch_size: int,

@@ -319,6 +319,10 @@ class Flint(nn.Module):
         outputs = (torch.empty((), device="meta", requires_grad=True),) if self.lm_head is not None else between
         return inputs, outputs
 
+    def checkpointed_block_bytes(self, seq_len: int) -> float:
+        """What a checkpointed block keeps for backward per token: its BF16 input (memory.py)."""
+        return 2 * self.config.hidden_size
+
     def block_activation_bytes(self, seq_len: int) -> float:
         """Activations one block saves for backward per token, in BF16 (FP32 router scores and
         lse); flash attention keeps no score matrix, so seq_len does not enter (memory.py)."""

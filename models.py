@@ -10,7 +10,8 @@ model they hold:
             layout_error(pp, cp), from_name / from_hf_config / to_hf_config
     model:  embed_tokens, layers (ModuleDict of blocks), norm, lm_head, init_weights(seed),
             initial_value(name, param, seed), fp32_modules(block), fp32_root_modules(),
-            num_params(active), flops_per_token(seq_len), block_activation_bytes(), generate(...)
+            num_params(active), flops_per_token(seq_len), block_activation_bytes(seq_len),
+            checkpointed_block_bytes(seq_len), generate(...)
     optional, for pipeline (and context) parallelism: parallel_dims ("pp" and/or "cp": its forward
             serves a stage holding some of the layers, and a cp rank once parallel.py sets its
             `context`), first_stage_modules (kept by the first stage only; default the embedding),
