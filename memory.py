@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     config, parallel = cfg.model_config, cfg.parallel
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
-    gpus = args.gpus or parallel.dp_replicate * max(parallel.dp_shard, 1) * parallel.ep * parallel.pp * parallel.cp
+    gpus = args.gpus or parallel.named_world_size
     try:
         own = parallel.resolve(gpus, config.num_experts)
     except ValueError as error:

@@ -98,6 +98,12 @@ class ParallelConfig:
         return cls(**section)
 
     @property
+    def named_world_size(self) -> int:
+        """The world size the degrees name, dp_shard = -1 counting as 1: the default GPU count of the
+        tools that lay a config out without a job (memory.py, planner.py, the rehearsal)."""
+        return self.dp_replicate * max(self.dp_shard, 1) * self.ep * self.pp * self.cp
+
+    @property
     def stages_per_rank(self) -> int:
         return self.pp_stages_per_rank or (2 if self.pp_schedule in ("Interleaved1F1B", *V_SCHEDULES) else 1)
 

@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> Plan:
     layout = cfg.parallel
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
-    gpus = args.gpus or layout.dp_replicate * max(layout.dp_shard, 1) * layout.ep * layout.pp * layout.cp
+    gpus = args.gpus or layout.named_world_size
     try:
         layout = layout.resolve(gpus, cfg.model_config.num_experts)
     except ValueError as error:

@@ -59,14 +59,12 @@ import train
 from config import ConfigError, TrainConfig
 from decoder import token_ids_checked_at_load
 from devices import targeting
-from memory import memory_per_gpu
-from moe import set_balanced_routing
-from parallel import MESH_DIMS, Run, build_mesh
+from memory import GPU_GIB as MEMORY_GPU_GIB, memory_per_gpu
+from parallel import Run
 
 GIB = 2 ** 30
-# Usable memory per GPU (nvidia-smi's total: 81,559 MiB on an H100 80GB, 143,771 MiB on an H200,
-# 183,359 MiB on a B200).
-GPU_GIB = {"H100": 79.6, "H200": 140.4, "B200": 179.1}
+# Usable memory per GPU: memory.py's (nvidia-smi's totals), and 183,359 MiB on a B200.
+GPU_GIB = {"H100": MEMORY_GPU_GIB["80GB"], "H200": MEMORY_GPU_GIB["141GB"], "B200": 179.1}
 
 
 class RehearsalError(train.TrainingError):
@@ -176,8 +174,7 @@ def world_size_of(cfg: TrainConfig, world_size: int | None) -> int:
         if world_size < 1:
             raise ConfigError(f"--world-size must be >= 1, got {world_size}")
         return world_size
-    p = cfg.parallel
-    return p.dp_replicate * max(p.dp_shard, 1) * p.ep * p.pp * p.cp
+    return cfg.parallel.named_world_size
 
 
 @contextmanager
@@ -242,7 +239,6 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
         run = start_fake_run(job, say)
         batches = rehearsal_batches(job, run, say)
         model = train.build_model(job, run)  # on meta
-        set_balanced_routing(model.module, job.training.force_balanced_routing)
         tracker = PeakMemory()
         with FakeTensorMode(allow_non_fake_inputs=True), tracker.watching():
             for part in model.parts:
@@ -287,14 +283,8 @@ class Phases:
 
 
 def start_fake_run(cfg: TrainConfig, say: Phases) -> Run:
-    try:
-        mesh = build_mesh(cfg.parallel, "cpu", cfg.model_config.num_experts)  # outside FakeTensorMode
-    except ValueError as error:
-        raise ConfigError(f"{cfg.where_any([f'parallel.{d}' for d in MESH_DIMS])}: {error}") from error
-    run = Run(dist.get_rank(), dist.get_world_size(), mesh["dp"].get_local_rank(), mesh["dp"].size(),
-              torch.device("cpu"), mesh)
-    layout = " x ".join(f"{name} {mesh[name].size()}" for name in mesh.mesh_dim_names if mesh[name].size() > 1)
-    say(f"fake world of {run.world_size} ({layout or 'no parallelism'}); routing forced balanced, block masks "
+    run = train.join_mesh(cfg, torch.device("cpu"))  # the mesh is built outside FakeTensorMode
+    say(f"fake world of {run.world_size} ({train.layout_of(run)}); routing forced balanced, block masks "
         f"without documents, blocks eager (see rehearsal.py)")
     return run
 

@@ -68,7 +68,6 @@ def main(argv: list[str] | None = None) -> dict:
         with Checkpointer(cfg, run) as checkpoints:  # locks checkpoint.dir: one run per directory
             tokenizer, train_data, val_data = setup_data(cfg, run)
             model = load_model(cfg, run)
-            set_balanced_routing(model.module, cfg.training.force_balanced_routing)
             if cfg.parallel.compile:
                 check_compiled(model, train_data.peek(), run, cfg.parallel.compile_fallback)
             optimizer = build_optimizer(model.module, cfg.optim)
@@ -157,17 +156,28 @@ def start_run(cfg: TrainConfig) -> Run:
     use_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
     check_device_choices(cfg, on_gpu=use_cuda and parallel.backend != "gloo")
     device = init_distributed(parallel.backend, use_cuda, timedelta(minutes=parallel.collective_timeout_minutes))
+    run = join_mesh(cfg, device)
+    torch.manual_seed(t.seed)
+    run.print(f"config {cfg.source}: {run.world_size} process(es) on {device.type} ({layout_of(run)}), "
+              f"{str(parallel.compute_dtype(device.type))[6:]} compute, FP32 master weights\n{resolved_summary(cfg)}")
+    return run
+
+
+def join_mesh(cfg: TrainConfig, device: torch.device) -> Run:
+    """This process of the started process group, with the config's mesh over the group."""
     try:
-        mesh = build_mesh(parallel, device.type, cfg.model_config.num_experts)
+        mesh = build_mesh(cfg.parallel, device.type, cfg.model_config.num_experts)
     except ValueError as error:  # the layout does not fit the world size
         layout = [f"parallel.{key}" for key in ("pp", "dp_replicate", "dp_shard", "ep", "cp")]
         raise ConfigError(f"{cfg.where_any(layout)}: {error}") from error
-    torch.manual_seed(t.seed)
-    run = Run(dist.get_rank(), dist.get_world_size(), mesh["dp"].get_local_rank(), mesh["dp"].size(), device, mesh)
-    layout = " x ".join(f"{name} {mesh[name].size()}" for name in mesh.mesh_dim_names if mesh[name].size() > 1)
-    run.print(f"config {cfg.source}: {run.world_size} process(es) on {device.type} ({layout or 'no parallelism'}), "
-              f"{str(parallel.compute_dtype(device.type))[6:]} compute, FP32 master weights\n{resolved_summary(cfg)}")
-    return run
+    return Run(dist.get_rank(), dist.get_world_size(), mesh["dp"].get_local_rank(), mesh["dp"].size(), device, mesh)
+
+
+def layout_of(run: Run) -> str:
+    """The mesh's parallel degrees, e.g. "dp_shard 2 x ep 2"."""
+    mesh = run.mesh
+    return " x ".join(f"{name} {mesh[name].size()}" for name in mesh.mesh_dim_names
+                      if mesh[name].size() > 1) or "no parallelism"
 
 
 def check_device_choices(cfg: TrainConfig, on_gpu: bool) -> None:
@@ -258,14 +268,17 @@ def load_model(cfg: TrainConfig, run: Run) -> ParallelModel:
 
 
 def build_model(cfg: TrainConfig, run: Run) -> ParallelModel:
-    """The model on the meta device (no weight exists yet), laid out by parallel.py."""
+    """The model on the meta device (no weight exists yet), laid out by parallel.py, its routers forced
+    balanced if [training] force_balanced_routing asks (benchmarks, rehearsals)."""
     config = cfg.model_config  # an init_from checkpoint's config.json, with the training settings of [model]
     with torch.device("meta"):
         model = model_class(config)(config, torch.float32)
     run.print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.num_params(active=True) / 1e6:.2f}M "
               f"active per token; {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
               f"{config.num_experts} experts (top {config.num_experts_per_tok}), vocab {config.vocab_size}")
-    return parallelize(model, cfg.parallel, run.mesh)
+    pm = parallelize(model, cfg.parallel, run.mesh)
+    set_balanced_routing(pm.module, cfg.training.force_balanced_routing)
+    return pm
 
 
 def converted_checkpoint(hf_dir: Path, cfg: TrainConfig, run: Run) -> Path:
