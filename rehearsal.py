@@ -60,7 +60,7 @@ from config import ConfigError, TrainConfig
 from decoder import token_ids_checked_at_load
 from devices import targeting
 from memory import GPU_GIB as MEMORY_GPU_GIB, memory_per_gpu
-from parallel import Run
+from parallel import Run, close_distributed
 
 GIB = 2 ** 30
 # Usable memory per GPU: memory.py's (nvidia-smi's totals), and 183,359 MiB on a B200.
@@ -184,7 +184,7 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        close_distributed()
 
 
 @contextmanager

@@ -28,6 +28,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 import zlib
 from contextlib import contextmanager
 from datetime import timedelta
@@ -47,8 +48,8 @@ from metrics import MetricsLogger
 from models import config_from_hf, model_class
 from moe import set_balanced_routing
 from muon import Muon, takes_muon
-from parallel import (ParallelModel, Run, barrier, build_mesh, init_distributed, init_weights, parallelize, uncompile,
-                      waiting_for_main_rank)
+from parallel import (ParallelModel, Run, barrier, build_mesh, close_distributed, init_distributed, init_weights,
+                      parallelize, uncompile, waiting_for_main_rank)
 from routing import RoutingMonitor
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
@@ -64,39 +65,47 @@ def main(argv: list[str] | None = None) -> dict:
     if missing:  # before any process group or model: a user-supplied input is not there
         raise ConfigError(missing)
     try:
-        run = start_run(cfg)
-        with Checkpointer(cfg, run) as checkpoints:  # locks checkpoint.dir: one run per directory
-            tokenizer, train_data, val_data = setup_data(cfg, run)
-            model = load_model(cfg, run)
-            if cfg.parallel.compile:
-                check_compiled(model, train_data.peek(), run, cfg.parallel.compile_fallback)
-            optimizer = build_optimizer(model.module, cfg.optim)
-            step = checkpoints.resume(model, optimizer, train_data)
-            logger = MetricsLogger(cfg, run, model.config, start_step=step, run_dir=checkpoints.run_dir)
-            routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps,
-                                     run.is_main)
-            with Interruption(run) as interruption, explain_stop(checkpoints, run, argv):
-                while step < cfg.training.steps:
-                    step += 1
-                    lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.training.steps))
-                    loss, grad_norm, stop = train_step(model, optimizer, train_data, cfg, run, routing, interruption,
-                                                       step, checkpoints)
-                    if due(step, cfg.logging.every, cfg.training.steps) or step == logger.first_step:
-                        logger.log_train(step, loss, lr, grad_norm, routing.stats())
-                    stopping = interruption.requested(stop)
-                    with logger.untimed():  # tokens/s counts training only
-                        if val_data and due(step, cfg.training.eval_every, cfg.training.steps):
-                            logger.log_eval(step, evaluate(model, val_data, cfg, run))
-                        if due(step, cfg.checkpoint.every, cfg.training.steps) or stopping:
-                            checkpoints.save(step, model, optimizer, train_data)
-                    if stopping:
-                        run.print(f"stopped by {interruption.name} after step {step}; saved {checkpoints.wait()}. "
-                                  f"Resume with:\n  {resume_command(argv, run)}")
-                        raise SystemExit(128 + getattr(signal, interruption.name))
-            return finish(checkpoints.wait(), tokenizer, cfg, run, logger)
+        return run_training(cfg, argv)
+    except BaseException as error:
+        traceback.clear_frames(error.__traceback__)  # the failed frames let go of the model and its meshes
+        raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_distributed()  # after run_training's frame, holding the model and its groups, is gone
+
+
+def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
+    """One training run of cfg in the process group it starts: data, model, the steps, the export and
+    sample. main closes the group once this frame, which holds the model, has returned."""
+    run = start_run(cfg)
+    with Checkpointer(cfg, run) as checkpoints:  # locks checkpoint.dir: one run per directory
+        tokenizer, train_data, val_data = setup_data(cfg, run)
+        model = load_model(cfg, run)
+        if cfg.parallel.compile:
+            check_compiled(model, train_data.peek(), run, cfg.parallel.compile_fallback)
+        optimizer = build_optimizer(model.module, cfg.optim)
+        step = checkpoints.resume(model, optimizer, train_data)
+        logger = MetricsLogger(cfg, run, model.config, start_step=step, run_dir=checkpoints.run_dir)
+        routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps,
+                                 run.is_main)
+        with Interruption(run) as interruption, explain_stop(checkpoints, run, argv):
+            while step < cfg.training.steps:
+                step += 1
+                lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.training.steps))
+                loss, grad_norm, stop = train_step(model, optimizer, train_data, cfg, run, routing, interruption,
+                                                   step, checkpoints)
+                if due(step, cfg.logging.every, cfg.training.steps) or step == logger.first_step:
+                    logger.log_train(step, loss, lr, grad_norm, routing.stats())
+                stopping = interruption.requested(stop)
+                with logger.untimed():  # tokens/s counts training only
+                    if val_data and due(step, cfg.training.eval_every, cfg.training.steps):
+                        logger.log_eval(step, evaluate(model, val_data, cfg, run))
+                    if due(step, cfg.checkpoint.every, cfg.training.steps) or stopping:
+                        checkpoints.save(step, model, optimizer, train_data)
+                if stopping:
+                    run.print(f"stopped by {interruption.name} after step {step}; saved {checkpoints.wait()}. "
+                              f"Resume with:\n  {resume_command(argv, run)}")
+                    raise SystemExit(128 + getattr(signal, interruption.name))
+        return finish(checkpoints.wait(), tokenizer, cfg, run, logger)
 
 
 @contextmanager

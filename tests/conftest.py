@@ -16,6 +16,26 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
+def gloo_threads() -> list[str]:
+    """The names of this process's gloo threads (each group's workers and transport loop); [] where
+    /proc cannot tell (not Linux). A process whose groups were closed has none (see
+    parallel.close_distributed)."""
+    tasks = Path("/proc/self/task")
+    names = [(task / "comm").read_text().strip() for task in tasks.iterdir()] if tasks.is_dir() else []
+    return [name for name in names if name.startswith(("pt_gloo", "gloo_"))]
+
+
+def exit_now() -> None:
+    """End a spawned test process that passed, skipping the interpreter's shutdown. A gloo group that
+    torch itself still holds after close_distributed (a compiled graph's fake wrapper of it, a
+    gradient left on a parameter) keeps its worker threads, and one that lets go of a tensor while
+    Python shuts down aborts the process (see parallel.close_distributed). train.main leaves no
+    such group: _torchrun_worker in test_train.py checks it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models run as fast on one thread, and stay fast while other processes use the other core."""

@@ -17,6 +17,7 @@ from large4 import Large4Config
 from model import FlintConfig, build_model
 from models import model_class
 from moe import ExpertParallelExperts, GroupedExperts, MoE
+from parallel import close_distributed
 
 HIDDEN, INTER, SHARED, EXPERTS, TOP_K = 16, 8, 12, 6, 2
 NO_DROP = EXPERTS / TOP_K  # C = ceil(N * k / E * E / k) = N: an expert takes every token
@@ -222,7 +223,7 @@ def test_capacity_reads_nothing_from_the_device_under_expert_parallelism():
             moe(x).sum().backward()
             assert moe.experts.gate_up_proj.grad.shape == (EXPERTS // 2, HIDDEN, 2 * INTER)
     finally:
-        dist.destroy_process_group()
+        close_distributed()
 
 
 def check_capacity_on_two_ranks() -> None:
@@ -257,8 +258,8 @@ def test_expert_parallel_capacity_equals_one_process_compiles_whole_and_never_sy
 
 
 def check_capacity_step_syncs(argv: list[str]) -> None:
-    from test_train import step_host_syncs
-    reads = step_host_syncs(argv)
+    from test_train import closing, step_host_syncs
+    reads = closing(step_host_syncs)(argv)
     assert reads == ["tolist"], reads  # the step's own copy only: no split size per layer, none in the recompute
 
 

@@ -6,6 +6,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe import ExpertParallelExperts, GroupedExperts, MoE, balanced_counts, set_balanced_routing, sort_by_expert
+from parallel import close_distributed
 from reference import reference_moe
 
 HIDDEN, INTER, SHARED, EXPERTS, TOP_K = 16, 8, 12, 6, 2
@@ -184,7 +185,7 @@ def test_forced_balance_reads_nothing_from_the_device_under_expert_parallelism()
             with pytest.raises(DataDependentOutputException):
                 moe(x)
     finally:
-        dist.destroy_process_group()
+        close_distributed()
 
 
 def check_forced_balance_on_two_ranks(norm_topk_prob: bool) -> None:
@@ -272,4 +273,4 @@ def test_a_recompute_reuses_its_forwards_splits_and_nothing_goes_stale():
             late.sum().backward()  # recomputes `late` first, with `early`'s splits
         del early
     finally:
-        dist.destroy_process_group()
+        close_distributed()

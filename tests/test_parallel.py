@@ -16,10 +16,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
+from conftest import exit_now
 from large4 import Large4Config, MistralLarge4
 from model import FlintConfig, build_model
 from models import model_class
-from parallel import ParallelConfig, build_mesh, init_weights, parallelize
+from parallel import ParallelConfig, build_mesh, close_distributed, init_weights, parallelize
 from test_large4 import randomized
 from test_train import adamw_matches_plain
 
@@ -44,7 +45,8 @@ def _worker(rank, world, port, fn, args):
     try:
         fn(*args)
     finally:
-        dist.destroy_process_group()
+        close_distributed()
+    exit_now()
 
 
 def spawn(world: int, fn, *args) -> None:
@@ -386,7 +388,7 @@ def in_process_group(fn, *args):
     try:
         return fn(*args)
     finally:
-        dist.destroy_process_group()
+        close_distributed()
 
 
 def shard_with_the_bulk_policy(unit: str, monkeypatch) -> None:
@@ -551,7 +553,7 @@ def test_meta_init_matches_one_process():
     try:
         check_meta_init([{}])
     finally:
-        dist.destroy_process_group()
+        close_distributed()
     spawn(2, check_meta_init, [{"dp_shard": 2}, {"ep": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}])
 
 
@@ -587,7 +589,7 @@ def check_muon_on_shards(layouts: list[dict]) -> None:
         cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
         pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
         muon_matches_plain(pm.module, build(config))
-
+    
 
 def test_muon_steps_like_the_plain_reference_on_two_ranks():
     """FSDP 2 (every matrix sharded on its rows: gathered, orthogonalised whole, re-sharded) and

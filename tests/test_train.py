@@ -18,8 +18,9 @@ import train
 from config import ConfigError, OptimSection
 from data import EMBEDDED_CORPUS, DataError
 from model import Flint, FlintConfig, build_model
+from parallel import close_distributed
 from train import TrainingError
-from conftest import assert_weights_match, debug_args, give_same_gradients, records, run_debug, train_losses
+from conftest import assert_weights_match, gloo_threads, debug_args, give_same_gradients, records, run_debug, train_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBUG = str(ROOT / "configs" / "debug.toml")
@@ -35,6 +36,8 @@ def _torchrun_worker(rank: int, world: int, port: int, argv: list[str], fn=None)
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     (fn or train.main)(argv)
+    left = gloo_threads()  # none may outlive the run: see parallel.close_distributed
+    assert not left, f"rank {rank}: gloo threads still running after the run: {left}"
 
 
 def run_two_processes(argv: list[str], fn=None) -> None:
@@ -424,29 +427,36 @@ def step_host_syncs(argv: list[str]) -> list[str]:
     from routing import RoutingMonitor
     cfg = train.parse_args(argv)
     run = train.start_run(cfg)
-    try:
-        with Checkpointer(cfg, run) as checkpoints, train.Interruption(run) as interruption:
-            _, data, _ = train.setup_data(cfg, run)
-            model = train.load_model(cfg, run)
-            optimizer = train.build_optimizer(model.module, cfg.optim)
-            routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps)
-            step = (model, optimizer, data, cfg, run)
-            train.train_step(*step, routing, interruption, 1, checkpoints)
-            with HostSyncs() as syncs:
-                train.train_step(*step, routing, interruption, 2, checkpoints)
-    finally:
-        torch.distributed.destroy_process_group()
+    with Checkpointer(cfg, run) as checkpoints, train.Interruption(run) as interruption:
+        _, data, _ = train.setup_data(cfg, run)
+        model = train.load_model(cfg, run)
+        optimizer = train.build_optimizer(model.module, cfg.optim)
+        routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps)
+        step = (model, optimizer, data, cfg, run)
+        train.train_step(*step, routing, interruption, 1, checkpoints)
+        with HostSyncs() as syncs:
+            train.train_step(*step, routing, interruption, 2, checkpoints)
     return syncs.reads
+
+
+def closing(fn):
+    """fn, then the process group closed once fn's frame (its model) is gone, as train.main does."""
+    def closed(*args):
+        try:
+            return fn(*args)
+        finally:
+            close_distributed()
+    return closed
 
 
 def test_a_step_copies_to_the_host_once(tmp_path):
     """No sync per micro-batch (the batches' token ids were checked at load): loss, grad norm, the
     update check and the stop request come back in one copy."""
-    assert step_host_syncs(debug_args(tmp_path, "--training.grad_accum=2")) == ["tolist"]
+    assert closing(step_host_syncs)(debug_args(tmp_path, "--training.grad_accum=2")) == ["tolist"]
 
 
 def check_expert_parallel_step_syncs(argv: list[str]) -> None:
-    reads = step_host_syncs(argv)
+    reads = closing(step_host_syncs)(argv)
     # The step's copy, then one per MoE layer (2) per micro-batch (2): none in the recompute, none
     # for repeat_interleave (given its output size).
     assert reads == ["tolist"] * (1 + 2 * 2), reads
@@ -456,6 +466,13 @@ def test_an_expert_parallel_step_copies_once_per_moe_layer_and_micro_batch(tmp_p
     run_two_processes(debug_args(tmp_path, "--parallel.ep=2", "--parallel.dp_shard=1", "--training.grad_accum=2",
                                  "--parallel.activation_checkpointing=full", "--data.seq_len=16",
                                  "--training.batch_size=2"), check_expert_parallel_step_syncs)
+
+
+def test_a_finished_run_leaves_no_gloo_thread(tmp_path):
+    """Expert parallel (DTensor experts), FSDP and an async save's own gloo group on 2 ranks: each
+    rank's worker finds no gloo thread left after train.main (see _torchrun_worker)."""
+    run_debug_two_processes(tmp_path, "--parallel.ep=2", "--training.steps=2", "--checkpoint.every=2",
+                            "--checkpoint.async_save=true", "--training.sample_tokens=0")
 
 
 def _rank_0_prepares_slowly(argv: list[str]) -> None:
