@@ -16,7 +16,7 @@ from config import load_config
 from large4 import Large4Config
 from model import FlintConfig, build_model
 from models import model_class
-from moe import ExpertParallelExperts, GroupedExperts, MoE
+from moe import GroupedExperts, MoE
 from parallel import close_distributed
 
 HIDDEN, INTER, SHARED, EXPERTS, TOP_K = 16, 8, 12, 6, 2
@@ -201,13 +201,8 @@ def test_a_capacity_block_compiles_to_one_graph(one_thread):
 
 def expert_parallel_moe(rank: int, ep: int, factor: float) -> MoE:
     """make_moe's layer with its experts sharded: this rank holds E / ep of them."""
-    moe, local = make_moe(factor), EXPERTS // ep
-    experts = GroupedExperts(HIDDEN, INTER, local, capacity_factor=factor)
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(moe.experts.gate_up_proj[rank * local:(rank + 1) * local])
-        experts.down_proj.copy_(moe.experts.down_proj[rank * local:(rank + 1) * local])
-    moe.experts = ExpertParallelExperts(experts, dist.group.WORLD, EXPERTS)
-    return moe
+    from test_moe import shard_experts
+    return shard_experts(make_moe(factor), rank, ep, capacity_factor=factor)
 
 
 def test_capacity_reads_nothing_from_the_device_under_expert_parallelism():

@@ -157,15 +157,21 @@ def test_forced_balance_routes_round_robin_by_the_real_scores(norm_topk_prob, as
     assert balanced_counts(7, 3) == [3, 2, 2]
 
 
-def expert_parallel_moe(rank: int, ep: int, norm_topk_prob: bool = True) -> MoE:
-    """make_moe's layer with its experts sharded: this rank holds E / ep of them."""
-    moe, local = make_moe(norm_topk_prob=norm_topk_prob), EXPERTS // ep
-    experts = GroupedExperts(HIDDEN, INTER, local)
+def shard_experts(moe: MoE, rank: int, ep: int, **experts_options) -> MoE:
+    """moe with its experts sharded over ep ranks of the world group: this rank holds E / ep of them."""
+    num_experts, hidden, _ = moe.experts.gate_up_proj.shape
+    local = num_experts // ep
+    experts = GroupedExperts(hidden, moe.experts.down_proj.shape[1], local, **experts_options)
     with torch.no_grad():
         experts.gate_up_proj.copy_(moe.experts.gate_up_proj[rank * local:(rank + 1) * local])
         experts.down_proj.copy_(moe.experts.down_proj[rank * local:(rank + 1) * local])
-    moe.experts = ExpertParallelExperts(experts, dist.group.WORLD, EXPERTS)
+    moe.experts = ExpertParallelExperts(experts, dist.group.WORLD, num_experts)
     return moe
+
+
+def expert_parallel_moe(rank: int, ep: int, norm_topk_prob: bool = True) -> MoE:
+    """make_moe's layer with its experts sharded: this rank holds E / ep of them."""
+    return shard_experts(make_moe(norm_topk_prob=norm_topk_prob), rank, ep)
 
 
 def test_forced_balance_reads_nothing_from_the_device_under_expert_parallelism():
