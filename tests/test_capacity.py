@@ -18,6 +18,7 @@ from model import FlintConfig, build_model
 from models import model_class
 from moe import GroupedExperts, MoE
 from parallel import close_distributed
+from conftest import assert_close_to_scale
 
 HIDDEN, INTER, SHARED, EXPERTS, TOP_K = 16, 8, 12, 6, 2
 NO_DROP = EXPERTS / TOP_K  # C = ceil(N * k / E * E / k) = N: an expert takes every token
@@ -43,11 +44,11 @@ def run(moe, x):
     return y.detach(), x.grad, {name: p.grad.clone() for name, p in moe.named_parameters()}
 
 
-def assert_runs_equal(got, want, rtol=1e-5, atol=1e-6):
-    torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=atol)
-    torch.testing.assert_close(got[1], want[1], rtol=rtol, atol=atol)
+def assert_runs_equal(got, want, rtol=1e-5):
+    assert_close_to_scale(got[0], want[0], rtol, "output")
+    assert_close_to_scale(got[1], want[1], rtol, "input gradient")
     for name in want[2]:
-        torch.testing.assert_close(got[2][name], want[2][name], rtol=rtol, atol=atol, msg=name)
+        assert_close_to_scale(got[2][name], want[2][name], rtol, name)
 
 
 def capacity_reference(x, router_w, gate_up, down, top_k, factor):
@@ -192,9 +193,9 @@ def test_a_capacity_block_compiles_to_one_graph(one_thread):
     inputs = block_inputs(config)
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     (out, grads), (out_c, grads_c) = values_and_grads(block, *inputs), values_and_grads(compiled, *inputs)
-    torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-6)
+    assert_close_to_scale(out_c, out, rtol=1e-5)
     for g, g_c in zip(grads, grads_c):
-        torch.testing.assert_close(g_c, g, rtol=1e-4, atol=1e-6)
+        assert_close_to_scale(g_c, g, rtol=1e-4)
 
 
 # ----------------------------------------------------------------------------- expert parallel

@@ -19,6 +19,7 @@ from attention import FULL, SLIDING, build_masks, flash_sink_attention
 from decoder import document_positions
 from model import FlintConfig, build_model, rope_tables
 from moe import _grouped_mm_op, expert_counts, grouped_mm
+from conftest import assert_close_to_scale
 
 SLOW = os.environ.get("FLINT_SLOW") == "1"
 SLOW_ONLY = pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1")
@@ -61,9 +62,9 @@ def values_and_grads(block, x, rope, masks):
 
 def assert_same(eager, compiled, what: str):
     (out, grads), (out_c, grads_c) = eager, compiled
-    torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} output: {m}")
+    assert_close_to_scale(out_c, out, rtol=1e-5, what=f"{what} output")
     for i, (g, g_c) in enumerate(zip(grads, grads_c)):
-        torch.testing.assert_close(g_c, g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{what} gradient {i}: {m}")
+        assert_close_to_scale(g_c, g, rtol=1e-4, what=f"{what} gradient {i}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -156,11 +157,11 @@ def test_large4_blocks_compile_to_one_graph_each(attention_backend, monkeypatch,
         loss = model(ids, ids.roll(-1, 1))
         results.append((loss, torch.autograd.grad(loss, params, allow_unused=True)))
     (loss, grads), (loss_c, grads_c) = results
-    torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=1e-6)
+    assert_close_to_scale(loss_c, loss, rtol=1e-5)
     for g, g_c in zip(grads, grads_c):
         assert (g is None) == (g_c is None)
         if g is not None:
-            torch.testing.assert_close(g_c, g, rtol=1e-4, atol=1e-6)
+            assert_close_to_scale(g_c, g, rtol=1e-4)
 
 
 def test_router_counts_are_recorded_inside_the_graph(one_thread):
@@ -195,12 +196,12 @@ def test_grouped_mm_operator_matches_per_group_matmuls():
     offsets = torch.tensor(ends, dtype=torch.int32)
     out = _grouped_mm_op(x, w, offsets)
     expected = torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))])
-    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert_close_to_scale(out, expected, rtol=1e-6)
     grad = torch.randn(out.shape, generator=g)
     got = torch.autograd.grad(out, (x, w), grad)
     want = torch.autograd.grad(expected, (x, w), grad)
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert_close_to_scale(a, b, rtol=1e-6)
     torch.library.opcheck(_grouped_mm_op, (x, w, offsets))
 
 
@@ -237,7 +238,7 @@ def train_then_evaluate_compiled(model, monkeypatch) -> None:
     apply_compile(model)
     model(ids, ids.roll(-1, 1)).backward()
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, ids.roll(-1, 1)), eager, rtol=1e-5, atol=1e-6)
+        assert_close_to_scale(model(ids, ids.roll(-1, 1)), eager, rtol=1e-5)
 
 
 def test_compiled_blocks_train_and_evaluate_past_the_recompile_limit(monkeypatch, one_thread):

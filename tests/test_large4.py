@@ -14,6 +14,7 @@ from attention import Visibility, selection_attention_mask, selection_block_mask
 from conftest import LARGE4_PARITY, TWO_PRODUCERS, text_config
 from large4 import Large4Config, MistralLarge4, build_large4
 from reference_large4 import reference_forward, reference_loss
+from conftest import assert_close_to_scale
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -229,10 +230,10 @@ def test_flex_backend_equals_dense_values_and_gradients(parity_model, monkeypatc
         (dense_loss, dense), (flex_loss, flex) = run("sdpa"), run("flex")
     finally:
         parity_model.config = config
-    torch.testing.assert_close(flex_loss, dense_loss, rtol=0, atol=1e-6)
+    assert_close_to_scale(flex_loss, dense_loss, rtol=1e-6)
     assert dense.keys() == flex.keys()
     for name in dense:
-        torch.testing.assert_close(flex[name], dense[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert_close_to_scale(flex[name], dense[name], rtol=1e-4, what=name)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])

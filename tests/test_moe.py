@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from moe import ExpertParallelExperts, GroupedExperts, MoE, balanced_counts, set_balanced_routing, sort_by_expert
 from parallel import close_distributed
 from reference import reference_moe
+from conftest import assert_close_to_scale
 
 HIDDEN, INTER, SHARED, EXPERTS, TOP_K = 16, 8, 12, 6, 2
 
@@ -42,10 +43,10 @@ def test_grouped_equals_loop(case, align):
     grouped.experts.group_align = align  # 8 exercises the padded layout CUDA uses
     y_g, dx_g, g_g = run(grouped, x)
     y_l, dx_l, g_l = run(loop, x)
-    torch.testing.assert_close(y_g, y_l, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(dx_g, dx_l, rtol=1e-5, atol=1e-6)
+    assert_close_to_scale(y_g, y_l, rtol=1e-5)
+    assert_close_to_scale(dx_g, dx_l, rtol=1e-5)
     for name in g_g:
-        torch.testing.assert_close(g_g[name], g_l[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert_close_to_scale(g_g[name], g_l[name], rtol=1e-5, what=name)
 
 
 def test_every_token_picks_the_same_experts():
@@ -60,10 +61,10 @@ def test_every_token_picks_the_same_experts():
     y_g, dx_g, g_g = run(grouped, x)
     y_l, dx_l, g_l = run(loop, x)
     assert grouped.router.tokens_per_expert.tolist() == [0, 15, 0, 0, 15, 0]
-    torch.testing.assert_close(y_g, y_l, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(dx_g, dx_l, rtol=1e-5, atol=1e-6)
+    assert_close_to_scale(y_g, y_l, rtol=1e-5)
+    assert_close_to_scale(dx_g, dx_l, rtol=1e-5)
     for name in g_g:
-        torch.testing.assert_close(g_g[name], g_l[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert_close_to_scale(g_g[name], g_l[name], rtol=1e-5, what=name)
     assert g_g["experts.gate_up_proj"][0].abs().max() == 0  # an expert with no tokens gets no gradient
 
 
@@ -97,7 +98,7 @@ def test_moe_matches_reference(norm_topk_prob):
     expected = reference_moe(x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj,
                              TOP_K, norm_topk_prob)
     expected = expected + shared.down_proj(torch.nn.functional.silu(shared.gate_proj(x)) * shared.up_proj(x))
-    torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-6)
+    assert_close_to_scale(moe(x), expected, rtol=1e-5)
 
 
 def test_sort_plan_pads_groups_without_overlap():
@@ -137,7 +138,7 @@ def balanced_reference(x, router_w, gate_up, down, top_k, norm_topk_prob):
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_forced_balance_routes_round_robin_by_the_real_scores(norm_topk_prob, assert_close_to_scale):
+def test_forced_balance_routes_round_robin_by_the_real_scores(norm_topk_prob):
     moe = make_moe(norm_topk_prob=norm_topk_prob)
     set_balanced_routing(moe, True)
     x = routing_cases()["random"].reshape(-1, HIDDEN)  # 18 tokens x 2 choices over 6 experts: 6 each
@@ -149,8 +150,8 @@ def test_forced_balance_routes_round_robin_by_the_real_scores(norm_topk_prob, as
     expected = balanced_reference(x_ref, params["router.weight"], params["experts.gate_up_proj"],
                                   params["experts.down_proj"], TOP_K, norm_topk_prob) + reference.shared_expert(x_ref)
     expected.backward(torch.ones_like(expected) + torch.arange(expected.numel()).view_as(expected) * 1e-3)
-    torch.testing.assert_close(y, expected.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(dx, x_ref.grad, rtol=1e-5, atol=1e-6)
+    assert_close_to_scale(y, expected.detach(), rtol=1e-5)
+    assert_close_to_scale(dx, x_ref.grad, rtol=1e-5)
     for name, param in params.items():
         assert_close_to_scale(grads[name], param.grad, 1e-5, name)  # FP32 sums in another order
     assert grads["router.weight"].abs().max() > 0  # the router still learns
@@ -206,12 +207,12 @@ def check_forced_balance_on_two_ranks(norm_topk_prob: bool) -> None:
     set_balanced_routing(moe, True)
     y, dx, grads = run(moe, inputs[rank])
     y_ref, dx_ref, grads_ref = expected[rank]
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-6)
+    assert_close_to_scale(y, y_ref, rtol=1e-5)
+    assert_close_to_scale(dx, dx_ref, rtol=1e-5)
     mine = slice(rank * EXPERTS // 2, (rank + 1) * EXPERTS // 2)
     for name, grad in grads.items():  # the experts' gradients gather both ranks' tokens
         want = sum(g[name][mine] for _, _, g in expected) if name.startswith("experts.") else grads_ref[name]
-        torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6, msg=name)
+        assert_close_to_scale(grad, want, rtol=1e-5, what=name)
 
 
 def check_compiled_routing_changes_without_recompiling() -> None:
@@ -224,8 +225,8 @@ def check_compiled_routing_changes_without_recompiling() -> None:
     for seed in range(3):
         x = torch.randn(2, 9, HIDDEN, generator=torch.Generator().manual_seed(10 * seed + rank))
         want, got = run(eager, x), run(compiled, x)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+        assert_close_to_scale(got[0], want[0], rtol=1e-6)
+        assert_close_to_scale(got[1], want[1], rtol=1e-6)
         loads.append(compiled.router.tokens_per_expert.tolist())
         graphs.append(counters["stats"]["unique_graphs"])
     assert len({tuple(load) for load in loads}) == 3, loads  # the splits did change
@@ -271,9 +272,9 @@ def test_a_recompute_reuses_its_forwards_splits_and_nothing_goes_stale():
             y, dx, grads = run(recomputed, second)
         assert syncs.reads == ["tolist"]  # the forward's; the recompute's came from the forward
         y_ref, dx_ref, grads_ref = run(plain, second)
-        torch.testing.assert_close(dx, dx_ref, rtol=1e-6, atol=1e-7)
+        assert_close_to_scale(dx, dx_ref, rtol=1e-6)
         for name in grads:
-            torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-6, atol=1e-7, msg=name)
+            assert_close_to_scale(grads[name], grads_ref[name], rtol=1e-6, what=name)
         early, late = recomputed(first.clone().requires_grad_()), recomputed(second.clone().requires_grad_())
         with pytest.raises(RuntimeError, match="a recompute routed differently from its forward"):
             late.sum().backward()  # recomputes `late` first, with `early`'s splits

@@ -23,6 +23,7 @@ from models import model_class
 from parallel import ParallelConfig, build_mesh, close_distributed, init_weights, parallelize
 from test_large4 import randomized
 from test_train import adamw_matches_plain
+from conftest import assert_close_to_scale
 
 SLOW = os.environ.get("FLINT_SLOW") == "1"
 slow = pytest.mark.skipif(not SLOW, reason="larger layouts: run with FLINT_SLOW=1")
@@ -122,7 +123,7 @@ def rows_of_this_rank(mesh, batch):
 
 
 def close(actual, expected, what):
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+    assert_close_to_scale(actual, expected, rtol=1e-5, what=what)
 
 
 def check_layouts(layouts: list[dict], model_overrides: dict, family: str = "flint") -> list[dict]:
