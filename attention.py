@@ -1,4 +1,4 @@
-"""Everything about attention that is not a projection: Flint's, and Mistral Large 4's sparse selection.
+"""Everything about attention that is not a projection: masks, block masks, attention with sinks, the decoding cache.
 
 Masks are written once, as FlexAttention `mask_mod` functions, and realised two ways:
   * a FlexAttention `BlockMask` for the `flex` backend (the GPU path, compiled), and
@@ -6,9 +6,7 @@ Masks are written once, as FlexAttention `mask_mod` functions, and realised two 
 Both backends implement learned sinks: one extra softmax column per query head whose logit is the
 sink `s_h` and whose value is zero, so  p_j = exp(a_j) / (exp(s_h) + sum_j exp(a_j)).
 
-Mistral Large 4's sparse attention: the indexer's top-k selection (`top_keys`) among the keys a query
-may see (`Visibility`: causal, same document), and the mask that a group of layers sharing one
-selection attends with (`selection_attention_mask`: bool for sdpa, a BlockMask from the indices for flex).
+Mistral Large 4's sparse selection, built on these masks, is in large4.py.
 """
 
 from __future__ import annotations
@@ -179,10 +177,10 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex(q, k, v, mask: BlockMask, scale: float):
+def fused_flex_attention(q, k, v, mask: BlockMask, scale: float):
     """FlexAttention is fused only when compiled: inside a compiled block it is traced into the
     block's graph; called eagerly on a GPU it goes through a compiled flex_attention of its own;
-    on the CPU, outside a compiled block, it runs eagerly."""
+    on the CPU, outside a compiled block, it runs eagerly. -> (out [B, H, T, Dv], aux with lse [B, H, T])."""
     eager = torch.compiler.is_compiling() or q.device.type == "cpu"
     call = flex_attention if eager else _compiled_flex_attention()
     return call(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
@@ -190,7 +188,7 @@ def _flex(q, k, v, mask: BlockMask, scale: float):
 
 def flex_sink_attention(q, k, v, sinks: torch.Tensor, mask: BlockMask) -> torch.Tensor:
     """Plain attention, then the sink: out * sigmoid(lse - s_h), in FP32 so lse carries gradients."""
-    out, aux = _flex(q, k, v, mask, q.shape[-1] ** -0.5)  # out [B, Hq, T, D], lse [B, Hq, T]
+    out, aux = fused_flex_attention(q, k, v, mask, q.shape[-1] ** -0.5)  # out [B, Hq, T, D], lse [B, Hq, T]
     keep = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1))
     return (out.float() * keep.unsqueeze(-1)).to(q.dtype)
 
@@ -344,136 +342,3 @@ class KVCache:
         first = 0 if self.window is None else max(k.shape[2] - (self.window - 1), 0)
         self.k, self.v, self.positions = k[:, :, first:], v[:, :, first:], key_positions[first:]
         return k, v, allowed.view(1, 1, *allowed.shape)  # allowed [1, 1, t, S]
-
-
-# ----------------------------------------------------------------------------- sparse attention (Mistral Large 4)
-# The DSA indexer picks, per query, the top-k keys by a cheap score; attention then sees only
-# those keys that are also causal and in the query's document. Visibility describes the causal and
-# document part compactly; the attention mask of a group of layers that share one selection is
-# built once (selection_attention_mask) and read by each layer of the group.
-
-class Visibility(NamedTuple):
-    """The keys each query may see: causal, and inside its document when doc_ids [B, S] is given
-    (< 0: padding, never seen). The queries are the last q_len of the kv_len positions (generation
-    appends them to cached keys), or those at `queries` [q_len] (a context-parallel rank's share).
-    A description, not a bool [B, 1, T, S] (T x S bytes per sequence, 16 GiB at 128k tokens): it is
-    realised a chunk of queries at a time."""
-    doc_ids: torch.Tensor | None
-    batch: int
-    q_len: int
-    kv_len: int
-    device: torch.device
-    queries: torch.Tensor | None = None
-
-    def mask_mod(self) -> MaskMod:
-        mod, offset, queries = layer_mask_mod(FULL, None, self.doc_ids), self.kv_len - self.q_len, self.queries
-        if queries is not None:
-            return at_queries(mod, queries)
-        if offset == 0:
-            return mod
-
-        def shifted(b, h, q_idx, kv_idx):
-            return mod(b, h, q_idx + offset, kv_idx)
-        return shifted
-
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        """Queries start .. stop - 1 -> bool [B, 1, stop - start, S]."""
-        stop = min(stop, self.q_len)
-        b = torch.arange(self.batch, device=self.device).view(-1, 1, 1, 1)
-        h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=self.device)
-        q = torch.arange(start, stop, device=self.device).view(1, 1, -1, 1)
-        kv = torch.arange(self.kv_len, device=self.device).view(1, 1, 1, -1)
-        return self.mask_mod()(b, h, q, kv).expand(self.batch, 1, stop - start, self.kv_len)
-
-
-def top_keys(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, visible: Visibility, top_k: int,
-             chunk: int) -> torch.Tensor:
-    """The indexer's selection, computed `chunk` queries at a time in FP32, so the scores never
-    exist for all queries at once (O(chunk x heads x S) memory, not O(T x heads x S)).
-
-    q [B, T, Hi, D], k [B, S, D], weights [B, T, Hi], visible: the keys each query may see ->
-    key indices int64 [B, T, top_k]; -1 marks a slot that top-k filled with a key the query may
-    not see (it sees fewer than top_k keys), so such slots are never attended: every index >= 0
-    is a visible key.
-    index[b, t, s] = sum_h weights[b, t, h] * relu(q[b, t, h] . k[b, s] / sqrt(D)).
-    """
-    scale = q.shape[-1] ** -0.5
-    q, k, weights = q.float(), k.float(), weights.float()
-    picked = []
-    for start in range(0, q.shape[1], chunk):
-        rows = slice(start, start + chunk)
-        scores = torch.relu(torch.einsum("bthd,bsd->bths", q[:, rows], k) * scale)  # [B, C, Hi, S]
-        index = torch.einsum("bth,bths->bts", weights[:, rows], scores)  # [B, C, S]
-        index = index.masked_fill(~visible.rows(start, start + chunk)[:, 0], float("-inf"))
-        values, indices = torch.topk(index, top_k, dim=-1)  # [B, C, top_k]
-        picked.append(indices.masked_fill(values == float("-inf"), -1))
-    return torch.cat(picked, dim=1)
-
-
-def selection_mask(indices: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """Key indices [B, T, k] (-1: no key) -> bool [B, 1, T, kv_len], True at the selected keys."""
-    slots = indices.masked_fill(indices < 0, kv_len)  # invalid slots go to a scratch column
-    chosen = torch.zeros(*indices.shape[:2], kv_len + 1, dtype=torch.bool, device=indices.device)
-    return chosen.scatter_(-1, slots, True)[..., :kv_len].unsqueeze(1)
-
-
-def selection_block_mask(indices: torch.Tensor, kv_len: int, block: int = 128) -> BlockMask:
-    """Key indices [B, T, k] (-1: no key) -> a BlockMask built from the indices alone, never from a
-    [B, 1, T, S] grid. Its mask_mod reads the selection packed 32 keys to an int32 word, T x S / 8
-    bytes (8 MiB per 8k-token sequence, not 64 MiB of bools), and it lists, per block of `block`
-    queries, only the key blocks that one of them selected, so FlexAttention skips the others."""
-    batch, q_len, _ = indices.shape
-    valid, keys = indices >= 0, indices.clamp(min=0)
-    bits = torch.bitwise_left_shift(torch.ones_like(keys, dtype=torch.int32), (keys % 32).to(torch.int32))
-    words = torch.zeros(batch, q_len, -(-kv_len // 32), dtype=torch.int32, device=indices.device)
-    words.scatter_add_(-1, keys // 32, bits * valid)  # [B, T, S / 32]; keys are distinct, so add = or
-    q_blocks, kv_blocks = -(-q_len // block), -(-kv_len // block)
-    row = (torch.arange(q_len, device=indices.device) // block).view(1, q_len, 1)
-    cell = row * (kv_blocks + 1) + torch.where(valid, keys // block, kv_blocks)  # invalid: a scratch column
-    touched = torch.zeros(batch, q_blocks * (kv_blocks + 1), dtype=torch.int32, device=indices.device)
-    touched = touched.scatter_(1, cell.view(batch, -1), 1).view(batch, q_blocks, kv_blocks + 1)[..., :kv_blocks]
-    kv_num_blocks = touched.sum(-1, dtype=torch.int32)  # [B, Tq / block]
-    kv_indices = torch.argsort(touched, dim=-1, descending=True, stable=True).to(torch.int32)  # touched first
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return ((words[b, q_idx, kv_idx // 32] >> (kv_idx % 32)) & 1) == 1
-    return BlockMask.from_kv_blocks(kv_num_blocks.unsqueeze(1), kv_indices.unsqueeze(1), BLOCK_SIZE=block,
-                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
-
-
-def selection_attention_mask(visible: Visibility, indices: torch.Tensor | None, backend: str) -> Mask:
-    """The attention mask of one group of layers: a layer with its own indexer and those sharing its
-    selection (indices [B, T, k], -1: none), or all layers when attention is dense (indices None:
-    every visible key). Built once per group and read by each of its layers. Every selected key is
-    visible (top_keys), so the selection alone is the mask. sdpa: bool [B, 1, T, S]; flex: a
-    BlockMask (the dense one compiled from the mask_mod on GPUs, the sparse one from the indices)."""
-    if backend == "flex":
-        if indices is not None:
-            return selection_block_mask(indices, visible.kv_len)
-        if visible.queries is None:
-            return block_mask(FULL, None, visible.doc_ids, visible.batch, visible.q_len, visible.device)
-        return new_block_mask(visible.mask_mod(), visible.batch, visible.q_len, visible.kv_len, visible.device)
-    return visible.rows(0, visible.q_len) if indices is None else selection_mask(indices, visible.kv_len)
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Plain attention with an FP32 softmax: q [B, H, T, Dk], k [B, H, S, Dk], v [B, H, S, Dv],
-    allowed bool [B, 1, T, S] -> [B, H, T, Dv]. A query that may see no key (padding) outputs 0.
-
-    Masked scores get the most negative finite value, not -inf, so that such a row stays finite
-    (uniform) before it is zeroed and backward never meets a NaN. `where` keeps `allowed` itself for
-    backward, so the layers of a group share one saved mask.
-    """
-    scores = (q @ k.transpose(-1, -2)).float() * scale  # [B, H, T, S]
-    scores = torch.where(allowed, scores, torch.finfo(torch.float32).min)
-    probs = torch.softmax(scores, dim=-1) * allowed.any(dim=-1, keepdim=True)
-    return probs.to(v.dtype) @ v
-
-
-def flex_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
-                          scale: float) -> torch.Tensor:
-    """masked_attention through FlexAttention (the GPU path), with a group's BlockMask: the T x S
-    scores never exist and key blocks that no query of a block may see are skipped. A query that
-    sees no key outputs 0."""
-    return _flex(q, k, v, mask, scale)[0]

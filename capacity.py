@@ -51,7 +51,7 @@ def expert_capacity(tokens: int, top_k: int, num_experts: int, ratio: tuple[int,
 
 def dropped_assignments(counts: torch.Tensor, top_k: int, ratio: tuple[int, int]) -> torch.Tensor:
     """The assignments past capacity, per expert [E], of a forward whose router counted `counts`
-    [E] (moe.Router's tokens_per_expert: N * k in all), on the device: what routing.py logs."""
+    [E] (moe.Router's tokens_per_expert: N * k in all), on the device: what balance.RoutingMonitor logs."""
     counts = counts.long()
     return (counts - expert_capacity(counts.sum() // top_k, top_k, counts.numel(), ratio)).clamp(min=0)
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from checkpoint_files import (CheckpointError, checksums, damage_found_together, from_main_rank,
                               is_native_checkpoint, load_dcp, read_metadata, save_dcp, to_main_rank, write_checksums)
 from config import INIT_FROM_SETTINGS
-from models import ModelConfig, config_from_hf
+from registry import ModelConfig, config_from_hf
 from files import sync_rename
 from parallel import ParallelModel, Run, barrier, waiting_for_main_rank
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from decoder import MIN_TEMPERATURE, usable_temperature
-from models import FAMILIES, ModelConfig, family_of_hf_config, model_class
+from generate import MIN_TEMPERATURE, usable_temperature
+from registry import FAMILIES, ModelConfig, family, family_of_hf_config, model_class
 from parallel import LayoutError, ParallelConfig, unsupported_layout
 
 MODEL_SOURCES = ("preset", "hf_config", "init_from")
@@ -236,7 +236,7 @@ def read_tables(path: str | Path) -> tuple[dict, Path, dict[str, str]]:
 
 def config_from_tables(raw: dict, path: Path, origins: dict[str, str], overrides: list[str] = ()) -> TrainConfig:
     """Tables (changed in place) and where each key was set, then the overrides and every check: a
-    file's config, or one that a tool (bench.py) builds from its flags. Errors name `path` for defaults."""
+    file's config, or one that a tool (tools/bench.py) builds from its flags. Errors name `path` for defaults."""
     for override in overrides:
         section, key, value = parse_override(override)
         raw.setdefault(section, {})[key] = value
@@ -310,7 +310,7 @@ def resolve_model_config(cfg: TrainConfig) -> ModelConfig:
         where = cfg.where_any([f"model.{name}" for name in chosen])
         raise ConfigError(f"{where}: [model] needs exactly one of {', '.join(MODEL_SOURCES)}, got "
                           f"{chosen or 'none'}")
-    config_class = FAMILIES[model_family(cfg)].config
+    config_class = family(model_family(cfg)).config
     defaults, fields = config_class(), {f.name for f in dataclasses.fields(config_class)}
     for key, value in section.overrides.items():
         if key not in fields:
@@ -348,13 +348,13 @@ def model_family(cfg: TrainConfig) -> str:
     if not source or not Path(source).exists():
         return section.family
     try:
-        family = family_of_hf_config(source)
+        found = family_of_hf_config(source)
     except ValueError as error:
         raise ConfigError(f"{cfg.where('model.' + ('hf_config' if section.hf_config else 'init_from'))}: {error}") \
             from error
-    if "model.family" in cfg.origins and family != section.family:
-        raise ConfigError(f"{where}: [model].family = {section.family!r} but {source} holds a {family!r} model")
-    return family
+    if "model.family" in cfg.origins and found != section.family:
+        raise ConfigError(f"{where}: [model].family = {section.family!r} but {source} holds a {found!r} model")
+    return found
 
 
 # ============================================================================= checks

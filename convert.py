@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from checkpoint_files import load_dcp, write_checksums
 from hf_io import (SAFETENSORS_DTYPES, Entry, Layout, NativeDir, Part, SafetensorsDir, Source, StateSource,
                    atomic_directory, dcp_call, parse_size, published_view, read_json, write_safetensors)
-from models import ModelConfig, config_from_hf, family_of, model_class
+from registry import ModelConfig, config_from_hf, family_of, model_class
 
 Log = Callable[[str], None]
 Config = ModelConfig

@@ -7,7 +7,8 @@ sees only those. Every fourth layer is NoPE; later layers may attend to an earli
 (KV sharing) and reuse the previous layer's selection (index sharing). RoPE is YaRN-scaled with
 learned per-frequency multipliers (LeRoPE), queries get a learned position-dependent scale (SSMax),
 layer 0 is dense and the others route to 4 of 128 softmax-scored experts plus a shared expert.
-LARGE4.md (repository root) gives every formula, shape and checkpoint key; large4_config.py the config.
+LARGE4.md (repository root) gives every formula, shape and checkpoint key; large4_config.py the config
+and the published checkpoint layout. The indexer's sparse selection and the masks built from it are here.
 
 State shared between layers (the rope tables, a source layer's latent and rotated key, the
 previous layer's selection and the attention mask built from it) is an explicit block input built
@@ -19,6 +20,7 @@ The one forward serves the whole model, a pipeline stage and a context-parallel 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -26,13 +28,15 @@ import torch.nn.functional as F
 
 from torch.nn.attention.flex_attention import BlockMask
 
-from attention import (Mask, Visibility, flex_masked_attention, masked_attention, resolve_backend,
-                       selection_attention_mask, top_keys)
-from large4_config import PRESETS, Large4Config  # noqa: F401  (PRESETS: re-exported for users of large4)
-from decoder import (Gather, Head, RMSNorm, build, call_arguments, check_inputs, context_share, count_params,
-                     default_positions, generate, init_weights, seeded_normal)
+from attention import (FULL, Mask, MaskMod, at_queries, block_mask, fused_flex_attention, layer_mask_mod,
+                       new_block_mask, resolve_backend)
+from balance import RouterLosses, Stats, add_layer, real_tokens
+from generate import generate
+from large4_config import LAYOUT, PRESETS, Large4Config  # noqa: F401  (PRESETS: re-exported for users of large4)
+from layers import (Gather, Head, RMSNorm, build, call_arguments, check_inputs, context_share, count_params,
+                    default_positions, init_weights, seeded_normal)
 from moe import MoE, SwiGLU
-from router_loss import RouterLosses, Stats, add_layer, real_tokens
+from registry import Family
 
 # cos or sin [B, T, R/2] FP32, built once per forward; None on a pipeline stage when no layer from it on rotates
 Angles = torch.Tensor | None
@@ -175,6 +179,139 @@ class LayerCache:
         return new
 
 
+# ============================================================================= sparse attention
+# The DSA indexer picks, per query, the top-k keys by a cheap score; attention then sees only
+# those keys that are also causal and in the query's document. Visibility describes the causal and
+# document part compactly; the attention mask of a group of layers that share one selection is
+# built once (selection_attention_mask) and read by each layer of the group.
+
+class Visibility(NamedTuple):
+    """The keys each query may see: causal, and inside its document when doc_ids [B, S] is given
+    (< 0: padding, never seen). The queries are the last q_len of the kv_len positions (generation
+    appends them to cached keys), or those at `queries` [q_len] (a context-parallel rank's share).
+    A description, not a bool [B, 1, T, S] (T x S bytes per sequence, 16 GiB at 128k tokens): it is
+    realised a chunk of queries at a time."""
+    doc_ids: torch.Tensor | None
+    batch: int
+    q_len: int
+    kv_len: int
+    device: torch.device
+    queries: torch.Tensor | None = None
+
+    def mask_mod(self) -> MaskMod:
+        mod, offset, queries = layer_mask_mod(FULL, None, self.doc_ids), self.kv_len - self.q_len, self.queries
+        if queries is not None:
+            return at_queries(mod, queries)
+        if offset == 0:
+            return mod
+
+        def shifted(b, h, q_idx, kv_idx):
+            return mod(b, h, q_idx + offset, kv_idx)
+        return shifted
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Queries start .. stop - 1 -> bool [B, 1, stop - start, S]."""
+        stop = min(stop, self.q_len)
+        b = torch.arange(self.batch, device=self.device).view(-1, 1, 1, 1)
+        h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=self.device)
+        q = torch.arange(start, stop, device=self.device).view(1, 1, -1, 1)
+        kv = torch.arange(self.kv_len, device=self.device).view(1, 1, 1, -1)
+        return self.mask_mod()(b, h, q, kv).expand(self.batch, 1, stop - start, self.kv_len)
+
+
+def top_keys(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, visible: Visibility, top_k: int,
+             chunk: int) -> torch.Tensor:
+    """The indexer's selection, computed `chunk` queries at a time in FP32, so the scores never
+    exist for all queries at once (O(chunk x heads x S) memory, not O(T x heads x S)).
+
+    q [B, T, Hi, D], k [B, S, D], weights [B, T, Hi], visible: the keys each query may see ->
+    key indices int64 [B, T, top_k]; -1 marks a slot that top-k filled with a key the query may
+    not see (it sees fewer than top_k keys), so such slots are never attended: every index >= 0
+    is a visible key.
+    index[b, t, s] = sum_h weights[b, t, h] * relu(q[b, t, h] . k[b, s] / sqrt(D)).
+    """
+    scale = q.shape[-1] ** -0.5
+    q, k, weights = q.float(), k.float(), weights.float()
+    picked = []
+    for start in range(0, q.shape[1], chunk):
+        rows = slice(start, start + chunk)
+        scores = torch.relu(torch.einsum("bthd,bsd->bths", q[:, rows], k) * scale)  # [B, C, Hi, S]
+        index = torch.einsum("bth,bths->bts", weights[:, rows], scores)  # [B, C, S]
+        index = index.masked_fill(~visible.rows(start, start + chunk)[:, 0], float("-inf"))
+        values, indices = torch.topk(index, top_k, dim=-1)  # [B, C, top_k]
+        picked.append(indices.masked_fill(values == float("-inf"), -1))
+    return torch.cat(picked, dim=1)
+
+
+def selection_mask(indices: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Key indices [B, T, k] (-1: no key) -> bool [B, 1, T, kv_len], True at the selected keys."""
+    slots = indices.masked_fill(indices < 0, kv_len)  # invalid slots go to a scratch column
+    chosen = torch.zeros(*indices.shape[:2], kv_len + 1, dtype=torch.bool, device=indices.device)
+    return chosen.scatter_(-1, slots, True)[..., :kv_len].unsqueeze(1)
+
+
+def selection_block_mask(indices: torch.Tensor, kv_len: int, block: int = 128) -> BlockMask:
+    """Key indices [B, T, k] (-1: no key) -> a BlockMask built from the indices alone, never from a
+    [B, 1, T, S] grid. Its mask_mod reads the selection packed 32 keys to an int32 word, T x S / 8
+    bytes (8 MiB per 8k-token sequence, not 64 MiB of bools), and it lists, per block of `block`
+    queries, only the key blocks that one of them selected, so FlexAttention skips the others."""
+    batch, q_len, _ = indices.shape
+    valid, keys = indices >= 0, indices.clamp(min=0)
+    bits = torch.bitwise_left_shift(torch.ones_like(keys, dtype=torch.int32), (keys % 32).to(torch.int32))
+    words = torch.zeros(batch, q_len, -(-kv_len // 32), dtype=torch.int32, device=indices.device)
+    words.scatter_add_(-1, keys // 32, bits * valid)  # [B, T, S / 32]; keys are distinct, so add = or
+    q_blocks, kv_blocks = -(-q_len // block), -(-kv_len // block)
+    row = (torch.arange(q_len, device=indices.device) // block).view(1, q_len, 1)
+    cell = row * (kv_blocks + 1) + torch.where(valid, keys // block, kv_blocks)  # invalid: a scratch column
+    touched = torch.zeros(batch, q_blocks * (kv_blocks + 1), dtype=torch.int32, device=indices.device)
+    touched = touched.scatter_(1, cell.view(batch, -1), 1).view(batch, q_blocks, kv_blocks + 1)[..., :kv_blocks]
+    kv_num_blocks = touched.sum(-1, dtype=torch.int32)  # [B, Tq / block]
+    kv_indices = torch.argsort(touched, dim=-1, descending=True, stable=True).to(torch.int32)  # touched first
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ((words[b, q_idx, kv_idx // 32] >> (kv_idx % 32)) & 1) == 1
+    return BlockMask.from_kv_blocks(kv_num_blocks.unsqueeze(1), kv_indices.unsqueeze(1), BLOCK_SIZE=block,
+                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
+
+
+def selection_attention_mask(visible: Visibility, indices: torch.Tensor | None, backend: str) -> Mask:
+    """The attention mask of one group of layers: a layer with its own indexer and those sharing its
+    selection (indices [B, T, k], -1: none), or all layers when attention is dense (indices None:
+    every visible key). Built once per group and read by each of its layers. Every selected key is
+    visible (top_keys), so the selection alone is the mask. sdpa: bool [B, 1, T, S]; flex: a
+    BlockMask (the dense one compiled from the mask_mod on GPUs, the sparse one from the indices)."""
+    if backend == "flex":
+        if indices is not None:
+            return selection_block_mask(indices, visible.kv_len)
+        if visible.queries is None:
+            return block_mask(FULL, None, visible.doc_ids, visible.batch, visible.q_len, visible.device)
+        return new_block_mask(visible.mask_mod(), visible.batch, visible.q_len, visible.kv_len, visible.device)
+    return visible.rows(0, visible.q_len) if indices is None else selection_mask(indices, visible.kv_len)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Plain attention with an FP32 softmax: q [B, H, T, Dk], k [B, H, S, Dk], v [B, H, S, Dv],
+    allowed bool [B, 1, T, S] -> [B, H, T, Dv]. A query that may see no key (padding) outputs 0.
+
+    Masked scores get the most negative finite value, not -inf, so that such a row stays finite
+    (uniform) before it is zeroed and backward never meets a NaN. `where` keeps `allowed` itself for
+    backward, so the layers of a group share one saved mask.
+    """
+    scores = (q @ k.transpose(-1, -2)).float() * scale  # [B, H, T, S]
+    scores = torch.where(allowed, scores, torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1) * allowed.any(dim=-1, keepdim=True)
+    return probs.to(v.dtype) @ v
+
+
+def flex_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
+                          scale: float) -> torch.Tensor:
+    """masked_attention through FlexAttention (the GPU path), with a group's BlockMask: the T x S
+    scores never exist and key blocks that no query of a block may see are skipped. A query that
+    sees no key outputs 0."""
+    return fused_flex_attention(q, k, v, mask, scale)[0]
+
+
 # ============================================================================= attention and the block
 
 class MLAttention(nn.Module):
@@ -296,7 +433,7 @@ def selects(top_k: int, visible: Visibility, cache: LayerCache | None) -> bool:
 
 def router_losses_of(config: Large4Config) -> RouterLosses:
     """The router losses Large 4's config asks for: DeepSeek-V3's sequence-wise term and the z-loss
-    (router_loss.py). The published Large 4 has no balancing term of its own."""
+    (balance.py). The published Large 4 has no balancing term of its own."""
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
     return RouterLosses(config.num_experts, config.num_experts_per_tok, moe_layers,
                         sequence=config.router_sequence_loss_coef, z=config.router_z_loss_coef)
@@ -313,7 +450,7 @@ class MistralLarge4(nn.Module):
     the group, so attention and the selection see every key of the sequence, exactly."""
 
     parallel_dims = ("pp", "cp")  # the layouts its forward serves beyond data and expert parallelism (parallel.py)
-    context = None  # cp > 1: context_parallel.ContextParallel (this rank's positions, the sequence gather)
+    context = None  # cp > 1: parallel.ContextParallel (this rank's positions, the sequence gather)
 
     def __init__(self, config: Large4Config, dtype: torch.dtype | None = None):
         """Bulk parameters in `dtype`; alpha, routers, indexer weights_proj and k_norm, and the head
@@ -328,15 +465,15 @@ class MistralLarge4(nn.Module):
                             config.final_logit_softcapping)
 
     def init_weights(self, seed: int = 0) -> None:
-        """Every parameter from `initial_value` (decoder.init_weights): the same weights in every layout."""
+        """Every parameter from `initial_value` (layers.init_weights): the same weights in every layout."""
         init_weights(self, seed)
 
     @property
     def router_losses(self) -> RouterLosses:
-        """The router losses its config asks for (router_loss.py), read at each forward as the config is."""
+        """The router losses its config asks for (balance.py), read at each forward as the config is."""
         return router_losses_of(self.config)
 
-    def _check_inputs(self, input_ids, targets, doc_ids, positions) -> None:
+    def check_inputs(self, input_ids, targets, doc_ids, positions) -> None:
         check_inputs(self.config, input_ids, targets, doc_ids, positions)
 
     first_stage_modules = ("embed_tokens", "rotary")  # what only the first pipeline stage keeps (parallel.py)
@@ -371,7 +508,7 @@ class MistralLarge4(nn.Module):
         first = self.embed_tokens is not None
         if first:
             inputs, targets, doc_ids, positions = call_arguments("Mistral Large 4", inputs, targets, doc_ids, positions)
-            self._check_inputs(inputs[0], targets, doc_ids, positions)
+            self.check_inputs(inputs[0], targets, doc_ids, positions)
         cp = self.context.size if self.context is not None else 1
         batch, seq_len, device = inputs[0].shape[0], inputs[0].shape[1] * (1 if first else cp), inputs[0].device
         mine = self.context.positions(seq_len, device) if cp > 1 else None  # [T / cp]
@@ -472,14 +609,14 @@ class MistralLarge4(nn.Module):
         return [self.rotary] if self.rotary is not None else []
 
     def checkpointed_block_bytes(self, seq_len: int) -> float:
-        """What a checkpointed block keeps for backward per token (memory.py): its BF16 input and, with
+        """What a checkpointed block keeps for backward per token (tools/memory.py): its BF16 input and, with
         the selection on (seq_len > index_topk), the int64 top-k key indices [T, k] each block receives
         (the rehearsal measured 128 MiB per block at 8,192 tokens)."""
         c = self.config
         return 2 * c.hidden_size + (8 * c.index_topk if seq_len > c.index_topk else 0)
 
     def block_activation_bytes(self, seq_len: int) -> float:
-        """Activations one block saves for backward per token, in BF16 (memory.py, which assumes
+        """Activations one block saves for backward per token, in BF16 (tools/memory.py, which assumes
         GPUs): the projections; the selection and its group's attention mask (shared by the layers
         of a group, counted here for every block: bools over seq_len keys with sdpa, one bit per key
         with flex); with the sdpa backend also the FP32 score and probability rows (flex keeps only
@@ -539,7 +676,7 @@ class MistralLarge4(nn.Module):
         later layer rotates; for each source layer a later layer reads, its latent [B, S, r] and, if
         RoPE, its rotated key [B, S, R]; the int32 selection [B, T, k] if `layer` shares it. A dense
         forward (S <= index_topk: no selection) sends it as [B, T, 0], so a boundary is always the
-        same tuple of tensors. Last, with a router loss on, its statistics (router_loss.py). h, latents
+        same tuple of tensors. Last, with a router loss on, its statistics (balance.py). h, latents
         and keys are in the compute `dtype`. S = seq_len; T is seq_len / cp, this rank's queries
         (latents cross gathered over the cp group)."""
         c = self.config
@@ -591,3 +728,8 @@ def build_large4(config: Large4Config, device: torch.device | str = "cpu", dtype
                  seed: int = 0) -> MistralLarge4:
     """decoder.build for Mistral Large 4: meta build, materialise on `device`, initialise."""
     return build(MistralLarge4, config, device, dtype, seed)
+
+
+FAMILY = Family("large4", Large4Config, MistralLarge4, model_type="mistral_large4", layout=LAYOUT,
+                timed_modules=((Indexer, "indexer (Large 4)"),
+                               (MLAttention, "latent attention (Large 4: projections + core)")))

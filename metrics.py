@@ -1,7 +1,7 @@
 """What a person sees of a training run: one line per logging step and the same numbers in a JSON
 file (metrics.jsonl), with tokens/s and model FLOPs utilisation against the hardware's peak.
 
-train.py writes through MetricsLogger; bench.py divides by the same peak (run_peak_flops). On the CPU the
+train.py writes through MetricsLogger; tools/bench.py divides by the same peak (run_peak_flops). On the CPU the
 peak is the machine's FP32 matmul rate, measured once and cached, so MFU does not move with whatever
 else ran during one measurement.
 """
@@ -20,9 +20,9 @@ import torch
 
 from config import TrainConfig
 from files import read_json_object, write_atomically
-from models import ModelConfig, model_class
+from registry import ModelConfig, model_class
 from parallel import Run, barrier
-from routing import worst_layer
+from balance import worst_layer
 
 
 # Dense BF16 tensor-core peaks in TFLOP/s, by a part of the device name (first match wins).

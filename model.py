@@ -1,24 +1,281 @@
-"""The Flint network: decoder layers, FP32 head, loss and generation.
+"""Flint: its configuration, its network and its published checkpoint layout, in reading order.
 
 Flint is a decoder-only mixture-of-experts transformer. Most layers attend inside a sliding window
 of 513 tokens with NeoX RoPE; every fourth layer (and the first two and the last) attends to the
 whole causal context with no positional encoding at all. Every attention head has a learned sink.
 All layers but the first two are MoE: 256 sigmoid-routed experts, top 6, plus one shared expert.
-See SPEC.md for the contract this file implements. The one forward serves the whole model, a
-pipeline stage and a context-parallel rank alike.
+SPEC.md is the contract this file implements.
+
+- FlintConfig: every field of the published config.json (defaults: the released model), the layer
+  schedule, presets, reading and writing config.json; validation errors name the field.
+- The network: attention with sinks, the decoder layer, the model. The one forward serves the whole
+  model, a pipeline stage and a context-parallel rank alike.
+- The published checkpoint layout (SPEC.md), for convert.py: the key table and its FP32 keys.
+- FAMILY: what registry.py, parallel.py, train.py and convert.py read of this model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
 import torch
 import torch.nn as nn
 
-from attention import SLIDING, KVCache, build_masks, resolve_backend, sink_attention
-from decoder import (Gather, Head, RMSNorm, build, call_arguments, check_inputs, context_share, count_params,
-                     default_positions, generate, init_weights, seeded_normal)
-from flint_config import FlintConfig
-from moe import MoE, SwiGLU
-from router_loss import RouterLosses, Stats, add_layer, real_tokens
+from attention import BACKENDS, FULL, LAYER_TYPES, SLIDING, KVCache, build_masks, resolve_backend, sink_attention
+from balance import COEFFICIENTS, NATIVE_FIELDS, RouterLosses, Stats, add_layer, check_coefficients, real_tokens
+from capacity import check_capacity_factor
+from files import read_config_json
+from generate import generate
+from hf_io import Layout, Part
+from layers import (Gather, Head, RMSNorm, build, call_arguments, check_inputs, context_share, count_params,
+                    default_positions, init_weights, seeded_normal)
+from moe import EXPERT_BACKENDS, MoE, SwiGLU, check_bias_update_rate
+from registry import Family, check_choices, check_positive_ints, from_preset
+
+# ============================================================================= the config
+
+def default_layer_types(num_layers: int) -> list[str]:
+    """Full attention at 0, 1, every i with i % 4 == 1, and the last layer; sliding elsewhere."""
+    return [FULL if i < 2 or i % 4 == 1 or i == num_layers - 1 else SLIDING for i in range(num_layers)]
+
+
+GROUPED_GEMM_MULTIPLE = 8  # BF16 values per 16 bytes
+
+# Hugging Face keys that carry no meaning for this implementation (quantization_config concerns the
+# files: convert.py refuses a dtype it cannot read, naming the key).
+IGNORED_HF_KEYS = {"architectures", "dtype", "torch_dtype", "transformers_version", "auto_map",
+                   "use_cache", "model_type", "keys_to_ignore_at_inference", "_name_or_path",
+                   "rope_scaling", "rope_theta", "quantization_config"}
+# Fields of ours that are runtime choices, not part of the published config.
+RUNTIME_FIELDS = ("attention_backend", "experts_backend", "loss_chunk_size", "capacity_factor")
+
+
+@dataclass
+class FlintConfig:
+    """Every field of the published Flint config (defaults: the released model) plus runtime knobs."""
+
+    family: ClassVar[str] = "flint"  # its registry.FAMILIES name
+
+    vocab_size: int = 150144
+    hidden_size: int = 2048
+    intermediate_size: int = 6144
+    num_hidden_layers: int = 49
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 4
+    head_dim: int = 128
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 262144
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    sliding_window: int | None = 513
+    use_sliding_window: bool = True
+    layer_types: list[str] | None = None
+    no_rope_layer_indices: list[int] | None = None
+    schedule_num_hidden_layers: int | None = None
+    mlp_only_layers: list[int] = field(default_factory=lambda: [0, 1])
+    decoder_sparse_step: int = 1
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 1024
+    num_experts: int = 256
+    num_experts_per_tok: int = 6
+    norm_topk_prob: bool = True
+    router_score_function: str = "sigmoid"
+    router_aux_loss_coef: float = 0.0005
+    softmax_type: str = "learnable"
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    tie_word_embeddings: bool = False
+    residual_dtype: str | None = None
+    attention_compute_dtype: str | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    output_router_logits: bool = False
+    # Not in the published format: > 0 gives each router a per-expert selection bias that training
+    # moves by this much per step towards balance (aux-loss-free balancing, see balance.py).
+    router_bias_update_rate: float = 0.0
+    # Not in the published format either, written only when on: the router losses beyond the
+    # published balance term (balance.py), 0 = off. The papers use 0.0001 (DeepSeek-V3's
+    # sequence-wise balance loss) and 0.001 (ST-MoE's router z-loss).
+    router_sequence_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+    # Runtime choices (not written to config.json).
+    attention_backend: str = "auto"  # auto | flex | sdpa
+    experts_backend: str = "grouped"  # grouped | loop
+    loss_chunk_size: int = 4096  # tokens whose FP32 logits exist at once in the loss
+    capacity_factor: float | None = None  # None: dropless; c: <= ceil(c * N * k / E) rows per expert (capacity.py)
+
+    def __post_init__(self) -> None:
+        self.check_types()
+        schedule = self.schedule_num_hidden_layers or self.num_hidden_layers
+        if self.layer_types is None:
+            self.layer_types = default_layer_types(schedule)
+        if len(self.layer_types) not in (self.num_hidden_layers, schedule):
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected "
+                             f"num_hidden_layers={self.num_hidden_layers} or schedule_num_hidden_layers={schedule}")
+        # A prefix of a deeper model keeps the source schedule of its first layers.
+        self.layer_types = list(self.layer_types[: self.num_hidden_layers])
+        self.validate()
+
+    def check_types(self) -> None:
+        """The fields whose wrong type would otherwise fail later, far from the field's name."""
+        def number(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        def ints(value) -> bool:
+            return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+        def count(value) -> bool:
+            return ints([value]) and value > 0
+
+        rope = self.rope_parameters
+        checks = [  # the layer counts first: the layer schedule is derived from them
+            ("num_hidden_layers", count(self.num_hidden_layers), "a positive integer"),
+            ("schedule_num_hidden_layers", self.schedule_num_hidden_layers is None or count(
+                self.schedule_num_hidden_layers), "a positive integer or null"),
+            ("rope_parameters", isinstance(rope, dict),
+             "an object such as {'rope_type': 'default', 'rope_theta': 1e4}"),
+            ("rope_parameters.rope_theta (or rope_theta)",
+             isinstance(rope, dict) and number(rope.get("rope_theta")) and rope["rope_theta"] > 0, "a number > 0"),
+            ("layer_types", self.layer_types is None or (isinstance(self.layer_types, list) and all(
+                isinstance(t, str) for t in self.layer_types)), "a list of layer type names"),
+            ("mlp_only_layers", ints(self.mlp_only_layers), "a list of layer indices"),
+            ("no_rope_layer_indices", self.no_rope_layer_indices is None or ints(self.no_rope_layer_indices),
+             "a list of layer indices or null"),
+            ("rms_norm_eps", number(self.rms_norm_eps) and self.rms_norm_eps > 0, "a number > 0"),
+            ("initializer_range", number(self.initializer_range) and self.initializer_range > 0, "a number > 0"),
+            ("router_aux_loss_coef", number(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0, ">= 0"),
+            ("eos_token_id", self.eos_token_id is None or ints([self.eos_token_id]) or (
+                ints(self.eos_token_id) and self.eos_token_id), "a token id, a list of token ids or null"),
+        ] + [(name, getattr(self, name) is None or ints([getattr(self, name)]), "a token id or null")
+             for name in ("bos_token_id", "pad_token_id")] + [
+            (name, isinstance(getattr(self, name), bool), "true or false")
+            for name in ("use_sliding_window", "norm_topk_prob", "output_router_logits")]
+        for name, ok, expected in checks:
+            if not ok:
+                value = rope.get("rope_theta") if name.startswith("rope_parameters.") else getattr(self, name)
+                raise ValueError(f"{name.split(' ')[0]} must be {expected}, got {value!r}")
+
+    def validate(self) -> None:
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "head_dim", "moe_intermediate_size",
+                                   "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok",
+                                   "max_position_embeddings", "decoder_sparse_step", "loss_chunk_size"))
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs of channels), got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})")
+        if self.experts_backend == "grouped":  # CUDA's grouped GEMM needs rows on 16-byte boundaries
+            for name in ("hidden_size", "moe_intermediate_size"):
+                if getattr(self, name) % GROUPED_GEMM_MULTIPLE:
+                    raise ValueError(f"{name} must be a multiple of {GROUPED_GEMM_MULTIPLE} for experts_backend "
+                                     f"'grouped' (grouped GEMM rows start on 16-byte boundaries, 8 BF16 values), "
+                                     f"got {getattr(self, name)}; or use experts_backend 'loop'")
+        bad_types = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad_types:
+            raise ValueError(f"layer_types may only hold {LAYER_TYPES}, got {bad_types[0]!r}")
+        full = [i for i, t in enumerate(self.layer_types) if t == FULL]
+        if self.no_rope_layer_indices is not None:
+            given = sorted(i for i in self.no_rope_layer_indices if i < self.num_hidden_layers)
+            if given != full:
+                raise ValueError(f"no_rope_layer_indices must equal the full-attention layers {full}, got {given}")
+        choices = {"hidden_act": ("silu",), "router_score_function": ("sigmoid",),
+                   "softmax_type": ("learnable",), "tie_word_embeddings": (False,),
+                   "attention_bias": (False,), "attention_compute_dtype": (None,),
+                   "residual_dtype": (None, "float32", "bfloat16"),
+                   "attention_backend": BACKENDS, "experts_backend": EXPERT_BACKENDS}
+        check_choices(self, choices)
+        check_bias_update_rate(self.router_bias_update_rate)
+        check_capacity_factor(self.capacity_factor)
+        check_coefficients(self)
+        if self.attention_dropout != 0.0:
+            raise ValueError(f"attention_dropout must be 0.0 (Flint trains without it), got {self.attention_dropout!r}")
+        if self.rope_parameters.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_parameters.rope_type must be 'default', got {self.rope_parameters['rope_type']!r}")
+
+    # ------------------------------------------------------------------ derived facts
+    @property
+    def window(self) -> int | None:
+        """The attention window of sliding layers (None: they see the whole causal context)."""
+        return self.sliding_window if self.use_sliding_window else None
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters["rope_theta"])
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    # ------------------------------------------------------------------ presets and HF configs
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "FlintConfig":
+        return from_preset(cls, PRESETS, name, "model", overrides)
+
+    @classmethod
+    def from_hf_config(cls, source: dict | str | Path, **overrides: Any) -> "FlintConfig":
+        """From a config.json dict or path (file or checkpoint directory); errors name the field."""
+        source, where = read_config_json(source)
+        if not isinstance(source.get("rope_parameters") or {}, dict):
+            raise ValueError(f"{where}: rope_parameters must be an object such as {{\"rope_type\": \"default\", "
+                             f"\"rope_theta\": 10000.0}}, got {source['rope_parameters']!r}")
+        if source.get("model_type", "flint") != "flint":
+            raise ValueError(f"{where}: model_type must be 'flint', got {source['model_type']!r}")
+        known = {f.name for f in dataclasses.fields(cls)} - set(RUNTIME_FIELDS)
+        unknown = sorted(set(source) - known - IGNORED_HF_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown field {unknown[0]!r} for a Flint config")
+        kwargs = {k: v for k, v in source.items() if k in known}
+        rope = dict(kwargs.get("rope_parameters") or {"rope_type": "default", "rope_theta": 10000.0})
+        if "rope_theta" in source:  # older configs give it at the top level
+            rope["rope_theta"] = source["rope_theta"]
+        kwargs["rope_parameters"] = rope
+        try:
+            return cls(**{**kwargs, **overrides})
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: {error}") from error
+
+    def training_error(self, seq_len: int, fresh_weights: bool) -> str | None:
+        """Why training cannot start with this architecture, or None (see large4.py; Flint has no such limit)."""
+        return None
+
+    def layout_error(self, pp: int, cp: int) -> tuple[str, str] | None:
+        """(the [parallel] key, why) when this config cannot train with pp stages and cp ranks, or None:
+        Flint has no such limit (the router losses serve every layout, balance.py)."""
+        return None
+
+    def to_hf_config(self) -> dict:
+        config = {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_FIELDS}
+        for name in NATIVE_FIELDS:
+            if not config[name]:
+                del config[name]
+        config["no_rope_layer_indices"] = [i for i, t in enumerate(self.layer_types) if t == FULL]
+        return {"architectures": ["FlintForCausalLM"], "model_type": "flint", **config}
+
+
+_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=9,
+             moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+             num_experts_per_tok=2, router_aux_loss_coef=0.0, max_position_embeddings=4096)
+PRESETS: dict[str, dict] = {
+    "flint": {},
+    "tiny": _TINY,
+    # The CPU benchmark shape (tools/bench.py): released schedule, small widths.
+    "bench-cpu": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, sliding_window=65,
+                      moe_intermediate_size=128, shared_expert_intermediate_size=256, num_experts=32,
+                      num_experts_per_tok=4, router_aux_loss_coef=0.0),
+    # Released widths, head counts and experts, shallow enough for one GPU.
+    "flint-shallow": dict(num_hidden_layers=6, schedule_num_hidden_layers=49, router_aux_loss_coef=0.0),
+}
 
 
 # ============================================================================= building blocks
@@ -93,7 +350,7 @@ class Attention(nn.Module):
 
 def router_losses_of(config: FlintConfig) -> RouterLosses:
     """The router losses Flint's config asks for: the published balance term (with output_router_logits),
-    DeepSeek-V3's sequence-wise term and the z-loss (router_loss.py)."""
+    DeepSeek-V3's sequence-wise term and the z-loss (balance.py)."""
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
     return RouterLosses(config.num_experts, config.num_experts_per_tok, moe_layers,
                         balance=config.router_aux_loss_coef if config.output_router_logits else 0.0,
@@ -147,7 +404,8 @@ class Flint(nn.Module):
     key of the sequence, exactly."""
 
     parallel_dims = ("pp", "cp")  # the layouts its forward serves beyond data and expert parallelism (parallel.py)
-    context = None  # cp > 1: context_parallel.ContextParallel (this rank's positions, the sequence gather)
+    first_stage_modules = ("embed_tokens",)  # what only the first pipeline stage keeps (pipeline.py)
+    context = None  # cp > 1: parallel.ContextParallel (this rank's positions, the sequence gather)
 
     def __init__(self, config: FlintConfig, dtype: torch.dtype | None = None):
         """Bulk parameters in `dtype`; sinks, routers and the head are always FP32.
@@ -162,12 +420,12 @@ class Flint(nn.Module):
         self.lm_head = Head(config.hidden_size, config.vocab_size, config.loss_chunk_size)
 
     def init_weights(self, seed: int = 0) -> None:
-        """Every parameter from `initial_value` (decoder.init_weights): the same weights in every layout."""
+        """Every parameter from `initial_value` (layers.init_weights): the same weights in every layout."""
         init_weights(self, seed)
 
     @property
     def router_losses(self) -> RouterLosses:
-        """The router losses its config asks for (router_loss.py), read at each forward as the config is."""
+        """The router losses its config asks for (balance.py), read at each forward as the config is."""
         return router_losses_of(self.config)
 
     def initial_value(self, name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
@@ -201,7 +459,7 @@ class Flint(nn.Module):
         input_ids, rest: where the model holds the embedding (the whole model, a first stage), token
         ids [B, T], optionally followed by targets, doc_ids and positions as in model(ids, targets);
         on a later stage, what the previous stage returned: its hidden states [B, T / cp, H], then
-        the router-loss statistics when a router loss is on (router_loss.py), so the others come
+        the router-loss statistics when a router loss is on (balance.py), so the others come
         by keyword. -> FP32 logits [B, T, V] (of this rank's positions under cp), the mean loss when
         targets are given (under cp: this rank's share of the mean over all positions), plus the
         router losses when on, or, without a head, what the next stage takes. doc_ids [B, T] marks
@@ -212,7 +470,7 @@ class Flint(nn.Module):
         first = self.embed_tokens is not None
         if first:
             (x,), targets, doc_ids, positions = call_arguments("Flint", (input_ids, *rest), targets, doc_ids, positions)
-            self._check_inputs(x, targets, doc_ids, positions)
+            self.check_inputs(x, targets, doc_ids, positions)
         else:
             x = input_ids
         cp = self.context.size if self.context is not None else 1
@@ -257,7 +515,7 @@ class Flint(nn.Module):
         h = self.embed_tokens(input_ids)
         return h.to(getattr(torch, self.config.residual_dtype)) if self.config.residual_dtype else h
 
-    def _check_inputs(self, input_ids, targets, doc_ids, positions) -> None:
+    def check_inputs(self, input_ids, targets, doc_ids, positions) -> None:
         check_inputs(self.config, input_ids, targets, doc_ids, positions)
 
     # ------------------------------------------------------------------ generation
@@ -320,12 +578,12 @@ class Flint(nn.Module):
         return inputs, outputs
 
     def checkpointed_block_bytes(self, seq_len: int) -> float:
-        """What a checkpointed block keeps for backward per token: its BF16 input (memory.py)."""
+        """What a checkpointed block keeps for backward per token: its BF16 input (tools/memory.py)."""
         return 2 * self.config.hidden_size
 
     def block_activation_bytes(self, seq_len: int) -> float:
         """Activations one block saves for backward per token, in BF16 (FP32 router scores and
-        lse); flash attention keeps no score matrix, so seq_len does not enter (memory.py)."""
+        lse); flash attention keeps no score matrix, so seq_len does not enter (tools/memory.py)."""
         c = self.config
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         attention = 2 * (4 * c.hidden_size + 2 * q + 2 * kv) + 4 * c.num_attention_heads
@@ -340,5 +598,63 @@ class Flint(nn.Module):
 
 def build_model(config: FlintConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 seed: int = 0, model_class: type[nn.Module] = Flint) -> nn.Module:
-    """decoder.build for Flint (or, through model_class, any model with the same constructor)."""
+    """layers.build for Flint (or, through model_class, any model with the same constructor)."""
     return build(model_class, config, device, dtype, seed)
+
+
+# ============================================================================= the published checkpoint layout
+# Published names are the native ones under `model.` (the head at the root), with three differences:
+# sinks are `self_attn.softmax_offset` (or transformers' `sinks`), routers `mlp.gate`, and the routed
+# experts are stored one per key (`mlp.experts.{e}.{gate,up,down}_proj.weight`, [Im, H] / [H, Im]) or
+# fused as transformers writes them (`mlp.experts.gate_up_proj` [E, 2*Im, H], `down_proj` [E, H, Im]).
+# Every published tensor is a `Part` of one native tensor of `Flint`.
+
+# Native keys the model keeps in FP32 (a checkpoint may hold them in FP32 or in the bulk dtype).
+FP32_SUFFIXES = ("self_attn.sinks.weight", "mlp.router.weight", "lm_head.weight")
+# Of those, the ones the published layout keeps in FP32 even when exporting to a lower dtype.
+PUBLISHED_FP32_SUFFIXES = ("self_attn.sinks.weight", "mlp.router.weight")
+
+def published_parts(native_key: str, config: FlintConfig, fused: bool = False,
+                    sinks_name: str = "softmax_offset") -> list[Part]:
+    """The published tensors that make up one native tensor, in the per-expert or the fused form."""
+    key = native_key if native_key == "lm_head.weight" else "model." + native_key
+    if native_key.endswith("self_attn.sinks.weight"):
+        return [Part(key.replace("sinks.weight", sinks_name), (), False)]
+    if native_key.endswith("mlp.router.weight"):
+        return [Part(key.replace("router.weight", "gate.weight"), (), False)]
+    if not native_key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        return [Part(key, (), False)]
+    if fused:  # [E, 2*Im, H] or [E, H, Im]: transposing the last two dims gives the native layout
+        return [Part(key, (), True)]
+    experts, inter = key.rsplit(".", 1)[0], config.moe_intermediate_size
+    if native_key.endswith("down_proj"):  # down_e [H, Im] -> native[e] [Im, H]
+        return [Part(f"{experts}.{e}.down_proj.weight", (e,), True) for e in range(config.num_experts)]
+    # gate_e, up_e [Im, H] -> native[e] [H, 2*Im], gate columns first
+    halves = (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter)))
+    return [Part(f"{experts}.{e}.{name}.weight", (e, slice(None), columns), True)
+            for e in range(config.num_experts) for name, columns in halves]
+
+
+def published_layout(config: FlintConfig, native: dict[str, torch.Tensor],
+                     present: set[str]) -> dict[str, list[Part]]:
+    """Native key (of `native`, the model's meta state dict) -> its published parts, in the form a
+    source with the keys `present` uses (fused experts, `sinks` or `softmax_offset`)."""
+    layout = {}
+    for native_key in native:
+        fused = "model." + native_key in present  # the fused experts keep the native name (ignored for others)
+        sinks = "sinks" if "model." + native_key.removesuffix(".weight") in present else "softmax_offset"
+        layout[native_key] = published_parts(native_key, config, fused, sinks)
+    return layout
+
+
+def missing_fields(config: FlintConfig, given: dict) -> list[str]:
+    """The published fields a config.json leaves out (their defaults are used)."""
+    given = {*given, *(["rope_parameters"] if "rope_theta" in given else [])}
+    return [key for key in config.to_hf_config() if key not in given and hasattr(config, key)]
+
+
+LAYOUT = Layout(published_layout, FP32_SUFFIXES, PUBLISHED_FP32_SUFFIXES, missing_fields=missing_fields)
+
+
+FAMILY = Family("flint", FlintConfig, Flint, model_type="flint", layout=LAYOUT,
+                timed_modules=((Sinks, "attention core"), (Attention, "attention proj/norm/rope")))

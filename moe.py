@@ -90,7 +90,7 @@ class Router(nn.Module):
 
     It also records how many tokens each expert received in its last forward, as a buffer, so the
     trainer can read routing statistics without a host sync per layer. It keeps no tensor of the
-    graph: its logits go out with the weights, to the router losses (router_loss.py), and live on
+    graph: its logits go out with the weights, to the router losses (balance.py), and live on
     only in what autograd saves for backward.
     """
 
@@ -104,7 +104,7 @@ class Router(nn.Module):
         self.balanced = False  # forced balance: see set_balanced_routing
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
-        # Aux-loss-free balancing (routing.py updates it from the measured load): saved with the
+        # Aux-loss-free balancing (balance.py updates it from the measured load): saved with the
         # weights, but the published format has no place for it.
         self.selection_bias = nn.Buffer(torch.zeros(num_experts)) if selection_bias else None
 

@@ -23,22 +23,24 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
-from typing import Callable
+from functools import lru_cache, partial
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import checkpoint as checkpoint_module
+from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from context_parallel import ContextParallel
-from decoder import HEAD_PRECISIONS
-from models import ModelConfig
+from layers import HEAD_PRECISIONS
 from moe import ExpertParallelExperts, MoE
 from pipeline import SCHEDULES, V_SCHEDULES, merged_view, pipeline_schedule, pipeline_stage
+
+if TYPE_CHECKING:
+    from registry import ModelConfig
 
 # build_mesh's flattened views (dp, dp_cp, fsdp, efsdp) are sliced from the root mesh, which
 # torch 2.13 supports and announces it will deprecate, once per slice: keep the logs readable.
@@ -101,7 +103,7 @@ class ParallelConfig:
     @property
     def named_world_size(self) -> int:
         """The world size the degrees name, dp_shard = -1 counting as 1: the default GPU count of the
-        tools that lay a config out without a job (memory.py, planner.py, the rehearsal)."""
+        tools that lay a config out without a job (tools/memory.py, tools/planner.py, the rehearsal)."""
         return self.dp_replicate * max(self.dp_shard, 1) * self.ep * self.pp * self.cp
 
     @property
@@ -285,6 +287,54 @@ def unsupported_layout(cfg: ParallelConfig, model_type: type) -> LayoutError | N
             return LayoutError(key, f"[parallel] {key} = {getattr(cfg, key)}: {what} parallelism is not implemented "
                                     f"for {model_type.__name__}; use {key} = 1")
     return None
+
+
+# ============================================================================= context parallel
+# Which positions each rank of a cp group computes, and the gather of a sequence over the group.
+# parallelize sets a model's `context` to a ContextParallel; the model's forward then computes the
+# queries of its positions and gathers keys and values.
+
+@lru_cache(maxsize=64)
+def _cp_index(seq_len: int, cp: int, rank: int, device: str) -> torch.Tensor:
+    if seq_len % (2 * cp):
+        raise ValueError(f"context parallel: sequence length {seq_len} must be divisible by 2 * cp = {2 * cp}")
+    chunk = seq_len // (2 * cp)
+    chunks = (rank, 2 * cp - 1 - rank)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunks])
+
+
+def cp_token_index(seq_len: int, cp: int, rank: int, device) -> torch.Tensor:
+    """Positions [T / cp] that cp rank `rank` computes: chunks rank and 2*cp-1-rank of 2*cp equal
+    chunks, so every rank gets the same amount of causal attention work."""
+    if cp == 1:
+        return torch.arange(seq_len, device=device)
+    return _cp_index(seq_len, cp, rank, str(device))
+
+
+def gather_sequence(t: torch.Tensor, cp_group, dim: int) -> torch.Tensor:
+    """All-gather this rank's positions of a sequence (dim `dim`, T / cp long) over the cp group
+    (backward: reduce-scatter) and put them in sequence order -> T long."""
+    cp = dist.get_world_size(cp_group)
+    seq_len = t.shape[dim] * cp
+    gathered_order = torch.cat([cp_token_index(seq_len, cp, r, t.device) for r in range(cp)])
+    return all_gather_tensor_autograd(t.contiguous(), dim, cp_group).index_select(dim, torch.argsort(gathered_order))
+
+
+@dataclass
+class ContextParallel:
+    """A cp group, as a model's forward reads it (its `context`): the positions of this rank's
+    queries, and the gather of a sequence's keys."""
+    group: dist.ProcessGroup
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def positions(self, seq_len: int, device) -> torch.Tensor:  # this rank's queries [T / cp]
+        return cp_token_index(seq_len, self.size, dist.get_rank(self.group), device)
+
+    def gather(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:  # [B, T / cp, ...] -> [B, T, ...]
+        return gather_sequence(t, self.group, dim)
 
 
 # ============================================================================= expert parallel, AC, compile, FSDP

@@ -38,7 +38,7 @@ def pipeline_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
         if int(name) not in owned:
             del part.layers[name]
     if stage > 0:
-        for name in getattr(part, "first_stage_modules", ("embed_tokens",)):
+        for name in part.first_stage_modules:
             setattr(part, name, None)
     if stage < num_stages - 1:
         part.norm = part.lm_head = None
@@ -74,8 +74,7 @@ def pipeline_schedule(parts: list[nn.Module], stage_ids: list[int], cfg: Paralle
     if rows % microbatches:
         raise ValueError(f"[parallel] pp_microbatches = {microbatches} must divide the {rows} rows of a batch")
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-    ios = [part.stage_io(rows // microbatches, seq_len, dtype) if hasattr(part, "stage_io") else (None, None)
-           for part in parts]
+    ios = [part.stage_io(rows // microbatches, seq_len, dtype) for part in parts]
     stages = [PipelineStage(part, s, num_stages, device, input_args=inputs, output_args=outputs,
                             group=mesh["pp"].get_group()) for part, s, (inputs, outputs) in zip(parts, stage_ids, ios)]
     # scale_grads=False: the loss function already weighs each micro-batch by its tokens.

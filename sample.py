@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from checkpoint_files import damage, is_native_checkpoint
-from decoder import MIN_TEMPERATURE, stream, usable_temperature
+from generate import MIN_TEMPERATURE, stream, usable_temperature
 from files import read_config_json
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 

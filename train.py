@@ -43,14 +43,14 @@ from checkpoint_files import is_native_checkpoint, load_dcp
 from config import (ConfigError, OptimSection, TrainConfig, TrainingSection, help_text, load_config,
                     resolved_summary, resolved_toml)
 from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
-from decoder import token_ids_checked_at_load
+from layers import token_ids_checked_at_load
 from metrics import MetricsLogger
-from models import config_from_hf, model_class
+from registry import config_from_hf, model_class
 from moe import set_balanced_routing
 from muon import Muon, takes_muon
 from parallel import (ParallelModel, Run, barrier, build_mesh, close_distributed, init_distributed, init_weights,
                       parallelize, uncompile, waiting_for_main_rank)
-from routing import RoutingMonitor
+from balance import RoutingMonitor
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
@@ -138,7 +138,7 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved configuration as TOML and exit without training")
     rehearsal = parser.add_argument_group("rehearsal", "run rank R's first steps of the GPU job on this CPU, on a "
-                                          "fake world of its size (rehearsal.py), and exit")
+                                          "fake world of its size (tools/rehearsal.py), and exit")
     rehearsal.add_argument("--dry-run", action="store_true", help="rehearse instead of training")
     rehearsal.add_argument("--world-size", type=int, help="the job's GPUs (default: what [parallel] needs)")
     rehearsal.add_argument("--rank", type=int, default=0, help="the rank to rehearse (default 0)")
@@ -149,7 +149,7 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
         print(resolved_toml(cfg))
         raise SystemExit(0)
     if args.dry_run:
-        from rehearsal import rehearse  # fake tensors and a fake world: only a rehearsal needs them
+        from tools.rehearsal import rehearse  # fake tensors and a fake world: only a rehearsal needs them
         rehearse(cfg, args.world_size, args.rank, args.gpu)
         raise SystemExit(0)
     return cfg

@@ -14,6 +14,8 @@ import torch  # noqa: E402
 # Tests import the flat top-level modules (model.py, attention.py, ...) and tests/reference.py.
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+# Each registered family's smallest preset: what the tests parametrised over the families build.
+TINY_PRESETS = {"flint": "tiny", "large4": "large4-tiny"}
 
 
 def gloo_threads() -> list[str]:

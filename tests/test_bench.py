@@ -1,4 +1,4 @@
-"""bench.py: it runs end to end, reads its config as train.py does, prints each row as it finishes,
+"""tools/bench.py: it runs end to end, reads its config as train.py does, prints each row as it finishes,
 and stops on a bad flag with one line naming it. Speed is never asserted."""
 
 import io
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench
+import tools.bench as bench
 import metrics
-import flint_baselines
-from flint_baselines import plain_eager_loss
+import tools.flint_baselines as flint_baselines
+from tools.flint_baselines import plain_eager_loss
 from config import ConfigError
 from large4 import Large4Config, MistralLarge4
 from model import Flint, FlintConfig
-from profiling import OPTIMIZER, SPLIT_ORDER
+from tools.profiling import OPTIMIZER, SPLIT_ORDER
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -234,7 +234,7 @@ def test_command_line_errors_are_one_line_naming_the_flag(argv, message):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_a_gpu_is_one_line_and_exit_status_1():
-    result = subprocess.run([sys.executable, "bench.py", "--device", "cuda"], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "tools.bench", "--device", "cuda"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr == ("error: command line --device: device cuda, but no GPU is available here; "
                              "use --device cpu\n")

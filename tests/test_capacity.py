@@ -15,7 +15,7 @@ from capacity import capacity_ratio, dropped_assignments, expert_capacity, plan_
 from config import load_config
 from large4 import Large4Config
 from model import FlintConfig, build_model
-from models import model_class
+from registry import model_class
 from moe import GroupedExperts, MoE
 from parallel import close_distributed
 from conftest import assert_close_to_scale
@@ -164,7 +164,7 @@ def test_models_route_their_moe_layers_with_the_configured_capacity(family, pres
 def test_the_routing_record_gives_each_layer_its_dropped_assignments():
     """RoutingMonitor's stats under capacity: each MoE layer's dropped assignments, as many as the
     plain reference refuses for that layer's input (routing.py derives them from the router's counts)."""
-    from routing import RoutingMonitor, worst_layer
+    from balance import RoutingMonitor, worst_layer
     factor = 0.5
     config = FlintConfig.from_name("tiny", num_hidden_layers=4, capacity_factor=factor)
     model, inputs = build_model(config, seed=0), {}
@@ -226,7 +226,7 @@ def check_capacity_on_two_ranks() -> None:
     """Each rank's tokens through the expert-parallel layer equal them through one process with the
     same factor (capacity per source rank), values and gradients, eager and compiled whole; and
     the eager forward and backward copy nothing to the host."""
-    from profiling import HostSyncs
+    from tools.profiling import HostSyncs
     rank = dist.get_rank()
     inputs = [tokens(seed=10 + r) for r in range(2)]
     for factor in (NO_DROP, 0.5):

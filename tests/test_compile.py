@@ -16,7 +16,7 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 
 from attention import FULL, SLIDING, build_masks, flash_sink_attention
-from decoder import document_positions
+from layers import document_positions
 from model import FlintConfig, build_model, rope_tables
 from moe import _grouped_mm_op, expert_counts, grouped_mm
 from conftest import assert_close_to_scale
@@ -298,7 +298,7 @@ def parallel_step(family: str, layout: dict, compile: bool, device: str = "cpu",
     later ones must not recompile) -> the summed loss, the accumulated full gradients by native
     name, the graphs each block ran in its first forward (by layer name), how often each block's
     forward ran in the forward and in backward (a recompute), and dynamo's graph breaks by reason.
-    scripts/gpu_check.sh runs it on a GPU, with inductor."""
+    tools/gpu_check.sh runs it on a GPU, with inductor."""
     from test_parallel import full, make_batch, rows_of_this_rank
     from parallel import ParallelConfig, build_mesh, parallelize
     model = parallel_block_model(family)

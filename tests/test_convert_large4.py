@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import convert
-import large4_hf
+import large4_config as large4_hf
 from conftest import dequantize_by_hand, quantize
 from large4 import Large4Config
 

@@ -1,10 +1,10 @@
-"""flint_baselines.py: what bench.py measures Flint against computes Flint itself (the same loss and
+"""tools/flint_baselines.py: what tools/bench.py measures Flint against computes Flint itself (the same loss and
 every gradient over the same weights). The sweep's layer runs in tests/test_bench.py's whole runs."""
 
 import pytest
 import torch
 
-from flint_baselines import plain_eager_loss, transformers_loss, transformers_reference
+from tools.flint_baselines import plain_eager_loss, transformers_loss, transformers_reference
 from model import FlintConfig, build_model
 from conftest import assert_close_to_scale
 

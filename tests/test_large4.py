@@ -10,7 +10,7 @@ import torch.nn.attention.flex_attention as flex_module
 from torch.utils.checkpoint import checkpoint
 
 import large4
-from attention import Visibility, selection_attention_mask, selection_block_mask, selection_mask, top_keys
+from large4 import Visibility, selection_attention_mask, selection_block_mask, selection_mask, top_keys
 from conftest import LARGE4_PARITY, TWO_PRODUCERS, text_config
 from large4 import Large4Config, MistralLarge4, build_large4
 from reference_large4 import reference_forward, reference_loss

@@ -1,4 +1,4 @@
-"""memory.py: the per-GPU memory table counts sharded state as a person would by hand."""
+"""tools/memory.py: the per-GPU memory table counts sharded state as a person would by hand."""
 
 import subprocess
 import sys
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import memory
+import tools.memory as memory
 from config import ConfigError
-from memory import GIB, memory_per_gpu, memory_table
+from tools.memory import GIB, memory_per_gpu, memory_table
 from model import FlintConfig, build_model
 from parallel import ParallelConfig
 
@@ -73,7 +73,7 @@ def test_command_errors_are_one_line(monkeypatch):
                           (["--model.preset=huge"], "unknown model preset 'huge'")):
         with pytest.raises(ConfigError, match=message):
             memory.main(["--config", "configs/flint-8gpu.toml", *args])
-    result = subprocess.run([sys.executable, "memory.py", "--config", "configs/flint-8gpu.toml", "--gpus", "7"],
+    result = subprocess.run([sys.executable, "-m", "tools.memory", "--config", "configs/flint-8gpu.toml", "--gpus", "7"],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
 
@@ -97,12 +97,12 @@ def test_large4_released_layouts_and_what_fits():
 
 @pytest.mark.parametrize("index_topk", [128, 32])
 def test_large4_activation_model_within_20_percent_of_measured(index_topk):
-    """The per-block activation model (memory.py, large4.block_activation_bytes) against the bytes the
+    """The per-block activation model (tools/memory.py, large4.block_activation_bytes) against the bytes the
     autograd graph of a tiny BF16 Large 4 really saves for backward (its 8 blocks, 4 x 128 tokens;
     dense selection, then a sparse one), counted once per storage, parameters excluded."""
-    from attention import Visibility
+    from large4 import Visibility
     from large4 import Large4Config, build_large4
-    from memory import _activation_bytes_per_token
+    from tools.memory import _activation_bytes_per_token
     config = Large4Config.from_name("large4-tiny", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                                     kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
                                     n_routed_experts=8, index_head_dim=32, index_topk=index_topk,

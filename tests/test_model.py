@@ -1,18 +1,18 @@
-"""model.py: the released size, whole-model parity with the plain reference, loss, generation (the config
-contract is tests/test_flint_config.py's)."""
+"""model.py: Flint's config (the released layer schedule, presets, the config.json round trip, what a config
+refuses, naming the field or the file), its network (the released size, whole-model parity with the plain
+reference, loss, generation) and its published key table (SPEC.md, read both ways by tests/test_convert.py)."""
 
+import json
 import math
 
 import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
 
-from decoder import document_positions
-from model import FlintConfig, Flint, build_model
-from reference import reference_forward, reference_loss, reference_positions
 from conftest import assert_close_to_scale
-
-# ============================================================================= the released size
+from layers import document_positions
+from model import Flint, FlintConfig, LAYOUT, PRESETS, build_model, published_layout
+from reference import layer_types_from_schedule, reference_forward, reference_loss, reference_positions
 
 
 def test_released_size_counts():
@@ -234,3 +234,156 @@ def test_initial_weights_depend_only_on_the_seed_and_the_name():
     q, k = model["layers.0.self_attn.q_proj.weight"], model["layers.0.self_attn.k_proj.weight"]
     assert not torch.equal(q[:k.shape[0]], k)  # each name has its own stream
     assert abs(model["embed_tokens.weight"].std().item() - config.initializer_range) < 0.1 * config.initializer_range
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_round_trips_through_its_config_json(name):
+    config = FlintConfig.from_name(name)
+    hf = config.to_hf_config()
+    assert hf["model_type"] == "flint" and FlintConfig.from_hf_config(hf).to_hf_config() == hf
+
+
+def test_the_router_losses_refuse_no_layout_and_are_written_only_when_on():
+    """The router losses serve pipelines and context splits (balance.py, tests/test_balance.py);
+    the two native coefficients reach config.json only when on, and come back from it."""
+    config = FlintConfig.from_name("tiny", output_router_logits=True, router_sequence_loss_coef=1e-4,
+                                   router_z_loss_coef=1e-3)
+    assert config.layout_error(4, 4) is None
+    loaded = FlintConfig.from_hf_config(config.to_hf_config())
+    assert (loaded.router_sequence_loss_coef, loaded.router_z_loss_coef) == (1e-4, 1e-3)
+    assert not {"router_sequence_loss_coef", "router_z_loss_coef"} & set(FlintConfig().to_hf_config())
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("router_aux_loss_coef", -0.1, "router_aux_loss_coef must be >= 0, got -0.1"),
+    ("router_sequence_loss_coef", "1e-4", r"router_sequence_loss_coef must be a number >= 0 \(0: off\), got '1e-4'"),
+    ("num_experts_per_tok", 99, r"num_experts_per_tok \(99\) must be <= num_experts"),
+])
+def test_impossible_fields_are_refused_by_name(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        FlintConfig.from_name("tiny", **{field: value})
+
+
+def test_released_schedule():
+    config = FlintConfig()
+    full = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
+    assert full == [0, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 48]
+    assert config.layer_types == layer_types_from_schedule(49)
+    assert [config.is_moe_layer(i) for i in range(4)] == [False, False, True, True]
+
+
+def test_prefix_keeps_source_schedule():
+    prefix = FlintConfig.from_name("tiny", num_hidden_layers=4, schedule_num_hidden_layers=49)
+    assert prefix.layer_types == ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    alone = FlintConfig.from_name("tiny", num_hidden_layers=4)
+    assert alone.layer_types[3] == "full_attention"
+
+
+def test_hf_config_round_trip_and_ignored_keys(tmp_path):
+    config = FlintConfig.from_name("tiny")
+    hf = config.to_hf_config()
+    hf.update(transformers_version="5.0", torch_dtype="bfloat16", use_cache=False, auto_map={"x": "y"})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    loaded = FlintConfig.from_hf_config(tmp_path)
+    assert loaded.to_hf_config() == config.to_hf_config()
+
+
+def test_top_level_rope_theta():
+    hf = FlintConfig.from_name("tiny").to_hf_config()
+    del hf["rope_parameters"]
+    hf["rope_theta"] = 500000.0
+    assert FlintConfig.from_hf_config(hf).rope_theta == 500000.0
+
+
+def tiny_hf(**changes):
+    hf = FlintConfig.from_name("tiny").to_hf_config()
+    hf.update(changes)
+    return hf
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(layer_types=["full_attention"] * 3), "layer_types"),
+    (dict(layer_types=["full_attention"] * 5 + ["local"]), "layer_types"),
+    (dict(no_rope_layer_indices=[0, 1]), "no_rope_layer_indices"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
+    (dict(tie_word_embeddings=True), "tie_word_embeddings"),
+    (dict(router_score_function="softmax"), "router_score_function"),
+    (dict(softmax_type="vanilla"), "softmax_type"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+    (dict(hidden_size=0), "hidden_size"),
+    (dict(moe_intermediate_size=-4), "moe_intermediate_size"),
+    (dict(model_type="llama"), "model_type"),
+    (dict(some_new_field=1), "some_new_field"),
+    (dict(head_dim=15), "head_dim must be even"),
+    (dict(rope_parameters=[10000.0]), "rope_parameters must be an object"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}), r"rope_theta must be a number > 0, got '1e4'"),
+    (dict(rope_parameters=None, rope_theta=[1]), r"rope_theta must be a number > 0, got \[1\]"),
+    (dict(layer_types="full_attention"), "layer_types must be a list"),
+    (dict(mlp_only_layers=0), "mlp_only_layers must be a list of layer indices, got 0"),
+    (dict(mlp_only_layers=["0"]), "mlp_only_layers must be a list of layer indices"),
+    (dict(rms_norm_eps="1e-6"), "rms_norm_eps must be a number > 0, got '1e-6'"),
+    (dict(eos_token_id="2"), "eos_token_id must be a token id, a list of token ids or null, got '2'"),
+    (dict(eos_token_id=[2, None]), "eos_token_id must be"),
+])
+def test_contract_violations_name_the_field(changes, field):
+    with pytest.raises(ValueError, match=field):
+        FlintConfig.from_hf_config(tiny_hf(**changes))
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="preset"):
+        FlintConfig.from_name("gigantic")
+
+
+def test_config_json_of_the_wrong_shape_or_encoding_names_the_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=rf"{path}: expected a JSON object, got a list"):
+        FlintConfig.from_hf_config(path)
+    path.write_bytes(b'{"model_type": "fl\xefnt"}')
+    with pytest.raises(ValueError, match=rf"{path}: cannot read JSON: 'utf-8' codec"):
+        FlintConfig.from_hf_config(path)
+    path.write_text(json.dumps(tiny_hf(rms_norm_eps=[1e-6])))
+    with pytest.raises(ValueError, match=rf"{path}: rms_norm_eps must be a number > 0"):
+        FlintConfig.from_hf_config(path)
+
+
+def native_meta(config: FlintConfig) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        return Flint(config).state_dict()
+
+
+def test_every_native_tensor_is_covered_exactly_once_by_its_published_parts():
+    """Per-expert form: each routed expert's gate and up halves and its down matrix are parts of the
+    stacked native tensors, and together they cover each native element once."""
+    config = FlintConfig.from_name("tiny", num_hidden_layers=3)
+    native = native_meta(config)
+    table = published_layout(config, native, set())
+    assert set(table) == set(native)
+    for key, parts in table.items():
+        covered = torch.zeros(native[key].shape, dtype=torch.int32)
+        for part in parts:
+            covered[part.index] += 1
+        assert (covered == 1).all(), key
+    experts = table["layers.2.mlp.experts.gate_up_proj"]
+    assert len(experts) == 2 * config.num_experts and experts[0].key == "model.layers.2.mlp.experts.0.gate_proj.weight"
+    assert table["layers.0.self_attn.sinks.weight"][0].key == "model.layers.0.self_attn.softmax_offset"
+    assert table["layers.2.mlp.router.weight"][0].key == "model.layers.2.mlp.gate.weight"
+    assert table["lm_head.weight"][0].key == "lm_head.weight"
+
+
+def test_a_source_in_transformers_form_is_read_in_that_form():
+    """Fused experts keep the native name; sinks are called `sinks`."""
+    config = FlintConfig.from_name("tiny", num_hidden_layers=3)
+    present = {"model.layers.2.mlp.experts.gate_up_proj", "model.layers.0.self_attn.sinks"}
+    table = published_layout(config, native_meta(config), present)
+    assert [p.key for p in table["layers.2.mlp.experts.gate_up_proj"]] == ["model.layers.2.mlp.experts.gate_up_proj"]
+    assert table["layers.0.self_attn.sinks.weight"][0].key == "model.layers.0.self_attn.sinks"
+
+
+def test_the_fields_a_config_json_leaves_out_are_named():
+    config = FlintConfig.from_name("tiny")
+    given = {k: v for k, v in config.to_hf_config().items() if k not in ("sliding_window", "rope_parameters")}
+    assert set(LAYOUT.missing_fields(config, given)) == {"sliding_window", "rope_parameters"}
+    assert "rope_parameters" not in LAYOUT.missing_fields(config, {**given, "rope_theta": 1e4})

@@ -259,7 +259,7 @@ def test_a_recompute_reuses_its_forwards_splits_and_nothing_goes_stale():
     abandoned forward's splits die with its graph, and a recompute out of forward order is refused."""
     import gc
     from torch.distributed._composable import checkpoint
-    from profiling import HostSyncs
+    from tools.profiling import HostSyncs
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         plain, recomputed = expert_parallel_moe(0, ep=1), expert_parallel_moe(0, ep=1)

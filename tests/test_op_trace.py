@@ -1,10 +1,10 @@
-"""op_trace.py: the FLOPs and bytes a step's ops are recorded with, counted by hand."""
+"""tools/op_trace.py: the FLOPs and bytes a step's ops are recorded with, counted by hand."""
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from op_trace import CUSTOM_FLOPS, StepRecorder, fuse_chains
+from tools.op_trace import CUSTOM_FLOPS, StepRecorder, fuse_chains
 
 
 def record(step, q_len: int = 0, kv_len: int = 0) -> StepRecorder:

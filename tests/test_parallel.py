@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor
 from conftest import exit_now
 from large4 import Large4Config, MistralLarge4
 from model import FlintConfig, build_model
-from models import model_class
-from parallel import ParallelConfig, build_mesh, close_distributed, init_weights, parallelize
+from registry import model_class
+from parallel import ParallelConfig, build_mesh, close_distributed, cp_token_index, init_weights, parallelize
 from test_large4 import randomized
 from test_train import adamw_matches_plain
 from conftest import assert_close_to_scale
@@ -335,7 +335,7 @@ def dtypes_in_use(pm, batch) -> dict[str, set]:
     Weights and inputs are read in forward pre-hooks, which run after FSDP's own pre-hook has
     gathered the weights in their policy's dtype: after forward FSDP reshards them to the FP32
     master shards, so a forward (post) hook would see FP32 whatever the policy."""
-    from decoder import Head
+    from layers import Head
     from model import DecoderLayer, Sinks
     from moe import Router
     kinds = {Sinks: "sinks", Router: "router", Head: "head", torch.nn.Linear: "linear"}
@@ -801,3 +801,10 @@ def test_an_evaluation_leaves_the_next_gradients_alone():
     expected = in_process_group(gradients_after_an_evaluation, False)
     for name, grad in in_process_group(gradients_after_an_evaluation, True).items():
         torch.testing.assert_close(grad, expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_cp_token_index_balances_causal_work():
+    """Which positions each cp rank computes (the gather itself runs in every context-parallel layout above)."""
+    chunks = [cp_token_index(16, 2, r, "cpu").tolist() for r in range(2)]
+    assert chunks == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
+    assert sum(chunks, []) != list(range(16)) and sorted(sum(chunks, [])) == list(range(16))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flint_config import FlintConfig
+from model import FlintConfig
 from model import Flint
 from pipeline import SCHEDULES, V_SCHEDULES, merged_view, pipeline_stage
 

@@ -1,4 +1,4 @@
-"""planner.py: the traced FLOPs, the layout's collectives and the command, against counts made by hand."""
+"""tools/planner.py: the traced FLOPs, the layout's collectives and the command, against counts made by hand."""
 
 import math
 import os
@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import planner
+import tools.planner as planner
 from config import ConfigError
 from model import FlintConfig
-from op_trace import OpCost, trace_step
+from tools.op_trace import OpCost, trace_step
 from parallel import ParallelConfig
-from planner import GPUS, Pricing, attention_flops_per_token, expert_parallel_item, fsdp_items, unit_bytes
+from tools.planner import GPUS, Pricing, attention_flops_per_token, expert_parallel_item, fsdp_items, unit_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW = os.environ.get("FLINT_SLOW") == "1"
@@ -123,7 +123,7 @@ def test_bad_gpu_and_missing_config_are_one_line_errors(monkeypatch):
         planner.main(["--config", "configs/flint-8gpu.toml", "--gpu", "A100"])
     with pytest.raises(ConfigError, match="give --config or --preset"):
         planner.main(["--gpu", "H100"])
-    result = subprocess.run([sys.executable, "planner.py", "--config", "configs/flint-8gpu.toml", "--gpu", "A100"],
+    result = subprocess.run([sys.executable, "-m", "tools.planner", "--config", "configs/flint-8gpu.toml", "--gpu", "A100"],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr.startswith("error: --gpu") and "Traceback" not in result.stderr
 

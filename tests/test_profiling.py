@@ -1,5 +1,5 @@
-"""profiling.py: one profiled step's time split by module kind, with every family's kinds timed, the
-unchunked loss bench.py compares the fused one with, and scripts/gpu_check.sh's BF16 parity verdict."""
+"""tools/profiling.py: one profiled step's time split by module kind, with every family's kinds timed, the
+unchunked loss tools/bench.py compares the fused one with, and tools/gpu_check.sh's BF16 parity verdict."""
 
 import re
 import subprocess
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoder import Head
+from layers import Head
 from model import FlintConfig, Sinks, build_model
-from models import FAMILIES
-from profiling import SPLIT_ORDER, TIMED_MODULES, cosine_parity, dense_logits_loss, profile_step
+from registry import FAMILIES, family
+from tools.profiling import SPLIT_ORDER, TIMED_MODULES, cosine_parity, dense_logits_loss, profile_step
 from conftest import assert_close_to_scale
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_each_familys_module_kinds_and_the_shared_ones_are_timed():
     kinds = {cls for cls, _ in TIMED_MODULES}
-    assert all(cls in kinds for family in FAMILIES.values() for cls, _ in family.timed_modules)
+    assert all(cls in kinds for name in FAMILIES for cls, _ in family(name).timed_modules)
     assert {Sinks, Head} <= kinds and len(SPLIT_ORDER) == len(set(SPLIT_ORDER))
 
 
@@ -39,14 +39,14 @@ def test_the_unchunked_loss_is_the_fused_one():
 
 
 def test_tf32_rounding_keeps_ten_mantissa_bits_rounding_ties_away_from_zero():
-    from profiling import round_mantissa
+    from tools.profiling import round_mantissa
     x = torch.tensor([1 + 2**-11, 1 + 2**-12, 1 + 3 * 2**-12, -(1 + 2**-11), 0.1, 2 - 2**-12, 3.0])
     expected = [1 + 2**-10, 1.0, 1 + 2**-10, -(1 + 2**-10), 0.0999755859375, 2.0, 3.0]  # 2 - 2^-12: carries
     assert round_mantissa(x, 10).tolist() == expected
 
 
 def test_the_bf16_split_keeps_sixteen_bits_and_the_precisions_rank_as_measured():
-    from profiling import head_precision_errors, split_bf16
+    from tools.profiling import head_precision_errors, split_bf16
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     hi, lo = split_bf16(x)
     assert hi.bfloat16().float().equal(hi) and ((hi + lo - x).abs() <= x.abs() * 2**-16).all()
@@ -92,8 +92,8 @@ def test_cosine_parity_names_the_tensor_that_points_elsewhere():
 
 
 def test_gpu_check_script_parses():
-    """scripts/gpu_check.sh cannot run here (no GPU): its bash and each of its Python pieces at least parse."""
-    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+    """tools/gpu_check.sh cannot run here (no GPU): its bash and each of its Python pieces at least parse."""
+    script = Path(__file__).resolve().parent.parent / "tools" / "gpu_check.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     pieces = re.findall(r"<<'PY'[^\n]*\n(.*?)\nPY\n", script.read_text(), re.DOTALL)
     assert len(pieces) == 5

@@ -1,4 +1,4 @@
-"""The rehearsal (rehearsal.py, `train.py --dry-run`): its memory count, its fake world, and that it fails
+"""The rehearsal (tools/rehearsal.py, `train.py --dry-run`): its memory count, its fake world, and that it fails
 where the GPU job would."""
 
 import json
@@ -7,13 +7,13 @@ import os
 import pytest
 import torch
 
-import rehearsal
+import tools.rehearsal as rehearsal
 import train
 from config import load_config
-from flint_config import FlintConfig
+from model import FlintConfig
 from large4_config import Large4Config
 from model import Flint as FlintModel
-from rehearsal import GIB, PeakMemory, RehearsalError
+from tools.rehearsal import GIB, PeakMemory, RehearsalError
 
 MIB = 2 ** 20
 
@@ -129,7 +129,7 @@ def rehearse_config(tmp_path, capsys, name: str, world: int, *overrides: str) ->
     printed = capsys.readouterr().out
     assert f"rehearsal rank 0 of {world}: step 2: forward, backward, clipping and adamw passed" in printed, printed
     assert f"rehearsal rank 0 of {world}: peak" in printed
-    # memory.py's estimate agrees with the measured peak (the balanced routing both assume)
+    # tools/memory.py's estimate agrees with the measured peak (the balanced routing both assume)
     assert abs(result["estimate_gib"] - result["peak_gib"]) <= 0.1 * result["peak_gib"], result
     return result
 

@@ -1,6 +1,11 @@
-"""The repository's shape, as DESIGN.md asks for it: low-level modules load nothing above them, no
-object changes its class at run time, and no source file grows past about 600 lines."""
+"""The repository's shape, as the README's Files section describes it: a flat core beside tools/, low-level
+modules that load nothing above them and no model, no circle of imports, the tools reached by no core file,
+each model named only by its own files and the registry, no object changing its class at run time, and no
+source file past about 800 lines."""
 
+import ast
+import functools
+import json
 import re
 import subprocess
 import sys
@@ -9,33 +14,130 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = sorted(ROOT.glob("*.py"))
-MODULES = {path.stem for path in SOURCES}
-ABOVE_THE_FILES = {"model", "large4", "flint_config", "large4_config", "models", "parallel", "moe", "attention",
-                   "checkpoint", "config", "train", "metrics", "routing", "convert", "decoder"}
+CORE = sorted(ROOT.glob("*.py"))
+TOOLS = sorted(p for p in (ROOT / "tools").glob("*.py") if p.name != "__init__.py")
+SOURCES = CORE + TOOLS
+CORE_MODULES = {path.stem for path in CORE}
+# Each registered family's own files (registry.FAMILIES names the first of each; tools/flint_baselines.py is Flint's).
+MODEL_FILES = {"model", "large4", "large4_config", "flint_baselines"}
+
+
+# One interpreter that has imported torch and nothing of the repository forks once per module: each
+# child imports its module alone and prints what that loaded (one torch import instead of one per module).
+FORK_PER_MODULE = """
+import json, os, sys
+import torch
+result = {}
+for module in sys.argv[1:]:
+    read, write = os.pipe()
+    if os.fork() == 0:
+        __import__(module)
+        os.write(write, json.dumps(sorted(sys.modules)).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        result[module] = json.loads(pipe.read() or "[]")
+    os.wait()
+print(json.dumps(result))
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def modules_loaded() -> dict[str, set[str]]:
+    """module -> what `import module` loads of this repository, each in a fresh process."""
+    modules = sorted({module for module, _ in LEAVES} | set(LOW_LAYERS))
+    out = subprocess.run([sys.executable, "-c", FORK_PER_MODULE, *modules], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    return {module: {name for name in names if name in CORE_MODULES or name.startswith("tools")} - {module}
+            for module, names in json.loads(out).items()}
 
 
 def repository_modules_loaded_by(module: str) -> set[str]:
-    """What `import module` loads of this repository, in a fresh interpreter."""
-    code = f"import sys; import {module}; print(' '.join(sorted(sys.modules)))"
-    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    return set(loaded.stdout.split()) & MODULES - {module}
+    return modules_loaded()[module]
 
 
-@pytest.mark.parametrize("module, allowed", [
+LEAVES = [
     ("files", set()),
     ("tokenizer", set()),
     ("data", {"files", "tokenizer"}),
     ("checkpoint_files", set()),
     ("hf_io", {"files", "checkpoint_files"}),
-    ("decoder", set()),
-    ("context_parallel", set()),
+    ("layers", set()),
+    ("generate", set()),
     ("devices", set()),
-])
-def test_low_level_modules_load_no_model_and_no_parallel_layer(module, allowed):
+    ("registry", {"files"}),
+]
+LOW_LAYERS = ["parallel", "config", "data", "checkpoint", "registry", "metrics", "convert"]
+
+
+@pytest.mark.parametrize("module, allowed", LEAVES)
+def test_leaf_modules_load_nothing_above_them(module, allowed):
     loaded = repository_modules_loaded_by(module)
     assert loaded <= allowed, f"import {module} loads {sorted(loaded - allowed)}"
-    assert not loaded & ABOVE_THE_FILES
+
+
+@pytest.mark.parametrize("module", LOW_LAYERS)
+def test_low_layers_load_no_model(module):
+    """Type-only imports of a model's names stay under TYPE_CHECKING; models load when a run asks for one."""
+    loaded = repository_modules_loaded_by(module)
+    assert not loaded & MODEL_FILES, f"import {module} loads {sorted(loaded & MODEL_FILES)}"
+
+
+def imports_of(path: Path) -> list[tuple[str, bool]]:
+    """The repository modules `path` imports, each with whether the import is at module level (run
+    when the module loads) rather than inside a function or under TYPE_CHECKING."""
+    found = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, top) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                found.append((child.module, top))
+            visit(child, top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+    visit(ast.parse(path.read_text()), True)
+    return found
+
+
+def module_name(path: Path) -> str:
+    return ("tools." if path.parent.name == "tools" else "") + path.stem
+
+
+def test_no_circle_of_module_level_imports():
+    graph = {module_name(path): {name for name, top in imports_of(path) if top and (
+        name in CORE_MODULES or name.startswith("tools."))} for path in SOURCES}
+    done, path = set(), []
+
+    def walk(node: str) -> None:
+        if node in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(node):] + [node]))
+        if node in done:
+            return
+        path.append(node)
+        for target in graph.get(node, ()):
+            walk(target)
+        path.pop()
+        done.add(node)
+    for node in graph:
+        walk(node)
+
+
+def test_the_core_never_imports_the_tools():
+    """Except train.py --dry-run, the rehearsal's one lazy doorway (README, Many GPUs)."""
+    reaching = {(path.name, name) for path in CORE for name, _ in imports_of(path) if name.startswith("tools")}
+    assert reaching == {("train.py", "tools.rehearsal")}, reaching
+
+
+def test_only_the_registry_names_a_model_outside_its_own_files():
+    """A new model touches registry.py and its own files only; tests and tools reach models through the registry
+    or by their family's own test files."""
+    offenders = {path.name for path in SOURCES if path.stem not in MODEL_FILES
+                 for name, _ in imports_of(path) if name in MODEL_FILES}
+    assert offenders == set(), offenders
+    registry = (ROOT / "registry.py").read_text()
+    assert all(f'"{family}"' in registry for family in ("model", "large4"))
 
 
 def test_no_object_changes_its_class():
@@ -45,26 +147,17 @@ def test_no_object_changes_its_class():
     assert not swaps, swaps
 
 
-def test_every_source_file_stays_under_600_lines():
+def test_every_source_file_stays_under_about_800_lines():
+    """Past about 600 lines a file is probably two concerns; one concern may reach about 800 (DESIGN.md)."""
     lengths = {path.name: len(path.read_text().splitlines()) for path in SOURCES}
-    assert max(lengths.values()) < 600, {name: n for name, n in lengths.items() if n >= 600}
-
-
-MODEL_FILES = {"model", "flint_config", "flint_hf", "flint_baselines", "large4", "large4_config", "large4_hf"}
-
-
-def test_only_the_registry_names_a_model_outside_its_own_files():
-    """A new model touches models.py and its own files only: nothing else imports a model's modules."""
-    naming = re.compile(r"^\s*(?:from|import) (" + "|".join(sorted(MODEL_FILES)) + r")\b", re.MULTILINE)
-    offenders = {path.stem for path in SOURCES if naming.search(path.read_text())}
-    assert offenders - MODEL_FILES == {"models"}
+    assert max(lengths.values()) <= 800, {name: n for name, n in lengths.items() if n > 800}
 
 
 def test_the_readme_is_a_readers_page_that_starts_with_the_two_commands():
     """About nanoGPT's length; its first two code blocks are the commands .ci/run and a newcomer run."""
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.DOTALL)
-    assert len(readme.splitlines()) < 300
+    assert len(readme.splitlines()) < 330
     assert blocks[0].endswith("train.py --config configs/smoke.toml") and blocks[1].endswith("-m pytest -q")
     assert all(block.startswith("python3 -m venv .venv && .venv/bin/pip install -r requirements.txt")
                for block in blocks[:2])

@@ -423,8 +423,8 @@ def step_host_syncs(argv: list[str]) -> list[str]:
     """What train_step copies to the host in step 2 (not a logged step) of train.py's run of argv:
     main's setup, step 1, then step 2 under profiling.HostSyncs (see there what counts)."""
     from checkpoint import Checkpointer
-    from profiling import HostSyncs
-    from routing import RoutingMonitor
+    from tools.profiling import HostSyncs
+    from balance import RoutingMonitor
     cfg = train.parse_args(argv)
     run = train.start_run(cfg)
     with Checkpointer(cfg, run) as checkpoints, train.Interruption(run) as interruption:

@@ -1,8 +1,8 @@
 """Memory per GPU of each parallel layout, computed without a GPU, to pick a layout before renting one.
 
-    python memory.py --config configs/flint-8gpu.toml --gpus 8
-    python memory.py --config configs/large4.toml --gpus 256 --model.init_from=PATH
-    python memory.py --config configs/large4-256gpu.toml --gpus 256
+    python3 -m tools.memory --config configs/flint-8gpu.toml --gpus 8
+    python3 -m tools.memory --config configs/large4.toml --gpus 256 --model.init_from=PATH
+    python3 -m tools.memory --config configs/large4-256gpu.toml --gpus 256
 
 prints GiB per GPU (FP32 master weights, FP32 gradients and AdamW moments of the trainable parameters,
 the BF16 blocks FSDP gathers, and activations) for the config's own layout and, with --gpus, the usual
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from config import ConfigError, load_config
-from models import ModelConfig, model_class
+from registry import ModelConfig, model_class
 from parallel import MESH_DIMS, ParallelConfig, unsupported_layout
 from pipeline import pipeline_stage
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One 80 GB GPU, under 10 minutes: the checks of the CUDA-only code that the CPU suite cannot run.
-#   bash scripts/gpu_check.sh            # from anywhere; prints one verdict line per check
+#   bash tools/gpu_check.sh            # from anywhere; prints one verdict line per check
 # 1. parity: the tiny model's compiled, checkpointed FlexAttention blocks against eager sdpa blocks on the
 #    same weights and a packed batch with padding. FP32: the same loss and gradients (cosine similarity
 #    of each gradient at least 0.999999). BF16 bulk with FP32 sinks, router and head, against that FP32
@@ -43,7 +43,7 @@ timeout 90 python3 - > "$OUT/parity.log" 2>&1 <<'PY'
 import dataclasses, torch
 from model import FlintConfig, build_model
 from parallel import apply_activation_checkpointing, apply_compile
-from profiling import cosine_parity
+from tools.profiling import cosine_parity
 
 assert torch.cuda.is_available(), "no GPU"
 base = FlintConfig.from_name("tiny", num_hidden_layers=4, sliding_window=65)
@@ -85,7 +85,7 @@ import torch
 sys.path.insert(0, "tests")
 import test_compile
 from parallel import init_distributed
-from profiling import cosine_parity
+from tools.profiling import cosine_parity
 
 assert torch.cuda.is_available(), "no GPU"
 torch.compile = partial(torch.compile, backend=partial(test_compile.counting_backend, inner="inductor"))
@@ -145,7 +145,7 @@ if [ $status -eq 0 ]; then  # the loss must fall and stay finite; peak memory ag
     python3 - "$OUT/train.toml" "$OUT/train.jsonl" "$OUT/train.log" >> "$OUT/train.log" 2>&1 <<'PY' || status=1
 import json, math, re, sys
 from config import load_config
-from memory import memory_per_gpu
+from tools.memory import memory_per_gpu
 cfg = load_config(sys.argv[1])
 records = [r for r in map(json.loads, open(sys.argv[2])) if "loss" in r]
 losses, peak = [r["loss"] for r in records], max(r["memory_gib"] for r in records)
@@ -164,7 +164,7 @@ verdict "BF16 training run through train.py" $status "$OUT/train.log"
 bench_row() {  # seconds, JSON file, then bench.py flags: one row, in a process of its own
     local seconds=$1 json=$2
     shift 2
-    timeout "$seconds" python3 bench.py --preset flint-shallow --device cuda --dtype bfloat16 --batch 2 --seq-len 4096 \
+    timeout "$seconds" python3 -m tools.bench --preset flint-shallow --device cuda --dtype bfloat16 --batch 2 --seq-len 4096 \
         --sections main --warmup 2 --reps 3 --json "$json" "$@"
 }
 bench_row 120 "$OUT/bench_compiled.json" --parallel.compile=true > "$OUT/bench.log" 2>&1
@@ -182,7 +182,8 @@ goal = "n/a MFU" if mfu is None else f"{100 * mfu:.1f} % MFU ({'meets' if mfu >=
 print(f"flint-shallow BF16: eager {eager['tokens_per_s']:.0f} tokens/s, compiled {compiled['tokens_per_s']:.0f} "
       f"tokens/s, {goal}, 0 graph breaks; peak memory "
       f"{compiled['peak_memory_gib']:.1f} GiB compiled, {eager['peak_memory_gib']:.1f} GiB eager")
-import torch, planner  # the prediction for the same step, beside the measurement
+import torch
+from tools import planner  # the prediction for the same step, beside the measurement
 gpu = next((g for g in ("B200", "H200", "H100") if g in torch.cuda.get_device_name()), None)
 if gpu and mfu is not None:
     plan = planner.main(["--preset", "flint-shallow", "--gpu", gpu, "--data.seq_len=4096", "--training.batch_size=2",

@@ -1,11 +1,10 @@
-"""decoder.py: the fused chunked loss of the shared head against a plain per-row softmax, the shared
-parameter count. Generation through the shared stream is checked for both models in test_model.py
-and test_large4.py (conftest's check_rows_stop_at_their_eos)."""
+"""layers.py: the fused chunked loss of the shared head against a plain per-row softmax, the head's GPU
+precisions, the shared parameter count and the token-id checks."""
 
 import pytest
 import torch
 
-from decoder import Head, count_params
+from layers import Head, count_params
 from model import FlintConfig, build_model
 from conftest import assert_close_to_scale
 
@@ -61,15 +60,6 @@ def test_active_parameters_leave_out_the_unchosen_experts():
     assert count_params(model, active=True) == count_params(model) - idle
 
 
-@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), 1e-45, -0.5])
-def test_sampling_refuses_temperatures_that_make_nan_probabilities(temperature):
-    from decoder import check_sampling
-    with pytest.raises(ValueError, match="temperature must be"):
-        check_sampling(temperature, None)
-    check_sampling(0, None)
-    check_sampling(0.8, 5)
-
-
 def small_head_case(generator_seed: int = 0):
     generator = torch.Generator().manual_seed(generator_seed)
     h = torch.randn(19, 24, generator=generator)
@@ -80,7 +70,7 @@ def small_head_case(generator_seed: int = 0):
 
 def test_the_cpu_head_computes_fp32_at_every_gpu_precision():
     """[parallel].head_precision applies on CUDA only: on the CPU every setting is the FP32 head, bit for bit."""
-    from decoder import HEAD_PRECISIONS
+    from layers import HEAD_PRECISIONS
     h, weight, targets = small_head_case()
     results = []
     for precision in HEAD_PRECISIONS:
@@ -101,8 +91,8 @@ def test_the_bf16_head_products_are_the_emulated_ones(precision):
     """The fused loss at a BF16 precision (on the CPU, the same exact products through FP32 copies)
     equals profiling's emulation of it (operands rounded by hand, plain log-softmax), and differs
     from FP32 by about what that emulation says."""
-    from decoder import LinearCrossEntropy
-    from profiling import emulated_mm, head_loss_and_grads
+    from layers import LinearCrossEntropy
+    from tools.profiling import emulated_mm, head_loss_and_grads
     h, weight, targets = small_head_case()
     x, w = h.clone().requires_grad_(), weight.clone().requires_grad_()
     loss = LinearCrossEntropy.apply(x, w, targets, 8, None, precision) / len(targets)
@@ -116,7 +106,7 @@ def test_the_bf16_head_products_are_the_emulated_ones(precision):
 
 
 def test_token_ids_are_checked_unless_data_checked_them_at_load():
-    from decoder import token_ids_checked_at_load
+    from layers import token_ids_checked_at_load
     model = build_model(FlintConfig.from_name("tiny", num_hidden_layers=2))
     ids = torch.tensor([[1, 2, 300]])  # 300 is outside the tiny vocabulary of 256
     with pytest.raises(ValueError, match="input_ids holds token id 300, outside the vocabulary"):
@@ -132,7 +122,7 @@ def test_token_ids_are_checked_unless_data_checked_them_at_load():
 def test_the_gpu_precisions_compile_to_one_graph(precision):
     """The fused loss at each GPU precision traces whole (the TF32 product as its opaque operator),
     equal to eager. On the CPU the TF32 operator computes FP32: this checks the tracing, not TF32."""
-    from decoder import LinearCrossEntropy
+    from layers import LinearCrossEntropy
     h, weight, targets = small_head_case()
 
     def loss(x, w):

@@ -1,11 +1,11 @@
 r"""How fast a model trains, side by side, and where the step time goes.
 
-    python bench.py                              # the CPU shape (preset bench-cpu), every comparison
-    python bench.py --quick --json out.json      # a seconds-long smoke run on the tiny preset
-    python bench.py --sections main --profile 25 # one step's torch.profiler table, top 25 ops
-    python bench.py --config configs/smoke.toml --sections main,compiled    # a training config's step
-    python bench.py --config configs/large4-smoke.toml --model.n_routed_experts=4  # Large 4, overridden
-    python bench.py --preset flint-shallow --device cuda --dtype bfloat16 --batch 2 --seq-len 4096  # one GPU
+    python3 -m tools.bench                              # the CPU shape (preset bench-cpu), every comparison
+    python3 -m tools.bench --quick --json out.json      # a seconds-long smoke run on the tiny preset
+    python3 -m tools.bench --sections main --profile 25 # one step's torch.profiler table, top 25 ops
+    python3 -m tools.bench --config configs/smoke.toml --sections main,compiled    # a training config's step
+    python3 -m tools.bench --config configs/large4-smoke.toml --model.n_routed_experts=4  # Large 4, overridden
+    python3 -m tools.bench --preset flint-shallow --device cuda --dtype bfloat16 --batch 2 --seq-len 4096  # one GPU
 
 What is timed is read as train.py reads it (--config or --preset, then --batch, --seq-len, --device,
 --dtype, then `--section.key=value` overrides). The first row is the config's own step on one process;
@@ -29,6 +29,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import dataclasses
+import importlib
+import importlib.util
 import json
 import statistics
 import warnings
@@ -42,11 +44,10 @@ from attention import FULL, SLIDING, resolve_backend
 from config import ConfigError, OptimSection, TrainConfig, config_from_tables, model_family, read_tables
 from files import write_atomically
 from metrics import CPU_PEAK_CACHE, model_flops_per_token, run_peak_flops
-from decoder import build
-from models import ModelConfig, family_of, model_class
+from layers import build
+from registry import ModelConfig, model_class
 from parallel import apply_activation_checkpointing, apply_compile
-from profiling import (OPTIMIZER, RANGE, NotApplicable, dense_logits_loss, matmul_rate, memory_in_use, peak_memory,
-                       profile_step, reset_peak_memory, time_call)
+from tools.profiling import (OPTIMIZER, RANGE, NotApplicable, dense_logits_loss, matmul_rate, memory_in_use, peak_memory, profile_step, reset_peak_memory, time_call)
 from parallel import Run
 from train import build_optimizer
 
@@ -346,11 +347,13 @@ def attention_sweep(bench: Bench, lengths: list[int], tokens: int, reps: int) ->
 
 
 def baseline(config: ModelConfig, name: str) -> Callable:
-    """The family's comparison `name` (models.Family.baselines), or NotApplicable: a skipped row."""
-    module = family_of(config).baselines
-    if module is None:
-        raise NotApplicable(f"{type(config).__name__}'s family has no {name} to compare with (models.FAMILIES)")
-    return getattr(module, name)
+    """The family's comparison `name` from tools/<family>_baselines.py (Flint's: flint_baselines.py), or
+    NotApplicable (a skipped row) when the family has no such file."""
+    module_name = f"tools.{config.family}_baselines"
+    if importlib.util.find_spec(module_name) is None:
+        raise NotApplicable(f"{type(config).__name__}'s family has no {name} to compare with "
+                            f"(tools/{config.family}_baselines.py)")
+    return getattr(importlib.import_module(module_name), name)
 
 
 # ============================================================================= the run

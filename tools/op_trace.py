@@ -22,9 +22,10 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.module_tracker import ModuleTracker
 
-import decoder
+import attention  # noqa: F401  (registers the flint::flash_sink_attention operators counted below)
+import layers
 import moe
-from models import ModelConfig, model_class
+from registry import ModelConfig, model_class
 from parallel import apply_activation_checkpointing
 
 
@@ -248,7 +249,7 @@ def trace_step(config: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype
     recorder = StepRecorder(seq_len, seq_len)
     with ExitStack() as stack:
         # The token-id check reads values (a host sync, which fake tensors refuse); train.py's data is checked.
-        stack.enter_context(decoder.token_ids_checked_at_load())
+        stack.enter_context(layers.token_ids_checked_at_load())
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))  # to_empty reads the meta parameters
         model.to_empty(device="cpu")
         ids = torch.zeros(batch, seq_len, dtype=torch.long)

@@ -1,19 +1,18 @@
-"""The decoder core both models are built from: what Flint (model.py) and Mistral Large 4
-(large4.py) share, so that either model's files can be deleted and the other still stands.
+"""The layers and helpers both models are built from (model.py: Flint, large4.py: Mistral Large 4), so that
+either model's files can be deleted and the other still stands.
 
 - RMSNorm; positions that restart at each packed document; the context-parallel loss share.
 - Head: the untied FP32 output head with its fused, chunked cross-entropy (optionally soft-capped).
 - Building a model: meta device, materialise, `init_weights` from per-name seeded values, so every
   parallel layout starts from one process's weights; parameter counts.
 - Input checks with messages that name the argument; a forward's positional arguments (call_arguments).
-- Generation: sampling, and `stream`, the KV-cached decoding loop of any model with `decode_step`.
 
-It imports nothing of this repository.
+Generation (sampling and the KV-cached decoding loop) is in generate.py. This file imports nothing of
+this repository.
 """
 
 from __future__ import annotations
 
-import math
 import zlib
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -23,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Context parallelism's sequence gather (context_parallel.ContextParallel.gather): a tensor holding this rank's
+# Context parallelism's sequence gather (parallel.ContextParallel.gather): a tensor holding this rank's
 # positions along `dim` (default 1), T / cp long, -> the whole sequence's, T long.
 Gather = Callable[..., torch.Tensor]
 
@@ -203,7 +202,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     Three matmuls per chunk, as unchunked autograd takes, and no more (checkpointing each chunk
     would recompute its logits: a fourth), and no logits kept. Backward only scales the saved
     gradients by the incoming one. The price: dW [V, H] in FP32 is held from this forward to its
-    backward, one per micro-batch in flight (memory.py counts it). The matmuls run at `precision`
+    backward, one per micro-batch in flight (tools/memory.py counts it). The matmuls run at `precision`
     (HEAD_PRECISIONS); everything else is FP32.
     """
 
@@ -360,82 +359,3 @@ def check_token_ids(name: str, ids: torch.Tensor, vocab: int, ignored: int | Non
         bad = ids[outside][0].item()
         raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab}) of vocab_size {vocab}"
                          + (f" ({ignored} marks an ignored target)" if ignored is not None else ""))
-
-
-# ============================================================================= generation
-
-# Below this, sampling is greedy in effect and logits / temperature can overflow FP32 (NaN probabilities).
-MIN_TEMPERATURE = 1e-3
-
-
-def usable_temperature(temperature: float) -> bool:
-    """0 (greedy), or finite and at least MIN_TEMPERATURE."""
-    return temperature == 0 or (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE)
-
-
-def check_sampling(temperature: float, top_k: int | None) -> None:
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature >= 0:
-        raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
-    if not usable_temperature(temperature):
-        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0):
-        raise ValueError(f"top_k must be a positive integer or None (all tokens), got {top_k!r}")
-
-
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
-           generator: torch.Generator | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, V] -> next tokens [B, 1]: greedy at temperature 0, else top-k sampling; only ids
-    where allowed (bool [V]) is true, when given."""
-    check_sampling(temperature, top_k)
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-    if temperature <= 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
-
-
-@torch.no_grad()
-def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, generator: torch.Generator | None = None, eos_token_id: int | None = None,
-             allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """prompt [B, T] -> [B, T + n], n <= max_new_tokens: the prompt and everything `stream` yields."""
-    return torch.cat([prompt, *stream(model, prompt, max_new_tokens, temperature, top_k, generator, eos_token_id,
-                                      allowed)], dim=1)
-
-
-@torch.no_grad()
-def stream(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-           top_k: int | None = None, generator: torch.Generator | None = None, eos_token_id: int | None = None,
-           allowed: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
-    """Yield each next token [B, 1] as it is chosen, up to max_new_tokens. A row that has produced
-    eos_token_id is finished: from then on it receives eos_token_id again (padding), and the stream
-    stops once every row has finished. Any model with `decode_step(input_ids, caches, start)` that
-    fills an empty caches dict (Flint, Mistral Large 4).
-
-    temperature 0 is greedy; otherwise sample from softmax(logits / temperature), optionally
-    restricted to the top_k tokens. allowed (bool [V]): the only ids that may be chosen, for a
-    vocabulary padded beyond what the tokenizer can decode.
-    """
-    model._check_inputs(prompt, None, None, None)
-    limit = model.config.max_position_embeddings
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0 or prompt.shape[1] + max_new_tokens > limit:
-        raise ValueError(f"max_new_tokens must be an integer >= 0 with prompt length + max_new_tokens <= "
-                         f"max_position_embeddings ({prompt.shape[1]} + {max_new_tokens!r} > {limit})")
-    caches: dict = {}
-    step_input, start = prompt, 0
-    finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
-    for _ in range(max_new_tokens):
-        logits = model.decode_step(step_input, caches, start)  # [B, V] for the last position
-        start += step_input.shape[1]
-        next_token = sample(logits, temperature, top_k, generator, allowed)  # [B, 1]
-        if eos_token_id is not None:
-            next_token = next_token.masked_fill(finished[:, None], eos_token_id)
-            finished |= next_token[:, 0] == eos_token_id
-        yield next_token
-        step_input = next_token
-        if eos_token_id is not None and bool(finished.all()):
-            return

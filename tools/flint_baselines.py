@@ -1,11 +1,11 @@
 """What bench.py measures Flint against, on the same weights: the plain eager formulation of its
 architecture, the published implementation in transformers (FlintForCausalLM), when present, and one
-attention layer by itself (the sweep). models.py names this file as Flint's baselines.
+attention layer by itself (the sweep). bench.py finds it by its name, tools/<family>_baselines.py.
 
 transformers is not a dependency of this repository. The reference row runs when it can be
 imported, for example from another environment's site-packages:
 
-    PYTHONPATH=/path/to/venv/lib/python3.11/site-packages python bench.py --sections main,reference
+    PYTHONPATH=/path/to/venv/lib/python3.11/site-packages python -m tools.bench --sections main,reference
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import FULL, SLIDING, build_masks
-from flint_config import FlintConfig
+from model import FlintConfig
 from model import Attention, Flint, build_model, rope_tables
 from moe import MoE, SwiGLU
 

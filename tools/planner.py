@@ -1,10 +1,10 @@
 """Step time per GPU of a training config, predicted op by op without a GPU.
 
-    python planner.py --config configs/flint-8gpu.toml                 # H100 SXM, the config's layout
-    python planner.py --config configs/flint-multinode.toml --gpu H200 --gpus 32
-    python planner.py --config configs/large4-256gpu.toml --gpu B200
-    python planner.py --preset flint-shallow --gpu H200 --gpus 1 --data.seq_len=4096 --training.batch_size=2
-    python planner.py --gpu cpu                                        # bench.py's CPU shape, this machine
+    python3 -m tools.planner --config configs/flint-8gpu.toml                 # H100 SXM, the config's layout
+    python3 -m tools.planner --config configs/flint-multinode.toml --gpu H200 --gpus 32
+    python3 -m tools.planner --config configs/large4-256gpu.toml --gpu B200
+    python3 -m tools.planner --preset flint-shallow --gpu H200 --gpus 1 --data.seq_len=4096 --training.batch_size=2
+    python3 -m tools.planner --gpu cpu                                        # bench.py's CPU shape, this machine
 
 prints tokens/s per GPU, MFU, the step time and the ten ops or collectives that cost most. Method:
 
@@ -61,9 +61,9 @@ from pathlib import Path
 import torch
 
 from config import ConfigError, TrainConfig, load_config
-from memory import _meta_model, _stage_params
-from models import ModelConfig
-from op_trace import OpCost, trace_step
+from tools.memory import _meta_model, _stage_params
+from registry import ModelConfig
+from tools.op_trace import OpCost, trace_step
 from parallel import MESH_DIMS, ParallelConfig
 
 TFLOPS, TBPS, GBPS = 1e12, 1e12, 1e9
@@ -106,7 +106,7 @@ HEAD_PRECISION_PEAKS = {"tf32": lambda d: d.tf32, "bf16": lambda d: d.bf16, "bf1
 
 def measure_cpu(matmul_size: int = 1024, copy_mib: int = 512) -> Device:
     """This machine as a Device: its best FP32 matmul rate and large-copy bandwidth (read + write)."""
-    from profiling import matmul_rate, time_call
+    from tools.profiling import matmul_rate, time_call
     rate = matmul_rate(torch.device("cpu"), torch.float32, matmul_size)
     source = torch.ones(copy_mib * 2 ** 20 // 4)
     target = torch.empty_like(source)
@@ -422,7 +422,7 @@ def load_plan_config(config: str | None, preset: str | None, overrides: list[str
     """A training TOML as train.py reads it, or a preset at bench.py's shape (batch 4 x 512 unless overridden)."""
     if config:
         return load_config(config, overrides)
-    from bench import load_bench_config
+    from tools.bench import load_bench_config
     args = argparse.Namespace(config=None, preset=preset, batch=None, seq_len=None, device=None, dtype=None,
                               overrides=overrides)
     return load_bench_config(args)

@@ -1,13 +1,14 @@
-"""The router losses (router_loss.py): the published balance term against fixtures from the
-reference implementation and against the formula flint computed before the losses moved into the
-layers, DeepSeek-V3's sequence-wise term and the z-loss against plain loops, in one process and in
-pipeline, context and expert parallel layouts against one process.
+"""balance.py: expert load balance.
 
-tests/make_flint_aux_fixture.py wrote tests/fixtures/flint_aux/ once with transformers'
-FlintForCausalLM (output_router_logits true, router_aux_loss_coef 0.25): a tiny random model, a
-batch with a right-padded row, and the reference's losses and gradients with and without its
+The router losses: the published balance term against fixtures from the reference implementation and
+against the formula flint computed before the losses moved into the layers, DeepSeek-V3's sequence-wise
+term and the z-loss against plain loops, in one process and in pipeline, context and expert parallel
+layouts against one process. tests/make_flint_aux_fixture.py wrote tests/fixtures/flint_aux/ once with
+transformers' FlintForCausalLM (output_router_logits true, router_aux_loss_coef 0.25): a tiny random model,
+a batch with a right-padded row, and the reference's losses and gradients with and without its
 attention_mask. Here the same weights, loaded with convert.load_hf, must give the same numbers.
-"""
+
+Routing health: expert loads, idle-expert warnings, and the aux-loss-free selection bias."""
 
 import dataclasses
 import gc
@@ -19,11 +20,14 @@ import torch
 from safetensors.torch import load_file
 
 import convert
+from balance import RouterLosses, RoutingMonitor, add_layer, update_selection_bias, worst_layer
+from config import ConfigError
+from conftest import assert_close_to_scale, run_debug, train_losses
+from model import FlintConfig
 from moe import Router
 from parallel import ParallelConfig, build_mesh, parallelize
-from router_loss import RouterLosses, add_layer
 from test_parallel import build, close, full, make_batch, rows_of_this_rank, slow, spawn, tiny_config
-from conftest import assert_close_to_scale
+
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "flint_aux"
 
@@ -326,3 +330,96 @@ def test_router_losses_in_more_layouts_match_one_process():
                                               "large4": [({"ep": 2}, 2)]})
     spawn(4, check_router_losses_in_layouts, {"flint": [({"pp": 2, "cp": 2}, 2), ({"ep": 2, "cp": 2}, 2)],
                                               "large4": [({"pp": 2, "cp": 2}, 2)]})
+
+
+
+def collapsed_router(selection_bias: bool) -> Router:
+    """8 experts, top 2, whose weights send most tokens to experts 0 and 1."""
+    router = Router(16, 8, 2, norm_topk_prob=True, selection_bias=selection_bias)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(8, 16, generator=torch.Generator().manual_seed(0)) * 0.1)
+        router.weight[:2] += 0.2  # inputs below are positive on average: experts 0 and 1 win
+    return router
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_bias_chooses_and_the_scores_weigh():
+    router = collapsed_router(selection_bias=True)
+    x = torch.rand(32, 16, generator=torch.Generator().manual_seed(1))
+    router.selection_bias[5:7] = 10.0  # far above any sigmoid score difference
+    weights, indices, _ = router(x)
+    assert (indices.sort(dim=1).values == torch.tensor([5, 6])).all()
+    scores = torch.sigmoid(x @ router.weight.T)[:, 5:7]
+    torch.testing.assert_close(weights.sort(dim=1).values, (scores / scores.sum(1, keepdim=True)).sort(dim=1).values)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_bias_updates_balance_a_collapsed_router():
+    router = collapsed_router(selection_bias=True)
+    x = torch.rand(512, 16, generator=torch.Generator().manual_seed(1))
+
+    def load() -> torch.Tensor:
+        router(x)
+        return router.tokens_per_expert.float() / router.tokens_per_expert.float().mean()
+    before = load()
+    assert before.max() > 3 and before.min() == 0
+    loads = []
+    for _ in range(400):  # the sign rule ends oscillating around balance: judge the mean of the last steps
+        loads.append(load())
+        update_selection_bias({0: router}, router.tokens_per_expert.float().unsqueeze(0), rate=0.002)
+    after = torch.stack(loads[-100:]).mean(0)
+    assert after.max() < 1.1 and after.min() > 0.9, after
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_bias_update_is_the_sign_rule():
+    router = Router(4, 4, 1, norm_topk_prob=False, selection_bias=True)
+    update_selection_bias({1: router}, torch.tensor([[9.0, 9, 9, 9], [1.0, 2, 3, 6]]), rate=0.1)  # mean 3
+    torch.testing.assert_close(router.selection_bias, torch.tensor([0.1, 0.1, 0.0, -0.1]))
+
+
+class TwoRouters(torch.nn.Module):
+    """named_modules() like a Flint with MoE layers 1 and 2: layers.<i>.mlp.router."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({str(i): torch.nn.Module() for i in (1, 2)})
+        for layer in self.layers.values():
+            layer.mlp = torch.nn.Module()
+            layer.mlp.router = Router(4, 4, 1, norm_topk_prob=False)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_loads_and_one_warning_per_idle_streak(capsys):
+    config = FlintConfig.from_name("tiny", num_hidden_layers=3, mlp_only_layers=[0], num_experts=4, num_experts_per_tok=1)
+    model = TwoRouters()
+    monitor = RoutingMonitor(model, config, torch.device("cpu"), idle_steps=3)
+    model.layers["1"].mlp.router.tokens_per_expert.copy_(torch.tensor([4.0, 4, 4, 4]))
+    model.layers["2"].mlp.router.tokens_per_expert.copy_(torch.tensor([8.0, 6, 2, 0]))
+    for step in range(1, 6):
+        monitor.after_step(step)
+    stats = monitor.stats()
+    assert stats == {"1": {"max_load": 1.0, "min_load": 1.0, "tokens": [4, 4, 4, 4]},
+                     "2": {"max_load": 2.0, "min_load": 0.0, "tokens": [8, 6, 2, 0]}}
+    assert worst_layer(stats) == " | experts max/min load 2.00/0.00 (layer 2)"
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert warnings == ["WARNING: step 3: layer 2: expert(s) 3 received no tokens for 3 steps in a row (routing "
+                        "collapse: see the README's Load balancing)"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_training_with_the_bias_resumes_exactly_and_is_not_exported(tmp_path):
+    bias = ["--model.router_bias_update_rate=0.01", "--training.steps=4", "--logging.every=1",
+            "--training.sample_tokens=0"]
+    run_debug(tmp_path / "whole", *bias, "--checkpoint.every=2")
+    step2 = tmp_path / "whole" / "ckpt" / "run_0001" / "step_00000002"
+    run_debug(tmp_path / "resumed", *bias, f"--checkpoint.resume={step2}")
+    whole, resumed = train_losses(tmp_path / "whole"), train_losses(tmp_path / "resumed")
+    assert resumed == {3: whole[3], 4: whole[4]}  # the saved biases route steps 3 and 4 the same way
+    model = convert.load_native(tmp_path / "whole" / "ckpt" / "run_0001" / "step_00000004")
+    bias_values = model.layers["2"].mlp.router.selection_bias
+    assert bias_values.abs().max() == pytest.approx(0.04)  # four steps of 0.01 for the most starved expert
+    with pytest.raises(ConfigError, match=r"export_hf cannot export a model with \[model\].router_bias_update_rate"):
+        run_debug(tmp_path / "export", *bias, f"--checkpoint.export_hf={tmp_path / 'hf'}")
+    with pytest.raises(ValueError, match=r"per-expert selection bias .* the published format has no place for"):
+        convert.export_published(convert.NativeDir(step2), model.config, tmp_path / "hf")

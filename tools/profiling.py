@@ -26,8 +26,8 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from decoder import HEAD_PRECISIONS, Head
-from models import FAMILIES
+from layers import HEAD_PRECISIONS, Head
+from registry import FAMILIES, family
 from moe import GroupedExperts, Router, SwiGLU
 
 
@@ -86,7 +86,7 @@ def peak_memory(device: torch.device) -> int:
 # is found through the autograd sequence numbers of the ops it ran. Innermost range wins.
 RANGE = "bench/"
 # Each family's own module kinds (models.py), then the shared ones.
-TIMED_MODULES = tuple(kind for family in FAMILIES.values() for kind in family.timed_modules) + (
+TIMED_MODULES = tuple(kind for name in FAMILIES for kind in family(name).timed_modules) + (
     (Router, "router"), (GroupedExperts, "routed experts"), (SwiGLU, "dense MLP + shared expert"),
     (Head, "head + loss"))
 OPTIMIZER = "optimizer (clip + AdamW)"
@@ -346,7 +346,7 @@ def print_head_precision(vocab: int = 150144, hidden: int = 2048, tokens: int = 
 # ============================================================================= comparisons
 
 class NotApplicable(Exception):
-    """A comparison the model's family does not have (models.Family.baselines): bench.py shows its
+    """A comparison the model's family does not have (tools/<family>_baselines.py): bench.py shows its
     row as skipped."""
 
 

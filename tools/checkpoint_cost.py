@@ -1,6 +1,6 @@
 """The step-time cost of a checkpoint, synchronous against [checkpoint].async_save:
 
-    python3 scripts/checkpoint_cost.py --config configs/debug.toml --steps 40 --every 5 --rounds 3
+    python3 -m tools.checkpoint_cost --config configs/debug.toml --steps 40 --every 5 --rounds 3
 
 train.py's main on the config, saving every `every` steps, in rotation: saving only at the end, then
 synchronously, then asynchronously, `rounds` times. Each Checkpointer.save is timed on the main thread
@@ -11,14 +11,12 @@ only at the end. Everything is written under a temporary directory.
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import checkpoint  # noqa: E402
-import train  # noqa: E402
+import checkpoint
+import train
 
 MODES = {"at the end only": ("0", "false"), "sync": (None, "false"), "async": (None, "true")}
 

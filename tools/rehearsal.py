@@ -57,9 +57,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import attention
 import train
 from config import ConfigError, TrainConfig
-from decoder import token_ids_checked_at_load
+from layers import token_ids_checked_at_load
 from devices import targeting
-from memory import GPU_GIB as MEMORY_GPU_GIB, memory_per_gpu
+from tools.memory import GPU_GIB as MEMORY_GPU_GIB, memory_per_gpu
 from parallel import Run, close_distributed
 
 GIB = 2 ** 30
@@ -265,9 +265,11 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
 
 def where_in_repository(error: BaseException) -> str:
     """The innermost line of this repository's code that the error passed through: file:line (function)."""
+    root = Path(__file__).resolve().parent.parent
     ours = [frame for frame in traceback.extract_tb(error.__traceback__)
-            if Path(frame.filename).parent == Path(__file__).parent and Path(frame.filename) != Path(__file__)]
-    return f"{Path(ours[-1].filename).name}:{ours[-1].lineno}, {ours[-1].name}" if ours else "in torch"
+            if Path(frame.filename).resolve().parent in (root, root / "tools")
+            and Path(frame.filename).resolve() != Path(__file__).resolve()]
+    return f"{Path(ours[-1].filename).relative_to(root)}:{ours[-1].lineno}, {ours[-1].name}" if ours else "in torch"
 
 
 class Phases:
