@@ -7,8 +7,8 @@ checkpoint, one tensor at a time.
 The native checkpoint is what train.py saves and resumes from: a torch.distributed.checkpoint
 directory whose state dict holds {"model": <native state dict>, optional "optimizer", "train"}, plus
 config.json. config.json's model_type picks the model family; each family declares its published key
-table beside the model (Flint: flint_hf.py and SPEC.md; Mistral Large 4: large4_hf.py and LARGE4.md),
-named by models.py's registry.
+table beside the model (Flint: model.py and SPEC.md; Mistral Large 4: large4_config.py and LARGE4.md),
+reached through registry.py.
 Published tensors outside the model (Large 4's vision tower and draft head) are "extras": to-native
 keeps them under "extra" in the DCP checkpoint, to-hf and save_hf write them back, never dropped.
 FP8 block-scaled weights (the Large 4 release) are dequantized on import; exports are BF16/FP16/FP32.
@@ -49,7 +49,7 @@ Config = ModelConfig
 
 
 def layout_of(config: Config) -> Layout:
-    """The published layout of the config's model family (models.py's registry)."""
+    """The published layout of the config's model family (registry.py)."""
     return family_of(config).layout
 
 
@@ -202,8 +202,10 @@ def native_to_hf(native_state: dict[str, torch.Tensor], config: Config) -> dict[
 
 # ============================================================================= output directories
 
-def _write_config(directory: Path, config: Config, dtype: torch.dtype | None = None) -> None:
-    hf_config = config.to_hf_config()  # never a quantization_config: the configs ignore it, nothing is FP8
+def _write_config(directory: Path, config: Config, dtype: torch.dtype | None = None, published: bool = False) -> None:
+    """config.json: the family's published form for an export (published_config), else the config's own."""
+    writer = layout_of(config).published_config if published else None
+    hf_config = (writer or type(config).to_hf_config)(config)  # never a quantization_config: nothing is FP8
     if dtype is not None:
         hf_config["dtype"] = str(dtype).removeprefix("torch.")
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
@@ -261,7 +263,7 @@ def export_published(source: Source, config: Config, out: str | Path, dtype: tor
         total = sum(e.nbytes for e in entries)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        _write_config(tmp, config, dtype or dtypes["embed_tokens.weight"])
+        _write_config(tmp, config, dtype or dtypes["embed_tokens.weight"], published=True)
     written = sorted({str(e.dtype).removeprefix("torch.") for e in entries})
     log(f"wrote {' and '.join(written)} tensors, {len(extras.meta) if extras else 0} of them extras "
         f"(nothing is FP8: an FP8 source was dequantized on import and is not re-quantized)")

@@ -41,8 +41,8 @@ class Part:
 
 @dataclass(frozen=True)
 class Layout:
-    """A model family's published checkpoint layout, declared beside the model (flint_hf.py,
-    large4_hf.py) and named by models.py's registry: everything a conversion needs to know of it."""
+    """A model family's published checkpoint layout, declared beside the model (model.py, large4_config.py)
+    and reached through registry.py: everything a conversion needs to know of it."""
 
     table: Callable[[Any, dict, set[str]], dict[str, list[Part]]]  # (config, native meta, keys present) -> table
     fp32_suffixes: tuple[str, ...]  # native keys the model keeps in FP32
@@ -52,6 +52,8 @@ class Layout:
     # (source, config.json, its path, dtype, keep_fp32) -> the source read dequantized
     dequantize: Callable[..., Source] | None = None
     missing_fields: Callable[[Any, dict], list[str]] | None = None  # published fields config.json leaves out
+    # config -> the config.json an export writes (default: config.to_hf_config())
+    published_config: Callable[[Any], dict] | None = None
 
 
 def published_view(native: torch.Tensor, part: Part) -> torch.Tensor:

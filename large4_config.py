@@ -345,8 +345,18 @@ PRESETS: dict[str, dict] = {
 
 # ============================================================================= the published checkpoint layout
 
+# The parts of a published checkpoint outside the text model, under both spellings: Mistral's names (the
+# release, and what transformers writes for a tower it loaded under them) and transformers' own (what its
+# save_pretrained writes for a tower it initialised itself), and the draft head.
 EXTRA_PREFIXES = ("vision_encoder.", "patch_merger.", "pre_mm_projector_norm.", "vision_language_adapter.",
-                  "mtp_dspark.")
+                  "model.vision_tower.", "model.multi_modal_projector.", "mtp_dspark.")
+# The smallest vision part transformers accepts, for a config.json whose model has none (one trained here
+# from fresh weights): without one, transformers' MistralLarge4ForConditionalGeneration builds its default
+# vision tower, 1.65B parameters around a text model of a few million. This one, with its projector onto
+# the text model's width, has about 20,000 for large4-tiny; transformers
+# initialises its weights (they are not in the export: flint trains the text model only).
+PLACEHOLDER_VISION = dict(model_type="pixtral", hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                          num_attention_heads=1, head_dim=16, image_size=16, patch_size=16)
 # Native keys the model keeps in FP32 (a checkpoint may hold them in FP32 or in the bulk dtype).
 FP32_SUFFIXES = ("rotary.alpha", "mlp.router.weight", "lm_head.weight", "indexer.weights_proj.weight",
                  "indexer.k_norm.weight", "indexer.k_norm.bias")
@@ -405,6 +415,14 @@ def published_layout(meta: dict[str, torch.Tensor], present: set[str] | None = N
     """Native key -> its published parts. With `present` (a source's keys), in the form that source uses."""
     present = present or set()
     return {key: published_parts(key, t.shape, fused=key in present) for key, t in meta.items()}
+
+
+def published_config(config: Large4Config) -> dict:
+    """The config.json an export writes: the composite config, with PLACEHOLDER_VISION where the model
+    came with no vision part of its own."""
+    hf_config = config.to_hf_config()
+    hf_config.setdefault("vision_config", dict(PLACEHOLDER_VISION))
+    return hf_config
 
 
 def is_extra(key: str) -> bool:
@@ -497,4 +515,4 @@ def dequantized(source: Source, hf_config: dict, where: str, dtype: torch.dtype,
 
 
 LAYOUT = Layout(lambda config, native, present: published_layout(native, present), FP32_SUFFIXES,
-                PUBLISHED_FP32_SUFFIXES, is_extra, FP8_DTYPES, dequantized)
+                PUBLISHED_FP32_SUFFIXES, is_extra, FP8_DTYPES, dequantized, published_config=published_config)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import convert
-import large4_config as large4_hf
+import large4_config
 from conftest import dequantize_by_hand, quantize
 from large4 import Large4Config
 
@@ -58,7 +58,7 @@ def test_round_trip_hf_native_hf_is_bit_exact_one_tensor_at_a_time(tmp_path, cap
     live = []  # weak references to the storage of every tensor read so far (DCP holds aliases)
     monkeypatch.setattr(convert.SafetensorsDir, "read", tracked(convert.SafetensorsDir.read, live))
     convert.main(["to-native", str(FIXTURES), str(tmp_path / "native")])
-    extras = sum(large4_hf.is_extra(k) for k in published())
+    extras = sum(large4_config.is_extra(k) for k in published())
     assert len(live) == len(published()) and extras == 17  # experts read one by one
     live.clear()
     monkeypatch.setattr(convert.NativeDir, "read", tracked(convert.NativeDir.read, live))
@@ -76,7 +76,7 @@ def test_round_trip_native_hf_native_is_bit_exact(tmp_path, capsys):
     convert.save_native(model, model.config, tmp_path / "native")  # keeps no extras, as training does
     convert.main(["to-hf", str(tmp_path / "native"), str(tmp_path / "text")])
     assert "0 of them extras" in capsys.readouterr().out
-    assert not any(large4_hf.is_extra(k) for k in read_published(tmp_path / "text"))
+    assert not any(large4_config.is_extra(k) for k in read_published(tmp_path / "text"))
     convert.main(["to-hf", str(tmp_path / "native"), str(tmp_path / "hf"), "--extras-from", str(FIXTURES)])
     convert.main(["to-native", str(tmp_path / "hf"), str(tmp_path / "again")])
     assert_bit_exact(convert.load_native(tmp_path / "again").state_dict(), model.state_dict())
@@ -93,7 +93,7 @@ def test_hf_to_native_refuses_extras_by_name():
     model = convert.load_hf(FIXTURES)
     with pytest.raises(ValueError, match="'mtp_dspark.layers.0.attention.wq.weight' is not part of the text model"):
         convert.hf_to_native(published(), model.config)
-    text = {k: v for k, v in published().items() if not large4_hf.is_extra(k)}
+    text = {k: v for k, v in published().items() if not large4_config.is_extra(k)}
     assert_bit_exact(convert.hf_to_native(text, model.config), model.state_dict())
     assert_bit_exact(convert.native_to_hf(model.state_dict(), model.config), text)
 
@@ -136,7 +136,7 @@ def fp8_checkpoint(directory: Path, block=(16, 32), scale_suffix=".qscale_weight
     """The fixture with every 2-D text matrix except router and embeddings in FP8 -> (dir, want)."""
     state, want = published(), {}
     for key in list(state):
-        if key.endswith(".weight") and state[key].dim() == 2 and not large4_hf.is_extra(key) \
+        if key.endswith(".weight") and state[key].dim() == 2 and not large4_config.is_extra(key) \
                 and not key.endswith(("gate.weight", "tok_embeddings.weight", "output.weight")):
             quantized, scale = quantize(state[key], block)
             state[key], state[key.removesuffix(".weight") + scale_suffix] = quantized, scale
@@ -172,7 +172,7 @@ def test_fp8_import_then_export_writes_bfloat16_without_quantization_config(tmp_
     assert "wrote bfloat16 and float32 tensors" in said[-1] and "nothing is FP8" in said[-1]
     written = read_published(tmp_path / "hf")
     assert written["layers.1.attention.wq.weight"].dtype == torch.bfloat16
-    assert not any(k.endswith(large4_hf.SCALE_SUFFIXES) for k in written)
+    assert not any(k.endswith(large4_config.SCALE_SUFFIXES) for k in written)
     assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
 
 
@@ -191,3 +191,35 @@ def test_bad_fp8_checkpoints_name_the_key(tmp_path, edit, message):
     with pytest.raises(ValueError, match=message):
         convert.load_hf(write_checkpoint(directory, state, config))
 
+
+
+SAVED = Path(__file__).parent / "fixtures" / "large4_saved"
+
+
+def test_what_transformers_writes_back_converts_and_gives_its_logits(tmp_path):
+    """tests/make_large4_saved_fixture.py: flint's export loaded by transformers and written back by its
+    save_pretrained, which names the vision tower it initialised `model.vision_tower.*` (transformers' own
+    spelling of the parts the text model does not use). to-native carries them through as extras, and the
+    text model gives transformers' logits."""
+    saved_keys = set(load_file(SAVED / "model.safetensors"))
+    assert any(key.startswith("model.vision_tower.") for key in saved_keys)
+    convert.main(["to-native", str(SAVED), str(tmp_path / "native")])
+    model = convert.load_native(tmp_path / "native")
+    expected = load_file(SAVED / "expected.safetensors")
+    with torch.no_grad():
+        torch.testing.assert_close(model(expected["input_ids"]), expected["logits"], rtol=1e-4, atol=1e-4)
+    convert.main(["to-hf", str(tmp_path / "native"), str(tmp_path / "again")])
+    assert set(read_published(tmp_path / "again")) == saved_keys
+
+
+def test_an_export_without_a_vision_part_names_the_smallest_one(tmp_path):
+    """A model trained here has no vision tower: the export's config.json gives transformers the placeholder
+    (large4_config.PLACEHOLDER_VISION), not nothing, from which it would build its 1.65B default tower."""
+    from layers import build
+    from large4 import MistralLarge4
+    config = Large4Config.from_name("large4-tiny")
+    convert.save_hf(build(MistralLarge4, config), tmp_path / "export")
+    written = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert written["vision_config"] == large4_config.PLACEHOLDER_VISION
+    assert written["architectures"] == ["MistralLarge4ForConditionalGeneration"]
+    assert config.to_hf_config().get("vision_config") is None  # the native config.json keeps its own composite
