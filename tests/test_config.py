@@ -21,8 +21,8 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 # The world size each config's comment runs it with (torchrun --nproc-per-node x --nnodes).
-WORLD_SIZES = {"smoke": 1, "debug": 1, "finetune": 8, "flint": 64, "flint-8gpu": 8, "flint-multinode": 32,
-               "large4-smoke": 1, "large4": 256, "large4-256gpu": 256}
+WORLD_SIZES = {"smoke": 1, "sft-smoke": 1, "debug": 1, "finetune": 8, "flint": 64, "flint-8gpu": 8,
+               "flint-multinode": 32, "large4-smoke": 1, "large4": 256, "large4-256gpu": 256}
 
 
 def test_every_config_file_loads_and_its_layout_fits(tmp_path):
