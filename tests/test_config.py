@@ -67,6 +67,7 @@ def test_overrides_are_typed_toml_values(tmp_path):
 
 @pytest.mark.parametrize("text, overrides, message", [
     ('[model]\npreset = "tiny"\n[training]\nstepz = 3\n', [], r"run.toml: unknown key \[training\].stepz"),
+    ('[model]\npreset = "tiny"\n[data]\noverlong = "cut"\n', [], r'run.toml: \[data\].overlong must be "truncate" or "drop"'),
     ('[model]\npreset = "tiny"\n[training]\nsteps = "3"\n', [], r"run.toml: \[training\].steps must be int, got str"),
     ('[model]\npreset = "tiny"\n[parallel]\ncompile = 1\n', [], r"\[parallel\].compile must be bool, got int"),
     ('[model]\npreset = "tiny"\n[training]\ncompile = true\n', [], r"unknown key \[training\].compile"),
