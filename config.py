@@ -59,6 +59,7 @@ class DataSection:
     seq_len: int = 256  # tokens per row
     val_fraction: float = 0.05  # of the documents, held out for validation
     epochs: int = 1  # passes over the training documents that a run may take
+    overlong: str = "truncate"  # a conversation longer than seq_len: truncate (keep its first seq_len tokens) | drop
 
 
 @dataclass
@@ -377,6 +378,7 @@ def validate(cfg: TrainConfig) -> None:
          f"be in [1, max_position_embeddings = {cfg.model_config.max_position_embeddings}]"),
         ("data.val_fraction", 0 <= d.val_fraction < 1, "be in [0, 1)"),
         ("data.epochs", d.epochs >= 1, "be >= 1"),
+        ("data.overlong", d.overlong in ("truncate", "drop"), 'be "truncate" or "drop"'),
         ("optim.name", o.name in ("adamw", "muon"), "be adamw or muon"),
         ("optim.lr", o.lr > 0, "be > 0"),
         ("optim.muon_lr", o.muon_lr > 0, "be > 0"),

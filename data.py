@@ -9,7 +9,14 @@ padded). A document cut by a row boundary continues in the next row. doc_ids tel
 documents begin, so attention never crosses them, and a target that belongs to the next document is
 -100: no token is predicted from another document's context.
 
-Command line: `python data.py prepare INPUT... --out DIR [--tokenizer byte] [--extensions txt,md,jsonl]`.
+Conversations and prompt/completion pairs (JSONL lines with "messages", or "prompt" and "completion":
+chat.py) are stored with a loss mask beside their tokens, and only the assistant's tokens are targets
+(-100 elsewhere, so they are neither trained on nor counted). Data with conversations is packed whole:
+each row holds whole documents (best-fit, chat.pack_rows, fixed for the data), a document longer than
+seq_len is truncated or dropped (data.overlong), and each epoch shuffles the rows.
+
+Command line: `python data.py prepare INPUT... --out DIR [--tokenizer byte] [--extensions txt,md,jsonl]
+[--seq-len N --overlong truncate|drop]` (the last two only report what a run would fit).
 """
 
 from __future__ import annotations
@@ -26,12 +33,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from chat import ChatEncoder, ChatError, Conversation, Pair, WholeRows, chat_summary, read_example, template_of
 from files import read_json_object, remove_stale_temporaries, sync_rename
 from tokenizer import END_OF_TEXT, Tokenizer, TokenizerError, load_tokenizer
 
 # The Python Language Reference topics that CPython ships as pydoc_data/topics.py (see data/README.md).
 EMBEDDED_CORPUS = Path(__file__).resolve().parent / "data" / "python_reference.jsonl"
 SHARDS_FORMAT = "flint-token-shards-v1"
+MASKED_FORMAT = "flint-token-shards-v2"  # v1 plus a loss mask per shard (mask_NNNNN.bin, uint8 per token)
+OVERLONG = ("truncate", "drop")  # data.overlong: what a conversation longer than seq_len becomes
 SPLIT_SEED = 1234  # fixed, so the validation documents do not change with the training seed
 
 
@@ -75,9 +85,10 @@ def source_files(paths: Path | list[Path], suffixes: tuple[str, ...] | None = TE
     return files, ignored
 
 
-def iter_documents(files: list[Path], text_key: str, binary: list[Path]) -> Iterator[str]:
-    """A .jsonl file holds one document per line in field `text_key`; any other file is one document.
-    Binary files (a NUL byte, or not UTF-8) are appended to `binary` and skipped."""
+def iter_documents(files: list[Path], text_key: str, binary: list[Path]) -> Iterator[str | Conversation | Pair]:
+    """A .jsonl file holds one document per line: a conversation ("messages"), a prompt/completion pair
+    (chat.read_example), or text in field `text_key`; any other file is one document. Binary files (a
+    NUL byte, or not UTF-8) are appended to `binary` and skipped."""
     for path in files:
         if path.suffix != ".jsonl":
             text = _read_text(path)
@@ -91,16 +102,23 @@ def iter_documents(files: list[Path], text_key: str, binary: list[Path]) -> Iter
                 yield from _jsonl_record(line, path, number, text_key)
 
 
-def _jsonl_record(line: bytes, path: Path, number: int, text_key: str) -> Iterator[str]:
+def _jsonl_record(line: bytes, path: Path, number: int, text_key: str) -> Iterator[str | Conversation | Pair]:
     if not line.strip():
         return
     try:
-        text = json.loads(line.decode("utf-8"))[text_key]
+        record = json.loads(line.decode("utf-8"))
+        example = read_example(record, f"{path}:{number}") if isinstance(record, dict) else None
+        if example is not None:
+            yield example
+            return
+        text = record[text_key]
+    except ChatError as error:
+        raise DataError(str(error)) from None
     except UnicodeDecodeError as error:
         raise DataError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start} of the line)") from error
     except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise DataError(f"{path}:{number}: expected a JSON object with a string field "
-                        f"{text_key!r} (data.text_key): {error!r}") from error
+        raise DataError(f"{path}:{number}: expected a JSON object with a string field {text_key!r} (data.text_key), "
+                        f"'messages' (a conversation), or 'prompt' and 'completion': {error!r}") from error
     except RecursionError:  # json's decoder recurses once per level of nesting
         raise DataError(f"{path}:{number}: expected a JSON object with a string field {text_key!r} "
                         f"(data.text_key): the line nests arrays or objects too deeply to read") from None
@@ -130,6 +148,7 @@ def prepare(source: Path | list[Path], tokenizer: Tokenizer, out_dir: Path, text
     out_dir/tokens_00000.bin   token ids (uint16, or uint32 for vocabularies over 65536), documents
                                back to back, each ending with the eos token
     out_dir/docs_00000.npy     int64 [docs + 1]: where each document of that shard starts, then the end
+    out_dir/mask_00000.bin     with conversations or pairs only: uint8 per token, 1 where it is a target
     out_dir/meta.json          written last: format, tokenizer fingerprint, counts, shard names
     """
     files, ignored = source_files(source, suffixes)
@@ -142,8 +161,13 @@ def prepare(source: Path | list[Path], tokenizer: Tokenizer, out_dir: Path, text
     try:
         writer = ShardWriter(tmp, np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32, shard_tokens)
         batch: list[str] = []
+        chat = ChatEncoder(tokenizer)
         for text in iter_documents(files, text_key, binary):
-            if len(text) > PIECE_CHARS and text.strip():  # tokens of a long document stream to the shard
+            if not isinstance(text, str):  # a conversation or a pair, in its place among the documents
+                writer.add(tokenizer.encode_documents(batch))
+                batch = []
+                writer.add(*encoded(chat, text))
+            elif len(text) > PIECE_CHARS and text.strip():  # tokens of a long document stream to the shard
                 writer.add_pieces(encode_in_pieces(text, tokenizer))
             elif text.strip():
                 batch.append(text)
@@ -155,9 +179,11 @@ def prepare(source: Path | list[Path], tokenizer: Tokenizer, out_dir: Path, text
             raise DataError(f"data.path {source}: no documents with text in {len(files)} file(s)"
                             + (f"; {len(binary)} binary file(s) skipped: {', '.join(map(str, binary[:3]))}"
                                if binary else ""))
+        chat_meta = {"chat_template": chat.template.origin, "chat_template_digest": chat.template.digest,
+                     **chat.counts} if writer.masked else {}
         writer.finish({"tokenizer": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
                        "eos_id": tokenizer.eos_id, "sources": [str(f) for f in files if f not in binary],
-                       "skipped_binary": [str(f) for f in binary], "skipped_by_extension": ignored})
+                       "skipped_binary": [str(f) for f in binary], "skipped_by_extension": ignored, **chat_meta})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
         raise
@@ -166,6 +192,14 @@ def prepare(source: Path | list[Path], tokenizer: Tokenizer, out_dir: Path, text
     else:
         sync_rename(tmp, out_dir)
     return out_dir
+
+
+def encoded(chat: ChatEncoder, example: Conversation | Pair) -> tuple[list[list[int]], list[np.ndarray]]:
+    try:
+        ids, mask = chat.encode(example)
+    except ChatError as error:
+        raise DataError(str(error)) from None
+    return [ids], [mask]
 
 
 # Documents longer than this many characters are tokenized piece by piece: a 50 MB single-line
@@ -197,22 +231,27 @@ def whitespace_run_start(text: str, low: int, high: int) -> int | None:
 
 
 class ShardWriter:
-    """Appends tokenized documents to shard files; a document never spans two shards."""
+    """Appends tokenized documents to shard files; a document never spans two shards. From the first
+    document with a loss mask on, every shard gets a mask file (ones for text documents)."""
 
     def __init__(self, directory: Path, dtype: type, shard_tokens: int):
         self.directory, self.dtype, self.shard_tokens = directory, np.dtype(dtype), shard_tokens
         self.shards: list[str] = []
         self.num_docs = self.num_tokens = 0
-        self._file = None
+        self.masked = False
+        self._file = self._mask_file = None
         self._starts: list[int] = []
 
-    def add(self, documents: list[list[int]]) -> None:
-        for ids in documents:
+    def add(self, documents: list[list[int]], masks: list[np.ndarray] | None = None) -> None:
+        for ids, mask in zip(documents, masks or [None] * len(documents)):
             shard_full = len(self._starts) > 1 and self._starts[-1] + len(ids) > self.shard_tokens
             if self._file is None or shard_full:
                 self._close_shard()
                 self._open_shard()
+            if mask is not None and self._mask_file is None:
+                self._start_masks()
             self._file.write(np.asarray(ids, dtype=self.dtype).tobytes())
+            self._write_mask(len(ids), mask)
             self._starts.append(self._starts[-1] + len(ids))
             self.num_docs += 1
             self.num_tokens += len(ids)
@@ -225,6 +264,7 @@ class ShardWriter:
         length = 0
         for ids in pieces:
             self._file.write(np.asarray(ids, dtype=self.dtype).tobytes())
+            self._write_mask(len(ids), None)
             length += len(ids)
         self._starts.append(self._starts[-1] + length)
         self.num_docs += 1
@@ -232,21 +272,40 @@ class ShardWriter:
 
     def finish(self, meta: dict) -> None:
         self._close_shard()
-        meta = {"format": SHARDS_FORMAT, "dtype": self.dtype.name, "num_docs": self.num_docs,
-                "num_tokens": self.num_tokens, "shards": self.shards, **meta}
+        for name in self.shards if self.masked else []:  # shards closed before the first mask: all targets
+            if not (self.directory / f"mask_{name}.bin").exists():
+                tokens = (self.directory / f"tokens_{name}.bin").stat().st_size // self.dtype.itemsize
+                with open(self.directory / f"mask_{name}.bin", "wb") as file:
+                    for start in range(0, tokens, 1 << 24):
+                        file.write(np.ones(min(1 << 24, tokens - start), np.uint8).tobytes())
+        meta = {"format": MASKED_FORMAT if self.masked else SHARDS_FORMAT, "dtype": self.dtype.name,
+                "num_docs": self.num_docs, "num_tokens": self.num_tokens, "shards": self.shards, **meta}
         (self.directory / "meta.json").write_text(json.dumps(meta, indent=1))
+
+    def _start_masks(self) -> None:
+        """The first masked document: this shard's earlier (text) documents get masks of ones."""
+        self.masked = True
+        self._mask_file = open(self.directory / f"mask_{self.shards[-1]}.bin", "wb")
+        self._mask_file.write(np.ones(self._starts[-1], np.uint8).tobytes())
+
+    def _write_mask(self, length: int, mask: np.ndarray | None) -> None:
+        if self._mask_file is not None:
+            self._mask_file.write((np.ones(length, np.uint8) if mask is None else np.asarray(mask, np.uint8)).tobytes())
 
     def _open_shard(self) -> None:
         name = f"{len(self.shards):05d}"
         self.shards.append(name)
         self._file = open(self.directory / f"tokens_{name}.bin", "wb")
+        self._mask_file = open(self.directory / f"mask_{name}.bin", "wb") if self.masked else None
         self._starts = [0]
 
     def _close_shard(self) -> None:
         if self._file is not None:
             self._file.close()
+            if self._mask_file is not None:
+                self._mask_file.close()
             np.save(self.directory / f"docs_{self.shards[-1]}.npy", np.asarray(self._starts, dtype=np.int64))
-            self._file = None
+            self._file = self._mask_file = None
 
 
 def prepared_dir(source: Path, tokenizer: Tokenizer, cache_dir: Path, text_key: str) -> Path:
@@ -254,7 +313,7 @@ def prepared_dir(source: Path, tokenizer: Tokenizer, cache_dir: Path, text_key: 
     directory, else a cache entry keyed by the files (path, size, mtime) and the tokenizer."""
     if (source / "meta.json").is_file():
         return source
-    key = hashlib.sha256(json.dumps([SHARDS_FORMAT, tokenizer.fingerprint, text_key] + [
+    key = hashlib.sha256(json.dumps([SHARDS_FORMAT, tokenizer.fingerprint, text_key, template_of(tokenizer).digest] + [
         (str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in source_files(source)[0]]).encode())
     return cache_dir / f"{source.stem}-{key.hexdigest()[:16]}"
 
@@ -262,17 +321,25 @@ def prepared_dir(source: Path, tokenizer: Tokenizer, cache_dir: Path, text_key: 
 # ============================================================================= reading shards
 
 class TokenShards:
-    """Prepared shards as one list of documents: document(i) is a memmap view, no copy."""
+    """Prepared shards as one list of documents: document(i) is a memmap view, no copy; with conversations
+    (`masked`), loss_mask(i) is its mask the same way."""
 
     def __init__(self, directory: Path, tokenizer: Tokenizer | None = None):
         self.meta = read_meta(directory / "meta.json")
+        self.masked = self.meta["format"] == MASKED_FORMAT
         if tokenizer is not None and self.meta["tokenizer"] != tokenizer.fingerprint:
             raise DataError(f"{directory} was prepared with tokenizer {self.meta['tokenizer']}, but this run "
                             f"uses {tokenizer.fingerprint}; prepare it again or change data.tokenizer")
-        self.tokens, shard_of, starts, ends = [], [], [], []
+        if tokenizer is not None and self.masked and self.meta.get("chat_template_digest") != template_of(tokenizer).digest:
+            raise DataError(f"{directory} holds conversations rendered with the chat template of "
+                            f"{self.meta.get('chat_template')}, but this run's tokenizer has another one "
+                            f"({template_of(tokenizer).origin}); prepare the data again")
+        self.tokens, self.masks, shard_of, starts, ends = [], [], [], [], []
         for index, name in enumerate(self.meta["shards"]):
             tokens, bounds = read_shard(directory, name, self.meta["dtype"])
             self.tokens.append(tokens)
+            if self.masked:
+                self.masks.append(read_mask(directory / f"mask_{name}.bin", len(tokens)))
             shard_of.append(np.full(len(bounds) - 1, index, dtype=np.int32))
             starts.append(bounds[:-1])
             ends.append(bounds[1:])
@@ -290,6 +357,11 @@ class TokenShards:
         start = self.doc_start[i]
         return self.tokens[self.doc_shard[i]][start:start + self.doc_len[i]]
 
+    def loss_mask(self, i: int) -> np.ndarray:
+        """uint8 [doc_len[i]]: 1 where the token is a target (the assistant's); masked shards only."""
+        start = self.doc_start[i]
+        return self.masks[self.doc_shard[i]][start:start + self.doc_len[i]]
+
 
 # meta.json's keys that reading shards needs, with the type each must have.
 META_KEYS = {"tokenizer": str, "dtype": str, "vocab_size": int, "shards": list}
@@ -301,8 +373,8 @@ def read_meta(path: Path) -> dict:
         meta = read_json_object(path)
     except ValueError as error:
         raise DataError(f"{error}: not a prepared data directory; prepare the data again") from None
-    if meta.get("format") != SHARDS_FORMAT:
-        raise DataError(f"{path}: format {meta.get('format')!r}, expected {SHARDS_FORMAT!r}")
+    if meta.get("format") not in (SHARDS_FORMAT, MASKED_FORMAT):
+        raise DataError(f"{path}: format {meta.get('format')!r}, expected {SHARDS_FORMAT!r} or {MASKED_FORMAT!r}")
     for key, kind in META_KEYS.items():
         if not isinstance(meta.get(key), kind):
             found = f"has {key!r} = {meta[key]!r:.40}" if key in meta else f"lacks key {key!r}"
@@ -333,6 +405,15 @@ def read_shard(directory: Path, name: str, dtype: str) -> tuple[np.ndarray, np.n
         raise DataError(f"{tokens_file} holds {len(tokens)} tokens but {docs_file.name} ends at "
                         f"{bounds[-1] if bounds.size else 'nothing'}: the shard is damaged, prepare again")
     return tokens, bounds
+
+
+def read_mask(file: Path, num_tokens: int) -> np.ndarray:
+    """A shard's loss mask (a memmap), one byte per token of the shard."""
+    size = file.stat().st_size if file.is_file() else None
+    if size != num_tokens:
+        found = "missing" if size is None else f"{size} bytes for the shard's {num_tokens} tokens"
+        raise DataError(f"{file}: {found}; the prepared directory is damaged, prepare the data again")
+    return np.memmap(file, dtype=np.uint8, mode="r")
 
 
 def check_token_range(file: Path, tokens: np.ndarray, vocab_size: int) -> None:
@@ -367,11 +448,15 @@ class PackedLoader:
     layout and a position saved by one world size is valid for another. Row g is row g % R of
     epoch g // R (R = rows_per_epoch); an epoch shuffles the document order with (seed, epoch).
     The state is one integer, the next global row, so a restart resumes at the exact token.
+
+    Shards with conversations (masked) are packed whole instead (chat.WholeRows: rows packed once, a
+    document longer than seq_len truncated or dropped by `overlong`), and an epoch shuffles the rows
+    with (seed, epoch); a target is -100 where the loss mask says the token is not one.
     """
 
     def __init__(self, shards: TokenShards, doc_indices: np.ndarray, seq_len: int, batch_size: int,
                  seed: int, shuffle: bool = True, epochs: int | None = None, rank: int = 0,
-                 world_size: int = 1, name: str = "train"):
+                 world_size: int = 1, name: str = "train", overlong: str = "truncate"):
         if len(doc_indices) == 0:
             raise DataError(f"the {name} split has no documents")
         self.shards, self.docs, self.seq_len, self.batch_size = shards, doc_indices, seq_len, batch_size
@@ -379,8 +464,21 @@ class PackedLoader:
         self.rank, self.world_size = rank, world_size
         self.num_tokens = int(shards.doc_len[doc_indices].sum())
         self.rows_per_epoch = math.ceil(self.num_tokens / seq_len)
+        self.whole = None
+        if shards.masked:
+            self.whole = WholeRows(shards.doc_len[doc_indices], seq_len, overlong,
+                                   lambda i: bool(shards.loss_mask(doc_indices[i])[1:seq_len].any()))
+            if self.whole.num_tokens == 0:
+                raise DataError(f"the {name} split keeps no document: all {len(doc_indices)} are longer than "
+                                f"data.seq_len = {seq_len} and data.overlong = {overlong!r}")
+            self.num_tokens, self.rows_per_epoch = self.whole.num_tokens, self.whole.num_rows
         self.next_row = 0
-        self._epoch_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._epoch_cache: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+
+    def describe(self) -> str:
+        """The split in a few words, for the run's log."""
+        rows = f"{self.name} {self.num_tokens:,} tokens ({self.rows_per_epoch} rows of {self.seq_len})"
+        return rows if self.whole is None else f"{rows}: {self.whole.report()}"
 
     def rows_available(self) -> int | None:
         return None if self.epochs is None else self.epochs * self.rows_per_epoch
@@ -405,9 +503,13 @@ class PackedLoader:
 
     def row(self, g: int) -> dict[str, np.ndarray]:
         """Global row g: tokens at stream positions [s, s + T] of its epoch (s = (g % R) * T);
-        the extra token only serves as the last target."""
+        the extra token only serves as the last target. Packed whole: row order[g % R] of the packing."""
         epoch, start = divmod(g, self.rows_per_epoch)
         order, ends = self._epoch(epoch)
+        if self.whole is not None:  # document i of the row is self.docs[i]
+            tokens, docs, mask = self.whole.fill(int(order[start]), lambda i: self.shards.document(self.docs[i]),
+                                                 lambda i: self.shards.loss_mask(self.docs[i]))
+            return row_arrays(tokens, np.where(docs >= 0, self.docs[np.maximum(docs, 0)], -1), mask)
         stop = start * self.seq_len + self.seq_len + 1
         tokens = np.zeros(self.seq_len + 1, dtype=np.int64)
         docs = np.full(self.seq_len + 1, -1, dtype=np.int64)
@@ -422,17 +524,16 @@ class PackedLoader:
             tokens[offset:offset + n] = self.shards.document(doc)[take]
             docs[offset:offset + n] = doc
             position, k = position + n, k + 1
-        same_doc = (docs[1:] == docs[:-1]) & (docs[:-1] >= 0)
-        return {"input_ids": tokens[:-1], "targets": np.where(same_doc, tokens[1:], -100), "doc_ids": docs[:-1]}
+        return row_arrays(tokens, docs, None)
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(document order [D], cumulative end of each in the epoch's stream [D]), two epochs cached."""
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(document order [D], cumulative end of each in the epoch's stream [D]), two epochs cached;
+        packed whole: (row order [R], None)."""
         if epoch not in self._epoch_cache:
-            order = self.docs
-            if self.shuffle:
-                order = np.random.default_rng([self.seed, epoch]).permutation(self.docs)
+            items = self.docs if self.whole is None else np.arange(self.rows_per_epoch)
+            order = np.random.default_rng([self.seed, epoch]).permutation(items) if self.shuffle else items
             self._epoch_cache = {e: v for e, v in self._epoch_cache.items() if e == epoch - 1}
-            self._epoch_cache[epoch] = (order, np.cumsum(self.shards.doc_len[order]))
+            self._epoch_cache[epoch] = (order, np.cumsum(self.shards.doc_len[order]) if self.whole is None else None)
         return self._epoch_cache[epoch]
 
     def state_dict(self) -> dict[str, int]:
@@ -445,6 +546,15 @@ class PackedLoader:
                             f"{saved[1]} tokens per epoch, but this run has {self.rows_per_epoch} rows of "
                             f"{self.seq_len}: the data or data.seq_len changed since the checkpoint")
         self.next_row = int(state["next_row"])
+
+
+def row_arrays(tokens: np.ndarray, docs: np.ndarray, mask: np.ndarray | None) -> dict[str, np.ndarray]:
+    """[T + 1] tokens, document ids (-1: padding) and loss mask (None: every token) -> a row's input_ids,
+    targets (the next token of the same document where the mask allows it, else -100) and doc_ids, [T] each."""
+    targeted = (docs[1:] == docs[:-1]) & (docs[:-1] >= 0)
+    if mask is not None:
+        targeted &= mask[1:]
+    return {"input_ids": tokens[:-1], "targets": np.where(targeted, tokens[1:], -100), "doc_ids": docs[:-1]}
 
 
 # ============================================================================= command line
@@ -461,6 +571,8 @@ def main(argv: list[str] | None = None) -> None:
     prep.add_argument("--extensions", default=",".join(s[1:] for s in TEXT_SUFFIXES),
                       help="file extensions read from directories, comma-separated, or 'all' (named files are "
                            "always read)")
+    prep.add_argument("--seq-len", type=int, help="with conversations: report how rows of this length hold them")
+    prep.add_argument("--overlong", choices=OVERLONG, default="truncate", help="with --seq-len: as data.overlong")
     args = parser.parse_args(argv)
     if args.out.exists():
         raise DataError(f"--out {args.out} already exists; choose a new directory")
@@ -472,6 +584,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.out}: {shards.num_docs} documents, {int(shards.doc_len.sum()):,} tokens from "
           f"{len(meta['sources'])} file(s) ({args.tokenizer} tokenizer, vocabulary {tokenizer.vocab_size}); skipped "
           f"{len(binary)} binary file(s){named} and {meta['skipped_by_extension']} file(s) by extension")
+    if shards.masked:
+        print(chat_summary(meta))
+    if shards.masked and args.seq_len:
+        rows = PackedLoader(shards, np.arange(shards.num_docs), args.seq_len, 1, 0, name="all", overlong=args.overlong)
+        print(f"with --seq-len {args.seq_len}: {rows.describe()}")
 
 
 if __name__ == "__main__":

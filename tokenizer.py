@@ -3,10 +3,12 @@
     "byte"                        256 byte tokens + <|endoftext|>
     a .tiktoken file              ranks only, split with the cl100k pattern
     a tiktoken encoding name      only if it is already in tiktoken's cache
-    "checkpoint" or a directory   the checkpoint's byte-level BPE tokenizer.json, converted to ranks
+    "checkpoint" or a directory   the checkpoint's byte-level BPE tokenizer.json, converted to ranks,
+                                  with the chat template its tokenizer files carry, if any
 
 `load_tokenizer(spec, eos_token, checkpoint_dir)` picks one and returns a `Tokenizer`: the encoding,
-the id appended to every document, and a fingerprint that prepared shards record.
+the id appended to every document, a fingerprint that prepared shards record, and the chat template
+(chat.py renders conversations with it).
 """
 
 from __future__ import annotations
@@ -34,10 +36,23 @@ class TokenizerError(ValueError):
 
 
 @dataclass(frozen=True)
+class ChatTemplate:
+    """A Jinja chat template as Hugging Face tokenizer files carry it (chat.py renders it)."""
+    source: str  # the Jinja text
+    origin: str  # the file it was read from, or what else made it
+    variables: tuple[tuple[str, str], ...] = ()  # bos_token, eos_token, ...: what the template sees by name
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps([self.source, self.variables]).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
 class Tokenizer:
     encoding: tiktoken.Encoding
     eos_id: int  # appended to every document
     fingerprint: str  # identifies the vocabulary; prepared shards record it
+    chat_template: ChatTemplate | None = None  # the tokenizer files' own; None: chat.py's plain template
 
     @property
     def vocab_size(self) -> int:
@@ -53,13 +68,15 @@ class Tokenizer:
 def load_tokenizer(spec: str, eos_token: str = END_OF_TEXT, checkpoint_dir: str = "") -> Tokenizer:
     """spec: "byte" | "checkpoint" (the tokenizer.json of [model].init_from) | a directory with
     tokenizer.json | a .tiktoken file | a tiktoken encoding name that is already cached."""
-    names = tiktoken.list_encoding_names()
+    names, template = tiktoken.list_encoding_names(), None
     if spec == "byte":
         encoding, fingerprint = byte_encoding(), "byte-v1"
     elif spec == "checkpoint" or Path(spec).is_dir():
         if spec == "checkpoint" and not checkpoint_dir:
             raise TokenizerError('data.tokenizer = "checkpoint" needs [model].init_from to name a checkpoint directory')
-        encoding, fingerprint = checkpoint_encoding(Path(checkpoint_dir if spec == "checkpoint" else spec))
+        directory = Path(checkpoint_dir if spec == "checkpoint" else spec)
+        encoding, fingerprint = checkpoint_encoding(directory)
+        template = read_chat_template(directory)
     elif spec.endswith(".tiktoken") and Path(spec).is_file():
         encoding, fingerprint = tiktoken_file_encoding(Path(spec)), "tiktoken:" + _file_digest(Path(spec))
     elif spec in names:
@@ -72,7 +89,7 @@ def load_tokenizer(spec: str, eos_token: str = END_OF_TEXT, checkpoint_dir: str 
         raise TokenizerError(f"data.eos_token {eos_token!r} is not a special token of tokenizer {spec!r}; it has "
                              f"{sorted(encoding.special_tokens_set)[:8]}")
     eos_id = encoding.encode_single_token(eos_token)
-    return Tokenizer(encoding, eos_id, f"{fingerprint}|eos={eos_id}")
+    return Tokenizer(encoding, eos_id, f"{fingerprint}|eos={eos_id}", template)
 
 
 def _file_digest(path: Path) -> str:
@@ -146,6 +163,51 @@ def checkpoint_encoding(directory: Path) -> tuple[tiktoken.Encoding, str]:
     except TokenizerError as error:
         raise TokenizerError(f"data.tokenizer: {error}") from error
     return encoding, "tokenizer.json:" + _file_digest(directory / "tokenizer.json")
+
+
+# The named special tokens that transformers passes to a chat template (its special_tokens_map).
+TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def read_chat_template(directory: Path) -> ChatTemplate | None:
+    """The chat template next to tokenizer.json, as transformers finds it: chat_template.jinja, else
+    tokenizer_config.json's "chat_template" (a string, or a list of named templates: "default"),
+    with that file's named special tokens as variables; None when there is none."""
+    config_file, jinja_file = directory / "tokenizer_config.json", directory / "chat_template.jinja"
+    config = {}
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise TokenizerError(f"{config_file}: cannot read JSON: {error}") from error
+        if not isinstance(config, dict):
+            raise TokenizerError(f"{config_file}: expected a JSON object, got a {type(config).__name__}")
+    variables = tuple((name, token_text(config[name], config_file, name)) for name in TEMPLATE_TOKEN_NAMES
+                      if config.get(name) is not None)
+    if jinja_file.is_file():
+        return ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file), variables)
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+        if source is None:
+            raise TokenizerError(f"{config_file}: chat_template lists templates {sorted(map(str, named))} but none "
+                                 f"named 'default'")
+    if source is None:
+        return None
+    if not isinstance(source, str):
+        raise TokenizerError(f"{config_file}: chat_template must be a string (a Jinja template) or a list of "
+                             f"{{'name', 'template'}} objects, got {source!r:.60}")
+    return ChatTemplate(source, f"{config_file} chat_template", variables)
+
+
+def token_text(value: object, where: Path, name: str) -> str:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    if not isinstance(value, str):
+        raise TokenizerError(f"{where}: {name} must be a string or an object with a string 'content', got {value!r:.60}")
+    return value
 
 
 def bytes_to_unicode() -> dict[int, str]:

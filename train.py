@@ -233,12 +233,12 @@ def setup_data(cfg: TrainConfig, run: Run) -> tuple[Tokenizer, PackedLoader, Pac
         barrier()
     shards = TokenShards(directory, tokenizer)
     train_docs, val_docs = split_documents(shards.num_docs, d.val_fraction, str(source))
-    loader = dict(seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed, rank=run.dp_rank, world_size=run.dp_size)
+    loader = dict(seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed, rank=run.dp_rank, world_size=run.dp_size,
+                  overlong=d.overlong)
     train = PackedLoader(shards, train_docs, shuffle=True, epochs=d.epochs, **loader)
     val = PackedLoader(shards, val_docs, shuffle=False, name="validation", **loader) if len(val_docs) else None
     check_enough_data(cfg, train, val, run)
-    run.print(f"data: {source}, {shards.num_docs} documents; train {train.num_tokens:,} tokens "
-              f"({train.rows_per_epoch} rows of {d.seq_len}), validation {val.num_tokens if val else 0:,} tokens")
+    run.print(f"data: {source}, {shards.num_docs} documents; {train.describe()}; {val.describe() if val else 'no validation'}")
     return tokenizer, train, val
 
 

@@ -21,8 +21,8 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 # The world size each config's comment runs it with (torchrun --nproc-per-node x --nnodes).
-WORLD_SIZES = {"smoke": 1, "debug": 1, "finetune": 8, "flint": 64, "flint-8gpu": 8, "flint-multinode": 32,
-               "large4-smoke": 1, "large4": 256, "large4-256gpu": 256}
+WORLD_SIZES = {"smoke": 1, "sft-smoke": 1, "debug": 1, "finetune": 8, "flint": 64, "flint-8gpu": 8,
+               "flint-multinode": 32, "large4-smoke": 1, "large4": 256, "large4-256gpu": 256}
 
 
 def test_every_config_file_loads_and_its_layout_fits(tmp_path):
@@ -67,6 +67,7 @@ def test_overrides_are_typed_toml_values(tmp_path):
 
 @pytest.mark.parametrize("text, overrides, message", [
     ('[model]\npreset = "tiny"\n[training]\nstepz = 3\n', [], r"run.toml: unknown key \[training\].stepz"),
+    ('[model]\npreset = "tiny"\n[data]\noverlong = "cut"\n', [], r'run.toml: \[data\].overlong must be "truncate" or "drop"'),
     ('[model]\npreset = "tiny"\n[training]\nsteps = "3"\n', [], r"run.toml: \[training\].steps must be int, got str"),
     ('[model]\npreset = "tiny"\n[parallel]\ncompile = 1\n', [], r"\[parallel\].compile must be bool, got int"),
     ('[model]\npreset = "tiny"\n[training]\ncompile = true\n', [], r"unknown key \[training\].compile"),

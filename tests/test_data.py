@@ -265,3 +265,186 @@ def test_running_out_of_data_says_how_much_there_was(tmp_path):
     loader.next_batch()
     with pytest.raises(DataError, match="ran out of data: the train split has 4 rows of 8 tokens per epoch"):
         loader.next_batch()
+
+
+# ----------------------------------------------------------------------------- conversations (chat.py)
+
+WORDS = ["alpha", "beta", "gamma", "delta", "ünï", "x" * 12, "the", "yield"]
+
+
+def conversations(count: int, seed: int) -> list[list[dict]]:
+    """Conversations of one to three turns, with and without a system message, of varied lengths."""
+    rng = np.random.default_rng(seed)
+    say = lambda n: " ".join(rng.choice(WORDS, n))  # noqa: E731
+    made = []
+    for _ in range(count):
+        turns = [{"role": "system", "content": say(3)}] if rng.random() < 0.3 else []
+        for _ in range(rng.integers(1, 4)):
+            turns += [{"role": "user", "content": say(rng.integers(1, 6))},
+                      {"role": "assistant", "content": say(rng.integers(1, 12))}]
+        made.append(turns)
+    return made
+
+
+def plain_rendering(messages: list[dict]) -> tuple[list[int], list[int]]:
+    """chat.py's plain template written out for the byte tokenizer -> (ids, 1 where the token is the
+    assistant's): "Role: content", then a newline, or the end-of-text (256) after an answer."""
+    ids, mask = [], []
+    for message in messages:
+        head, body = f"{message['role'].capitalize()}: ".encode(), list(message["content"].encode())
+        answer = message["role"] == "assistant"
+        ids += list(head) + body + [256 if answer else ord("\n")]
+        mask += [0] * len(head) + [int(answer)] * (len(body) + 1)
+    return ids, mask
+
+
+def prepared_conversations(tmp_path, chats: list[list[dict]], texts: list[str] = (), shard_tokens: int = 1 << 28):
+    lines = [json.dumps({"text": t}) for t in texts] + [json.dumps({"messages": m}) for m in chats]
+    (tmp_path / "chat.jsonl").write_text("\n".join(lines) + "\n")
+    tokenizer = load_tokenizer("byte")
+    return TokenShards(prepare(tmp_path / "chat.jsonl", tokenizer, tmp_path / "prepared", shard_tokens=shard_tokens),
+                       tokenizer)
+
+
+def test_conversations_are_stored_with_the_mask_of_their_answers_beside_text(tmp_path):
+    """Text documents first, then conversations, in shards of 200 tokens: every shard gets a mask file,
+    all ones for text, the answers' tokens for conversations."""
+    chats = conversations(12, seed=0)
+    shards = prepared_conversations(tmp_path, chats, texts=["first text " * 30, "second"], shard_tokens=200)
+    assert shards.masked and shards.meta["format"] == data.MASKED_FORMAT and len(shards.meta["shards"]) > 3
+    assert (shards.meta["conversations"], shards.meta["pairs"]) == (12, 0)
+    for i, text in enumerate(["first text " * 30, "second"]):
+        assert shards.document(i).tolist() == list(text.encode()) + [256] and shards.loss_mask(i).all()
+    for i, messages in enumerate(chats, start=2):
+        ids, mask = plain_rendering(messages)
+        assert shards.document(i).tolist() == ids and shards.loss_mask(i).tolist() == mask
+    assert shards.meta["target_tokens"] == sum(sum(plain_rendering(m)[1][1:]) for m in chats)
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_conversations_are_packed_whole_and_only_answers_are_targets(tmp_path, overlong):
+    """Each epoch, every conversation sits in exactly one row, whole from its first token (cut to
+    seq_len or left out when longer, as data.overlong says); a target is the next token of the same
+    conversation where that token is the assistant's, -100 everywhere else."""
+    chats, seq_len = conversations(40, seed=1), 64
+    shards = prepared_conversations(tmp_path, chats)
+    loader = PackedLoader(shards, np.arange(40), seq_len=seq_len, batch_size=1, seed=3, overlong=overlong)
+    rendered = [plain_rendering(m) for m in chats]
+    longer = [i for i, (ids, _) in enumerate(rendered) if len(ids) > seq_len]
+    lost = longer if overlong == "drop" else [i for i in longer if not any(rendered[i][1][1:seq_len])]
+    assert longer and (loader.whole.truncated, loader.whole.dropped) == (len(longer) - len(lost), len(lost))
+    for epoch in range(2):
+        seen = []
+        for g in range(epoch * loader.rows_per_epoch, (epoch + 1) * loader.rows_per_epoch):
+            row = loader.row(g)
+            for doc in np.unique(row["doc_ids"][row["doc_ids"] >= 0]):
+                at = np.flatnonzero(row["doc_ids"] == doc)
+                ids, mask = rendered[doc]
+                kept = min(len(ids), seq_len)
+                assert at.tolist() == list(range(at[0], at[0] + kept)) and row["input_ids"][at].tolist() == ids[:kept]
+                expected = [ids[k + 1] if k + 1 < kept and mask[k + 1] else -100 for k in range(kept)]
+                assert row["targets"][at].tolist() == expected
+                seen.append(int(doc))
+            assert (row["targets"][row["doc_ids"] < 0] == -100).all()
+        assert sorted(seen) == [i for i in range(40) if i not in lost]
+
+
+def test_packed_conversations_resume_at_the_exact_row(tmp_path):
+    shards = prepared_conversations(tmp_path, conversations(30, seed=2))
+    make = lambda: PackedLoader(shards, np.arange(30), seq_len=96, batch_size=2, seed=5, epochs=4)  # noqa: E731
+    loader = make()
+    for _ in range(3):
+        loader.next_batch()
+    state = json.loads(json.dumps(loader.state_dict()))
+    expected = [loader.next_batch() for _ in range(loader.rows_per_epoch // 2 + 1)]  # crosses into the next epoch
+    restarted = make()
+    restarted.load_state_dict(state)
+    for want in expected:
+        got = restarted.next_batch()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_shards_rendered_with_another_template_are_refused(tmp_path):
+    prepared_conversations(tmp_path, conversations(3, seed=0))
+    meta = json.loads((tmp_path / "prepared" / "meta.json").read_text())
+    (tmp_path / "prepared" / "meta.json").write_text(json.dumps({**meta, "chat_template_digest": "another"}))
+    with pytest.raises(DataError, match="rendered with the chat template of the plain template .* prepare the data again"):
+        TokenShards(tmp_path / "prepared", load_tokenizer("byte"))
+
+
+def answer_loss_written_out(logits: torch.Tensor, input_ids: torch.Tensor, doc_ids: torch.Tensor,
+                            chats: list[list[dict]]) -> tuple[torch.Tensor, int]:
+    """Sum over every position whose next token is an answer token of the same conversation (masks from
+    plain_rendering, not from the loader) of -log softmax(logits)[next token] -> (sum, count)."""
+    total, count = logits.new_zeros((), dtype=torch.float64), 0
+    for b in range(input_ids.shape[0]):
+        for doc in doc_ids[b].unique().tolist():
+            if doc < 0:
+                continue
+            at = torch.nonzero(doc_ids[b] == doc).flatten()
+            ids, mask = plain_rendering(chats[doc])
+            assert input_ids[b, at].tolist() == ids[:len(at)]
+            for k in range(len(at) - 1):
+                if mask[k + 1]:
+                    total = total - torch.log_softmax(logits[b, at[k]].double(), dim=-1)[ids[k + 1]]
+                    count += 1
+    return total, count
+
+
+def test_the_sft_loss_is_the_cross_entropy_of_the_answers_alone(tmp_path):
+    chats = conversations(10, seed=4)
+    shards = prepared_conversations(tmp_path, chats)
+    batch = PackedLoader(shards, np.arange(10), seq_len=160, batch_size=3, seed=0, shuffle=False).next_batch()
+    model = build_model(FlintConfig.from_name("tiny", num_hidden_layers=2, vocab_size=264), seed=0)
+    loss = model(batch["input_ids"], batch["targets"], batch["doc_ids"])
+    logits = model(batch["input_ids"], doc_ids=batch["doc_ids"])
+    total, count = answer_loss_written_out(logits, batch["input_ids"], batch["doc_ids"], chats)
+    assert count == int((batch["targets"] != -100).sum()) and count < int((batch["doc_ids"] >= 0).sum()) // 2
+    torch.testing.assert_close(loss.double(), total / count, rtol=1e-5, atol=0)
+
+
+def check_answer_tokens_weigh_the_same(directory: Path, chats: list[list[dict]]) -> None:
+    """Two ranks (FSDP), two micro-batches each, rows with different numbers of answer tokens: the
+    accumulated gradient equals that of the mean over all answer tokens of the step, written out."""
+    from conftest import assert_close_to_scale
+    from parallel import ParallelConfig, build_mesh, parallelize
+    from torch.distributed.tensor import DTensor
+    torch.manual_seed(0)
+    shards, config = TokenShards(directory), FlintConfig.from_name("tiny", num_hidden_layers=2, vocab_size=264)
+    loader = dict(seq_len=96, batch_size=1, seed=0)
+    everything = PackedLoader(shards, np.arange(len(chats)), **loader)
+    rows = [everything.row(g) for g in range(4)]  # micro-batch m, rank r: global row 2 m + r
+    assert len({int((r["targets"] != -100).sum()) for r in rows}) == 4  # the rows weigh differently
+    reference = build_model(config, seed=0)
+    ids, doc_ids = (torch.from_numpy(np.stack([r[k] for r in rows])) for k in ("input_ids", "doc_ids"))
+    total, count = answer_loss_written_out(reference(ids, doc_ids=doc_ids), ids, doc_ids, chats)
+    (total / count).backward()
+    cfg = ParallelConfig(dp_shard=2, param_dtype="float32")
+    pm = parallelize(build_model(config, seed=0), cfg, build_mesh(cfg, "cpu", config.num_experts))
+    mine = PackedLoader(shards, np.arange(len(chats)), rank=torch.distributed.get_rank(), world_size=2, **loader)
+    batches = [mine.next_batch() for _ in range(2)]
+    num_tokens = pm.global_tokens(torch.stack([b["targets"] for b in batches]))
+    loss = sum(pm.forward_backward(b["input_ids"], b["targets"], b["doc_ids"], num_tokens) for b in batches)
+    assert_close_to_scale(loss.double(), (total / count).detach(), what="loss")
+    expected = dict(reference.named_parameters())
+    for name, param in pm.module.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        assert_close_to_scale(grad, expected[name].grad, what=name)
+
+
+def test_every_answer_token_weighs_the_same_across_micro_batches_and_ranks(tmp_path):
+    from test_parallel import spawn
+    chats = conversations(16, seed=6)
+    prepared_conversations(tmp_path, chats)
+    spawn(2, check_answer_tokens_weigh_the_same, tmp_path / "prepared", chats)
+
+
+def test_a_missing_or_short_mask_file_is_refused(tmp_path):
+    prepared_conversations(tmp_path, conversations(3, seed=0))
+    mask = tmp_path / "prepared" / "mask_00000.bin"
+    mask.write_bytes(mask.read_bytes()[:-1])
+    with pytest.raises(DataError, match=r"mask_00000.bin: \d+ bytes for the shard's \d+ tokens; .*prepare the data again"):
+        TokenShards(tmp_path / "prepared")
+    mask.unlink()
+    with pytest.raises(DataError, match=r"mask_00000.bin: missing"):
+        TokenShards(tmp_path / "prepared")

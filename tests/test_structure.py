@@ -59,7 +59,8 @@ def repository_modules_loaded_by(module: str) -> set[str]:
 LEAVES = [
     ("files", set()),
     ("tokenizer", set()),
-    ("data", {"files", "tokenizer"}),
+    ("chat", {"tokenizer"}),
+    ("data", {"files", "tokenizer", "chat"}),
     ("checkpoint_files", set()),
     ("hf_io", {"files", "checkpoint_files"}),
     ("layers", set()),
