@@ -17,16 +17,18 @@ REQUIREMENTS = ["torch", "safetensors", "transformers==5.24.0"]
 _REEXECUTED = "FLINT_FIXTURE_REEXEC"  # set in the re-executed script: a second failure stops instead of looping
 
 
-def rerun_with_transformers(script: str, venv_dir: Path) -> None:
-    """Return when transformers is importable here; otherwise create venv_dir with REQUIREMENTS on first
-    use and re-execute `script` under it with the same arguments."""
-    if importlib.util.find_spec("transformers") is not None:
+def rerun_with_transformers(script: str, venv_dir: Path, extra: tuple[str, ...] = ()) -> None:
+    """Return when transformers (and the `extra` packages, by their import names) is importable here;
+    otherwise create venv_dir with REQUIREMENTS and `extra` on first use and re-execute `script` under it
+    with the same arguments."""
+    if all(importlib.util.find_spec(name) is not None for name in ("transformers", *extra)):
         return
     python = venv_dir / "bin" / "python"
     if os.environ.get(_REEXECUTED):
-        sys.exit(f"{python}: transformers does not import in this venv; install {REQUIREMENTS} into it")
+        sys.exit(f"{python}: transformers or {list(extra)} does not import in this venv; install "
+                 f"{REQUIREMENTS + list(extra)} into it")
     if not python.exists():
-        print(f"creating {venv_dir} with {' '.join(REQUIREMENTS)} (once)", flush=True)
+        print(f"creating {venv_dir} with {' '.join(REQUIREMENTS + list(extra))} (once)", flush=True)
         venv.create(venv_dir, with_pip=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *REQUIREMENTS], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *REQUIREMENTS, *extra], check=True)
     os.execve(str(python), [str(python), script, *sys.argv[1:]], dict(os.environ, **{_REEXECUTED: "1"}))

@@ -1,0 +1,378 @@
+"""LoRA: low-rank adapters on a frozen model, the routed experts included.
+
+    y = W x + (alpha / r) B A dropout(x)
+
+`apply_lora(model, config)` freezes every parameter of the base and gives each targeted map an
+adapter whose parameters are FP32 master weights: A drawn from normal(0, 1 / fan_in), seeded by its
+name like the models' `initial_value` (so every parallel layout starts from the same adapters), and
+B zero, so at step 0 the model computes exactly what the base does. The adapters are new
+submodules, so no base parameter is renamed and a base checkpoint loads as it is:
+
+    nn.Linear W [out, in]                 <name>.lora.A [r, in], <name>.lora.B [out, r]     (PEFT's layout)
+    routed experts, in their own x @ w layout (moe.py):
+      gate_up_proj [E, H, 2*Im]           <experts>.gate_up_lora.A [E, H, r], .B [E, r, 2*Im]
+      down_proj    [E, Im, H]             <experts>.down_lora.A [E, Im, r],  .B [E, r, H]
+
+so that an expert's update is x @ A_e @ B_e: two grouped GEMMs over the rows sorted by expert
+(`grouped_lora`), with no transpose, and the merged weight is w_e + scale * A_e @ B_e.
+A targeted module keeps its class; its forward becomes the adapted one (an instance attribute, as
+parallel.apply_compile sets a compiled forward), which reads the parameters at each call, so FSDP's
+gathered weights and a compiled block see the adapters like any other parameter.
+
+Export: `merge_lora` adds the scaled products to the base weights (the merged model is the
+published model again); `peft_state` and `write_peft_adapter` write an adapter directory in PEFT's
+format (see tests/make_lora_peft_fixture.py for what peft loads onto transformers' models).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MethodType
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from decoder import seeded_normal
+from hf_io import Part, atomic_directory
+from moe import GroupedExperts, combine, dispatch, group_alignment, grouped_mm, inverse_permutation, sort_by_expert
+
+ALL = "all"  # the target that adapts every nn.Linear and routed-expert group outside the FP32 units and frozen parts
+# Adapter submodule name -> the base parameter of its owner that it adapts.
+ADAPTED = {"lora": "weight", "gate_up_lora": "gate_up_proj", "down_lora": "down_proj"}
+GROUPED_GEMM_MULTIPLE = 8  # CUDA's grouped GEMM: rows on 16-byte boundaries, 8 BF16 values (as the model configs)
+
+
+# ============================================================================= configuration
+
+@dataclass
+class LoraConfig:
+    """The `[lora]` section of a training config."""
+
+    rank: int = 16  # r: the adapters' inner width
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on each adapter's input, in training only
+    targets: list[str] = field(default_factory=list)  # module names (or dotted tails of them): "q_proj",
+    # "mlp.down_proj", "experts" (the routed experts, both grouped weights), or "all"
+
+    @classmethod
+    def from_dict(cls, section: dict, where: str = "[lora]") -> "LoraConfig":
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(section) - set(known))
+        if unknown:
+            raise ValueError(f"{where}: unknown key {unknown[0]!r}; expected one of {known}")
+        config = cls(**section)
+        config.validate(where)
+        return config
+
+    def validate(self, where: str = "[lora]") -> None:
+        """Each setting on its own, one line naming the key; what the targets match is checked by apply_lora."""
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"{where} rank must be an integer > 0, got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha):
+            raise ValueError(f"{where} alpha must be a finite number, got {self.alpha!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"{where} dropout must be a number in [0, 1), got {self.dropout!r}")
+        if (not isinstance(self.targets, (list, tuple)) or not self.targets
+                or not all(isinstance(t, str) and t for t in self.targets)):
+            raise ValueError(f"{where} targets must be a non-empty list of module names such as "
+                             f"[\"q_proj\", \"experts\"] or [\"{ALL}\"], got {self.targets!r}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+# ============================================================================= the adapters
+
+class LinearAdapter(nn.Module):
+    """The update of one nn.Linear (weight [out, in]): scale * B A dropout(x), A [r, in], B [out, r]."""
+
+    def __init__(self, in_features: int, out_features: int, config: LoraConfig, device: torch.device):
+        super().__init__()
+        self.scale, self.dropout = config.scale, config.dropout
+        self.A = nn.Parameter(torch.empty(config.rank, in_features, dtype=torch.float32, device=device))
+        self.B = nn.Parameter(torch.empty(out_features, config.rank, dtype=torch.float32, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> the update [..., out], in x's dtype (computed in the adapters' dtype)."""
+        x_in = F.dropout(x.to(self.A.dtype), self.dropout, self.training)
+        return ((x_in @ self.A.T) * self.scale @ self.B.T).to(x.dtype)  # [..., r] -> [..., out]
+
+
+class GroupedAdapter(nn.Module):
+    """The update of one grouped expert weight w [E, in, out] (x @ w_e): A [E, in, r], B [E, r, out]."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, config: LoraConfig,
+                 device: torch.device):
+        super().__init__()
+        self.scale, self.dropout = config.scale, config.dropout
+        rank = config.rank
+        self.A = nn.Parameter(torch.empty(num_experts, in_features, rank, dtype=torch.float32, device=device))
+        self.B = nn.Parameter(torch.empty(num_experts, rank, out_features, dtype=torch.float32, device=device))
+
+    def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """rows [R, in] sorted by expert, offsets int32 [E] (moe.grouped_mm's) -> the update [R, out]."""
+        rows_in = F.dropout(rows.to(self.A.dtype), self.dropout, self.training)
+        return grouped_lora(rows_in, offsets, self.A, self.B, self.scale).to(rows.dtype)
+
+
+def grouped_lora(rows: torch.Tensor, offsets: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Each row's expert update, two grouped GEMMs: rows [R, in] sorted by expert (padding rows zero),
+    offsets int32 [E] cumulative group ends, A [E, in, r], B [E, r, out] -> scale * rows_e @ A_e @ B_e
+    [R, out]. The scale multiplies the narrow [R, r] product."""
+    return grouped_mm(grouped_mm(rows, A, offsets) * scale, B, offsets)
+
+
+def delta_weight(A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
+    """The update of the base weight: scale * B @ A [out, in] for a Linear (A [r, in], B [out, r]);
+    scale * A_e @ B_e [E, in, out] for grouped experts (A [E, in, r], B [E, r, out]). In FP32."""
+    A, B = A.float(), B.float()
+    return scale * (B @ A if A.dim() == 2 else A @ B)
+
+
+# ============================================================================= the adapted forwards
+
+def adapted_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """An adapted nn.Linear's forward: W x (+ bias) + its adapter's update."""
+    return F.linear(x, self.weight, self.bias) + self.lora(x)
+
+
+def adapted_experts(self: GroupedExperts, x: torch.Tensor, weights: torch.Tensor,
+                    indices: torch.Tensor) -> torch.Tensor:
+    """Adapted routed experts, dropless: x [N, H], weights/indices [N, k] -> [N, H]. moe.py's grouped
+    path with each grouped GEMM's update added (until moe.grouped_swiglu takes the adapters itself)."""
+    plan = sort_by_expert(indices, self.gate_up_proj.shape[0], self.group_align or group_alignment(x.device))
+    inverse = inverse_permutation(plan.order)
+    rows = dispatch(x, plan.order, inverse)  # [R, H] in expert order
+    if plan.padded:  # [R, H] -> [rows, H] with aligned groups
+        rows = rows.new_zeros(plan.rows, rows.shape[1]).index_copy(0, plan.slots, rows)
+    gate_up = grouped_mm(rows, self.gate_up_proj, plan.offsets) + self.gate_up_lora(rows, plan.offsets)
+    gate, up = gate_up.chunk(2, dim=-1)  # [rows, Im] each
+    hidden = F.silu(gate) * up
+    out = grouped_mm(hidden, self.down_proj, plan.offsets) + self.down_lora(hidden, plan.offsets)  # [rows, H]
+    out = out.index_select(0, plan.slots) if plan.padded else out  # [R, H]
+    return combine(out, plan.order, inverse, weights)
+
+
+# ============================================================================= applying
+
+def apply_lora(model: nn.Module, config: LoraConfig, seed: int = 0) -> list[str]:
+    """Freeze `model` and adapt the modules `config.targets` name -> their names. Call it on the whole
+    model (on meta or materialised) before parallelize: adapters are created on the device of the
+    weight they adapt and, unless that is meta, initialised (see `initial_value`)."""
+    config.validate()
+    targets = resolve_targets(model, config.targets)
+    if config.rank % GROUPED_GEMM_MULTIPLE and any(isinstance(m, GroupedExperts) for m in targets.values()):
+        raise ValueError(f"[lora] rank must be a multiple of {GROUPED_GEMM_MULTIPLE} to adapt routed experts (the "
+                         f"grouped GEMM's rows start on 16-byte boundaries, 8 BF16 values), got {config.rank}")
+    model.requires_grad_(False)
+    for name, module in targets.items():
+        if isinstance(module, GroupedExperts):
+            num_experts, hidden, double = module.gate_up_proj.shape
+            device = module.gate_up_proj.device
+            module.gate_up_lora = GroupedAdapter(num_experts, hidden, double, config, device)
+            module.down_lora = GroupedAdapter(num_experts, double // 2, hidden, config, device)
+            module.forward = MethodType(adapted_experts, module)
+        else:
+            module.lora = LinearAdapter(module.in_features, module.out_features, config, module.weight.device)
+            module.forward = MethodType(adapted_linear, module)
+    init_adapters(model, seed)
+    return list(targets)
+
+
+def resolve_targets(model: nn.Module, patterns: list[str]) -> dict[str, nn.Module]:
+    """The modules the patterns name: a pattern matches a module whose name is it or ends with "." + it.
+    Each pattern must match, and only modules that can take an adapter; ALL takes every one of those."""
+    modules = dict(model.named_modules())
+    if any(name.rpartition(".")[2] in ADAPTED for name in modules):
+        raise ValueError("[lora] the model already has adapters: apply_lora once, to the base model")
+    fp32, frozen = fp32_units(model), frozen_modules(model)
+    chosen: dict[str, nn.Module] = {}
+    for pattern in patterns:
+        if pattern == ALL:
+            matches = [name for name, m in modules.items() if isinstance(m, (nn.Linear, GroupedExperts))
+                       and not inside(name, fp32) and not inside(name, frozen)]
+        else:
+            matches = [name for name in modules if name and (name == pattern or name.endswith("." + pattern))]
+        if not matches:
+            raise ValueError(f"[lora] targets: {pattern!r} matches no module of {type(model).__name__} (a target "
+                             f"is a module name or its dotted tail, e.g. \"q_proj\" or \"mlp.experts\")")
+        for name in matches:
+            check_target(pattern, name, modules[name], fp32, frozen)
+            chosen[name] = modules[name]
+    return chosen
+
+
+def check_target(pattern: str, name: str, module: nn.Module, fp32: set[str], frozen: set[str]) -> None:
+    """One line on why `module` (matched by `pattern`) cannot take an adapter, if it cannot."""
+    where = f"[lora] targets: {pattern!r} matches {name}"
+    if inside(name, frozen):
+        raise ValueError(f"{where}, which is frozen in the base model (Large 4's indexer): it takes no adapter")
+    if inside(name, fp32):
+        raise ValueError(f"{where}, part of an FP32 unit (sinks, routers, head): those take no adapter")
+    if not isinstance(module, (nn.Linear, GroupedExperts)):
+        raise ValueError(f"{where} ({type(module).__name__}): adapters go on nn.Linear maps and routed experts only")
+    if isinstance(module, GroupedExperts) and (module.backend != "grouped" or module.capacity_ratio is not None):
+        raise ValueError(f"{where}: routed-expert adapters need experts_backend 'grouped' and no capacity_factor")
+
+
+def fp32_units(model: nn.Module) -> set[str]:
+    """Names of the modules the model keeps in FP32 (its declaration: fp32_modules, fp32_root_modules, the head)."""
+    units = [*model.fp32_root_modules(), model.lm_head]
+    for layer in model.layers.values():
+        units += model.fp32_modules(layer)
+    ids = {id(unit) for unit in units if unit is not None}
+    return {name for name, module in model.named_modules() if id(module) in ids}
+
+
+def frozen_modules(model: nn.Module) -> set[str]:
+    """Names of the modules whose parameters are all frozen in the base (Large 4's indexer)."""
+    return {name for name, module in model.named_modules()
+            if (params := list(module.parameters())) and not any(p.requires_grad for p in params)}
+
+
+def inside(name: str, owners: set[str]) -> bool:
+    """Whether module `name` is one of `owners` or lies inside one."""
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in owners for i in range(1, len(parts) + 1))
+
+
+# ============================================================================= initial values and names
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a parameter name (state-dict key) is an adapter's: <owner>.<lora|gate_up_lora|down_lora>.<A|B>."""
+    head, _, leaf = key.rpartition(".")
+    return leaf in ("A", "B") and head.rpartition(".")[2] in ADAPTED
+
+
+def base_key(adapter_key: str) -> str:
+    """The base parameter an adapter parameter adapts: q_proj.lora.A -> q_proj.weight,
+    experts.gate_up_lora.B -> experts.gate_up_proj."""
+    owner, adapter = adapter_key.rsplit(".", 2)[:2]
+    return f"{owner}.{ADAPTED[adapter]}"
+
+
+def adapter_initial_value(name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
+    """An adapter parameter's initial value: B zero; A normal(0, 1 / fan_in) from a generator seeded
+    by (seed, name), so that each rank and layout draws the same tensor (param gives shape and device)."""
+    if name.endswith(".B"):
+        return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+    fan_in = param.shape[-1] if param.dim() == 2 else param.shape[-2]  # A [r, in] or [E, in, r]
+    return seeded_normal(name, param, seed, fan_in ** -0.5)
+
+
+def initial_value(model: nn.Module, name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
+    """The initial value of any parameter of an adapted model: the adapter's, or the model's own."""
+    if is_adapter_key(name):
+        return adapter_initial_value(name, param, seed)
+    return model.initial_value(name, param, seed)
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """Set every materialised adapter parameter to its initial value (meta ones wait for init_weights)."""
+    for name, param in model.named_parameters():
+        if is_adapter_key(name) and param.device.type != "meta":
+            param.copy_(adapter_initial_value(name, param, seed))
+
+
+def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters' entries of a state dict (what a LoRA checkpoint keeps)."""
+    return {key: value for key, value in state.items() if is_adapter_key(key)}
+
+
+# ============================================================================= export
+
+def merge_lora(state: dict[str, torch.Tensor], config: LoraConfig) -> dict[str, torch.Tensor]:
+    """An adapted model's state dict -> the base's keys only, each adapted weight plus its scaled
+    update (added in FP32, cast back to the weight's dtype): the published model again."""
+    adapters = adapter_state(state)
+    merged = {key: value for key, value in state.items() if key not in adapters}
+    for a_key in (key for key in adapters if key.endswith(".A")):
+        weight_key = base_key(a_key)
+        weight = merged[weight_key]
+        update = delta_weight(adapters[a_key], adapters[a_key[:-1] + "B"], config.scale)
+        merged[weight_key] = (weight.float() + update.to(weight.device)).to(weight.dtype)
+    return merged
+
+
+def peft_state(adapters: dict[str, torch.Tensor], published: dict[str, list[Part]]) -> dict[str, torch.Tensor]:
+    """Adapter tensors (native keys) -> PEFT's keys and layouts. `published`: the model's published
+    table (native key -> its published parts, as convert.published_table gives it). Keys are named
+    after the published module, as the published checkpoint names its weights (transformers renames
+    both alike on loading).
+
+    A Linear's adapter keeps its layout: X.weight -> base_model.model.X.lora_A.weight [r, in] and
+    lora_B.weight [out, r]. Grouped experts, published one weight per expert (M.{e}.{proj}.weight) or
+    fused (M.gate_up_proj), follow peft's ParamWrapper (target_parameters) on transformers' fused
+    [E, out, in] weights: it wraps the experts module M once per parameter, gate_up_proj innermost, so
+    gate_up_proj -> M.base_layer.lora_{A,B}.weight and down_proj -> M.lora_{A,B}.weight, with
+    lora_A.weight [E * r, in] (expert e's A^T in rows e*r..(e+1)*r) and lora_B.weight [out, r * E]
+    (column j*E + e: rank j of expert e's B^T)."""
+    tensors = {}
+    for a_key in sorted(key for key in adapters if key.endswith(".A")):
+        A, B = adapters[a_key], adapters[a_key[:-1] + "B"]
+        stem = "base_model.model." + published_module(base_key(a_key), published[base_key(a_key)], A.dim() == 3)
+        if A.dim() == 2:
+            tensors[f"{stem}.lora_A.weight"], tensors[f"{stem}.lora_B.weight"] = A, B
+            continue
+        num_experts, _, rank = A.shape
+        stem += ".base_layer" if a_key.endswith("gate_up_lora.A") else ""
+        tensors[f"{stem}.lora_A.weight"] = A.transpose(1, 2).reshape(num_experts * rank, -1)  # [E, in, r] -> [E*r, in]
+        # [E, r, out] -> [out, r, E] -> [out, r*E]
+        tensors[f"{stem}.lora_B.weight"] = B.permute(2, 1, 0).reshape(-1, rank * num_experts)
+    return {key: value.detach().to("cpu").contiguous() for key, value in tensors.items()}
+
+
+def published_module(native_key: str, parts: list[Part], grouped: bool) -> str:
+    """The published name of the module holding native weight `native_key`: X.weight -> X; the
+    experts' per-expert M.{e}.{proj}.weight or fused M.gate_up_proj -> M."""
+    if not grouped:
+        if len(parts) != 1 or parts[0].index:
+            raise ValueError(f"{native_key}: published as {len(parts)} parts; a Linear's adapter needs one")
+        return parts[0].key.removesuffix(".weight")
+    if not all(part.transposed for part in parts):
+        raise ValueError(f"{native_key}: PEFT's expert adapters need the published [out, in] layout of each expert")
+    modules = {part.key.rsplit(".", 3 if part.index else 1)[0] for part in parts}
+    if len(modules) != 1:
+        raise ValueError(f"{native_key}: its published parts lie in {len(modules)} modules, expected one")
+    return modules.pop()
+
+
+def peft_config(config: LoraConfig, adapters: dict[str, torch.Tensor], module_name: Callable[[str], str],
+                base_model: str | None = None) -> dict:
+    """adapter_config.json for `adapters`. module_name: a native module name -> the name transformers'
+    model gives that module (peft matches its targets against those names when it wraps the model,
+    before the weights' names are converted). The adapted Linear maps go to target_modules, the
+    experts' weights to target_parameters. Dropout is written as 0 when experts are adapted: peft
+    refuses dropout on a target parameter (it only acts in training, so no output changes)."""
+    modules, parameters = set(), set()
+    for a_key in (key for key in adapters if key.endswith(".A")):
+        owner, _, weight = base_key(a_key).rpartition(".")
+        if adapters[a_key].dim() == 2:
+            modules.add(module_name(owner))
+        else:
+            parameters.add(f"{module_name(owner)}.{weight}")
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": config.rank, "lora_alpha": config.alpha, "lora_dropout": 0.0 if parameters else config.dropout,
+            "target_modules": sorted(modules), "target_parameters": sorted(parameters),
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
+
+
+def write_peft_adapter(directory: str | Path, adapters: dict[str, torch.Tensor], config: LoraConfig,
+                       published: dict[str, list[Part]], module_name: Callable[[str], str],
+                       base_model: str | None = None) -> None:
+    """Write `directory` (whole or not at all): adapter_config.json and adapter_model.safetensors."""
+    from safetensors.torch import save_file
+    with atomic_directory(directory) as tmp:
+        save_file(peft_state(adapters, published), str(tmp / "adapter_model.safetensors"), {"format": "pt"})
+        text = json.dumps(peft_config(config, adapters, module_name, base_model), indent=2)
+        (tmp / "adapter_config.json").write_text(text + "\n")

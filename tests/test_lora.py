@@ -1,0 +1,423 @@
+"""lora.py against the formula written out: W x + (alpha / r) B A dropout(x) for a Linear, a loop over
+tokens and experts for the grouped experts; values and every gradient, the base frozen. Whole tiny
+models: step 0 is the base model, merged weights give the adapted logits, compiled blocks match eager,
+FSDP on gloo matches one process. The PEFT export against what peft loaded onto transformers' models
+(tests/fixtures/lora_peft, written by tests/make_lora_peft_fixture.py)."""
+
+import copy
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lora
+from attention import FULL, SLIDING
+from conftest import assert_close_to_scale
+from large4 import Large4Config, build_large4
+from lora import LoraConfig, apply_lora, grouped_lora, merge_lora
+from model import FlintConfig, build_model
+from moe import GroupedExperts
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "lora_peft"
+RANK, ALPHA = 8, 12.0
+SCALE = ALPHA / RANK
+
+
+def tiny_flint(**overrides):
+    """4 layers: dense 0-1, MoE 2-3; every attention and MLP kind."""
+    config = FlintConfig.from_name("tiny", num_hidden_layers=4, layer_types=[FULL, SLIDING, SLIDING, FULL], **overrides)
+    return build_model(config, seed=0)
+
+
+def tiny_large4():
+    from test_large4 import randomized
+    return randomized(Large4Config.from_name("large4-parity"))
+
+
+def adapted(model, targets=("all",), dropout=0.0, seed=0):
+    """`model` with adapters on `targets`, B random (at its zero init every A gets a zero gradient)."""
+    apply_lora(model, LoraConfig(rank=RANK, alpha=ALPHA, dropout=dropout, targets=list(targets)))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".B"):
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def adapter_params(model):
+    return {name: p for name, p in model.named_parameters() if lora.is_adapter_key(name)}
+
+
+def batch(vocab, seed=0, shape=(2, 12)):
+    ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+    return ids, torch.roll(ids, -1, 1)
+
+
+# ============================================================================= configuration and targets
+
+@pytest.mark.parametrize("section, message", [
+    ({"rank": 0}, r"\[lora\] rank must be an integer > 0, got 0"),
+    ({"rank": 2.5}, r"\[lora\] rank must be an integer > 0, got 2.5"),
+    ({"alpha": math.inf}, r"\[lora\] alpha must be a finite number, got inf"),
+    ({"alpha": math.nan}, r"\[lora\] alpha must be a finite number, got nan"),
+    ({"dropout": 1.0}, r"\[lora\] dropout must be a number in \[0, 1\), got 1.0"),
+    ({"dropout": -0.1}, r"\[lora\] dropout must be a number in \[0, 1\), got -0.1"),
+    ({"targets": []}, r"\[lora\] targets must be a non-empty list"),
+    ({"rnak": 4}, r"\[lora\]: unknown key 'rnak'"),
+])
+def test_config_errors_name_the_key(section, message):
+    with pytest.raises(ValueError, match=message):
+        LoraConfig.from_dict({"targets": ["q_proj"], **section})
+
+
+@pytest.mark.parametrize("family, target, message", [
+    ("flint", "qproj", r"'qproj' matches no module of Flint"),
+    ("flint", "sinks", r"'sinks' matches layers.0.self_attn.sinks, part of an FP32 unit"),
+    ("flint", "router", r"'router' matches layers.2.mlp.router, part of an FP32 unit"),
+    ("flint", "lm_head", r"'lm_head' matches lm_head, part of an FP32 unit"),
+    ("flint", "embed_tokens", r"matches embed_tokens \(Embedding\): adapters go on nn.Linear"),
+    ("flint", "self_attn", r"matches layers.0.self_attn \(Attention\)"),
+    ("large4", "indexer", r"'indexer' matches layers.0.self_attn.indexer, which is frozen in the base model"),
+    ("large4", "wk", r"'wk' matches layers.0.self_attn.indexer.wk, which is frozen"),
+    ("large4", "weights_proj", r"matches layers.0.self_attn.indexer.weights_proj, which is frozen"),
+])
+def test_targets_that_cannot_take_an_adapter_are_refused(family, target, message):
+    model = tiny_flint() if family == "flint" else build_large4(Large4Config.from_name("large4-parity"))
+    with pytest.raises(ValueError, match=r"\[lora\] targets: .*" + message):
+        apply_lora(model, LoraConfig(rank=RANK, targets=["q_proj", target]))
+
+
+def test_experts_under_capacity_are_refused_until_moe_takes_the_adapters():
+    with pytest.raises(ValueError, match=r"'all' matches layers.2.mlp.experts: routed-expert adapters need "
+                                         r"experts_backend 'grouped' and no capacity_factor"):
+        apply_lora(tiny_flint(capacity_factor=1.25), LoraConfig(rank=RANK, targets=["all"]))
+
+
+def test_a_deep_copy_runs_its_own_adapters():
+    """pipeline.py deep-copies the model for each stage: a copy's adapted forwards read the copy's parameters."""
+    model = adapted(tiny_flint())
+    ids, _ = batch(model.config.vocab_size)
+    expected = model(ids)
+    twin = copy.deepcopy(model)
+    for adapter in (twin.layers["2"].mlp.experts.down_lora, twin.layers["0"].self_attn.q_proj.lora):
+        saved = adapter.B.detach().clone()
+        with torch.no_grad():
+            adapter.B.zero_()
+        assert not torch.allclose(twin(ids), expected, atol=1e-4), "the copy ran the original's adapter"
+        with torch.no_grad():
+            adapter.B.copy_(saved)
+    assert torch.equal(model(ids), expected) and torch.equal(twin(ids), expected)
+
+
+def test_expert_adapters_need_a_rank_the_grouped_gemm_takes():
+    with pytest.raises(ValueError, match=r"\[lora\] rank must be a multiple of 8 to adapt routed experts.*got 4"):
+        apply_lora(tiny_flint(), LoraConfig(rank=4, targets=["q_proj", "experts"]))
+    assert apply_lora(tiny_flint(), LoraConfig(rank=4, targets=["q_proj"]))  # Linear maps take any rank
+
+
+def test_the_targets_and_names():
+    """Adapters sit under new child names, so every base key stays; 'all' skips the FP32 units and the
+    frozen indexer; everything but the adapters is frozen; a second apply_lora is refused."""
+    model = build_large4(Large4Config.from_name("large4-parity"))
+    base_keys = set(model.state_dict())
+    targets = apply_lora(model, LoraConfig(rank=RANK, targets=["all"]))
+    assert set(model.state_dict()) - base_keys == set(adapter_params(model))
+    assert {"layers.0.self_attn.kv_b_proj", "layers.0.mlp.gate_proj", "layers.1.mlp.experts",
+            "layers.1.mlp.shared_expert.down_proj", "layers.1.self_attn.kv_a_proj_with_mqa"} <= set(targets)
+    assert not [t for t in targets if "indexer" in t]
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == set(adapter_params(model))
+    assert adapter_params(model)["layers.1.mlp.experts.gate_up_lora.A"].shape == (8, 64, RANK)  # [E, H, r]
+    assert adapter_params(model)["layers.1.mlp.experts.down_lora.B"].shape == (8, RANK, 64)  # [E, r, H]
+    assert lora.base_key("layers.1.mlp.experts.down_lora.B") == "layers.1.mlp.experts.down_proj"
+    with pytest.raises(ValueError, match="already has adapters"):
+        apply_lora(model, LoraConfig(rank=RANK, targets=["q_proj"]))
+
+
+# ============================================================================= one module against the formula
+
+def test_linear_adapter_equals_the_formula_values_and_gradients():
+    model = adapted(tiny_flint(), ["layers.1.self_attn.q_proj"])
+    linear = model.layers["1"].self_attn.q_proj
+    A, B = linear.lora.A, linear.lora.B
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    weight = torch.randn(3, 5, linear.out_features, generator=torch.Generator().manual_seed(2))
+    out = linear(x)
+    grads = torch.autograd.grad((out * weight).sum(), [x, A, B])
+    # the reference, written out: W x + (alpha / r) B A x, on copies
+    xr, Ar, Br = (t.detach().clone().requires_grad_() for t in (x, A, B))
+    expected = xr @ linear.weight.detach().T + (ALPHA / RANK) * (xr @ Ar.T) @ Br.T
+    expected_grads = torch.autograd.grad((expected * weight).sum(), [xr, Ar, Br])
+    assert_close_to_scale(out, expected, what="output")
+    for got, want, what in zip(grads, expected_grads, ("x", "A", "B")):
+        assert_close_to_scale(got, want, what=f"grad {what}")
+    assert linear.weight.grad is None and not linear.weight.requires_grad
+
+
+def test_grouped_lora_equals_a_loop_over_experts():
+    """Rows sorted by expert with an empty group and zero padding rows (CUDA's aligned layout)."""
+    g = torch.Generator().manual_seed(3)
+    counts, width_in, width_out = [3, 0, 5, 2], 16, 24
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    rows = torch.randn(sum(counts), width_in, generator=g)
+    rows[2] = 0.0  # a padding row
+    rows.requires_grad_()
+    A = torch.randn(4, width_in, RANK, generator=g, requires_grad=True)
+    B = torch.randn(4, RANK, width_out, generator=g, requires_grad=True)
+    weight = torch.randn(sum(counts), width_out, generator=g)
+    out = grouped_lora(rows, ends, A, B, SCALE)
+    grads = torch.autograd.grad((out * weight).sum(), [rows, A, B])
+    xr, Ar, Br = (t.detach().clone().requires_grad_() for t in (rows, A, B))
+    pieces, start = [], 0
+    for expert, count in enumerate(counts):
+        pieces.append(SCALE * xr[start:start + count] @ Ar[expert] @ Br[expert])
+        start += count
+    expected = torch.cat(pieces)
+    expected_grads = torch.autograd.grad((expected * weight).sum(), [xr, Ar, Br])
+    assert_close_to_scale(out, expected, what="output")
+    for got, want, what in zip(grads, expected_grads, ("rows", "A", "B")):
+        assert_close_to_scale(got, want, what=f"grad {what}")
+    assert out[2].abs().max() == 0 and grads[1][1].abs().max() == 0  # padding adds nothing; empty expert idle
+
+
+def reference_adapted_experts(x, weights, indices, experts):
+    """Token by token, choice by choice: the expert's SwiGLU with each weight plus its scaled update."""
+    gate_up = experts.gate_up_proj.detach()
+    down = experts.down_proj.detach()
+    (A1, B1), (A2, B2) = ((a.A, a.B) for a in (experts.gate_up_lora, experts.down_lora))
+    inter = down.shape[1]
+    rows = []
+    for token in range(x.shape[0]):
+        y = torch.zeros(x.shape[1])
+        for choice in range(indices.shape[1]):
+            e = int(indices[token, choice])
+            h = x[token] @ gate_up[e] + SCALE * (x[token] @ A1[e]) @ B1[e]
+            h = F.silu(h[:inter]) * h[inter:]
+            y = y + weights[token, choice] * (h @ down[e] + SCALE * (h @ A2[e]) @ B2[e])
+        rows.append(y)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("align", [None, 4])
+def test_adapted_experts_equal_the_loop_values_and_gradients(align):
+    model = adapted(tiny_flint(), ["layers.2.mlp.experts"])
+    experts = model.layers["2"].mlp.experts
+    experts.group_align = align  # 4: the padded layout of CUDA's grouped GEMM
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(10, 64, generator=g, requires_grad=True)
+    indices = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(10)])
+    indices[:, 0][indices[:, 0] == 5] = 6  # expert 5 gets fewer rows; some may get none
+    weights = torch.rand(10, 2, generator=g)
+    adapters = [experts.gate_up_lora.A, experts.gate_up_lora.B, experts.down_lora.A, experts.down_lora.B]
+    probe = torch.randn(10, 64, generator=g)
+    out = experts(x, weights, indices)
+    grads = torch.autograd.grad((out * probe).sum(), [x, *adapters])
+    expected = reference_adapted_experts(x, weights, indices, experts)
+    expected_grads = torch.autograd.grad((expected * probe).sum(), [x, *adapters])
+    assert_close_to_scale(out, expected, what="output")
+    for got, want, what in zip(grads, expected_grads, ("x", "gate_up A", "gate_up B", "down A", "down B")):
+        assert_close_to_scale(got, want, rtol=1e-4, what=f"grad {what}")
+    assert experts.gate_up_proj.grad is None and experts.down_proj.grad is None
+
+
+def test_dropout_acts_on_the_adapter_input_only():
+    """Seeded: the output is W x + s B A dropout(x) with the mask of the same generator state; in
+    evaluation, and for the grouped adapter's rows, likewise."""
+    model = adapted(tiny_flint(), ["layers.0.mlp.up_proj", "layers.2.mlp.experts"], dropout=0.5)
+    linear, grouped = model.layers["0"].mlp.up_proj, model.layers["2"].mlp.experts.down_lora
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(11)
+    out = linear(x)
+    torch.manual_seed(11)
+    dropped = F.dropout(x, 0.5, training=True)
+    base = x @ linear.weight.T
+    assert_close_to_scale(out, base + SCALE * (dropped @ linear.lora.A.T) @ linear.lora.B.T)
+    assert not torch.allclose(out, base + SCALE * (x @ linear.lora.A.T) @ linear.lora.B.T)
+    model.eval()
+    assert_close_to_scale(linear(x), base + SCALE * (x @ linear.lora.A.T) @ linear.lora.B.T)
+    model.train()
+    rows, ends = torch.randn(7, 32, generator=torch.Generator().manual_seed(6)), torch.tensor([3, 3, 7] + [7] * 5)
+    ends = ends.to(torch.int32)
+    torch.manual_seed(12)
+    got = grouped(rows, ends)
+    torch.manual_seed(12)
+    assert_close_to_scale(got, grouped_lora(F.dropout(rows, 0.5, training=True), ends, grouped.A, grouped.B, SCALE))
+
+
+# ============================================================================= whole models
+
+@pytest.mark.parametrize("family", ["flint", "large4"])
+def test_step_zero_is_the_base_model(family):
+    """B starts at zero: logits and loss bit-equal to the base's; B gets gradients (A none yet), the base none."""
+    model = tiny_flint() if family == "flint" else tiny_large4()
+    ids, targets = batch(model.config.vocab_size)
+    base_logits, base_loss = model(ids), model(ids, targets)
+    apply_lora(model, LoraConfig(rank=RANK, alpha=ALPHA, targets=["all"]))
+    assert torch.equal(model(ids), base_logits)
+    loss = model(ids, targets)
+    assert torch.equal(loss, base_loss)
+    loss.backward()
+    for name, param in model.named_parameters():
+        if not lora.is_adapter_key(name):
+            assert param.grad is None, name
+        elif name.endswith(".A"):
+            assert param.grad.abs().max() == 0, name
+    assert all(p.grad.abs().max() > 0 for n, p in model.named_parameters() if n.endswith("lora.B")
+               and n.startswith("layers.1."))  # the second layer's B all learn at once (MoE in both models)
+
+
+@pytest.mark.parametrize("family", ["flint", "large4"])
+def test_merged_weights_give_the_adapted_logits(family):
+    build = tiny_flint if family == "flint" else tiny_large4
+    model = adapted(build())
+    ids, _ = batch(model.config.vocab_size)
+    base = build()
+    before = base(ids)
+    merged = merge_lora(model.state_dict(), LoraConfig(rank=RANK, alpha=ALPHA, targets=["all"]))
+    assert set(merged) == set(base.state_dict())
+    base.load_state_dict(merged)
+    after, expected = base(ids), model(ids)
+    assert_close_to_scale(after, expected, rtol=1e-5, what="merged logits")
+    assert not torch.allclose(before, expected, atol=1e-3)  # the adapters changed the model
+
+
+def test_adapters_are_seeded_by_name_in_every_layout():
+    """A meta build initialised parameter by parameter (as parallel.init_weights does, any rank, any
+    order) through lora.initial_value equals the adapters of a model built and adapted at once."""
+    config = FlintConfig.from_name("tiny", num_hidden_layers=4)
+    lora_config = LoraConfig(rank=RANK, alpha=ALPHA, targets=["all"])
+    eager = build_model(config, seed=3)
+    apply_lora(eager, lora_config, seed=3)
+    with torch.device("meta"):
+        meta = type(eager)(config)
+    apply_lora(meta, lora_config, seed=3)
+    meta.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, param in reversed(list(meta.named_parameters())):
+            param.copy_(lora.initial_value(meta, name, param, seed=3))
+    for name, value in eager.state_dict().items():
+        assert torch.equal(meta.state_dict()[name], value), name
+    a = eager.layers["2"].mlp.experts.gate_up_lora.A
+    b = eager.layers["2"].mlp.experts.gate_up_lora.B
+    assert abs(a.std().item() * math.sqrt(a.shape[1]) - 1) < 0.1 and b.abs().max() == 0  # A ~ N(0, 1 / H), B zero
+
+
+@pytest.mark.parametrize("kind", ["0", "2"])
+def test_adapted_blocks_compile_whole_and_match_eager(kind, one_thread):
+    """fullgraph=True: an adapted block (dense; MoE with padded experts) is one graph whose values and
+    adapter gradients equal the eager block's."""
+    from test_compile import block_inputs
+    model = adapted(tiny_flint())
+    model.layers["2"].mlp.experts.group_align = 4
+    block = model.layers[kind]
+    x, rope, masks = block_inputs(model.config)
+    params = [p for p in block.parameters() if p.requires_grad]
+
+    def values_and_grads(fn):
+        out = fn(x, rope, masks)
+        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        return out, torch.autograd.grad((out * probe).sum(), [x, *params])
+    torch._dynamo.reset()
+    compiled_block = torch.compile(block, fullgraph=True, backend="aot_eager")
+    eager, compiled = values_and_grads(block), values_and_grads(compiled_block)
+    assert_close_to_scale(compiled[0], eager[0], what="output")
+    for i, (got, want) in enumerate(zip(compiled[1], eager[1])):
+        assert_close_to_scale(got, want, rtol=1e-4, what=f"gradient {i}")
+
+
+def check_fsdp(layout: dict) -> None:
+    """One spawned rank: FSDP 2 over the adapted model equals one process (loss, adapter gradients,
+    clipped norm, two AdamW steps on the adapters); the base gets no gradient."""
+    from parallel import ParallelConfig, build_mesh, parallelize
+    from test_parallel import full, make_batch, rows_of_this_rank
+    data = make_batch()
+
+    def build():
+        return adapted(build_model(FlintConfig.from_name("tiny", num_hidden_layers=4), seed=0))
+    reference = build()
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+    cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
+    mesh = build_mesh(cfg, "cpu", 8)
+    pm = parallelize(build(), cfg, mesh)
+    optimizer = torch.optim.AdamW([p for p in pm.module.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+    for step in range(3):
+        ref_loss = reference(*data)
+        ref_loss.backward()
+        loss = pm.forward_backward(*rows_of_this_rank(mesh, data))
+        assert_close_to_scale(loss, ref_loss.detach(), what=f"step {step} loss")
+        if step == 0:
+            grads = {n: p.grad for n, p in pm.module.named_parameters()}
+            for name, param in reference.named_parameters():
+                if lora.is_adapter_key(name):
+                    assert_close_to_scale(full(grads[name]), param.grad, what=f"grad {name}")
+                else:
+                    assert grads[name] is None, name
+        norm = torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 0.05)
+        assert_close_to_scale(pm.clip_grad_norm_(0.05), norm, what=f"step {step} norm")
+        for opt in (ref_opt, optimizer):
+            opt.step()
+            opt.zero_grad()
+
+
+def test_fsdp_matches_one_process():
+    from test_parallel import spawn
+    spawn(2, check_fsdp, {"dp_shard": 2})
+
+
+# ============================================================================= export
+
+def peft_delta(lora_a, lora_b, num_experts, scale):
+    """peft's ParamWrapper update of fused experts [E, out, in], from its own reshapes, written out."""
+    a = lora_a.reshape(num_experts, -1, lora_a.shape[-1])  # [E, r, in]
+    b = lora_b.reshape(lora_b.shape[0], -1, num_experts)  # [out, r, E]
+    return torch.einsum("ore,eri->eoi", b, a) * scale
+
+
+def test_peft_tensors_hold_the_same_updates():
+    """Each PEFT tensor pair, read as peft reads it, gives the native update (transposed, for transformers'
+    [E, out, in] experts), under the published module names."""
+    from convert import published_table
+    model = adapted(tiny_flint())
+    adapters = lora.adapter_state(model.state_dict())
+    tensors = lora.peft_state(adapters, published_table(model.config))
+    assert len(tensors) == len(adapters)
+    prefix = "base_model.model.model.layers.2"
+    gate_up = peft_delta(tensors[f"{prefix}.mlp.experts.base_layer.lora_A.weight"],
+                         tensors[f"{prefix}.mlp.experts.base_layer.lora_B.weight"], 8, SCALE)
+    native = lora.delta_weight(adapters["layers.2.mlp.experts.gate_up_lora.A"],
+                               adapters["layers.2.mlp.experts.gate_up_lora.B"], SCALE)  # [E, H, 2*Im]
+    assert_close_to_scale(gate_up, native.transpose(1, 2))
+    down = peft_delta(tensors[f"{prefix}.mlp.experts.lora_A.weight"], tensors[f"{prefix}.mlp.experts.lora_B.weight"],
+                      8, SCALE)
+    assert_close_to_scale(down, lora.delta_weight(adapters["layers.2.mlp.experts.down_lora.A"],
+                                                  adapters["layers.2.mlp.experts.down_lora.B"], SCALE).transpose(1, 2))
+    q = tensors[f"{prefix}.self_attn.q_proj.lora_B.weight"] @ tensors[f"{prefix}.self_attn.q_proj.lora_A.weight"]
+    assert_close_to_scale(SCALE * q, lora.delta_weight(adapters["layers.2.self_attn.q_proj.lora.A"],
+                                                       adapters["layers.2.self_attn.q_proj.lora.B"], SCALE))
+
+
+@pytest.mark.parametrize("family", ["flint", "large4"])
+def test_the_peft_directory_is_the_one_peft_loaded(family, tmp_path):
+    """tests/make_lora_peft_fixture.py loaded this adapter directory with peft onto transformers' model (and the
+    merged export with transformers) and got the adapted model's logits: the same directory is still written,
+    byte for byte, and the native model still computes those logits."""
+    from safetensors.torch import load_file
+    from make_lora_peft_fixture import adapted_model, adapter_directory, inputs
+    result = json.loads((FIXTURE / family / "result.json").read_text())
+    assert result["peft_loads"] and result["merged_loads"] and not result["peft_key_warnings"]
+    model = adapted_model(family)
+    adapter_directory(family, model, tmp_path / "adapter")
+    written = (tmp_path / "adapter" / "adapter_config.json").read_text()
+    assert written == (FIXTURE / family / "adapter_config.json").read_text()
+    assert hashlib.sha256((tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()).hexdigest() == \
+        result["adapter_sha256"]
+    expected = load_file(FIXTURE / family / "expected.safetensors")
+    assert torch.equal(expected["input_ids"], inputs(family))
+    with torch.no_grad():
+        logits = model(expected["input_ids"])
+    assert_close_to_scale(logits, expected["peft_logits"], rtol=1e-4, what="peft's logits")
+    assert_close_to_scale(logits, expected["merged_logits"], rtol=1e-4, what="the merged export's logits")
