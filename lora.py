@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from decoder import seeded_normal
+from layers import seeded_normal
 from hf_io import Part, atomic_directory
 from moe import GroupedExperts, combine, dispatch, group_alignment, grouped_mm, inverse_permutation, sort_by_expert
 

@@ -69,7 +69,7 @@ def adapted_model(family: str):
     """The family's tiny native model, every parameter random, with LoRA on every target and B random."""
     import torch
     from lora import LoraConfig, apply_lora
-    from models import model_class
+    from registry import model_class
     config = native_config(family)
     with torch.device("meta"):
         model = model_class(config)(config)
