@@ -13,6 +13,7 @@ import io
 import json
 import pickle
 import re
+import sys
 import warnings
 import zlib
 from concurrent.futures import Future
@@ -217,6 +218,31 @@ def root_cause(error: BaseException) -> str:
 
 def is_native_checkpoint(path: Path) -> bool:
     return (path / ".metadata").is_file() and (path / "config.json").is_file()
+
+
+def is_hf_checkpoint(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def resolve_checkpoint(path: Path, what: str) -> Path:
+    """A checkpoint directory itself, or the newest intact step_* inside a run's checkpoint dir (its run_*
+    directories, or a run directory): what sample.py's --checkpoint and [model].init_from take. A damaged
+    newer one is skipped with a warning. what: the flag or key, for the messages."""
+    if is_native_checkpoint(path) or is_hf_checkpoint(path):
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"{what} {path}: no such directory")
+    places = [path, *sorted(p for p in path.glob("run_*") if p.is_dir())]  # run directories, oldest first
+    steps = [p for place in places for p in sorted(place.glob("step_*")) if p.suffix != ".tmp" and is_native_checkpoint(p)]
+    if not steps:
+        raise CheckpointError(f"{what} {path}: not a checkpoint (no .metadata, no config.json with safetensors) "
+                              f"and no complete step_* checkpoint inside")
+    for step in reversed(steps):
+        problem = damage(step)
+        if problem is None:
+            return step
+        print(f"WARNING: skipping the damaged checkpoint {step}: {problem}", file=sys.stderr, flush=True)
+    raise CheckpointError(f"{what} {path}: none of its {len(steps)} step_* checkpoints is intact (see the warnings)")
 
 
 # ============================================================================= checksums

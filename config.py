@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from checkpoint_files import CheckpointError, resolve_checkpoint
 from generate import MIN_TEMPERATURE, usable_temperature
 from registry import FAMILIES, ModelConfig, family, family_of_hf_config, model_class
 from parallel import LayoutError, ParallelConfig, unsupported_layout
@@ -45,7 +46,7 @@ class ModelSection:
     family: str = "flint"  # flint | large4: whose presets and fields; hf_config / init_from tell it themselves
     preset: str = ""  # a preset of the family's config (FlintConfig.from_name, Large4Config.from_name)
     hf_config: str = ""  # a Hugging Face config.json (or its directory): that architecture, fresh weights
-    init_from: str = ""  # a checkpoint directory (Hugging Face or native): its architecture and weights
+    init_from: str = ""  # a checkpoint (Hugging Face or native), or a run's checkpoint dir (its newest intact step)
     overrides: dict = field(default_factory=dict)  # every other key of [model]: a field of the family's config
 
 
@@ -247,6 +248,7 @@ def config_from_tables(raw: dict, path: Path, origins: dict[str, str], overrides
         name = next(iter(raw))
         raise ConfigError(f"{path}: unknown section [{name}]; sections are {', '.join(SECTIONS)}")
     cfg = TrainConfig(**sections, model_config=None, source=str(path), origins=origins)
+    cfg.model.init_from = resolve_init_from(cfg)
     cfg.model_config = resolve_model_config(cfg)
     validate(cfg)
     return cfg
@@ -298,6 +300,18 @@ def check_type(key: str, value: Any, expected: type, where: str) -> None:
 
 
 # ============================================================================= the model architecture
+
+def resolve_init_from(cfg: TrainConfig) -> str:
+    """[model].init_from as the checkpoint it names: a checkpoint directory itself, or the newest intact
+    step of a run's checkpoint directory (what a first run leaves in [checkpoint].dir), as sample.py reads it."""
+    source = cfg.model.init_from
+    if not source or not Path(source).is_dir():
+        return source  # none, or missing: resolve_model_config says so
+    try:
+        return str(resolve_checkpoint(Path(source), "[model].init_from"))
+    except CheckpointError as error:
+        raise ConfigError(f"{cfg.where('model.init_from')}: {error}") from error
+
 
 def resolve_model_config(cfg: TrainConfig) -> ModelConfig:
     """Exactly one of preset / hf_config / init_from names the architecture; other keys override it.

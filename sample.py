@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from checkpoint_files import damage, is_native_checkpoint
+from checkpoint_files import is_native_checkpoint, resolve_checkpoint
 from generate import MIN_TEMPERATURE, stream, usable_temperature
 from files import read_config_json
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
@@ -32,7 +32,7 @@ class SampleError(ValueError):
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        checkpoint = resolve_checkpoint(Path(args.checkpoint))
+        checkpoint = resolve_checkpoint(Path(args.checkpoint), "--checkpoint")
         tokenizer = sampling_tokenizer(checkpoint, args.tokenizer)
         start = time.perf_counter()
         model = load_model(checkpoint, args.device)
@@ -111,30 +111,6 @@ def device(text: str) -> str:
 
 
 # ============================================================================= what to load
-
-def is_hf_checkpoint(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory itself, or the newest intact step_* inside a run's checkpoint dir (a
-    damaged newer one is skipped with a warning)."""
-    if is_native_checkpoint(path) or is_hf_checkpoint(path):
-        return path
-    if not path.is_dir():
-        raise SampleError(f"--checkpoint {path}: no such directory")
-    places = [path, *sorted(p for p in path.glob("run_*") if p.is_dir())]  # run directories, oldest first
-    steps = [p for place in places for p in sorted(place.glob("step_*")) if p.suffix != ".tmp" and is_native_checkpoint(p)]
-    if not steps:
-        raise SampleError(f"--checkpoint {path}: not a checkpoint (no .metadata, no config.json with safetensors) "
-                          f"and no complete step_* checkpoint inside")
-    for step in reversed(steps):
-        problem = damage(step)
-        if problem is None:
-            return step
-        print(f"WARNING: skipping the damaged checkpoint {step}: {problem}", file=sys.stderr, flush=True)
-    raise SampleError(f"--checkpoint {path}: none of its {len(steps)} step_* checkpoints is intact (see the warnings)")
-
 
 def load_model(checkpoint: Path, device: str = "cpu") -> torch.nn.Module:
     """FP32 weights on `device`, from a native or a Hugging Face checkpoint, in eval mode."""

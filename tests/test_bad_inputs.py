@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import convert
 import sample
+from checkpoint_files import CheckpointError
 from config import ConfigError, load_config
 from data import DataError, TokenShards, prepare
 from large4 import Large4Config
@@ -270,12 +271,12 @@ def test_a_run_directory_samples_its_newest_intact_checkpoint(trained, tmp_path,
     newest = runs / "run_0001" / "step_00000002"
     data_file = next(newest.glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:-8])
-    assert sample.resolve_checkpoint(runs) == runs / "run_0001" / "step_00000001"
+    assert sample.resolve_checkpoint(runs, "--checkpoint") == runs / "run_0001" / "step_00000001"
     warning = capsys.readouterr().err
     assert f"WARNING: skipping the damaged checkpoint {newest}: {data_file}" in warning
     older = runs / "run_0001" / "step_00000001" / next(newest.glob("*.distcp")).name
     older.write_bytes(older.read_bytes()[:-8])
-    stops_with_one_line(lambda: sample.resolve_checkpoint(runs), sample.SampleError, f"--checkpoint {runs}",
+    stops_with_one_line(lambda: sample.resolve_checkpoint(runs, "--checkpoint"), CheckpointError, f"--checkpoint {runs}",
                         r"none of its 2 step_\* checkpoints is intact")
 
 

@@ -199,3 +199,13 @@ def test_print_config_loads_back_to_the_same_run_and_trains_nothing(tmp_path, ca
     assert again.model_config == original.model_config and again.training.steps == 7
     assert {k: v for k, v in again.to_dict().items() if k != "model"} == \
         {k: v for k, v in original.to_dict().items() if k != "model"}
+
+
+def test_init_from_a_runs_checkpoint_dir_takes_its_newest_intact_step(trained_once, tmp_path):
+    """What a first run leaves in [checkpoint].dir can be named as it is, as sample.py's --checkpoint takes it."""
+    runs = trained_once.parent.parent  # [checkpoint].dir, holding run_0001/step_00000001
+    cfg = load_config(ROOT / "configs" / "debug.toml", [f"--model.init_from={runs}", "--model.preset="])
+    assert cfg.model.init_from == str(trained_once)
+    (tmp_path / "run_0001" / "step_00000002").mkdir(parents=True)  # no checkpoint inside: none to take
+    with pytest.raises(ConfigError, match=r"command line --model.init_from: \[model\].init_from .*no complete step_"):
+        load_config(ROOT / "configs" / "debug.toml", [f"--model.init_from={tmp_path}", "--model.preset="])

@@ -25,7 +25,7 @@ def test_sample_from_a_run_a_step_and_an_export(tmp_path, capsys):
     assert summary["sample"].startswith("The ") and summary["sample"] in out  # streamed as it was drawn
     ckpt = tmp_path / "ckpt"
     run_dir = ckpt / "run_0001"
-    assert sample.resolve_checkpoint(ckpt) == run_dir / "step_00000002"  # a run's dir: its latest step
+    assert sample.resolve_checkpoint(ckpt, "--checkpoint") == run_dir / "step_00000002"  # a run's dir: its latest step
     greedy = ["--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]
     from_run = sample_cli(capsys, "--checkpoint", str(ckpt), *greedy)
     from_step = sample_cli(capsys, "--checkpoint", str(run_dir / "step_00000002"), *greedy)
