@@ -31,6 +31,7 @@ def repository_modules_loaded_by(module: str) -> set[str]:
     ("decoder", set()),
     ("context_parallel", set()),
     ("devices", set()),
+    ("report", {"files"}),
 ])
 def test_low_level_modules_load_no_model_and_no_parallel_layer(module, allowed):
     loaded = repository_modules_loaded_by(module)
