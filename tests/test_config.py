@@ -198,3 +198,14 @@ def test_print_config_loads_back_to_the_same_run_and_trains_nothing(tmp_path, ca
     assert again.model_config == original.model_config and again.training.steps == 7
     assert {k: v for k, v in again.to_dict().items() if k != "model"} == \
         {k: v for k, v in original.to_dict().items() if k != "model"}
+
+
+@pytest.mark.parametrize("value", ['"x"', '"6-5"', '"0"', '"3-21"', '"2-"', "5"])
+def test_profile_steps_must_name_steps_of_the_run(value):
+    """One line naming the key, what it takes and the run's last step (configs/debug.toml trains 20)."""
+    with pytest.raises(ConfigError) as error:
+        load_config(CONFIGS / "debug.toml", [f"--logging.profile_steps={value}"])
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("command line --logging.profile_steps: ")
+    assert ("1 <= A <= B <= training.steps = 20" in message) if value != "5" else "must be str, got int 5" in message
+    assert load_config(CONFIGS / "debug.toml", ["--logging.profile_steps=5-6"]).logging.profile_steps == "5-6"
