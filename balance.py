@@ -51,8 +51,8 @@ tokens_per_expert). After each optimizer step the trainer sums those counts over
     bias only chooses experts; the gate weights stay the unbiased scores (sigmoid or softmax);
   - reports, at logged steps, each layer's max and min load over the mean load (1.0 and 1.0:
     perfectly balanced; min 0: an expert got nothing) and every expert's token count (routed,
-    before any drop), and under expert capacity (capacity.py) the (token, expert) assignments
-    the layer dropped.
+    before any drop), under expert capacity (capacity.py) the (token, expert) assignments
+    the layer dropped, and each expert's selection bias where the run moves it.
 The counts are those of the step's last micro-batch (on every data-parallel rank).
 """
 
@@ -268,6 +268,11 @@ class RoutingMonitor:
         if self.capacity_ratio:
             for layer, dropped in zip(self.moe_layers, self.dropped[self.moe_layers].long().tolist()):
                 stats[str(layer)]["dropped"] = dropped
+        biases = {layer: router.selection_bias for layer, router in self.routers.items()
+                  if router.selection_bias is not None}  # this rank's layers: all but under pipeline parallel
+        if biases:  # report.py draws how far apart they have moved
+            for layer, bias in zip(biases, torch.stack(list(biases.values())).tolist()):
+                stats[str(layer)]["bias"] = [round(b, 5) for b in bias]
         return stats
 
 

@@ -112,6 +112,7 @@ class LoggingSection:
     jsonl: str = "runs/default/metrics.jsonl"  # one JSON record per logged step
     peak_tflops: float = 0.0  # per device, for MFU; 0: measured on the CPU, looked up on GPUs
     idle_expert_steps: int = 100  # warn when an expert gets no token for this many steps in a row; 0: never
+    profile_steps: str = ""  # "5-6" or "5": torch.profiler traces of those steps, one per rank, in the run directory
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "training": TrainingSection, "optim": OptimSection,
@@ -305,8 +306,8 @@ def resolve_init_from(cfg: TrainConfig) -> str:
     """[model].init_from as the checkpoint it names: a checkpoint directory itself, or the newest intact
     step of a run's checkpoint directory (what a first run leaves in [checkpoint].dir), as sample.py reads it."""
     source = cfg.model.init_from
-    if not source or not Path(source).is_dir():
-        return source  # none, or missing: resolve_model_config says so
+    if not source or not Path(source).is_dir() or (Path(source) / "config.json").is_file():
+        return source  # none, missing (resolve_model_config says so), or a checkpoint (its files checked at load)
     try:
         return str(resolve_checkpoint(Path(source), "[model].init_from"))
     except CheckpointError as error:
@@ -422,6 +423,7 @@ def validate(cfg: TrainConfig) -> None:
     if d.val_fraction == 0 and t.eval_every > 0:
         raise ConfigError(f"{cfg.where('training.eval_every')}: [training].eval_every = {t.eval_every} needs a "
                           f"validation split, but data.val_fraction = 0")
+    check_profile_steps(cfg)
     check_router_aux_loss(cfg)
     refusal = cfg.model_config.training_error(d.seq_len, fresh_weights=not cfg.model.init_from)
     if refusal:
@@ -458,6 +460,27 @@ def check_paths(cfg: TrainConfig) -> None:
             raise ConfigError(f"{cfg.where(key)}: {key} {path} lies under {existing}, which is a file")
         if not os.access(existing, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
             raise ConfigError(f"{cfg.where(key)}: {key} {path} is not writable")
+
+
+def profile_step_range(text: str) -> range | None:
+    """[logging] profile_steps: "" -> None, "5" -> range(5, 6), "5-6" -> range(5, 7); what names no
+    step ("x", "6-5") -> range(0), which check_profile_steps refuses."""
+    if not text:
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text)
+    if not match:
+        return range(0)
+    first, last = int(match.group(1)), int(match.group(2) or match.group(1))
+    return range(first, last + 1)
+
+
+def check_profile_steps(cfg: TrainConfig) -> None:
+    """The steps to profile lie within the run, the first no later than the last."""
+    text, steps = cfg.logging.profile_steps, cfg.training.steps
+    chosen = profile_step_range(text)
+    if chosen is not None and not (chosen and 1 <= chosen[0] <= chosen[-1] <= steps):
+        raise ConfigError(f"{cfg.where('logging.profile_steps')}: [logging].profile_steps must be \"\" (none), a step "
+                          f"\"N\" or steps \"A-B\" with 1 <= A <= B <= training.steps = {steps}, got {text!r}")
 
 
 def check_microbatches(cfg: TrainConfig) -> None:

@@ -1,5 +1,8 @@
 """What a person sees of a training run: one line per logging step and the same numbers in a JSON
-file (metrics.jsonl), with tokens/s and model FLOPs utilisation against the hardware's peak.
+file (metrics.jsonl), with tokens/s and model FLOPs utilisation against the hardware's peak; at the
+end, report.py's page of plots in the run directory; for the steps [logging] profile_steps names, a
+torch.profiler trace per rank with named ranges (and on CUDA a memory snapshot, also written when a
+step runs out of memory).
 
 train.py writes through MetricsLogger; tools/bench.py divides by the same peak (run_peak_flops). On the CPU the
 peak is the machine's FP32 matmul rate, measured once and cached, so MFU does not move with whatever
@@ -12,17 +15,23 @@ import json
 import os
 import platform
 import resource
+import sys
 import time
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from pathlib import Path
+from unittest import mock
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from config import TrainConfig
-from files import read_json_object, write_atomically
-from registry import ModelConfig, model_class
-from parallel import Run, barrier
+import moe
 from balance import worst_layer
+from config import TrainConfig, profile_step_range
+from files import read_json_object, write_atomically
+from layers import Head
+from parallel import ParallelModel, Run, barrier
+from registry import ModelConfig, family_of, model_class
+from report import note_run, write_report
 
 
 # Dense BF16 tensor-core peaks in TFLOP/s, by a part of the device name (first match wins).
@@ -123,10 +132,12 @@ class MetricsLogger:
         self.last_step = start_step
         self.first_step = start_step + 1  # always logged: the loss before any learning
         self.summary: dict = {"first_loss": None}
-        self.path, self.run_name = Path(cfg.logging.jsonl), str(run_dir)
+        self.path, self.run_name, self.run_dir = Path(cfg.logging.jsonl), str(run_dir), Path(run_dir)
+        self.profile_steps, self.profiler = profile_step_range(cfg.logging.profile_steps), None
         if run.is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             drop_superseded_records(self.path, self.run_name, start_step)
+            note_run(self.run_dir, self.path, self.run_name, cfg.to_dict())  # where report.py finds the records
             run.print(f"training steps {start_step + 1}..{t.steps}: {self.tokens_per_step:,} tokens per step, "
                       f"{self.flops_per_token / 1e6:.2f} MFLOPs per token, peak "
                       f"{f'{self.peak / 1e12:.2f} TFLOP/s' if self.peak else 'unknown (set logging.peak_tflops)'}")
@@ -165,6 +176,139 @@ class MetricsLogger:
         start = time.perf_counter()
         yield
         self.last_time += time.perf_counter() - start
+
+    def write_report(self) -> None:
+        """report.py's page of this run, in its directory (rank 0); a failure is reported, never fatal:
+        the checkpoints are written."""
+        if not self.run.is_main:
+            return
+        try:
+            self.run.print(f"report: {write_report([self.run_dir])}")
+        except (OSError, ValueError) as error:
+            print(f"WARNING: the report of {self.run_dir} failed: {error}", file=sys.stderr, flush=True)
+
+    @contextmanager
+    def traced(self, step: int, model: ParallelModel, optimizer: torch.optim.Optimizer):
+        """Around a training step: the steps of [logging] profile_steps run under torch.profiler with
+        named ranges (on CUDA recording the allocator's history too), written out after the last of
+        them; on CUDA a step that runs out of memory ends the process with the allocator's snapshot."""
+        if self.profile_steps and step in self.profile_steps and self.profiler is None:
+            self.start_profiler(model, optimizer)
+        try:
+            with record_function(f"step {step}") if self.profiler else nullcontext():
+                yield
+        except torch.OutOfMemoryError as error:
+            if self.run.device.type != "cuda":
+                raise
+            self.exit_with_memory_snapshot(step, error)
+        if self.profiler and step == self.profile_steps[-1]:
+            with self.untimed():
+                self.write_traces()
+
+    def start_profiler(self, model: ParallelModel, optimizer: torch.optim.Optimizer) -> None:
+        self.ranges = ExitStack()
+        self.ranges.enter_context(named_ranges(model, optimizer))
+        cuda = self.run.device.type == "cuda"
+        self.profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                                record_shapes=True)
+        if cuda:
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+        self.profiler.start()
+
+    def write_traces(self) -> None:
+        """This rank's trace (and on CUDA its memory snapshot) of the profiled steps, in the run directory."""
+        steps = self.profile_steps
+        name = f"steps{steps[0]}-{steps[-1]}"
+        self.profiler.stop()
+        self.ranges.close()
+        self.profiler.export_chrome_trace(str(self.run_dir / f"trace_{name}_rank{self.run.rank}.json"))
+        memory = ""
+        if self.run.device.type == "cuda":
+            torch.cuda.memory._dump_snapshot(str(self.run_dir / f"memory_{name}_rank{self.run.rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            memory = f"; memory snapshots {self.run_dir}/memory_{name}_rank*.pickle (https://pytorch.org/memory_viz)"
+        self.run.print(f"profiled steps {steps[0]}-{steps[-1]}: traces {self.run_dir}/trace_{name}_rank*.json, one "
+                       f"per rank (open in https://ui.perfetto.dev){memory}")
+        self.profiler = None
+
+    def exit_with_memory_snapshot(self, step: int, error: torch.OutOfMemoryError):
+        """One line naming the allocator's snapshot at the failure: every segment and block with its size,
+        and the stacks that allocated them when the allocator's history was on (profiled steps)."""
+        path = self.run_dir / f"memory_oom_step{step}_rank{self.run.rank}.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+        raise SystemExit(f"step {step}: rank {self.run.rank} ran out of GPU memory ({reason}); the allocator's "
+                         f"snapshot is {path} (open it in https://pytorch.org/memory_viz)") from error
+
+
+# Allocations and frees the CUDA allocator remembers while profiling: a few steps of a large model.
+MEMORY_HISTORY_ENTRIES = 1_000_000
+
+
+def named_modules(config: ModelConfig) -> list[tuple[type, str]]:
+    """The module kinds a trace names, the model's family's own (registry.Family.timed_modules) first."""
+    return [*family_of(config).timed_modules, (moe.Router, "router"),
+            (moe.GroupedExperts, "routed experts"), (moe.ExpertParallelExperts, "routed experts (expert parallel)"),
+            (moe.SwiGLU, "dense MLP or shared expert"), (Head, "head and loss")]
+
+
+# Functions of moe.py named in a trace: wrapped while profiling eager blocks only (a compiled block's
+# code is fixed, and dynamo ignores profiler ranges inside a graph: its kernels carry their own names).
+NAMED_FUNCTIONS = [(moe, "dispatch", "expert dispatch"), (moe, "combine", "expert combine"),
+                   (moe, "grouped_mm", "grouped GEMM"), (moe, "batched_swiglu", "expert GEMMs (capacity buffer)"),
+                   (moe.ExpertParallelExperts, "send_rows", "all-to-all: rows to their experts"),
+                   (moe.ExpertParallelExperts, "return_rows", "all-to-all: rows back")]
+
+
+def in_range(name: str, fn):
+    def ranged(*args, **kwargs):
+        with record_function(name):
+            return fn(*args, **kwargs)
+    return ranged
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """parallel.apply_compile replaces a block's (and the head's) forward with a compiled one."""
+    return "forward" in vars(module)
+
+
+@contextmanager
+def named_ranges(model: ParallelModel, optimizer: torch.optim.Optimizer):
+    """Profiler ranges, placed from outside the model while profiling: each micro-batch's forward and
+    backward, each decoder layer, the module kinds of named_modules and the functions of NAMED_FUNCTIONS
+    (inside eager blocks only), gradient clipping and the optimizer. Collectives are named by torch."""
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(model, "forward_backward",
+                                              in_range("forward and backward", model.forward_backward)))
+        stack.enter_context(mock.patch.object(model, "clip_grad_norm_",
+                                              in_range("gradient clipping", model.clip_grad_norm_)))
+        ends = []
+        handles = [optimizer.register_step_pre_hook(lambda *_: ends.append(record_function("optimizer").__enter__())),
+                   optimizer.register_step_post_hook(lambda *_: ends.pop().__exit__(None, None, None))]
+        stack.callback(lambda: [handle.remove() for handle in handles])
+        compiled = [m for m in model.module.modules() if is_compiled(m)]
+        inside_compiled = {id(m) for c in compiled for m in c.modules() if m is not c}
+        layers, kinds = {id(layer) for layer in model.module.layers.values()}, named_modules(model.config)
+        for name, module in model.module.named_modules():
+            kind = next((label for cls, label in kinds if isinstance(module, cls)), None)
+            if id(module) in layers:
+                kind = f"layer {name.rsplit('.', 1)[-1]}"
+            if kind and id(module) not in inside_compiled:
+                handles += module_range(module, kind, ends)
+        if not compiled:
+            for owner, attribute, label in NAMED_FUNCTIONS:
+                stack.enter_context(mock.patch.object(owner, attribute, in_range(label, getattr(owner, attribute))))
+        yield
+
+
+def module_range(module: torch.nn.Module, label: str, ends: list) -> list:
+    """A range named `label` around each forward of `module` (recomputed forwards included)."""
+    def enter(*_):
+        ends.append(record_function(label).__enter__())
+
+    def leave(*_):
+        ends.pop().__exit__(None, None, None)
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
 
 
 def drop_superseded_records(path: Path, run_name: str, step: int) -> None:

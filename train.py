@@ -1,14 +1,13 @@
 """Train Flint or Mistral Large 4: `python train.py --config configs/smoke.toml [--section.key=value ...]`,
 or on several processes `torchrun --nproc-per-node N train.py --config ...`.
 
-main() is the table of contents: configuration, data, model, optimizer, resume, then the loop.
-Each step takes grad_accum micro-batches, weights every token equally across micro-batches and
-ranks, clips the global gradient norm and steps AdamW; evaluation, checkpoints and logs follow
-at their intervals. config.py reads and checks the TOML, data.py tokenizes and packs the text,
-checkpoint.py saves and resumes, parallel.py lays the model across the processes ([parallel]:
-FSDP, HSDP, expert, pipeline and context parallel, BF16 compute with FP32 master weights on
-GPUs), metrics.py prints and records each logged step. One process takes the same path as many: it
-runs in a process group of one.
+main() is the table of contents: configuration, data, model, optimizer, resume, then the loop. Each step takes
+grad_accum micro-batches, weights every token equally across micro-batches and ranks, clips the global gradient
+norm and steps AdamW; evaluation, checkpoints and logs follow at their intervals. config.py reads and checks the
+TOML, data.py tokenizes and packs the text, checkpoint.py saves and resumes, parallel.py lays the model across the
+processes ([parallel]: FSDP, HSDP, expert, pipeline and context parallel, BF16 compute with FP32 master weights on
+GPUs), metrics.py prints and records each logged step, profiles the steps [logging] profile_steps names and writes
+report.py's page at the end. One process takes the same path as many: it runs in a process group of one.
 """
 
 from __future__ import annotations
@@ -85,14 +84,14 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
         optimizer = build_optimizer(model.module, cfg.optim)
         step = checkpoints.resume(model, optimizer, train_data)
         logger = MetricsLogger(cfg, run, model.config, start_step=step, run_dir=checkpoints.run_dir)
-        routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps,
-                                 run.is_main)
+        routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps, run.is_main)
         with Interruption(run) as interruption, explain_stop(checkpoints, run, argv):
             while step < cfg.training.steps:
                 step += 1
                 lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.training.steps))
-                loss, grad_norm, stop = train_step(model, optimizer, train_data, cfg, run, routing, interruption,
-                                                   step, checkpoints)
+                with logger.traced(step, model, optimizer):  # [logging] profile_steps; a CUDA OOM's snapshot
+                    loss, grad_norm, stop = train_step(model, optimizer, train_data, cfg, run, routing, interruption,
+                                                       step, checkpoints)
                 if due(step, cfg.logging.every, cfg.training.steps) or step == logger.first_step:
                     logger.log_train(step, loss, lr, grad_norm, routing.stats())
                 stopping = interruption.requested(stop)
@@ -568,6 +567,7 @@ def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, l
                           f"from the export in an inference engine")
             else:
                 draw_sample(checkpoint, tokenizer, t, logger, run)
+    logger.write_report()  # report.py's page of the run, in its directory
     return logger.summary
 
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 import convert
 from balance import RouterLosses, RoutingMonitor, add_layer, update_selection_bias, worst_layer
 from config import ConfigError
-from conftest import assert_close_to_scale, run_debug, train_losses
+from conftest import assert_close_to_scale, records, run_debug, train_losses
 from model import FlintConfig
 from moe import Router
 from parallel import ParallelConfig, build_mesh, parallelize
@@ -419,6 +419,8 @@ def test_training_with_the_bias_resumes_exactly_and_is_not_exported(tmp_path):
     model = convert.load_native(tmp_path / "whole" / "ckpt" / "run_0001" / "step_00000004")
     bias_values = model.layers["2"].mlp.router.selection_bias
     assert bias_values.abs().max() == pytest.approx(0.04)  # four steps of 0.01 for the most starved expert
+    logged = [r for r in records(tmp_path / "whole") if "routing" in r][-1]["routing"]["2"]["bias"]
+    assert logged == pytest.approx(bias_values.tolist(), abs=1e-5)  # the last record's bias: report.py draws it
     with pytest.raises(ConfigError, match=r"export_hf cannot export a model with \[model\].router_bias_update_rate"):
         run_debug(tmp_path / "export", *bias, f"--checkpoint.export_hf={tmp_path / 'hf'}")
     with pytest.raises(ValueError, match=r"per-expert selection bias .* the published format has no place for"):

@@ -28,7 +28,7 @@ def test_resume_gives_exactly_the_uninterrupted_losses(tmp_path):
     run_debug(tmp_path, *common)
     uninterrupted = train_losses(tmp_path)
     checkpoints = sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir())
-    assert checkpoints == [".lock", "step_00000004", "step_00000006"]  # keep_last = 2
+    assert checkpoints == [".lock", "report.html", "run.json", "step_00000004", "step_00000006"]  # keep_last = 2
     shutil.rmtree(tmp_path / "ckpt" / "run_0001" / "step_00000006")
     with open(tmp_path / "metrics.jsonl", "a") as log:
         log.write('{"step": 7, "lo')  # a line cut off by a crash
@@ -52,10 +52,12 @@ def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--training.sample_tokens=0")
     monkeypatch.setattr(checkpoint, "save_dcp", real_save)
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [".lock", "step_00000002", "step_00000004.tmp"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [
+        ".lock", "run.json", "step_00000002", "step_00000004.tmp"]
     summary = run_debug(tmp_path, "--training.steps=4", "--checkpoint.resume=auto", "--training.sample_tokens=0")
     assert summary["step"] == 4  # resumed from step 2 and went on
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [".lock", "step_00000002", "step_00000004"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [
+        ".lock", "report.html", "run.json", "step_00000002", "step_00000004"]
 
 
 def test_checkpoint_from_another_architecture_is_refused(tmp_path):
@@ -93,8 +95,10 @@ def test_rerunning_never_deletes_a_run_and_auto_continues_the_latest(tmp_path, c
     assert all((ckpt / run / "step_00000002").is_dir() for run in ("run_0001", "run_0002"))
     run_debug(tmp_path, "--training.steps=3", "--training.sample_tokens=0", "--checkpoint.resume=auto")
     assert f"resumed from {ckpt / 'run_0002' / 'step_00000002'} at step 2" in capsys.readouterr().out
-    assert sorted(p.name for p in (ckpt / "run_0002").iterdir()) == [".lock", "step_00000002", "step_00000003"]
-    assert sorted(p.name for p in (ckpt / "run_0001").iterdir()) == [".lock", "step_00000002"]
+    assert sorted(p.name for p in (ckpt / "run_0002").iterdir()) == [
+        ".lock", "report.html", "run.json", "step_00000002", "step_00000003"]
+    assert sorted(p.name for p in (ckpt / "run_0001").iterdir()) == [
+        ".lock", "report.html", "run.json", "step_00000002"]
 
 
 def test_a_second_run_on_the_same_directory_is_refused(tmp_path):
@@ -122,7 +126,7 @@ def test_a_run_pointed_at_a_live_runs_own_directory_is_refused(tmp_path):
             run_debug(tmp_path / "second", f"--checkpoint.dir={live}", "--checkpoint.resume=auto")
         with pytest.raises(CheckpointError, match=rf"run directory {live} is in use by another run"):
             run_debug(tmp_path, "--training.steps=2", "--checkpoint.resume=auto")
-    assert sorted(p.name for p in live.iterdir()) == [".lock", "step_00000001"]
+    assert sorted(p.name for p in live.iterdir()) == [".lock", "report.html", "run.json", "step_00000001"]
 
 
 def test_a_kill_during_rotation_never_leaves_a_half_deleted_checkpoint_listed(tmp_path, monkeypatch):
@@ -143,11 +147,11 @@ def test_a_kill_during_rotation_never_leaves_a_half_deleted_checkpoint_listed(tm
     monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
     run_dir = tmp_path / "ckpt" / "run_0001"
     (run_dir / "step_00000003.tmp").mkdir()  # and a save that was killed
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001.removing", "step_00000002",
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "run.json", "step_00000001.removing", "step_00000002",
                                                           "step_00000003.tmp"]
     run_debug(tmp_path, "--training.steps=3", "--checkpoint.resume=auto", "--checkpoint.keep_last=1",
               "--training.sample_tokens=0")
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000003"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "report.html", "run.json", "step_00000003"]
 
 
 def test_a_stray_file_named_like_a_run_is_skipped(tmp_path):
@@ -232,7 +236,8 @@ def test_a_diverging_run_stops_at_the_step_it_diverges(tmp_path):
                                                   rf"[\d.e+]+: the run diverged.*last good checkpoint is {good}"):
         run_debug(tmp_path, "--optim.lr=1e3", "--optim.schedule=constant", "--optim.warmup_steps=0",
                   "--training.steps=8", "--checkpoint.every=1", "--checkpoint.resume=auto")
-    assert sorted(p.name for p in good.parent.iterdir()) == [".lock", "step_00000001"]
+    # the report is the first run's; run.json the second's, which continued in the same directory
+    assert sorted(p.name for p in good.parent.iterdir()) == [".lock", "report.html", "run.json", "step_00000001"]
 
 
 @pytest.mark.parametrize("lr, shown", [("1e6", r"1e\+06"), ("inf", "inf")])
@@ -243,7 +248,7 @@ def test_blown_up_weights_are_never_saved_or_exported(tmp_path, lr, shown):
                                                   rf"try a lower optim.lr \(now {shown}, command line --optim.lr\)"):
         run_debug(tmp_path, f"--optim.lr={lr}", "--optim.schedule=constant", "--optim.warmup_steps=0",
                   "--training.steps=1", f"--checkpoint.export_hf={tmp_path / 'hf'}")
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [".lock"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [".lock", "run.json"]
     assert not (tmp_path / "hf").exists()
 
 
@@ -262,7 +267,7 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
                                               r"The last good checkpoint is .*step_00000001"):
         run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=1", "--training.sample_tokens=0")
     good = tmp_path / "ckpt" / "run_0001" / "step_00000001"
-    assert sorted(p.name for p in good.parent.iterdir()) == [".lock", good.name]
+    assert sorted(p.name for p in good.parent.iterdir()) == [".lock", "run.json", good.name]
     assert all(torch.isfinite(t).all() for t in convert.load_native(good).state_dict().values())
 
 
@@ -329,7 +334,8 @@ def test_async_save_writes_while_training_and_a_crash_in_flight_keeps_the_last_c
         run_debug(tmp_path / "async", *asynchronous)
     assert events.index("writing 2") > events.index("trained 4") and "writing 4, step 2 complete" in events
     assert train_losses(tmp_path / "async") == expected  # bit for bit
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000002", "step_00000004.tmp"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "run.json", "step_00000002",
+                                                          "step_00000004.tmp"]
     sync_step_2 = tmp_path / "sync" / "ckpt" / "run_0001" / "step_00000002"
     assert saved_data_checksums(run_dir / "step_00000002") == saved_data_checksums(sync_step_2)
 
@@ -338,7 +344,7 @@ def test_async_save_writes_while_training_and_a_crash_in_flight_keeps_the_last_c
     run_debug(tmp_path / "async", *asynchronous, "--checkpoint.resume=auto")
     assert f"resumed from {run_dir / 'step_00000002'} at step 2" in capsys.readouterr().out
     assert train_losses(tmp_path / "async") == expected  # the resumed steps 3 and 4 (records of 3, 4 replaced)
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000004"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "report.html", "run.json", "step_00000004"]
 
 
 def _rank_of_train(rank: int, world: int, port: int, argv: list[str], killed_at_step: int, crc_log: str) -> None:
@@ -384,11 +390,12 @@ def test_kill_9_of_two_ranks_during_an_async_save_keeps_the_last_checkpoint(tmp_
     killed = train_losses(tmp_path)
     run_dir = tmp_path / "ckpt" / "run_0001"
     assert sorted(killed) == [1, 2]
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001", "step_00000002.tmp"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "run.json", "step_00000001", "step_00000002.tmp"]
     mp.spawn(_rank_of_train, args=(2, free_port(), [*argv, "--checkpoint.resume=auto"], 0, str(crc_log)), nprocs=2)
     assert [Path(r["run"]).name for r in records(tmp_path) if "loss" in r] == ["run_0001"] * 2  # continued it
     assert train_losses(tmp_path) == killed  # step 2 trained again from step 1 (its record replaced)
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001", "step_00000002"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "report.html", "run.json", "step_00000001",
+                                                          "step_00000002"]
 
     checksummed = [line.split() for line in crc_log.read_text().splitlines()]
     assert sorted((int(rank), name) for rank, where, name in checksummed if where == "step_00000001.tmp") == [

@@ -1,16 +1,21 @@
 """metrics.py: what a person sees of a run besides the loss curve: durations, the records a run
-keeps or drops in a shared log, the model's FLOPs per token, the cached CPU peak."""
+keeps or drops in a shared log, the model's FLOPs per token, the cached CPU peak, the traces of
+chosen steps and the report at the end."""
 
+import dataclasses
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import metrics
+import moe
 import train
-from conftest import ROOT
+from conftest import ROOT, run_debug
 from metrics import drop_superseded_records, duration, model_flops_per_token
-from model import Flint, FlintConfig
+from model import Flint, FlintConfig, build_model
 
 DEBUG = str(ROOT / "configs" / "debug.toml")
 
@@ -81,3 +86,70 @@ def test_a_logged_step_is_one_line_with_units_and_the_same_numbers_in_the_log(tm
     assert " GiB | " in line and " elapsed | " in line
     assert line.endswith(" left | experts max/min load 3.50/0.00 (layer 3)")  # the busiest layer, its own min
     assert logger.summary["first_loss"] == 2.5
+
+
+# ----------------------------------------------------------------------------- traces of chosen steps, the report
+
+# The ranges named_ranges places in an eager dropless Flint's profiled step (and moe.py's functions it wraps).
+NAMED = {"forward and backward", "layer 0", "layer 3", "attention core", "attention proj/norm/rope", "router",
+         "routed experts", "expert dispatch", "expert combine", "grouped GEMM", "dense MLP or shared expert",
+         "head and loss", "gradient clipping", "optimizer"}
+
+
+def trace_names(path: Path) -> set[str]:
+    return {event.get("name") for event in json.loads(path.read_text())["traceEvents"]}
+
+
+def test_profiled_steps_write_a_trace_with_named_ranges_and_the_run_its_report(tmp_path, capsys):
+    summary = run_debug(tmp_path, "--training.steps=3", "--logging.profile_steps=2-3", "--training.sample_tokens=0")
+    run_dir = tmp_path / "ckpt" / "run_0001"
+    names = trace_names(run_dir / "trace_steps2-3_rank0.json")
+    assert NAMED | {"step 2", "step 3", "gloo:all_reduce"} <= names and "step 1" not in names
+    printed = capsys.readouterr().out
+    assert f"profiled steps 2-3: traces {run_dir}/trace_steps2-3_rank*.json, one per rank" in printed
+    assert printed.rstrip().endswith(f"report: {run_dir / 'report.html'}")
+    assert json.loads((run_dir / "run.json").read_text())["jsonl"] == str(tmp_path / "metrics.jsonl")
+    assert f"{summary['loss']:.4f}" in (run_dir / "report.html").read_text()
+
+
+def test_named_ranges_are_placed_while_profiling_and_all_taken_away_after():
+    """Around a forward and backward and an optimizer step, from outside a model: every range named,
+    and afterwards no hook, wrapper or patched function left."""
+    module = build_model(FlintConfig.from_name("tiny", num_hidden_layers=4, vocab_size=64))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    model = SimpleNamespace(module=module, config=module.config,
+                            forward_backward=lambda ids: module(ids, targets=ids).backward(),
+                            clip_grad_norm_=lambda limit: torch.nn.utils.clip_grad_norm_(module.parameters(), limit))
+    before = (model.forward_backward, model.clip_grad_norm_, moe.dispatch, moe.grouped_mm)
+    with torch.profiler.profile() as profiler, metrics.named_ranges(model, optimizer):
+        model.forward_backward(torch.randint(0, 64, (2, 16)))
+        model.clip_grad_norm_(1.0)
+        optimizer.step()
+    assert NAMED <= {event.name for event in profiler.events()}
+    assert (model.forward_backward, model.clip_grad_norm_, moe.dispatch, moe.grouped_mm) == before
+    def hooked() -> list[str]:
+        return [name for name, m in module.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert not hooked() and not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    module.layers["2"].forward = module.layers["2"].forward  # as parallel.apply_compile leaves a compiled block
+    with metrics.named_ranges(model, optimizer):  # a compiled block: a range around it, none inside, no wrappers
+        assert "layers.2" in hooked() and not [name for name in hooked() if name.startswith("layers.2.")]
+        assert "layers.3.mlp.router" in hooked() and moe.dispatch is before[2]
+
+
+def test_a_step_out_of_gpu_memory_exits_with_one_line_naming_its_snapshot(tmp_path, monkeypatch):
+    cfg = train.load_config(DEBUG, [f"--logging.jsonl={tmp_path / 'm.jsonl'}", "--logging.peak_tflops=0.1"])
+    logger = metrics.MetricsLogger(cfg, train.Run(0, 1, 0, 1, torch.device("cpu")), cfg.model_config, start_step=0,
+                                   run_dir=tmp_path / "run_0001")
+    out_of_memory = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has ...")
+    with pytest.raises(torch.OutOfMemoryError):  # on the CPU: as it came
+        with logger.traced(7, None, None):
+            raise out_of_memory
+    logger.run = dataclasses.replace(logger.run, rank=1, device=torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: Path(path).write_bytes(b"snapshot"))
+    with pytest.raises(SystemExit) as stop:
+        with logger.traced(7, None, None):
+            raise out_of_memory
+    snapshot = tmp_path / "run_0001" / "memory_oom_step7_rank1.pickle"
+    assert snapshot.read_bytes() == b"snapshot"
+    assert stop.value.code == (f"step 7: rank 1 ran out of GPU memory (CUDA out of memory. Tried to allocate 2.00 "
+                               f"GiB.); the allocator's snapshot is {snapshot} (open it in https://pytorch.org/memory_viz)")

@@ -3,6 +3,7 @@ where the GPU job would."""
 
 import json
 import os
+import xml.etree.ElementTree as ElementTree
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def test_peak_memory_counts_each_storage_once_and_follows_frees_and_resizes():
 
 
 def rehearse_tiny(tmp_path, capsys, *overrides: str, world: int = 4, steps: int = 1, config: str = "debug") -> dict:
-    cfg = load_config(f"configs/{config}.toml", [f"--checkpoint.dir={tmp_path}/ck",
+    cfg = load_config(f"configs/{config}.toml", [f"--checkpoint.dir={tmp_path}/ck", f"--logging.jsonl={tmp_path}/m.jsonl",
                                                  "--parallel.activation_checkpointing=full", *overrides])
     result = rehearsal.rehearse(cfg, world, rank=world - 1, steps=steps)
     result["printed"] = capsys.readouterr().out
@@ -58,11 +59,23 @@ def test_a_tiny_job_is_rehearsed_on_a_fake_world_of_its_size(tmp_path, capsys, c
         assert phase in printed, printed
     assert 0 < result["peak_gib"] < 0.1 and result["estimate_gib"] > 0
     assert not torch.distributed.is_initialized()  # the fake world is gone
+    picture = tmp_path / f"rehearsal_rank{world - 1}_of_{world}_memory.svg"
+    assert f"by what holds it: {picture}" in printed
+    assert drawn_peak_gib(picture) == pytest.approx(result["peak_gib"], rel=1e-3)
+
+
+def drawn_peak_gib(picture) -> float:
+    """The GiB at which the memory timeline draws its peak line, read through its y axis' tick labels."""
+    svg, ns = ElementTree.parse(picture).getroot(), {"s": "http://www.w3.org/2000/svg"}
+    ticks = [(float(t.get("y")), float(t.text)) for t in svg.find("s:g[@class='y-ticks']", ns).findall("s:text", ns)]
+    (y0, v0), (y1, v1) = ticks[0], ticks[-1]
+    return v0 + (float(svg.find("s:line[@class='peak']", ns).get("y1")) - y0) * (v1 - v0) / (y1 - y0)
 
 
 def test_train_py_dry_run_exits_zero(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
-        train.main(["--config", "configs/debug.toml", "--dry-run", "--world-size=2", f"--checkpoint.dir={tmp_path}/ck"])
+        train.main(["--config", "configs/debug.toml", "--dry-run", "--world-size=2", f"--checkpoint.dir={tmp_path}/ck",
+                    f"--logging.jsonl={tmp_path}/m.jsonl"])
     assert stop.value.code == 0
     assert "rehearsal rank 0 of 2: peak" in capsys.readouterr().out
     assert not (tmp_path / "ck").exists()  # a rehearsal writes no checkpoint
@@ -124,7 +137,8 @@ def released_checkpoint(tmp_path, family: str) -> str:
 
 
 def rehearse_config(tmp_path, capsys, name: str, world: int, *overrides: str) -> dict:
-    cfg = load_config(f"configs/{name}.toml", [f"--checkpoint.dir={tmp_path}/ck", *overrides])
+    cfg = load_config(f"configs/{name}.toml", [f"--checkpoint.dir={tmp_path}/ck", f"--logging.jsonl={tmp_path}/m.jsonl",
+                                               *overrides])
     result = rehearsal.rehearse(cfg, world, gpu="H200")
     printed = capsys.readouterr().out
     assert f"rehearsal rank 0 of {world}: step 2: forward, backward, clipping and adamw passed" in printed, printed

@@ -66,6 +66,7 @@ LEAVES = [
     ("layers", set()),
     ("generate", set()),
     ("devices", set()),
+    ("report", {"files"}),
     ("registry", {"files"}),
 ]
 LOW_LAYERS = ["parallel", "config", "data", "checkpoint", "registry", "metrics", "convert"]

@@ -93,7 +93,7 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeyp
     monkeypatch.setattr(Flint, "forward", nan_on_third_call)
     with pytest.raises(TrainingError, match=r"step 3: the training loss is nan.*step_00000002"):
         run_debug(tmp_path, "--training.steps=5", "--checkpoint.every=2")
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [".lock", "step_00000002"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [".lock", "run.json", "step_00000002"]
 
 
 def compile_with_backend_raising(monkeypatch, error: Exception) -> None:
@@ -468,11 +468,17 @@ def test_an_expert_parallel_step_copies_once_per_moe_layer_and_micro_batch(tmp_p
                                  "--training.batch_size=2"), check_expert_parallel_step_syncs)
 
 
-def test_a_finished_run_leaves_no_gloo_thread(tmp_path):
+def test_a_finished_run_leaves_no_gloo_thread_and_each_rank_its_profiled_trace(tmp_path):
     """Expert parallel (DTensor experts), FSDP and an async save's own gloo group on 2 ranks: each
-    rank's worker finds no gloo thread left after train.main (see _torchrun_worker)."""
+    rank's worker finds no gloo thread left after train.main (see _torchrun_worker). The profiled
+    step leaves a trace per rank, naming the expert-parallel exchanges and the collectives (metrics.py)."""
     run_debug_two_processes(tmp_path, "--parallel.ep=2", "--training.steps=2", "--checkpoint.every=2",
-                            "--checkpoint.async_save=true", "--training.sample_tokens=0")
+                            "--checkpoint.async_save=true", "--training.sample_tokens=0", "--logging.profile_steps=2-2")
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / "ckpt" / "run_0001" / f"trace_steps2-2_rank{rank}.json").read_text())
+        names = {event.get("name") for event in trace["traceEvents"]}
+        assert {"step 2", "all-to-all: rows to their experts", "all-to-all: rows back", "gloo:all_to_all",
+                "gloo:all_reduce"} <= names, rank
 
 
 def _rank_0_prepares_slowly(argv: list[str]) -> None:

@@ -61,6 +61,7 @@ from layers import token_ids_checked_at_load
 from devices import targeting
 from tools.memory import GPU_GIB as MEMORY_GPU_GIB, memory_per_gpu
 from parallel import Run, close_distributed
+from report import write_memory_timeline
 
 GIB = 2 ** 30
 # Usable memory per GPU: memory.py's (nvidia-smi's totals), and 183,359 MiB on a B200.
@@ -95,6 +96,7 @@ class PeakMemory(TorchDispatchMode):
         self.phase, self.peak_phase = "start", "start"
         self.paused = 0
         self.freed: list[int] = []  # storages freed since the last settle
+        self.timeline: list[tuple[str, str, int]] = []  # (phase, origin, bytes made or freed): report.py draws it
 
     def track(self, tensor: torch.Tensor, origin: str) -> None:
         if tensor.device.type != "cpu":  # meta tensors hold no memory
@@ -117,6 +119,7 @@ class PeakMemory(TorchDispatchMode):
             self._add(-nbytes, origin)
 
     def _add(self, nbytes: int, origin: str) -> None:
+        self.timeline.append((self.phase, origin, nbytes))
         self.now += nbytes
         self.by_origin[origin] += nbytes
         if self.now > self.peak:
@@ -260,6 +263,9 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
             checkpoint_bytes = state_dict_bytes(model, optimizer)
             say(f"checkpoint: this rank's state dicts hold {checkpoint_bytes / GIB:.1f} GiB (model and optimizer)")
             host = offloaded_bytes(model, optimizer) if job.parallel.offload else 0
+    picture = write_memory_timeline(Path(cfg.logging.jsonl).parent / f"rehearsal_rank{rank}_of_{world}_memory.svg",
+                                    tracker.timeline, f"{cfg.source}: rank {rank} of {world}, live memory (fake tensors)")
+    say(f"live memory over the steps, by phase and by what holds it: {picture}")
     return report(job, world, rank, gpu, tracker, say, host)
 
 

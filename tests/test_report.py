@@ -1,0 +1,374 @@
+"""report.py: the page's plotted series read back through their axes give the logged values; runs
+overlay; lines that are not records are skipped and counted; a real browser draws the page."""
+
+import json
+import math
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import report
+from report import RunLog, load_runs, memory_timeline_svg, render, thinned, write_report
+
+ROOT = Path(__file__).resolve().parent.parent
+SUFFIXES = {"k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+LINE_CHARTS = {"lr": "lr", "grad-norm": "grad_norm", "tokens-per-s": "tokens_per_s", "mfu": "mfu_percent",
+               "memory": "memory_gib"}
+
+
+# ----------------------------------------------------------------------------- reading the page back
+
+class Chart:
+    def __init__(self):
+        self.x_ticks, self.y_ticks = [], []  # (pixel, label)
+        self.series = []  # {"run", "what", "stroke", "points": [(px, py)]}
+        self.cells = []  # (x, width, fill, title)
+        self.areas = {}  # a polygon's data-holder -> its points [(px, py)]
+        self.legend = []
+
+
+class Page(HTMLParser):
+    """The charts of a report (by data-chart), the skipped-lines notes, and every text of the page."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.charts, self.skipped, self.texts = {}, [], []
+        self.chart, self.group, self.text_attrs, self.cell = None, None, None, None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "svg":
+            self.chart = self.charts.setdefault(a["data-chart"], Chart())
+        elif tag == "g":
+            self.group = a.get("class")
+        elif tag == "text":
+            self.text_attrs = a
+        elif tag == "polyline":
+            self.chart.series.append({"run": a["data-run"], "what": a["data-what"], "stroke": a["stroke"],
+                                      "points": [tuple(map(float, p.split(","))) for p in a["points"].split()]})
+        elif tag == "polygon":
+            self.chart.areas[a["data-holder"]] = [tuple(map(float, p.split(","))) for p in a["points"].split()]
+        elif tag == "rect" and "fill" in a and self.group is None:
+            self.cell = [float(a["x"]), float(a["width"]), a["fill"], None]
+        elif tag == "p" and "data-skipped" in a:
+            self.skipped.append(int(a["data-skipped"]))
+
+    def handle_endtag(self, tag):
+        if tag == "g":
+            self.group = None
+        elif tag == "rect" and self.cell:
+            self.chart.cells.append(tuple(self.cell))
+            self.cell = None
+
+    def handle_data(self, data):
+        self.texts.append(data)
+        if self.cell is not None:
+            self.cell[3] = data
+        if self.text_attrs is None or self.chart is None:
+            return
+        if self.group == "x-ticks":
+            self.chart.x_ticks.append((float(self.text_attrs["x"]), data))
+        elif self.group == "y-ticks":
+            self.chart.y_ticks.append((float(self.text_attrs["y"]), data))
+        elif self.group == "legend":
+            self.chart.legend.append(data)
+        self.text_attrs = None
+
+
+def tick_value(label: str) -> float:
+    return float(label[:-1]) * SUFFIXES[label[-1]] if label[-1] in SUFFIXES else float(label)
+
+
+def axis(ticks: list[tuple[float, str]]):
+    """pixel -> value, from the tick labels' positions; every tick must agree with the first and last."""
+    (p0, v0), (p1, v1) = [(p, tick_value(label)) for p, label in (ticks[0], ticks[-1])]
+    to_value = lambda p: v0 + (p - p0) * (v1 - v0) / (p1 - p0)
+    for p, label in ticks:
+        assert to_value(p) == pytest.approx(tick_value(label), abs=1e-4 * abs(v1 - v0))  # 0.01-pixel rounding
+    return to_value, abs(v1 - v0)
+
+
+def values_of(chart: Chart, run: str, what: str) -> list[tuple[float, float]]:
+    """The data points of a run's series, read back through the chart's axes."""
+    (series,) = [s for s in chart.series if s["run"] == run and s["what"] == what]
+    x_of, _ = axis(chart.x_ticks)
+    y_of, _ = axis(chart.y_ticks)
+    return [(x_of(px), y_of(py)) for px, py in series["points"]]
+
+
+def assert_points(chart: Chart, run: str, what: str, expected: list[tuple[float, float]]) -> None:
+    got = values_of(chart, run, what)
+    _, x_span = axis(chart.x_ticks)
+    _, y_span = axis(chart.y_ticks)
+    assert len(got) == len(expected), (run, what)
+    for (gx, gy), (ex, ey) in zip(got, expected):  # pixels are rounded to 0.01 of a ~450 pixel axis
+        assert gx == pytest.approx(ex, abs=1e-4 * x_span) and gy == pytest.approx(ey, abs=1e-4 * y_span), (run, what)
+
+
+# ----------------------------------------------------------------------------- synthetic logs
+
+def record(run: str, step: int, tokens_per_step: int = 512, **values) -> dict:
+    loss = 5.5 * math.exp(-step / 40) + 1.0
+    base = {"run": run, "step": step, "loss": loss, "lr": 1e-3 * min(1.0, step / 10), "grad_norm": 1 + 1 / step,
+            "tokens_per_s": 1000.0 + 7 * step, "mfu_percent": 2.0 + step / 100, "memory_gib": 0.25 + step / 1e3,
+            "elapsed_s": step / 10, "remaining_s": 1.0, "tokens": step * tokens_per_step,
+            "routing": {"2": {"max_load": 3 - step / 50, "min_load": step / 100, "tokens": [10] * 8},
+                        "3": {"max_load": 2.5 - step / 60, "min_load": step / 120, "tokens": [10] * 8}}}
+    return {**base, **values}
+
+
+def write_log(path: Path, runs: dict[str, int], steps=(1, 10, 20, 30, 40, 50)) -> dict[str, list[dict]]:
+    """Two kinds of records per run (training, then validation every 20 steps), interleaved as runs
+    sharing a log write them."""
+    written = {name: [] for name in runs}
+    with open(path, "a") as log:
+        for step in steps:
+            for name, tokens_per_step in runs.items():
+                rows = [record(name, step, tokens_per_step)]
+                if step % 20 == 0:
+                    rows.append({"run": name, "step": step, "val_loss": rows[0]["loss"] + 0.1})
+                for row in rows:
+                    log.write(json.dumps(row) + "\n")
+                written[name] += rows
+    return written
+
+
+def test_every_plotted_series_reads_back_as_the_logged_values_and_runs_overlay(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    runs = {"runs/adamw/run_0001": 512, "runs/muon/run_0001": 1024}
+    written = write_log(log, runs)
+    page = Page(write_report([log], tmp_path / "report.html").read_text())
+    labels = {"runs/adamw/run_0001": "adamw/run_0001", "runs/muon/run_0001": "muon/run_0001"}
+    for name, records in written.items():
+        label, train = labels[name], [r for r in records if "loss" in r]
+        evals = [r for r in records if "val_loss" in r]
+        assert_points(page.charts["loss-step"], label, "training loss", [(r["step"], r["loss"]) for r in train])
+        assert_points(page.charts["loss-step"], label, "validation loss", [(r["step"], r["val_loss"]) for r in evals])
+        assert_points(page.charts["loss-tokens"], label, "training loss", [(r["tokens"], r["loss"]) for r in train])
+        assert_points(page.charts["loss-tokens"], label, "validation loss",
+                      [(r["step"] * runs[name], r["val_loss"]) for r in evals])
+        for chart, key in LINE_CHARTS.items():
+            (what,) = {s["what"] for s in page.charts[chart].series}
+            assert_points(page.charts[chart], label, what, [(r["step"], r[key]) for r in train])
+    for chart in ["loss-step", "loss-tokens", *LINE_CHARTS]:  # both runs on the same axes, told apart
+        series = page.charts[chart].series
+        assert {s["run"] for s in series} == set(labels.values())
+        assert len({s["stroke"] for s in series}) == 2
+        assert set(labels.values()) <= set(page.charts[chart].legend)
+    assert not page.skipped
+
+
+def test_lines_that_are_not_records_are_skipped_and_counted(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    written = write_log(log, {"run_a": 512}, steps=(1, 10, 20))
+    with open(log, "a") as f:
+        f.write('{"hello": "another program\'s JSON"}\n')  # line 5
+        f.write("[1, 2, 3]\n")
+        f.write(json.dumps(record("run_a", 25, loss="low")) + "\n")  # a record's field of the wrong type
+        f.write("\n")  # blank lines are not counted
+        f.write(json.dumps(record("run_a", 30))[:57])  # a run writing its next line right now
+    page = Page(write_report([log], tmp_path / "report.html").read_text())
+    assert page.skipped == [4]
+    note = next(text for text in page.texts if "skipped" in text)
+    assert "line 5: not a record of a run" in note and "line 9: not JSON (a truncated last line" in note
+    train = [r for r in written["run_a"] if "loss" in r]
+    assert_points(page.charts["loss-step"], "run_a", "training loss", [(r["step"], r["loss"]) for r in train])
+
+
+def test_a_step_logged_twice_shows_its_later_record(tmp_path):
+    """A run resumed from a checkpoint logs its later steps again; the report keeps the newer record."""
+    log = tmp_path / "metrics.jsonl"
+    first, second = record("run_a", 10, loss=4.0), record("run_a", 10, loss=3.0)
+    log.write_text("".join(json.dumps(r) + "\n" for r in (record("run_a", 1), first, second)))
+    page = Page(write_report([log], tmp_path / "report.html").read_text())
+    assert_points(page.charts["loss-step"], "run_a", "training loss", [(1, record("run_a", 1)["loss"]), (10, 3.0)])
+
+
+def test_a_run_directory_names_its_records_and_a_run_still_going_is_read_as_far_as_it_has_gone(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    write_log(log, {str(tmp_path / "ckpt" / "run_0001"): 512, "someone else": 512}, steps=(1, 10))
+    run_dir = tmp_path / "ckpt" / "run_0001"
+    run_dir.mkdir(parents=True)
+    report.note_run(run_dir, log, str(run_dir), {"optim": {"name": "adamw"}, "training": {"steps": 100}})
+    runs, logs = load_runs([run_dir])
+    assert [run.name for run in runs] == [str(run_dir)] and sorted(runs[0].train) == [1, 10]
+    assert "10 of 100" in render(runs, logs)
+    assert report.main([str(run_dir)]) == run_dir / "report.html"
+
+
+def test_a_source_that_is_no_run_is_one_clear_line(tmp_path):
+    (tmp_path / "run_0001").mkdir()
+    for source, expected in [(tmp_path / "none", "no such run directory or JSONL file"),
+                             (tmp_path / "run_0001", "no run.json, so not a run directory of train.py")]:
+        done = subprocess.run([sys.executable, "report.py", str(source)], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith(f"error: {source}: {expected}")
+
+
+def test_report_is_a_leaf_without_torch():
+    code = "import sys, report; print(sorted(m for m in sys.modules if m in ('torch', 'numpy', 'metrics', 'moe')))"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"
+
+
+def test_a_long_series_is_thinned_keeping_each_buckets_extremes():
+    points = [(float(i), math.sin(i / 50) + (5.0 if i == 6543 else 0.0)) for i in range(10_000)]
+    kept = thinned(points)
+    assert len(kept) <= report.MAX_POINTS + 2 and kept == sorted(kept)
+    assert (6543.0, points[6543][1]) in kept and min(kept, key=lambda p: p[1])[1] == min(p[1] for p in points)
+
+
+# ----------------------------------------------------------------------------- heatmaps
+
+def luminance(colour: str) -> float:
+    r, g, b = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def check_heatmap(chart: Chart, expected: dict[tuple[str, int], float], brighter_when_higher: bool) -> None:
+    """Each cell's title names its layer, step and value, its span holds its step, and the colours order
+    as the values do."""
+    x_of, span = axis(chart.x_ticks)
+    seen = {}
+    for x, width, fill, title in chart.cells:
+        where, value = title.rsplit(": ", 1)[0], float(title.rsplit(" ", 1)[1])
+        layer, step = where.split(", ")[0].split()[1], int(where.split("step ")[1])
+        assert x_of(x) - 1e-4 * span <= step <= x_of(x + width) + 1e-4 * span
+        seen[(layer, step)] = (value, fill)
+    assert {k: v for k, (v, _) in seen.items()} == pytest.approx(expected, rel=1e-3)
+    ordered = [luminance(fill) for _, fill in sorted(seen.values())]
+    assert ordered == sorted(ordered, reverse=not brighter_when_higher)
+
+
+def test_expert_heatmaps_hold_each_layers_loads_drops_and_bias_spread(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    with open(log, "w") as f:
+        for step in (1, 5, 10, 15):
+            routing = {layer: {"max_load": 1 + layer_no / 2 + 1 / step, "min_load": 0.5 - 1 / (step + layer_no),
+                               "tokens": [16] * 8, "dropped": step * layer_no, "bias": [0.01 * step, -0.003 * step, 0.0]}
+                       for layer_no, layer in ((1, "2"), (2, "3"), (3, "10"))}
+            f.write(json.dumps(record("run", step, routing=routing)) + "\n")
+    page = Page(write_report([log], tmp_path / "report.html").read_text())
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+
+    def expected(value):
+        return {(layer, r["step"]): value(stats) for r in records for layer, stats in r["routing"].items()}
+    check_heatmap(page.charts["max-load-0"], expected(lambda s: s["max_load"]), brighter_when_higher=True)
+    check_heatmap(page.charts["min-load-0"], expected(lambda s: s["min_load"]), brighter_when_higher=False)
+    check_heatmap(page.charts["dropped-0"], expected(lambda s: 100 * s["dropped"] / 128), brighter_when_higher=True)
+    check_heatmap(page.charts["bias-0"], expected(lambda s: max(s["bias"]) - min(s["bias"])), brighter_when_higher=True)
+
+
+def test_a_long_run_bins_its_steps_into_columns_keeping_the_worst_of_each(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    loads = {step: (1 + step % 7 / 10, step % 5 / 10) for step in range(1, 251)}
+    log.write_text("".join(json.dumps(record("run", step, routing={"2": {"max_load": high, "min_load": low}})) + "\n"
+                           for step, (high, low) in loads.items()))
+    charts = Page(write_report([log], tmp_path / "report.html").read_text()).charts
+    for chart, worst, index in (("max-load-0", max, 0), ("min-load-0", min, 1)):
+        shown = {int(title.split("step ")[1].split(":")[0]): float(title.rsplit(" ", 1)[1])
+                 for *_, title in charts[chart].cells}
+        assert len(shown) == math.ceil(250 / 3) <= report.MAX_COLUMNS  # 3 logged steps a column
+        edges = [0, *sorted(shown)]
+        for first, last in zip(edges, edges[1:]):
+            assert shown[last] == pytest.approx(worst(loads[s][index] for s in range(first + 1, last + 1)), rel=1e-3)
+
+
+def test_a_dense_run_has_no_expert_heatmaps(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text(json.dumps(record("dense", 1, routing={})) + "\n")
+    page = Page(write_report([log], tmp_path / "report.html").read_text())
+    assert not [name for name in page.charts if "load" in name]
+
+
+# ----------------------------------------------------------------------------- the rehearsal's picture
+
+def test_the_memory_timeline_stacks_the_holders_up_to_the_peak():
+    """Allocations and frees by phase: the stack's top reaches the peak, each holder's band is as thick
+    as its live bytes there, and the holders that held nothing at the peak fall into the rest."""
+    mib = 2 ** 20
+    events = [("start", "start: weights", 400 * mib), ("forward", "forward: activations", 300 * mib),
+              ("forward", "forward: scratch", 200 * mib), ("backward", "backward: grads", 400 * mib),
+              ("backward", "forward: scratch", -200 * mib), ("optimizer", "optimizer: states", 800 * mib)]
+    page = Page(memory_timeline_svg(events, "test", holders=3))
+    chart = page.charts["memory-timeline"]
+    y_of, span = axis(chart.y_ticks)
+    assert list(chart.areas) == ["optimizer: states", "start: weights", "backward: grads", "everything else"]
+    live_at_peak = {"optimizer: states": 800, "start: weights": 400, "backward: grads": 400, "everything else": 300}
+    below = 0.0
+    for holder, area in chart.areas.items():  # each outline, then its base: the top edge's highest point
+        top = max(y_of(py) for _, py in area[:len(area) // 2])
+        assert top - below == pytest.approx(live_at_peak[holder] / 1024, abs=1e-3 * span), holder
+        below = top
+    assert below == pytest.approx(1900 / 1024, abs=1e-3 * span)
+    assert "peak 1.86 GiB, in the optimizer" in "".join(page.texts)
+
+
+# ----------------------------------------------------------------------------- a real browser
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def png_pixels(data: bytes) -> np.ndarray:
+    """An 8-bit RGB or RGBA PNG -> [height, width, channels], unfiltered as the PNG specification says."""
+    width, height, depth, colour_type = struct.unpack(">IIBB", data[16:26])
+    assert depth == 8 and colour_type in (2, 6)
+    channels, chunks, at = (3 if colour_type == 2 else 4), [], 8
+    while at < len(data):
+        length, kind = struct.unpack(">I4s", data[at:at + 8])
+        if kind == b"IDAT":
+            chunks.append(data[at + 8:at + 8 + length])
+        at += 12 + length
+    raw = np.frombuffer(zlib.decompress(b"".join(chunks)), np.uint8).reshape(height, 1 + width * channels)
+    rows, up = np.zeros((height, width * channels), np.uint8), np.zeros(width * channels, np.int64)
+    for y in range(height):
+        kind, line = raw[y, 0], raw[y, 1:].astype(np.int64)
+        if kind == 1:  # sub: a running sum of each channel along the row
+            line = line.reshape(width, channels).cumsum(axis=0).reshape(-1)
+        elif kind == 2:
+            line = line + up
+        elif kind in (3, 4):  # average, Paeth: each byte needs the one decoded before it
+            line = unfilter_row(line.tolist(), up.tolist(), channels, kind)
+        up = np.asarray(line, np.int64) & 255
+        rows[y] = up
+    return rows.reshape(height, width, channels)
+
+
+def unfilter_row(line: list[int], up: list[int], channels: int, kind: int) -> list[int]:
+    out = [0] * len(line)
+    for i, value in enumerate(line):
+        left, above = (out[i - channels], up[i - channels]) if i >= channels else (0, 0)
+        if kind == 3:
+            guess = (left + up[i]) // 2
+        else:
+            p = left + up[i] - above
+            pa, pb, pc = abs(p - left), abs(p - up[i]), abs(p - above)
+            guess = left if pa <= pb and pa <= pc else up[i] if pb <= pc else above
+        out[i] = (value + guess) & 255
+    return out
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: `apt-get install -y chromium` (Debian) to run it")
+def test_a_browser_draws_the_report(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    write_log(log, {"runs/adamw/run_0001": 512, "runs/muon/run_0001": 512})
+    page = write_report([log], tmp_path / "report.html")
+    shot = tmp_path / "shot.png"
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--screenshot={shot}", "--window-size=800,500", page.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    pixels = png_pixels(shot.read_bytes())[..., :3].astype(int)
+    assert pixels.shape[:2] == (500, 800)
+    ink = (pixels.sum(axis=2) < 600).mean()  # text, axes and lines on a white page
+    assert 0.01 < ink < 0.5
+    for colour in report.COLOURS[:2]:  # both runs' lines are drawn in their colours
+        rgb = np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)])
+        assert (np.abs(pixels - rgb).sum(axis=2) < 40).sum() > 50, colour
