@@ -506,7 +506,9 @@ def check_router_aux_loss(cfg: TrainConfig) -> None:
     if bias_rate and cfg.checkpoint.export_hf:
         raise ConfigError(f"{cfg.where('checkpoint.export_hf')}: [checkpoint].export_hf cannot export a model with "
                           f"[model].router_bias_update_rate = {bias_rate}: the published format has no place for "
-                          f"the selection bias; sample with sample.py from the native checkpoint")
+                          f"the selection bias. Sample with sample.py from the native checkpoint, or train an exportable "
+                          f"model balanced by a router loss instead (router_bias_update_rate = 0 and "
+                          f"router_sequence_loss_coef > 0: README, After the first run)")
     refusal = cfg.model_config.layout_error(p.pp, p.cp)
     if refusal:
         raise ConfigError(f"{cfg.where('parallel.' + refusal[0])}: {refusal[1]}")

@@ -281,8 +281,10 @@ def build_model(cfg: TrainConfig, run: Run) -> ParallelModel:
     config = cfg.model_config  # an init_from checkpoint's config.json, with the training settings of [model]
     with torch.device("meta"):
         model = model_class(config)(config, torch.float32)
+    embedding = config.vocab_size * config.hidden_size  # a lookup: no matmul, not in flops_per_token
     run.print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.num_params(active=True) / 1e6:.2f}M "
-              f"active per token; {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+              f"active per token ({(model.num_params(active=True) - embedding) / 1e6:.2f}M without the embedding); "
+              f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
               f"{config.num_experts} experts (top {config.num_experts_per_tok}), vocab {config.vocab_size}")
     pm = parallelize(model, cfg.parallel, run.mesh)
     set_balanced_routing(pm.module, cfg.training.force_balanced_routing)
