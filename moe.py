@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
@@ -216,10 +217,9 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int) -> Exper
 
 def grouped_swiglu(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, gate_up_proj: torch.Tensor,
                    down_proj: torch.Tensor) -> torch.Tensor:
-    """Rows grouped by expert [R, H] (groups ending at offsets, as sort_by_expert lays them out) and
-    their routing weights [R] -> weight * the row's expert SwiGLU [R, H], one grouped GEMM per
-    projection. The weight scales the hidden row, I wide, before the down projection: the same
-    product as scaling the H-wide output, and the combine then only sums."""
+    """Rows grouped by expert [R, H] (groups ending at offsets) and their routing weights [R] ->
+    weight * each row's expert SwiGLU [R, H], a grouped GEMM per projection. The weight scales the
+    I-wide hidden row before the down projection (not the H-wide output), so combine only sums."""
     gate, up = grouped_mm(rows, gate_up_proj, offsets).chunk(2, dim=-1)  # [R, Im] each
     return grouped_mm(F.silu(gate) * up * weights.unsqueeze(-1), down_proj, offsets)
 
@@ -230,13 +230,11 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- token rows to expert rows and back
-# Every routed path moves rows by one RowMap, computed once per forward: dispatch gathers each token's
-# row into the rows of its chosen experts, and combine sums each token's expert rows back in one pass
-# (an embedding_bag over the token's k rows: no [N, k, H] tensor). Each is the other's backward, so
-# both directions gather. Autograd's own backward of a gather is a scatter-add: compiled for the CPU
-# it adds row by row with atomics (about 5x slower), and on GPUs atomics make the sum order, hence
-# the gradient, vary from run to run. An embedding_bag's forward sums each bag in order, one thread
-# per value, in FP32 for BF16 rows.
+# Every routed path moves rows by one RowMap per forward: dispatch gathers each token's row into its
+# experts' rows, combine sums a token's k rows back in one embedding_bag (no [N, k, H] tensor), and
+# each is the other's backward. Autograd's own backward of a gather is a scatter-add, compiled for the
+# CPU row by row with atomics (about 5x slower), and on GPUs its atomics make the gradient vary from
+# run to run; an embedding_bag sums each bag in order, one thread per value (in FP32 for BF16 rows).
 
 class RowMap(NamedTuple):
     """Where each (token, choice) assignment a = token * k + choice sits among the experts' rows."""
@@ -244,6 +242,10 @@ class RowMap(NamedTuple):
     row_of_choice: torch.Tensor  # [N, k] the row each assignment sits in (any row where it was dropped)
     kept: torch.Tensor | None  # bool [N, k]: the assignment has a row (False: dropped); None: all have one
     has_empty_rows: bool  # padded groups or expert capacity: some rows hold no assignment
+
+    @property
+    def token_of_row(self) -> torch.Tensor:
+        return self.choice_of_row // self.row_of_choice.shape[1]  # [R]; N for an empty row
 
     def per_assignment(self) -> "RowMap":
         """The same rows, each assignment as a token of its own (k = 1): how the routing weights
@@ -306,8 +308,7 @@ class _Combine(torch.autograd.Function):
 
 def dispatch(x: torch.Tensor, rows: RowMap) -> torch.Tensor:
     """Each token's row in the rows of its chosen experts: x [N, H] -> [R, H]."""
-    source = rows.choice_of_row // rows.row_of_choice.shape[1]  # [R] token of each row (N: empty)
-    return _Dispatch.apply(x, source, rows.row_of_choice, rows.kept, rows.has_empty_rows)
+    return _Dispatch.apply(x, rows.token_of_row, rows.row_of_choice, rows.kept, rows.has_empty_rows)
 
 
 def dispatch_weights(weights: torch.Tensor, rows: RowMap, dtype: torch.dtype) -> torch.Tensor:
@@ -318,13 +319,11 @@ def dispatch_weights(weights: torch.Tensor, rows: RowMap, dtype: torch.dtype) ->
 def combine(out: torch.Tensor, rows: RowMap) -> torch.Tensor:
     """The experts' (weighted) rows back to their tokens, summed over the k choices: out [R, H] ->
     [N, H]; a dropped assignment adds nothing."""
-    return _Combine.apply(out, rows.choice_of_row // rows.row_of_choice.shape[1], rows.row_of_choice, rows.kept,
-                          rows.has_empty_rows)
+    return _Combine.apply(out, rows.token_of_row, rows.row_of_choice, rows.kept, rows.has_empty_rows)
 
 
 def capacity_forward(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, num_experts: int,
-                     ratio: tuple[int, int],
-                     experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                     ratio: tuple[int, int], experts: Callable[..., torch.Tensor]) -> torch.Tensor:
     """Routed experts under expert capacity (capacity.py: who counts, what drops and in what
     order): x [N, H], weights/indices [N, k], ratio the capacity factor's capacity_ratio; experts
     maps the buffer [E, C, H] and its routing weights [E, C] to the weighted outputs [E, C, H]."""
@@ -358,8 +357,7 @@ class GroupedExperts(nn.Module):
             return self.forward_loop(x, weights, indices)
         if self.capacity_ratio is not None:
             return capacity_forward(x, weights, indices, self.gate_up_proj.shape[0], self.capacity_ratio,
-                                    lambda rows, row_weights: batched_swiglu(rows, row_weights, self.gate_up_proj,
-                                                                             self.down_proj))
+                                    partial(batched_swiglu, gate_up_proj=self.gate_up_proj, down_proj=self.down_proj))
         return self.forward_grouped(x, weights, indices)
 
     def forward_grouped(self, x, weights, indices):
@@ -510,14 +508,11 @@ class ExpertParallelExperts(nn.Module):
         gate_up, down = _local_shard(self.gate_up_proj), _local_shard(self.down_proj)
         if self.capacity_ratio is not None:
             return capacity_forward(x, weights, indices, self.num_experts, self.capacity_ratio,
-                                    lambda rows, row_weights: self.exchange_capacity_rows(
-                                        rows, row_weights, gate_up, down)).to(x.dtype)
-        local_experts = gate_up.shape[0]
-        plan = sort_by_expert(indices, self.num_experts, 1)  # assignments sorted by expert, so by owning rank
-        rows = expert_rows(plan, indices.shape[1])
+                                    partial(self.exchange_capacity_rows, gate_up=gate_up, down=down)).to(x.dtype)
+        rows = expert_rows(sort_by_expert(indices, self.num_experts, 1), indices.shape[1])  # expert, so rank, order
         sent, sent_weights = dispatch(x, rows), dispatch_weights(weights, rows, x.dtype)  # [N*k, H], [N*k]
-        received, received_weights, expert_of_row, splits = self.send_rows(sent, sent_weights, indices.flatten(),
-                                                                           local_experts)  # [R, H], [R], [R]
+        received, received_weights, expert_of_row, splits = self.send_rows(
+            sent, sent_weights, indices.flatten(), gate_up.shape[0])  # [R, H], [R], [R]
         align = self.group_align or group_alignment(x.device)
         out = local_experts_forward(received, received_weights, expert_of_row, gate_up, down, align)
         return combine(self.return_rows(out, splits), rows).to(x.dtype)

@@ -1,0 +1,1 @@
+"""Tools beside the training path: benchmarks and measurements a reader of the trainer need not meet."""
