@@ -3,9 +3,10 @@
 Routed experts hold native grouped weights so that `x @ w` needs no transpose:
     gate_up_proj [E, H, 2 * Im]   (gate columns first, then up)
     down_proj    [E, Im, H]
-Tokens are sorted by expert, each projection is one grouped GEMM over the sorted rows, and the
-results are weighted after the down projection and added back to their tokens. With a capacity
-factor (capacity.py) the rows go to a static [E, C, H] buffer instead, and past C they drop.
+Tokens are sorted by expert, each projection is one grouped GEMM over the sorted rows, the routing
+weight scales each hidden row before the down projection, and each token's rows are summed back.
+With a capacity factor (capacity.py) the rows go to a static [E, C, H] buffer instead, and past C
+they drop.
 """
 
 from __future__ import annotations
@@ -248,8 +249,7 @@ class RowMap(NamedTuple):
         return self.choice_of_row // self.row_of_choice.shape[1]  # [R]; N for an empty row
 
     def per_assignment(self) -> "RowMap":
-        """The same rows, each assignment as a token of its own (k = 1): how the routing weights
-        [N * k] move."""
+        """The same rows, each assignment a token of its own (k = 1): how routing weights [N * k] move."""
         kept = None if self.kept is None else self.kept.view(-1, 1)
         return RowMap(self.choice_of_row, self.row_of_choice.view(-1, 1), kept, self.has_empty_rows)
 
