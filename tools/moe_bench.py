@@ -9,9 +9,9 @@ from our gate_up_proj/down_proj) and the same input and output gradient; their o
 compared before timing. Steps are timed in rotation (one of each layer in turn, --reps times) so that a
 machine whose speed drifts slows both alike; the table gives medians, of wall time and of this
 process's CPU time (which leaves out the time it waited for a core on a shared machine). Profiled steps,
-in rotation too,
-then split each layer's step into its matmuls (the self time of mm, addmm, bmm and _grouped_mm) and the
-rest (the profiled step minus those: every other op, autograd and Python), and name the costliest other ops.
+in rotation too, then split each layer's step into its matmuls (the self time of mm, addmm, bmm and
+_grouped_mm) and the rest (the profiled step minus those: every other op, autograd and Python), and
+name the costliest other ops.
 
 torchtitan is optional: without it (a venv without torchtitan 0.3.0) only our layer is timed. Its
 expert matmuls cast to BF16; the row compared by default runs them in FP32 like ours (--bf16 adds the
@@ -174,6 +174,8 @@ def matmul_split(steps: dict[str, Callable], rotations: int, top: int) -> dict[s
     """Profiled steps, in rotation -> per layer: its median profiled step (s), the median self time of
     its matmuls in those steps (s), and its costliest other ops (mean self s per step)."""
     walls, matmuls, others = defaultdict(list), defaultdict(list), defaultdict(lambda: defaultdict(float))
+    with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own start-up, outside the figures
+        next(iter(steps.values()))()
     for _ in range(rotations):
         for name, step in steps.items():
             with profile(activities=[ProfilerActivity.CPU]) as prof:
