@@ -82,8 +82,10 @@ def plan_capacity(indices: torch.Tensor, num_experts: int, capacity: int) -> Cap
     return CapacityPlan(sources, slots)
 
 
-def batched_swiglu(rows: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
-    """rows [G, C, H], one group per expert -> each row's expert SwiGLU [G, C, H]: a batched matmul
-    per projection (equal groups need no grouped GEMM)."""
+def batched_swiglu(rows: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                   down_proj: torch.Tensor) -> torch.Tensor:
+    """rows [G, C, H], one group per expert, and their routing weights [G, C] -> weight * each row's
+    expert SwiGLU [G, C, H]: a batched matmul per projection (equal groups need no grouped GEMM),
+    the weight applied to the hidden row before the down projection (as moe.grouped_swiglu)."""
     gate, up = torch.bmm(rows, gate_up_proj).chunk(2, dim=-1)  # [G, C, Im] each
-    return torch.bmm(F.silu(gate) * up, down_proj)
+    return torch.bmm(F.silu(gate) * up * weights.unsqueeze(-1), down_proj)

@@ -630,7 +630,7 @@ class MistralLarge4(nn.Module):
         rows = 8 * c.num_attention_heads * seq_len if sdpa else 4 * c.num_attention_heads
         scores = rows + (seq_len if sdpa else seq_len / 8) + 8 * attended  # attention rows, mask, indices
         k, width = c.num_experts_per_tok, c.moe_intermediate_size
-        moe = 2 * (2 * k * c.hidden_size + 3 * k * width + 3 * width * c.n_shared_experts) + 4 * c.n_routed_experts
+        moe = 2 * (k * c.hidden_size + 5 * k * width + 3 * width * c.n_shared_experts) + 4 * c.n_routed_experts
         return projections + scores + moe
 
     def num_params(self, active: bool = False) -> int:

@@ -588,7 +588,8 @@ class Flint(nn.Module):
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         attention = 2 * (4 * c.hidden_size + 2 * q + 2 * kv) + 4 * c.num_attention_heads
         k = c.num_experts_per_tok
-        moe = (2 * (2 * k * c.hidden_size + 3 * k * c.moe_intermediate_size + 3 * c.shared_expert_intermediate_size)
+        # per routed choice (moe.grouped_swiglu): its dispatched row, gate_up, silu, their product, weighted
+        moe = (2 * (k * c.hidden_size + 5 * k * c.moe_intermediate_size + 3 * c.shared_expert_intermediate_size)
                + 4 * c.num_experts)
         return attention + moe
 

@@ -3,15 +3,17 @@
 Routed experts hold native grouped weights so that `x @ w` needs no transpose:
     gate_up_proj [E, H, 2 * Im]   (gate columns first, then up)
     down_proj    [E, Im, H]
-Tokens are sorted by expert, each projection is one grouped GEMM over the sorted rows, and the
-results are weighted after the down projection and added back to their tokens. With a capacity
-factor (capacity.py) the rows go to a static [E, C, H] buffer instead, and past C they drop.
+Tokens are sorted by expert, each projection is one grouped GEMM over the sorted rows, the routing
+weight scales each hidden row before the down projection, and each token's rows are summed back.
+With a capacity factor (capacity.py) the rows go to a static [E, C, H] buffer instead, and past C
+they drop.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import deque
+from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
@@ -214,15 +216,13 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int) -> Exper
     return ExpertPlan(order, slots, padded_ends.to(torch.int32), rows)
 
 
-def grouped_swiglu(sorted_rows: torch.Tensor, plan: ExpertPlan, gate_up_proj: torch.Tensor,
+def grouped_swiglu(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, gate_up_proj: torch.Tensor,
                    down_proj: torch.Tensor) -> torch.Tensor:
-    """Rows sorted by expert [R, H] -> each row's expert SwiGLU [R, H], one grouped GEMM per projection."""
-    x = sorted_rows
-    if plan.padded:  # [R, H] -> [rows, H] with aligned groups
-        x = x.new_zeros(plan.rows, x.shape[1]).index_copy(0, plan.slots, x)
-    gate, up = grouped_mm(x, gate_up_proj, plan.offsets).chunk(2, dim=-1)  # [rows, Im] each
-    out = grouped_mm(F.silu(gate) * up, down_proj, plan.offsets)  # [rows, H]
-    return out.index_select(0, plan.slots) if plan.padded else out  # drop the padding rows: [R, H]
+    """Rows grouped by expert [R, H] (groups ending at offsets) and their routing weights [R] ->
+    weight * each row's expert SwiGLU [R, H], a grouped GEMM per projection. The weight scales the
+    I-wide hidden row before the down projection (not the H-wide output), so combine only sums."""
+    gate, up = grouped_mm(rows, gate_up_proj, offsets).chunk(2, dim=-1)  # [R, Im] each
+    return grouped_mm(F.silu(gate) * up * weights.unsqueeze(-1), down_proj, offsets)
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
@@ -230,68 +230,110 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
-class _GatherRows(torch.autograd.Function):
-    """x.index_select(0, index) where every row of x appears exactly `copies` times in index, whose
-    backward gathers too: each row's copies, found through `inverse` (copy c of row r sits at
-    inverse[r * copies + c]), summed. Autograd's own backward of a gather is a scatter-add: compiled
-    for the CPU it adds row by row with atomics (about 5x slower), and on GPUs atomics make the sum
-    order, hence the gradient, vary from run to run.
+# ----------------------------------------------------------------------------- token rows to expert rows and back
+# Every routed path moves rows by one RowMap per forward: dispatch gathers each token's row into its
+# experts' rows, combine sums a token's k rows back in one embedding_bag (no [N, k, H] tensor), and
+# each is the other's backward. Autograd's own backward of a gather is a scatter-add, compiled for the
+# CPU row by row with atomics (about 5x slower), and on GPUs its atomics make the gradient vary from
+# run to run; an embedding_bag sums each bag in order, one thread per value (in FP32 for BF16 rows).
 
-    `padded` (expert capacity): index may name row len(x) and inverse row len(grad), a zero row
-    each, for the empty buffer rows and the dropped copies, so a row of x then appears at most
-    `copies` times."""
+class RowMap(NamedTuple):
+    """Where each (token, choice) assignment a = token * k + choice sits among the experts' rows."""
+    choice_of_row: torch.Tensor  # [R] the assignment each row holds; N * k for an empty row
+    row_of_choice: torch.Tensor  # [N, k] the row each assignment sits in (any row where it was dropped)
+    kept: torch.Tensor | None  # bool [N, k]: the assignment has a row (False: dropped); None: all have one
+    has_empty_rows: bool  # padded groups or expert capacity: some rows hold no assignment
+
+    @property
+    def token_of_row(self) -> torch.Tensor:
+        return self.choice_of_row // self.row_of_choice.shape[1]  # [R]; N for an empty row
+
+    def per_assignment(self) -> "RowMap":
+        """The same rows, each assignment a token of its own (k = 1): how routing weights [N * k] move."""
+        kept = None if self.kept is None else self.kept.view(-1, 1)
+        return RowMap(self.choice_of_row, self.row_of_choice.view(-1, 1), kept, self.has_empty_rows)
+
+
+def expert_rows(plan: ExpertPlan, top_k: int) -> RowMap:
+    """The RowMap of a sort_by_expert plan over expert indices [N, top_k]."""
+    order = plan.order  # [N*k]
+    if not plan.padded:
+        return RowMap(order, inverse_permutation(order).view(-1, top_k), None, False)
+    choice_of_row = order.new_full((plan.rows,), order.numel()).scatter_(0, plan.slots, order)  # [rows]
+    row_of_choice = torch.empty_like(order).scatter_(0, order, plan.slots)  # [N*k]
+    return RowMap(choice_of_row, row_of_choice.view(-1, top_k), None, True)
+
+
+def gather_rows(x: torch.Tensor, source: torch.Tensor, has_empty_rows: bool) -> torch.Tensor:
+    """x [M, H], source [R] -> x[source] [R, H]; source M (with has_empty_rows) gives a zero row."""
+    if has_empty_rows:
+        x = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    return x.index_select(0, source)
+
+
+def sum_rows(rows: torch.Tensor, index: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """rows [R, H], index [M, k] -> [M, H]: out[m] = the sum over j of rows[index[m, j]] where kept."""
+    mask = None if kept is None else kept.to(rows.dtype)
+    return F.embedding_bag(index, rows.contiguous(), mode="sum", per_sample_weights=mask)
+
+
+class _Dispatch(torch.autograd.Function):
+    """Tokens [N, H] -> the experts' rows [R, H] (zero where empty); backward: sum_rows."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, copies: int,
-                padded: bool) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        ctx.copies, ctx.padded = copies, padded
-        return with_zero_row(x, padded).index_select(0, index)
+    def forward(ctx, x, source, index, kept, has_empty_rows):
+        ctx.save_for_backward(index, kept)
+        return gather_rows(x, source, has_empty_rows)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        grad_x = with_zero_row(grad, ctx.padded).index_select(0, inverse)  # [rows * copies, H], copies side by side
-        if ctx.copies > 1:
-            grad_x = grad_x.view(-1, ctx.copies, grad.shape[1]).sum(dim=1)
-        return grad_x, None, None, None, None
+    def backward(ctx, grad):
+        index, kept = ctx.saved_tensors
+        return sum_rows(grad, index, kept), None, None, None, None
 
 
-def with_zero_row(x: torch.Tensor, padded: bool) -> torch.Tensor:
-    """x [R, H] -> [R + 1, H] with a zero last row if padded, else x itself."""
-    return torch.cat([x, x.new_zeros(1, x.shape[1])]) if padded else x
+class _Combine(torch.autograd.Function):
+    """The experts' rows [R, H] -> each token's sum over its choices [N, H]; backward: gather_rows."""
+
+    @staticmethod
+    def forward(ctx, rows, source, index, kept, has_empty_rows):
+        ctx.save_for_backward(source)
+        ctx.has_empty_rows = has_empty_rows
+        return sum_rows(rows, index, kept)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (source,) = ctx.saved_tensors
+        return gather_rows(grad, source, ctx.has_empty_rows), None, None, None, None
 
 
-def dispatch(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, padded: bool = False) -> torch.Tensor:
-    """Each token once per chosen expert, in expert order: x [N, H] -> [len(order), H].
-    order: the (token, choice) assignment each output row holds (assignment a = token * k + choice);
-    inverse [N*k]: the output row of each assignment. Dropless, order [N*k] is the assignments
-    sorted by expert and inverse its inverse permutation; padded (capacity), an empty row's
-    order is N*k and a dropped assignment's inverse len(order)."""
-    top_k = inverse.numel() // x.shape[0]
-    return _GatherRows.apply(x, order // top_k, inverse, top_k, padded)
+def dispatch(x: torch.Tensor, rows: RowMap) -> torch.Tensor:
+    """Each token's row in the rows of its chosen experts: x [N, H] -> [R, H]."""
+    return _Dispatch.apply(x, rows.token_of_row, rows.row_of_choice, rows.kept, rows.has_empty_rows)
 
 
-def combine(out: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor,
-            padded: bool = False) -> torch.Tensor:
-    """The experts' rows back to their tokens, weighted and summed over the k choices:
-    out [len(order), H] laid out as dispatch made it, weights [N, k] -> [N, H] (a dropped
-    assignment adds zero)."""
-    num_tokens, top_k = weights.shape
-    per_choice = _GatherRows.apply(out, inverse, order, 1, padded).view(num_tokens, top_k, -1)  # [N, k, H]
-    return (per_choice * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+def dispatch_weights(weights: torch.Tensor, rows: RowMap, dtype: torch.dtype) -> torch.Tensor:
+    """The routing weight of each expert row: weights [N, k] -> [R] in dtype (0 where empty)."""
+    return dispatch(weights.to(dtype).view(-1, 1), rows.per_assignment()).view(-1)
+
+
+def combine(out: torch.Tensor, rows: RowMap) -> torch.Tensor:
+    """The experts' (weighted) rows back to their tokens, summed over the k choices: out [R, H] ->
+    [N, H]; a dropped assignment adds nothing."""
+    return _Combine.apply(out, rows.token_of_row, rows.row_of_choice, rows.kept, rows.has_empty_rows)
 
 
 def capacity_forward(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, num_experts: int,
-                     ratio: tuple[int, int], experts: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                     ratio: tuple[int, int], experts: Callable[..., torch.Tensor]) -> torch.Tensor:
     """Routed experts under expert capacity (capacity.py: who counts, what drops and in what
     order): x [N, H], weights/indices [N, k], ratio the capacity factor's capacity_ratio; experts
-    maps the buffer [E, C, H] to its outputs."""
+    maps the buffer [E, C, H] and its routing weights [E, C] to the weighted outputs [E, C, H]."""
     capacity = expert_capacity(x.shape[0], indices.shape[1], num_experts, ratio)
     plan = plan_capacity(indices, num_experts, capacity)
-    rows = dispatch(x, plan.sources, plan.slots, padded=True)  # [E * C, H]
-    out = experts(rows.view(num_experts, capacity, -1)).view(num_experts * capacity, -1)
-    return combine(out, plan.sources, plan.slots, weights, padded=True)
+    kept = plan.slots < num_experts * capacity  # [N*k]
+    rows = RowMap(plan.sources, torch.where(kept, plan.slots, 0).view(indices.shape), kept.view(indices.shape), True)
+    out = experts(dispatch(x, rows).view(num_experts, capacity, -1),
+                  dispatch_weights(weights, rows, x.dtype).view(num_experts, capacity))
+    return combine(out.view(num_experts * capacity, -1), rows)
 
 
 class GroupedExperts(nn.Module):
@@ -315,14 +357,15 @@ class GroupedExperts(nn.Module):
             return self.forward_loop(x, weights, indices)
         if self.capacity_ratio is not None:
             return capacity_forward(x, weights, indices, self.gate_up_proj.shape[0], self.capacity_ratio,
-                                    lambda rows: batched_swiglu(rows, self.gate_up_proj, self.down_proj))
+                                    partial(batched_swiglu, gate_up_proj=self.gate_up_proj, down_proj=self.down_proj))
         return self.forward_grouped(x, weights, indices)
 
     def forward_grouped(self, x, weights, indices):
         plan = sort_by_expert(indices, self.gate_up_proj.shape[0], self.group_align or group_alignment(x.device))
-        inverse = inverse_permutation(plan.order)
-        out = grouped_swiglu(dispatch(x, plan.order, inverse), plan, self.gate_up_proj, self.down_proj)
-        return combine(out, plan.order, inverse, weights)
+        rows = expert_rows(plan, indices.shape[1])
+        out = grouped_swiglu(dispatch(x, rows), dispatch_weights(weights, rows, x.dtype), plan.offsets,
+                             self.gate_up_proj, self.down_proj)
+        return combine(out, rows)
 
     def forward_loop(self, x, weights, indices):
         """The plain per-expert loop: the readable reference for the grouped path (host syncs)."""
@@ -377,12 +420,15 @@ def _local_shard(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
-def local_experts_forward(xs: torch.Tensor, expert_of_row: torch.Tensor, gate_up_proj: torch.Tensor,
-                          down_proj: torch.Tensor, align: int) -> torch.Tensor:
-    """xs [R, H] in any order, expert_of_row [R] local expert ids -> each row's SwiGLU [R, H], same order."""
+def local_experts_forward(xs: torch.Tensor, weights: torch.Tensor, expert_of_row: torch.Tensor,
+                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor, align: int) -> torch.Tensor:
+    """xs [R, H] in any order, their routing weights [R] and local expert ids expert_of_row [R] ->
+    each row's weighted SwiGLU [R, H], same order."""
     plan = sort_by_expert(expert_of_row.unsqueeze(1), gate_up_proj.shape[0], align)
-    out = grouped_swiglu(xs.index_select(0, plan.order), plan, gate_up_proj, down_proj)
-    return torch.zeros_like(out).index_copy(0, plan.order, out)  # back to the order of xs
+    rows = expert_rows(plan, 1)  # each received row a token with one choice
+    out = grouped_swiglu(dispatch(xs, rows), dispatch_weights(weights.unsqueeze(1), rows, xs.dtype), plan.offsets,
+                         gate_up_proj, down_proj)
+    return combine(out, rows)  # back to the order of xs
 
 
 class ExpertSplits:
@@ -462,28 +508,31 @@ class ExpertParallelExperts(nn.Module):
         gate_up, down = _local_shard(self.gate_up_proj), _local_shard(self.down_proj)
         if self.capacity_ratio is not None:
             return capacity_forward(x, weights, indices, self.num_experts, self.capacity_ratio,
-                                    lambda rows: self.exchange_capacity_rows(rows, gate_up, down)).to(x.dtype)
-        local_experts = gate_up.shape[0]
-        flat = indices.flatten()  # [N*k]
-        order = torch.argsort(flat, stable=True)  # assignments sorted by expert, so by owning rank
-        inverse = inverse_permutation(order)
-        rows = dispatch(x, order, inverse)  # [N*k, H]
-        received, expert_of_row, splits = self.send_rows(rows, flat, local_experts)  # [R, H], [R]
+                                    partial(self.exchange_capacity_rows, gate_up=gate_up, down=down)).to(x.dtype)
+        rows = expert_rows(sort_by_expert(indices, self.num_experts, 1), indices.shape[1])  # expert, so rank, order
+        sent, sent_weights = dispatch(x, rows), dispatch_weights(weights, rows, x.dtype)  # [N*k, H], [N*k]
+        received, received_weights, expert_of_row, splits = self.send_rows(
+            sent, sent_weights, indices.flatten(), gate_up.shape[0])  # [R, H], [R], [R]
         align = self.group_align or group_alignment(x.device)
-        out = local_experts_forward(received, expert_of_row, gate_up, down, align)
-        return combine(self.return_rows(out, splits), order, inverse, weights).to(x.dtype)
+        out = local_experts_forward(received, received_weights, expert_of_row, gate_up, down, align)
+        return combine(self.return_rows(out, splits), rows).to(x.dtype)
 
-    def exchange_capacity_rows(self, rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """This rank's capacity buffer [E, C, H] -> its experts' outputs [E, C, H]: C rows per
-        expert to its owner and back, in two even all-to-alls; the local experts run on the
-        [El, ep * C, H] rows of every source rank."""
+    def exchange_capacity_rows(self, rows: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                               down: torch.Tensor) -> torch.Tensor:
+        """This rank's capacity buffer [E, C, H] and its routing weights [E, C] -> its experts'
+        weighted outputs [E, C, H]: C rows (and weights) per expert to its owner and the outputs
+        back, in even all-to-alls; the local experts run on the [El, ep * C, H] rows of every
+        source rank."""
         from torch.distributed._functional_collectives import all_to_all_single_autograd
         num_experts, capacity, hidden = rows.shape
         local_experts = gate_up.shape[0]
         ep = num_experts // local_experts
         received = all_to_all_single_autograd(rows.flatten(0, 1), None, None, self.group)  # [ep * El * C, H]
+        received_weights = all_to_all_single_autograd(weights.flatten(), None, None, self.group)  # [ep * El * C]
         by_expert = received.view(ep, local_experts, capacity, hidden).transpose(0, 1)  # [El, ep, C, H]
-        out = batched_swiglu(by_expert.reshape(local_experts, ep * capacity, hidden), gate_up, down)
+        weights_by_expert = received_weights.view(ep, local_experts, capacity).transpose(0, 1)  # [El, ep, C]
+        out = batched_swiglu(by_expert.reshape(local_experts, ep * capacity, hidden),
+                             weights_by_expert.reshape(local_experts, ep * capacity), gate_up, down)
         out = out.view(local_experts, ep, capacity, hidden).transpose(0, 1).reshape(-1, hidden)  # [ep * El * C, H]
         return all_to_all_single_autograd(out, None, None, self.group).view(num_experts, capacity, hidden)
 
@@ -492,19 +541,21 @@ class ExpertParallelExperts(nn.Module):
     # the next graph takes as a dynamic size from the start (maybe_mark_dynamic) instead of recompiling.
 
     @torch.compiler.disable
-    def send_rows(self, rows: torch.Tensor, flat: torch.Tensor,
-                  local_experts: int) -> tuple[torch.Tensor, torch.Tensor, ExpertSplits]:
-        """rows [N*k, H] in expert order, their experts flat [N*k] -> the rows this rank's experts
-        receive [R, H] (ordered by source rank, then local expert), each one's local expert [R], splits."""
+    def send_rows(self, rows: torch.Tensor, weights: torch.Tensor, flat: torch.Tensor,
+                  local_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ExpertSplits]:
+        """rows [N*k, H] in expert order, their routing weights [N*k] and experts flat [N*k] -> the
+        rows this rank's experts receive [R, H] (ordered by source rank, then local expert), their
+        weights [R], each one's local expert [R], splits."""
         from torch.distributed._functional_collectives import all_to_all_single_autograd
         splits = self.exchange_counts(flat, local_experts, rows)
         received = all_to_all_single_autograd(rows, splits.receive, splits.send, self.group)
+        received_weights = all_to_all_single_autograd(weights, splits.receive, splits.send, self.group)
         ep = len(splits.send)
         expert_of_row = torch.repeat_interleave(torch.arange(local_experts, device=rows.device).repeat(ep),
                                                 splits.received_counts, output_size=received.shape[0])
-        for tensor in (received, expert_of_row):
+        for tensor in (received, received_weights, expert_of_row):
             torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        return received, expert_of_row, splits
+        return received, received_weights, expert_of_row, splits
 
     @torch.compiler.disable
     def return_rows(self, out: torch.Tensor, splits: ExpertSplits) -> torch.Tensor:

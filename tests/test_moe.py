@@ -281,3 +281,168 @@ def test_a_recompute_reuses_its_forwards_splits_and_nothing_goes_stale():
         del early
     finally:
         close_distributed()
+
+
+# ----------------------------------------------------------------------------- rows to experts and back
+
+def plain_routed_moe(x, params, top_k, score_function, scaling):
+    """Routed experts plus the shared expert, token by token, from the contract: the router's
+    sigmoid (Flint: top-k renormalised) or softmax (Large 4: the chosen k renormalised with 1e-20
+    in the denominator, times `scaling`), each chosen expert's output weighted AFTER its down
+    projection and summed."""
+    gate_up, down = params["experts.gate_up_proj"], params["experts.down_proj"]
+    im = down.shape[1]
+    logits = x @ params["router.weight"].T  # [N, E]
+    rows = []
+    for n in range(x.shape[0]):
+        scores = torch.softmax(logits[n], -1) if score_function == "softmax" else torch.sigmoid(logits[n])
+        weights, experts = torch.topk(scores, top_k)
+        if score_function == "softmax":
+            weights = weights / (weights.sum() + 1e-20) * scaling
+        else:
+            weights = weights / weights.sum()
+        y = torch.zeros(x.shape[1])
+        for weight, e in zip(weights, experts.tolist()):
+            hidden = F.silu(x[n] @ gate_up[e, :, :im]) * (x[n] @ gate_up[e, :, im:])
+            y = y + weight * (hidden @ down[e])
+        shared = F.silu(x[n] @ params["shared_expert.gate_proj.weight"].T) * (x[n] @ params["shared_expert.up_proj.weight"].T)
+        rows.append(y + shared @ params["shared_expert.down_proj.weight"].T)
+    return torch.stack(rows)
+
+
+def idle_experts(moe: MoE) -> MoE:
+    """A router that sends every (positive) token to experts 4 and 1: the others get no row."""
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[4] = 0.5
+        moe.router.weight[1] = 0.2
+    return moe
+
+
+@pytest.mark.parametrize("score_function", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("align", [None, 8])
+@pytest.mark.parametrize("routing", ["random", "idle experts"])
+def test_weighting_before_the_down_projection_equals_the_plain_loop(score_function, align, routing):
+    """The weight scales each expert's hidden row before its down projection; the contract weights
+    the output after it. Flint's and Large 4's routers, unpadded and padded groups (as on CUDA),
+    and experts that receive no token: values and every gradient equal a token-by-token loop."""
+    torch.manual_seed(0)
+    moe = MoE(HIDDEN, INTER, SHARED, EXPERTS, TOP_K, True, score_function=score_function, scaling=2.5)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = routing_cases()["random"]
+    if routing == "idle experts":
+        idle_experts(moe)
+        x = x.abs() + 0.1
+    moe.experts.group_align = align
+    y, dx, grads = run(moe, x)
+    if routing == "idle experts":
+        assert moe.router.tokens_per_expert.tolist() == [0, 18, 0, 0, 18, 0]
+    params = {name: p.detach().clone().requires_grad_() for name, p in moe.named_parameters()}
+    x_ref = x.reshape(-1, HIDDEN).clone().requires_grad_()
+    expected = plain_routed_moe(x_ref, params, TOP_K, score_function, 2.5)
+    expected.backward((torch.ones_like(y) + torch.arange(y.numel()).view_as(y) * 1e-3).view_as(expected))
+    assert_close_to_scale(y.view_as(expected), expected.detach(), rtol=1e-5)
+    assert_close_to_scale(dx.view_as(x_ref), x_ref.grad, rtol=1e-5)
+    for name, param in params.items():
+        assert_close_to_scale(grads[name], param.grad, rtol=1e-5, what=name)
+
+
+def row_maps() -> dict:
+    """RowMaps of each kind for 5 tokens x 2 choices over 4 experts (expert 3 chosen by nobody)."""
+    from capacity import plan_capacity
+    from moe import RowMap, expert_rows
+    indices = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 1], [1, 0]])
+    plan = plan_capacity(indices, num_experts=4, capacity=2)  # expert 2's third assignment drops
+    kept = plan.slots < 8
+    capacity_map = RowMap(plan.sources, torch.where(kept, plan.slots, 0).view(5, 2), kept.view(5, 2), True)
+    return {"sorted": expert_rows(sort_by_expert(indices, 4, 1), 2),
+            "padded": expert_rows(sort_by_expert(indices, 4, 4), 2), "capacity": capacity_map}
+
+
+@pytest.mark.parametrize("kind", ["sorted", "padded", "capacity"])
+def test_dispatch_and_combine_are_each_others_transpose(kind):
+    """dispatch puts each token's row in the rows its assignments hold (zero rows elsewhere), combine
+    sums each token's rows over its kept choices, and each one's backward is exactly the other."""
+    from moe import combine, dispatch
+    rows = row_maps()[kind]
+    x = torch.randn(5, 3, requires_grad=True)
+    out = torch.randn(rows.choice_of_row.numel(), 3, requires_grad=True)
+    dispatched, combined = dispatch(x, rows), combine(out, rows)
+    for r, choice in enumerate(rows.choice_of_row.tolist()):  # by hand, row by row
+        assert torch.equal(dispatched[r], x[choice // 2] if choice < 10 else torch.zeros(3))
+    kept = torch.ones(5, 2, dtype=torch.bool) if rows.kept is None else rows.kept
+    for n in range(5):
+        want = sum((out[rows.row_of_choice[n, j]] for j in range(2) if kept[n, j]), torch.zeros(3))
+        assert_close_to_scale(combined[n], want, rtol=1e-6)
+    assert kind != "capacity" or not kept.all()  # the capacity map drops one assignment
+    grad_rows, grad_tokens = torch.randn_like(dispatched), torch.randn_like(combined)
+    dispatched.backward(grad_rows)
+    combined.backward(grad_tokens)
+    assert torch.equal(x.grad, combine(grad_rows, rows))
+    assert torch.equal(out.grad, dispatch(grad_tokens, rows))
+
+
+@pytest.mark.parametrize("path", ["padded", "capacity", "expert parallel"])
+def test_every_routed_path_gathers_in_backward(path):
+    """Padded groups (CUDA), capacity and the expert-parallel layer (one rank): their backward
+    moves rows by gathers only, never a scatter-add (see test_grouped_backward_gathers_...)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpNames(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    if path == "expert parallel":
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        if path == "capacity":
+            torch.manual_seed(0)
+            moe = MoE(HIDDEN, INTER, SHARED, EXPERTS, TOP_K, True, capacity_factor=0.5)
+        else:
+            moe = expert_parallel_moe(0, ep=1) if path == "expert parallel" else make_moe()
+            moe.experts.group_align = 8
+        y = moe(routing_cases()["random"].requires_grad_())
+        with OpNames() as ops:
+            y.sum().backward()
+    finally:
+        if path == "expert parallel":
+            close_distributed()
+    assert "index_select" in ops.names
+    assert not ops.names & {"index_add", "index_add_", "scatter_add", "scatter_add_", "index_put", "index_put_"}
+
+
+def check_expert_parallel_padded_with_idle_experts() -> None:
+    """Real routing over 2 ranks with local groups padded to 8 rows (as on CUDA): experts 4 and 1
+    take every token, so each rank has idle local experts (empty padded groups); then every token
+    goes to rank 0's experts 1 and 2, and rank 1 receives no row at all."""
+    rank = dist.get_rank()
+    inputs = [torch.rand(2, 9, HIDDEN, generator=torch.Generator().manual_seed(r)) + 0.1 for r in range(2)]
+    for favourites in ((4, 1), (1, 2)):
+        def rigged(moe):
+            with torch.no_grad():
+                moe.router.weight.zero_()
+                moe.router.weight[favourites[0]] = 0.5
+                moe.router.weight[favourites[1]] = 0.2
+            return moe
+        expected = [run(rigged(make_moe()), x) for x in inputs]
+        moe = rigged(expert_parallel_moe(rank, ep=2))
+        moe.experts.group_align = 8
+        y, dx, grads = run(moe, inputs[rank])
+        assert_close_to_scale(y, expected[rank][0], rtol=1e-5)
+        assert_close_to_scale(dx, expected[rank][1], rtol=1e-5)
+        mine = slice(rank * EXPERTS // 2, (rank + 1) * EXPERTS // 2)
+        for name, grad in grads.items():
+            want = (sum(g[name][mine] for _, _, g in expected) if name.startswith("experts.")
+                    else expected[rank][2][name])
+            assert_close_to_scale(grad, want, rtol=1e-5, what=name)
+
+
+def test_expert_parallel_with_padded_groups_and_idle_experts_equals_one_process():
+    from test_parallel import spawn
+    spawn(2, check_expert_parallel_padded_with_idle_experts)
