@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import checkpoint_files
 import convert
 import train
 from checkpoint import CheckpointError
-from conftest import debug_args, records, run_debug, train_losses
+from helpers import debug_args, free_port, records, run_debug, train_losses
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -362,12 +361,6 @@ def _rank_of_train(rank: int, world: int, port: int, argv: list[str], killed_at_
         return real_crc(file)
     checkpoint_files.RecordingWriter.write_data, checkpoint_files.crc32_of = killed_at_its_step, noted_crc
     train.main(argv)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_kill_9_of_two_ranks_during_an_async_save_keeps_the_last_checkpoint(tmp_path):

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import ROOT
+from helpers import ROOT
 
 
 def test_it_times_synchronous_and_asynchronous_saves():

@@ -18,7 +18,7 @@ import checkpoint_files
 import convert
 from checkpoint_files import (CheckpointError, damage, enum_member, load_dcp, read_metadata, save_dcp,
                               write_checksums)
-from conftest import run_debug, trained_checkpoint
+from helpers import run_debug, trained_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

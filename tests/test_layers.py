@@ -6,7 +6,7 @@ import torch
 
 from layers import Head, count_params
 from model import FlintConfig, build_model
-from conftest import assert_close_to_scale
+from helpers import assert_close_to_scale
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

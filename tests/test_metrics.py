@@ -8,7 +8,7 @@ import torch
 
 import metrics
 import train
-from conftest import ROOT
+from helpers import ROOT
 from metrics import drop_superseded_records, duration, model_flops_per_token
 from model import Flint, FlintConfig
 

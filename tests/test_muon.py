@@ -1,6 +1,6 @@
 """muon.py against a plain per-matrix reference written from its contract (the module docstring):
 the Newton-Schulz iteration, which parameters it takes, and whole optimizer steps; on two ranks with
-FSDP and expert parallelism in tests/test_parallel.py (muon_matches_plain)."""
+FSDP and expert parallelism."""
 
 import math
 
@@ -10,9 +10,9 @@ import torch
 import train
 from config import OptimSection
 from model import FlintConfig, build_model
-from conftest import assert_weights_match, give_same_gradients, run_debug, train_losses
+from helpers import (assert_close_to_scale, assert_weights_match, build, give_same_gradients, run_debug, spawn,
+                     tiny_config, train_losses)
 from muon import newton_schulz, takes_muon
-from conftest import assert_close_to_scale
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MUON = OptimSection(name="muon", lr=1e-3, muon_lr=0.05, muon_momentum=0.9, weight_decay=0.1, beta1=0.8, beta2=0.9,
@@ -86,6 +86,21 @@ def muon_matches_plain(model: torch.nn.Module, reference: torch.nn.Module, steps
 def test_muon_steps_like_the_plain_reference():
     config = FlintConfig.from_name("tiny", num_hidden_layers=3)
     muon_matches_plain(build_model(config, seed=0), build_model(config, seed=0))
+
+
+def check_muon_on_shards(layouts: list[dict]) -> None:
+    from parallel import ParallelConfig, build_mesh, parallelize
+    config = tiny_config()
+    for layout in layouts:
+        cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
+        pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
+        muon_matches_plain(pm.module, build(config))
+
+
+def test_muon_steps_like_the_plain_reference_on_two_ranks():
+    """FSDP 2 (every matrix sharded on its rows: gathered, orthogonalised whole, re-sharded) and
+    EP 2 (each rank orthogonalises its own experts' matrices, no communication)."""
+    spawn(2, check_muon_on_shards, [{"dp_shard": 2}, {"ep": 2, "dp_shard": 1}])
 
 
 def test_a_muon_run_saves_and_resumes_exactly(tmp_path):

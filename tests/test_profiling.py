@@ -12,7 +12,7 @@ from layers import Head
 from model import FlintConfig, Sinks, build_model
 from registry import FAMILIES, family
 from tools.profiling import SPLIT_ORDER, TIMED_MODULES, cosine_parity, dense_logits_loss, profile_step
-from conftest import assert_close_to_scale
+from helpers import assert_close_to_scale
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

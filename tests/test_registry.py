@@ -11,11 +11,11 @@ import torch
 
 import registry
 from registry import FAMILIES, Model, ModelConfig, config_from_hf, family, family_of, family_of_hf_config, model_class
-from conftest import ROOT, TINY_PRESETS
+from helpers import ROOT, tiny_preset
 
 
 def tiny(name: str):
-    return family(name).config.from_name(TINY_PRESETS[name])
+    return family(name).config.from_name(tiny_preset(name))
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -7,7 +7,7 @@ import torch
 import convert
 import sample
 from model import FlintConfig, build_model
-from conftest import run_debug
+from helpers import run_debug
 from tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

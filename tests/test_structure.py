@@ -166,3 +166,16 @@ def test_the_readme_is_a_readers_page_that_starts_with_the_two_commands():
 def test_every_source_file_has_its_test_file():
     missing = [path.name for path in SOURCES if not (ROOT / "tests" / f"test_{path.name}").is_file()]
     assert not missing, missing
+
+
+def test_no_test_file_imports_another_test_file_or_conftest():
+    """What test files share is in tests/helpers.py (plain functions) or conftest.py's fixtures, which pytest
+    hands out by name; so a fork that deletes one model's test files leaves every other one importable.
+    tools/gpu_check.sh, which runs tests' code on a GPU, reaches it through tests/helpers.py too."""
+    tests = sorted((ROOT / "tests").glob("*.py"))
+    offenders = [f"{path.name} imports {name}" for path in tests for name, _ in imports_of(path)
+                 if name.split(".")[0].startswith("test_") or name == "conftest"]
+    script = (ROOT / "tools" / "gpu_check.sh").read_text()
+    offenders += [f"gpu_check.sh imports {name}" for name in re.findall(r"^\s*(?:from|import) (test_\w+|conftest)",
+                                                                        script, re.MULTILINE)]
+    assert not offenders, offenders
