@@ -311,9 +311,10 @@ def config_fields(**fields):
 
 
 def large4_config(**fields):
-    text = {**family("large4").config.from_name("large4-tiny").to_hf_config()["text_config"], **fields}
-    return lambda directory: (directory / "config.json").write_text(
-        json.dumps({"model_type": "mistral_large4", "text_config": text}))
+    def change(directory: Path) -> None:
+        text = {**family("large4").config.from_name("large4-tiny").to_hf_config()["text_config"], **fields}
+        (directory / "config.json").write_text(json.dumps({"model_type": "mistral_large4", "text_config": text}))
+    return change
 
 
 def to_hf(change):

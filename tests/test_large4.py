@@ -5,6 +5,7 @@ stage boundaries, and its own parts through train.py (the config contract is tes
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch

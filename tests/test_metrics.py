@@ -8,11 +8,11 @@ import torch
 
 import metrics
 import train
-from helpers import ROOT
+from helpers import DEFAULT_FAMILY, FAMILY_NAMES, debug_configs, tiny_config
 from metrics import drop_superseded_records, duration, model_flops_per_token
-from model import Flint, FlintConfig
+from registry import model_class
 
-DEBUG = str(ROOT / "configs" / "debug.toml")
+DEBUG = str(debug_configs()[DEFAULT_FAMILY])  # the metrics machinery is the same for every model
 
 
 def test_durations_read_as_minutes_and_seconds_then_hours_and_minutes():
@@ -31,9 +31,10 @@ def test_a_run_drops_only_its_own_records_past_its_resume_step(tmp_path):
     assert log.read_text() == before
 
 
-def test_flops_per_token_are_the_whole_models_counted_on_meta():
-    config = FlintConfig.from_name("tiny", num_hidden_layers=4)
-    assert model_flops_per_token(config, 64) == Flint(config).flops_per_token(64) > 0
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_flops_per_token_are_the_whole_models_counted_on_meta(family):
+    config = tiny_config(family)
+    assert model_flops_per_token(config, 64) == model_class(config)(config).flops_per_token(64) > 0
 
 
 def test_a_damaged_peak_cache_is_measured_again(tmp_path, monkeypatch):

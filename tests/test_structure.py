@@ -137,7 +137,7 @@ def test_only_the_registry_names_a_model_outside_its_own_files():
                  for name, _ in imports_of(path) if name in MODEL_FILES}
     assert offenders == set(), offenders
     registry = (ROOT / "registry.py").read_text()
-    assert all(f'"{family}"' in registry for family in ("model", "large4"))
+    assert all(f'"{module}"' in registry for module in ("model", "large4") if (ROOT / f"{module}.py").is_file())
 
 
 def test_no_object_changes_its_class():
@@ -175,7 +175,8 @@ def test_no_test_file_imports_another_test_file_or_conftest():
     tests = sorted((ROOT / "tests").glob("*.py"))
     offenders = [f"{path.name} imports {name}" for path in tests for name, _ in imports_of(path)
                  if name.split(".")[0].startswith("test_") or name == "conftest"]
-    script = (ROOT / "tools" / "gpu_check.sh").read_text()
+    gpu_check = ROOT / "tools" / "gpu_check.sh"  # Flint's GPU checks: a fork without Flint deletes it
+    script = gpu_check.read_text() if gpu_check.is_file() else ""
     offenders += [f"gpu_check.sh imports {name}" for name in re.findall(r"^\s*(?:from|import) (test_\w+|conftest)",
                                                                         script, re.MULTILINE)]
     assert not offenders, offenders

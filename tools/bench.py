@@ -428,7 +428,9 @@ def load_bench_config(args: argparse.Namespace) -> TrainConfig:
         tables, path, origins = read_tables(args.config)
     else:
         named = any(o.split("=")[0] in ("--model.hf_config", "--model.init_from") for o in args.overrides)
-        model = {"hf_config": str(args.config)} if args.config else {"preset": args.preset or "bench-cpu"}
+        default = family(ModelSection().family)
+        model = {"hf_config": str(args.config)} if args.config else {
+            "preset": args.preset or default.bench_preset or default.smallest_preset}
         tables = {"model": {} if named and not args.config and not args.preset else model}
         path, origins = Path("bench.py"), {}  # errors call a default "bench.py (default)"
         if args.config or args.preset:
@@ -523,7 +525,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     shape = parser.add_mutually_exclusive_group()
-    shape.add_argument("--preset", help="a preset of the model family ([model].family; default: bench-cpu)")
+    shape.add_argument("--preset", help="a preset of the model family ([model].family; default: its bench preset, "
+                                        "Flint's bench-cpu)")
     shape.add_argument("--config", type=Path,
                        help="a training TOML, or a config.json or checkpoint directory holding one (its architecture)")
     parser.add_argument("--device", help="cpu | cuda | auto (default: the TOML's [training].device, else cpu)")
