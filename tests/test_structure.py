@@ -180,3 +180,28 @@ def test_no_test_file_imports_another_test_file_or_conftest():
     offenders += [f"gpu_check.sh imports {name}" for name in re.findall(r"^\s*(?:from|import) (test_\w+|conftest)",
                                                                         script, re.MULTILINE)]
     assert not offenders, offenders
+
+
+def defined_lines(path: Path) -> dict[str, tuple[int, int]]:
+    """Qualified name (Class.method or function) -> its (first, last) line in `path`."""
+    lines = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                lines[prefix + child.name] = (child.lineno, child.end_lineno)
+                visit(child, f"{prefix}{child.name}.")
+    visit(ast.parse(path.read_text()), "")
+    return lines
+
+
+def test_the_readers_paths_name_the_lines_that_hold_them():
+    """The README's reader's paths cannot drift: each function named there spans exactly the lines given
+    beside it. A fork skips the entries of the files it deleted (README, Fork)."""
+    section = (ROOT / "README.md").read_text().split("\n## A reader's paths\n")[1].split("\n## ")[0]
+    entries = re.findall(r"`(\w+\.py)`\s+(\d+)-(\d+)\s+`([\w.]+)`", section)
+    assert len(entries) >= 20, entries
+    wrong = [f"{file} {first}-{last} {name}: it spans {defined_lines(ROOT / file).get(name)}"
+             for file, first, last, name in entries if (ROOT / file).is_file()
+             and defined_lines(ROOT / file).get(name) != (int(first), int(last))]
+    assert not wrong, wrong
