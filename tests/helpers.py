@@ -47,10 +47,12 @@ def only(family: str):
 @lru_cache(maxsize=1)
 def debug_configs() -> dict[str, Path]:
     """family -> its configs/*debug.toml (seconds on a CPU: what the tests train), found by the family the
-    file names ([model].family, Flint by default), so a fork's deleted config takes its family with it."""
+    file names ([model].family, by default the first registered), so a fork's deleted config takes its
+    family with it."""
+    from config import ModelSection
     found = {}
     for path in sorted((ROOT / "configs").glob("*debug.toml")):
-        family = tomllib.loads(path.read_text()).get("model", {}).get("family", "flint")
+        family = tomllib.loads(path.read_text()).get("model", {}).get("family", ModelSection().family)
         if family in FAMILIES:
             found[family] = path
     return found

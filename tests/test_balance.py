@@ -340,6 +340,7 @@ class ThreeLayers:
     num_experts: int = 4
     num_experts_per_tok: int = 1
     capacity_factor: float | None = None
+    router_bias_update_rate: float = 0.0
 
     def is_moe_layer(self, i: int) -> bool:
         return i > 0

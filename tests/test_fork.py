@@ -63,6 +63,23 @@ def make_fork(destination: Path, dropped: str) -> tuple[Path, list[str]]:
     return destination, paths
 
 
+# In one fresh interpreter (one torch import): every module named, then train.py's main on the rest of argv.
+IMPORT_ALL_THEN_TRAIN = """
+import importlib, sys
+count = int(sys.argv[1])
+failed = []
+for name in sys.argv[2:2 + count]:
+    try:
+        importlib.import_module(name)
+    except Exception as error:
+        failed.append(f"{name}: {type(error).__name__}: {error}")
+if failed:
+    sys.exit("modules fail to import:\\n" + "\\n".join(failed))
+import train
+train.main(sys.argv[2 + count:])
+"""
+
+
 def run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     """A fresh interpreter in the copy, which must not see this checkout's modules."""
     env = {**os.environ, "PYTHONPATH": ""}
@@ -114,18 +131,13 @@ def test_a_fork_without_one_model_imports_trains_and_collects_its_tests(tmp_path
 
     remaining = [module_name(path, copy) for path in code_files(copy) if path.suffix == ".py"
                  and path.name != "__init__.py"]
-    imported = run(["-c", "import importlib, sys\nfailed = []\nfor name in sys.argv[1:]:\n    try:\n"
-                    "        importlib.import_module(name)\n    except Exception as error:\n"
-                    "        failed.append(f'{name}: {type(error).__name__}: {error}')\nprint('\\n'.join(failed))\n"
-                    "sys.exit(1 if failed else 0)", *remaining], copy)
-    assert imported.returncode == 0, f"without {dropped}, modules fail to import:\n{imported.stdout}{imported.stderr}"
-
     (debug,) = sorted(copy.glob("configs/*debug.toml"))  # the remaining family's
-    trained = run(["train.py", "--config", str(debug), "--training.steps=3", "--logging.every=1",
-                   "--training.sample_tokens=0", f"--checkpoint.dir={tmp_path / 'ckpt'}",
-                   f"--logging.jsonl={tmp_path / 'metrics.jsonl'}", f"--data.cache_dir={tmp_path / 'cache'}",
-                   "--logging.peak_tflops=0.1"], copy)
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    argv = ["--config", str(debug), "--training.steps=3", "--logging.every=1", "--training.sample_tokens=0",
+            f"--checkpoint.dir={tmp_path / 'ckpt'}", f"--logging.jsonl={tmp_path / 'metrics.jsonl'}",
+            f"--data.cache_dir={tmp_path / 'cache'}", "--logging.peak_tflops=0.1"]
+    imported_then_trained = run(["-c", IMPORT_ALL_THEN_TRAIN, str(len(remaining)), *remaining, *argv], copy)
+    assert imported_then_trained.returncode == 0, \
+        f"without {dropped}:\n{imported_then_trained.stdout[-3000:]}{imported_then_trained.stderr[-3000:]}"
     assert (tmp_path / "metrics.jsonl").read_text().count('"loss"') == 3
 
     collected = run(["-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"], copy)

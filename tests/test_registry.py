@@ -33,7 +33,7 @@ def test_each_family_has_a_debug_config_that_trains_its_smallest_preset(name):
     """What the tests train of each family (tests/helpers.py finds a family's configs/*debug.toml by the
     family it names); tools.bench --quick times the same preset."""
     model = tomllib.loads(debug_configs()[name].read_text())["model"]
-    assert model["preset"] == family(name).smallest_preset and model.get("family", "flint") == name
+    assert model["preset"] == family(name).smallest_preset
 
 
 def test_an_unknown_model_type_names_the_file(tmp_path):
