@@ -531,22 +531,7 @@ def parallel_step(family: str, layout: dict, compile: bool, device: str = "cpu",
     return loss, grads, (graphs if compile else {}), calls, breaks
 
 
-# ============================================================================= Flint's blocks, one at a time
-
-def block_inputs(config, backend: str = "sdpa", batch: int = 2, seq: int = 32):
-    """Hidden states [B, T, H], RoPE tables and the masks of a packed batch with padding, for a Flint
-    block (32 > 2 * (window 9 - 1): sliding layers take the banded path)."""
-    from attention import build_masks
-    from layers import document_positions
-    from model import rope_tables
-    g = torch.Generator().manual_seed(0)
-    doc_ids = torch.tensor([0] * 13 + [1] * 15 + [-1] * 4).expand(batch, seq).clone()
-    doc_ids[1, :20] = 2  # rows differ: masks depend on the batch index
-    x = torch.randn(batch, seq, config.hidden_size, generator=g, requires_grad=True)
-    rope = rope_tables(document_positions(doc_ids), config.head_dim, config.rope_theta)
-    masks = build_masks(config.layer_types, config.window, doc_ids, batch, seq, "cpu", backend)
-    return x, rope, masks
-
+# ============================================================================= blocks, one at a time
 
 def values_and_grads(block, *inputs):
     """The block's output and the gradients of a fixed random projection of it."""

@@ -16,8 +16,8 @@ from config import load_config
 from registry import family
 from moe import GroupedExperts, MoE
 from parallel import close_distributed
-from helpers import (FAMILY_NAMES, assert_close_to_scale, block_inputs, build, check_layouts, closing, debug_args, only,
-                     registered, run_two_processes, shard_experts, spawn, step_host_syncs, tiny_config, values_and_grads)
+from helpers import (FAMILY_NAMES, assert_close_to_scale, build, check_layouts, closing, debug_args, only, registered,
+                     run_two_processes, shard_experts, spawn, step_host_syncs, tiny_config, values_and_grads)
 
 HIDDEN, INTER, SHARED, EXPERTS, TOP_K = 16, 8, 12, 6, 2
 NO_DROP = EXPERTS / TOP_K  # C = ceil(N * k / E * E / k) = N: an expert takes every token
@@ -188,14 +188,15 @@ def test_the_routing_record_gives_each_layer_its_dropped_assignments():
     assert worst_layer(stats).endswith(f", {stats['2']['dropped'] + stats['3']['dropped']} assignments dropped")
 
 
-@only("flint")  # Flint's block call; an expert-parallel layer under capacity compiles whole below
-def test_a_capacity_block_compiles_to_one_graph(one_thread):
-    """With static [E, C, H] buffers the MoE block is one graph (fullgraph), equal to eager."""
-    config = tiny_config("flint", capacity_factor=1.0)  # 4 layers
-    block = build(config).layers["2"]
-    inputs = block_inputs(config)
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
-    (out, grads), (out_c, grads_c) = values_and_grads(block, *inputs), values_and_grads(compiled, *inputs)
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_a_capacity_moe_layer_compiles_to_one_graph(name, one_thread):
+    """With static [E, C, H] buffers each family's MoE layer (router, experts under capacity, shared expert)
+    is one graph (fullgraph), equal to eager."""
+    config = tiny_config(name, capacity_factor=1.0)
+    layer = build(config).layers["2"].mlp  # an MoE layer of every family's layout model
+    x = torch.randn(2, 32, config.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    (out, grads), (out_c, grads_c) = values_and_grads(layer, x), values_and_grads(compiled, x)
     assert_close_to_scale(out_c, out, rtol=1e-5)
     for g, g_c in zip(grads, grads_c):
         assert_close_to_scale(g_c, g, rtol=1e-4)

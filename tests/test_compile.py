@@ -15,10 +15,11 @@ import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
 
-from attention import FULL, SLIDING, flash_sink_attention
-from helpers import (BF16_GRAPHS, FAMILY_NAMES, assert_close_to_scale, block_inputs, build, counting_backend,
+from attention import FULL, SLIDING, build_masks, flash_sink_attention
+from helpers import (BF16_GRAPHS, FAMILY_NAMES, assert_close_to_scale, build, counting_backend,
                      in_process_group, only, parallel_block_model, parallel_step, spawn, tiny_config,
                      values_and_grads)
+from layers import document_positions
 from moe import _grouped_mm_op, expert_counts, grouped_mm
 
 SLOW = os.environ.get("FLINT_SLOW") == "1"
@@ -39,6 +40,18 @@ def block_model(**overrides):
             if name.endswith("sinks.weight"):
                 param.add_(torch.linspace(-1.0, 2.0, param.numel()))
     return model
+
+
+def block_inputs(config, backend: str = "sdpa"):
+    """Hidden states [B, T, H], RoPE tables and the masks of a packed batch with padding, for a Flint block."""
+    from model import rope_tables
+    g = torch.Generator().manual_seed(0)
+    doc_ids = torch.tensor([0] * 13 + [1] * 15 + [-1] * 4).expand(BATCH, SEQ).clone()
+    doc_ids[1, :20] = 2  # rows differ: masks depend on the batch index
+    x = torch.randn(BATCH, SEQ, config.hidden_size, generator=g, requires_grad=True)
+    rope = rope_tables(document_positions(doc_ids), config.head_dim, config.rope_theta)
+    masks = build_masks(config.layer_types, config.window, doc_ids, BATCH, SEQ, "cpu", backend)
+    return x, rope, masks
 
 
 def assert_same(eager, compiled, what: str):
