@@ -43,7 +43,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelSection:
-    family: str = "flint"  # flint | large4: whose presets and fields; hf_config / init_from tell it themselves
+    # flint | large4: whose presets and fields; hf_config / init_from tell it themselves. The default is the
+    # first registered family (Flint; in a fork that keeps one model, that model).
+    family: str = next(iter(FAMILIES))
     preset: str = ""  # a preset of the family's config (FlintConfig.from_name, Large4Config.from_name)
     hf_config: str = ""  # a Hugging Face config.json (or its directory): that architecture, fresh weights
     init_from: str = ""  # a checkpoint (Hugging Face or native), or a run's checkpoint dir (its newest intact step)

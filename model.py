@@ -658,4 +658,5 @@ LAYOUT = Layout(published_layout, FP32_SUFFIXES, PUBLISHED_FP32_SUFFIXES, missin
 
 
 FAMILY = Family("flint", FlintConfig, Flint, model_type="flint", layout=LAYOUT,
-                timed_modules=((Sinks, "attention core"), (Attention, "attention proj/norm/rope")))
+                timed_modules=((Sinks, "attention core"), (Attention, "attention proj/norm/rope")),
+                smallest_preset="tiny", bench_preset="bench-cpu")

@@ -125,13 +125,17 @@ class Model(Protocol):
 @dataclass(frozen=True)
 class Family:
     """A model family: its config and model classes, its config.json model_type, its published
-    checkpoint layout (convert.py) and the module kinds of its own that tools/profiling.py times."""
+    checkpoint layout (convert.py), the module kinds of its own that tools/profiling.py times, its
+    smallest preset (what trains in seconds: `tools.bench --quick`'s, the tests') and the preset
+    tools/bench.py times by default (its smallest when empty)."""
     name: str
     config: type
     model: type
     model_type: str
     layout: Layout
     timed_modules: tuple[tuple[type, str], ...] = ()
+    smallest_preset: str = ""
+    bench_preset: str = ""
 
 
 # ============================================================================= looking families up

@@ -8,21 +8,19 @@ import re
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-import tools.bench as bench
 import metrics
-import tools.flint_baselines as flint_baselines
-from tools.flint_baselines import plain_eager_loss
+import tools.bench as bench
 from config import ConfigError
-from large4 import Large4Config, MistralLarge4
-from model import Flint, FlintConfig
+from helpers import ROOT, only
+from registry import family
 from tools.profiling import OPTIMIZER, SPLIT_ORDER
 
-ROOT = Path(__file__).resolve().parent.parent
+# Flint's rows and its baselines (tools/flint_baselines.py): plain eager, the transformers reference, one layer.
+FLINT = only("flint")
 
 
 class FlushedOutput(io.StringIO):
@@ -36,6 +34,7 @@ class FlushedOutput(io.StringIO):
         self.at_flush.append(self.getvalue())
 
 
+@FLINT
 def test_quick_run_writes_wellformed_json(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics, "CPU_PEAK_CACHE", tmp_path / "cpu_peak.json")
     monkeypatch.setattr(metrics, "measure_cpu_flops", lambda: 2e11)  # the peak MFU divides by, measured once
@@ -69,10 +68,11 @@ def test_quick_run_writes_wellformed_json(tmp_path, monkeypatch):
                                                         rows["flint (eager)"]["flops_per_token"] / 2e11)
 
     # The override reached the model: 3 layers, and the FLOPs of 3 layers.
-    config = FlintConfig.from_hf_config(result["hf_config"])
+    flint = family("flint")
+    config = flint.config.from_hf_config(result["hf_config"])
     assert config.hidden_size == 64 and config.num_hidden_layers == 3  # the tiny preset, overridden
     with torch.device("meta"):
-        assert rows["flint (eager)"]["flops_per_token"] == Flint(config).flops_per_token(64)
+        assert rows["flint (eager)"]["flops_per_token"] == flint.model(config).flops_per_token(64)
 
     split = rows["flint (eager)"]["split"]
     assert list(split) == SPLIT_ORDER
@@ -88,6 +88,7 @@ def test_quick_run_writes_wellformed_json(tmp_path, monkeypatch):
     assert result["flops_per_token"] > 0
 
 
+@FLINT
 def test_the_configs_own_step_compiles_and_checkpoints_as_its_parallel_section_says(monkeypatch):
     """--parallel.compile=true makes the config's own row the compiled one (compiling itself is
     tests/test_compile.py's; here it is recorded, not run), and activation checkpointing reaches it."""
@@ -105,6 +106,7 @@ def test_the_configs_own_step_compiles_and_checkpoints_as_its_parallel_section_s
     assert "split" not in row  # its profiler hooks inside compiled blocks would break fullgraph
 
 
+@FLINT  # Large 4's 8 distinct blocks take a minute to trace: tests/test_compile.py's slow test
 def test_the_compiled_row_counts_the_graphs_it_really_compiled(monkeypatch):
     """Compiled for real (aot_eager: dynamo's graphs and the backward, without code generation):
     one graph per distinct block and the head, and no graph break, as fullgraph=True demands."""
@@ -115,16 +117,18 @@ def test_the_compiled_row_counts_the_graphs_it_really_compiled(monkeypatch):
     assert "error" not in row and row["graphs"] >= 2 and row["graph_breaks"] == 0
 
 
+@only("large4")
 def test_mistral_large4_is_timed_like_flint():
     """A Large 4 config gets its own row with tokens/s and MFU from MistralLarge4.flops_per_token; the
     comparisons written for Flint (plain baseline, transformers reference, sweep) say they are skipped."""
+    large4 = family("large4")
     result = bench.main(["--config", "configs/large4-smoke.toml", "--quick", "--sections", "main,baseline,sweep",
                          "--logging.peak_tflops=1"])
     own, baseline = result["rows"]
     assert (own["label"], own["name"], result["family"]) == ("config large4-smoke.toml", "large4 (eager)", "large4")
-    config = Large4Config.from_hf_config(result["hf_config"])
+    config = large4.config.from_hf_config(result["hf_config"])
     with torch.device("meta"):
-        assert own["flops_per_token"] == MistralLarge4(config).flops_per_token(64) > 0
+        assert own["flops_per_token"] == large4.model(config).flops_per_token(64) > 0
     assert own["mfu"] == pytest.approx(own["tokens_per_s"] * own["flops_per_token"] / 1e12)
     assert own["split"]["latent attention (Large 4: projections + core)"] > 0
     assert baseline["error"].startswith("skipped: Large4Config's family has no plain_eager_loss")
@@ -135,9 +139,12 @@ TINY = ["--preset", "tiny", "--batch", "2", "--seq-len", "32", "--threads", "1",
         "--warmup", "1", "--logging.peak_tflops=1"]
 
 
+@FLINT
 def test_the_compared_rows_are_timed_in_rotation(monkeypatch, tmp_path):
     """main, compiled, baseline and reference are warmed up in turn, then timed one step of each in
     turn (e0 c0 b0 r0 e1 c1 b1 r1 ...); each ratio comes from the steps of its own two rows."""
+    import tools.flint_baselines as flint_baselines
+    from tools.flint_baselines import plain_eager_loss
     compiled_models, calls = [], []
     monkeypatch.setattr(bench, "apply_compile", compiled_models.append)  # recorded, not compiled: order only
 
@@ -173,9 +180,11 @@ def test_the_compared_rows_are_timed_in_rotation(monkeypatch, tmp_path):
     assert ratio["median_per_rotation"] == pytest.approx(statistics.median(ratio["per_rotation"]))
 
 
+@FLINT
 def test_a_row_that_cannot_run_sits_out_of_the_rotation(monkeypatch):
     """transformers missing: the reference is skipped and the others alternate without it; a row whose
     step fails mid-rotation keeps its error, and the rows after it go on."""
+    import tools.flint_baselines as flint_baselines
     def missing(model):
         raise ImportError("No module named 'transformers'")
     monkeypatch.setattr(flint_baselines, "transformers_reference", missing)
@@ -203,6 +212,7 @@ def test_a_row_that_cannot_run_sits_out_of_the_rotation(monkeypatch):
     assert "step_s_all" not in rows[3].row
 
 
+@FLINT  # configs/smoke.toml
 def test_a_training_config_is_read_as_train_py_reads_it():
     args = bench.parse_args(["--config", "configs/smoke.toml", "--batch", "3", "--model.num_experts=4"])
     cfg = bench.load_bench_config(args)
@@ -212,13 +222,14 @@ def test_a_training_config_is_read_as_train_py_reads_it():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--preset", "huge"], r"^command line --preset: \[model\]: unknown model preset 'huge'"),
+    pytest.param(["--preset", "huge"], r"^command line --preset: \[model\]: unknown model preset 'huge'", marks=FLINT),
     (["--config", "/nowhere/checkpoint"], r"^command line --config: \[model\].hf_config /nowhere/checkpoint does not"),
     (["--model.init_from=/nowhere"], r"^command line --model.init_from: \[model\].init_from /nowhere does not exist"),
-    (["--config", "configs/flint-8gpu.toml"], r"^configs/flint-8gpu.toml: bench.py times one process .* ep \* cp = "
-                                              r"1 \* 1 \* 1 \* 8 \* 1 must equal the world size 1"),
+    pytest.param(["--config", "configs/flint-8gpu.toml"], r"^configs/flint-8gpu.toml: bench.py times one process .* "
+                 r"ep \* cp = 1 \* 1 \* 1 \* 8 \* 1 must equal the world size 1", marks=FLINT),
     (["--parallel.dp_shard=2"], r"^command line --parallel.dp_shard: bench.py times one process"),
-    (["--model.num_experts=many"], r"^command line --model.num_experts: \[model\].num_experts must be int"),
+    pytest.param(["--model.num_experts=many"], r"^command line --model.num_experts: \[model\].num_experts must be int",
+                 marks=FLINT),
     (["--model.hidden_sise=8"], r"^command line --model.hidden_sise: unknown key \[model\].hidden_sise"),
     (["--reeps", "3"], r"^command line: expected --section.key=value, got '--reeps'"),
     (["--batch", "0"], r"^command line --batch: \[training\].batch_size must be >= 1, got 0"),

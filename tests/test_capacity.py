@@ -13,12 +13,11 @@ import torch.nn.functional as F
 
 from capacity import capacity_ratio, dropped_assignments, expert_capacity, plan_capacity
 from config import load_config
-from large4 import Large4Config
-from model import FlintConfig, build_model
-from registry import model_class
+from registry import family
 from moe import GroupedExperts, MoE
 from parallel import close_distributed
-from conftest import assert_close_to_scale
+from helpers import (FAMILY_NAMES, assert_close_to_scale, build, check_layouts, closing, debug_args, only, registered,
+                     run_two_processes, shard_experts, spawn, step_host_syncs, tiny_config, values_and_grads)
 
 HIDDEN, INTER, SHARED, EXPERTS, TOP_K = 16, 8, 12, 6, 2
 NO_DROP = EXPERTS / TOP_K  # C = ceil(N * k / E * E / k) = N: an expert takes every token
@@ -129,8 +128,9 @@ def test_capacity_is_the_ceiling_of_the_factor_as_written():
     assert expert_capacity(1, 2, 6, capacity_ratio(0.01)) == 1
 
 
-@pytest.mark.parametrize("config_class", [FlintConfig, Large4Config])
-def test_capacity_factor_is_a_runtime_field_checked_by_name(config_class):
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_capacity_factor_is_a_runtime_field_checked_by_name(name):
+    config_class = family(name).config
     assert config_class().capacity_factor is None
     assert "capacity_factor" not in str(config_class(capacity_factor=1.5).to_hf_config())
     for bad in (0, -1.0, True, "1.25"):
@@ -138,8 +138,10 @@ def test_capacity_factor_is_a_runtime_field_checked_by_name(config_class):
             config_class(capacity_factor=bad)
 
 
+@only("flint")  # configs/finetune.toml
 def test_a_run_may_set_the_capacity_factor_over_an_init_from_checkpoint(tmp_path):
     """A run setting, not the architecture: allowed with init_from, whose config.json never holds it."""
+    from model import FlintConfig
     (tmp_path / "config.json").write_text(json.dumps(FlintConfig.from_name("tiny", capacity_factor=2.0).to_hf_config()))
     finetune = Path(__file__).resolve().parent.parent / "configs" / "finetune.toml"
     cfg = load_config(finetune, [f"--model.init_from={tmp_path}", "--model.capacity_factor=1.25"])
@@ -147,27 +149,28 @@ def test_a_run_may_set_the_capacity_factor_over_an_init_from_checkpoint(tmp_path
     assert load_config(finetune, [f"--model.init_from={tmp_path}"]).model_config.capacity_factor is None
 
 
-@pytest.mark.parametrize("family, preset", [("flint", "tiny"), ("large4", "large4-parity")])
-def test_models_route_their_moe_layers_with_the_configured_capacity(family, preset):
-    config_class = FlintConfig if family == "flint" else Large4Config
+@pytest.mark.parametrize("name, preset", registered({"flint": "tiny", "large4": "large4-parity"}).items())
+def test_models_route_their_moe_layers_with_the_configured_capacity(name, preset):
+    config_class = family(name).config
     ids = torch.randint(0, 150, (2, 12), generator=torch.Generator().manual_seed(0))
     logits = {}
     for factor in (None, 100.0, 0.5):
         config = config_class.from_name(preset, capacity_factor=factor)
-        model = build_model(config, seed=0, model_class=model_class(config))
+        model = build(config, plain=True)
         assert {m.capacity_factor for m in model.modules() if isinstance(m, GroupedExperts)} == {factor}
         logits[factor] = model(ids)
     torch.testing.assert_close(logits[100.0], logits[None], rtol=1e-5, atol=1e-5)
     assert (logits[0.5] - logits[None]).abs().max() > 1e-3
 
 
+@only("flint")  # capacity_reference routes by sigmoid scores, as Flint's router does
 def test_the_routing_record_gives_each_layer_its_dropped_assignments():
     """RoutingMonitor's stats under capacity: each MoE layer's dropped assignments, as many as the
     plain reference refuses for that layer's input (routing.py derives them from the router's counts)."""
     from balance import RoutingMonitor, worst_layer
     factor = 0.5
-    config = FlintConfig.from_name("tiny", num_hidden_layers=4, capacity_factor=factor)
-    model, inputs = build_model(config, seed=0), {}
+    config = tiny_config("flint", capacity_factor=factor)  # 4 layers
+    model, inputs = build(config), {}
     for index, layer in model.layers.items():
         if isinstance(layer.mlp, MoE):
             layer.mlp.register_forward_hook(lambda module, args, out, index=index: inputs.update({index: args[0]}))
@@ -185,14 +188,15 @@ def test_the_routing_record_gives_each_layer_its_dropped_assignments():
     assert worst_layer(stats).endswith(f", {stats['2']['dropped'] + stats['3']['dropped']} assignments dropped")
 
 
-def test_a_capacity_block_compiles_to_one_graph(one_thread):
-    """With static [E, C, H] buffers the MoE block is one graph (fullgraph), equal to eager."""
-    from test_compile import block_inputs, values_and_grads
-    config = FlintConfig.from_name("tiny", num_hidden_layers=4, capacity_factor=1.0)
-    block = build_model(config, seed=0).layers["2"]
-    inputs = block_inputs(config)
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
-    (out, grads), (out_c, grads_c) = values_and_grads(block, *inputs), values_and_grads(compiled, *inputs)
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_a_capacity_moe_layer_compiles_to_one_graph(name, one_thread):
+    """With static [E, C, H] buffers each family's MoE layer (router, experts under capacity, shared expert)
+    is one graph (fullgraph), equal to eager."""
+    config = tiny_config(name, capacity_factor=1.0)
+    layer = build(config).layers["2"].mlp  # an MoE layer of every family's layout model
+    x = torch.randn(2, 32, config.hidden_size, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    (out, grads), (out_c, grads_c) = values_and_grads(layer, x), values_and_grads(compiled, x)
     assert_close_to_scale(out_c, out, rtol=1e-5)
     for g, g_c in zip(grads, grads_c):
         assert_close_to_scale(g_c, g, rtol=1e-4)
@@ -202,7 +206,6 @@ def test_a_capacity_block_compiles_to_one_graph(one_thread):
 
 def expert_parallel_moe(rank: int, ep: int, factor: float) -> MoE:
     """make_moe's layer with its experts sharded: this rank holds E / ep of them."""
-    from test_moe import shard_experts
     return shard_experts(make_moe(factor), rank, ep, capacity_factor=factor)
 
 
@@ -249,12 +252,10 @@ def check_capacity_on_two_ranks() -> None:
 
 
 def test_expert_parallel_capacity_equals_one_process_compiles_whole_and_never_syncs():
-    from test_parallel import spawn
     spawn(2, check_capacity_on_two_ranks)
 
 
 def check_capacity_step_syncs(argv: list[str]) -> None:
-    from test_train import closing, step_host_syncs
     reads = closing(step_host_syncs)(argv)
     assert reads == ["tolist"], reads  # the step's own copy only: no split size per layer, none in the recompute
 
@@ -262,18 +263,15 @@ def check_capacity_step_syncs(argv: list[str]) -> None:
 def test_an_expert_parallel_training_step_under_capacity_copies_to_the_host_once(tmp_path):
     """train.py's step with ep 2, 2 micro-batches and full activation checkpointing: where dropless
     routing copies once per MoE layer and micro-batch, capacity copies nothing beyond the step's one."""
-    from conftest import debug_args
-    from test_train import run_two_processes
     run_two_processes(debug_args(tmp_path, "--parallel.ep=2", "--parallel.dp_shard=1", "--training.grad_accum=2",
                                  "--parallel.activation_checkpointing=full", "--data.seq_len=16",
                                  "--training.batch_size=2", "--model.capacity_factor=1.25"), check_capacity_step_syncs)
 
 
-@pytest.mark.parametrize("family", ["flint", "large4"])
-def test_expert_parallel_training_under_capacity_matches_one_process(family):
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_expert_parallel_training_under_capacity_matches_one_process(name):
     """parallel.py's expert-parallel model (DTensor expert shards, ep 2) under a capacity that drops
     nothing at either batch size (factor 4 >= E / k: C >= the tokens of a forward): three AdamW
     steps' losses, every gradient and the clipped norms equal the single-process run, through the
     static all-to-alls."""
-    from test_parallel import check_layouts, spawn
-    spawn(2, check_layouts, [{"ep": 2, "dp_shard": 1}], {"capacity_factor": 4.0}, family)
+    spawn(2, check_layouts, [{"ep": 2, "dp_shard": 1}], {"capacity_factor": 4.0}, name)

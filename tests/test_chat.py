@@ -12,7 +12,7 @@ import pytest
 from chat import (PLAIN_TEMPLATE, ChatEncoder, ChatError, Conversation, Pair, WholeRows, pack_rows, read_example,
                   split_marks, OPEN_MARK, CLOSE_MARK)
 from data import DataError, prepare
-from test_bad_inputs import stops_with_one_line
+from helpers import stops_with_one_line
 from tokenizer import TokenizerError, load_tokenizer, read_chat_template
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "chat"

@@ -1,10 +1,14 @@
-"""checkpoint.py: saving, exact resume, crash-safe saves, and the checks on what a checkpoint holds."""
+"""checkpoint.py: saving, exact resume, crash-safe saves, and the checks on what a checkpoint holds.
+
+The README's Reliability table: each guarantee whose outcome depends on what a model saves (exact resume,
+crash-safe saves, damage found, no diverged checkpoint) runs once per registered family; the machinery that
+is the same whatever the model holds (locks, run directories, the shared log, SIGTERM, asynchronous
+saves) runs on the first registered family, as its docstring says."""
 
 import json
 import os
 import shutil
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -17,29 +21,31 @@ import checkpoint_files
 import convert
 import train
 from checkpoint import CheckpointError
-from conftest import debug_args, records, run_debug, train_losses
+from helpers import FAMILY_NAMES, debug_args, free_port, records, run_debug, train_losses
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_resume_gives_exactly_the_uninterrupted_losses(tmp_path):
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_resume_gives_exactly_the_uninterrupted_losses(family, tmp_path):
     common = ["--training.steps=6", "--training.grad_accum=2", "--logging.every=1", "--checkpoint.every=2",
               "--checkpoint.keep_last=2", "--training.sample_tokens=0"]
-    run_debug(tmp_path, *common)
+    run_debug(tmp_path, *common, family=family)
     uninterrupted = train_losses(tmp_path)
     checkpoints = sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir())
     assert checkpoints == [".lock", "report.html", "run.json", "step_00000004", "step_00000006"]  # keep_last = 2
     shutil.rmtree(tmp_path / "ckpt" / "run_0001" / "step_00000006")
     with open(tmp_path / "metrics.jsonl", "a") as log:
         log.write('{"step": 7, "lo')  # a line cut off by a crash
-    run_debug(tmp_path, *common, "--checkpoint.resume=auto")
+    run_debug(tmp_path, *common, "--checkpoint.resume=auto", family=family)
     steps = [(r["step"], "loss" in r) for r in records(tmp_path)]
     assert sorted(set(steps)) == sorted(steps) and [s for s, train in steps if train] == [1, 2, 3, 4, 5, 6]
     assert train_losses(tmp_path) == uninterrupted  # bit for bit
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".lock", "run_0001"]  # continued there
 
 
-def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_a_crash_while_saving_keeps_the_last_good_checkpoint(family, tmp_path, monkeypatch):
     real_save = checkpoint.save_dcp
 
     def crash_at_step_4(state, path, *how):
@@ -50,11 +56,12 @@ def test_a_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, monkeypat
 
     monkeypatch.setattr(checkpoint, "save_dcp", crash_at_step_4)
     with pytest.raises(KeyboardInterrupt):
-        run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--training.sample_tokens=0")
+        run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--training.sample_tokens=0", family=family)
     monkeypatch.setattr(checkpoint, "save_dcp", real_save)
     assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [
         ".lock", "run.json", "step_00000002", "step_00000004.tmp"]
-    summary = run_debug(tmp_path, "--training.steps=4", "--checkpoint.resume=auto", "--training.sample_tokens=0")
+    summary = run_debug(tmp_path, "--training.steps=4", "--checkpoint.resume=auto", "--training.sample_tokens=0",
+                        family=family)
     assert summary["step"] == 4  # resumed from step 2 and went on
     assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [
         ".lock", "report.html", "run.json", "step_00000002", "step_00000004"]
@@ -77,13 +84,15 @@ def test_an_explicit_resume_of_a_checkpoint_with_a_bad_config_says_so_in_one_lin
     assert "\n" not in str(refused.value)
 
 
-def test_auto_resume_that_can_read_no_checkpoint_stops(tmp_path):
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_auto_resume_that_can_read_no_checkpoint_stops(family, tmp_path):
     """Checkpoints found, none intact: the run stops and says so, and never starts over from step 1."""
-    run_debug(tmp_path, "--training.steps=2", "--checkpoint.every=1", "--training.sample_tokens=0")
+    run_debug(tmp_path, "--training.steps=2", "--checkpoint.every=1", "--training.sample_tokens=0", family=family)
     for step in (1, 2):
         (tmp_path / "ckpt" / "run_0001" / f"step_0000000{step}" / ".metadata").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=r'resume = "auto" found 2 checkpoint\(s\) .* none is intact'):
-        run_debug(tmp_path, "--training.steps=3", "--checkpoint.resume=auto", "--training.sample_tokens=0")
+        run_debug(tmp_path, "--training.steps=3", "--checkpoint.resume=auto", "--training.sample_tokens=0",
+                  family=family)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".lock", "run_0001"]
 
 
@@ -102,6 +111,7 @@ def test_rerunning_never_deletes_a_run_and_auto_continues_the_latest(tmp_path, c
 
 
 def test_a_second_run_on_the_same_directory_is_refused(tmp_path):
+    """Machinery independent of the model: the first registered family."""
     import fcntl
     (tmp_path / "ckpt").mkdir()
     with open(tmp_path / "ckpt" / ".lock", "a+") as held:  # as a running run holds it
@@ -116,7 +126,8 @@ def test_a_second_run_on_the_same_directory_is_refused(tmp_path):
 
 def test_a_run_pointed_at_a_live_runs_own_directory_is_refused(tmp_path):
     """A live run holds its run directory's lock too: a second run whose checkpoint.dir is that
-    run_0001, or one continuing it through the parent directory, is refused before any work."""
+    run_0001, or one continuing it through the parent directory, is refused before any work.
+    Machinery independent of the model: the first registered family."""
     import fcntl
     run_debug(tmp_path, "--training.steps=1", "--training.sample_tokens=0")
     live = tmp_path / "ckpt" / "run_0001"
@@ -132,7 +143,7 @@ def test_a_run_pointed_at_a_live_runs_own_directory_is_refused(tmp_path):
 def test_a_kill_during_rotation_never_leaves_a_half_deleted_checkpoint_listed(tmp_path, monkeypatch):
     """keep_last renames a checkpoint away before deleting it: killed part-way through the delete,
     the checkpoint is no longer listed as complete, and the next run clears what is left, and the
-    half-written save of a run killed while saving."""
+    half-written save of a run killed while saving. Machinery independent of the model: the first registered family."""
     real_rmtree = shutil.rmtree
 
     def killed_part_way(path, *args, **kwargs):
@@ -155,6 +166,7 @@ def test_a_kill_during_rotation_never_leaves_a_half_deleted_checkpoint_listed(tm
 
 
 def test_a_stray_file_named_like_a_run_is_skipped(tmp_path):
+    """Machinery independent of the model: the first registered family."""
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "run_0001").write_text("not a run")
     run_debug(tmp_path, "--training.steps=1", "--training.sample_tokens=0")
@@ -163,6 +175,7 @@ def test_a_stray_file_named_like_a_run_is_skipped(tmp_path):
 
 
 def test_a_truncated_data_file_without_checksums_is_reported_and_the_one_before_used(tmp_path, capsys):
+    """Machinery independent of the model: the first registered family."""
     run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--training.sample_tokens=0")
     newest = tmp_path / "ckpt" / "run_0001" / "step_00000004"
     (newest / "checksums.json").unlink()
@@ -176,7 +189,8 @@ def test_a_truncated_data_file_without_checksums_is_reported_and_the_one_before_
 
 def test_runs_sharing_a_log_never_delete_each_others_records(tmp_path):
     """A second fresh run appends to the same logging.jsonl; an explicit resume into a new run
-    directory keeps the first run's records of later steps; each record names its run."""
+    directory keeps the first run's records of later steps; each record names its run.
+    Machinery independent of the model: the first registered family."""
     short = ["--training.steps=2", "--logging.every=1", "--training.sample_tokens=0", "--checkpoint.every=1"]
     run_debug(tmp_path, *short)
     first = records(tmp_path)
@@ -212,30 +226,32 @@ def test_sigterm_saves_a_checkpoint_and_prints_the_resume_command(tmp_path, monk
     assert train_losses(tmp_path) == uninterrupted
 
 
-def test_a_damaged_newest_checkpoint_is_reported_and_the_one_before_used(tmp_path, capsys):
-    run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--training.sample_tokens=0")
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_a_damaged_newest_checkpoint_is_reported_and_the_one_before_used(family, tmp_path, capsys):
+    run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--training.sample_tokens=0", family=family)
     run_dir = tmp_path / "ckpt" / "run_0001"
     shard = next((run_dir / "step_00000004").glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 1  # one flipped bit
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=rf"{shard.name}: checksum mismatch"):
-        run_debug(tmp_path / "explicit", f"--checkpoint.resume={run_dir / 'step_00000004'}")
-    run_debug(tmp_path, "--training.steps=4", "--checkpoint.resume=auto", "--training.sample_tokens=0")
+        run_debug(tmp_path / "explicit", f"--checkpoint.resume={run_dir / 'step_00000004'}", family=family)
+    run_debug(tmp_path, "--training.steps=4", "--checkpoint.resume=auto", "--training.sample_tokens=0", family=family)
     out = capsys.readouterr().out
     assert f"WARNING: checkpoint {run_dir / 'step_00000004'} is damaged" in out
     assert f"resumed from {run_dir / 'step_00000002'} at step 2" in out
 
 
-def test_a_diverging_run_stops_at_the_step_it_diverges(tmp_path):
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_a_diverging_run_stops_at_the_step_it_diverges(family, tmp_path):
     """lr 3e-2 trains for a step (step_1 saved); a step at lr 1e3 then blows the weights up, and
     the run stops at that step, before saving it, naming step_1 as the last good checkpoint."""
-    run_debug(tmp_path, "--optim.lr=3e-2", "--training.steps=1", "--training.sample_tokens=0")
+    run_debug(tmp_path, "--optim.lr=3e-2", "--training.steps=1", "--training.sample_tokens=0", family=family)
     good = tmp_path / "ckpt" / "run_0001" / "step_00000001"
     with pytest.raises(train.TrainingError, match=rf"step 2: the update took the norm of the weights from [\d.]+ to "
                                                   rf"[\d.e+]+: the run diverged.*last good checkpoint is {good}"):
         run_debug(tmp_path, "--optim.lr=1e3", "--optim.schedule=constant", "--optim.warmup_steps=0",
-                  "--training.steps=8", "--checkpoint.every=1", "--checkpoint.resume=auto")
+                  "--training.steps=8", "--checkpoint.every=1", "--checkpoint.resume=auto", family=family)
     # the report is the first run's; run.json the second's, which continued in the same directory
     assert sorted(p.name for p in good.parent.iterdir()) == [".lock", "report.html", "run.json", "step_00000001"]
 
@@ -243,7 +259,8 @@ def test_a_diverging_run_stops_at_the_step_it_diverges(tmp_path):
 @pytest.mark.parametrize("lr, shown", [("1e6", r"1e\+06"), ("inf", "inf")])
 def test_blown_up_weights_are_never_saved_or_exported(tmp_path, lr, shown):
     """One step at a constant lr of 1e6 (weights of about 1 moved by about 1e6) or inf: stopped at
-    step 1 with optim.lr named; no checkpoint and no export written."""
+    step 1 with optim.lr named; no checkpoint and no export written.
+    Machinery independent of the model: the first registered family."""
     with pytest.raises(train.TrainingError, match=rf"step 1: .*diverged; nothing of this step is saved.*"
                                                   rf"try a lower optim.lr \(now {shown}, command line --optim.lr\)"):
         run_debug(tmp_path, f"--optim.lr={lr}", "--optim.schedule=constant", "--optim.warmup_steps=0",
@@ -302,7 +319,8 @@ def test_async_save_writes_while_training_and_a_crash_in_flight_keeps_the_last_c
     held back until then), yet holds bit for bit the tensors of the synchronous save of step 2; the losses
     are the synchronous run's; step 4's save starts once step 2's has completed. A crash while step
     4's save is in flight leaves step_00000004.tmp and step 2 complete (keep_last = 1 removes it only
-    once step 4 is complete); auto-resume picks step 2 and trains steps 3 and 4 to the same losses."""
+    once step 4 is complete); auto-resume picks step 2 and trains steps 3 and 4 to the same losses.
+    Machinery independent of the model: the first registered family."""
     common = ["--training.steps=4", "--checkpoint.every=2", "--logging.every=1", "--training.sample_tokens=0"]
     run_debug(tmp_path / "sync", *common)
     expected = train_losses(tmp_path / "sync")
@@ -370,17 +388,12 @@ def _rank_of_train(rank: int, world: int, port: int, argv: list[str], killed_at_
     train.main(argv)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_kill_9_of_two_ranks_during_an_async_save_keeps_the_last_checkpoint(tmp_path):
     """FSDP on 2 gloo ranks with async_save, both killed with SIGKILL while step 2's checkpoint is
     being written (after step 2 trained and was logged): step 1's checkpoint is intact, auto-resume
     picks it, and 2 ranks train step 2 again to the killed run's loss, bit for bit. Each rank
-    checksums the files it wrote, and on resume verifies its share: every file read once."""
+    checksums the files it wrote, and on resume verifies its share: every file read once.
+    Machinery independent of the model: the first registered family."""
     argv = debug_args(tmp_path, "--training.steps=2", "--checkpoint.every=1", "--logging.every=1",
                       "--training.sample_tokens=0", "--training.eval_every=0", "--parallel.dp_shard=2",
                       "--checkpoint.async_save=true")

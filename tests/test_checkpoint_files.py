@@ -18,7 +18,7 @@ import checkpoint_files
 import convert
 from checkpoint_files import (CheckpointError, damage, enum_member, load_dcp, read_metadata, save_dcp,
                               write_checksums)
-from conftest import run_debug, trained_checkpoint
+from helpers import FAMILY_NAMES, run_debug, trained_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,16 +63,17 @@ def test_getattr_in_metadata_fetches_enum_members_only():
             enum_member(cls, name)
 
 
-def test_crafted_metadata_never_runs_code(tmp_path):
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_crafted_metadata_never_runs_code(tmp_path, family):
     """A .metadata whose pickle would create `marker` is refused by every reader of native
-    checkpoints: convert.py to-hf, convert.load_native, a resume and [model].init_from."""
+    checkpoints: convert.py to-hf, convert.load_native, a resume and [model].init_from, of each family."""
     marker = tmp_path / "code_ran"
 
     class Trap:
         def __reduce__(self):
             return open, (str(marker), "w")
 
-    crafted = trained_checkpoint(tmp_path / "run")
+    crafted = trained_checkpoint(tmp_path / "run", family)
     (crafted / ".metadata").write_bytes(pickle.dumps(Trap()))
     refused = r"\.metadata: not a valid checkpoint metadata file .*names io.open.*could run code"
     with pytest.raises(SystemExit, match=refused):
@@ -80,9 +81,9 @@ def test_crafted_metadata_never_runs_code(tmp_path):
     with pytest.raises(CheckpointError, match=refused):
         convert.load_native(crafted)
     with pytest.raises(CheckpointError, match=refused):
-        run_debug(tmp_path / "resume", f"--checkpoint.resume={crafted}")
+        run_debug(tmp_path / "resume", f"--checkpoint.resume={crafted}", family=family)
     with pytest.raises(CheckpointError, match=refused):
-        run_debug(tmp_path / "init", f"--model.init_from={crafted}", "--model.preset=")
+        run_debug(tmp_path / "init", f"--model.init_from={crafted}", "--model.preset=", family=family)
     assert not marker.exists() and not (tmp_path / "hf").exists()
     pickle.loads((crafted / ".metadata").read_bytes())  # what torch's own reader does
     assert marker.exists()  # the trap works: the test above would have seen it
@@ -121,7 +122,8 @@ def plant_in_entry(checkpoint_dir: Path, key: str, payload) -> None:
 def test_crafted_entries_of_distcp_files_never_run_code(tmp_path):
     """A non-tensor entry whose pickle would create `marker` (an optimizer group's lr, which every
     resume reads; a model weight, which every reader of weights reads) is refused on every path:
-    an explicit resume, resume = "auto", [model].init_from, convert.py to-hf and convert.load_native."""
+    an explicit resume, resume = "auto", [model].init_from, convert.py to-hf and convert.load_native.
+    Machinery independent of the model (the entries' bytes): the first registered family."""
     marker = tmp_path / "code_ran"
     optimizer_entry = trained_checkpoint(tmp_path / "optimizer")
     lr_key = next(key for key in checkpoint_files.read_metadata(optimizer_entry).state_dict_metadata

@@ -16,48 +16,30 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 
 from attention import FULL, SLIDING, build_masks, flash_sink_attention
+from helpers import (BF16_GRAPHS, FAMILY_NAMES, assert_close_to_scale, block_inputs, build, counting_backend,
+                     in_process_group, only, parallel_block_model, parallel_step, spawn, tiny_config,
+                     values_and_grads)
 from layers import document_positions
-from model import FlintConfig, build_model, rope_tables
 from moe import _grouped_mm_op, expert_counts, grouped_mm
-from conftest import assert_close_to_scale
 
 SLOW = os.environ.get("FLINT_SLOW") == "1"
 SLOW_ONLY = pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1")
 BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1"))]
 BATCH, SEQ = 2, 32  # 32 > 2 * (window 9 - 1): sliding layers take the banded path
 
-# Every block kind: (attention, MLP). Layers 0-1 are dense by mlp_only_layers.
+# Every block kind of Flint: (attention, MLP). Layers 0-1 are dense by mlp_only_layers.
 BLOCK_KINDS = {"dense full": "0", "dense sliding": "1", "moe sliding": "2", "moe full": "3"}
+FLINT = only("flint")  # the tests of Flint's blocks, one at a time (Large 4's compile whole in its model below)
 
 
 def block_model(**overrides):
-    config = FlintConfig.from_name("tiny", num_hidden_layers=4, layer_types=[FULL, SLIDING, SLIDING, FULL],
-                                   **overrides)
-    model = build_model(config, seed=0)
+    config = tiny_config("flint", num_hidden_layers=4, layer_types=[FULL, SLIDING, SLIDING, FULL], **overrides)
+    model = build(config)
     with torch.no_grad():  # sinks away from their initial ~0, so that they matter
         for name, param in model.named_parameters():
             if name.endswith("sinks.weight"):
                 param.add_(torch.linspace(-1.0, 2.0, param.numel()))
     return model
-
-
-def block_inputs(config: FlintConfig, backend: str = "sdpa"):
-    """Hidden states [B, T, H], RoPE tables and the masks of a packed batch with padding."""
-    g = torch.Generator().manual_seed(0)
-    doc_ids = torch.tensor([0] * 13 + [1] * 15 + [-1] * 4).expand(BATCH, SEQ).clone()
-    doc_ids[1, :20] = 2  # rows differ: masks depend on the batch index
-    x = torch.randn(BATCH, SEQ, config.hidden_size, generator=g, requires_grad=True)
-    rope = rope_tables(document_positions(doc_ids), config.head_dim, config.rope_theta)
-    masks = build_masks(config.layer_types, config.window, doc_ids, BATCH, SEQ, "cpu", backend)
-    return x, rope, masks
-
-
-def values_and_grads(block, x, rope, masks):
-    """The block's output and the gradients of a fixed random projection of it."""
-    out = block(x, rope, masks)
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    grads = torch.autograd.grad((out * weight).sum(), [x, *block.parameters()])
-    return out, grads
 
 
 def assert_same(eager, compiled, what: str):
@@ -67,6 +49,7 @@ def assert_same(eager, compiled, what: str):
         assert_close_to_scale(g_c, g, rtol=1e-4, what=f"{what} gradient {i}")
 
 
+@FLINT
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", list(BLOCK_KINDS))
 def test_every_block_kind_compiles_to_one_graph(kind, backend, one_thread):
@@ -81,6 +64,7 @@ def test_every_block_kind_compiles_to_one_graph(kind, backend, one_thread):
     assert_same(values_and_grads(block, *inputs), values_and_grads(compiled, *inputs), kind)
 
 
+@FLINT
 @pytest.mark.parametrize("kind", list(BLOCK_KINDS))
 def test_flex_blocks_trace_to_one_graph(kind, monkeypatch, one_thread):
     """The GPU's attention path, traced here: FlexAttention with BlockMasks of packed documents
@@ -95,10 +79,12 @@ def test_flex_blocks_trace_to_one_graph(kind, monkeypatch, one_thread):
     assert_same(values_and_grads(block, *inputs), values_and_grads(compiled, *inputs), f"flex {kind}")
 
 
+@FLINT
 def test_bf16_block_tracks_fp32(one_thread):
     """The BF16 bulk with FP32 sinks and router, as on a GPU: an MoE sliding block's output and
     input gradient stay within 3% (relative RMS) of the FP32 block's on the same weights; about
     0.5% is measured, a few BF16 roundings deep. The BF16 block also traces to one graph."""
+    from model import build_model
     fp32_model = block_model()
     bf16_model = build_model(fp32_model.config, dtype=torch.bfloat16, seed=0)
     bf16_model.load_state_dict(fp32_model.state_dict())
@@ -117,6 +103,7 @@ def test_bf16_block_tracks_fp32(one_thread):
     torch.testing.assert_close(out16_c, out16, rtol=1e-2, atol=1e-2)
 
 
+@FLINT
 @pytest.mark.parametrize("chunk_size", [4096, 24])
 def test_head_and_chunked_loss_compile_to_one_graph(chunk_size, one_thread):
     """The head's loss in one chunk, and in chunks recomputed in backward (activation checkpoints
@@ -137,6 +124,7 @@ def test_head_and_chunked_loss_compile_to_one_graph(chunk_size, one_thread):
 
 
 @pytest.mark.skipif(not SLOW, reason="about a minute of tracing on 2 idle cores: FLINT_SLOW=1")
+@only("large4")
 @pytest.mark.parametrize("attention_backend", ["sdpa", "flex"])
 def test_large4_blocks_compile_to_one_graph_each(attention_backend, monkeypatch, one_thread):
     """Every Mistral Large 4 block kind of the parity preset (dense and MoE; own and shared
@@ -164,6 +152,7 @@ def test_large4_blocks_compile_to_one_graph_each(attention_backend, monkeypatch,
             assert_close_to_scale(g_c, g, rtol=1e-4)
 
 
+@FLINT
 def test_router_counts_are_recorded_inside_the_graph(one_thread):
     """The router's tokens_per_expert buffer update survives compilation (a buffer mutation in
     the graph, no bincount): the compiled block leaves the same counts as the eager one."""
@@ -241,13 +230,14 @@ def train_then_evaluate_compiled(model, monkeypatch) -> None:
         assert_close_to_scale(model(ids, ids.roll(-1, 1)), eager, rtol=1e-5)
 
 
+@FLINT
 def test_compiled_blocks_train_and_evaluate_past_the_recompile_limit(monkeypatch, one_thread):
     """All blocks share one code object; dynamo keeps a graph per distinct block and grad mode
     (training, evaluation under no_grad). Two block kinds make 4 graphs: past a limit of 2,
     apply_compile raises the limit for the model, so the first evaluation does not stop the run."""
-    config = FlintConfig.from_name("tiny", num_hidden_layers=2, mlp_only_layers=[0], layer_types=[FULL, SLIDING])
+    config = tiny_config("flint", num_hidden_layers=2, mlp_only_layers=[0], layer_types=[FULL, SLIDING])
     with torch._dynamo.config.patch(recompile_limit=2):  # torch's own means: monkeypatch would delete the key
-        train_then_evaluate_compiled(build_model(config, seed=0), monkeypatch)
+        train_then_evaluate_compiled(build(config), monkeypatch)
 
 
 def test_dynamo_config_is_intact_after_a_patched_test():
@@ -258,6 +248,7 @@ def test_dynamo_config_is_intact_after_a_patched_test():
 
 
 @pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1")
+@only("large4")
 def test_large4_compiled_trains_and_evaluates(monkeypatch, one_thread):
     """Mistral Large 4's parity preset: 8 blocks that all differ, 16 graphs, past dynamo's default
     limit of 8 (which stopped configs/large4-smoke.toml with compile = true at its first evaluation)."""
@@ -266,78 +257,6 @@ def test_large4_compiled_trains_and_evaluates(monkeypatch, one_thread):
 
 
 # ----------------------------------------------------------------------------- parallelize: checkpointed, compiled blocks
-
-GRAPH_CALLS = [0]  # compiled graphs run so far in this process (counting_backend)
-
-
-def counting_backend(graph, example_inputs, inner: str = "aot_eager"):
-    """The `inner` backend, counting each run of a compiled graph: the graphs a block runs per forward
-    are its graph breaks plus one (a segment with no op between two breaks makes no graph)."""
-    compiled = torch._dynamo.lookup_backend(inner)(graph, example_inputs)
-    boxed = getattr(compiled, "_boxed_call", False)  # called with one list of inputs
-
-    def run(*args):
-        GRAPH_CALLS[0] += 1
-        return compiled(*args)
-    run._boxed_call = boxed
-    return run
-
-
-def parallel_block_model(family: str):
-    """One block of each kind whose FP32 units differ: Flint's dense and MoE blocks; Large 4's dense
-    block with its own latent and full indexer, an MoE block owning both, and one sharing them."""
-    from test_parallel import build, tiny_config
-    if family == "large4":
-        return build(tiny_config("large4", num_hidden_layers=3, kv_source_layers=[0, 1, 1],
-                                 indexer_types=["full", "full", "shared"]))
-    return build(FlintConfig.from_name("tiny", num_hidden_layers=2, mlp_only_layers=[0]))
-
-
-def parallel_step(family: str, layout: dict, compile: bool, device: str = "cpu", batches: int = 1):
-    """Forward and backward of parallelize's layout on this rank's rows of `batches` batches (the
-    later ones must not recompile) -> the summed loss, the accumulated full gradients by native
-    name, the graphs each block ran in its first forward (by layer name), how often each block's
-    forward ran in the forward and in backward (a recompute), and dynamo's graph breaks by reason.
-    tools/gpu_check.sh runs it on a GPU, with inductor."""
-    from test_parallel import full, make_batch, rows_of_this_rank
-    from parallel import ParallelConfig, build_mesh, parallelize
-    model = parallel_block_model(family)
-    names = [name for name, _ in model.named_parameters()]
-    cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout, "compile": compile})
-    pm = parallelize(model, cfg, build_mesh(cfg, device, model.config.num_experts))
-    graphs, calls, counting = {}, {}, set()
-
-    def count(name):
-        def before(module, args):
-            recompute = torch._C._current_graph_task_id() != -1  # a forward run by backward
-            calls.setdefault(name, [0, 0])[recompute] += 1
-            if name not in graphs and torch.is_grad_enabled() and not recompute:  # the first training forward
-                graphs[name] = -GRAPH_CALLS[0]
-                counting.add(name)
-
-        def after(module, args, output):
-            if name in counting:
-                graphs[name] += GRAPH_CALLS[0]
-                counting.remove(name)
-        return before, after
-    for part in pm.parts:
-        for name, layer in part.layers.items():
-            before, after = count(name)
-            layer.register_forward_pre_hook(before)
-            layer.register_forward_hook(after)
-    torch._dynamo.utils.counters.clear()
-    batch = [t.to(pm.collective_device) for t in make_batch(vocab=model.config.vocab_size)]
-    loss = pm.forward_backward(*rows_of_this_rank(pm.mesh, batch))
-    graphs_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for seed in range(1, batches):  # other tokens, other routing: other expert-parallel split sizes
-        batch = [t.to(pm.collective_device) for t in make_batch(seed, vocab=model.config.vocab_size)]
-        loss = loss + pm.forward_backward(*rows_of_this_rank(pm.mesh, batch))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_compiled, "a later batch recompiled"
-    grads = {n: full(p.grad) for n, p in pm.module.named_parameters() if p.grad is not None}
-    assert set(name for name, _ in pm.module.named_parameters()) <= set(names), "parallelize renamed parameters"
-    breaks = torch._dynamo.utils.counters["graph_break"]
-    return loss, grads, (graphs if compile else {}), calls, breaks
-
 
 def check_checkpointed_compiled_matches_eager(family: str, layout: dict, expected_graphs: dict, rtol: float,
                                               atol: float, batches: int = 1) -> None:
@@ -370,35 +289,28 @@ def spawned(check, *args) -> None:
     check(*args)
 
 
-@pytest.mark.parametrize("family", ["flint", "large4"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_checkpointed_blocks_compile_whole_and_match_eager(family, monkeypatch):
     """FP32 in a group of one, selective checkpointing (block 0 recomputed in backward, block 1 not):
     every block compiles with fullgraph=True (a break raises) to one graph; loss and gradients equal
     the eager blocks'; the parameter names are the model's own."""
-    from test_parallel import in_process_group
     monkeypatch.setattr(torch, "compile", partial(torch.compile, backend=counting_backend))
     layers = parallel_block_model(family).config.num_hidden_layers
     in_process_group(check_checkpointed_compiled_matches_eager, family, {"activation_checkpointing": "selective"},
                      {str(i): 1 for i in range(layers)}, 1e-5, 1e-6)
 
 
-# Graphs a block runs per forward under a BF16 policy: 1 + 2 per call of a nested FP32 unit's module
-# (its FSDP pre- and post-forward hooks), less the empty segments between two adjacent hooks.
-# Flint: sinks in every block, the router in MoE blocks. Large 4: the full indexer's weights_proj and
-# k_norm (adjacent: 3 graphs, not 5) and the router; a shared indexer has no FP32 module.
-BF16_GRAPHS = {"flint": {"0": 3, "1": 5}, "large4": {"0": 4, "1": 6, "2": 3}}
-
-
-@pytest.mark.parametrize("family", ["flint", pytest.param("large4", marks=SLOW_ONLY)])
+@pytest.mark.parametrize("family", [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=SLOW_ONLY)
+                                    for name in FAMILY_NAMES])
 def test_checkpointed_blocks_under_a_bf16_policy(family, monkeypatch):
     """A BF16 FSDP policy in a group of one, every block checkpointed: the graphs per block kind are
     pinned (BF16_GRAPHS), each break is at an FSDP hook, and the values are the eager blocks'."""
-    from test_parallel import in_process_group
     monkeypatch.setattr(torch, "compile", partial(torch.compile, backend=counting_backend))
     in_process_group(check_checkpointed_compiled_matches_eager, family,
                      {"param_dtype": "bfloat16", "activation_checkpointing": "full"}, BF16_GRAPHS[family], 1e-2, 1e-3)
 
 
+@FLINT
 def test_checkpointed_blocks_under_bf16_expert_parallel():
     """ep = 2 over 2 gloo ranks, BF16 policy, every block checkpointed: an MoE block runs 8 graphs:
     its nested units' FSDP hooks (sinks, router, and the experts' own unit on the efsdp mesh) less
@@ -406,14 +318,13 @@ def test_checkpointed_blocks_under_bf16_expert_parallel():
     return_rows) run eager between graphs, so that their host split sizes are read once per forward
     and reused by the recompute. The rows they pass enter the next graph as dynamic sizes, so a
     second batch, routed otherwise, runs the same graphs."""
-    from test_parallel import spawn
     spawn(2, spawned, check_checkpointed_compiled_matches_eager, "flint",
           {"param_dtype": "bfloat16", "ep": 2, "activation_checkpointing": "full"}, {"0": 3, "1": 8}, 1e-2, 1e-3, 2)
 
 
 @SLOW_ONLY
+@FLINT
 def test_checkpointed_blocks_under_bf16_pipeline_stages():
     """pp = 2 over 2 gloo ranks, BF16 policy: each stage's blocks run the graphs of the FSDP layout."""
-    from test_parallel import spawn
     spawn(2, spawned, check_checkpointed_compiled_matches_eager, "flint",
           {"param_dtype": "bfloat16", "pp": 2, "activation_checkpointing": "full"}, BF16_GRAPHS["flint"], 1e-2, 1e-3)

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 
 from config import ConfigError, load_config
-from large4 import Large4Config
-from model import FlintConfig
+from helpers import DEFAULT_FAMILY, ROOT, debug_configs, only, registered, tiny_preset
+from registry import family
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
+DEBUG = debug_configs()[DEFAULT_FAMILY]  # configs/debug.toml (Flint); in a fork that keeps Large 4 its own
+TINY = tiny_preset(DEFAULT_FAMILY)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -22,34 +23,43 @@ def write(tmp_path: Path, text: str) -> Path:
 
 # The world size each config's comment runs it with (torchrun --nproc-per-node x --nnodes).
 WORLD_SIZES = {"smoke": 1, "sft-smoke": 1, "debug": 1, "finetune": 8, "flint": 64, "flint-8gpu": 8,
-               "flint-multinode": 32, "large4-smoke": 1, "large4": 256, "large4-256gpu": 256}
+               "flint-multinode": 32, "large4-smoke": 1, "large4-debug": 1, "large4": 256, "large4-256gpu": 256}
+# The configs that continue a checkpoint: (its family, the config of the checkpoint they are tried on).
+INIT_FROM = {"finetune": ("flint", lambda config: config.from_name("tiny", router_aux_loss_coef=0.0005)),
+             "large4": ("large4", lambda config: config())}
 
 
 def test_every_config_file_loads_and_its_layout_fits(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(FlintConfig.from_name("tiny", router_aux_loss_coef=0.0005)
-                                                     .to_hf_config()))
-    large4 = tmp_path / "large4"
-    large4.mkdir()
-    (large4 / "config.json").write_text(json.dumps(Large4Config().to_hf_config()))
+    """Every config file (a fork's own: those of the families it keeps) has its world size here."""
+    checkpoints = {}
+    for stem, (name, make) in INIT_FROM.items():
+        if name in registered({name: None}):
+            (tmp_path / stem).mkdir()
+            (tmp_path / stem / "config.json").write_text(json.dumps(make(family(name).config).to_hf_config()))
+            checkpoints[stem] = tmp_path / stem
     files = sorted(CONFIGS.glob("*.toml"))
-    assert sorted(f.stem for f in files) == sorted(WORLD_SIZES)
+    assert set(f.stem for f in files) <= set(WORLD_SIZES), sorted(f.stem for f in files)
     for file in files:
-        checkpoint = {"finetune": tmp_path, "large4": large4}.get(file.stem)
+        checkpoint = checkpoints.get(file.stem)
         overrides = [f"--model.init_from={checkpoint}"] if checkpoint else []
         cfg = load_config(file, overrides)
         layout = cfg.parallel.resolve(WORLD_SIZES[file.stem], cfg.model_config.num_experts)
         assert layout.dp_shard >= 1, file
 
 
+@only("flint")
 def test_repository_configs_load():
+    from model import FlintConfig
     smoke = load_config(CONFIGS / "smoke.toml")
     assert smoke.model_config.vocab_size >= 257
-    assert load_config(CONFIGS / "debug.toml").training.steps > 0
+    assert load_config(DEBUG).training.steps > 0
     flint = load_config(CONFIGS / "flint.toml")
     assert flint.model_config.to_hf_config() == FlintConfig(output_router_logits=True).to_hf_config()
 
 
+@only("flint")
 def test_finetune_config_takes_its_architecture_from_the_checkpoint(tmp_path):
+    from model import FlintConfig
     (tmp_path / "config.json").write_text(json.dumps(FlintConfig.from_name("tiny", router_aux_loss_coef=0.0005)
                                                      .to_hf_config()))
     cfg = load_config(CONFIGS / "finetune.toml", [f"--model.init_from={tmp_path}"])
@@ -59,55 +69,62 @@ def test_finetune_config_takes_its_architecture_from_the_checkpoint(tmp_path):
 
 
 def test_overrides_are_typed_toml_values(tmp_path):
-    cfg = load_config(write(tmp_path, '[model]\npreset = "tiny"\n'),
+    cfg = load_config(write(tmp_path, f'[model]\npreset = "{TINY}"\n'),
                       ["--training.steps=7", "--optim.lr=1e-3", "--parallel.compile=true", "--data.path=notes/a b"])
     assert (cfg.training.steps, cfg.optim.lr, cfg.parallel.compile, cfg.data.path) == (7, 1e-3, True, "notes/a b")
-    assert isinstance(load_config(write(tmp_path, '[model]\npreset = "tiny"\n[optim]\nlr = 1\n')).optim.lr, float)
+    assert isinstance(load_config(write(tmp_path, f'[model]\npreset = "{TINY}"\n[optim]\nlr = 1\n')).optim.lr, float)
 
 
 @pytest.mark.parametrize("text, overrides, message", [
-    ('[model]\npreset = "tiny"\n[training]\nstepz = 3\n', [], r"run.toml: unknown key \[training\].stepz"),
-    ('[model]\npreset = "tiny"\n[data]\noverlong = "cut"\n', [], r'run.toml: \[data\].overlong must be "truncate" or "drop"'),
-    ('[model]\npreset = "tiny"\n[training]\nsteps = "3"\n', [], r"run.toml: \[training\].steps must be int, got str"),
-    ('[model]\npreset = "tiny"\n[parallel]\ncompile = 1\n', [], r"\[parallel\].compile must be bool, got int"),
-    ('[model]\npreset = "tiny"\n[training]\ncompile = true\n', [], r"unknown key \[training\].compile"),
-    ('[model]\npreset = "tiny"\n[parallel]\nep = 3\n', [], r"run.toml: \[parallel\] ep = 3 must divide .* = 8"),
-    ('[model]\npreset = "tiny"\n', ["--parallel.pp_schedule=zigzag"],
+    ('[model]\npreset = "{tiny}"\n[training]\nstepz = 3\n', [], r"run.toml: unknown key \[training\].stepz"),
+    ('[model]\npreset = "{tiny}"\n[data]\noverlong = "cut"\n', [], r'run.toml: \[data\].overlong must be "truncate" or "drop"'),
+    ('[model]\npreset = "{tiny}"\n[training]\nsteps = "3"\n', [], r"run.toml: \[training\].steps must be int, got str"),
+    ('[model]\npreset = "{tiny}"\n[parallel]\ncompile = 1\n', [], r"\[parallel\].compile must be bool, got int"),
+    ('[model]\npreset = "{tiny}"\n[training]\ncompile = true\n', [], r"unknown key \[training\].compile"),
+    pytest.param('[model]\npreset = "tiny"\n[parallel]\nep = 3\n', [], r"run.toml: \[parallel\] ep = 3 must divide .* = 8",
+                 marks=only("flint")),
+    ('[model]\npreset = "{tiny}"\n', ["--parallel.pp_schedule=zigzag"],
      r"command line --parallel.pp_schedule: \[parallel\] pp_schedule must be one of"),
-    ('[model]\npreset = "tiny"\n[parallel]\nreshard_after_forward = "no"\n', [],
+    ('[model]\npreset = "{tiny}"\n[parallel]\nreshard_after_forward = "no"\n', [],
      r"\[parallel\].reshard_after_forward must be bool, got str"),
-    ('[model]\npreset = "tiny"\n[optim]\nlr = 0\n', [], r"run.toml: \[optim\].lr must be > 0, got 0.0"),
-    ('[model]\npreset = "tiny"\n', ["--training.steps=0"], r"command line --training.steps: \[training\].steps must be >= 1"),
-    ('[model]\npreset = "tiny"\n', ["--optim.lr=1e-5"], r"run.toml \(default\): \[optim\].min_lr must be in \[0, optim.lr = 1e-05\]"),
-    ('[model]\npreset = "tiny"\n', ["--data.seq_len=5000"], r"max_position_embeddings = 4096"),
-    ('[model]\npreset = "tiny"\n', ["--parallel.collective_timeout_minutes=0"], r"command line "
+    ('[model]\npreset = "{tiny}"\n[optim]\nlr = 0\n', [], r"run.toml: \[optim\].lr must be > 0, got 0.0"),
+    ('[model]\npreset = "{tiny}"\n', ["--training.steps=0"], r"command line --training.steps: \[training\].steps must be >= 1"),
+    ('[model]\npreset = "{tiny}"\n', ["--optim.lr=1e-5"], r"run.toml \(default\): \[optim\].min_lr must be in \[0, optim.lr = 1e-05\]"),
+    ('[model]\npreset = "{tiny}"\n', ["--data.seq_len=5000"], r"max_position_embeddings = 4096"),
+    ('[model]\npreset = "{tiny}"\n', ["--parallel.collective_timeout_minutes=0"], r"command line "
      r"--parallel.collective_timeout_minutes: \[parallel\] collective_timeout_minutes must be a number of minutes > 0"),
-    ('[model]\npreset = "tiny"\n', ["--training.eval_every=5", "--data.val_fraction=0"], r"needs a validation split"),
-    ('[model]\npreset = "tiny"\n', ["--data.seq_len"], r"expected --section.key=value"),
-    ('[model]\npreset = "tiny"\n[trainer]\nsteps = 1\n', [], r"unknown section \[trainer\]"),
-    ('[model]\npreset = "tiny"\nhidden = 3\n', [], r"unknown key \[model\].hidden"),
-    ('[model]\npreset = "tiny"\nhidden_size = "wide"\n', [], r"\[model\].hidden_size must be int"),
-    ('[model]\npreset = "huge"\n', [], r"run.toml: \[model\]: unknown model preset 'huge'"),
-    ('[model]\npreset = "tiny"\nnum_experts_per_tok = 99\n', [], r"num_experts_per_tok \(99\) must be <= num_experts"),
+    ('[model]\npreset = "{tiny}"\n', ["--training.eval_every=5", "--data.val_fraction=0"], r"needs a validation split"),
+    ('[model]\npreset = "{tiny}"\n', ["--data.seq_len"], r"expected --section.key=value"),
+    ('[model]\npreset = "{tiny}"\n[trainer]\nsteps = 1\n', [], r"unknown section \[trainer\]"),
+    ('[model]\npreset = "{tiny}"\nhidden = 3\n', [], r"unknown key \[model\].hidden"),
+    ('[model]\npreset = "{tiny}"\nhidden_size = "wide"\n', [], r"\[model\].hidden_size must be int"),
+    pytest.param('[model]\npreset = "huge"\n', [], r"run.toml: \[model\]: unknown model preset 'huge'",
+                 marks=only("flint")),
+    pytest.param('[model]\npreset = "tiny"\nnum_experts_per_tok = 99\n', [],
+                 r"num_experts_per_tok \(99\) must be <= num_experts", marks=only("flint")),
     ('[model]\n', [], r"\[model\] needs exactly one of preset, hf_config, init_from"),
-    ('[model]\npreset = "tiny"\nhf_config = "x"\n', [], r"needs exactly one"),
+    ('[model]\npreset = "{tiny}"\nhf_config = "x"\n', [], r"needs exactly one"),
     ('[model]\nhf_config = "missing/config.json"\n', [], r"\[model\].hf_config missing/config.json does not exist"),
-    ('[model]\npreset = "tiny"\nrouter_aux_loss_coef = -0.01\n', [], r"router_aux_loss_coef must be >= 0, got -0.01"),
-    ('[model]\npreset = "tiny"\nrouter_z_loss_coef = -0.001\n', [],
-     r"router_z_loss_coef must be a number >= 0 \(0: off\), got -0.001"),
+    pytest.param('[model]\npreset = "tiny"\nrouter_aux_loss_coef = -0.01\n', [],
+                 r"router_aux_loss_coef must be >= 0, got -0.01", marks=only("flint")),
+    pytest.param('[model]\npreset = "tiny"\nrouter_z_loss_coef = -0.001\n', [],
+                 r"router_z_loss_coef must be a number >= 0 \(0: off\), got -0.001", marks=only("flint")),
     ('[model\n', [], r"run.toml: not valid TOML"),
-    ('[model]\npreset = "tiny"\n[data]\nseq_len = 100\n[parallel]\ncp = 4\n', [],
+    ('[model]\npreset = "{tiny}"\n[data]\nseq_len = 100\n[parallel]\ncp = 4\n', [],
      r"run.toml: \[parallel\] cp = 4 .* data.seq_len = 100 must be divisible by 8"),
-    ('[model]\npreset = "tiny"\nnum_hidden_layers = 3\n[parallel]\npp = 2\npp_schedule = "Interleaved1F1B"\n', [],
-     r"run.toml: \[parallel\] pp = 2 with 2 stage\(s\) per rank makes 4 pipeline stages, more than the model's 3"),
-    ('[model]\npreset = "tiny"\nmoe_intermediate_size = 36\n', [],
-     r"moe_intermediate_size must be a multiple of 8 .* got 36"),
-    ('[model]\npreset = "tiny"\n[training]\nsample_temperature = inf\n', [],
+    pytest.param('[model]\npreset = "tiny"\nnum_hidden_layers = 3\n[parallel]\npp = 2\npp_schedule = "Interleaved1F1B"\n', [],
+                 r"run.toml: \[parallel\] pp = 2 with 2 stage\(s\) per rank makes 4 pipeline stages, more than the "
+                 r"model's 3", marks=only("flint")),
+    pytest.param('[model]\npreset = "tiny"\nmoe_intermediate_size = 36\n', [],
+                 r"moe_intermediate_size must be a multiple of 8 .* got 36", marks=only("flint")),
+    ('[model]\npreset = "{tiny}"\n[training]\nsample_temperature = inf\n', [],
      r"run.toml: \[training\].sample_temperature must be 0 \(greedy\) or a finite number >= 0.001, got inf"),
 ])
 def test_config_errors_name_the_key_and_where(tmp_path, text, overrides, message):
+    """{tiny}: the smallest preset of the default family (Flint's "tiny"); the rows about Flint's own fields
+    or numbers run when Flint is registered."""
     with pytest.raises(ConfigError, match=message):
-        load_config(write(tmp_path, text), overrides)
+        load_config(write(tmp_path, text.replace("{tiny}", TINY)), overrides)
 
 
 @pytest.mark.parametrize("cp, seq_len, accepted", [(1, 63, True), (2, 63, False), (2, 64, True)])
@@ -115,10 +132,10 @@ def test_only_context_parallelism_needs_the_length_to_split_into_chunks(cp, seq_
     """An odd length is valid without context parallelism; with cp the error names parallel.cp."""
     overrides = [f"--data.seq_len={seq_len}", f"--parallel.cp={cp}", "--parallel.dp_shard=1"]
     if accepted:
-        assert load_config(CONFIGS / "debug.toml", overrides).data.seq_len == seq_len
+        assert load_config(DEBUG, overrides).data.seq_len == seq_len
     else:
         with pytest.raises(ConfigError, match=r"command line --parallel.cp: \[parallel\] cp = 2 .* by 4"):
-            load_config(CONFIGS / "debug.toml", overrides)
+            load_config(DEBUG, overrides)
 
 
 def test_missing_config_file(tmp_path):
@@ -126,7 +143,11 @@ def test_missing_config_file(tmp_path):
         load_config(tmp_path / "nothere.toml")
 
 
+@only("flint")
+@only("large4")
 def test_model_family_comes_from_the_section_or_the_checkpoint(tmp_path):
+    """Between two registered families: a config naming one refuses a checkpoint of the other."""
+    Large4Config = family("large4").config
     large4 = load_config(CONFIGS / "large4-smoke.toml")
     assert type(large4.model_config).__name__ == "Large4Config" and large4.model_config.hidden_size == 128
     (tmp_path / "config.json").write_text(json.dumps(Large4Config.from_name("large4-tiny").to_hf_config()))
@@ -144,7 +165,7 @@ def test_model_family_comes_from_the_section_or_the_checkpoint(tmp_path):
 def test_paths_the_run_writes_are_checked_before_any_work(tmp_path):
     (tmp_path / "a_file").write_text("")
     (tmp_path / "a_dir").mkdir()
-    base = CONFIGS / "debug.toml"
+    base = DEBUG
     cases = [
         (f"--checkpoint.dir={tmp_path / 'a_file'}", r"command line --checkpoint.dir: checkpoint.dir .*a_file is a file"),
         (f"--data.cache_dir={tmp_path / 'a_file' / 'cache'}", r"data.cache_dir .* lies under .*a_file, which is a file"),
@@ -160,11 +181,13 @@ def test_paths_the_run_writes_are_checked_before_any_work(tmp_path):
 def test_a_read_only_checkpoint_dir_is_refused(tmp_path):
     (tmp_path / "ro").mkdir(mode=0o555)
     with pytest.raises(ConfigError, match=r"checkpoint.dir .*ro.* is not writable"):
-        load_config(CONFIGS / "debug.toml", [f"--checkpoint.dir={tmp_path / 'ro' / 'ckpt'}"])
+        load_config(DEBUG, [f"--checkpoint.dir={tmp_path / 'ro' / 'ckpt'}"])
 
 
+@only("flint")  # head_dim: Flint's field
 def test_errors_of_command_line_overrides_name_the_command_line(tmp_path):
-    debug = CONFIGS / "debug.toml"
+    from model import FlintConfig
+    debug = debug_configs()["flint"]
     with pytest.raises(ConfigError, match=r"^command line --model.head_dim: \[model\]: head_dim must be even"):
         load_config(debug, ["--model.head_dim=15"])
     config = tmp_path / "config.json"
@@ -189,12 +212,12 @@ def test_help_and_the_key_reference_list_every_key_with_its_default():
 def test_print_config_loads_back_to_the_same_run_and_trains_nothing(tmp_path, capsys):
     import train
     with pytest.raises(SystemExit) as exit_info:
-        train.main(["--config", str(CONFIGS / "smoke.toml"), "--print-config", "--training.steps=7",
+        train.main(["--config", str(DEBUG), "--print-config", "--training.steps=7",
                     f"--checkpoint.dir={tmp_path / 'ckpt'}"])
     assert exit_info.value.code == 0 and not (tmp_path / "ckpt").exists()
     printed = tmp_path / "printed.toml"
     printed.write_text(capsys.readouterr().out)
-    again, original = load_config(printed), load_config(CONFIGS / "smoke.toml", ["--training.steps=7",
+    again, original = load_config(printed), load_config(DEBUG, ["--training.steps=7",
                                                                               f"--checkpoint.dir={tmp_path / 'ckpt'}"])
     assert again.model_config == original.model_config and again.training.steps == 7
     assert {k: v for k, v in again.to_dict().items() if k != "model"} == \

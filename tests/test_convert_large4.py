@@ -12,7 +12,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import convert
 import large4_config
-from conftest import dequantize_by_hand, quantize
+from helpers import dequantize_by_hand, quantize
 from large4 import Large4Config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "large4"

@@ -10,7 +10,7 @@ import torch
 
 import data
 from data import DataError, PackedLoader, TokenShards, prepare, split_documents
-from model import FlintConfig, build_model
+from helpers import FAMILY_NAMES, build, tiny_config
 from tokenizer import Tokenizer, byte_encoding, load_tokenizer
 
 
@@ -198,19 +198,26 @@ def test_packing_covers_every_token_once_per_epoch(tmp_path):
         assert (r["doc_ids"][r["doc_ids"] >= 0] == np.array(doc_of)[r["doc_ids"] >= 0]).all()
 
 
-def test_packed_rows_never_attend_across_documents(tmp_path):
+# Each family's model of the test below: Flint's 3 layers with full attention only; Large 4's layout model
+# (its sparse selection picks among a document's keys: 4 of up to 20).
+PACKING_MODELS = {"flint": {"num_hidden_layers": 3, "sliding_window": None}, "large4": {}}
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_packed_rows_never_attend_across_documents(tmp_path, family):
     """Changing one document's tokens leaves every other document's logits in the row unchanged."""
     shards = unique_token_shards(tmp_path, [7, 12, 5, 20])
     loader = PackedLoader(shards, np.arange(4), seq_len=32, batch_size=1, seed=0, shuffle=False)
     batch = loader.next_batch()
-    input_ids = batch["input_ids"] % 200
-    config = FlintConfig.from_name("tiny", num_hidden_layers=3, sliding_window=None)
-    model = build_model(config, seed=0)
+    config = tiny_config(family, **PACKING_MODELS[family])
+    vocab = min(200, config.vocab_size)
+    input_ids = batch["input_ids"] % vocab
+    model = build(config)
     logits = model(input_ids, doc_ids=batch["doc_ids"])
     doc_ids = batch["doc_ids"][0]
     for doc in doc_ids.unique().tolist():
         changed = input_ids.clone()
-        changed[0, doc_ids == doc] = (changed[0, doc_ids == doc] + 7) % 200
+        changed[0, doc_ids == doc] = (changed[0, doc_ids == doc] + 7) % vocab
         others = doc_ids != doc
         # A leak would move logits by O(1e-2); the grouped GEMM's blocking may move them by ~1e-7.
         torch.testing.assert_close(model(changed, doc_ids=batch["doc_ids"])[0, others], logits[0, others],
@@ -406,7 +413,7 @@ def test_the_sft_loss_is_the_cross_entropy_of_the_answers_alone(tmp_path):
 def check_answer_tokens_weigh_the_same(directory: Path, chats: list[list[dict]]) -> None:
     """Two ranks (FSDP), two micro-batches each, rows with different numbers of answer tokens: the
     accumulated gradient equals that of the mean over all answer tokens of the step, written out."""
-    from conftest import assert_close_to_scale
+    from helpers import assert_close_to_scale
     from parallel import ParallelConfig, build_mesh, parallelize
     from torch.distributed.tensor import DTensor
     torch.manual_seed(0)
@@ -433,7 +440,7 @@ def check_answer_tokens_weigh_the_same(directory: Path, chats: list[list[dict]])
 
 
 def test_every_answer_token_weighs_the_same_across_micro_batches_and_ranks(tmp_path):
-    from test_parallel import spawn
+    from helpers import spawn
     chats = conversations(16, seed=6)
     prepared_conversations(tmp_path, chats)
     spawn(2, check_answer_tokens_weigh_the_same, tmp_path / "prepared", chats)

@@ -6,7 +6,7 @@ import torch
 
 from tools.flint_baselines import plain_eager_loss, transformers_loss, transformers_reference
 from model import FlintConfig, build_model
-from conftest import assert_close_to_scale
+from helpers import assert_close_to_scale
 
 
 def test_plain_eager_baseline_computes_the_same_network():

@@ -1,49 +1,30 @@
 """large4.py: the released size, parity with the plain reference (values and every gradient), the sparse
-selection's masks, KV and index sharing, activation checkpointing, frozen indexer, generation (the config
-contract is tests/test_large4_config.py's)."""
+selection's masks, KV and index sharing, activation checkpointing, frozen indexer, generation, pipeline
+stage boundaries, and its own parts through train.py (the config contract is tests/test_large4_config.py's)."""
 
 import dataclasses
+import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
+from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
+import convert
 import large4
+import train
+from config import ConfigError, OptimSection
+from data import EMBEDDED_CORPUS
+from helpers import (LARGE4_PARITY, ROOT, SEQ, TWO_PRODUCERS, assert_close_to_scale, exported_tensors, randomized, records,
+                     text_config, tiny_config, train_losses)
 from large4 import Visibility, selection_attention_mask, selection_block_mask, selection_mask, top_keys
-from conftest import LARGE4_PARITY, TWO_PRODUCERS, text_config
 from large4 import Large4Config, MistralLarge4, build_large4
 from reference_large4 import reference_forward, reference_loss
-from conftest import assert_close_to_scale
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def randomized(config: Large4Config, seed: int = 0) -> MistralLarge4:
-    """Every parameter random (alpha, SSMax, norms and LayerNorm biases too: identity pieces hide bugs).
-
-    The indexer is shaped so that its ReLU scores are positive: a channel with a large key bias meets
-    a query channel with a large positive weight. Otherwise all-negative heads give exact-zero index
-    ties at the top-k boundary, where the choice is implementation-defined (LARGE4.md section 1.8)."""
-    model = build_large4(config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if name.endswith(("norm.weight", "layernorm.weight", "softmax_scaling.bias")):
-                param.copy_(1 + 0.2 * noise)
-            elif name.endswith("indexer.softmax_scaling.scale"):
-                param.copy_(0.05 * noise.abs())
-            else:
-                param.copy_((0.3 if param.dim() < 2 else 0.15) * noise)
-        for layer in model.layers.values():
-            indexer = getattr(layer.self_attn, "indexer", None)
-            if indexer is not None:
-                dim = indexer.head_dim
-                indexer.k_norm.bias[dim - 1] = 3.0
-                indexer.q_input_norm.bias.fill_(1.0)
-                indexer.wq_b.weight.view(indexer.heads, dim, -1)[:, dim - 1] += 0.3
-    return model
 
 
 def params_of(model: MistralLarge4) -> dict:
@@ -345,3 +326,103 @@ def test_selection_bias_only_chooses_the_experts(parity_model):
     for router in routers:
         assert router.tokens_per_expert[favoured].sum() == router.tokens_per_expert.sum()
         assert router.weight.grad.abs().sum() > 0  # the gate weights still train the router
+
+
+def test_pipeline_stage_boundaries():
+    """The tiny config's stage boundaries split what the pipeline layouts must carry: with 2 stages
+    (layers 0-3 | 4-7) layer 4 reads layer 1's RoPE latent and key and shares layer 3's selection,
+    and layer 7 reads layer 3's NoPE latent; with 4 (0-1 | 2-3 | 4-5 | 6-7) layer 2 reads layer 1's
+    RoPE latent and key and shares its selection, layer 3's latent crosses two boundaries to reach
+    layer 7, and layer 6 reads layer 5's latent and key. A dense forward (T <= index_topk) sends its
+    absent selection as [B, T, 0]."""
+    config = tiny_config("large4")
+    with torch.device("meta"):
+        stage = MistralLarge4(config)
+
+    def shapes(layer, seq_len=SEQ):
+        return [(tuple(t.shape), t.dtype, t.requires_grad) for t in stage.stage_boundary(layer, 2, seq_len, torch.bfloat16)]
+    h, table = ((2, SEQ, 64), torch.bfloat16, True), ((2, SEQ, 2), torch.float32, True)
+    latent, key = ((2, SEQ, 24), torch.bfloat16, True), ((2, SEQ, 4), torch.bfloat16, True)
+    selection = ((2, SEQ, 4), torch.int32, False)
+    assert shapes(4) == [h, table, table, latent, key, latent, selection]  # layer 1 (RoPE), layer 3 (NoPE)
+    assert shapes(2) == [h, table, table, latent, key, selection]  # layer 1
+    assert shapes(6) == [h, table, table, latent, latent, key, selection]  # layer 3, layer 5
+    assert shapes(4, seq_len=4)[-1] == ((2, 4, 0), torch.int32, False)
+    ids = torch.zeros(2, SEQ, dtype=torch.long)
+    with pytest.raises(TypeError, match="got targets twice"):  # what a first stage reads positionally
+        stage(ids, ids, targets=ids)
+
+
+def test_a_pipeline_stage_sends_the_statistics_on():
+    """Large 4's static stage metadata ends with the enabled losses' statistics; off, nothing more."""
+    losses = dict(router_sequence_loss_coef=0.1, router_z_loss_coef=0.01)
+    with torch.device("meta"):
+        stage, plain = MistralLarge4(tiny_config("large4", **losses)), MistralLarge4(tiny_config("large4"))
+
+    def described(model) -> list[tuple]:
+        return [(tuple(t.shape), t.dtype, t.requires_grad) for t in model.stage_boundary(4, 2, 16, torch.bfloat16)]
+    moe_layers, experts = 7, plain.config.num_experts
+    assert described(stage) == described(plain) + [((moe_layers, 2, experts), torch.int32, False),
+                                                   ((moe_layers, 2, experts), torch.float32, True),
+                                                   ((1,), torch.float32, True)]
+
+
+# ============================================================================= through train.py
+# What train.py does with Large 4's own parts: its frozen indexer, its length limit, the extras of its
+# published checkpoint. The guarantees both families share run for it in the shared test files.
+
+LARGE4_SMOKE = str(ROOT / "configs" / "large4-smoke.toml")
+
+
+def large4_args(tmp_path: Path, *overrides: str) -> list[str]:
+    """configs/large4-smoke.toml, shrunk to seconds, every path under tmp_path. No sample: a model
+    this little trained may pick an id of the padded vocabulary that the byte tokenizer cannot decode."""
+    return ["--config", LARGE4_SMOKE, f"--data.path={EMBEDDED_CORPUS}", f"--data.cache_dir={tmp_path / 'cache'}",
+            f"--checkpoint.dir={tmp_path / 'ckpt'}", f"--logging.jsonl={tmp_path / 'metrics.jsonl'}",
+            "--logging.peak_tflops=0.1", "--data.seq_len=32", "--training.batch_size=4", "--training.steps=6",
+            "--training.eval_every=0", "--logging.every=2", "--optim.warmup_steps=2",
+            "--training.sample_tokens=0", *overrides]
+
+
+def test_trains_through_train_main_with_the_indexer_frozen(tmp_path):
+    """A few steps of the tiny Mistral Large 4 through the same path as Flint: loss falls, the frozen
+    indexer is neither updated nor in the optimizer, the checkpoint resumes."""
+    summary = train.main(large4_args(tmp_path))
+    losses = train_losses(tmp_path)
+    assert losses[1] == pytest.approx(math.log(264), abs=0.15) and losses[6] < losses[1] - 0.5
+    assert set(records(tmp_path)[-2]["routing"]) == {str(i) for i in range(1, 8)}  # layer 0 is dense
+    state = convert.NativeDir(tmp_path / "ckpt" / "run_0001" / "step_00000006").read(["layers.0.self_attn.indexer.wk.weight"])
+    fresh = build_large4(Large4Config.from_hf_config(tmp_path / "ckpt" / "run_0001" / "step_00000006"))
+    assert torch.equal(state["layers.0.self_attn.indexer.wk.weight"], fresh.state_dict()[
+        "layers.0.self_attn.indexer.wk.weight"])  # frozen: still its initial value
+    optimized = {id(p) for group in train.build_optimizer(fresh, OptimSection()).param_groups
+                 for p in group["params"]}
+    assert {n for n, p in fresh.named_parameters() if id(p) not in optimized} == {
+        n for n in fresh.state_dict() if ".indexer." in n}
+    assert summary["step"] == 6
+    resumed = train.main(large4_args(tmp_path, "--training.steps=8", "--checkpoint.resume=auto"))
+    assert resumed["step"] == 8
+
+
+def test_train_py_refuses_a_random_indexer_beyond_index_topk(tmp_path):
+    with pytest.raises(ConfigError, match="index_topk"):
+        train.main(large4_args(tmp_path, "--data.seq_len=256"))
+
+
+def test_finetune_from_hugging_face_exports_the_extras_of_its_source(tmp_path):
+    """Training keeps only the text model; the export copies the vision tower and draft head from
+    the init_from checkpoint, so the published loader finds nothing missing."""
+    unbiased = "--model.router_bias_update_rate=0"  # the smoke config's selection bias is never exported
+    config = train.load_config(LARGE4_SMOKE, ["--model.index_topk=128", unbiased]).model_config
+    convert.save_hf(build_large4(config, seed=3), tmp_path / "hf")
+    shard = next((tmp_path / "hf").glob("*.safetensors"))
+    state, extra = load_file(shard), torch.arange(6.0)
+    save_file({**state, "mtp_dspark.norm.weight": extra}, str(shard))
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    index["weight_map"]["mtp_dspark.norm.weight"] = shard.name
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    train.main(large4_args(tmp_path, f"--model.init_from={tmp_path / 'hf'}", "--model.preset=", unbiased,
+                           "--training.steps=2", f"--checkpoint.export_hf={tmp_path / 'out'}"))
+    exported = exported_tensors(tmp_path / "out")
+    assert torch.equal(exported["mtp_dspark.norm.weight"], extra)
+    assert not torch.equal(exported["tok_embeddings.weight"], state["tok_embeddings.weight"])  # trained

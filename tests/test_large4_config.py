@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import large4_config
-from conftest import LARGE4_PARITY, TWO_PRODUCERS, dequantize_by_hand, quantize, text_config
+from helpers import LARGE4_PARITY, TWO_PRODUCERS, dequantize_by_hand, quantize, text_config
 from large4 import Large4Config, MistralLarge4
 from large4_config import Large4Config, PRESETS
 

@@ -4,9 +4,8 @@ precisions, the shared parameter count and the token-id checks."""
 import pytest
 import torch
 
+from helpers import FAMILY_NAMES, assert_close_to_scale, build, moe_layers, tiny_config
 from layers import Head, count_params
-from model import FlintConfig, build_model
-from conftest import assert_close_to_scale
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,11 +50,14 @@ def test_fused_head_loss_matches_plain_reference(chunk, cap):
         assert_close_to_scale(head(h, targets), expected, rtol=1e-6)
 
 
-def test_active_parameters_leave_out_the_unchosen_experts():
-    """tiny: 2 MoE layers of 8 experts, top 2: 6 experts x 3 matrices of hidden x moe_intermediate idle."""
-    config = FlintConfig.from_name("tiny", num_hidden_layers=4)
-    model = build_model(config)
-    idle = 2 * (config.num_experts - config.num_experts_per_tok) * 3 * config.hidden_size * config.moe_intermediate_size
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_active_parameters_leave_out_the_unchosen_experts(family):
+    """Flint's tiny: 2 MoE layers of 8 experts, top 2: 6 experts x 3 matrices of hidden x moe_intermediate
+    idle (Large 4's: 7 MoE layers of 8 experts, top 3)."""
+    config = tiny_config(family)
+    model = build(config, plain=True)
+    idle = len(moe_layers(config)) * (config.num_experts - config.num_experts_per_tok) * 3 * config.hidden_size * \
+        config.moe_intermediate_size
     assert count_params(model) == sum(p.numel() for p in model.parameters())
     assert count_params(model, active=True) == count_params(model) - idle
 
@@ -105,10 +107,11 @@ def test_the_bf16_head_products_are_the_emulated_ones(precision):
     assert (w.grad - fp32[2]).abs().max() > 10 * (w.grad - expected[2]).abs().max()  # the rounding is there
 
 
-def test_token_ids_are_checked_unless_data_checked_them_at_load():
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_token_ids_are_checked_unless_data_checked_them_at_load(family):
     from layers import token_ids_checked_at_load
-    model = build_model(FlintConfig.from_name("tiny", num_hidden_layers=2))
-    ids = torch.tensor([[1, 2, 300]])  # 300 is outside the tiny vocabulary of 256
+    model = build(tiny_config(family), plain=True)
+    ids = torch.tensor([[1, 2, 300]])  # 300 is outside the vocabulary (Flint's tiny: 256, Large 4's: 160)
     with pytest.raises(ValueError, match="input_ids holds token id 300, outside the vocabulary"):
         model(ids)
     with token_ids_checked_at_load():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import lora
 from attention import FULL, SLIDING
-from conftest import assert_close_to_scale
+from helpers import assert_close_to_scale
 from large4 import Large4Config, build_large4
 from lora import LoraConfig, apply_lora, grouped_lora, merge_lora
 from model import FlintConfig, build_model
@@ -34,7 +34,7 @@ def tiny_flint(**overrides):
 
 
 def tiny_large4():
-    from test_large4 import randomized
+    from helpers import randomized
     return randomized(Large4Config.from_name("large4-parity"))
 
 
@@ -310,7 +310,7 @@ def test_adapters_are_seeded_by_name_in_every_layout():
 def test_adapted_blocks_compile_whole_and_match_eager(kind, one_thread):
     """fullgraph=True: an adapted block (dense; MoE with padded experts) is one graph whose values and
     adapter gradients equal the eager block's."""
-    from test_compile import block_inputs
+    from helpers import block_inputs
     model = adapted(tiny_flint())
     model.layers["2"].mlp.experts.group_align = 4
     block = model.layers[kind]
@@ -333,7 +333,7 @@ def check_fsdp(layout: dict) -> None:
     """One spawned rank: FSDP 2 over the adapted model equals one process (loss, adapter gradients,
     clipped norm, two AdamW steps on the adapters); the base gets no gradient."""
     from parallel import ParallelConfig, build_mesh, parallelize
-    from test_parallel import full, make_batch, rows_of_this_rank
+    from helpers import full, make_batch, rows_of_this_rank
     data = make_batch()
 
     def build():
@@ -364,7 +364,7 @@ def check_fsdp(layout: dict) -> None:
 
 
 def test_fsdp_matches_one_process():
-    from test_parallel import spawn
+    from helpers import spawn
     spawn(2, check_fsdp, {"dp_shard": 2})
 
 

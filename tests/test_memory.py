@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,19 +9,17 @@ import torch
 import tools.memory as memory
 from config import ConfigError
 from tools.memory import GIB, memory_per_gpu, memory_table
-from model import FlintConfig, build_model
+from helpers import ROOT, build, only, tiny_config
 from parallel import ParallelConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+# Counted by hand for Flint (no frozen parameters) and its configs; Large 4's below.
+FLINT, LARGE4 = only("flint"), only("large4")
 
 
-def tiny_config():
-    return FlintConfig.from_name("tiny", num_hidden_layers=4)
-
-
+@FLINT
 def test_memory_table_counts_sharded_state_by_hand():
-    config = tiny_config()
-    total = build_model(config).num_params()
+    config = tiny_config("flint")
+    total = build(config).num_params()
     row = memory_per_gpu(config, ParallelConfig(dp_shard=2, ep=2).resolve(4, 8), seq_len=16, batch_size=2)
     # every parameter is split 4 ways: experts over ep x dp_shard, the rest over dp_shard x ep
     assert abs(row["params"] * GIB - 4 * total / 4) < 1 and abs(row["optimizer"] * GIB - 8 * total / 4) < 1
@@ -32,10 +29,11 @@ def test_memory_table_counts_sharded_state_by_hand():
     assert "| mine: dp_shard=2 ep=2 ac=none |" in memory_table(config, [("mine", ParallelConfig(dp_shard=2, ep=2))], 16, 2)
 
 
+@FLINT
 def test_offload_moves_the_sharded_states_to_host_memory():
     """[parallel] offload: weights, gradients and AdamW states (16 B per trainable parameter's shard)
     leave the GPU's total for `host`; what FSDP gathers and the activations stay."""
-    config = tiny_config()
+    config = tiny_config("flint")
     on_gpu = memory_per_gpu(config, ParallelConfig(dp_shard=4).resolve(4), 16, 2)
     offloaded = memory_per_gpu(config, ParallelConfig(dp_shard=4, offload=True).resolve(4), 16, 2)
     states = on_gpu["params"] + on_gpu["grads"] + on_gpu["optimizer"]
@@ -44,10 +42,11 @@ def test_offload_moves_the_sharded_states_to_host_memory():
     assert (offloaded["gathered"], offloaded["activations"]) == (on_gpu["gathered"], on_gpu["activations"])
 
 
+@FLINT
 def test_activations_and_gradients_peak_together_only_under_accumulation_or_a_pipeline():
     """One micro-batch: the peak is at the head (activations, no block gradient yet) or at the end of the
     backward (every gradient, the last block's recompute), whichever is larger; otherwise their sum."""
-    config, layout = tiny_config(), ParallelConfig(dp_shard=4, activation_checkpointing="full").resolve(4)
+    config, layout = tiny_config("flint"), ParallelConfig(dp_shard=4, activation_checkpointing="full").resolve(4)
     one = memory_per_gpu(config, layout, 16, 2)
     accumulating = memory_per_gpu(config, layout, 16, 2, grad_accum=2)
     columns = ("params", "grads", "optimizer", "gathered", "activations")
@@ -56,6 +55,7 @@ def test_activations_and_gradients_peak_together_only_under_accumulation_or_a_pi
     assert one["total"] < accumulating["total"]
 
 
+@FLINT
 def test_command_prints_the_released_layouts_labelled(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     memory.main(["--config", "configs/flint-8gpu.toml", "--gpus", "8"])
@@ -66,6 +66,7 @@ def test_command_prints_the_released_layouts_labelled(capsys, monkeypatch):
     assert "seq_len 8192" in out and "| config flint-8gpu.toml: dp_shard=2 ep=4 ac=full |" in out
 
 
+@FLINT
 def test_command_errors_are_one_line(monkeypatch):
     monkeypatch.chdir(ROOT)
     for args, message in ((["--gpus", "7"], r"configs/flint-8gpu.toml on --gpus 7: \[parallel\] pp \* dp_replicate"),
@@ -78,6 +79,7 @@ def test_command_errors_are_one_line(monkeypatch):
     assert result.returncode == 1 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
 
 
+@LARGE4
 def test_large4_released_layouts_and_what_fits():
     """configs/large4-256gpu.toml: 16 B per trainable parameter and 4 per frozen (indexer) one over 256
     GPUs (LARGE4.md section 6.1: 16.78 TB), and the fit marks for 141 GB and 80 GB GPUs."""
@@ -95,6 +97,7 @@ def test_large4_released_layouts_and_what_fits():
     assert table[4].startswith("| candidate: dp_shard=256 ac=none |") and table[4].endswith("| NO | NO |")
 
 
+@LARGE4
 @pytest.mark.parametrize("index_topk", [128, 32])
 def test_large4_activation_model_within_20_percent_of_measured(index_topk):
     """The per-block activation model (tools/memory.py, large4.block_activation_bytes) against the bytes the

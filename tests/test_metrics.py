@@ -13,11 +13,11 @@ import torch
 import metrics
 import moe
 import train
-from conftest import ROOT, run_debug
+from helpers import DEFAULT_FAMILY, FAMILY_NAMES, ROOT, debug_configs, only, run_debug, tiny_config
 from metrics import drop_superseded_records, duration, model_flops_per_token
-from model import Flint, FlintConfig, build_model
+from registry import model_class
 
-DEBUG = str(ROOT / "configs" / "debug.toml")
+DEBUG = str(debug_configs()[DEFAULT_FAMILY])  # the metrics machinery is the same for every model
 
 
 def test_durations_read_as_minutes_and_seconds_then_hours_and_minutes():
@@ -36,9 +36,10 @@ def test_a_run_drops_only_its_own_records_past_its_resume_step(tmp_path):
     assert log.read_text() == before
 
 
-def test_flops_per_token_are_the_whole_models_counted_on_meta():
-    config = FlintConfig.from_name("tiny", num_hidden_layers=4)
-    assert model_flops_per_token(config, 64) == Flint(config).flops_per_token(64) > 0
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_flops_per_token_are_the_whole_models_counted_on_meta(family):
+    config = tiny_config(family)
+    assert model_flops_per_token(config, 64) == model_class(config)(config).flops_per_token(64) > 0
 
 
 def test_a_damaged_peak_cache_is_measured_again(tmp_path, monkeypatch):
@@ -90,7 +91,8 @@ def test_a_logged_step_is_one_line_with_units_and_the_same_numbers_in_the_log(tm
 
 # ----------------------------------------------------------------------------- traces of chosen steps, the report
 
-# The ranges named_ranges places in an eager dropless Flint's profiled step (and moe.py's functions it wraps).
+# The ranges named_ranges places in an eager dropless Flint's profiled step (and moe.py's functions it wraps):
+# the two tests that read them are about Flint's module kinds (its family's timed_modules).
 NAMED = {"forward and backward", "layer 0", "layer 3", "attention core", "attention proj/norm/rope", "router",
          "routed experts", "expert dispatch", "expert combine", "grouped GEMM", "dense MLP or shared expert",
          "head and loss", "gradient clipping", "optimizer"}
@@ -100,8 +102,10 @@ def trace_names(path: Path) -> set[str]:
     return {event.get("name") for event in json.loads(path.read_text())["traceEvents"]}
 
 
+@only("flint")
 def test_profiled_steps_write_a_trace_with_named_ranges_and_the_run_its_report(tmp_path, capsys):
-    summary = run_debug(tmp_path, "--training.steps=3", "--logging.profile_steps=2-3", "--training.sample_tokens=0")
+    summary = run_debug(tmp_path, "--training.steps=3", "--logging.profile_steps=2-3", "--training.sample_tokens=0",
+                        family="flint")
     run_dir = tmp_path / "ckpt" / "run_0001"
     names = trace_names(run_dir / "trace_steps2-3_rank0.json")
     assert NAMED | {"step 2", "step 3", "gloo:all_reduce"} <= names and "step 1" not in names
@@ -112,9 +116,11 @@ def test_profiled_steps_write_a_trace_with_named_ranges_and_the_run_its_report(t
     assert f"{summary['loss']:.4f}" in (run_dir / "report.html").read_text()
 
 
+@only("flint")
 def test_named_ranges_are_placed_while_profiling_and_all_taken_away_after():
     """Around a forward and backward and an optimizer step, from outside a model: every range named,
     and afterwards no hook, wrapper or patched function left."""
+    from model import FlintConfig, build_model
     module = build_model(FlintConfig.from_name("tiny", num_hidden_layers=4, vocab_size=64))
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     model = SimpleNamespace(module=module, config=module.config,

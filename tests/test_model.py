@@ -2,17 +2,23 @@
 refuses, naming the field or the file), its network (the released size, whole-model parity with the plain
 reference, loss, generation) and its published key table (SPEC.md, read both ways by tests/test_convert.py)."""
 
+import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
+from safetensors.torch import load_file
 
-from conftest import assert_close_to_scale
+import convert
+
+from helpers import assert_close_to_scale
 from layers import document_positions
 from model import Flint, FlintConfig, LAYOUT, PRESETS, build_model, published_layout
-from reference import layer_types_from_schedule, reference_forward, reference_loss, reference_positions
+from reference import reference_positions
+from reference_flint import layer_types_from_schedule, reference_forward, reference_loss
 
 
 def test_released_size_counts():
@@ -387,3 +393,50 @@ def test_the_fields_a_config_json_leaves_out_are_named():
     given = {k: v for k, v in config.to_hf_config().items() if k not in ("sliding_window", "rope_parameters")}
     assert set(LAYOUT.missing_fields(config, given)) == {"sliding_window", "rope_parameters"}
     assert "rope_parameters" not in LAYOUT.missing_fields(config, {**given, "rope_theta": 1e4})
+
+
+# ============================================================================= the published balance term
+# tests/make_flint_aux_fixture.py wrote tests/fixtures/flint_aux/ once with transformers' FlintForCausalLM
+# (output_router_logits true, router_aux_loss_coef 0.25): a tiny random model, a batch with a right-padded
+# row, and the reference's losses and gradients with and without its attention_mask. Here the same weights,
+# loaded with convert.load_hf, must give the same numbers.
+
+AUX_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "flint_aux"
+
+
+@pytest.fixture(scope="module")
+def aux_batch():
+    inputs = load_file(AUX_FIXTURE / "inputs.safetensors")
+    targets = torch.full_like(inputs["labels"], -100)  # the reference shifts its labels inside the loss
+    targets[:, :-1] = inputs["labels"][:, 1:]
+    doc_ids = torch.where(inputs["attention_mask"] == 1, 0, -1)  # padding: doc id -1
+    return inputs["input_ids"], targets, doc_ids
+
+
+@pytest.mark.parametrize("case", ["masked", "unmasked"])
+def test_loss_and_gradients_equal_the_reference(case, aux_batch):
+    model = convert.load_hf(AUX_FIXTURE / "model", dtype=torch.float32)
+    assert model.config.output_router_logits and model.config.router_aux_loss_coef == 0.25
+    expected = load_file(AUX_FIXTURE / f"{case}.safetensors")
+    input_ids, targets, doc_ids = aux_batch
+    loss = model(input_ids, targets, doc_ids=doc_ids if case == "masked" else None)
+    loss.backward()
+    assert_close_to_scale(loss.detach(), expected["loss"], rtol=1e-6)
+    reference_grads = convert.hf_to_native({k[5:]: v for k, v in expected.items() if k.startswith("grad.")},
+                                           model.config)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert grads.keys() == reference_grads.keys()
+    for name, grad in grads.items():
+        assert_close_to_scale(grad, reference_grads[name], rtol=1e-4, what=f"{name}")
+
+
+def test_without_output_router_logits_the_loss_is_the_cross_entropy(batch):
+    """The released default: the coefficient is carried but unused, as in the reference."""
+    expected = load_file(AUX_FIXTURE / "masked.safetensors")
+    model = convert.load_hf(AUX_FIXTURE / "model", dtype=torch.float32)
+    input_ids, targets, doc_ids = aux_batch
+    with_term = model(input_ids, targets, doc_ids=doc_ids).detach()
+    model.config = dataclasses.replace(model.config, output_router_logits=False)
+    without = model(input_ids, targets, doc_ids=doc_ids).detach()
+    assert_close_to_scale(without, expected["ce_loss"], rtol=1e-6)
+    assert_close_to_scale((with_term - without) / 0.25, expected["aux_loss"], rtol=1e-5)

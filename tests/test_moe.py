@@ -5,10 +5,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe import ExpertParallelExperts, GroupedExperts, MoE, balanced_counts, set_balanced_routing, sort_by_expert
+from moe import MoE, balanced_counts, set_balanced_routing, sort_by_expert
 from parallel import close_distributed
 from reference import reference_moe
-from conftest import assert_close_to_scale
+from helpers import assert_close_to_scale, shard_experts, spawn
 
 HIDDEN, INTER, SHARED, EXPERTS, TOP_K = 16, 8, 12, 6, 2
 
@@ -158,18 +158,6 @@ def test_forced_balance_routes_round_robin_by_the_real_scores(norm_topk_prob):
     assert balanced_counts(7, 3) == [3, 2, 2]
 
 
-def shard_experts(moe: MoE, rank: int, ep: int, **experts_options) -> MoE:
-    """moe with its experts sharded over ep ranks of the world group: this rank holds E / ep of them."""
-    num_experts, hidden, _ = moe.experts.gate_up_proj.shape
-    local = num_experts // ep
-    experts = GroupedExperts(hidden, moe.experts.down_proj.shape[1], local, **experts_options)
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(moe.experts.gate_up_proj[rank * local:(rank + 1) * local])
-        experts.down_proj.copy_(moe.experts.down_proj[rank * local:(rank + 1) * local])
-    moe.experts = ExpertParallelExperts(experts, dist.group.WORLD, num_experts)
-    return moe
-
-
 def expert_parallel_moe(rank: int, ep: int, norm_topk_prob: bool = True) -> MoE:
     """make_moe's layer with its experts sharded: this rank holds E / ep of them."""
     return shard_experts(make_moe(norm_topk_prob=norm_topk_prob), rank, ep)
@@ -239,7 +227,6 @@ def check_expert_parallel_on_two_ranks() -> None:
 
 
 def test_expert_parallel_forced_balance_equals_one_process_and_compiles_once():
-    from test_parallel import spawn
     spawn(2, check_expert_parallel_on_two_ranks)
 
 
@@ -444,5 +431,5 @@ def check_expert_parallel_padded_with_idle_experts() -> None:
 
 
 def test_expert_parallel_with_padded_groups_and_idle_experts_equals_one_process():
-    from test_parallel import spawn
+    from helpers import spawn
     spawn(2, check_expert_parallel_padded_with_idle_experts)

@@ -1,6 +1,6 @@
 """muon.py against a plain per-matrix reference written from its contract (the module docstring):
 the Newton-Schulz iteration, which parameters it takes, and whole optimizer steps; on two ranks with
-FSDP and expert parallelism in tests/test_parallel.py (muon_matches_plain)."""
+FSDP and expert parallelism."""
 
 import math
 
@@ -9,10 +9,9 @@ import torch
 
 import train
 from config import OptimSection
-from model import FlintConfig, build_model
-from conftest import assert_weights_match, give_same_gradients, run_debug, train_losses
+from helpers import (assert_close_to_scale, assert_weights_match, build, give_same_gradients, only, run_debug, spawn,
+                     tiny_config, train_losses)
 from muon import newton_schulz, takes_muon
-from conftest import assert_close_to_scale
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MUON = OptimSection(name="muon", lr=1e-3, muon_lr=0.05, muon_momentum=0.9, weight_decay=0.1, beta1=0.8, beta2=0.9,
@@ -46,8 +45,13 @@ def test_newton_schulz_matches_the_plain_iteration_and_orthogonalises(shape):
     assert singular.min() > 0.5 and singular.max() < 1.3  # the quintic's band around 1, not exactly 1
 
 
+# Against Flint's names, and with every parameter trainable (the plain reference steps them all).
+FLINT = only("flint")
+
+
+@FLINT
 def test_muon_takes_the_block_matrices_and_experts_only():
-    model = build_model(FlintConfig.from_name("tiny", num_hidden_layers=3))
+    model = build(tiny_config("flint", num_hidden_layers=3))
     taken = {name for name, param in model.named_parameters() if takes_muon(name, param)}
     assert "layers.2.mlp.experts.gate_up_proj" in taken and "layers.0.self_attn.q_proj.weight" in taken
     assert not {"embed_tokens.weight", "lm_head.weight", "layers.2.mlp.router.weight",
@@ -83,14 +87,32 @@ def muon_matches_plain(model: torch.nn.Module, reference: torch.nn.Module, steps
     assert_weights_match(model, references, rtol=1e-5)
 
 
+@FLINT
 def test_muon_steps_like_the_plain_reference():
-    config = FlintConfig.from_name("tiny", num_hidden_layers=3)
-    muon_matches_plain(build_model(config, seed=0), build_model(config, seed=0))
+    config = tiny_config("flint", num_hidden_layers=3)
+    muon_matches_plain(build(config), build(config))
+
+
+def check_muon_on_shards(layouts: list[dict]) -> None:
+    from parallel import ParallelConfig, build_mesh, parallelize
+    config = tiny_config("flint")
+    for layout in layouts:
+        cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
+        pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
+        muon_matches_plain(pm.module, build(config))
+
+
+@FLINT
+def test_muon_steps_like_the_plain_reference_on_two_ranks():
+    """FSDP 2 (every matrix sharded on its rows: gathered, orthogonalised whole, re-sharded) and
+    EP 2 (each rank orthogonalises its own experts' matrices, no communication)."""
+    spawn(2, check_muon_on_shards, [{"dp_shard": 2}, {"ep": 2, "dp_shard": 1}])
 
 
 def test_a_muon_run_saves_and_resumes_exactly(tmp_path):
     """train.py with [optim] name = "muon": the momentum buffers and AdamW states go through the
-    checkpoint, so a resume from step 2 gives the uninterrupted losses of steps 3 and 4 bit for bit."""
+    checkpoint, so a resume from step 2 gives the uninterrupted losses of steps 3 and 4 bit for bit
+    (the optimizer's machinery: the first registered family)."""
     import shutil
     common = ["--optim.name=muon", "--training.steps=4", "--logging.every=1", "--checkpoint.every=2",
               "--checkpoint.keep_last=2", "--training.sample_tokens=0"]

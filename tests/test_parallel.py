@@ -6,159 +6,18 @@ every gradient, the clipped gradient norm and a few optimizer steps. Larger comb
 FLINT_SLOW=1 python -m pytest tests/test_parallel.py.
 """
 
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from conftest import exit_now
-from large4 import Large4Config, MistralLarge4
-from model import FlintConfig, build_model
-from registry import model_class
+from helpers import (FAMILY_NAMES, LR, MAX_NORM, PLAIN_INIT_OVERRIDES, SEQ, STEPS, adamw_matches_plain, build,
+                     check_layouts, close, full, in_process_group, make_batch, only, reference_run, rows_of_this_rank,
+                     slow, spawn, tiny_config)
+from registry import FAMILIES, family, model_class
 from parallel import ParallelConfig, build_mesh, close_distributed, cp_token_index, init_weights, parallelize
-from test_large4 import randomized
-from test_train import adamw_matches_plain
-from conftest import assert_close_to_scale
-
-SLOW = os.environ.get("FLINT_SLOW") == "1"
-slow = pytest.mark.skipif(not SLOW, reason="larger layouts: run with FLINT_SLOW=1")
-BATCH, SEQ = 4, 16
-LARGE4_SHARING = [0, 1, 1, 3, 1, 5, 5, 3]  # kv_source_layers of tiny_config("large4")
-STEPS, LR, MAX_NORM = 3, 1e-2, 0.05
-
-
-# ----------------------------------------------------------------------------- harness
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, fn, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        fn(*args)
-    finally:
-        close_distributed()
-    exit_now()
-
-
-def spawn(world: int, fn, *args) -> None:
-    """Run fn(*args) in `world` gloo processes; an exception in any of them fails the test."""
-    mp.spawn(_worker, args=(world, _free_port(), fn, args), nprocs=world)
-
-
-def tiny_config(family: str = "flint", **overrides) -> FlintConfig | Large4Config:
-    if family == "large4":
-        # 8 layers: dense 0, MoE 1-7, NoPE 3 and 7; layers 1 and 5 both produce the RoPE latent
-        # (2 and 4 read 1, 6 reads 5) and 7 reads 3; full indexers at 0, 1, 3, 5, 7, shared at the
-        # others. So a 2-stage pipeline (0-3 | 4-7) carries a rotated key (1's, to 4) and a NoPE
-        # latent (3's, to 7) across its boundary. index_topk 4: queries of make_batch's documents
-        # (7 and 6 tokens) see up to 7 keys, so the selections drop keys and differ between layers
-        # (with 8 each would hold every visible key).
-        return Large4Config.from_name("large4-parity", **{"index_topk": 4, "kv_source_layers": LARGE4_SHARING,
-                                                          **overrides})
-    # 4 layers: dense 0-1, MoE 2-3; full attention at 0, 1, 3, sliding (window 9) at 2.
-    return FlintConfig.from_name("tiny", num_hidden_layers=4, **overrides)
-
-
-def build(config, seed: int = 0, plain: bool = False):
-    """The seeded single-process model of either family. Large 4's has every parameter random
-    (identity pieces hide bugs) and an indexer without ties at the top-k boundary, unless `plain`:
-    the init of build_model (and of a meta build, init_weights)."""
-    if isinstance(config, Large4Config) and not plain:
-        return randomized(config, seed)
-    return build_model(config, seed=seed, model_class=model_class(config))
-
-
-# Checkpoint tests start from the plain init, under which Large 4's indexer has ties at the top-k
-# boundary: there, every key is selected (index_topk = SEQ), so the indexer is skipped.
-PLAIN_INIT_OVERRIDES = {"flint": {}, "large4": {"index_topk": SEQ}}
-
-
-def make_batch(seed: int = 0, vocab: int = 256):
-    """Two packed documents and padding per row, the same pattern in every row, so each
-    data-parallel share holds the same number of loss tokens (mean of means = mean)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
-    doc_ids = torch.tensor([0] * 7 + [1] * 6 + [-1] * 3).expand(BATCH, SEQ).clone()
-    targets = torch.full_like(ids, -100)
-    targets[:, :-1] = ids[:, 1:]
-    targets[(doc_ids < 0) | (doc_ids != torch.roll(doc_ids, -1, 1))] = -100
-    return ids, targets, doc_ids
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def reference_run(config, batch, plain: bool = False):
-    """Single process: the loss and gradients of step 0, then (clipped) AdamW steps' losses."""
-    model = build(config, plain=plain)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
-    losses, grads, norms = [], None, []
-    for step in range(STEPS):
-        loss = model(batch[0], batch[1], batch[2])
-        loss.backward()
-        if step == 0:  # None for frozen parameters (Large 4's indexer)
-            grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach())
-    return losses, grads, norms
-
-
-def rows_of_this_rank(mesh, batch):
-    dp, rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
-    share = BATCH // dp
-    return tuple(t[rank * share:(rank + 1) * share] for t in batch)
-
-
-def close(actual, expected, what):
-    assert_close_to_scale(actual, expected, rtol=1e-5, what=what)
-
-
-def check_layouts(layouts: list[dict], model_overrides: dict, family: str = "flint") -> list[dict]:
-    """For each [parallel] layout: step-0 loss and every gradient, the clipped norm and the losses
-    of STEPS AdamW steps equal the single-process run; frozen parameters get no gradient and no
-    optimizer state. Returns each layout's step-0 gradients (full tensors) by name."""
-    config = tiny_config(family, **model_overrides)
-    batch = make_batch(vocab=min(256, config.vocab_size))
-    ref_losses, ref_grads, ref_norms = reference_run(config, batch)
-    all_grads = []
-    for layout in layouts:
-        cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
-        mesh = build_mesh(cfg, "cpu", config.num_experts)
-        pm = parallelize(build(config), cfg, mesh)
-        optimizer = torch.optim.AdamW(pm.module.parameters(), lr=LR, foreach=False)
-        local = rows_of_this_rank(mesh, batch)
-        for step in range(STEPS):
-            loss = pm.forward_backward(*local)
-            close(loss, ref_losses[step], f"{layout} step {step} loss")
-            if step == 0:
-                names = [n for n, _ in pm.module.named_parameters()]
-                assert names and set(names) <= set(ref_grads), f"{layout}: renamed parameters {names}"
-                grads = {n: None if p.grad is None else full(p.grad) for n, p in pm.module.named_parameters()}
-                for name, grad in grads.items():
-                    if ref_grads[name] is None:
-                        assert grad is None, f"{layout}: frozen {name} got a gradient"
-                    else:
-                        close(grad, ref_grads[name], f"{layout} grad {name}")
-                all_grads.append(grads)
-            close(pm.clip_grad_norm_(MAX_NORM), ref_norms[step], f"{layout} step {step} grad norm")
-            optimizer.step()
-            optimizer.zero_grad()
-        frozen = [p for p in pm.module.parameters() if not p.requires_grad]
-        assert all(p not in optimizer.state for p in frozen), f"{layout}: optimizer state for a frozen parameter"
-    return all_grads
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -179,15 +38,17 @@ def test_config_errors_name_the_key():
 
 # ----------------------------------------------------------------------------- every layout vs one process
 
+@only("flint")
 def test_data_parallel_layouts_match_single_process():
     """FSDP, HSDP, full activation checkpointing, context parallel (the window of 9 crosses the cp
     chunks of 4 tokens; two documents and padding), and FSDP with CPU offload (its shards and the
     AdamW step in host memory: the same losses and gradients as without)."""
     spawn(2, check_layouts, [{"dp_shard": 2}, {"dp_shard": 1, "dp_replicate": 2},
                              {"dp_shard": 2, "activation_checkpointing": "full"}, {"cp": 2, "dp_shard": 1},
-                             {"dp_shard": 2, "offload": True}, {"ep": 2, "dp_shard": 1, "offload": True}], {})
+                             {"dp_shard": 2, "offload": True}, {"ep": 2, "dp_shard": 1, "offload": True}], {}, "flint")
 
 
+@only("flint")
 def test_experts_fewer_than_their_shards_split_along_dim_1_and_match_single_process():
     """Two experts over 4 FSDP ranks, and one local expert over 2 expert-data-parallel ranks: dim 0 is
     shorter than the shards, so FSDP splits dim 1 (least_padding); the same losses and gradients."""
@@ -196,17 +57,19 @@ def test_experts_fewer_than_their_shards_split_along_dim_1_and_match_single_proc
     placement = least_padding(4)
     assert placement(torch.nn.Parameter(torch.empty(2, 8, 16))) == Shard(1)
     assert placement(torch.nn.Parameter(torch.empty(8, 8, 16))) is None
-    spawn(4, check_layouts, [{"dp_shard": 4}, {"ep": 2, "dp_shard": 2}], {"num_experts": 2, "num_experts_per_tok": 1})
+    spawn(4, check_layouts, [{"dp_shard": 4}, {"ep": 2, "dp_shard": 2}], {"num_experts": 2, "num_experts_per_tok": 1},
+          "flint")
 
 
+@only("flint")
 def test_expert_and_pipeline_layouts_match_single_process():
     """Expert parallel (with selective checkpointing) and each pipeline schedule (4 stages of
     one layer for the interleaved one)."""
     spawn(2, check_layouts, [{"ep": 2, "dp_shard": 1}, {"ep": 2, "dp_shard": 1, "activation_checkpointing": "selective"}]
-          + [{"pp": 2, "dp_shard": 1, "pp_schedule": s} for s in ("GPipe", "1F1B", "Interleaved1F1B")], {})
+          + [{"pp": 2, "dp_shard": 1, "pp_schedule": s} for s in ("GPipe", "1F1B", "Interleaved1F1B")], {}, "flint")
 
 
-@pytest.mark.parametrize("family", ["flint", "large4"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_zero_bubble_pipelines_match_single_process(family):
     """ZB-V and DualPipeV: two stages per rank in a V (rank 0 holds stages 0 and 3, rank 1 stages 1
     and 2), the backward split into input and weight gradients; Large 4's stages carry latents,
@@ -225,10 +88,11 @@ def test_v_schedules_place_two_stages_per_rank_in_a_v():
 
 
 @slow
+@only("flint")
 def test_combined_layouts_four_processes():
     spawn(4, check_layouts, [{"pp": 2, "dp_shard": 2}, {"dp_replicate": 2, "ep": 2, "dp_shard": 1},
                              {"cp": 2, "ep": 2, "dp_shard": 1}, {"pp": 2, "cp": 2, "dp_shard": 1},
-                             {"pp": 2, "ep": 2, "dp_shard": 1, "pp_schedule": "GPipe"}], {})
+                             {"pp": 2, "ep": 2, "dp_shard": 1, "pp_schedule": "GPipe"}], {}, "flint")
 
 
 def check_large4_layouts(layouts: list[dict]) -> None:
@@ -240,37 +104,13 @@ def check_large4_layouts(layouts: list[dict]) -> None:
         assert (grad is None and grads[1][name] is None) or torch.equal(grad, grads[1][name]), f"AC changed {name}"
 
 
+@only("large4")
 def test_large4_layouts_match_single_process():
     """FSDP, FSDP with full activation checkpointing (bit-exact), expert parallel, a pipeline of 2
-    stages (1F1B; see test_large4_pipeline_stage_boundaries for what crosses), and context parallel
+    stages (1F1B; see tests/test_large4.py's test_pipeline_stage_boundaries for what crosses), and context parallel
     (the documents cross the cp chunks of 4 tokens; latents and indexer keys are gathered)."""
     spawn(2, check_large4_layouts, [{"dp_shard": 2}, {"dp_shard": 2, "activation_checkpointing": "full"},
                                     {"ep": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}, {"cp": 2, "dp_shard": 1}])
-
-
-def test_large4_pipeline_stage_boundaries():
-    """The tiny config's stage boundaries split what the pipeline layouts must carry: with 2 stages
-    (layers 0-3 | 4-7) layer 4 reads layer 1's RoPE latent and key and shares layer 3's selection,
-    and layer 7 reads layer 3's NoPE latent; with 4 (0-1 | 2-3 | 4-5 | 6-7) layer 2 reads layer 1's
-    RoPE latent and key and shares its selection, layer 3's latent crosses two boundaries to reach
-    layer 7, and layer 6 reads layer 5's latent and key. A dense forward (T <= index_topk) sends its
-    absent selection as [B, T, 0]."""
-    config = tiny_config("large4")
-    with torch.device("meta"):
-        stage = MistralLarge4(config)
-
-    def shapes(layer, seq_len=SEQ):
-        return [(tuple(t.shape), t.dtype, t.requires_grad) for t in stage.stage_boundary(layer, 2, seq_len, torch.bfloat16)]
-    h, table = ((2, SEQ, 64), torch.bfloat16, True), ((2, SEQ, 2), torch.float32, True)
-    latent, key = ((2, SEQ, 24), torch.bfloat16, True), ((2, SEQ, 4), torch.bfloat16, True)
-    selection = ((2, SEQ, 4), torch.int32, False)
-    assert shapes(4) == [h, table, table, latent, key, latent, selection]  # layer 1 (RoPE), layer 3 (NoPE)
-    assert shapes(2) == [h, table, table, latent, key, selection]  # layer 1
-    assert shapes(6) == [h, table, table, latent, latent, key, selection]  # layer 3, layer 5
-    assert shapes(4, seq_len=4)[-1] == ((2, 4, 0), torch.int32, False)
-    ids = torch.zeros(2, SEQ, dtype=torch.long)
-    with pytest.raises(TypeError, match="got targets twice"):  # what a first stage reads positionally
-        stage(ids, ids, targets=ids)
 
 
 def flex_layouts(layouts: list[dict], overrides: dict) -> None:
@@ -282,6 +122,7 @@ def flex_layouts(layouts: list[dict], overrides: dict) -> None:
 
 
 @slow
+@only("large4")
 def test_large4_context_parallel_variants_match_single_process():
     """Context parallel with full checkpointing; dense (index_topk = SEQ); with the flex backend
     (selection bitmaps of this rank's queries; the document mask of its positions), and a flex pipeline."""
@@ -292,6 +133,7 @@ def test_large4_context_parallel_variants_match_single_process():
 
 
 @slow
+@only("large4")
 def test_large4_pipeline_schedules_match_single_process():
     """Interleaved1F1B (2 stages of 2 layers per rank) and GPipe, with sparse (SEQ > index_topk)
     and dense (index_topk = SEQ: the empty selection crosses) attention, and 1F1B with full
@@ -303,6 +145,7 @@ def test_large4_pipeline_schedules_match_single_process():
 
 
 @slow
+@only("large4")
 def test_large4_layouts_four_processes():
     """HSDP (replicate 2 x shard 2), FSDP 2 x EP 2 with selective checkpointing, PP 2 x FSDP 2,
     PP 2 x CP 2 (1F1B and Interleaved1F1B: gathered latents cross stage boundaries), CP 2 x EP 2."""
@@ -314,13 +157,12 @@ def test_large4_layouts_four_processes():
 
 
 def test_pipeline_and_context_parallel_need_a_forward_that_serves_them():
-    """Both models' forwards serve them (parallel_dims); a model whose forward does not is refused
+    """Every family's forward serves them (parallel_dims); a model whose forward does not is refused
     before any work, with the key named. No class is ever swapped: the forward that trains is the
     one a reader reads."""
-    from model import Flint
     from parallel import unsupported_layout
-    assert unsupported_layout(ParallelConfig(pp=2, cp=2), MistralLarge4) is None
-    assert unsupported_layout(ParallelConfig(pp=2, cp=2), Flint) is None
+    for name in FAMILIES:
+        assert unsupported_layout(ParallelConfig(pp=2, cp=2), family(name).model) is None, name
 
     class Plain(torch.nn.Module):
         """A model that declares no parallel_dims."""
@@ -361,11 +203,11 @@ def dtypes_in_use(pm, batch) -> dict[str, set]:
 
 
 def check_fp32_units_under_bf16(layout: dict) -> None:
-    """With a BF16 bulk policy the sinks, routers and head are gathered and computed in FP32."""
-    config = tiny_config()
+    """With a BF16 bulk policy Flint's sinks, routers and head are gathered and computed in FP32."""
+    config = tiny_config("flint")
     cfg = ParallelConfig.from_dict(layout)
     mesh = build_mesh(cfg, "cpu", config.num_experts)
-    pm = parallelize(build_model(config, seed=0), cfg, mesh)
+    pm = parallelize(build(config), cfg, mesh)
     seen = dtypes_in_use(pm, rows_of_this_rank(mesh, make_batch()))
     f32, bf16 = torch.float32, torch.bfloat16
     expected = {"sinks": {(f32, (bf16, bf16, bf16))},  # FP32 sinks; q, k, v in BF16
@@ -378,18 +220,9 @@ def check_fp32_units_under_bf16(layout: dict) -> None:
         assert param.dtype == f32 and param.grad.dtype == f32
 
 
+@only("flint")
 def test_fp32_units_under_bf16_policy():
     spawn(2, check_fp32_units_under_bf16, {"dp_shard": 2, "param_dtype": "bfloat16"})
-
-
-def in_process_group(fn, *args):
-    """fn(*args) in this process, as a process group of one (FSDP still applies its policies)."""
-    from parallel import init_distributed
-    init_distributed("gloo")
-    try:
-        return fn(*args)
-    finally:
-        close_distributed()
 
 
 def shard_with_the_bulk_policy(unit: str, monkeypatch) -> None:
@@ -405,6 +238,7 @@ def shard_with_the_bulk_policy(unit: str, monkeypatch) -> None:
     monkeypatch.setattr(parallel, "fully_shard", bulk_for_unit)
 
 
+@only("flint")
 @pytest.mark.parametrize("unit", ["Sinks", "Router"])
 def test_fp32_unit_check_fails_when_a_unit_gets_the_bulk_policy(unit, monkeypatch):
     """The Flint check above can fail: shard one kind of FP32 unit with the bulk policy instead."""
@@ -413,19 +247,21 @@ def test_fp32_unit_check_fails_when_a_unit_gets_the_bulk_policy(unit, monkeypatc
         in_process_group(check_fp32_units_under_bf16, {"param_dtype": "bfloat16"})
 
 
+@only("flint")
 def test_fp32_residual_stream_under_bf16_policy():
     """residual_dtype = "float32" under the BF16 bulk policy: every block receives the residual
     stream in FP32 (the policy casts no block inputs), and the RoPE tables stay FP32 either way."""
     f32, bf16 = torch.float32, torch.bfloat16
 
     def residual_dtypes(residual_dtype):
-        config, cfg = tiny_config(residual_dtype=residual_dtype), ParallelConfig(param_dtype="bfloat16")
-        pm = parallelize(build_model(config, seed=0), cfg, build_mesh(cfg, "cpu", config.num_experts))
+        config, cfg = tiny_config("flint", residual_dtype=residual_dtype), ParallelConfig(param_dtype="bfloat16")
+        pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
         return dtypes_in_use(pm, make_batch())["block"]
     assert in_process_group(residual_dtypes, "float32") == {(f32, f32)}
     assert in_process_group(residual_dtypes, None) == {(bf16, f32)}
 
 
+@only("flint")
 def test_the_view_warning_filter_matches_what_fsdp_raises():
     """parallel.py silences FSDP2's view warning for a dense block's Sinks unit (banded attention returns
     a view): its pattern matches each such warning a BF16 FSDP step raises (FSDP2 renames the classes)."""
@@ -435,9 +271,10 @@ def test_the_view_warning_filter_matches_what_fsdp_raises():
 
     def view_warnings() -> list[str]:
         # Layer 1 is dense and sliding; 20 tokens > 2 x (window 9 - 1) take the banded path.
-        config = tiny_config(layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"])
+        config = tiny_config("flint", layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                                   "full_attention"])
         cfg = ParallelConfig(param_dtype="bfloat16")
-        pm = parallelize(build_model(config, seed=0), cfg, build_mesh(cfg, "cpu", config.num_experts))
+        pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
         ids = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -487,10 +324,12 @@ def check_large4_fp32_units(layout: dict) -> None:
     assert all(dtypes == {torch.bfloat16} for dtypes in bulk.values()), f"bulk: {bulk}"
 
 
+@only("large4")
 def test_large4_fp32_units_under_bf16_policy():
     in_process_group(check_large4_fp32_units, {"param_dtype": "bfloat16"})
 
 
+@only("large4")
 @pytest.mark.parametrize("unit", ["Router", "FP32LayerNorm", "LeRoPE", "Head"])
 def test_large4_fp32_unit_check_fails_under_the_bulk_policy(unit, monkeypatch):
     """The check above can fail: the FP32 unit holding a `unit` module is sharded with the bulk policy."""
@@ -499,6 +338,7 @@ def test_large4_fp32_unit_check_fails_under_the_bulk_policy(unit, monkeypatch):
         in_process_group(check_large4_fp32_units, {"param_dtype": "bfloat16"})
 
 
+@only("large4")
 @pytest.mark.parametrize("unit", ["router", "weights_proj", "k_norm", "rotary"])
 def test_large4_fp32_unit_check_fails_when_a_unit_is_not_declared(unit, monkeypatch):
     """... and fails when the model leaves `unit` out of its FP32 modules (it joins a bulk unit)."""
@@ -529,11 +369,11 @@ def meta_built(config, layout: dict, seed: int):
     return pm, mesh
 
 
-def check_meta_init(layouts: list[dict], family: str = "flint") -> None:
+def check_meta_init(layouts: list[dict], family: str) -> None:
     """Every parameter, gathered, equals the single-process build_model init bit for bit; under
     pp the stages' parameters together are all of them. vocab 263 shards unevenly (FSDP pads)."""
     config = tiny_config(family, vocab_size=263)
-    expected = build_model(config, seed=5, model_class=model_class(config)).state_dict()
+    expected = build(config, seed=5, plain=True).state_dict()
     for layout in layouts:
         pm, mesh = meta_built(config, layout, seed=5)
         names = [n for n, _ in pm.module.named_parameters()]
@@ -547,17 +387,19 @@ def check_meta_init(layouts: list[dict], family: str = "flint") -> None:
         assert all(not b.is_meta and not b.any() for b in pm.module.buffers())
 
 
+@only("flint")
 def test_meta_init_matches_one_process():
     """A group of one (no sharding), then FSDP 2, EP 2 and PP 2."""
     from parallel import init_distributed
     init_distributed("gloo")
     try:
-        check_meta_init([{}])
+        check_meta_init([{}], "flint")
     finally:
         close_distributed()
-    spawn(2, check_meta_init, [{"dp_shard": 2}, {"ep": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}])
+    spawn(2, check_meta_init, [{"dp_shard": 2}, {"ep": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}], "flint")
 
 
+@only("large4")
 def test_large4_meta_init_matches_one_process():
     """Large 4 built on meta in a group of one (HSDP and FSDP x EP: the slow checkpoint test; PP 2:
     the slow test below)."""
@@ -565,6 +407,7 @@ def test_large4_meta_init_matches_one_process():
 
 
 @slow
+@only("large4")
 def test_large4_pipeline_meta_init_matches_one_process():
     """PP 2 (alpha and the embedding on the first stage only) and PP 2 x 2 stages per rank."""
     spawn(2, check_meta_init, [{"pp": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B"}],
@@ -574,7 +417,7 @@ def test_large4_pipeline_meta_init_matches_one_process():
 # ----------------------------------------------------------------------------- the optimizer on shards
 
 def check_optimizer_on_shards(layouts: list[dict]) -> None:
-    config = tiny_config()
+    config = tiny_config("flint")  # a model without frozen parameters, which plain AdamW would step
     for layout in layouts:
         cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
         pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
@@ -583,21 +426,7 @@ def check_optimizer_on_shards(layouts: list[dict]) -> None:
         adamw_matches_plain(pm.module, build(config))
 
 
-def check_muon_on_shards(layouts: list[dict]) -> None:
-    from test_muon import muon_matches_plain
-    config = tiny_config()
-    for layout in layouts:
-        cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
-        pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
-        muon_matches_plain(pm.module, build(config))
-    
-
-def test_muon_steps_like_the_plain_reference_on_two_ranks():
-    """FSDP 2 (every matrix sharded on its rows: gathered, orthogonalised whole, re-sharded) and
-    EP 2 (each rank orthogonalises its own experts' matrices, no communication)."""
-    spawn(2, check_muon_on_shards, [{"dp_shard": 2}, {"ep": 2, "dp_shard": 1}])
-
-
+@only("flint")
 def test_the_optimizer_steps_like_plain_adamw_on_shards():
     """train.build_optimizer's fused AdamW on FSDP DTensors (FP32 master weights of a BF16 policy,
     in a group of one) gives the weights of a plain AdamW on plain tensors."""
@@ -605,6 +434,7 @@ def test_the_optimizer_steps_like_plain_adamw_on_shards():
 
 
 @slow
+@only("flint")
 def test_the_optimizer_steps_like_plain_adamw_on_two_ranks():
     """... and on FSDP and expert-parallel shards of two ranks (Shard and _StridedShard)."""
     spawn(2, check_optimizer_on_shards, [{"dp_shard": 2}, {"ep": 2, "dp_shard": 1}])
@@ -631,7 +461,7 @@ def load_training_state(pm, optimizer, path: str) -> None:
     set_optimizer_state_dict(pm.module, optimizer, state["optimizer"])
 
 
-def check_checkpoint_across_layouts(path: str, family: str = "flint") -> None:
+def check_checkpoint_across_layouts(path: str, family: str) -> None:
     """FSDP 2 x EP 2 matches one process, saves after one step; FSDP 4 loads it (model and
     optimizer) and its next steps track the single-process losses. Models built on meta."""
     check_layouts([{"dp_shard": 2, "ep": 2}], {}, family)
@@ -661,8 +491,10 @@ def check_checkpoint_across_layouts(path: str, family: str = "flint") -> None:
         close(step(pm, optimizer, local), ref_losses[index], f"resumed with FSDP 4, step {index} loss")
 
 
-@pytest.mark.parametrize("family", ["flint", pytest.param("large4", marks=slow)])
+@pytest.mark.parametrize("family", [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=slow)
+                                    for name in FAMILY_NAMES])
 def test_checkpoint_resumes_across_layouts(tmp_path, family):
+    """The first family in the suite, the others with FLINT_SLOW=1 (4 processes, about a minute each)."""
     spawn(4, check_checkpoint_across_layouts, str(tmp_path / "ckpt"), family)
     check_single_process_load(str(tmp_path / "ckpt"), family)
 
@@ -689,6 +521,7 @@ def check_pipeline_checkpoint(path: str, family: str) -> None:
 
 
 @slow
+@only("large4")
 def test_large4_pipeline_checkpoint_resumes_in_context_parallel_and_one_process(tmp_path):
     spawn(2, check_pipeline_checkpoint, str(tmp_path / "ckpt"), "large4")
     check_single_process_load(str(tmp_path / "ckpt"), "large4")
@@ -724,11 +557,11 @@ def check_single_process_load(path: str, family: str) -> None:
 def compiled_and_eager(layout: dict, batch) -> list[tuple]:
     """parallelize's eager, then compiled, blocks (torch.compile as the caller set it) in this
     process group -> [(loss, full gradients by name, graph breaks)] for each."""
-    config = FlintConfig.from_name("tiny", num_hidden_layers=2, mlp_only_layers=[0])  # dense, MoE
+    config = tiny_config("flint", num_hidden_layers=2, mlp_only_layers=[0])  # dense, MoE
     results = []
     for compile in (False, True):
         cfg = ParallelConfig.from_dict({**layout, "compile": compile})
-        pm = parallelize(build_model(config, seed=0), cfg, build_mesh(cfg, "cpu", config.num_experts))
+        pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
         torch._dynamo.utils.counters.clear()
         loss = pm.forward_backward(*rows_of_this_rank(pm.mesh, batch))
         counters = torch._dynamo.utils.counters
@@ -753,6 +586,7 @@ def assert_compiled_matches_eager(results, rtol: float = 1e-5, atol: float = 1e-
                                    msg=lambda m: f"compiled grad {name}: {m}")
 
 
+@only("flint")
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=slow)])
 def test_compiled_blocks_match_eager(backend, monkeypatch):
     """parallelize's compile path (one process in a group of one, FP32): the loss and every
@@ -774,6 +608,7 @@ def check_compiled_fp32_fsdp_is_whole() -> None:
 
 
 @slow
+@only("flint")
 def test_compiled_blocks_under_fp32_fsdp_are_whole():
     """FSDP over 2 processes in FP32 has no nested FP32 units: each block compiles to one graph
     (fullgraph=True) and matches the eager blocks."""
@@ -783,9 +618,9 @@ def test_compiled_blocks_under_fp32_fsdp_are_whole():
 def gradients_after_an_evaluation(evaluate: bool) -> dict[str, torch.Tensor]:
     """A BF16 FSDP model (a group of one): a step, optionally an evaluation, then the gradients of
     the next batch's forward and backward."""
-    config = FlintConfig.from_name("tiny", num_hidden_layers=2, mlp_only_layers=[0])
+    config = tiny_config("flint", num_hidden_layers=2, mlp_only_layers=[0])
     cfg = ParallelConfig(param_dtype="bfloat16")
-    pm = parallelize(build_model(config, seed=0), cfg, build_mesh(cfg, "cpu", config.num_experts))
+    pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
     pm.forward_backward(*make_batch(0))
     if evaluate:
         pm.loss(*make_batch(0))
@@ -794,6 +629,7 @@ def gradients_after_an_evaluation(evaluate: bool) -> dict[str, torch.Tensor]:
     return {name: full(param.grad) for name, param in pm.module.named_parameters()}
 
 
+@only("flint")
 def test_an_evaluation_leaves_the_next_gradients_alone():
     """The head's FSDP unit stays gathered after forward (reshard_after_forward=False); after a
     forward under no_grad, FSDP2 once doubled its gradient in the next backward (train.py evaluates

@@ -1,18 +1,21 @@
-"""pipeline.py: a model's stages and the view of a rank's stages (the schedules run in test_parallel.py)."""
+"""pipeline.py: a model's stages and the view of a rank's stages (the schedules run in test_parallel.py,
+for every family). The stages here are cut from Flint, whose layer count is free."""
 
 import pytest
 import torch
 
-from model import FlintConfig
-from model import Flint
+from helpers import only, tiny_config
 from pipeline import SCHEDULES, V_SCHEDULES, merged_view, pipeline_stage
+from registry import model_class
 
 
-def meta_flint(layers: int) -> Flint:
+def meta_flint(layers: int) -> torch.nn.Module:
+    config = tiny_config("flint", num_hidden_layers=layers)
     with torch.device("meta"):
-        return Flint(FlintConfig.from_name("tiny", num_hidden_layers=layers))
+        return model_class(config)(config)
 
 
+@only("flint")
 def test_stages_split_the_layers_contiguously_with_the_embedding_first_and_the_head_last():
     model = meta_flint(7)
     stages = [pipeline_stage(model, s, 3) for s in range(3)]
@@ -22,6 +25,7 @@ def test_stages_split_the_layers_contiguously_with_the_embedding_first_and_the_h
     assert len(model.layers) == 7  # the model itself is left whole
 
 
+@only("flint")
 def test_a_rank_s_stages_keep_the_native_parameter_names():
     model = meta_flint(4)
     names = {name for name, _ in model.named_parameters()}
@@ -32,6 +36,7 @@ def test_a_rank_s_stages_keep_the_native_parameter_names():
     assert merged_view([first]) is first
 
 
+@only("flint")
 def test_more_stages_than_layers_is_refused():
     with pytest.raises(ValueError, match="3 pipeline stages need at least as many layers, got 2"):
         pipeline_stage(meta_flint(2), 0, 3)

@@ -12,7 +12,8 @@ import torch
 
 import tools.planner as planner
 from config import ConfigError
-from model import FlintConfig
+from helpers import only
+from registry import family
 from tools.op_trace import OpCost, trace_step
 from parallel import ParallelConfig
 from tools.planner import GPUS, Pricing, attention_flops_per_token, expert_parallel_item, fsdp_items, unit_bytes
@@ -21,11 +22,15 @@ ROOT = Path(__file__).resolve().parent.parent
 SLOW = os.environ.get("FLINT_SLOW") == "1"
 
 
+# Counted by hand for Flint (its fields and configs); Large 4's attention core below.
+FLINT = only("flint")
+
+
 def tiny():
-    return FlintConfig.from_name("tiny")  # 6 layers (0, 1 dense), 8 experts top 2, window 9
+    return family("flint").config.from_name("tiny")  # 6 layers (0, 1 dense), 8 experts top 2, window 9
 
 
-def matrices_per_token(c: FlintConfig) -> int:
+def matrices_per_token(c) -> int:
     """Active matrix weights one token meets, from the config's fields: attention, dense MLP or
     router + top-k experts + shared expert, and the head (the embedding is a lookup, no FLOPs)."""
     attention = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
@@ -36,6 +41,7 @@ def matrices_per_token(c: FlintConfig) -> int:
     return c.num_hidden_layers * attention + layers + c.vocab_size * c.hidden_size
 
 
+@FLINT
 def test_traced_flops_of_a_tiny_flint_equal_the_hand_formula():
     """One FP32 step, no recompute, no padding: the matmuls outside attention are 6 FLOPs per active
     weight per token (2 forward, 4 backward; the head's three in its fused loss); the CPU attention
@@ -55,6 +61,7 @@ def test_traced_flops_of_a_tiny_flint_equal_the_hand_formula():
     assert core == pytest.approx(14 * c.num_attention_heads * c.head_dim * keys * tokens, rel=1e-9)
 
 
+@FLINT
 def test_model_attention_flops_are_the_keys_each_query_attends():
     """What a GPU's flex kernel computes per token: 12 * Hq * D per attended key, (i + 1) keys at
     position i on full layers, min(i + 1, window) on sliding ones."""
@@ -64,6 +71,7 @@ def test_model_attention_flops_are_the_keys_each_query_attends():
     assert attention_flops_per_token(c, seq_len) == pytest.approx(12 * c.num_attention_heads * c.head_dim * attended)
 
 
+@FLINT
 def test_collectives_of_a_stated_layout_equal_the_hand_count():
     """4 GPUs of one H100 node, dp_shard = 2 x ep = 2, BF16. Per MoE block, FSDP gathers the
     non-expert weights (BF16; sinks and router FP32) over all 4 GPUs and this rank's half of the
@@ -103,6 +111,7 @@ def test_head_matmuls_run_at_the_head_precision():
         planner.head_precision(SimpleNamespace(head_precision="fp64"))
 
 
+@FLINT
 def test_command_prints_tokens_mfu_and_the_ten_costliest(capsys, monkeypatch):
     """A released config (4 layers, short sequences, to stay fast), then the CPU device on a tiny preset."""
     monkeypatch.chdir(ROOT)
@@ -117,6 +126,7 @@ def test_command_prints_tokens_mfu_and_the_ten_costliest(capsys, monkeypatch):
     assert "cpu (test), one GPU ac=none" in capsys.readouterr().out and cpu.step_seconds > 0
 
 
+@FLINT
 def test_bad_gpu_and_missing_config_are_one_line_errors(monkeypatch):
     monkeypatch.chdir(ROOT)
     with pytest.raises(ConfigError, match=r"--gpu: unknown GPU 'A100'; choose one of H100, H200, B200 or cpu"):
@@ -129,6 +139,7 @@ def test_bad_gpu_and_missing_config_are_one_line_errors(monkeypatch):
 
 
 @pytest.mark.skipif(not SLOW, reason="the released Flint's traces: about two minutes on 2 busy cores; FLINT_SLOW=1")
+@FLINT
 def test_released_flint_step_is_its_model_flops_plus_at_most_one_recomputed_forward():
     """configs/flint-8gpu.toml in BF16 at 1,024 tokens: without checkpointing, the traced matmuls outside
     attention are 6 FLOPs per weight that model.flops_per_token counts beside attention; full
@@ -146,12 +157,12 @@ def test_released_flint_step_is_its_model_flops_plus_at_most_one_recomputed_forw
     assert 0.9 * 2 * block_weights <= traced("full") - traced("none") <= 2 * block_weights
 
 
+@only("large4")
 def test_large4_dense_scores_are_the_attention_core_a_gpu_replaces():
     """Mistral Large 4's CPU path materialises [B, H, T, S] scores: on a GPU those ops give way to the
     flex kernel, whose FLOPs (LARGE4.md section 6.3) are 6 * heads * (qk + v) per attended key per layer,
     plus the indexers' 2 * Hi * Di per scored key (T + 1) / 2 on full-indexer layers."""
-    from large4_config import Large4Config
-    c, seq_len = Large4Config.from_name("large4-tiny"), 48
+    c, seq_len = family("large4").config.from_name("large4-tiny"), 48
     costs = trace_step(c, 2, seq_len, torch.bfloat16, "none")
     score_ops = {cost.op for cost in costs if cost.attention_core}
     assert {"bmm", "_softmax"} <= score_ops

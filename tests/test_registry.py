@@ -2,6 +2,7 @@
 declared interface (ModelConfig, Model) that every registered family's config and model satisfy."""
 
 import inspect
+import tomllib
 import subprocess
 import sys
 import typing
@@ -11,11 +12,11 @@ import torch
 
 import registry
 from registry import FAMILIES, Model, ModelConfig, config_from_hf, family, family_of, family_of_hf_config, model_class
-from conftest import ROOT, TINY_PRESETS
+from helpers import ROOT, debug_configs, tiny_preset
 
 
 def tiny(name: str):
-    return family(name).config.from_name(TINY_PRESETS[name])
+    return family(name).config.from_name(tiny_preset(name))
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -27,6 +28,14 @@ def test_each_family_is_found_from_its_config_and_its_config_json(name):
     assert family_of_hf_config(hf) == name and config_from_hf(hf).to_hf_config() == hf
 
 
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_each_family_has_a_debug_config_that_trains_its_smallest_preset(name):
+    """What the tests train of each family (tests/helpers.py finds a family's configs/*debug.toml by the
+    family it names); tools.bench --quick times the same preset."""
+    model = tomllib.loads(debug_configs()[name].read_text())["model"]
+    assert model["preset"] == family(name).smallest_preset
+
+
 def test_an_unknown_model_type_names_the_file(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}: model_type 'llama' is not one of"):
@@ -34,7 +43,7 @@ def test_an_unknown_model_type_names_the_file(tmp_path):
 
 
 def test_an_unknown_family_is_refused_naming_the_registered_ones():
-    with pytest.raises(ValueError, match=r"unknown model family 'llama'; choose one of flint"):
+    with pytest.raises(ValueError, match=rf"unknown model family 'llama'; choose one of {', '.join(FAMILIES)}$"):
         family("llama")
 
 

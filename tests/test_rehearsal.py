@@ -11,10 +11,11 @@ import torch
 import tools.rehearsal as rehearsal
 import train
 from config import load_config
-from model import FlintConfig
-from large4_config import Large4Config
-from model import Flint as FlintModel
+from helpers import DEFAULT_FAMILY, debug_configs, only
+from registry import family, model_class
 from tools.rehearsal import GIB, PeakMemory, RehearsalError
+
+FLINT, LARGE4 = only("flint"), only("large4")  # their own configs and numbers; the rest rehearse the debug config
 
 MIB = 2 ** 20
 
@@ -37,19 +38,21 @@ def test_peak_memory_counts_each_storage_once_and_follows_frees_and_resizes():
     assert tracker.largest_at_peak(1)[0][0] == "start: aten.zeros.default"
 
 
-def rehearse_tiny(tmp_path, capsys, *overrides: str, world: int = 4, steps: int = 1, config: str = "debug") -> dict:
-    cfg = load_config(f"configs/{config}.toml", [f"--checkpoint.dir={tmp_path}/ck", f"--logging.jsonl={tmp_path}/m.jsonl",
-                                                 "--parallel.activation_checkpointing=full", *overrides])
+def rehearse_tiny(tmp_path, capsys, *overrides: str, world: int = 4, steps: int = 1, config: str = "") -> dict:
+    """A rehearsal of configs/{config}.toml (by default the debug config of the first registered family)."""
+    path = f"configs/{config}.toml" if config else debug_configs()[DEFAULT_FAMILY]
+    cfg = load_config(path, [f"--checkpoint.dir={tmp_path}/ck", f"--logging.jsonl={tmp_path}/m.jsonl",
+                             "--parallel.activation_checkpointing=full", *overrides])
     result = rehearsal.rehearse(cfg, world, rank=world - 1, steps=steps)
     result["printed"] = capsys.readouterr().out
     return result
 
 
 @pytest.mark.parametrize("config, layout, world, mesh", [
-    ("debug", ["--parallel.ep=2"], 4, "dp_shard 2 x ep 2"),
-    ("debug", ["--parallel.pp=2"], 4, "pp 2 x dp_shard 2"),
-    ("debug", ["--parallel.cp=2", "--parallel.ep=2"], 4, "ep 2 x cp 2"),
-    ("large4-smoke", ["--parallel.pp=2", "--training.steps=10"], 2, "pp 2")])
+    pytest.param("debug", ["--parallel.ep=2"], 4, "dp_shard 2 x ep 2", marks=FLINT),
+    pytest.param("debug", ["--parallel.pp=2"], 4, "pp 2 x dp_shard 2", marks=FLINT),
+    pytest.param("debug", ["--parallel.cp=2", "--parallel.ep=2"], 4, "ep 2 x cp 2", marks=FLINT),
+    pytest.param("large4-smoke", ["--parallel.pp=2", "--training.steps=10"], 2, "pp 2", marks=LARGE4)])
 def test_a_tiny_job_is_rehearsed_on_a_fake_world_of_its_size(tmp_path, capsys, config, layout, world, mesh):
     result = rehearse_tiny(tmp_path, capsys, *layout, world=world, steps=2, config=config)
     printed = result["printed"]
@@ -74,13 +77,14 @@ def drawn_peak_gib(picture) -> float:
 
 def test_train_py_dry_run_exits_zero(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
-        train.main(["--config", "configs/debug.toml", "--dry-run", "--world-size=2", f"--checkpoint.dir={tmp_path}/ck",
-                    f"--logging.jsonl={tmp_path}/m.jsonl"])
+        train.main(["--config", str(debug_configs()[DEFAULT_FAMILY]), "--dry-run", "--world-size=2",
+                    f"--checkpoint.dir={tmp_path}/ck", f"--logging.jsonl={tmp_path}/m.jsonl"])
     assert stop.value.code == 0
     assert "rehearsal rank 0 of 2: peak" in capsys.readouterr().out
     assert not (tmp_path / "ck").exists()  # a rehearsal writes no checkpoint
 
 
+@FLINT
 def test_a_layout_whose_weights_exceed_the_gpu_fails_before_its_first_step(capsys):
     cfg = load_config("configs/flint-8gpu.toml", ["--data.path=data/pretrain", "--parallel.ep=1",
                                                   "--parallel.dp_shard=1"])
@@ -92,12 +96,13 @@ def test_a_layout_whose_weights_exceed_the_gpu_fails_before_its_first_step(capsy
 def test_a_grouped_gemm_misalignment_fails_as_on_a_gpu(tmp_path, capsys, monkeypatch):
     # 12 BF16 values are 24 bytes: CUDA's grouped GEMM needs rows of a multiple of 16 bytes. The
     # config refuses this width; a model that slipped past its config check meets the kernel's own.
-    cfg = load_config("configs/debug.toml", [f"--checkpoint.dir={tmp_path}/ck"])
+    cfg = load_config(debug_configs()[DEFAULT_FAMILY], [f"--checkpoint.dir={tmp_path}/ck"])
     cfg.model_config.moe_intermediate_size = 12
     with pytest.raises(RehearsalError, match=r"moe.py:\d+, grouped_mm.*16 bytes"):
         rehearsal.rehearse(cfg, 2)
 
 
+@FLINT
 def test_an_fp32_unit_meeting_bf16_fails_as_on_a_gpu(tmp_path, capsys, monkeypatch):
     # Experts put in a block's FP32 unit are gathered in FP32 while their rows arrive in BF16: the
     # grouped GEMM refuses the mix, as it would on a GPU.
@@ -106,14 +111,14 @@ def test_an_fp32_unit_meeting_bf16_fails_as_on_a_gpu(tmp_path, capsys, monkeypat
     monkeypatch.setattr(Flint, "fp32_modules", lambda self, layer: [layer.self_attn.sinks] + (
         [layer.mlp.router, layer.mlp.experts] if isinstance(layer.mlp, MoE) else []))
     with pytest.raises(RehearsalError, match="grouped_mm.*BF16|bfloat16"):
-        rehearse_tiny(tmp_path, capsys, world=2)
+        rehearse_tiny(tmp_path, capsys, world=2, config="debug")
 
 
 def test_missing_user_data_is_reported_by_the_rehearsal_and_refused_by_the_run(tmp_path, capsys):
     result = rehearse_tiny(tmp_path, capsys, f"--data.path={tmp_path}/corpus", world=2)
     assert f"data: not checked: command line --data.path: data.path {tmp_path}/corpus does not exist" in result["printed"]
     with pytest.raises(train.ConfigError, match="python3 data.py prepare"):
-        train.main(["--config", "configs/debug.toml", f"--data.path={tmp_path}/corpus"])
+        train.main(["--config", str(debug_configs()[DEFAULT_FAMILY]), f"--data.path={tmp_path}/corpus"])
 
 
 def test_too_little_data_for_the_world_fails_the_rehearsal(tmp_path, capsys):
@@ -127,10 +132,11 @@ SLOW = os.environ.get("FLINT_SLOW") == "1"
 slow = pytest.mark.skipif(not SLOW, reason="released-size rehearsals of minutes each: FLINT_SLOW=1")
 
 
-def released_checkpoint(tmp_path, family: str) -> str:
-    """A stand-in for a released checkpoint directory: its config.json only (a rehearsal reads no weight)."""
-    config = {"flint": lambda: FlintConfig.from_name("flint"), "large4": lambda: Large4Config.from_name("large4")}[family]()
-    directory = tmp_path / f"released-{family}"
+def released_checkpoint(tmp_path, name: str) -> str:
+    """A stand-in for a released checkpoint directory: its config.json only (a rehearsal reads no weight).
+    Each family's released preset is named as the family is."""
+    config = family(name).config.from_name(name)
+    directory = tmp_path / f"released-{name}"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config.to_hf_config()))
     return str(directory)
@@ -148,6 +154,7 @@ def rehearse_config(tmp_path, capsys, name: str, world: int, *overrides: str) ->
     return result
 
 
+@FLINT
 def test_flint_8gpu_is_rehearsed_at_its_real_size(tmp_path, capsys):
     """The released Flint, 8 ranks, experts split 32 per rank, full checkpointing: what
     `torchrun --nproc-per-node 8 train.py --config configs/flint-8gpu.toml` runs on rank 0."""
@@ -157,21 +164,24 @@ def test_flint_8gpu_is_rehearsed_at_its_real_size(tmp_path, capsys):
 
 @slow
 @pytest.mark.parametrize("name, world, overrides", [
-    ("flint-multinode", 32, ()), ("flint", 8, ()), ("large4-256gpu", 256, ()),
-    ("finetune", 8, ("init_from:flint",)), ("large4", 256, ("init_from:large4",))])
+    pytest.param("flint-multinode", 32, (), marks=FLINT), pytest.param("flint", 8, (), marks=FLINT),
+    pytest.param("large4-256gpu", 256, (), marks=LARGE4),
+    pytest.param("finetune", 8, ("init_from:flint",), marks=FLINT),
+    pytest.param("large4", 256, ("init_from:large4",), marks=LARGE4)])
 def test_every_gpu_config_is_rehearsed_at_its_real_size(tmp_path, capsys, name, world, overrides):
     args = [f"--model.init_from={released_checkpoint(tmp_path, o.split(':')[1])}" for o in overrides]
     rehearse_config(tmp_path, capsys, name, world, *args)
 
 
+@FLINT  # every parameter trainable (16 bytes each)
 def test_offload_counts_the_sharded_states_in_host_memory(tmp_path, capsys):
     """[parallel] offload: the GPU's peak leaves out the shards of weights, gradients and AdamW states
     (16 bytes per trainable parameter's shard), which the rehearsal reports as host memory."""
-    on_gpu = rehearse_tiny(tmp_path / "gpu", capsys, world=2)
-    offloaded = rehearse_tiny(tmp_path / "host", capsys, "--parallel.offload=true", world=2)
+    on_gpu = rehearse_tiny(tmp_path / "gpu", capsys, world=2, config="debug")
+    offloaded = rehearse_tiny(tmp_path / "host", capsys, "--parallel.offload=true", world=2, config="debug")
     config = load_config("configs/debug.toml").model_config
     with torch.device("meta"):
-        params = FlintModel(config).num_params()
+        params = model_class(config)(config).num_params()
     assert offloaded["host_gib"] == pytest.approx(16 * params / 2 / GIB, rel=0.02)
     assert offloaded["peak_gib"] < on_gpu["peak_gib"]
     assert "GiB in host memory ([parallel] offload)" in offloaded["printed"]

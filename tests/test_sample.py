@@ -6,8 +6,8 @@ import torch
 
 import convert
 import sample
-from model import FlintConfig, build_model
-from conftest import run_debug
+from helpers import DEFAULT_FAMILY, FAMILY_NAMES, build, run_debug, tiny_config, tiny_preset
+from registry import family
 from tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -18,8 +18,10 @@ def sample_cli(capsys, *args: str) -> str:
     return capsys.readouterr().out
 
 
-def test_sample_from_a_run_a_step_and_an_export(tmp_path, capsys):
-    summary = run_debug(tmp_path, "--training.steps=2", "--checkpoint.every=1", f"--checkpoint.export_hf={tmp_path / 'hf'}")
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_sample_from_a_run_a_step_and_an_export(tmp_path, capsys, name):
+    summary = run_debug(tmp_path, "--training.steps=2", "--checkpoint.every=1",
+                        f"--checkpoint.export_hf={tmp_path / 'hf'}", family=name)
     out = capsys.readouterr().out
     assert out.index("exported the model") < out.index("sample (16 tokens")  # the export comes first
     assert summary["sample"].startswith("The ") and summary["sample"] in out  # streamed as it was drawn
@@ -60,7 +62,7 @@ def forced_logits(model, sequence: list[int]) -> None:
 
 def test_only_decodable_ids_and_whole_characters_stream():
     tokenizer = load_tokenizer("byte")
-    model = build_model(FlintConfig.from_name("tiny", vocab_size=264, num_hidden_layers=2))
+    model = build(tiny_config(DEFAULT_FAMILY, vocab_size=264), plain=True)  # any model: its decode_step is forced
     assert sample.decodable_ids(tokenizer, 264).tolist() == [True] * 257 + [False] * 7
     forced_logits(model, [*"é".encode(), ord("!"), tokenizer.eos_id, ord("x")])  # é: two bytes, two tokens
     pieces = []
@@ -81,14 +83,14 @@ def test_a_failing_sample_keeps_the_checkpoint_and_export(tmp_path, monkeypatch,
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "ckpt" / "run_0001" / "step_00000001" / ".metadata").is_file()
 
 
-def test_sample_from_a_mistral_large4_checkpoint(tmp_path, capsys):
-    """The same command and decoding loop for the other model family: greedy text equals the
-    model's own generate, from a native checkpoint (the byte tokenizer's 257 ids fit its 264)."""
-    from large4 import Large4Config, build_large4
-    config = Large4Config.from_name("large4-tiny", vocab_size=264)
-    model = build_large4(config)
-    convert.save_native(model, config, tmp_path / "large4")
-    out = sample_cli(capsys, "--checkpoint", str(tmp_path / "large4"), "--prompt", "ab", "--max-new-tokens", "6",
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_sample_from_a_native_checkpoint_is_the_models_greedy_text(tmp_path, capsys, name):
+    """The same command and decoding loop for every model family: greedy text equals the model's own
+    generate, from a native checkpoint (the byte tokenizer's 257 ids fit its 264)."""
+    config = family(name).config.from_name(tiny_preset(name), vocab_size=264)
+    model = build(config, plain=True)
+    convert.save_native(model, config, tmp_path / name)
+    out = sample_cli(capsys, "--checkpoint", str(tmp_path / name), "--prompt", "ab", "--max-new-tokens", "6",
                      "--temperature", "0")
     tokenizer = load_tokenizer("byte")
     greedy = model.generate(torch.tensor([tokenizer.encoding.encode_ordinary("ab")]), 6)[0, 2:].tolist()

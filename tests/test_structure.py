@@ -139,7 +139,7 @@ def test_only_the_registry_names_a_model_outside_its_own_files():
                  for name, _ in imports_of(path) if name in MODEL_FILES}
     assert offenders == set(), offenders
     registry = (ROOT / "registry.py").read_text()
-    assert all(f'"{family}"' in registry for family in ("model", "large4"))
+    assert all(f'"{module}"' in registry for module in ("model", "large4") if (ROOT / f"{module}.py").is_file())
 
 
 def test_no_object_changes_its_class():
@@ -168,3 +168,42 @@ def test_the_readme_is_a_readers_page_that_starts_with_the_two_commands():
 def test_every_source_file_has_its_test_file():
     missing = [path.name for path in SOURCES if not (ROOT / "tests" / f"test_{path.name}").is_file()]
     assert not missing, missing
+
+
+def test_no_test_file_imports_another_test_file_or_conftest():
+    """What test files share is in tests/helpers.py (plain functions) or conftest.py's fixtures, which pytest
+    hands out by name; so a fork that deletes one model's test files leaves every other one importable.
+    tools/gpu_check.sh, which runs tests' code on a GPU, reaches it through tests/helpers.py too."""
+    tests = sorted((ROOT / "tests").glob("*.py"))
+    offenders = [f"{path.name} imports {name}" for path in tests for name, _ in imports_of(path)
+                 if name.split(".")[0].startswith("test_") or name == "conftest"]
+    gpu_check = ROOT / "tools" / "gpu_check.sh"  # Flint's GPU checks: a fork without Flint deletes it
+    script = gpu_check.read_text() if gpu_check.is_file() else ""
+    offenders += [f"gpu_check.sh imports {name}" for name in re.findall(r"^\s*(?:from|import) (test_\w+|conftest)",
+                                                                        script, re.MULTILINE)]
+    assert not offenders, offenders
+
+
+def defined_lines(path: Path) -> dict[str, tuple[int, int]]:
+    """Qualified name (Class.method or function) -> its (first, last) line in `path`."""
+    lines = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                lines[prefix + child.name] = (child.lineno, child.end_lineno)
+                visit(child, f"{prefix}{child.name}.")
+    visit(ast.parse(path.read_text()), "")
+    return lines
+
+
+def test_the_readers_paths_name_the_lines_that_hold_them():
+    """The README's reader's paths cannot drift: each function named there spans exactly the lines given
+    beside it. A fork skips the entries of the files it deleted (README, Fork)."""
+    section = (ROOT / "README.md").read_text().split("\n## A reader's paths\n")[1].split("\n## ")[0]
+    entries = re.findall(r"`(\w+\.py)`\s+(\d+)-(\d+)\s+`([\w.]+)`", section)
+    assert len(entries) >= 20, entries
+    wrong = [f"{file} {first}-{last} {name}: it spans {defined_lines(ROOT / file).get(name)}"
+             for file, first, last, name in entries if (ROOT / file).is_file()
+             and defined_lines(ROOT / file).get(name) != (int(first), int(last))]
+    assert not wrong, wrong

@@ -1,51 +1,26 @@
 """train.py end to end on the CPU: learning, exact resume, checkpoints, errors, schedule, optimizer."""
 
-import json
 import math
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from safetensors.torch import load_file, save_file
 
 import convert
 import train
 from config import ConfigError, OptimSection
 from data import EMBEDDED_CORPUS, DataError
-from model import Flint, FlintConfig, build_model
-from parallel import close_distributed
+from helpers import (DEFAULT_FAMILY, FAMILY_NAMES, adamw_matches_plain, closing, debug_args, debug_configs,
+                     exported_tensors, moe_layers, only, records, run_debug, run_two_processes, slow, step_host_syncs,
+                     train_losses)
+from registry import config_from_hf, family
 from train import TrainingError
-from conftest import assert_weights_match, gloo_threads, debug_args, give_same_gradients, records, run_debug, train_losses
-
-ROOT = Path(__file__).resolve().parent.parent
-DEBUG = str(ROOT / "configs" / "debug.toml")
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-slow = pytest.mark.skipif(os.environ.get("FLINT_SLOW") != "1", reason="multi-process Large 4 runs: FLINT_SLOW=1")
-
-
-def _torchrun_worker(rank: int, world: int, port: int, argv: list[str], fn=None) -> None:
-    """What torchrun does for one process: the environment, then train.py's main (or fn) on argv."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    (fn or train.main)(argv)
-    left = gloo_threads()  # none may outlive the run: see parallel.close_distributed
-    assert not left, f"rank {rank}: gloo threads still running after the run: {left}"
-
-
-def run_two_processes(argv: list[str], fn=None) -> None:
-    """train.main(argv), or fn(argv), in 2 processes, as `torchrun --nproc-per-node 2` would start it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_torchrun_worker, args=(2, port, argv, fn), nprocs=2)
 
 
 def run_debug_two_processes(tmp_path: Path, *overrides: str) -> None:
@@ -60,8 +35,9 @@ def debug_schedule(step: int) -> float:
     return 3e-4 + (3e-3 - 3e-4) * (1 + math.cos(math.pi * (step - 2) / 18)) / 2
 
 
-def test_debug_config_trains_and_reports(tmp_path, capsys):
-    summary = run_debug(tmp_path, "--training.eval_every=10")
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_debug_config_trains_and_reports(tmp_path, capsys, family):
+    summary = run_debug(tmp_path, "--training.eval_every=10", family=family)
     losses = train_losses(tmp_path)
     assert sorted(losses) == [1, 5, 10, 15, 20]  # the first step is always logged
     assert losses[1] == pytest.approx(math.log(264), abs=0.1)  # untrained: uniform over the vocabulary
@@ -69,10 +45,13 @@ def test_debug_config_trains_and_reports(tmp_path, capsys):
     record = records(tmp_path)[-2]
     for key in ("lr", "grad_norm", "tokens_per_s", "mfu_percent", "memory_gib", "elapsed_s", "remaining_s"):
         assert record[key] > 0 or key == "remaining_s"
-    assert set(record["routing"]) == {"2", "3"}  # the MoE layers of a 4-layer tiny Flint
+    config = config_from_hf(tmp_path / "ckpt" / "run_0001" / "step_00000020")
+    assert set(record["routing"]) == set(moe_layers(config))  # Flint's 4-layer tiny: {"2", "3"}; Large 4's: 1-7
     assert all(v["max_load"] >= 1 >= v["min_load"] >= 0 for v in record["routing"].values())
-    # Every expert's tokens of the step's last micro-batch: 4 x 64 tokens, each routed to 2 of 8 experts.
-    assert all(len(v["tokens"]) == 8 and sum(v["tokens"]) == 4 * 64 * 2 for v in record["routing"].values())
+    # Every expert's tokens of the step's last micro-batch: 4 x 64 tokens, each routed to 2 of E experts
+    # (Flint's 8, Large 4's 4).
+    assert all(len(v["tokens"]) == config.num_experts and sum(v["tokens"]) == 4 * 64 * 2
+               for v in record["routing"].values())
     assert [r["step"] for r in records(tmp_path) if "val_loss" in r] == [10, 20]
     logged_lr = {r["step"]: r["lr"] for r in records(tmp_path) if "loss" in r}
     assert logged_lr == pytest.approx({step: debug_schedule(step) for step in losses}, rel=1e-9)
@@ -83,14 +62,16 @@ def test_debug_config_trains_and_reports(tmp_path, capsys):
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    real_forward, calls = Flint.forward, []
+    """Machinery independent of the model (the step's loss check): the first registered family."""
+    model = family(DEFAULT_FAMILY).model
+    real_forward, calls = model.forward, []
 
     def nan_on_third_call(self, *args, **kwargs):
         calls.append(1)
         loss = real_forward(self, *args, **kwargs)
         return loss * float("nan") if len(calls) == 3 else loss
 
-    monkeypatch.setattr(Flint, "forward", nan_on_third_call)
+    monkeypatch.setattr(model, "forward", nan_on_third_call)
     with pytest.raises(TrainingError, match=r"step 3: the training loss is nan.*step_00000002"):
         run_debug(tmp_path, "--training.steps=5", "--checkpoint.every=2")
     assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [".lock", "run.json", "step_00000002"]
@@ -172,20 +153,22 @@ def test_init_from_a_native_checkpoint_loads_its_weights(tmp_path, monkeypatch, 
     assert "sample" not in summary
 
 
+@only("flint")  # Large 4's: tests/test_large4.py, with the extras its export carries
 def test_finetune_from_hugging_face_converts_once_and_exports(tmp_path):
     """Two processes (FSDP): rank 0 converts the Hugging Face weights to a native checkpoint in
     checkpoint.dir, both load their shards from it; a later run reuses it. The first losses are
     the source model's on the same rows, and the export holds the trained weights."""
+    from model import FlintConfig, build_model
     config = FlintConfig.from_name("tiny", vocab_size=264, num_hidden_layers=4, router_aux_loss_coef=0.0005)
     source = build_model(config, seed=7)
     convert.save_hf(source, tmp_path / "hf")
     finetune = [f"--model.init_from={tmp_path / 'hf'}", "--model.preset=",
                 "--training.sample_tokens=0", f"--checkpoint.export_hf={tmp_path / 'out'}"]
-    run_debug_two_processes(tmp_path, *finetune, "--training.steps=2", "--parallel.dp_shard=2")
+    run_two_processes(debug_args(tmp_path, *finetune, "--training.steps=2", "--parallel.dp_shard=2", family="flint"))
     converted = list((tmp_path / "ckpt").glob("init_from_hf-*"))
     assert len(converted) == 1 and train.is_native_checkpoint(converted[0])
     written = (converted[0] / ".metadata").stat().st_mtime_ns
-    loader = train.setup_data(train.load_config(DEBUG, [f"--data.path={EMBEDDED_CORPUS}",
+    loader = train.setup_data(train.load_config(debug_configs()["flint"], [f"--data.path={EMBEDDED_CORPUS}",
                                                         f"--data.cache_dir={tmp_path / 'cache'}"]),
                               train.Run(0, 1, 0, 1, torch.device("cpu")))[1]
     batches = [loader.next_batch() for _ in range(2)]  # rank 0's rows, then rank 1's
@@ -198,14 +181,10 @@ def test_finetune_from_hugging_face_converts_once_and_exports(tmp_path):
     assert not torch.equal(exported.embed_tokens.weight, source.embed_tokens.weight)  # trained, then exported
 
     shutil.rmtree(tmp_path / "out")
-    run_debug(tmp_path, *finetune, "--training.steps=1")
+    run_debug(tmp_path, *finetune, "--training.steps=1", family="flint")
     assert list((tmp_path / "ckpt").glob("init_from_hf-*")) == converted
     assert (converted[0] / ".metadata").stat().st_mtime_ns == written  # reused, not converted again
     assert train_losses(tmp_path)[1] == pytest.approx(expected[0], rel=1e-5)
-
-
-def exported_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    return {k: v for file in sorted(directory.glob("*.safetensors")) for k, v in load_file(file).items()}
 
 
 def assert_same_losses(actual: dict[int, float], expected: dict[int, float], what: str) -> None:
@@ -214,34 +193,41 @@ def assert_same_losses(actual: dict[int, float], expected: dict[int, float], wha
         assert actual[step] == pytest.approx(expected[step], rel=1e-5), f"{what}, step {step}"
 
 
-def test_two_processes_match_one_resume_in_one_and_export(tmp_path):
+@pytest.mark.parametrize("family", [name if name == DEFAULT_FAMILY else pytest.param(name, marks=slow)
+                                    for name in FAMILY_NAMES])
+def test_two_processes_match_one_resume_in_one_and_export(tmp_path, family):
     """Global batch of 8 rows: one process with 2 micro-batches of 4, FSDP 2 and EP 2 with 4 rows
     per rank, PP 2 with 2 micro-batches of 4. Micro-batches and ranks hold different numbers of
     target tokens, so only an exact token weighting agrees. The per-step and validation losses
-    agree; the FSDP run's checkpoint resumes in one process; its Hugging Face export holds the
-    one-process run's tensors."""
+    agree; the FSDP run's checkpoint resumes in one process; its Hugging Face export (written from
+    the sharded run) holds the one-process run's tensors. The first family in the suite, the
+    others with FLINT_SLOW=1 (five runs, three of two processes)."""
     common = ["--training.steps=4", "--logging.every=1", "--checkpoint.every=2", "--training.sample_tokens=0",
               f"--data.cache_dir={tmp_path / 'cache'}"]
     one, fsdp, ep, pp, resumed = (tmp_path / name for name in ("one", "fsdp", "ep", "pp", "resumed"))
-    run_debug(one, *common, "--training.grad_accum=2", f"--checkpoint.export_hf={one / 'hf'}")
+    run_debug(one, *common, "--training.grad_accum=2", f"--checkpoint.export_hf={one / 'hf'}", family=family)
     expected = train_losses(one)
     assert expected[4] < expected[1]
     two = [*common, "--training.eval_batches=1"]  # the same 8 validation rows as 2 batches of 4 in one process
-    run_debug_two_processes(fsdp, *two, "--parallel.dp_shard=2", f"--checkpoint.export_hf={fsdp / 'hf'}")
+    run_two_processes(debug_args(fsdp, *two, "--parallel.dp_shard=2", f"--checkpoint.export_hf={fsdp / 'hf'}",
+                                 family=family))
     assert_same_losses(train_losses(fsdp), expected, "FSDP 2")
-    run_debug_two_processes(ep, *two, "--parallel.ep=2", "--parallel.dp_shard=1")
+    run_two_processes(debug_args(ep, *two, "--parallel.ep=2", "--parallel.dp_shard=1", family=family))
     assert_same_losses(train_losses(ep), expected, "EP 2")
     # One data-parallel rank: the 2 micro-batches of one process, each split in 2 for the 1F1B schedule.
-    run_debug_two_processes(pp, *common, "--parallel.pp=2", "--parallel.dp_shard=1", "--training.grad_accum=2")
+    run_two_processes(debug_args(pp, *common, "--parallel.pp=2", "--parallel.dp_shard=1", "--training.grad_accum=2",
+                                 family=family))
     assert_same_losses(train_losses(pp), expected, "PP 2")
     val_losses = [[r["val_loss"] for r in records(path) if "val_loss" in r] for path in (one, fsdp, ep, pp)]
     assert all(other == pytest.approx(val_losses[0], rel=1e-5) for other in val_losses[1:]), val_losses
 
-    run_debug(resumed, *common, "--training.grad_accum=2", f"--checkpoint.resume={fsdp / 'ckpt' / 'run_0001' / 'step_00000002'}")
+    run_debug(resumed, *common, "--training.grad_accum=2", f"--checkpoint.resume={fsdp / 'ckpt' / 'run_0001' / 'step_00000002'}",
+              family=family)
     assert_same_losses(train_losses(resumed), {s: expected[s] for s in (3, 4)}, "FSDP 2 checkpoint resumed in 1")
 
     reference, sharded = exported_tensors(one / "hf"), exported_tensors(fsdp / "hf")
     assert sorted(sharded) == sorted(reference) and len(reference) > 10
+    assert family != "large4" or any(".indexer." in name for name in reference)  # the frozen indexer too
     # Adam divides each gradient by its running RMS: where a gradient is near zero, a last-bit difference
     # from summing over 2 ranks moves a weight by up to ~1e-3 of lr (3e-3) per step, so atol 1e-5 over 4 steps.
     for name, tensor in reference.items():
@@ -260,7 +246,9 @@ def test_learning_rate_schedules():
     assert train.learning_rate(100, wsd, 100) == pytest.approx(0.0)
 
 
+@only("flint")  # a model without frozen parameters
 def test_weight_decay_applies_to_matrices_only():
+    from model import FlintConfig, build_model
     model = build_model(FlintConfig.from_name("tiny", num_hidden_layers=3), seed=0)
     decayed, plain = train.build_optimizer(model, OptimSection(weight_decay=0.1)).param_groups
     names = {id(p): n for n, p in model.named_parameters()}
@@ -269,89 +257,11 @@ def test_weight_decay_applies_to_matrices_only():
     assert "layers.2.mlp.experts.gate_up_proj" in {names[id(p)] for p in decayed["params"]}
 
 
-def adamw_matches_plain(model: torch.nn.Module, reference: torch.nn.Module, steps: int = 4) -> None:
-    """train.build_optimizer on `model` (plain tensors or DTensor shards) against a plain for-loop
-    torch.optim.AdamW on `reference` (the same weights, full tensors), both fed the same random
-    gradients and the same learning rate schedule: the weights agree to FP32 rounding."""
-    o = OptimSection(lr=1e-2, weight_decay=0.1, beta1=0.8, beta2=0.9, eps=1e-6)
-    chosen = train.build_optimizer(model, o)
-    decayed = [p for p in reference.parameters() if p.dim() >= 2]
-    plain = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.1},
-                               {"params": [p for p in reference.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-                              betas=(0.8, 0.9), eps=1e-6, foreach=False)
-    references = dict(reference.named_parameters())
-    generator = torch.Generator().manual_seed(0)
-    for step in range(1, steps + 1):
-        for optimizer in (chosen, plain):
-            train.set_learning_rate(optimizer, 1e-2 / step)
-        give_same_gradients(model, references, generator)
-        chosen.step()
-        plain.step()
-    assert_weights_match(model, references, rtol=1e-6)
-
-
+@only("flint")  # a model without frozen parameters, which plain AdamW would step
 def test_the_optimizer_steps_like_plain_adamw():
+    from model import FlintConfig, build_model
     config = FlintConfig.from_name("tiny", num_hidden_layers=3)
     adamw_matches_plain(build_model(config, seed=0), build_model(config, seed=0))
-
-
-LARGE4_SMOKE = str(ROOT / "configs" / "large4-smoke.toml")
-
-
-def large4_args(tmp_path: Path, *overrides: str) -> list[str]:
-    """configs/large4-smoke.toml, shrunk to seconds, every path under tmp_path. No sample: a model
-    this little trained may pick an id of the padded vocabulary that the byte tokenizer cannot decode."""
-    return ["--config", LARGE4_SMOKE, f"--data.path={EMBEDDED_CORPUS}", f"--data.cache_dir={tmp_path / 'cache'}",
-            f"--checkpoint.dir={tmp_path / 'ckpt'}", f"--logging.jsonl={tmp_path / 'metrics.jsonl'}",
-            "--logging.peak_tflops=0.1", "--data.seq_len=32", "--training.batch_size=4", "--training.steps=6",
-            "--training.eval_every=0", "--logging.every=2", "--optim.warmup_steps=2",
-            "--training.sample_tokens=0", *overrides]
-
-
-def test_large4_trains_through_train_main(tmp_path):
-    """A few steps of the tiny Mistral Large 4 through the same path as Flint: loss falls, the frozen
-    indexer is neither updated nor in the optimizer, the checkpoint resumes."""
-    summary = train.main(large4_args(tmp_path))
-    losses = train_losses(tmp_path)
-    assert losses[1] == pytest.approx(math.log(264), abs=0.15) and losses[6] < losses[1] - 0.5
-    assert set(records(tmp_path)[-2]["routing"]) == {str(i) for i in range(1, 8)}  # layer 0 is dense
-    state = convert.NativeDir(tmp_path / "ckpt" / "run_0001" / "step_00000006").read(["layers.0.self_attn.indexer.wk.weight"])
-    from large4 import Large4Config, build_large4
-    fresh = build_large4(Large4Config.from_hf_config(tmp_path / "ckpt" / "run_0001" / "step_00000006"))
-    assert torch.equal(state["layers.0.self_attn.indexer.wk.weight"], fresh.state_dict()[
-        "layers.0.self_attn.indexer.wk.weight"])  # frozen: still its initial value
-    optimized = {id(p) for group in train.build_optimizer(fresh, OptimSection()).param_groups
-                 for p in group["params"]}
-    assert {n for n, p in fresh.named_parameters() if id(p) not in optimized} == {
-        n for n in fresh.state_dict() if ".indexer." in n}
-    assert summary["step"] == 6
-    resumed = train.main(large4_args(tmp_path, "--training.steps=8", "--checkpoint.resume=auto"))
-    assert resumed["step"] == 8
-
-
-def test_large4_refuses_a_random_indexer_beyond_index_topk(tmp_path):
-    with pytest.raises(ConfigError, match="index_topk"):
-        train.main(large4_args(tmp_path, "--data.seq_len=256"))
-
-
-def test_large4_finetune_from_hugging_face_exports_the_extras_of_its_source(tmp_path):
-    """Training keeps only the text model; the export copies the vision tower and draft head from
-    the init_from checkpoint, so the published loader finds nothing missing."""
-    from large4 import build_large4
-    unbiased = "--model.router_bias_update_rate=0"  # the smoke config's selection bias is never exported
-    config = train.load_config(LARGE4_SMOKE, ["--model.index_topk=128", unbiased]).model_config
-    convert.save_hf(build_large4(config, seed=3), tmp_path / "hf")
-    shard = next((tmp_path / "hf").glob("*.safetensors"))
-    state, extra = load_file(shard), torch.arange(6.0)
-    save_file({**state, "mtp_dspark.norm.weight": extra}, str(shard))
-    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
-    index["weight_map"]["mtp_dspark.norm.weight"] = shard.name
-    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
-    train.main(large4_args(tmp_path, f"--model.init_from={tmp_path / 'hf'}", "--model.preset=", unbiased,
-                           "--training.steps=2", f"--checkpoint.export_hf={tmp_path / 'out'}"))
-    exported = exported_tensors(tmp_path / "out")
-    assert torch.equal(exported["mtp_dspark.norm.weight"], extra)
-    assert not torch.equal(exported["tok_embeddings.weight"], state["tok_embeddings.weight"])  # trained
 
 
 def test_choices_that_fail_on_the_cpu_stop_before_the_run_starts(tmp_path):
@@ -362,92 +272,22 @@ def test_choices_that_fail_on_the_cpu_stop_before_the_run_starts(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-@slow
-def test_large4_two_processes_match_one_resume_in_one_and_export(tmp_path):
-    """Large 4 through train.py, global batch of 8 rows: one process with 2 micro-batches of 4, then
-    FSDP 2 and EP 2 with 4 rows per rank. The losses agree; the FSDP run's checkpoint resumes in one
-    process; its Hugging Face export (written from the sharded run) holds the one-process run's tensors."""
-    common = ["--training.steps=4", "--logging.every=1", "--checkpoint.every=2"]
-    one, fsdp, ep, resumed = (tmp_path / name for name in ("one", "fsdp", "ep", "resumed"))
-    train.main(large4_args(one, *common, "--training.grad_accum=2", f"--checkpoint.export_hf={one / 'hf'}"))
-    expected = train_losses(one)
-    assert expected[4] < expected[1]
-    run_two_processes(large4_args(fsdp, *common, "--parallel.dp_shard=2", f"--checkpoint.export_hf={fsdp / 'hf'}"))
-    assert_same_losses(train_losses(fsdp), expected, "Large 4, FSDP 2")
-    run_two_processes(large4_args(ep, *common, "--parallel.ep=2", "--parallel.dp_shard=1"))
-    assert_same_losses(train_losses(ep), expected, "Large 4, EP 2")
-    train.main(large4_args(resumed, *common, "--training.grad_accum=2",
-                           f"--checkpoint.resume={fsdp / 'ckpt' / 'run_0001' / 'step_00000002'}"))
-    assert_same_losses(train_losses(resumed), {s: expected[s] for s in (3, 4)}, "Large 4, FSDP 2 resumed in 1")
-    reference, sharded = exported_tensors(one / "hf"), exported_tensors(fsdp / "hf")
-    assert sorted(sharded) == sorted(reference) and any(".indexer." in name for name in reference)
-    for name, tensor in reference.items():  # tolerances as for Flint's export above
-        torch.testing.assert_close(sharded[name], tensor, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
-
-
+@only("flint")  # output_router_logits: Flint's published term
 def test_load_balancing_loss_trains_the_same_with_activation_checkpointing(tmp_path):
     """The blocks add the balancing term's statistics as they run; recomputing a block in backward
     must give the same loss and updates as keeping its activations."""
     balance = ["--model.output_router_logits=true", "--model.router_aux_loss_coef=0.1", "--training.steps=3",
                "--logging.every=1", "--training.sample_tokens=0"]
-    run_debug(tmp_path / "plain", *balance)
-    run_debug(tmp_path / "recompute", *balance, "--parallel.activation_checkpointing=full")
+    run_debug(tmp_path / "plain", *balance, family="flint")
+    run_debug(tmp_path / "recompute", *balance, "--parallel.activation_checkpointing=full", family="flint")
     plain, recompute = train_losses(tmp_path / "plain"), train_losses(tmp_path / "recompute")
     assert plain == pytest.approx(recompute, rel=1e-6, abs=1e-6)
-    run_debug(tmp_path / "none", "--training.steps=3", "--logging.every=1", "--training.sample_tokens=0")
+    run_debug(tmp_path / "none", "--training.steps=3", "--logging.every=1", "--training.sample_tokens=0", family="flint")
     cross_entropy = train_losses(tmp_path / "none")
     assert plain[1] - cross_entropy[1] == pytest.approx(0.1 * 2, abs=0.02)  # near-uniform routing at init: aux ~ k
 
 
-def test_large4_trains_with_the_selection_bias_and_never_exports_it(tmp_path):
-    """router_bias_update_rate on Large 4: the bias moves by the rate each step, a native checkpoint
-    carries it and the rate, and both ways of exporting to the published format refuse."""
-    bias = "--model.router_bias_update_rate=0.01"
-    train.main(large4_args(tmp_path, bias, "--training.steps=4", "--checkpoint.every=4"))
-    step4 = tmp_path / "ckpt" / "run_0001" / "step_00000004"
-    model = convert.load_native(step4)
-    assert model.config.router_bias_update_rate == 0.01
-    biases = torch.stack([model.layers[str(i)].mlp.router.selection_bias for i in range(1, 8)])  # 0 is dense
-    steps = biases / 0.01  # each step moved each bias by -0.01, 0 or +0.01
-    torch.testing.assert_close(steps, steps.round(), rtol=0, atol=1e-4)
-    assert steps.abs().max().item() == pytest.approx(4) and (steps.abs().sum(dim=1) > 0).all()
-    with pytest.raises(ConfigError, match=r"export_hf cannot export a model with \[model\].router_bias_update_rate"):
-        train.main(large4_args(tmp_path / "export", bias, f"--checkpoint.export_hf={tmp_path / 'hf'}"))
-    with pytest.raises(ValueError, match=r"per-expert selection bias .* the published format has no place for"):
-        convert.export_published(convert.NativeDir(step4), model.config, tmp_path / "hf")
-
-
 # ----------------------------------------------------------------------------- host syncs of a step
-
-def step_host_syncs(argv: list[str]) -> list[str]:
-    """What train_step copies to the host in step 2 (not a logged step) of train.py's run of argv:
-    main's setup, step 1, then step 2 under profiling.HostSyncs (see there what counts)."""
-    from checkpoint import Checkpointer
-    from tools.profiling import HostSyncs
-    from balance import RoutingMonitor
-    cfg = train.parse_args(argv)
-    run = train.start_run(cfg)
-    with Checkpointer(cfg, run) as checkpoints, train.Interruption(run) as interruption:
-        _, data, _ = train.setup_data(cfg, run)
-        model = train.load_model(cfg, run)
-        optimizer = train.build_optimizer(model.module, cfg.optim)
-        routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps)
-        step = (model, optimizer, data, cfg, run)
-        train.train_step(*step, routing, interruption, 1, checkpoints)
-        with HostSyncs() as syncs:
-            train.train_step(*step, routing, interruption, 2, checkpoints)
-    return syncs.reads
-
-
-def closing(fn):
-    """fn, then the process group closed once fn's frame (its model) is gone, as train.main does."""
-    def closed(*args):
-        try:
-            return fn(*args)
-        finally:
-            close_distributed()
-    return closed
-
 
 def test_a_step_copies_to_the_host_once(tmp_path):
     """No sync per micro-batch (the batches' token ids were checked at load): loss, grad norm, the
@@ -457,9 +297,10 @@ def test_a_step_copies_to_the_host_once(tmp_path):
 
 def check_expert_parallel_step_syncs(argv: list[str]) -> None:
     reads = closing(step_host_syncs)(argv)
-    # The step's copy, then one per MoE layer (2) per micro-batch (2): none in the recompute, none
-    # for repeat_interleave (given its output size).
-    assert reads == ["tolist"] * (1 + 2 * 2), reads
+    # The step's copy, then one per MoE layer (Flint's debug model: 2) per micro-batch (2): none in the
+    # recompute, none for repeat_interleave (given its output size).
+    layers = len(moe_layers(train.parse_args(argv).model_config))
+    assert reads == ["tolist"] * (1 + layers * 2), reads
 
 
 def test_an_expert_parallel_step_copies_once_per_moe_layer_and_micro_batch(tmp_path):

@@ -1,7 +1,7 @@
 r"""How fast a model trains, side by side, and where the step time goes.
 
     python3 -m tools.bench                              # the CPU shape (preset bench-cpu), every comparison
-    python3 -m tools.bench --quick --json out.json      # a seconds-long smoke run on the tiny preset
+    python3 -m tools.bench --quick --json out.json      # a seconds-long smoke run on the smallest preset
     python3 -m tools.bench --sections main --profile 25 # one step's torch.profiler table, top 25 ops
     python3 -m tools.bench --config configs/smoke.toml --sections main,compiled    # a training config's step
     python3 -m tools.bench --config configs/large4-smoke.toml --model.n_routed_experts=4  # Large 4, overridden
@@ -41,11 +41,11 @@ import torch
 from torch.profiler import record_function
 
 from attention import FULL, SLIDING, resolve_backend
-from config import ConfigError, OptimSection, TrainConfig, config_from_tables, model_family, read_tables
+from config import ConfigError, ModelSection, OptimSection, TrainConfig, config_from_tables, model_family, read_tables
 from files import write_atomically
 from metrics import CPU_PEAK_CACHE, model_flops_per_token, run_peak_flops
 from layers import build
-from registry import ModelConfig, model_class
+from registry import ModelConfig, family, model_class
 from parallel import apply_activation_checkpointing, apply_compile
 from tools.profiling import (OPTIMIZER, RANGE, NotApplicable, dense_logits_loss, matmul_rate, memory_in_use, peak_memory, profile_step, reset_peak_memory, time_call)
 from parallel import Run
@@ -428,7 +428,9 @@ def load_bench_config(args: argparse.Namespace) -> TrainConfig:
         tables, path, origins = read_tables(args.config)
     else:
         named = any(o.split("=")[0] in ("--model.hf_config", "--model.init_from") for o in args.overrides)
-        model = {"hf_config": str(args.config)} if args.config else {"preset": args.preset or "bench-cpu"}
+        default = family(ModelSection().family)
+        model = {"hf_config": str(args.config)} if args.config else {
+            "preset": args.preset or default.bench_preset or default.smallest_preset}
         tables = {"model": {} if named and not args.config and not args.preset else model}
         path, origins = Path("bench.py"), {}  # errors call a default "bench.py (default)"
         if args.config or args.preset:
@@ -523,7 +525,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     shape = parser.add_mutually_exclusive_group()
-    shape.add_argument("--preset", help="a preset of the model family ([model].family; default: bench-cpu)")
+    shape.add_argument("--preset", help="a preset of the model family ([model].family; default: its bench preset, "
+                                        "Flint's bench-cpu)")
     shape.add_argument("--config", type=Path,
                        help="a training TOML, or a config.json or checkpoint directory holding one (its architecture)")
     parser.add_argument("--device", help="cpu | cuda | auto (default: the TOML's [training].device, else cpu)")
@@ -548,11 +551,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also print the torch.profiler table of the main step, top N ops")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: the tiny preset (unless --preset/--config), batch 2 x 64 (unless given), "
-                             "1 rep, 1 thread, no compiled section, short sweep")
+                        help="smoke run: the family's smallest preset (unless --preset/--config), batch 2 x 64 "
+                             "(unless given), 1 rep, 1 thread, no compiled section, short sweep")
     args, args.overrides = parser.parse_known_args(argv)
     if args.quick:
-        args.preset = args.preset or (None if args.config else "tiny")
+        args.preset = args.preset or (None if args.config else family(ModelSection().family).smallest_preset)
         args.batch, args.seq_len = args.batch or 2, args.seq_len or 64
         args.warmup, args.reps, args.sweep_reps, args.matmul_size = 1, 1, 1, 256
         # Tiny ops gain nothing from threads, and on busy cores each thread barrier waits for a core.

@@ -44,7 +44,7 @@ def timed_run(config: str, steps: int, every: str, async_save: str, directory: s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="configs/debug.toml")
+    parser.add_argument("--config", required=True, help="a training config, e.g. configs/debug.toml")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)

@@ -7,7 +7,7 @@
 #    run: loss within 1 %, each gradient's cosine similarity at least 0.98 (profiling.cosine_parity;
 #    the CPU measures 0.992 at worst, a router's).
 # 2. graphs: a BF16 FSDP policy (a group of one), every block checkpointed, inductor: Flint's dense and
-#    MoE blocks run the graphs tests/test_compile.py pins on the CPU (BF16_GRAPHS: 3 and 5), each break at
+#    MoE blocks run the graphs tests/helpers.py pins on the CPU (BF16_GRAPHS: 3 and 5), each break at
 #    an FSDP hook, and the loss of the eager blocks within 2 % (step 1 judges the values).
 # 3. train: 20 BF16 steps through train.py (FSDP BF16 policy, compile, full checkpointing) of flint-shallow's
 #    widths with 4 layers, 8 experts and the byte vocabulary, so that its final checkpoint is small (2.5
@@ -83,17 +83,17 @@ import sys
 from functools import partial
 import torch
 sys.path.insert(0, "tests")
-import test_compile
+import helpers
 from parallel import init_distributed
 from tools.profiling import cosine_parity
 
 assert torch.cuda.is_available(), "no GPU"
-torch.compile = partial(torch.compile, backend=partial(test_compile.counting_backend, inner="inductor"))
+torch.compile = partial(torch.compile, backend=partial(helpers.counting_backend, inner="inductor"))
 init_distributed()  # NCCL, a group of one: FSDP applies the BF16 policy and its FP32 units
 layout = {"param_dtype": "bfloat16", "activation_checkpointing": "full"}
-expected = test_compile.BF16_GRAPHS["flint"]
-eager_loss, eager, *_ = test_compile.parallel_step("flint", layout, False, "cuda")
-loss, grads, graphs, _, breaks = test_compile.parallel_step("flint", layout, True, "cuda")
+expected = helpers.BF16_GRAPHS["flint"]
+eager_loss, eager, *_ = helpers.parallel_step("flint", layout, False, "cuda")
+loss, grads, graphs, _, breaks = helpers.parallel_step("flint", layout, True, "cuda")
 gap = ((loss - eager_loss).abs() / eager_loss.abs()).item()
 not_fsdp = [reason.splitlines()[0] for reason in breaks if "_fsdp_common.py" not in reason]
 print(f"graphs per block {graphs} (CPU: {expected}); breaks elsewhere: {not_fsdp}; loss gap {gap:.1e}; "
