@@ -10,7 +10,7 @@ import torch
 
 import data
 from data import DataError, PackedLoader, TokenShards, prepare, split_documents
-from helpers import FAMILY_NAMES, build, tiny_config
+from helpers import DEFAULT_FAMILY, FAMILY_NAMES, build, tiny_config
 from tokenizer import Tokenizer, byte_encoding, load_tokenizer
 
 
@@ -402,7 +402,7 @@ def test_the_sft_loss_is_the_cross_entropy_of_the_answers_alone(tmp_path):
     chats = conversations(10, seed=4)
     shards = prepared_conversations(tmp_path, chats)
     batch = PackedLoader(shards, np.arange(10), seq_len=160, batch_size=3, seed=0, shuffle=False).next_batch()
-    model = build_model(FlintConfig.from_name("tiny", num_hidden_layers=2, vocab_size=264), seed=0)
+    model = build(tiny_config(DEFAULT_FAMILY, vocab_size=264), plain=True)
     loss = model(batch["input_ids"], batch["targets"], batch["doc_ids"])
     logits = model(batch["input_ids"], doc_ids=batch["doc_ids"])
     total, count = answer_loss_written_out(logits, batch["input_ids"], batch["doc_ids"], chats)
@@ -417,17 +417,17 @@ def check_answer_tokens_weigh_the_same(directory: Path, chats: list[list[dict]])
     from parallel import ParallelConfig, build_mesh, parallelize
     from torch.distributed.tensor import DTensor
     torch.manual_seed(0)
-    shards, config = TokenShards(directory), FlintConfig.from_name("tiny", num_hidden_layers=2, vocab_size=264)
+    shards, config = TokenShards(directory), tiny_config(DEFAULT_FAMILY, vocab_size=264)
     loader = dict(seq_len=96, batch_size=1, seed=0)
     everything = PackedLoader(shards, np.arange(len(chats)), **loader)
     rows = [everything.row(g) for g in range(4)]  # micro-batch m, rank r: global row 2 m + r
     assert len({int((r["targets"] != -100).sum()) for r in rows}) == 4  # the rows weigh differently
-    reference = build_model(config, seed=0)
+    reference = build(config, plain=True)
     ids, doc_ids = (torch.from_numpy(np.stack([r[k] for r in rows])) for k in ("input_ids", "doc_ids"))
     total, count = answer_loss_written_out(reference(ids, doc_ids=doc_ids), ids, doc_ids, chats)
     (total / count).backward()
     cfg = ParallelConfig(dp_shard=2, param_dtype="float32")
-    pm = parallelize(build_model(config, seed=0), cfg, build_mesh(cfg, "cpu", config.num_experts))
+    pm = parallelize(build(config, plain=True), cfg, build_mesh(cfg, "cpu", config.num_experts))
     mine = PackedLoader(shards, np.arange(len(chats)), rank=torch.distributed.get_rank(), world_size=2, **loader)
     batches = [mine.next_batch() for _ in range(2)]
     num_tokens = pm.global_tokens(torch.stack([b["targets"] for b in batches]))
