@@ -54,6 +54,7 @@ def check_architecture(path: Path, config: ModelConfig) -> None:
 RUN_NAME = re.compile(r"run_\d{4,}")
 STEP_NAME = re.compile(r"step_\d{8,}")
 REMOVING = ".removing"  # a checkpoint being deleted: no longer complete
+DAMAGED = ".damaged"  # a damaged checkpoint an auto resume skipped, kept for inspection: never listed or rotated
 
 
 def remove_leftovers(run_dir: Path) -> None:
@@ -107,6 +108,7 @@ class Checkpointer:
         self.last: Path | None = None  # saved or resumed from by this run
         self.lock_files: list = []  # rank 0's: checkpoint.dir's and, once chosen, the run directory's
         self.run_dir: Path | None = None  # chosen at resume
+        self.skipped: list[Path] = []  # damaged checkpoints newest_intact passed over
         self.group: dist.ProcessGroup | None = None  # synchronous saves talk over the main group
         self.stager: DefaultStager | None = None
         self.saving: Future | None = None  # the async save in flight
@@ -187,6 +189,7 @@ class Checkpointer:
             if not problem:
                 return path
             self.run.print(f"WARNING: checkpoint {path} is damaged, trying the one before it: {problem}")
+            self.skipped.append(path)
         return None
 
     def new_run_dir(self) -> Path:
@@ -200,19 +203,36 @@ class Checkpointer:
 
     def enter_run_dir(self, path: Path) -> None:
         """Write into `path` from now on: lock it (a run pointed at another run's directory as its
-        checkpoint.dir, or one continuing it, is refused) and clear what a crash there left."""
+        checkpoint.dir, or one continuing it, is refused), clear what a crash there left and set aside
+        the damaged checkpoints there that the resume skipped (set_aside)."""
         failure = None
         if self.run.is_main:
             try:
                 if path != self.dir:
                     self.lock_files.append(hold_lock(path, f"{self.where()}: run directory"))
                 remove_leftovers(path)
+                for damaged in self.skipped:
+                    if damaged.parent == path:
+                        self.set_aside(damaged)
             except CheckpointError as error:
                 failure = str(error)
         failure = from_main_rank(failure)
         if failure:
             raise CheckpointError(failure)
         self.run_dir = path
+
+    def set_aside(self, checkpoint: Path) -> None:
+        """Rename a damaged checkpoint out of the step names, never deleting it: rotation (keep_last,
+        ordered by step) would otherwise keep it, newer than anything the resumed run saves, and delete
+        the intact ones, and every later resume would read it again."""
+        aside = checkpoint.with_name(checkpoint.name + DAMAGED)
+        number = 1
+        while aside.exists():  # set aside before, and that step damaged again
+            number += 1
+            aside = checkpoint.with_name(f"{checkpoint.name}{DAMAGED}-{number}")
+        sync_rename(checkpoint, aside)
+        self.run.print(f"set aside the damaged checkpoint {checkpoint} as {aside} (kept for inspection, never "
+                       f"rotated or resumed from; delete it when you no longer need it)")
 
     def remove(self, checkpoint: Path) -> None:
         """Unfinish, then delete: renamed away from its step name first, so a crash part-way through

@@ -397,3 +397,40 @@ def test_kill_9_of_two_ranks_during_an_async_save_keeps_the_last_checkpoint(tmp_
     assert sorted(name for _, name in verified) == sorted(json.loads((run_dir / "step_00000001" / "checksums.json")
                                                                      .read_text()))
     assert {rank for rank, _ in verified} == {0, 1}
+
+
+# ----------------------------------------------------------------------------- third hardening pass (issue 32)
+
+def flip_a_bit(checkpoint_dir: Path) -> None:
+    shard = next(checkpoint_dir.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+
+
+def test_rotation_after_skipping_a_damaged_checkpoint_keeps_the_good_one(tmp_path, monkeypatch, capsys):
+    """keep_last = 1: an auto resume skips a damaged step 4 and resumes step 2. The damaged step is set
+    aside (renamed, never deleted, said so), so the save of step 3 rotates away step 2 only, and a run
+    killed at step 4 resumes from step 3: rotation, ordered by step, once kept the damaged step 4 alone."""
+    run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--training.sample_tokens=0")
+    run_dir = tmp_path / "ckpt" / "run_0001"
+    flip_a_bit(run_dir / "step_00000004")
+    real_step = train.train_step
+
+    def killed_at_step_4(*args):
+        if args[-2] == 4:
+            raise KeyboardInterrupt("kill -9")
+        return real_step(*args)
+    monkeypatch.setattr(train, "train_step", killed_at_step_4)
+    capsys.readouterr()
+    with pytest.raises(KeyboardInterrupt):
+        run_debug(tmp_path, "--training.steps=6", "--checkpoint.every=1", "--checkpoint.keep_last=1",
+                  "--checkpoint.resume=auto", "--training.sample_tokens=0")
+    out = capsys.readouterr().out
+    assert f"set aside the damaged checkpoint {run_dir / 'step_00000004'} as {run_dir / 'step_00000004.damaged'}" in out
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000003", "step_00000004.damaged"]
+    monkeypatch.setattr(train, "train_step", real_step)
+    run_debug(tmp_path, "--training.steps=4", "--checkpoint.resume=auto", "--training.sample_tokens=0")
+    assert f"resumed from {run_dir / 'step_00000003'} at step 3" in capsys.readouterr().out
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000003", "step_00000004",
+                                                          "step_00000004.damaged"]
