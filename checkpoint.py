@@ -323,12 +323,20 @@ class Checkpointer:
             raise CheckpointError(f"{self.cfg.where('checkpoint.resume')}: {path} is not a complete checkpoint "
                                   f"(it needs .metadata and config.json)")
         check_architecture(path, model.config)
+        saved_keys = read_metadata(path).state_dict_metadata
+        check_optimizer(path, saved_keys, self.cfg)
         state = self.state(model, optimizer, data, 0)
-        if "train.cuda_rng" not in read_metadata(path).state_dict_metadata:
+        if "train.cuda_rng" not in saved_keys:
             state["train"].pop("cuda_rng", None)
         load_dcp(state, path, verified=choice == "auto")  # newest_intact verified it
         set_model_state_dict(model.module, state["model"])
+        # The param groups hold the [optim] settings (betas, eps, weight_decay; Muon's momentum and lr_scale =
+        # muon_lr / lr) and the checkpoint saved them: set_optimizer_state_dict puts the saved values back.
+        # A resume trains with the config's settings and the checkpoint's states (moments, momentum buffers).
+        configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         set_optimizer_state_dict(model.module, optimizer, state["optimizer"])
+        for group, settings in zip(optimizer.param_groups, configured):
+            group.update(settings)
         data.load_state_dict({k: int(v) for k, v in state["train"]["data"].items()})
         torch.set_rng_state(state["train"]["cpu_rng"])
         if "cuda_rng" in state["train"]:
@@ -339,6 +347,18 @@ class Checkpointer:
                                             "checkpoint.resume = \"never\" for a fresh run)"
                                             if step >= self.cfg.training.steps else ""))
         return step
+
+
+def check_optimizer(path: Path, saved_keys, cfg: TrainConfig) -> None:
+    """A resume continues the optimizer whose states the checkpoint holds (Muon's momentum buffers, or
+    AdamW's moments alone); asked for the other, it says so rather than fail to find a state's key."""
+    saved = "muon" if any(key.endswith(".momentum_buffer") for key in saved_keys) else "adamw"
+    if saved != cfg.optim.name:
+        raise CheckpointError(f"{cfg.where('optim.name')}: checkpoint {path} holds the optimizer states of {saved} "
+                              f"but this run asks for optim.name = {cfg.optim.name!r}. The checkpoint is intact; a "
+                              f"resume cannot change optimizers: set optim.name = {saved!r} to resume it, or train "
+                              f"its weights with a new optimizer from step 1 ([model] init_from = \"{path}\", "
+                              f"checkpoint.resume = \"never\")")
 
 
 def weights_finite(model: ParallelModel) -> bool:

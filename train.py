@@ -21,6 +21,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import dataclasses
 import json
 import math
 import shlex
@@ -43,6 +44,7 @@ from checkpoint_files import is_native_checkpoint, load_dcp
 from config import (ConfigError, OptimSection, TrainConfig, TrainingSection, help_text, load_config,
                     resolved_summary, resolved_toml)
 from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
+from files import read_json_object
 from layers import token_ids_checked_at_load
 from metrics import MetricsLogger
 from registry import config_from_hf, model_class
@@ -84,6 +86,7 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
             check_compiled(model, train_data.peek(), run, cfg.parallel.compile_fallback)
         optimizer = build_optimizer(model.module, cfg.optim)
         step = checkpoints.resume(model, optimizer, train_data)
+        explain_resumed_settings(cfg, checkpoints.last if step else None, step, run)
         logger = MetricsLogger(cfg, run, model.config, start_step=step, run_dir=checkpoints.run_dir)
         routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps,
                                  run.is_main)
@@ -409,6 +412,47 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
     return lr
+
+
+# The keys whose change moves the learning rate of the steps a resumed run has left.
+SCHEDULE_KEYS = ("optim.lr", "optim.min_lr", "optim.schedule", "optim.warmup_steps", "optim.decay_fraction",
+                 "training.steps")
+
+
+def explain_resumed_settings(cfg: TrainConfig, checkpoint: Path | None, step: int, run: Run) -> None:
+    """What changed since the resumed checkpoint's run (its train_config.json): every [optim] setting and
+    training.steps take the config's value from the next step (Checkpointer.resume keeps the config's
+    optimizer settings over the saved ones), each change named; a change that moves the learning rate
+    away from where the checkpoint's schedule would have taken it is said with both rates."""
+    try:
+        saved = read_json_object(checkpoint / "train_config.json") if checkpoint else None
+    except ValueError:  # a checkpoint written without one: nothing to compare
+        return
+    if not saved or not isinstance(saved.get("optim"), dict):
+        return
+    was = {f"optim.{key}": value for key, value in saved["optim"].items()}
+    was["training.steps"] = saved.get("training", {}).get("steps")
+    now = {f"optim.{key}": value for key, value in dataclasses.asdict(cfg.optim).items()}
+    now["training.steps"] = cfg.training.steps
+    changed = [key for key in now if key in was and was[key] != now[key]]
+    if not changed:
+        return
+    run.print(f"resumed with settings changed since {checkpoint}: "
+              + ", ".join(f"{key} {was[key]} -> {now[key]}" for key in changed)
+              + f"; the config's values apply from step {step + 1}")
+    moved = [key for key in changed if key in SCHEDULE_KEYS]
+    if not moved:
+        return
+    old = dataclasses.replace(cfg.optim, **{key[6:]: was[key] for key in moved if key.startswith("optim.")})
+    old_total = was["training.steps"] or cfg.training.steps
+    before = learning_rate(step, old, old_total)
+    continued = learning_rate(min(step + 1, old_total), old, old_total)  # a finished run's lr holds
+    after = learning_rate(step + 1, cfg.optim, cfg.training.steps)
+    if not math.isclose(after, continued, rel_tol=1e-9):
+        run.print(f"WARNING: {', '.join(f'{key} {was[key]} -> {now[key]}' for key in moved)} moves the "
+                  f"{cfg.optim.schedule} schedule under the run: the learning rate goes from {before:.2e} at step "
+                  f"{step} to {after:.2e} at step {step + 1} (README, Continuing a run: schedule = \"wsd\" runs "
+                  f"can be extended)")
 
 
 class Interruption:

@@ -434,3 +434,68 @@ def test_rotation_after_skipping_a_damaged_checkpoint_keeps_the_good_one(tmp_pat
     assert f"resumed from {run_dir / 'step_00000003'} at step 3" in capsys.readouterr().out
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000003", "step_00000004",
                                                           "step_00000004.damaged"]
+
+
+DEBUG_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "debug.toml"
+# Every [optim] key changed at once on a resume: the optimizer settings (param groups) and the schedule.
+OPTIM_CHANGES = {"lr": 1e-3, "min_lr": 1e-4, "schedule": "wsd", "warmup_steps": 1, "decay_fraction": 0.5,
+                 "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.9, "eps": 1e-6, "grad_clip": 0.5, "muon_lr": 0.05,
+                 "muon_momentum": 0.9}
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_a_resume_trains_with_the_configs_optimizer_settings_and_says_what_changed(tmp_path, monkeypatch, capsys,
+                                                                                   name):
+    """A checkpoint saves the optimizer's param groups (betas, eps, weight_decay; Muon's momentum and
+    lr_scale = muon_lr / lr), and set_optimizer_state_dict put them back over the config's: a resume
+    trained with the saved values while printing the new ones. Now the config's values train, for every
+    key, and the resume names each change."""
+    run_debug(tmp_path, f"--optim.name={name}", "--training.steps=2", "--training.sample_tokens=0")
+    saved = train.load_config(DEBUG_CONFIG).optim
+    changes = [f"--optim.{key}={value}" for key, value in OPTIM_CHANGES.items()]
+    groups, real_step = [], train.train_step
+
+    def recorded(model, optimizer, *args):
+        if not groups:  # step 3, before its update
+            groups.extend({k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups)
+            expected = train.build_optimizer(model.module, args[1].optim)
+            train.set_learning_rate(expected, train.learning_rate(3, args[1].optim, args[1].training.steps))
+            groups.append([{k: v for k, v in g.items() if k != "params"} for g in expected.param_groups])
+        return real_step(model, optimizer, *args)
+    monkeypatch.setattr(train, "train_step", recorded)
+    capsys.readouterr()
+    run_debug(tmp_path, f"--optim.name={name}", *changes, "--training.steps=3", "--checkpoint.resume=auto",
+              "--training.sample_tokens=0")
+    *used, expected = groups
+    assert used == expected
+    out = capsys.readouterr().out
+    for key, value in OPTIM_CHANGES.items():
+        assert f"optim.{key} {getattr(saved, key)} -> {value}" in out, key
+
+
+def test_a_longer_resumed_run_says_how_the_learning_rate_moves(tmp_path, capsys):
+    """training.steps 4 -> 8 on a resume moves the cosine schedule under the run: one line says the
+    learning rate goes from step 4's to step 5's, which the run then uses."""
+    run_debug(tmp_path, "--training.steps=4", "--training.sample_tokens=0")
+    capsys.readouterr()
+    run_debug(tmp_path, "--training.steps=8", "--checkpoint.resume=auto", "--training.sample_tokens=0",
+              "--logging.every=1")
+    debug = train.load_config(DEBUG_CONFIG).optim
+    before, after = train.learning_rate(4, debug, 4), train.learning_rate(5, debug, 8)
+    assert after > 2 * before  # the jump the line warns of
+    lines = [line for line in capsys.readouterr().out.splitlines() if "learning rate" in line]
+    assert len(lines) == 1 and f"from {before:.2e} at step 4 to {after:.2e} at step 5" in lines[0], lines
+    assert "training.steps 4 -> 8" in lines[0]
+    assert [r["lr"] for r in records(tmp_path) if r.get("step") == 5 and "lr" in r] == [after]
+
+
+@pytest.mark.parametrize("saved, asked", [("adamw", "muon"), ("muon", "adamw")])
+def test_resuming_with_the_other_optimizer_says_which_the_checkpoint_holds(tmp_path, saved, asked):
+    """Not "a damaged .distcp file?: Missing key ...momentum_buffer": the checkpoint is intact."""
+    run_debug(tmp_path, f"--optim.name={saved}", "--training.steps=1", "--training.sample_tokens=0")
+    checkpoint = tmp_path / "ckpt" / "run_0001" / "step_00000001"
+    with pytest.raises(CheckpointError, match=rf"command line --optim.name: checkpoint {checkpoint} holds the "
+                                              rf"optimizer states of {saved} but this run asks for optim.name = "
+                                              rf"{asked!r}.*checkpoint is intact") as refused:
+        run_debug(tmp_path, f"--optim.name={asked}", "--training.steps=2", "--checkpoint.resume=auto")
+    assert "\n" not in str(refused.value) and "damaged" not in str(refused.value)
