@@ -91,8 +91,10 @@ class Checkpointer:
 
     - Nothing of another run is ever deleted: a fresh run (checkpoint.resume = "never", or "auto"
       with nothing to resume) writes a new run directory; "auto" continues the newest intact
-      checkpoint of the newest run and writes on in that run's directory; an explicit checkpoint
-      starts a new run directory from its step. keep_last applies to the run's own directory.
+      checkpoint of the newest run and writes on in that run's directory (with nothing to resume, in
+      the newest run directory if a run killed before its first checkpoint left it without one); an
+      explicit checkpoint starts a new run directory from its step. keep_last applies to the run's
+      own directory.
     - One run per checkpoint.dir: rank 0 holds an exclusive lock on dir/.lock for the life of the run.
     - Crash-safe saves: written under a .tmp name, each rank checksumming its own files, renamed by
       rank 0 once every rank's are listed, the rename made durable; a kill at any point leaves the
@@ -200,6 +202,18 @@ class Checkpointer:
         if self.run.is_main:
             path.mkdir()
         return from_main_rank(path)
+
+    def unfinished_run_dir(self) -> Path | None:
+        """The newest run directory if it holds no checkpoint, complete or not: its run was killed before
+        its first checkpoint. An auto resume that finds nothing to continue starts over there rather
+        than in a new directory, so that the killed run's half-written save (step_*.tmp) and its records
+        of the steps it logged do not stay beside the run that replaces it."""
+        unfinished = None
+        if self.run.is_main:
+            runs = self.runs()
+            if runs and not any(STEP_NAME.fullmatch(p.name) for p in runs[-1].iterdir()):
+                unfinished = runs[-1]
+        return from_main_rank(unfinished)
 
     def enter_run_dir(self, path: Path) -> None:
         """Write into `path` from now on: lock it (a run pointed at another run's directory as its
@@ -315,9 +329,12 @@ class Checkpointer:
                                   f"warning above says why); not starting over. Repair or move them, or set "
                                   f"checkpoint.resume = \"never\" for a fresh run")
         continues = choice == "auto" and path is not None and RUN_NAME.fullmatch(path.parent.name)
-        self.enter_run_dir(path.parent if continues else self.new_run_dir())
+        unfinished = self.unfinished_run_dir() if choice == "auto" and path is None else None
+        self.enter_run_dir(path.parent if continues else unfinished or self.new_run_dir())
         if path is None:
-            self.run.print(f"a fresh run: checkpoints go to {self.run_dir}")
+            self.run.print(f"a fresh run: checkpoints go to {self.run_dir}" + (
+                " (a run killed before its first checkpoint left it; its leftovers and its records in "
+                "logging.jsonl are cleared)" if unfinished else ""))
             return 0
         if not is_native_checkpoint(path):
             raise CheckpointError(f"{self.cfg.where('checkpoint.resume')}: {path} is not a complete checkpoint "

@@ -499,3 +499,24 @@ def test_resuming_with_the_other_optimizer_says_which_the_checkpoint_holds(tmp_p
                                               rf"{asked!r}.*checkpoint is intact") as refused:
         run_debug(tmp_path, f"--optim.name={asked}", "--training.steps=2", "--checkpoint.resume=auto")
     assert "\n" not in str(refused.value) and "damaged" not in str(refused.value)
+
+
+def test_a_run_killed_in_its_first_save_leaves_no_leftovers_and_no_duplicate_records(tmp_path):
+    """kill -9 while the first checkpoint is written (step 1 trained and logged): the auto resume has no
+    checkpoint to continue and starts over, in the run directory the killed run left, clearing its
+    step_00000001.tmp and its record of step 1. It wrote run_0002 before, leaving run_0001's leftover for good
+    and two records of step 1 in metrics.jsonl."""
+    argv = debug_args(tmp_path, "--training.steps=2", "--checkpoint.every=1", "--logging.every=1",
+                      "--training.sample_tokens=0", "--training.eval_every=0", "--checkpoint.resume=auto")
+    crc_log = tmp_path / "crc.log"
+    with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
+        mp.spawn(_rank_of_train, args=(1, free_port(), argv, 1, str(crc_log)), nprocs=1)
+    run_dir = tmp_path / "ckpt" / "run_0001"
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001.tmp"]
+    killed = train_losses(tmp_path)
+    mp.spawn(_rank_of_train, args=(1, free_port(), argv, 0, str(crc_log)), nprocs=1)
+    assert [(Path(r["run"]).name, r["step"]) for r in records(tmp_path) if "loss" in r] == [("run_0001", 1),
+                                                                                          ("run_0001", 2)]
+    assert train_losses(tmp_path)[1] == killed[1]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".lock", "run_0001"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001", "step_00000002"]
