@@ -635,6 +635,9 @@ def draw_sample(checkpoint: Path, tokenizer: Tokenizer, t: TrainingSection, logg
 
 
 if __name__ == "__main__":
+    # Run as a script, this module is __main__, and a later `import train` (tools/rehearsal.py) would load a
+    # second copy whose error classes the handler below does not catch: that import gets this module.
+    sys.modules.setdefault("train", sys.modules[__name__])
     try:
         main()
     except (CheckpointError, ConfigError, DataError, TokenizerError, TrainingError) as error:

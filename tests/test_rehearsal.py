@@ -161,3 +161,19 @@ def test_offload_counts_the_sharded_states_in_host_memory(tmp_path, capsys):
     assert offloaded["host_gib"] == pytest.approx(16 * params / 2 / GIB, rel=0.02)
     assert offloaded["peak_gib"] < on_gpu["peak_gib"]
     assert "GiB in host memory ([parallel] offload)" in offloaded["printed"]
+
+
+def test_train_py_dry_run_as_a_script_reports_a_failing_rehearsal_in_one_line():
+    """`python train.py --dry-run` runs train.py as __main__, and tools/rehearsal.py's `import train` loaded
+    a second copy: RehearsalError subclassed that copy's TrainingError, which __main__'s handler did not
+    catch, so every verdict came out as a traceback. The tests that import train could not see it."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "train.py", "--config", "configs/flint-8gpu.toml", "--data.path=data/pretrain",
+                           "--parallel.ep=1", "--parallel.dp_shard=1", "--dry-run", "--world-size=1", "--gpu=H100"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: configs/flint-8gpu.toml: rank 0 of 1 needs "), done.stderr
+    assert "more than the 79.6 GiB of an H100" in lines[0]
