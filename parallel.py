@@ -414,10 +414,14 @@ def least_padding(shards: int) -> Callable[[nn.Parameter], Shard | None]:
     padded, unless dim 0 is shorter than the shards. Large 4's 16 experts per expert-parallel rank over
     32 ranks would give every rank a whole expert, half of them padding: twice each rank's share of
     the expert weights, gradients and optimizer states (the rehearsal measured it). Those parameters
-    are split along dim 1 instead, as torchtitan splits its experts."""
+    are split along dim 1 instead, as torchtitan splits its experts, where dim 1 divides into the shards:
+    FSDP2 pads dim 0 only, and refuses a split of any other dim that leaves a remainder (Flint's 2,048-wide
+    k_proj and experts on 768 ranks), so there dim 0 is padded after all. The local shape decides: under
+    expert parallelism FSDP splits this rank's experts, not all of them."""
     def placement(param: nn.Parameter) -> Shard | None:
         local = param.to_local() if isinstance(param, DTensor) else param
-        return Shard(1) if local.dim() > 1 and local.shape[0] < shards else None
+        short = local.dim() > 1 and local.shape[0] < shards
+        return Shard(1) if short and local.shape[1] % shards == 0 else None
     return placement
 
 

@@ -839,3 +839,23 @@ def test_zero_bubble_pipelines_evaluate_like_one_process():
     pipeline.ForwardOnlyEvaluation runs forwards only. GPipe as the plain pipeline beside them."""
     spawn(2, check_evaluation_between_steps,
           [{"pp": 2, "dp_shard": 1, "pp_schedule": s} for s in ("ZBVZeroBubble", "DualPipeV", "GPipe")])
+
+
+def test_least_padding_splits_dim_1_only_where_it_divides_and_decides_from_the_local_shape():
+    """FSDP2 refuses an uneven split of any dim but 0 ("uneven sharding on dim 1": Flint's [512, 2048]
+    k_proj on 768 ranks), so a parameter shorter than the shards splits dim 1 only where that divides; and
+    an expert-parallel rank's experts are split by FSDP as it holds them (its local shape), not as all ranks do."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from parallel import least_padding
+    from tools.rehearsal import fake_world
+    placement = least_padding(4)
+    assert placement(torch.nn.Parameter(torch.empty(2, 8, 16, device="meta"))) == Shard(1)
+    assert placement(torch.nn.Parameter(torch.empty(2, 6, 16, device="meta"))) is None  # 6 rows over 4: pad dim 0
+    assert least_padding(768)(torch.nn.Parameter(torch.empty(512, 2048, device="meta"))) is None
+    assert least_padding(768)(torch.nn.Parameter(torch.empty(256, 3072, device="meta"))) == Shard(1)
+    with fake_world(4, 0):
+        ep_mesh = init_device_mesh("cpu", (4,))
+        experts = DTensor.from_local(torch.empty(1, 8, 16), ep_mesh, [Shard(0)])  # 4 experts, one on this rank
+        assert experts.shape == (4, 8, 16)
+        assert least_padding(2)(torch.nn.Parameter(experts)) == Shard(1)
