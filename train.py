@@ -52,7 +52,7 @@ from moe import set_balanced_routing
 from muon import Muon, takes_muon
 from parallel import (ParallelModel, Run, barrier, build_mesh, close_distributed, init_distributed, init_weights,
                       parallelize, uncompile, waiting_for_main_rank)
-from balance import RoutingMonitor
+from balance import COEFFICIENTS, RoutingMonitor
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
@@ -534,12 +534,13 @@ def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: Pac
     norms = torch.cat([shared[:2].sqrt(), shared[2:]])
     checked = torch.cat([torch.stack([loss.float(), grad_norm.float()]).to(norms.device), norms])
     loss, grad_norm, before, after, stop = checked.tolist()  # the step's one copy to the host
-    check_loss(loss, grad_norm, step, model, checkpoints)
+    check_loss(loss, grad_norm, step, model, cfg, checkpoints)
     check_update(before, after, step, cfg, checkpoints)
     return loss, grad_norm, stop > 0
 
 
-def check_loss(loss: float, grad_norm: float, step: int, model: ParallelModel, checkpoints: "Checkpointer") -> None:
+def check_loss(loss: float, grad_norm: float, step: int, model: ParallelModel, cfg: TrainConfig,
+               checkpoints: "Checkpointer") -> None:
     """Stops the run, before anything is saved, on a non-finite loss or gradient norm, or a loss far
     above a uniform guess's."""
     uniform = math.log(model.config.vocab_size)  # the loss of a model that predicts nothing
@@ -548,8 +549,7 @@ def check_loss(loss: float, grad_norm: float, step: int, model: ParallelModel, c
     latest = checkpoints.latest()
     raise TrainingError(f"step {step}: the training loss is {loss} (a uniform guess scores {uniform:.2f}) and "
                         f"the gradient norm {grad_norm}: the run diverged; nothing of this step is saved. "
-                        f"The last good checkpoint is {latest or 'none (none was saved yet)'}; try a lower "
-                        f"optim.lr or more warmup")
+                        f"The last good checkpoint is {latest or 'none (none was saved yet)'}; {divergence_remedy(cfg)}")
 
 
 def weight_squares(model: ParallelModel) -> torch.Tensor:
@@ -569,8 +569,23 @@ def check_update(before: float, after: float, step: int, cfg: TrainConfig, check
     latest = checkpoints.latest()
     raise TrainingError(f"step {step}: the update took the norm of the weights from {before:.4g} to {after:.4g}: "
                         f"the run diverged; nothing of this step is saved. The last good checkpoint is "
-                        f"{latest or 'none (none was saved yet)'}; try a lower optim.lr (now {cfg.optim.lr:g}, "
-                        f"{cfg.where('optim.lr')}) or more warmup")
+                        f"{latest or 'none (none was saved yet)'}; {divergence_remedy(cfg)}")
+
+
+def divergence_remedy(cfg: TrainConfig) -> str:
+    """What to lower after a divergence: the learning rates that drive the update (Muon's matrices step at
+    muon_lr), and the router-loss coefficients when their losses join the loss."""
+    o, config = cfg.optim, cfg.model_config
+    rates = [f"optim.muon_lr (now {o.muon_lr:g}, {cfg.where('optim.muon_lr')})"] if o.name == "muon" else []
+    rates.append(f"optim.lr (now {o.lr:g}, {cfg.where('optim.lr')})")
+    remedy = f"a lower {' or '.join(rates)} or more warmup"
+    coefficients = [name for name in COEFFICIENTS if getattr(config, name)]
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        coefficients.insert(0, "router_aux_loss_coef")  # Flint's published balance term
+    if not coefficients:
+        return f"try {remedy}"
+    listed = ", ".join(f"{name} = {getattr(config, name):g} ({cfg.where('model.' + name)})" for name in coefficients)
+    return f"the loss holds the router losses of [model] {listed}: try a lower coefficient, or {remedy}"
 
 
 def evaluate(model: ParallelModel, data: PackedLoader, cfg: TrainConfig, run: Run) -> float:

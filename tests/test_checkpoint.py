@@ -235,9 +235,9 @@ def test_a_diverging_run_stops_at_the_step_it_diverges(tmp_path):
     assert sorted(p.name for p in good.parent.iterdir()) == [".lock", "step_00000001"]
 
 
-@pytest.mark.parametrize("lr, shown", [("1e6", r"1e\+06"), ("inf", "inf")])
+@pytest.mark.parametrize("lr, shown", [("1e6", r"1e\+06"), ("1e30", r"1e\+30")])
 def test_blown_up_weights_are_never_saved_or_exported(tmp_path, lr, shown):
-    """One step at a constant lr of 1e6 (weights of about 1 moved by about 1e6) or inf: stopped at
+    """One step at a constant lr of 1e6 (weights of about 1 moved by about 1e6) or 1e30: stopped at
     step 1 with optim.lr named; no checkpoint and no export written."""
     with pytest.raises(train.TrainingError, match=rf"step 1: .*diverged; nothing of this step is saved.*"
                                                   rf"try a lower optim.lr \(now {shown}, command line --optim.lr\)"):
@@ -520,3 +520,16 @@ def test_a_run_killed_in_its_first_save_leaves_no_leftovers_and_no_duplicate_rec
     assert train_losses(tmp_path)[1] == killed[1]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".lock", "run_0001"]
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001", "step_00000002"]
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["--optim.name=muon", "--optim.muon_lr=1e6"], r"try a lower optim.muon_lr \(now 1e\+06, command line "
+                                                   r"--optim.muon_lr\) or optim.lr \(now 0.003, .*debug.toml\)"),
+    (["--model.router_z_loss_coef=1e6"], r"the loss holds the router losses of \[model\] router_z_loss_coef = 1e\+06 "
+                                         r"\(command line --model.router_z_loss_coef\): try a lower coefficient")])
+def test_a_divergence_names_the_keys_that_drive_it(tmp_path, overrides, named):
+    """Muon's matrices step at muon_lr, and router losses join the loss: a divergence they cause was blamed
+    on optim.lr alone."""
+    with pytest.raises(train.TrainingError, match=rf"step 1: .*diverged.*{named}") as stopped:
+        run_debug(tmp_path, *overrides, "--training.steps=2")
+    assert "\n" not in str(stopped.value)
