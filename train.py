@@ -27,6 +27,7 @@ import math
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -105,8 +106,11 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
                     if due(step, cfg.checkpoint.every, cfg.training.steps) or stopping:
                         checkpoints.save(step, model, optimizer, train_data)
                 if stopping:
-                    run.print(f"stopped by {interruption.name} after step {step}; saved {checkpoints.wait()}. "
-                              f"Resume with:\n  {resume_command(argv, run)}")
+                    stopped = (f"stopped by {interruption.name} after step {step}; saved {checkpoints.wait()}. "
+                               f"Resume with:\n  {resume_command(argv, run)}")
+                    run.print(stopped)
+                    if run.is_main:
+                        say_after_the_launcher(stopped)
                     raise SystemExit(128 + getattr(signal, interruption.name))
         return finish(checkpoints.wait(), tokenizer, cfg, run, logger)
 
@@ -127,6 +131,41 @@ def resume_command(argv: list[str], run: Run) -> str:
     start = ["torchrun", f"--nproc-per-node={run.world_size}"] if run.world_size > 1 else ["python3"]
     kept = [arg for arg in argv if not arg.startswith("--checkpoint.resume")]
     return shlex.join([*start, "train.py", *kept, "--checkpoint.resume=auto"])
+
+
+# Waits (up to a minute) until process argv[1] has exited, then writes argv[2] to stderr.
+AFTER_EXIT = """
+import os, sys, time
+pid = int(sys.argv[1])
+def alive():
+    try:  # a zombie (exited, not yet reaped by its parent) has exited: its output is all written
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (macOS)
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+for _ in range(1200):
+    if not alive():
+        break
+    time.sleep(0.05)
+sys.stderr.write(sys.argv[2] + "\\n")
+"""
+
+
+def say_after_the_launcher(message: str) -> None:
+    """Under torchrun, `message` once more after torchrun has exited. Ctrl-C reaches torchrun, which sends
+    SIGINT on to the ranks and, once they have saved and stopped, prints its own SignalException
+    traceback of 25 lines, burying what the ranks said. A detached process waits for torchrun (this
+    rank's parent) to exit and repeats the message, so that it is the last thing on the terminal."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not started by torchrun
+        return
+    subprocess.Popen([sys.executable, "-c", AFTER_EXIT, str(os.getppid()), message],
+                     stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def due(step: int, every: int, last: int) -> bool:
