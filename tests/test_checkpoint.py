@@ -533,3 +533,19 @@ def test_a_divergence_names_the_keys_that_drive_it(tmp_path, overrides, named):
     with pytest.raises(train.TrainingError, match=rf"step 1: .*diverged.*{named}") as stopped:
         run_debug(tmp_path, *overrides, "--training.steps=2")
     assert "\n" not in str(stopped.value)
+
+
+def test_two_checkpointers_on_one_directory_are_refused(tmp_path):
+    """The checkpoint.dir lock is exclusive: a second Checkpointer (another run) on the same directory is
+    refused while the first holds it, and takes it once the first has closed. (A shared lock would let
+    both run; the other lock tests take the lock by hand, exclusively, and could not tell.)"""
+    import torch.distributed as dist
+    from parallel import Run
+    cfg = train.parse_args(debug_args(tmp_path))
+    run = Run(rank=0, world_size=1, dp_rank=0, dp_size=1, device=torch.device("cpu"))
+    assert not dist.is_initialized()
+    with checkpoint.Checkpointer(cfg, run):
+        with pytest.raises(CheckpointError, match=rf"checkpoint.dir {tmp_path / 'ckpt'} is in use by another run "
+                                                  rf"\(pid {os.getpid()} on "):
+            checkpoint.Checkpointer(cfg, run)
+    checkpoint.Checkpointer(cfg, run).close()

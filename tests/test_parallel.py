@@ -859,3 +859,53 @@ def test_least_padding_splits_dim_1_only_where_it_divides_and_decides_from_the_l
         experts = DTensor.from_local(torch.empty(1, 8, 16), ep_mesh, [Shard(0)])  # 4 experts, one on this rank
         assert experts.shape == (4, 8, 16)
         assert least_padding(2)(torch.nn.Parameter(experts)) == Shard(1)
+
+
+def sharded_matmul_mesh():
+    """A weak reference to the mesh of a DTensor matmul, run and let go of: only torch's caches can hold it."""
+    import weakref
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (1,))
+    x = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    (x @ x.T).redistribute(mesh, [Shard(1)]).full_tensor()
+    return weakref.ref(mesh)
+
+
+def test_close_distributed_lets_go_of_every_mesh():
+    """DTensor's sharding caches (in Python and C++) keep each mesh they saw, and a mesh its process
+    groups, whose gloo threads then outlive the run (see close_distributed). After close_distributed no
+    mesh is left alive, though the caches saw one; the thread test alone passed without the clearing."""
+    mesh = in_process_group(sharded_matmul_mesh)
+    assert mesh() is None
+
+
+def head_precision_of(layout: dict) -> list[str]:
+    config = tiny_config()
+    cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
+    pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
+    return [part.lm_head.precision for part in pm.parts if part.lm_head is not None]
+
+
+def test_the_head_takes_its_precision_from_head_precision():
+    """[parallel] head_precision reaches the head that parallelize lays out (it acts on GPUs only, so no
+    CPU number can show it: test_layers checks the CPU's head stays FP32 whatever it says)."""
+    for precision in ("bf16x3", "bf16"):
+        assert in_process_group(head_precision_of, {"head_precision": precision}) == [precision]
+
+
+def check_muon_on_a_dim_1_split() -> None:
+    """One expert over 2 FSDP ranks: dim 0 is shorter than the shards, so FSDP splits each expert matrix
+    along dim 1 (least_padding, Large 4's layout at scale), and Muon must gather it whole."""
+    from test_muon import muon_matches_plain
+    from torch.distributed.tensor import Shard
+    config = tiny_config(num_experts=1, num_experts_per_tok=1)
+    cfg = ParallelConfig.from_dict({"param_dtype": "float32", "dp_shard": 2})
+    pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
+    assert pm.module.layers["2"].mlp.experts.gate_up_proj.placements == (Shard(1),)
+    muon_matches_plain(pm.module, build(config))
+
+
+def test_muon_gathers_experts_split_along_dim_1():
+    """Treated as whole local matrices, such slices would each be orthogonalised on their own."""
+    spawn(2, check_muon_on_a_dim_1_split)
