@@ -58,9 +58,9 @@ The counts are those of the step's last micro-batch (on every data-parallel rank
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import math
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,11 +84,11 @@ FIELDS = {"balance_counts": (("E",), torch.int32), "balance_probs": (("E",), tor
 
 
 def check_coefficients(config: object) -> None:
-    """A config's router-loss coefficients (COEFFICIENTS): numbers >= 0."""
+    """A config's router-loss coefficients (COEFFICIENTS): finite numbers >= 0."""
     for name in COEFFICIENTS:
         value = getattr(config, name)
-        if isinstance(value, bool) or not (isinstance(value, (int, float)) and value >= 0):
-            raise ValueError(f"{name} must be a number >= 0 (0: off), got {value!r}")
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+            raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {value!r}")
 
 
 def real_tokens(doc_ids: torch.Tensor | None, batch: int, seq_len: int, device) -> torch.Tensor:

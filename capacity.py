@@ -1,6 +1,6 @@
 """Optional expert capacity ([model] capacity_factor; None, the default, is dropless).
 
-With a factor c, each expert takes at most C = ceil(c * N * k / E) rows per forward (training,
+With a factor c, each expert takes at most C = min(N, ceil(c * N * k / E)) rows per forward (training,
 validation and generation alike), N the tokens this rank's forward holds (its micro-batch: a
 pipeline micro-batch under pp, its shard of the sequence under cp), k the experts per token, E the
 routed experts. The routed experts then run on a static [E, C, H] buffer, so no shape
@@ -21,6 +21,7 @@ Every expert rank must then route micro-batches of the same size (as training's 
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from typing import NamedTuple
 
@@ -29,9 +30,10 @@ import torch.nn.functional as F
 
 
 def check_capacity_factor(factor: object) -> None:
-    """The configs' capacity_factor (a runtime field of both models): None (dropless) or a number > 0."""
-    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
-        raise ValueError(f"capacity_factor must be a number > 0 (rows per expert over the balanced share "
+    """The configs' capacity_factor (a runtime field of both models): None (dropless) or a finite number > 0."""
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                               or not 0 < factor < math.inf):
+        raise ValueError(f"capacity_factor must be a finite number > 0 (rows per expert over the balanced share "
                          f"tokens * k / E) or unset for dropless routing, got {factor!r}")
 
 
@@ -44,8 +46,9 @@ def capacity_ratio(factor: float) -> tuple[int, int]:
 
 
 def expert_capacity(tokens: int, top_k: int, num_experts: int, ratio: tuple[int, int]) -> int:
-    """C = ceil(factor * tokens * top_k / num_experts) for the factor's capacity_ratio."""
-    numerator, denominator = ratio
+    """C = ceil(factor * tokens * top_k / num_experts) for the factor's capacity_ratio, at most `tokens`:
+    an expert takes each token at most once, so a factor above num_experts / top_k counts as that."""
+    numerator, denominator = ratio if ratio[0] * top_k <= ratio[1] * num_experts else (num_experts, top_k)
     return -(-numerator * tokens * top_k // (denominator * num_experts))
 
 

@@ -54,6 +54,7 @@ def check_architecture(path: Path, config: ModelConfig) -> None:
 RUN_NAME = re.compile(r"run_\d{4,}")
 STEP_NAME = re.compile(r"step_\d{8,}")
 REMOVING = ".removing"  # a checkpoint being deleted: no longer complete
+DAMAGED = ".damaged"  # a damaged checkpoint an auto resume skipped, kept for inspection: never listed or rotated
 
 
 def remove_leftovers(run_dir: Path) -> None:
@@ -90,8 +91,10 @@ class Checkpointer:
 
     - Nothing of another run is ever deleted: a fresh run (checkpoint.resume = "never", or "auto"
       with nothing to resume) writes a new run directory; "auto" continues the newest intact
-      checkpoint of the newest run and writes on in that run's directory; an explicit checkpoint
-      starts a new run directory from its step. keep_last applies to the run's own directory.
+      checkpoint of the newest run and writes on in that run's directory (with nothing to resume, in
+      the newest run directory if a run killed before its first checkpoint left it without one); an
+      explicit checkpoint starts a new run directory from its step. keep_last applies to the run's
+      own directory.
     - One run per checkpoint.dir: rank 0 holds an exclusive lock on dir/.lock for the life of the run.
     - Crash-safe saves: written under a .tmp name, each rank checksumming its own files, renamed by
       rank 0 once every rank's are listed, the rename made durable; a kill at any point leaves the
@@ -107,6 +110,7 @@ class Checkpointer:
         self.last: Path | None = None  # saved or resumed from by this run
         self.lock_files: list = []  # rank 0's: checkpoint.dir's and, once chosen, the run directory's
         self.run_dir: Path | None = None  # chosen at resume
+        self.skipped: list[Path] = []  # damaged checkpoints newest_intact passed over
         self.group: dist.ProcessGroup | None = None  # synchronous saves talk over the main group
         self.stager: DefaultStager | None = None
         self.saving: Future | None = None  # the async save in flight
@@ -187,6 +191,7 @@ class Checkpointer:
             if not problem:
                 return path
             self.run.print(f"WARNING: checkpoint {path} is damaged, trying the one before it: {problem}")
+            self.skipped.append(path)
         return None
 
     def new_run_dir(self) -> Path:
@@ -198,21 +203,50 @@ class Checkpointer:
             path.mkdir()
         return from_main_rank(path)
 
+    def unfinished_run_dir(self) -> Path | None:
+        """The newest run directory if it holds no checkpoint, complete or not: its run was killed before
+        its first checkpoint. An auto resume that finds nothing to continue starts over there rather
+        than in a new directory, so that the killed run's half-written save (step_*.tmp) and its records
+        of the steps it logged do not stay beside the run that replaces it."""
+        unfinished = None
+        if self.run.is_main:
+            runs = self.runs()
+            if runs and not any(STEP_NAME.fullmatch(p.name) for p in runs[-1].iterdir()):
+                unfinished = runs[-1]
+        return from_main_rank(unfinished)
+
     def enter_run_dir(self, path: Path) -> None:
         """Write into `path` from now on: lock it (a run pointed at another run's directory as its
-        checkpoint.dir, or one continuing it, is refused) and clear what a crash there left."""
+        checkpoint.dir, or one continuing it, is refused), clear what a crash there left and set aside
+        the damaged checkpoints there that the resume skipped (set_aside)."""
         failure = None
         if self.run.is_main:
             try:
                 if path != self.dir:
                     self.lock_files.append(hold_lock(path, f"{self.where()}: run directory"))
                 remove_leftovers(path)
+                for damaged in self.skipped:
+                    if damaged.parent == path:
+                        self.set_aside(damaged)
             except CheckpointError as error:
                 failure = str(error)
         failure = from_main_rank(failure)
         if failure:
             raise CheckpointError(failure)
         self.run_dir = path
+
+    def set_aside(self, checkpoint: Path) -> None:
+        """Rename a damaged checkpoint out of the step names, never deleting it: rotation (keep_last,
+        ordered by step) would otherwise keep it, newer than anything the resumed run saves, and delete
+        the intact ones, and every later resume would read it again."""
+        aside = checkpoint.with_name(checkpoint.name + DAMAGED)
+        number = 1
+        while aside.exists():  # set aside before, and that step damaged again
+            number += 1
+            aside = checkpoint.with_name(f"{checkpoint.name}{DAMAGED}-{number}")
+        sync_rename(checkpoint, aside)
+        self.run.print(f"set aside the damaged checkpoint {checkpoint} as {aside} (kept for inspection, never "
+                       f"rotated or resumed from; delete it when you no longer need it)")
 
     def remove(self, checkpoint: Path) -> None:
         """Unfinish, then delete: renamed away from its step name first, so a crash part-way through
@@ -295,20 +329,31 @@ class Checkpointer:
                                   f"warning above says why); not starting over. Repair or move them, or set "
                                   f"checkpoint.resume = \"never\" for a fresh run")
         continues = choice == "auto" and path is not None and RUN_NAME.fullmatch(path.parent.name)
-        self.enter_run_dir(path.parent if continues else self.new_run_dir())
+        unfinished = self.unfinished_run_dir() if choice == "auto" and path is None else None
+        self.enter_run_dir(path.parent if continues else unfinished or self.new_run_dir())
         if path is None:
-            self.run.print(f"a fresh run: checkpoints go to {self.run_dir}")
+            self.run.print(f"a fresh run: checkpoints go to {self.run_dir}" + (
+                " (a run killed before its first checkpoint left it; its leftovers and its records in "
+                "logging.jsonl are cleared)" if unfinished else ""))
             return 0
         if not is_native_checkpoint(path):
             raise CheckpointError(f"{self.cfg.where('checkpoint.resume')}: {path} is not a complete checkpoint "
                                   f"(it needs .metadata and config.json)")
         check_architecture(path, model.config)
+        saved_keys = read_metadata(path).state_dict_metadata
+        check_optimizer(path, saved_keys, self.cfg)
         state = self.state(model, optimizer, data, 0)
-        if "train.cuda_rng" not in read_metadata(path).state_dict_metadata:
+        if "train.cuda_rng" not in saved_keys:
             state["train"].pop("cuda_rng", None)
         load_dcp(state, path, verified=choice == "auto")  # newest_intact verified it
         set_model_state_dict(model.module, state["model"])
+        # The param groups hold the [optim] settings (betas, eps, weight_decay; Muon's momentum and lr_scale =
+        # muon_lr / lr) and the checkpoint saved them: set_optimizer_state_dict puts the saved values back.
+        # A resume trains with the config's settings and the checkpoint's states (moments, momentum buffers).
+        configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         set_optimizer_state_dict(model.module, optimizer, state["optimizer"])
+        for group, settings in zip(optimizer.param_groups, configured):
+            group.update(settings)
         data.load_state_dict({k: int(v) for k, v in state["train"]["data"].items()})
         torch.set_rng_state(state["train"]["cpu_rng"])
         if "cuda_rng" in state["train"]:
@@ -319,6 +364,18 @@ class Checkpointer:
                                             "checkpoint.resume = \"never\" for a fresh run)"
                                             if step >= self.cfg.training.steps else ""))
         return step
+
+
+def check_optimizer(path: Path, saved_keys, cfg: TrainConfig) -> None:
+    """A resume continues the optimizer whose states the checkpoint holds (Muon's momentum buffers, or
+    AdamW's moments alone); asked for the other, it says so rather than fail to find a state's key."""
+    saved = "muon" if any(key.endswith(".momentum_buffer") for key in saved_keys) else "adamw"
+    if saved != cfg.optim.name:
+        raise CheckpointError(f"{cfg.where('optim.name')}: checkpoint {path} holds the optimizer states of {saved} "
+                              f"but this run asks for optim.name = {cfg.optim.name!r}. The checkpoint is intact; a "
+                              f"resume cannot change optimizers: set optim.name = {saved!r} to resume it, or train "
+                              f"its weights with a new optimizer from step 1 ([model] init_from = \"{path}\", "
+                              f"checkpoint.resume = \"never\")")
 
 
 def weights_finite(model: ParallelModel) -> bool:

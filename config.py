@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import math
 import os
 import re
 import tomllib
@@ -397,18 +398,18 @@ def validate(cfg: TrainConfig) -> None:
         ("data.epochs", d.epochs >= 1, "be >= 1"),
         ("data.overlong", d.overlong in ("truncate", "drop"), 'be "truncate" or "drop"'),
         ("optim.name", o.name in ("adamw", "muon"), "be adamw or muon"),
-        ("optim.lr", o.lr > 0, "be > 0"),
-        ("optim.muon_lr", o.muon_lr > 0, "be > 0"),
+        ("optim.lr", 0 < o.lr < math.inf, "be a finite number > 0"),
+        ("optim.muon_lr", 0 < o.muon_lr < math.inf, "be a finite number > 0"),
         ("optim.muon_momentum", 0 <= o.muon_momentum < 1, "be in [0, 1)"),
         ("optim.min_lr", 0 <= o.min_lr <= o.lr, f"be in [0, optim.lr = {o.lr}]"),
         ("optim.schedule", o.schedule in ("cosine", "wsd", "constant"), "be cosine, wsd or constant"),
         ("optim.warmup_steps", o.warmup_steps >= 0, "be >= 0"),
         ("optim.decay_fraction", 0 < o.decay_fraction <= 1, "be in (0, 1]"),
-        ("optim.weight_decay", o.weight_decay >= 0, "be >= 0"),
+        ("optim.weight_decay", 0 <= o.weight_decay < math.inf, "be a finite number >= 0"),
         ("optim.beta1", 0 <= o.beta1 < 1, "be in [0, 1)"),
         ("optim.beta2", 0 <= o.beta2 < 1, "be in [0, 1)"),
-        ("optim.eps", o.eps > 0, "be > 0"),
-        ("optim.grad_clip", o.grad_clip >= 0, "be >= 0 (0: no clipping)"),
+        ("optim.eps", 0 < o.eps < math.inf, "be a finite number > 0"),
+        ("optim.grad_clip", 0 <= o.grad_clip < math.inf, "be a finite number >= 0 (0: no clipping)"),
         ("checkpoint.every", c.every >= 0, "be >= 0"),
         ("checkpoint.keep_last", c.keep_last >= 1, "be >= 1"),
         ("checkpoint.export_dtype", c.export_dtype in ("", "float32", "bfloat16"), 'be "", float32 or bfloat16'),
@@ -437,7 +438,8 @@ def validate(cfg: TrainConfig) -> None:
         if refusal:
             raise refusal
     except LayoutError as error:
-        raise ConfigError(f"{cfg.where('parallel.' + error.key)}: {error}") from error
+        keys = [f"parallel.{key}" for key in error.keys]
+        raise ConfigError(f"{cfg.where(keys[0]) if len(keys) == 1 else cfg.where_any(keys)}: {error}") from error
     check_microbatches(cfg)
 
 

@@ -17,6 +17,7 @@ SPEC.md is the contract this file implements.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -148,7 +149,8 @@ class FlintConfig:
              "a list of layer indices or null"),
             ("rms_norm_eps", number(self.rms_norm_eps) and self.rms_norm_eps > 0, "a number > 0"),
             ("initializer_range", number(self.initializer_range) and self.initializer_range > 0, "a number > 0"),
-            ("router_aux_loss_coef", number(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0, ">= 0"),
+            ("router_aux_loss_coef", number(self.router_aux_loss_coef) and 0 <= self.router_aux_loss_coef < math.inf,
+             "a finite number >= 0"),
             ("eos_token_id", self.eos_token_id is None or ints([self.eos_token_id]) or (
                 ints(self.eos_token_id) and self.eos_token_id), "a token id, a list of token ids or null"),
         ] + [(name, getattr(self, name) is None or ints([getattr(self, name)]), "a token id or null")

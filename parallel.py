@@ -54,17 +54,18 @@ warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp")
 AC_MODES = ("none", "full", "selective")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+MAX_TIMEOUT_MINUTES = 525_600  # a year: [parallel] collective_timeout_minutes
 
 
 # ============================================================================= configuration
 
 class LayoutError(ValueError):
     """A [parallel] setting that cannot work; `key` names it (for example "ep"), so a caller can say
-    where it was set without reading the message."""
+    where it was set without reading the message; `keys`: every key of a rule between several."""
 
-    def __init__(self, key: str, message: str):
+    def __init__(self, key: str, message: str, also: tuple[str, ...] = ()):
         super().__init__(message)
-        self.key = key
+        self.key, self.keys = key, (*also, key)
 
 
 @dataclass
@@ -154,9 +155,9 @@ class ParallelConfig:
                              ("head_precision", list(HEAD_PRECISIONS))):
             if getattr(self, key) not in allowed:
                 raise LayoutError(key, f"{where} {key} must be one of {allowed}, got {getattr(self, key)!r}")
-        if not 0 < self.collective_timeout_minutes < float("inf"):
+        if not 0 < self.collective_timeout_minutes <= MAX_TIMEOUT_MINUTES:  # beyond, datetime.timedelta overflows
             raise LayoutError("collective_timeout_minutes", f"{where} collective_timeout_minutes must be a number of "
-                              f"minutes > 0, got {self.collective_timeout_minutes!r}")
+                              f"minutes in (0, {MAX_TIMEOUT_MINUTES}] (a year), got {self.collective_timeout_minutes!r}")
         if seq_len is not None and self.cp > 1 and seq_len % (2 * self.cp):
             raise LayoutError("cp", f"{where} cp = {self.cp} splits each sequence into 2 * cp = {2 * self.cp} chunks: "
                              f"data.seq_len = {seq_len} must be divisible by {2 * self.cp}")
@@ -172,6 +173,28 @@ class ParallelConfig:
         if not fits:
             raise LayoutError("pp_stages_per_rank", f"{where} pp_stages_per_rank = {self.stages_per_rank} does not fit "
                               f"pp_schedule {self.pp_schedule!r}, which takes {needed} stages per rank")
+        if self.pp > 1 and self.pp_schedule in V_SCHEDULES:
+            self.check_v_schedule()
+
+    def check_v_schedule(self) -> None:
+        """What torch 2.13 cannot run under a V schedule: activation checkpointing (the composable
+        checkpoint fails in the backward split into input and weight gradients: "'_GeneratorContextManager'
+        object has no attribute 'args'"), ZBVZeroBubble with one micro-batch (under BF16, FSDP2 asserts
+        "reduce-scatter expects uniform gradient dtype"), DualPipeV with fewer micro-batches than stages."""
+        schedule, microbatches = self.pp_schedule, self.pp_microbatches or self.pp * self.stages_per_rank
+        if self.activation_checkpointing != "none":
+            raise LayoutError("activation_checkpointing", f"[parallel] activation_checkpointing = "
+                              f"{self.activation_checkpointing!r} cannot run under pp_schedule {schedule!r}: torch's "
+                              f"activation checkpointing fails in its backward split into input and weight gradients; "
+                              f"use activation_checkpointing = 'none', or pp_schedule '1F1B' or 'Interleaved1F1B'",
+                              also=("pp_schedule",))
+        needed, why = {"ZBVZeroBubble": (2, "under BF16 FSDP2 fails on one"),
+                       "DualPipeV": (self.pp * self.stages_per_rank, f"one per pipeline stage: pp = {self.pp} x "
+                                                                     f"{self.stages_per_rank} stages per rank")}[schedule]
+        if microbatches < needed:
+            raise LayoutError("pp_microbatches", f"[parallel] pp_microbatches = {microbatches}: pp_schedule {schedule!r} "
+                              f"needs at least {needed} ({why}); raise pp_microbatches, or set it to 0 (one per stage)",
+                              also=("pp_schedule",))
 
 
 # ============================================================================= process group and mesh
@@ -414,10 +437,14 @@ def least_padding(shards: int) -> Callable[[nn.Parameter], Shard | None]:
     padded, unless dim 0 is shorter than the shards. Large 4's 16 experts per expert-parallel rank over
     32 ranks would give every rank a whole expert, half of them padding: twice each rank's share of
     the expert weights, gradients and optimizer states (the rehearsal measured it). Those parameters
-    are split along dim 1 instead, as torchtitan splits its experts."""
+    are split along dim 1 instead, as torchtitan splits its experts, where dim 1 divides into the shards:
+    FSDP2 pads dim 0 only, and refuses a split of any other dim that leaves a remainder (Flint's 2,048-wide
+    k_proj and experts on 768 ranks), so there dim 0 is padded after all. The local shape decides: under
+    expert parallelism FSDP splits this rank's experts, not all of them."""
     def placement(param: nn.Parameter) -> Shard | None:
         local = param.to_local() if isinstance(param, DTensor) else param
-        return Shard(1) if local.dim() > 1 and local.shape[0] < shards else None
+        short = local.dim() > 1 and local.shape[0] < shards
+        return Shard(1) if short and local.shape[1] % shards == 0 else None
     return placement
 
 

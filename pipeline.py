@@ -14,12 +14,50 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                          ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
+from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _add_unshard_reshard, _ComputationType
 
 if TYPE_CHECKING:
     from parallel import ParallelConfig
 
+
+
+class ForwardOnlyEvaluation:
+    """A V schedule whose evaluation runs forwards only: on each rank, every micro-batch through its
+    first stage, then through its second (GPipe over the V). torch 2.13's `eval` runs the schedule's
+    own actions with the backward switched off, and the backward of a stage whose previous stage sits
+    on the same rank (the turn of the V) then fails ("can't steal_bwd_input if this stage doesn't have
+    backward"): evaluation, and with it the run's final checkpoint, never happened under these
+    schedules. The training actions are kept and put back after each evaluation."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        pp = self.pp_group_size
+        forwards = {rank: _add_unshard_reshard([_Action(stage, _ComputationType.FORWARD, micro)
+                                                for stage in (rank, 2 * pp - 1 - rank)
+                                                for micro in range(self._n_microbatches)]) for rank in range(pp)}
+        # The sends and receives, placed as torch places them for a training order (whose validation,
+        # which asks for a backward of every micro-batch, a forward-only order cannot pass).
+        self.forward_order = _add_send_recv(forwards, lambda stage: self.stage_index_to_group_rank[stage],
+                                            self._num_stages)
+
+    def eval(self, *args, **kwargs):
+        training, self.pipeline_order_with_comms = self.pipeline_order_with_comms, self.forward_order
+        try:
+            return super().eval(*args, **kwargs)
+        finally:
+            self.pipeline_order_with_comms = training
+
+
+class ZBVZeroBubble(ForwardOnlyEvaluation, ScheduleZBVZeroBubble):
+    pass
+
+
+class DualPipeV(ForwardOnlyEvaluation, ScheduleDualPipeV):
+    pass
+
+
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-             "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
+             "ZBVZeroBubble": ZBVZeroBubble, "DualPipeV": DualPipeV}
 # Schedules of two stages per rank placed in a V: rank r holds stages r and 2 * pp - 1 - r, so the
 # last stage sits beside the first and the backward turns around on one rank.
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")

@@ -20,11 +20,13 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import dataclasses
 import json
 import math
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -42,6 +44,7 @@ from checkpoint_files import is_native_checkpoint, load_dcp
 from config import (ConfigError, OptimSection, TrainConfig, TrainingSection, help_text, load_config,
                     resolved_summary, resolved_toml)
 from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
+from files import read_json_object
 from layers import token_ids_checked_at_load
 from metrics import MetricsLogger
 from registry import config_from_hf, model_class
@@ -49,7 +52,7 @@ from moe import set_balanced_routing
 from muon import Muon, takes_muon
 from parallel import (ParallelModel, Run, barrier, build_mesh, close_distributed, init_distributed, init_weights,
                       parallelize, uncompile, waiting_for_main_rank)
-from balance import RoutingMonitor
+from balance import COEFFICIENTS, RoutingMonitor
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
@@ -83,6 +86,7 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
             check_compiled(model, train_data.peek(), run, cfg.parallel.compile_fallback)
         optimizer = build_optimizer(model.module, cfg.optim)
         step = checkpoints.resume(model, optimizer, train_data)
+        explain_resumed_settings(cfg, checkpoints.last if step else None, step, run)
         logger = MetricsLogger(cfg, run, model.config, start_step=step, run_dir=checkpoints.run_dir)
         routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps, run.is_main)
         with Interruption(run) as interruption, explain_stop(checkpoints, run, argv):
@@ -101,8 +105,11 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
                     if due(step, cfg.checkpoint.every, cfg.training.steps) or stopping:
                         checkpoints.save(step, model, optimizer, train_data)
                 if stopping:
-                    run.print(f"stopped by {interruption.name} after step {step}; saved {checkpoints.wait()}. "
-                              f"Resume with:\n  {resume_command(argv, run)}")
+                    stopped = (f"stopped by {interruption.name} after step {step}; saved {checkpoints.wait()}. "
+                               f"Resume with:\n  {resume_command(argv, run)}")
+                    run.print(stopped)
+                    if run.is_main:
+                        say_after_the_launcher(stopped)
                     raise SystemExit(128 + getattr(signal, interruption.name))
         return finish(checkpoints.wait(), tokenizer, cfg, run, logger)
 
@@ -123,6 +130,41 @@ def resume_command(argv: list[str], run: Run) -> str:
     start = ["torchrun", f"--nproc-per-node={run.world_size}"] if run.world_size > 1 else ["python3"]
     kept = [arg for arg in argv if not arg.startswith("--checkpoint.resume")]
     return shlex.join([*start, "train.py", *kept, "--checkpoint.resume=auto"])
+
+
+# Waits (up to a minute) until process argv[1] has exited, then writes argv[2] to stderr.
+AFTER_EXIT = """
+import os, sys, time
+pid = int(sys.argv[1])
+def alive():
+    try:  # a zombie (exited, not yet reaped by its parent) has exited: its output is all written
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (macOS)
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+for _ in range(1200):
+    if not alive():
+        break
+    time.sleep(0.05)
+sys.stderr.write(sys.argv[2] + "\\n")
+"""
+
+
+def say_after_the_launcher(message: str) -> None:
+    """Under torchrun, `message` once more after torchrun has exited. Ctrl-C reaches torchrun, which sends
+    SIGINT on to the ranks and, once they have saved and stopped, prints its own SignalException
+    traceback of 25 lines, burying what the ranks said. A detached process waits for torchrun (this
+    rank's parent) to exit and repeats the message, so that it is the last thing on the terminal."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not started by torchrun
+        return
+    subprocess.Popen([sys.executable, "-c", AFTER_EXIT, str(os.getppid()), message],
+                     stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -412,6 +454,47 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> float:
     return lr
 
 
+# The keys whose change moves the learning rate of the steps a resumed run has left.
+SCHEDULE_KEYS = ("optim.lr", "optim.min_lr", "optim.schedule", "optim.warmup_steps", "optim.decay_fraction",
+                 "training.steps")
+
+
+def explain_resumed_settings(cfg: TrainConfig, checkpoint: Path | None, step: int, run: Run) -> None:
+    """What changed since the resumed checkpoint's run (its train_config.json): every [optim] setting and
+    training.steps take the config's value from the next step (Checkpointer.resume keeps the config's
+    optimizer settings over the saved ones), each change named; a change that moves the learning rate
+    away from where the checkpoint's schedule would have taken it is said with both rates."""
+    try:
+        saved = read_json_object(checkpoint / "train_config.json") if checkpoint else None
+    except ValueError:  # a checkpoint written without one: nothing to compare
+        return
+    if not saved or not isinstance(saved.get("optim"), dict):
+        return
+    was = {f"optim.{key}": value for key, value in saved["optim"].items()}
+    was["training.steps"] = saved.get("training", {}).get("steps")
+    now = {f"optim.{key}": value for key, value in dataclasses.asdict(cfg.optim).items()}
+    now["training.steps"] = cfg.training.steps
+    changed = [key for key in now if key in was and was[key] != now[key]]
+    if not changed:
+        return
+    run.print(f"resumed with settings changed since {checkpoint}: "
+              + ", ".join(f"{key} {was[key]} -> {now[key]}" for key in changed)
+              + f"; the config's values apply from step {step + 1}")
+    moved = [key for key in changed if key in SCHEDULE_KEYS]
+    if not moved:
+        return
+    old = dataclasses.replace(cfg.optim, **{key[6:]: was[key] for key in moved if key.startswith("optim.")})
+    old_total = was["training.steps"] or cfg.training.steps
+    before = learning_rate(step, old, old_total)
+    continued = learning_rate(min(step + 1, old_total), old, old_total)  # a finished run's lr holds
+    after = learning_rate(step + 1, cfg.optim, cfg.training.steps)
+    if not math.isclose(after, continued, rel_tol=1e-9):
+        run.print(f"WARNING: {', '.join(f'{key} {was[key]} -> {now[key]}' for key in moved)} moves the "
+                  f"{cfg.optim.schedule} schedule under the run: the learning rate goes from {before:.2e} at step "
+                  f"{step} to {after:.2e} at step {step + 1} (README, Continuing a run: schedule = \"wsd\" runs "
+                  f"can be extended)")
+
+
 class Interruption:
     """Ctrl-C (SIGINT) or SIGTERM while training: the step in progress finishes, a checkpoint is
     saved and the run stops; a second signal stops at once, without saving. Every rank stops at the
@@ -491,12 +574,13 @@ def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: Pac
     norms = torch.cat([shared[:2].sqrt(), shared[2:]])
     checked = torch.cat([torch.stack([loss.float(), grad_norm.float()]).to(norms.device), norms])
     loss, grad_norm, before, after, stop = checked.tolist()  # the step's one copy to the host
-    check_loss(loss, grad_norm, step, model, checkpoints)
+    check_loss(loss, grad_norm, step, model, cfg, checkpoints)
     check_update(before, after, step, cfg, checkpoints)
     return loss, grad_norm, stop > 0
 
 
-def check_loss(loss: float, grad_norm: float, step: int, model: ParallelModel, checkpoints: "Checkpointer") -> None:
+def check_loss(loss: float, grad_norm: float, step: int, model: ParallelModel, cfg: TrainConfig,
+               checkpoints: "Checkpointer") -> None:
     """Stops the run, before anything is saved, on a non-finite loss or gradient norm, or a loss far
     above a uniform guess's."""
     uniform = math.log(model.config.vocab_size)  # the loss of a model that predicts nothing
@@ -505,8 +589,7 @@ def check_loss(loss: float, grad_norm: float, step: int, model: ParallelModel, c
     latest = checkpoints.latest()
     raise TrainingError(f"step {step}: the training loss is {loss} (a uniform guess scores {uniform:.2f}) and "
                         f"the gradient norm {grad_norm}: the run diverged; nothing of this step is saved. "
-                        f"The last good checkpoint is {latest or 'none (none was saved yet)'}; try a lower "
-                        f"optim.lr or more warmup")
+                        f"The last good checkpoint is {latest or 'none (none was saved yet)'}; {divergence_remedy(cfg)}")
 
 
 def weight_squares(model: ParallelModel) -> torch.Tensor:
@@ -526,8 +609,23 @@ def check_update(before: float, after: float, step: int, cfg: TrainConfig, check
     latest = checkpoints.latest()
     raise TrainingError(f"step {step}: the update took the norm of the weights from {before:.4g} to {after:.4g}: "
                         f"the run diverged; nothing of this step is saved. The last good checkpoint is "
-                        f"{latest or 'none (none was saved yet)'}; try a lower optim.lr (now {cfg.optim.lr:g}, "
-                        f"{cfg.where('optim.lr')}) or more warmup")
+                        f"{latest or 'none (none was saved yet)'}; {divergence_remedy(cfg)}")
+
+
+def divergence_remedy(cfg: TrainConfig) -> str:
+    """What to lower after a divergence: the learning rates that drive the update (Muon's matrices step at
+    muon_lr), and the router-loss coefficients when their losses join the loss."""
+    o, config = cfg.optim, cfg.model_config
+    rates = [f"optim.muon_lr (now {o.muon_lr:g}, {cfg.where('optim.muon_lr')})"] if o.name == "muon" else []
+    rates.append(f"optim.lr (now {o.lr:g}, {cfg.where('optim.lr')})")
+    remedy = f"a lower {' or '.join(rates)} or more warmup"
+    coefficients = [name for name in COEFFICIENTS if getattr(config, name)]
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        coefficients.insert(0, "router_aux_loss_coef")  # Flint's published balance term
+    if not coefficients:
+        return f"try {remedy}"
+    listed = ", ".join(f"{name} = {getattr(config, name):g} ({cfg.where('model.' + name)})" for name in coefficients)
+    return f"the loss holds the router losses of [model] {listed}: try a lower coefficient, or {remedy}"
 
 
 def evaluate(model: ParallelModel, data: PackedLoader, cfg: TrainConfig, run: Run) -> float:
@@ -593,6 +691,9 @@ def draw_sample(checkpoint: Path, tokenizer: Tokenizer, t: TrainingSection, logg
 
 
 if __name__ == "__main__":
+    # Run as a script, this module is __main__, and a later `import train` (tools/rehearsal.py) would load a
+    # second copy whose error classes the handler below does not catch: that import gets this module.
+    sys.modules.setdefault("train", sys.modules[__name__])
     try:
         main()
     except (CheckpointError, ConfigError, DataError, TokenizerError, TrainingError) as error:

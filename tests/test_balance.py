@@ -390,3 +390,25 @@ def test_training_with_the_bias_resumes_exactly_and_is_not_exported(tmp_path, fa
         run_debug(tmp_path / "export", *bias, f"--checkpoint.export_hf={tmp_path / 'hf'}", family=family)
     with pytest.raises(ValueError, match=r"per-expert selection bias .* the published format has no place for"):
         convert.export_published(convert.NativeDir(step2), model.config, tmp_path / "hf")
+
+
+def test_the_sequence_wise_term_weighs_each_row_by_its_loss_tokens():
+    """Rows of the same real tokens but different loss tokens (targets masked, inputs kept): the term
+    weighs each sequence by its loss tokens, so that it does not depend on how a step is cut. Every
+    other batch of the suite gives all rows the same loss tokens, where a plain mean over rows is the same."""
+    config = tiny_config()
+    ids, targets, doc_ids = make_batch()
+    targets = targets.clone()
+    targets[0, :9] = -100  # row 0 keeps 2 loss tokens, row 1 7, rows 2 and 3 all 11
+    targets[1, :4] = -100
+    loss_tokens = (targets != -100).sum(dim=1).tolist()
+    assert len(set(loss_tokens)) > 1, loss_tokens
+    batch, real = (ids, targets, doc_ids), doc_ids >= 0
+    coef = 10.0  # the term then outweighs the cross-entropy: a wrong weighing is far outside FP32 noise
+    loss, grads = loss_and_grads(build(dataclasses.replace(config, router_sequence_loss_coef=coef)), batch)
+    expected, expected_grads = loss_and_grads(build(config), batch, lambda r: coef * sequence_reference(
+        r, real, targets, "sigmoid", config.num_experts_per_tok))
+    close(loss, expected, "loss")
+    for name, grad in grads.items():
+        if grad is not None or expected_grads[name] is not None:
+            close(grad, expected_grads[name], f"grad {name}")

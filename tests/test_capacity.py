@@ -134,7 +134,7 @@ def test_capacity_factor_is_a_runtime_field_checked_by_name(name):
     assert config_class().capacity_factor is None
     assert "capacity_factor" not in str(config_class(capacity_factor=1.5).to_hf_config())
     for bad in (0, -1.0, True, "1.25"):
-        with pytest.raises(ValueError, match=r"capacity_factor must be a number > 0 .* or unset for dropless"):
+        with pytest.raises(ValueError, match=r"capacity_factor must be a finite number > 0 .* or unset for dropless"):
             config_class(capacity_factor=bad)
 
 
@@ -275,3 +275,14 @@ def test_expert_parallel_training_under_capacity_matches_one_process(name):
     steps' losses, every gradient and the clipped norms equal the single-process run, through the
     static all-to-alls."""
     spawn(2, check_layouts, [{"ep": 2, "dp_shard": 1}], {"capacity_factor": 4.0}, name)
+
+
+def test_the_capacity_never_exceeds_the_tokens_of_the_forward():
+    """A token's k choices go to k distinct experts, so no expert can take more than the N tokens of the
+    forward: any factor above E / k makes C = N, the same routing as dropless. Uncapped, a factor of 1,000
+    asked for [E, 1000 N k / E, H] buffers of empty rows (hundreds of GB at real sizes, 50x slower)."""
+    assert expert_capacity(18, TOP_K, EXPERTS, capacity_ratio(1000)) == 18
+    assert expert_capacity(18, TOP_K, EXPERTS, capacity_ratio(NO_DROP)) == 18  # exactly E / k
+    assert expert_capacity(18, TOP_K, EXPERTS, capacity_ratio(1.25)) == 8  # below the cap: unchanged
+    x = tokens()
+    assert_runs_equal(run(make_moe(1000), x), run(make_moe(), x))

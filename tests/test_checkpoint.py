@@ -256,9 +256,9 @@ def test_a_diverging_run_stops_at_the_step_it_diverges(family, tmp_path):
     assert sorted(p.name for p in good.parent.iterdir()) == [".lock", "report.html", "run.json", "step_00000001"]
 
 
-@pytest.mark.parametrize("lr, shown", [("1e6", r"1e\+06"), ("inf", "inf")])
+@pytest.mark.parametrize("lr, shown", [("1e6", r"1e\+06"), ("1e30", r"1e\+30")])
 def test_blown_up_weights_are_never_saved_or_exported(tmp_path, lr, shown):
-    """One step at a constant lr of 1e6 (weights of about 1 moved by about 1e6) or inf: stopped at
+    """One step at a constant lr of 1e6 (weights of about 1 moved by about 1e6) or 1e30: stopped at
     step 1 with optim.lr named; no checkpoint and no export written.
     Machinery independent of the model: the first registered family."""
     with pytest.raises(train.TrainingError, match=rf"step 1: .*diverged; nothing of this step is saved.*"
@@ -417,3 +417,155 @@ def test_kill_9_of_two_ranks_during_an_async_save_keeps_the_last_checkpoint(tmp_
     assert sorted(name for _, name in verified) == sorted(json.loads((run_dir / "step_00000001" / "checksums.json")
                                                                      .read_text()))
     assert {rank for rank, _ in verified} == {0, 1}
+
+
+# ----------------------------------------------------------------------------- third hardening pass (issue 32)
+
+def flip_a_bit(checkpoint_dir: Path) -> None:
+    shard = next(checkpoint_dir.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+
+
+def test_rotation_after_skipping_a_damaged_checkpoint_keeps_the_good_one(tmp_path, monkeypatch, capsys):
+    """keep_last = 1: an auto resume skips a damaged step 4 and resumes step 2. The damaged step is set
+    aside (renamed, never deleted, said so), so the save of step 3 rotates away step 2 only, and a run
+    killed at step 4 resumes from step 3: rotation, ordered by step, once kept the damaged step 4 alone."""
+    run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--training.sample_tokens=0")
+    run_dir = tmp_path / "ckpt" / "run_0001"
+    flip_a_bit(run_dir / "step_00000004")
+    real_step = train.train_step
+
+    def killed_at_step_4(*args):
+        if args[-2] == 4:
+            raise KeyboardInterrupt("kill -9")
+        return real_step(*args)
+    monkeypatch.setattr(train, "train_step", killed_at_step_4)
+    capsys.readouterr()
+    with pytest.raises(KeyboardInterrupt):
+        run_debug(tmp_path, "--training.steps=6", "--checkpoint.every=1", "--checkpoint.keep_last=1",
+                  "--checkpoint.resume=auto", "--training.sample_tokens=0")
+    out = capsys.readouterr().out
+    assert f"set aside the damaged checkpoint {run_dir / 'step_00000004'} as {run_dir / 'step_00000004.damaged'}" in out
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000003", "step_00000004.damaged"]
+    monkeypatch.setattr(train, "train_step", real_step)
+    run_debug(tmp_path, "--training.steps=4", "--checkpoint.resume=auto", "--training.sample_tokens=0")
+    assert f"resumed from {run_dir / 'step_00000003'} at step 3" in capsys.readouterr().out
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000003", "step_00000004",
+                                                          "step_00000004.damaged"]
+
+
+DEBUG_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "debug.toml"
+# Every [optim] key changed at once on a resume: the optimizer settings (param groups) and the schedule.
+OPTIM_CHANGES = {"lr": 1e-3, "min_lr": 1e-4, "schedule": "wsd", "warmup_steps": 1, "decay_fraction": 0.5,
+                 "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.9, "eps": 1e-6, "grad_clip": 0.5, "muon_lr": 0.05,
+                 "muon_momentum": 0.9}
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_a_resume_trains_with_the_configs_optimizer_settings_and_says_what_changed(tmp_path, monkeypatch, capsys,
+                                                                                   name):
+    """A checkpoint saves the optimizer's param groups (betas, eps, weight_decay; Muon's momentum and
+    lr_scale = muon_lr / lr), and set_optimizer_state_dict put them back over the config's: a resume
+    trained with the saved values while printing the new ones. Now the config's values train, for every
+    key, and the resume names each change."""
+    run_debug(tmp_path, f"--optim.name={name}", "--training.steps=2", "--training.sample_tokens=0")
+    saved = train.load_config(DEBUG_CONFIG).optim
+    changes = [f"--optim.{key}={value}" for key, value in OPTIM_CHANGES.items()]
+    groups, real_step = [], train.train_step
+
+    def recorded(model, optimizer, *args):
+        if not groups:  # step 3, before its update
+            groups.extend({k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups)
+            expected = train.build_optimizer(model.module, args[1].optim)
+            train.set_learning_rate(expected, train.learning_rate(3, args[1].optim, args[1].training.steps))
+            groups.append([{k: v for k, v in g.items() if k != "params"} for g in expected.param_groups])
+        return real_step(model, optimizer, *args)
+    monkeypatch.setattr(train, "train_step", recorded)
+    capsys.readouterr()
+    run_debug(tmp_path, f"--optim.name={name}", *changes, "--training.steps=3", "--checkpoint.resume=auto",
+              "--training.sample_tokens=0")
+    *used, expected = groups
+    assert used == expected
+    out = capsys.readouterr().out
+    for key, value in OPTIM_CHANGES.items():
+        assert f"optim.{key} {getattr(saved, key)} -> {value}" in out, key
+
+
+def test_a_longer_resumed_run_says_how_the_learning_rate_moves(tmp_path, capsys):
+    """training.steps 4 -> 8 on a resume moves the cosine schedule under the run: one line says the
+    learning rate goes from step 4's to step 5's, which the run then uses."""
+    run_debug(tmp_path, "--training.steps=4", "--training.sample_tokens=0")
+    capsys.readouterr()
+    run_debug(tmp_path, "--training.steps=8", "--checkpoint.resume=auto", "--training.sample_tokens=0",
+              "--logging.every=1")
+    debug = train.load_config(DEBUG_CONFIG).optim
+    before, after = train.learning_rate(4, debug, 4), train.learning_rate(5, debug, 8)
+    assert after > 2 * before  # the jump the line warns of
+    lines = [line for line in capsys.readouterr().out.splitlines() if "learning rate" in line]
+    assert len(lines) == 1 and f"from {before:.2e} at step 4 to {after:.2e} at step 5" in lines[0], lines
+    assert "training.steps 4 -> 8" in lines[0]
+    assert [r["lr"] for r in records(tmp_path) if r.get("step") == 5 and "lr" in r] == [after]
+
+
+@pytest.mark.parametrize("saved, asked", [("adamw", "muon"), ("muon", "adamw")])
+def test_resuming_with_the_other_optimizer_says_which_the_checkpoint_holds(tmp_path, saved, asked):
+    """Not "a damaged .distcp file?: Missing key ...momentum_buffer": the checkpoint is intact."""
+    run_debug(tmp_path, f"--optim.name={saved}", "--training.steps=1", "--training.sample_tokens=0")
+    checkpoint = tmp_path / "ckpt" / "run_0001" / "step_00000001"
+    with pytest.raises(CheckpointError, match=rf"command line --optim.name: checkpoint {checkpoint} holds the "
+                                              rf"optimizer states of {saved} but this run asks for optim.name = "
+                                              rf"{asked!r}.*checkpoint is intact") as refused:
+        run_debug(tmp_path, f"--optim.name={asked}", "--training.steps=2", "--checkpoint.resume=auto")
+    assert "\n" not in str(refused.value) and "damaged" not in str(refused.value)
+
+
+def test_a_run_killed_in_its_first_save_leaves_no_leftovers_and_no_duplicate_records(tmp_path):
+    """kill -9 while the first checkpoint is written (step 1 trained and logged): the auto resume has no
+    checkpoint to continue and starts over, in the run directory the killed run left, clearing its
+    step_00000001.tmp and its record of step 1. It wrote run_0002 before, leaving run_0001's leftover for good
+    and two records of step 1 in metrics.jsonl."""
+    argv = debug_args(tmp_path, "--training.steps=2", "--checkpoint.every=1", "--logging.every=1",
+                      "--training.sample_tokens=0", "--training.eval_every=0", "--checkpoint.resume=auto")
+    crc_log = tmp_path / "crc.log"
+    with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
+        mp.spawn(_rank_of_train, args=(1, free_port(), argv, 1, str(crc_log)), nprocs=1)
+    run_dir = tmp_path / "ckpt" / "run_0001"
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001.tmp"]
+    killed = train_losses(tmp_path)
+    mp.spawn(_rank_of_train, args=(1, free_port(), argv, 0, str(crc_log)), nprocs=1)
+    assert [(Path(r["run"]).name, r["step"]) for r in records(tmp_path) if "loss" in r] == [("run_0001", 1),
+                                                                                          ("run_0001", 2)]
+    assert train_losses(tmp_path)[1] == killed[1]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".lock", "run_0001"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001", "step_00000002"]
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["--optim.name=muon", "--optim.muon_lr=1e6"], r"try a lower optim.muon_lr \(now 1e\+06, command line "
+                                                   r"--optim.muon_lr\) or optim.lr \(now 0.003, .*debug.toml\)"),
+    (["--model.router_z_loss_coef=1e6"], r"the loss holds the router losses of \[model\] router_z_loss_coef = 1e\+06 "
+                                         r"\(command line --model.router_z_loss_coef\): try a lower coefficient")])
+def test_a_divergence_names_the_keys_that_drive_it(tmp_path, overrides, named):
+    """Muon's matrices step at muon_lr, and router losses join the loss: a divergence they cause was blamed
+    on optim.lr alone."""
+    with pytest.raises(train.TrainingError, match=rf"step 1: .*diverged.*{named}") as stopped:
+        run_debug(tmp_path, *overrides, "--training.steps=2")
+    assert "\n" not in str(stopped.value)
+
+
+def test_two_checkpointers_on_one_directory_are_refused(tmp_path):
+    """The checkpoint.dir lock is exclusive: a second Checkpointer (another run) on the same directory is
+    refused while the first holds it, and takes it once the first has closed. (A shared lock would let
+    both run; the other lock tests take the lock by hand, exclusively, and could not tell.)"""
+    import torch.distributed as dist
+    from parallel import Run
+    cfg = train.parse_args(debug_args(tmp_path))
+    run = Run(rank=0, world_size=1, dp_rank=0, dp_size=1, device=torch.device("cpu"))
+    assert not dist.is_initialized()
+    with checkpoint.Checkpointer(cfg, run):
+        with pytest.raises(CheckpointError, match=rf"checkpoint.dir {tmp_path / 'ckpt'} is in use by another run "
+                                                  rf"\(pid {os.getpid()} on "):
+            checkpoint.Checkpointer(cfg, run)
+    checkpoint.Checkpointer(cfg, run).close()

@@ -87,12 +87,12 @@ def test_overrides_are_typed_toml_values(tmp_path):
      r"command line --parallel.pp_schedule: \[parallel\] pp_schedule must be one of"),
     ('[model]\npreset = "{tiny}"\n[parallel]\nreshard_after_forward = "no"\n', [],
      r"\[parallel\].reshard_after_forward must be bool, got str"),
-    ('[model]\npreset = "{tiny}"\n[optim]\nlr = 0\n', [], r"run.toml: \[optim\].lr must be > 0, got 0.0"),
+    ('[model]\npreset = "{tiny}"\n[optim]\nlr = 0\n', [], r"run.toml: \[optim\].lr must be a finite number > 0, got 0.0"),
     ('[model]\npreset = "{tiny}"\n', ["--training.steps=0"], r"command line --training.steps: \[training\].steps must be >= 1"),
     ('[model]\npreset = "{tiny}"\n', ["--optim.lr=1e-5"], r"run.toml \(default\): \[optim\].min_lr must be in \[0, optim.lr = 1e-05\]"),
     ('[model]\npreset = "{tiny}"\n', ["--data.seq_len=5000"], r"max_position_embeddings = 4096"),
     ('[model]\npreset = "{tiny}"\n', ["--parallel.collective_timeout_minutes=0"], r"command line "
-     r"--parallel.collective_timeout_minutes: \[parallel\] collective_timeout_minutes must be a number of minutes > 0"),
+     r"--parallel.collective_timeout_minutes: \[parallel\] collective_timeout_minutes must be a number of minutes in \(0, "),
     ('[model]\npreset = "{tiny}"\n', ["--training.eval_every=5", "--data.val_fraction=0"], r"needs a validation split"),
     ('[model]\npreset = "{tiny}"\n', ["--data.seq_len"], r"expected --section.key=value"),
     ('[model]\npreset = "{tiny}"\n[trainer]\nsteps = 1\n', [], r"unknown section \[trainer\]"),
@@ -106,9 +106,9 @@ def test_overrides_are_typed_toml_values(tmp_path):
     ('[model]\npreset = "{tiny}"\nhf_config = "x"\n', [], r"needs exactly one"),
     ('[model]\nhf_config = "missing/config.json"\n', [], r"\[model\].hf_config missing/config.json does not exist"),
     pytest.param('[model]\npreset = "tiny"\nrouter_aux_loss_coef = -0.01\n', [],
-                 r"router_aux_loss_coef must be >= 0, got -0.01", marks=only("flint")),
+                 r"router_aux_loss_coef must be a finite number >= 0, got -0.01", marks=only("flint")),
     pytest.param('[model]\npreset = "tiny"\nrouter_z_loss_coef = -0.001\n', [],
-                 r"router_z_loss_coef must be a number >= 0 \(0: off\), got -0.001", marks=only("flint")),
+                 r"router_z_loss_coef must be a finite number >= 0 \(0: off\), got -0.001", marks=only("flint")),
     ('[model\n', [], r"run.toml: not valid TOML"),
     ('[model]\npreset = "{tiny}"\n[data]\nseq_len = 100\n[parallel]\ncp = 4\n', [],
      r"run.toml: \[parallel\] cp = 4 .* data.seq_len = 100 must be divisible by 8"),
@@ -243,3 +243,53 @@ def test_profile_steps_must_name_steps_of_the_run(value):
     assert "\n" not in message and message.startswith("command line --logging.profile_steps: ")
     assert ("1 <= A <= B <= training.steps = 20" in message) if value != "5" else "must be str, got int 5" in message
     assert load_config(CONFIGS / "debug.toml", ["--logging.profile_steps=5-6"]).logging.profile_steps == "5-6"
+
+
+# Issue 32's values that passed validation and failed deep inside (or trained on): one line each, naming the keys.
+REFUSED = {
+    "zbv with full checkpointing": (["--model.num_hidden_layers=4", "--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble",
+                                     "--parallel.activation_checkpointing=full"],
+                                    r"command line --parallel.pp_schedule, command line --parallel.activation_checkpointing: "
+                                    r"\[parallel\] activation_checkpointing = 'full' cannot run under pp_schedule "
+                                    r"'ZBVZeroBubble'"),
+    "dualpipev with selective checkpointing": (["--model.num_hidden_layers=4", "--parallel.pp=2",
+                                                "--parallel.pp_schedule=DualPipeV",
+                                                "--parallel.activation_checkpointing=selective"],
+                                               r"activation_checkpointing = 'selective' cannot run under pp_schedule "
+                                               r"'DualPipeV'"),
+    "zbv with one micro-batch": (["--model.num_hidden_layers=4", "--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble",
+                                  "--parallel.pp_microbatches=1"],
+                                 r"command line --parallel.pp_schedule, command line --parallel.pp_microbatches: "
+                                 r"\[parallel\] pp_microbatches = 1: pp_schedule 'ZBVZeroBubble' needs at least 2"),
+    "dualpipev with fewer micro-batches than stages": (["--model.num_hidden_layers=4", "--parallel.pp=2",
+                                                        "--parallel.pp_schedule=DualPipeV", "--parallel.pp_microbatches=2"],
+                                                       r"\[parallel\] pp_microbatches = 2: pp_schedule 'DualPipeV' needs at "
+                                                       r"least 4 \(one per pipeline stage: pp = 2 x 2 stages per rank\)"),
+    "capacity_factor nan": (["--model.capacity_factor=nan"], r"command line --model.capacity_factor: \[model\]: "
+                                                             r"capacity_factor must be a finite number > 0 .* got nan"),
+    "capacity_factor inf": (["--model.capacity_factor=inf"], r"capacity_factor must be a finite number > 0 .* got inf"),
+    "muon_lr inf": (["--optim.name=muon", "--optim.muon_lr=inf"],
+                    r"command line --optim.muon_lr: \[optim\].muon_lr must be a finite number > 0, got inf"),
+    "lr inf": (["--optim.lr=inf"], r"command line --optim.lr: \[optim\].lr must be a finite number > 0, got inf"),
+    "weight_decay inf": (["--optim.weight_decay=inf"], r"\[optim\].weight_decay must be a finite number >= 0, got inf"),
+    "grad_clip inf": (["--optim.grad_clip=inf"], r"\[optim\].grad_clip must be a finite number >= 0 \(0: no clipping\)"),
+    "eps inf": (["--optim.eps=inf"], r"\[optim\].eps must be a finite number > 0, got inf"),
+    "router z coefficient inf": (["--model.router_z_loss_coef=inf"],
+                                 r"command line --model.router_z_loss_coef: \[model\]: router_z_loss_coef must be a "
+                                 r"finite number >= 0 \(0: off\), got inf"),
+    "router sequence coefficient inf": (["--model.router_sequence_loss_coef=inf"],
+                                        r"router_sequence_loss_coef must be a finite number >= 0"),
+    "router aux coefficient inf": (["--model.router_aux_loss_coef=inf"], r"router_aux_loss_coef must be a finite number "
+                                                                       r">= 0, got inf"),
+    "collective timeout 1e300": (["--parallel.collective_timeout_minutes=1e300"],
+                                 r"command line --parallel.collective_timeout_minutes: \[parallel\] "
+                                 r"collective_timeout_minutes must be a number of minutes in \(0, 525600\] \(a year\), "
+                                 r"got 1e\+300"),
+}
+
+
+@pytest.mark.parametrize("overrides, message", REFUSED.values(), ids=REFUSED)
+def test_impossible_and_non_finite_settings_are_refused_in_one_line(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message) as refused:
+        load_config(write(tmp_path, '[model]\npreset = "tiny"\n'), overrides)
+    assert "\n" not in str(refused.value)

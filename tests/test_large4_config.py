@@ -93,7 +93,7 @@ def test_router_bias_update_rate_must_be_a_number_at_least_zero(rate):
 
 
 def test_router_loss_coefficients_are_checked_and_written_only_when_on():
-    with pytest.raises(ValueError, match=r"router_z_loss_coef must be a number >= 0 \(0: off\), got -1"):
+    with pytest.raises(ValueError, match=r"router_z_loss_coef must be a finite number >= 0 \(0: off\), got -1"):
         Large4Config.from_name(LARGE4_PARITY, router_z_loss_coef=-1)
     assert not {"router_sequence_loss_coef", "router_z_loss_coef"} & set(text_config(Large4Config.from_name(LARGE4_PARITY)))
     config = Large4Config.from_name(LARGE4_PARITY, router_sequence_loss_coef=1e-4, router_z_loss_coef=1e-3)

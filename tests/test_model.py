@@ -261,8 +261,8 @@ def test_the_router_losses_refuse_no_layout_and_are_written_only_when_on():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("router_aux_loss_coef", -0.1, "router_aux_loss_coef must be >= 0, got -0.1"),
-    ("router_sequence_loss_coef", "1e-4", r"router_sequence_loss_coef must be a number >= 0 \(0: off\), got '1e-4'"),
+    ("router_aux_loss_coef", -0.1, "router_aux_loss_coef must be a finite number >= 0, got -0.1"),
+    ("router_sequence_loss_coef", "1e-4", r"router_sequence_loss_coef must be a finite number >= 0 \(0: off\), got '1e-4'"),
     ("num_experts_per_tok", 99, r"num_experts_per_tok \(99\) must be <= num_experts"),
 ])
 def test_impossible_fields_are_refused_by_name(field, value, message):

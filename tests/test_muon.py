@@ -122,3 +122,21 @@ def test_a_muon_run_saves_and_resumes_exactly(tmp_path):
     shutil.rmtree(tmp_path / "ckpt" / "run_0001" / "step_00000004")
     run_debug(tmp_path, *common, "--checkpoint.resume=auto")
     assert train_losses(tmp_path) == uninterrupted
+
+
+def check_muon_on_a_dim_1_split() -> None:
+    """One expert over 2 FSDP ranks: dim 0 is shorter than the shards, so FSDP splits each expert matrix
+    along dim 1 (least_padding, Large 4's layout at scale), and Muon must gather it whole."""
+    from parallel import ParallelConfig, build_mesh, parallelize
+    from torch.distributed.tensor import Shard
+    config = tiny_config("flint", num_experts=1, num_experts_per_tok=1)
+    cfg = ParallelConfig.from_dict({"param_dtype": "float32", "dp_shard": 2})
+    pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
+    assert pm.module.layers["2"].mlp.experts.gate_up_proj.placements == (Shard(1),)
+    muon_matches_plain(pm.module, build(config))
+
+
+@FLINT
+def test_muon_gathers_experts_split_along_dim_1():
+    """Treated as whole local matrices, such slices would each be orthogonalised on their own."""
+    spawn(2, check_muon_on_a_dim_1_split)

@@ -644,3 +644,87 @@ def test_cp_token_index_balances_causal_work():
     chunks = [cp_token_index(16, 2, r, "cpu").tolist() for r in range(2)]
     assert chunks == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
     assert sum(chunks, []) != list(range(16)) and sorted(sum(chunks, [])) == list(range(16))
+
+
+# ----------------------------------------------------------------------------- evaluation under the V schedules
+
+def check_evaluation_between_steps(layouts: list[dict]) -> None:
+    """For each layout: an evaluation (ParallelModel.loss) before the first step, a step, another
+    evaluation: the losses of one process, and the step's gradients unchanged by the evaluation before it."""
+    config = tiny_config()
+    batch = make_batch()
+    reference = build(config)
+    ref_loss = reference(*batch)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    for layout in layouts:
+        cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
+        mesh = build_mesh(cfg, "cpu", config.num_experts)
+        pm = parallelize(build(config), cfg, mesh)
+        local = rows_of_this_rank(mesh, batch)
+        close(pm.loss(*local), ref_loss.detach(), f"{layout} evaluation before training")
+        close(pm.forward_backward(*local), ref_loss.detach(), f"{layout} training loss")
+        for name, param in pm.module.named_parameters():
+            close(full(param.grad), ref_grads[name], f"{layout} grad {name} after an evaluation")
+        close(pm.loss(*local), ref_loss.detach(), f"{layout} evaluation after training")
+
+
+def test_zero_bubble_pipelines_evaluate_like_one_process():
+    """torch's eval of a V schedule failed at the turn of the V ("can't steal_bwd_input"), so a run
+    under ZBVZeroBubble or DualPipeV crashed at its final evaluation, before its final checkpoint;
+    pipeline.ForwardOnlyEvaluation runs forwards only. GPipe as the plain pipeline beside them."""
+    spawn(2, check_evaluation_between_steps,
+          [{"pp": 2, "dp_shard": 1, "pp_schedule": s} for s in ("ZBVZeroBubble", "DualPipeV", "GPipe")])
+
+
+def test_least_padding_splits_dim_1_only_where_it_divides_and_decides_from_the_local_shape():
+    """FSDP2 refuses an uneven split of any dim but 0 ("uneven sharding on dim 1": Flint's [512, 2048]
+    k_proj on 768 ranks), so a parameter shorter than the shards splits dim 1 only where that divides; and
+    an expert-parallel rank's experts are split by FSDP as it holds them (its local shape), not as all ranks do."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from parallel import least_padding
+    from tools.rehearsal import fake_world
+    placement = least_padding(4)
+    assert placement(torch.nn.Parameter(torch.empty(2, 8, 16, device="meta"))) == Shard(1)
+    assert placement(torch.nn.Parameter(torch.empty(2, 6, 16, device="meta"))) is None  # 6 rows over 4: pad dim 0
+    assert least_padding(768)(torch.nn.Parameter(torch.empty(512, 2048, device="meta"))) is None
+    assert least_padding(768)(torch.nn.Parameter(torch.empty(256, 3072, device="meta"))) == Shard(1)
+    with fake_world(4, 0):
+        ep_mesh = init_device_mesh("cpu", (4,))
+        experts = DTensor.from_local(torch.empty(1, 8, 16), ep_mesh, [Shard(0)])  # 4 experts, one on this rank
+        assert experts.shape == (4, 8, 16)
+        assert least_padding(2)(torch.nn.Parameter(experts)) == Shard(1)
+
+
+def sharded_matmul_mesh():
+    """A weak reference to the mesh of a DTensor matmul, run and let go of: only torch's caches can hold it."""
+    import weakref
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (1,))
+    x = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    (x @ x.T).redistribute(mesh, [Shard(1)]).full_tensor()
+    return weakref.ref(mesh)
+
+
+def test_close_distributed_lets_go_of_every_mesh():
+    """DTensor's sharding caches (in Python and C++) keep each mesh they saw, and a mesh its process
+    groups, whose gloo threads then outlive the run (see close_distributed). After close_distributed no
+    mesh is left alive, though the caches saw one; the thread test alone passed without the clearing."""
+    mesh = in_process_group(sharded_matmul_mesh)
+    assert mesh() is None
+
+
+def head_precision_of(layout: dict) -> list[str]:
+    config = tiny_config()
+    cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
+    pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
+    return [part.lm_head.precision for part in pm.parts if part.lm_head is not None]
+
+
+def test_the_head_takes_its_precision_from_head_precision():
+    """[parallel] head_precision reaches the head that parallelize lays out (it acts on GPUs only, so no
+    CPU number can show it: test_layers checks the CPU's head stays FP32 whatever it says)."""
+    for precision in ("bf16x3", "bf16"):
+        assert in_process_group(head_precision_of, {"head_precision": precision}) == [precision]

@@ -185,3 +185,41 @@ def test_offload_counts_the_sharded_states_in_host_memory(tmp_path, capsys):
     assert offloaded["host_gib"] == pytest.approx(16 * params / 2 / GIB, rel=0.02)
     assert offloaded["peak_gib"] < on_gpu["peak_gib"]
     assert "GiB in host memory ([parallel] offload)" in offloaded["printed"]
+
+
+def test_train_py_dry_run_as_a_script_reports_a_failing_rehearsal_in_one_line():
+    """`python train.py --dry-run` runs train.py as __main__, and tools/rehearsal.py's `import train` loaded
+    a second copy: RehearsalError subclassed that copy's TrainingError, which __main__'s handler did not
+    catch, so every verdict came out as a traceback. The tests that import train could not see it."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "train.py", "--config", "configs/flint-8gpu.toml", "--data.path=data/pretrain",
+                           "--parallel.ep=1", "--parallel.dp_shard=1", "--dry-run", "--world-size=1", "--gpu=H100"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: configs/flint-8gpu.toml: rank 0 of 1 needs "), done.stderr
+    assert "more than the 79.6 GiB of an H100" in lines[0]
+
+
+def test_experts_shorter_than_the_shards_with_an_uneven_dim_1_are_rehearsed(tmp_path, capsys):
+    """2 experts of 64 rows over 3 FSDP ranks: dim 0 is shorter than the shards and 64 does not split 3
+    ways, where FSDP2 refuses a split of dim 1 ("uneven sharding on dim 1", Flint on 768 ranks): dim 0 is
+    padded instead (parallel.least_padding), and the rehearsal goes through its steps and an evaluation."""
+    result = rehearse_tiny(tmp_path, capsys, "--model.num_experts=2", "--model.num_experts_per_tok=1", world=3)
+    assert "evaluation (train.py's" in result["printed"] and "step 1: forward" in result["printed"]
+
+
+def test_a_failure_while_laying_out_the_model_is_a_rehearsal_verdict(tmp_path, capsys, monkeypatch):
+    """The rehearsal built the model outside its error handling: a layout torch refuses came out as a
+    traceback. A least_padding that splits dim 1 whatever its length (as it did) stands for such a refusal."""
+    import parallel
+    from torch.distributed.tensor import Shard
+    monkeypatch.setattr(parallel, "least_padding", lambda shards: lambda param: Shard(1) if param.dim() > 1 else None)
+    with pytest.raises(RehearsalError, match=r"configs/debug.toml: rank 2 of 3 fails while laying out the model "
+                                             r"\(parallel.py:\d+, apply_fsdp\), as the GPU job would: "
+                                             r"NotImplementedError: FSDP does not support uneven sharding on dim 1") \
+            as refused:
+        rehearse_tiny(tmp_path, capsys, world=3)
+    assert "\n" not in str(refused.value)

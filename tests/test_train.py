@@ -341,3 +341,52 @@ def test_no_rank_waits_for_rank_0_longer_than_collective_timeout_minutes(tmp_pat
                        r"--parallel.collective_timeout_minutes\)"):
         run_two_processes(argv, _rank_0_prepares_slowly)
     assert time.perf_counter() - start < 60
+
+
+def _train_under_each_v_schedule(argv: list[str]) -> None:
+    """train.main(argv) under ZBVZeroBubble, then DualPipeV, each into a checkpoint directory and log of its own."""
+    base = Path(next(a for a in argv if a.startswith("--checkpoint.dir=")).split("=", 1)[1]).parent
+    for schedule in ("ZBVZeroBubble", "DualPipeV"):
+        train.main([*argv, f"--parallel.pp_schedule={schedule}", f"--checkpoint.dir={base / schedule / 'ckpt'}",
+                    f"--logging.jsonl={base / schedule / 'metrics.jsonl'}"])
+
+
+def test_runs_under_the_zero_bubble_schedules_evaluate_and_save_their_final_checkpoint(tmp_path):
+    """2 pipeline ranks with the default validation split: the final evaluation ran (it crashed under
+    the V schedules, before the final save) and the final checkpoint exists, with the same validation
+    loss under both schedules."""
+    run_two_processes(debug_args(tmp_path, "--parallel.pp=2", "--parallel.dp_shard=1", "--training.steps=2",
+                                 "--training.sample_tokens=0"), _train_under_each_v_schedule)
+    val_losses = []
+    for schedule in ("ZBVZeroBubble", "DualPipeV"):
+        assert (tmp_path / schedule / "ckpt" / "run_0001" / "step_00000002").is_dir(), schedule
+        val_losses += [r["val_loss"] for r in records(tmp_path / schedule) if "val_loss" in r]
+    assert len(val_losses) == 2 and math.isclose(*val_losses, rel_tol=1e-6), val_losses
+
+
+def test_under_torchrun_ctrl_c_ends_with_the_resume_command(tmp_path):
+    """Ctrl-C reaches torchrun, which passes SIGINT to the ranks: they finish the step, save and print the
+    resume command, and then torchrun prints its own 25-line SignalException traceback, which buried it.
+    Rank 0 prints the command again once torchrun has exited: the last thing on the terminal."""
+    import signal
+    import subprocess
+    import sys
+    argv = debug_args(tmp_path, "--training.steps=2000", "--data.epochs=1000", "--training.sample_tokens=0",
+                      "--logging.every=1", "--data.val_fraction=0")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launcher = subprocess.Popen([str(torchrun), "--nproc-per-node=2", "train.py", *argv], cwd=ROOT, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = []
+    for line in launcher.stdout:  # to the end: the repeated command comes after torchrun has exited
+        lines.append(line.rstrip("\n"))
+        if line.startswith("step    2/"):
+            launcher.send_signal(signal.SIGINT)
+    assert launcher.wait(timeout=60) != 0
+    output = [line for line in lines if line.strip()]
+    assert any("SignalException" in line for line in output), "\n".join(output[-40:])
+    assert output[-2].startswith("stopped by SIGINT after step ") and output[-2].endswith("Resume with:"), output[-5:]
+    command = output[-1].split()
+    assert command[:3] == ["torchrun", "--nproc-per-node=2", "train.py"] and command[-1] == "--checkpoint.resume=auto"
+    saved = output[-2].split("; saved ")[1].split(". Resume")[0]
+    assert Path(saved).is_dir() and Path(saved).parent == tmp_path / "ckpt" / "run_0001"

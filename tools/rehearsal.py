@@ -241,25 +241,25 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
             pipeline_votes_on_fake_tensors():
         run = start_fake_run(job, say)
         batches = rehearsal_batches(job, run, say)
-        model = train.build_model(job, run)  # on meta
         tracker = PeakMemory()
+        with failing_as_the_job(job, rank, world, lambda: "while laying out the model"):
+            model = train.build_model(job, run)  # on meta
         with FakeTensorMode(allow_non_fake_inputs=True), tracker.watching():
-            for part in model.parts:
-                part.to_empty(device="cpu")  # fake: nothing is allocated, nothing initialised
-            optimizer = train.build_optimizer(model.module, job.optim)
+            with failing_as_the_job(job, rank, world, lambda: "while allocating the weights and the optimizer"):
+                for part in model.parts:
+                    part.to_empty(device="cpu")  # fake: nothing is allocated, nothing initialised
+                optimizer = train.build_optimizer(model.module, job.optim)
             say(f"model: {job.model_config.num_hidden_layers} layers laid out ({len(model.parts)} stage(s) here), "
                 f"{str(job.parallel.compute_dtype('cuda'))[6:]} compute, weights {tracker.now / GIB:.1f} GiB")
             if not job.parallel.offload:
                 check_fits(job, world, rank, gpu, tracker.peak / GIB, "for its FP32 weights alone")
             for step in range(1, steps + 1):
-                try:
+                with failing_as_the_job(job, rank, world, lambda: f"at step {step}, in the {tracker.phase}"):
                     fake_step(model, optimizer, batches(), job, tracker)
-                except (RuntimeError, ValueError, TypeError, IndexError) as error:
-                    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-                    raise RehearsalError(f"{job.source}: rank {rank} of {world} fails at step {step}, in the "
-                                         f"{tracker.phase} ({where_in_repository(error)}), as the GPU job would: "
-                                         f"{type(error).__name__}: {first_line}") from error
                 say(f"step {step}: forward, backward, clipping and {job.optim.name} passed")
+            with failing_as_the_job(job, rank, world, lambda: "in the evaluation"):
+                fake_evaluation(model, batches()[0], tracker)
+            say("evaluation (train.py's, after the last step and every eval_every steps) passed")
             checkpoint_bytes = state_dict_bytes(model, optimizer)
             say(f"checkpoint: this rank's state dicts hold {checkpoint_bytes / GIB:.1f} GiB (model and optimizer)")
             host = offloaded_bytes(model, optimizer) if job.parallel.offload else 0
@@ -267,6 +267,19 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
                                     tracker.timeline, f"{cfg.source}: rank {rank} of {world}, live memory (fake tensors)")
     say(f"live memory over the steps, by phase and by what holds it: {picture}")
     return report(job, world, rank, gpu, tracker, say, host)
+
+
+@contextmanager
+def failing_as_the_job(cfg: TrainConfig, rank: int, world: int, when) -> Iterator[None]:
+    """An error of the job's own code or torch's, inside, as the one line of a RehearsalError: where
+    (when(), called on failure: the phase it reached), the innermost line of this repository it passed
+    through, and the error's first line."""
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise RehearsalError(f"{cfg.source}: rank {rank} of {world} fails {when()} ({where_in_repository(error)}), "
+                             f"as the GPU job would: {type(error).__name__}: {first_line}") from error
 
 
 def where_in_repository(error: BaseException) -> str:
@@ -342,6 +355,15 @@ def fake_step(model, optimizer, batches: list[dict], cfg: TrainConfig, tracker: 
     model.clip_grad_norm_(cfg.optim.grad_clip or float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def fake_evaluation(model, batch: dict, tracker: PeakMemory) -> None:
+    """train.evaluate's forward without a backward (ParallelModel.loss), which a pipeline runs with a
+    schedule of its own (pipeline.ForwardOnlyEvaluation)."""
+    tracker.phase = "evaluation"
+    num_tokens = model.global_tokens(batch["targets"].unsqueeze(0))
+    with token_ids_checked_at_load():
+        model.loss(**batch, num_tokens=num_tokens)
 
 
 def state_dict_bytes(model, optimizer) -> int:
