@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 from layers import seeded_normal
 from hf_io import Part, atomic_directory
-from moe import GroupedExperts, combine, dispatch, group_alignment, grouped_mm, inverse_permutation, sort_by_expert
+from moe import (GroupedExperts, combine, dispatch, dispatch_weights, expert_rows, group_alignment, grouped_mm,
+                 sort_by_expert)
 
 ALL = "all"  # the target that adapts every nn.Linear and routed-expert group outside the FP32 units and frozen parts
 # Adapter submodule name -> the base parameter of its owner that it adapts.
@@ -147,18 +148,16 @@ def adapted_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def adapted_experts(self: GroupedExperts, x: torch.Tensor, weights: torch.Tensor,
                     indices: torch.Tensor) -> torch.Tensor:
     """Adapted routed experts, dropless: x [N, H], weights/indices [N, k] -> [N, H]. moe.py's grouped
-    path with each grouped GEMM's update added (until moe.grouped_swiglu takes the adapters itself)."""
+    path (forward_grouped) with each grouped GEMM's update added. The routing weight scales the hidden
+    row before the down projection, so it scales the down adapter's update too, as in the merged weight."""
     plan = sort_by_expert(indices, self.gate_up_proj.shape[0], self.group_align or group_alignment(x.device))
-    inverse = inverse_permutation(plan.order)
-    rows = dispatch(x, plan.order, inverse)  # [R, H] in expert order
-    if plan.padded:  # [R, H] -> [rows, H] with aligned groups
-        rows = rows.new_zeros(plan.rows, rows.shape[1]).index_copy(0, plan.slots, rows)
-    gate_up = grouped_mm(rows, self.gate_up_proj, plan.offsets) + self.gate_up_lora(rows, plan.offsets)
+    rows = expert_rows(plan, indices.shape[1])
+    xs = dispatch(x, rows)  # [rows, H] in expert order, zero in padding rows
+    gate_up = grouped_mm(xs, self.gate_up_proj, plan.offsets) + self.gate_up_lora(xs, plan.offsets)
     gate, up = gate_up.chunk(2, dim=-1)  # [rows, Im] each
-    hidden = F.silu(gate) * up
+    hidden = F.silu(gate) * up * dispatch_weights(weights, rows, x.dtype).unsqueeze(-1)
     out = grouped_mm(hidden, self.down_proj, plan.offsets) + self.down_lora(hidden, plan.offsets)  # [rows, H]
-    out = out.index_select(0, plan.slots) if plan.padded else out  # [R, H]
-    return combine(out, plan.order, inverse, weights)
+    return combine(out, rows)
 
 
 # ============================================================================= applying

@@ -448,12 +448,13 @@ def test_rotation_after_skipping_a_damaged_checkpoint_keeps_the_good_one(tmp_pat
                   "--checkpoint.resume=auto", "--training.sample_tokens=0")
     out = capsys.readouterr().out
     assert f"set aside the damaged checkpoint {run_dir / 'step_00000004'} as {run_dir / 'step_00000004.damaged'}" in out
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000003", "step_00000004.damaged"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "report.html", "run.json", "step_00000003",
+                                                          "step_00000004.damaged"]
     monkeypatch.setattr(train, "train_step", real_step)
     run_debug(tmp_path, "--training.steps=4", "--checkpoint.resume=auto", "--training.sample_tokens=0")
     assert f"resumed from {run_dir / 'step_00000003'} at step 3" in capsys.readouterr().out
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000003", "step_00000004",
-                                                          "step_00000004.damaged"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "report.html", "run.json", "step_00000003",
+                                                          "step_00000004", "step_00000004.damaged"]
 
 
 DEBUG_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "debug.toml"
@@ -532,14 +533,15 @@ def test_a_run_killed_in_its_first_save_leaves_no_leftovers_and_no_duplicate_rec
     with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
         mp.spawn(_rank_of_train, args=(1, free_port(), argv, 1, str(crc_log)), nprocs=1)
     run_dir = tmp_path / "ckpt" / "run_0001"
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001.tmp"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "run.json", "step_00000001.tmp"]
     killed = train_losses(tmp_path)
     mp.spawn(_rank_of_train, args=(1, free_port(), argv, 0, str(crc_log)), nprocs=1)
     assert [(Path(r["run"]).name, r["step"]) for r in records(tmp_path) if "loss" in r] == [("run_0001", 1),
                                                                                           ("run_0001", 2)]
     assert train_losses(tmp_path)[1] == killed[1]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".lock", "run_0001"]
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "step_00000001", "step_00000002"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "report.html", "run.json", "step_00000001",
+                                                         "step_00000002"]
 
 
 @pytest.mark.parametrize("overrides, named", [

@@ -15,11 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import lora
-from attention import FULL, SLIDING
-from helpers import assert_close_to_scale
-from large4 import Large4Config, build_large4
+from helpers import FAMILY_NAMES, assert_close_to_scale, build, only, tiny_config
 from lora import LoraConfig, apply_lora, grouped_lora, merge_lora
-from model import FlintConfig, build_model
 from moe import GroupedExperts
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "lora_peft"
@@ -27,15 +24,15 @@ RANK, ALPHA = 8, 12.0
 SCALE = ALPHA / RANK
 
 
-def tiny_flint(**overrides):
-    """4 layers: dense 0-1, MoE 2-3; every attention and MLP kind."""
-    config = FlintConfig.from_name("tiny", num_hidden_layers=4, layer_types=[FULL, SLIDING, SLIDING, FULL], **overrides)
-    return build_model(config, seed=0)
+def tiny(family, **overrides):
+    """The layout tests' model of the family (helpers.LAYOUT_MODELS): Flint's 4 layers, dense 0-1, MoE 2-3,
+    full and sliding attention; Large 4's 8, dense 0, MoE 1-7, every parameter random."""
+    return build(tiny_config(family, **overrides))
 
 
-def tiny_large4():
-    from helpers import randomized
-    return randomized(Large4Config.from_name("large4-parity"))
+def first_experts(model) -> str:
+    """The name of the model's first routed experts (Flint: layers.2.mlp.experts, Large 4: layers.1...)."""
+    return next(name for name, module in model.named_modules() if isinstance(module, GroupedExperts))
 
 
 def adapted(model, targets=("all",), dropout=0.0, seed=0):
@@ -75,36 +72,45 @@ def test_config_errors_name_the_key(section, message):
         LoraConfig.from_dict({"targets": ["q_proj"], **section})
 
 
-@pytest.mark.parametrize("family, target, message", [
+REFUSED_TARGETS = [
     ("flint", "qproj", r"'qproj' matches no module of Flint"),
     ("flint", "sinks", r"'sinks' matches layers.0.self_attn.sinks, part of an FP32 unit"),
     ("flint", "router", r"'router' matches layers.2.mlp.router, part of an FP32 unit"),
     ("flint", "lm_head", r"'lm_head' matches lm_head, part of an FP32 unit"),
     ("flint", "embed_tokens", r"matches embed_tokens \(Embedding\): adapters go on nn.Linear"),
     ("flint", "self_attn", r"matches layers.0.self_attn \(Attention\)"),
+    ("large4", "router", r"'router' matches layers.1.mlp.router, part of an FP32 unit"),
+    ("large4", "lm_head", r"'lm_head' matches lm_head, part of an FP32 unit"),
     ("large4", "indexer", r"'indexer' matches layers.0.self_attn.indexer, which is frozen in the base model"),
     ("large4", "wk", r"'wk' matches layers.0.self_attn.indexer.wk, which is frozen"),
     ("large4", "weights_proj", r"matches layers.0.self_attn.indexer.weights_proj, which is frozen"),
-])
+]
+
+
+@pytest.mark.parametrize("family, target, message",
+                         [pytest.param(*case, marks=only(case[0])) for case in REFUSED_TARGETS])
 def test_targets_that_cannot_take_an_adapter_are_refused(family, target, message):
-    model = tiny_flint() if family == "flint" else build_large4(Large4Config.from_name("large4-parity"))
+    model = tiny(family)
     with pytest.raises(ValueError, match=r"\[lora\] targets: .*" + message):
         apply_lora(model, LoraConfig(rank=RANK, targets=["q_proj", target]))
 
 
-def test_experts_under_capacity_are_refused_until_moe_takes_the_adapters():
-    with pytest.raises(ValueError, match=r"'all' matches layers.2.mlp.experts: routed-expert adapters need "
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_experts_under_capacity_are_refused_until_moe_takes_the_adapters(family):
+    model = tiny(family, capacity_factor=1.25)
+    with pytest.raises(ValueError, match=rf"'all' matches {first_experts(model)}: routed-expert adapters need "
                                          r"experts_backend 'grouped' and no capacity_factor"):
-        apply_lora(tiny_flint(capacity_factor=1.25), LoraConfig(rank=RANK, targets=["all"]))
+        apply_lora(model, LoraConfig(rank=RANK, targets=["all"]))
 
 
-def test_a_deep_copy_runs_its_own_adapters():
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_a_deep_copy_runs_its_own_adapters(family):
     """pipeline.py deep-copies the model for each stage: a copy's adapted forwards read the copy's parameters."""
-    model = adapted(tiny_flint())
+    model = adapted(tiny(family))
     ids, _ = batch(model.config.vocab_size)
     expected = model(ids)
     twin = copy.deepcopy(model)
-    for adapter in (twin.layers["2"].mlp.experts.down_lora, twin.layers["0"].self_attn.q_proj.lora):
+    for adapter in (twin.get_submodule(first_experts(twin)).down_lora, twin.layers["0"].self_attn.q_proj.lora):
         saved = adapter.B.detach().clone()
         with torch.no_grad():
             adapter.B.zero_()
@@ -114,16 +120,18 @@ def test_a_deep_copy_runs_its_own_adapters():
     assert torch.equal(model(ids), expected) and torch.equal(twin(ids), expected)
 
 
-def test_expert_adapters_need_a_rank_the_grouped_gemm_takes():
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_expert_adapters_need_a_rank_the_grouped_gemm_takes(family):
     with pytest.raises(ValueError, match=r"\[lora\] rank must be a multiple of 8 to adapt routed experts.*got 4"):
-        apply_lora(tiny_flint(), LoraConfig(rank=4, targets=["q_proj", "experts"]))
-    assert apply_lora(tiny_flint(), LoraConfig(rank=4, targets=["q_proj"]))  # Linear maps take any rank
+        apply_lora(tiny(family), LoraConfig(rank=4, targets=["q_proj", "experts"]))
+    assert apply_lora(tiny(family), LoraConfig(rank=4, targets=["q_proj"]))  # Linear maps take any rank
 
 
+@only("large4")
 def test_the_targets_and_names():
     """Adapters sit under new child names, so every base key stays; 'all' skips the FP32 units and the
     frozen indexer; everything but the adapters is frozen; a second apply_lora is refused."""
-    model = build_large4(Large4Config.from_name("large4-parity"))
+    model = tiny("large4")
     base_keys = set(model.state_dict())
     targets = apply_lora(model, LoraConfig(rank=RANK, targets=["all"]))
     assert set(model.state_dict()) - base_keys == set(adapter_params(model))
@@ -140,11 +148,12 @@ def test_the_targets_and_names():
 
 # ============================================================================= one module against the formula
 
-def test_linear_adapter_equals_the_formula_values_and_gradients():
-    model = adapted(tiny_flint(), ["layers.1.self_attn.q_proj"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_linear_adapter_equals_the_formula_values_and_gradients(family):
+    model = adapted(tiny(family), ["layers.1.self_attn.q_proj"])
     linear = model.layers["1"].self_attn.q_proj
     A, B = linear.lora.A, linear.lora.B
-    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x = torch.randn(3, 5, linear.in_features, generator=torch.Generator().manual_seed(1), requires_grad=True)
     weight = torch.randn(3, 5, linear.out_features, generator=torch.Generator().manual_seed(2))
     out = linear(x)
     grads = torch.autograd.grad((out * weight).sum(), [x, A, B])
@@ -202,18 +211,21 @@ def reference_adapted_experts(x, weights, indices, experts):
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 @pytest.mark.parametrize("align", [None, 4])
-def test_adapted_experts_equal_the_loop_values_and_gradients(align):
-    model = adapted(tiny_flint(), ["layers.2.mlp.experts"])
-    experts = model.layers["2"].mlp.experts
+def test_adapted_experts_equal_the_loop_values_and_gradients(align, family):
+    model = tiny(family)
+    name = first_experts(model)
+    experts = adapted(model, [name]).get_submodule(name)
     experts.group_align = align  # 4: the padded layout of CUDA's grouped GEMM
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(10, 64, generator=g, requires_grad=True)
+    hidden = experts.gate_up_proj.shape[1]
+    x = torch.randn(10, hidden, generator=g, requires_grad=True)
     indices = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(10)])
     indices[:, 0][indices[:, 0] == 5] = 6  # expert 5 gets fewer rows; some may get none
     weights = torch.rand(10, 2, generator=g)
     adapters = [experts.gate_up_lora.A, experts.gate_up_lora.B, experts.down_lora.A, experts.down_lora.B]
-    probe = torch.randn(10, 64, generator=g)
+    probe = torch.randn(10, hidden, generator=g)
     out = experts(x, weights, indices)
     grads = torch.autograd.grad((out * probe).sum(), [x, *adapters])
     expected = reference_adapted_experts(x, weights, indices, experts)
@@ -224,12 +236,15 @@ def test_adapted_experts_equal_the_loop_values_and_gradients(align):
     assert experts.gate_up_proj.grad is None and experts.down_proj.grad is None
 
 
-def test_dropout_acts_on_the_adapter_input_only():
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_dropout_acts_on_the_adapter_input_only(family):
     """Seeded: the output is W x + s B A dropout(x) with the mask of the same generator state; in
     evaluation, and for the grouped adapter's rows, likewise."""
-    model = adapted(tiny_flint(), ["layers.0.mlp.up_proj", "layers.2.mlp.experts"], dropout=0.5)
-    linear, grouped = model.layers["0"].mlp.up_proj, model.layers["2"].mlp.experts.down_lora
-    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(5))
+    model = tiny(family)
+    experts = first_experts(model)
+    adapted(model, ["layers.0.mlp.up_proj", experts], dropout=0.5)
+    linear, grouped = model.layers["0"].mlp.up_proj, model.get_submodule(experts).down_lora
+    x = torch.randn(6, linear.in_features, generator=torch.Generator().manual_seed(5))
     torch.manual_seed(11)
     out = linear(x)
     torch.manual_seed(11)
@@ -240,7 +255,8 @@ def test_dropout_acts_on_the_adapter_input_only():
     model.eval()
     assert_close_to_scale(linear(x), base + SCALE * (x @ linear.lora.A.T) @ linear.lora.B.T)
     model.train()
-    rows, ends = torch.randn(7, 32, generator=torch.Generator().manual_seed(6)), torch.tensor([3, 3, 7] + [7] * 5)
+    rows = torch.randn(7, grouped.A.shape[1], generator=torch.Generator().manual_seed(6))
+    ends = torch.tensor([3, 3, 7] + [7] * (grouped.A.shape[0] - 3))
     ends = ends.to(torch.int32)
     torch.manual_seed(12)
     got = grouped(rows, ends)
@@ -250,10 +266,10 @@ def test_dropout_acts_on_the_adapter_input_only():
 
 # ============================================================================= whole models
 
-@pytest.mark.parametrize("family", ["flint", "large4"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_step_zero_is_the_base_model(family):
     """B starts at zero: logits and loss bit-equal to the base's; B gets gradients (A none yet), the base none."""
-    model = tiny_flint() if family == "flint" else tiny_large4()
+    model = tiny(family)
     ids, targets = batch(model.config.vocab_size)
     base_logits, base_loss = model(ids), model(ids, targets)
     apply_lora(model, LoraConfig(rank=RANK, alpha=ALPHA, targets=["all"]))
@@ -270,12 +286,11 @@ def test_step_zero_is_the_base_model(family):
                and n.startswith("layers.1."))  # the second layer's B all learn at once (MoE in both models)
 
 
-@pytest.mark.parametrize("family", ["flint", "large4"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_merged_weights_give_the_adapted_logits(family):
-    build = tiny_flint if family == "flint" else tiny_large4
-    model = adapted(build())
+    model = adapted(tiny(family))
     ids, _ = batch(model.config.vocab_size)
-    base = build()
+    base = tiny(family)
     before = base(ids)
     merged = merge_lora(model.state_dict(), LoraConfig(rank=RANK, alpha=ALPHA, targets=["all"]))
     assert set(merged) == set(base.state_dict())
@@ -285,12 +300,13 @@ def test_merged_weights_give_the_adapted_logits(family):
     assert not torch.allclose(before, expected, atol=1e-3)  # the adapters changed the model
 
 
-def test_adapters_are_seeded_by_name_in_every_layout():
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_adapters_are_seeded_by_name_in_every_layout(family):
     """A meta build initialised parameter by parameter (as parallel.init_weights does, any rank, any
     order) through lora.initial_value equals the adapters of a model built and adapted at once."""
-    config = FlintConfig.from_name("tiny", num_hidden_layers=4)
+    config = tiny_config(family)
     lora_config = LoraConfig(rank=RANK, alpha=ALPHA, targets=["all"])
-    eager = build_model(config, seed=3)
+    eager = build(config, seed=3, plain=True)
     apply_lora(eager, lora_config, seed=3)
     with torch.device("meta"):
         meta = type(eager)(config)
@@ -301,17 +317,18 @@ def test_adapters_are_seeded_by_name_in_every_layout():
             param.copy_(lora.initial_value(meta, name, param, seed=3))
     for name, value in eager.state_dict().items():
         assert torch.equal(meta.state_dict()[name], value), name
-    a = eager.layers["2"].mlp.experts.gate_up_lora.A
-    b = eager.layers["2"].mlp.experts.gate_up_lora.B
+    a = eager.get_submodule(first_experts(eager)).gate_up_lora.A
+    b = eager.get_submodule(first_experts(eager)).gate_up_lora.B
     assert abs(a.std().item() * math.sqrt(a.shape[1]) - 1) < 0.1 and b.abs().max() == 0  # A ~ N(0, 1 / H), B zero
 
 
+@only("flint")
 @pytest.mark.parametrize("kind", ["0", "2"])
 def test_adapted_blocks_compile_whole_and_match_eager(kind, one_thread):
     """fullgraph=True: an adapted block (dense; MoE with padded experts) is one graph whose values and
     adapter gradients equal the eager block's."""
     from helpers import block_inputs
-    model = adapted(tiny_flint())
+    model = adapted(tiny("flint"))
     model.layers["2"].mlp.experts.group_align = 4
     block = model.layers[kind]
     x, rope, masks = block_inputs(model.config)
@@ -329,20 +346,19 @@ def test_adapted_blocks_compile_whole_and_match_eager(kind, one_thread):
         assert_close_to_scale(got, want, rtol=1e-4, what=f"gradient {i}")
 
 
-def check_fsdp(layout: dict) -> None:
+def check_fsdp(family: str, layout: dict) -> None:
     """One spawned rank: FSDP 2 over the adapted model equals one process (loss, adapter gradients,
     clipped norm, two AdamW steps on the adapters); the base gets no gradient."""
     from parallel import ParallelConfig, build_mesh, parallelize
     from helpers import full, make_batch, rows_of_this_rank
-    data = make_batch()
-
-    def build():
-        return adapted(build_model(FlintConfig.from_name("tiny", num_hidden_layers=4), seed=0))
-    reference = build()
+    def adapted_tiny():
+        return adapted(tiny(family))
+    reference = adapted_tiny()
+    data = make_batch(vocab=reference.config.vocab_size)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2, foreach=False)
     cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
     mesh = build_mesh(cfg, "cpu", 8)
-    pm = parallelize(build(), cfg, mesh)
+    pm = parallelize(adapted_tiny(), cfg, mesh)
     optimizer = torch.optim.AdamW([p for p in pm.module.parameters() if p.requires_grad], lr=1e-2, foreach=False)
     for step in range(3):
         ref_loss = reference(*data)
@@ -363,9 +379,10 @@ def check_fsdp(layout: dict) -> None:
             opt.zero_grad()
 
 
-def test_fsdp_matches_one_process():
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_fsdp_matches_one_process(family):
     from helpers import spawn
-    spawn(2, check_fsdp, {"dp_shard": 2})
+    spawn(2, check_fsdp, family, {"dp_shard": 2})
 
 
 # ============================================================================= export
@@ -377,11 +394,12 @@ def peft_delta(lora_a, lora_b, num_experts, scale):
     return torch.einsum("ore,eri->eoi", b, a) * scale
 
 
+@only("flint")
 def test_peft_tensors_hold_the_same_updates():
     """Each PEFT tensor pair, read as peft reads it, gives the native update (transposed, for transformers'
     [E, out, in] experts), under the published module names."""
     from convert import published_table
-    model = adapted(tiny_flint())
+    model = adapted(tiny("flint"))
     adapters = lora.adapter_state(model.state_dict())
     tensors = lora.peft_state(adapters, published_table(model.config))
     assert len(tensors) == len(adapters)
@@ -400,7 +418,7 @@ def test_peft_tensors_hold_the_same_updates():
                                                        adapters["layers.2.self_attn.q_proj.lora.B"], SCALE))
 
 
-@pytest.mark.parametrize("family", ["flint", "large4"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_the_peft_directory_is_the_one_peft_loaded(family, tmp_path):
     """tests/make_lora_peft_fixture.py loaded this adapter directory with peft onto transformers' model (and the
     merged export with transformers) and got the adapted model's logits: the same directory is still written,

@@ -430,7 +430,7 @@ def test_loss_and_gradients_equal_the_reference(case, aux_batch):
         assert_close_to_scale(grad, reference_grads[name], rtol=1e-4, what=f"{name}")
 
 
-def test_without_output_router_logits_the_loss_is_the_cross_entropy(batch):
+def test_without_output_router_logits_the_loss_is_the_cross_entropy(aux_batch):
     """The released default: the coefficient is carried but unused, as in the reference."""
     expected = load_file(AUX_FIXTURE / "masked.safetensors")
     model = convert.load_hf(AUX_FIXTURE / "model", dtype=torch.float32)

@@ -51,13 +51,15 @@ def test_data_parallel_layouts_match_single_process():
 @only("flint")
 def test_experts_fewer_than_their_shards_split_along_dim_1_and_match_single_process():
     """Two experts over 4 FSDP ranks, and one local expert over 2 expert-data-parallel ranks: dim 0 is
-    shorter than the shards, so FSDP splits dim 1 (least_padding); the same losses and gradients."""
+    shorter than the shards, so FSDP splits dim 1 (least_padding); the same losses and gradients. Top 1 with
+    norm_topk_prob off: renormalised, a single weight is 1 and the router's gradient only rounding noise."""
     from parallel import least_padding
     from torch.distributed.tensor import Shard
     placement = least_padding(4)
     assert placement(torch.nn.Parameter(torch.empty(2, 8, 16))) == Shard(1)
     assert placement(torch.nn.Parameter(torch.empty(8, 8, 16))) is None
-    spawn(4, check_layouts, [{"dp_shard": 4}, {"ep": 2, "dp_shard": 2}], {"num_experts": 2, "num_experts_per_tok": 1},
+    spawn(4, check_layouts, [{"dp_shard": 4}, {"ep": 2, "dp_shard": 2}],
+          {"num_experts": 2, "num_experts_per_tok": 1, "norm_topk_prob": False},
           "flint")
 
 

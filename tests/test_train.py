@@ -1,8 +1,12 @@
 """train.py end to end on the CPU: learning, exact resume, checkpoints, errors, schedule, optimizer."""
 
+import json
 import math
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +18,7 @@ import convert
 import train
 from config import ConfigError, OptimSection
 from data import EMBEDDED_CORPUS, DataError
-from helpers import (DEFAULT_FAMILY, FAMILY_NAMES, adamw_matches_plain, closing, debug_args, debug_configs,
+from helpers import (DEFAULT_FAMILY, FAMILY_NAMES, ROOT, adamw_matches_plain, closing, debug_args, debug_configs,
                      exported_tensors, moe_layers, only, records, run_debug, run_two_processes, slow, step_host_syncs,
                      train_losses)
 from registry import config_from_hf, family
@@ -368,9 +372,6 @@ def test_under_torchrun_ctrl_c_ends_with_the_resume_command(tmp_path):
     """Ctrl-C reaches torchrun, which passes SIGINT to the ranks: they finish the step, save and print the
     resume command, and then torchrun prints its own 25-line SignalException traceback, which buried it.
     Rank 0 prints the command again once torchrun has exited: the last thing on the terminal."""
-    import signal
-    import subprocess
-    import sys
     argv = debug_args(tmp_path, "--training.steps=2000", "--data.epochs=1000", "--training.sample_tokens=0",
                       "--logging.every=1", "--data.val_fraction=0")
     torchrun = Path(sys.executable).with_name("torchrun")
