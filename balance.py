@@ -249,7 +249,7 @@ class RoutingMonitor:
                 if self.is_main:
                     print(f"WARNING: step {step}: layer {layer}: expert(s) {', '.join(map(str, experts))} "
                           f"received no tokens for {self.idle_steps} steps in a row (routing collapse: "
-                          f"see the README's Load balancing)", file=sys.stderr, flush=True)
+                          f"see GUIDE.md, Load balancing)", file=sys.stderr, flush=True)
 
     def stats(self) -> dict[str, dict]:
         """At logged steps (the only time the monitor reads the device): the idle-expert warnings

@@ -249,7 +249,7 @@ def missing_inputs(cfg: TrainConfig) -> str | None:
     if not Path(d.path).exists():
         return (f"{cfg.where('data.path')}: data.path {d.path} does not exist. Put your corpus there (text files, "
                 f"a directory of them, or JSONL with a {d.text_key!r} field), or tokenize it once with "
-                f"`python3 data.py prepare CORPUS... --out {d.path} --tokenizer TOKENIZER` (README, Your own data)")
+                f"`python3 data.py prepare CORPUS... --out {d.path} --tokenizer TOKENIZER` (GUIDE.md, Data)")
     if ("/" in d.tokenizer or d.tokenizer.endswith(".tiktoken")) and not Path(d.tokenizer).exists():
         return (f"{cfg.where('data.tokenizer')}: data.tokenizer {d.tokenizer} does not exist: name a directory "
                 f"holding tokenizer.json (the released one comes with its checkpoint) or a .tiktoken file")
@@ -491,7 +491,7 @@ def explain_resumed_settings(cfg: TrainConfig, checkpoint: Path | None, step: in
     if not math.isclose(after, continued, rel_tol=1e-9):
         run.print(f"WARNING: {', '.join(f'{key} {was[key]} -> {now[key]}' for key in moved)} moves the "
                   f"{cfg.optim.schedule} schedule under the run: the learning rate goes from {before:.2e} at step "
-                  f"{step} to {after:.2e} at step {step + 1} (README, Continuing a run: schedule = \"wsd\" runs "
+                  f"{step} to {after:.2e} at step {step + 1} (GUIDE.md, Continuing a run: schedule = \"wsd\" runs "
                   f"can be extended)")
 
 

@@ -13,7 +13,7 @@ import sys
 import venv
 from pathlib import Path
 
-REQUIREMENTS = ["torch", "safetensors", "transformers==5.24.0"]
+REQUIREMENTS = ["torch==2.13.0", "safetensors==0.8.0", "transformers==5.24.0"]  # the suite's torch (a bare "torch" takes a CUDA build)
 _REEXECUTED = "FLINT_FIXTURE_REEXEC"  # set in the re-executed script: a second failure stops instead of looping
 
 

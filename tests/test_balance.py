@@ -361,7 +361,7 @@ def test_loads_and_one_warning_per_idle_streak(capsys):
     assert worst_layer(stats) == " | experts max/min load 2.00/0.00 (layer 2)"
     warnings = capsys.readouterr().err.strip().splitlines()
     assert warnings == ["WARNING: step 3: layer 2: expert(s) 3 received no tokens for 3 steps in a row (routing "
-                        "collapse: see the README's Load balancing)"]
+                        "collapse: see GUIDE.md, Load balancing)"]
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -1,6 +1,6 @@
 """checkpoint.py: saving, exact resume, crash-safe saves, and the checks on what a checkpoint holds.
 
-The README's Reliability table: each guarantee whose outcome depends on what a model saves (exact resume,
+GUIDE.md's Reliability table: each guarantee whose outcome depends on what a model saves (exact resume,
 crash-safe saves, damage found, no diverged checkpoint) runs once per registered family; the machinery that
 is the same whatever the model holds (locks, run directories, the shared log, SIGTERM, asynchronous
 saves) runs on the first registered family, as its docstring says."""
