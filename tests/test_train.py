@@ -391,3 +391,44 @@ def test_under_torchrun_ctrl_c_ends_with_the_resume_command(tmp_path):
     assert command[:3] == ["torchrun", "--nproc-per-node=2", "train.py"] and command[-1] == "--checkpoint.resume=auto"
     saved = output[-2].split("; saved ")[1].split(". Resume")[0]
     assert Path(saved).is_dir() and Path(saved).parent == tmp_path / "ckpt" / "run_0001"
+
+
+@only("flint")  # configs/smoke.toml and sft-smoke.toml are Flint's
+def test_the_first_runs_next_steps_work_as_the_readme_says(tmp_path, capsys):
+    """README, After the first run, with the real configs for a few steps: the smoke run's checkpoint dir
+    fine-tunes with sft-smoke.toml (init_from takes the dir; preset cleared), its selection-biased model is
+    refused for export with the exportable variant named, and that variant exports. The model line gives
+    the active count without the embedding (the released Flint's "about 2.5B")."""
+    from model import FlintConfig
+    paths = [f"--data.cache_dir={tmp_path / 'cache'}", "--logging.peak_tflops=0.1", "--training.sample_tokens=0",
+             "--training.eval_every=0", "--training.steps=2"]
+    smoke = ["--config", str(ROOT / "configs" / "smoke.toml"), f"--checkpoint.dir={tmp_path / 'smoke'}",
+             f"--logging.jsonl={tmp_path / 'smoke.jsonl'}", *paths]
+    train.main(smoke)
+    config = FlintConfig.from_name("tiny", vocab_size=264, hidden_size=128, intermediate_size=256, head_dim=32,
+                                   moe_intermediate_size=64, shared_expert_intermediate_size=128)
+    with torch.device("meta"):
+        active = train.model_class(config)(config).num_params(active=True)
+    embedding = config.vocab_size * config.hidden_size
+    assert f"active per token ({(active - embedding) / 1e6:.2f}M without the embedding)" in capsys.readouterr().out
+    train.main(["--config", str(ROOT / "configs" / "sft-smoke.toml"), "--model.preset=",
+                f"--model.init_from={tmp_path / 'smoke'}", f"--checkpoint.dir={tmp_path / 'sft'}",
+                f"--logging.jsonl={tmp_path / 'sft.jsonl'}", *paths])
+    sft_losses = [json.loads(line)["loss"] for line in (tmp_path / "sft.jsonl").read_text().splitlines()
+                  if '"loss"' in line]
+    assert len(sft_losses) == 2 and (tmp_path / "sft" / "run_0001" / "step_00000002").is_dir()
+    with pytest.raises(ConfigError, match=r"router_bias_update_rate = 0 and router_sequence_loss_coef > 0: README, "
+                                          r"After the first run"):
+        train.main([*smoke, f"--checkpoint.export_hf={tmp_path / 'hf'}"])
+    train.main([*smoke, "--model.router_bias_update_rate=0", "--model.router_sequence_loss_coef=0.01",
+                f"--checkpoint.export_hf={tmp_path / 'hf'}"])
+    assert convert.load_hf(tmp_path / "hf").config.hidden_size == 128
+
+
+def test_the_released_flint_is_about_2_5b_active_without_its_embedding():
+    """SPEC.md's "about 2.5B active": the active count less the embedding (a lookup, not a matmul)."""
+    from model import FlintConfig
+    config = FlintConfig()
+    with torch.device("meta"):
+        active = train.model_class(config)(config).num_params(active=True)
+    assert round((active - config.vocab_size * config.hidden_size) / 1e6) == 2515
