@@ -208,6 +208,8 @@ def check_compiled_routing_changes_without_recompiling() -> None:
     the exchanged rows' count is dynamic from the start, the split sizes are never guarded on."""
     rank, counters = dist.get_rank(), torch._dynamo.utils.counters
     eager, compiled = expert_parallel_moe(rank, ep=2), expert_parallel_moe(rank, ep=2)
+    # as parallel.apply_compile sets them: the split sizes, read inside the graph, are unbacked integers
+    torch._dynamo.config.capture_scalar_outputs = torch._dynamo.config.capture_dynamic_output_shape_ops = True
     compiled.compile(backend="eager")
     loads, graphs = [], []
     for seed in range(3):
