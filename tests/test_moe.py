@@ -158,9 +158,9 @@ def test_forced_balance_routes_round_robin_by_the_real_scores(norm_topk_prob):
     assert balanced_counts(7, 3) == [3, 2, 2]
 
 
-def expert_parallel_moe(rank: int, ep: int, norm_topk_prob: bool = True) -> MoE:
+def expert_parallel_moe(rank: int, ep: int, norm_topk_prob: bool = True, chunks: int = 2) -> MoE:
     """make_moe's layer with its experts sharded: this rank holds E / ep of them."""
-    return shard_experts(make_moe(norm_topk_prob=norm_topk_prob), rank, ep)
+    return shard_experts(make_moe(norm_topk_prob=norm_topk_prob), rank, ep, chunks)
 
 
 def test_forced_balance_reads_nothing_from_the_device_under_expert_parallelism():
@@ -435,3 +435,52 @@ def check_expert_parallel_padded_with_idle_experts() -> None:
 def test_expert_parallel_with_padded_groups_and_idle_experts_equals_one_process():
     from helpers import spawn
     spawn(2, check_expert_parallel_padded_with_idle_experts)
+
+
+# ----------------------------------------------------------------------------- the overlapped expert exchange
+
+def rigged(moe: MoE, favourites: tuple[int, ...]) -> MoE:
+    """Every (positive) token routes to the favourite experts, the first ones first."""
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        for rank, expert in enumerate(favourites):
+            moe.router.weight[expert] = 0.5 / (rank + 1)
+    return moe
+
+
+def check_overlapped_exchange_with_uneven_routing() -> None:
+    """Rank 0 routes 18 tokens, rank 1 only 2: in 3 chunks, rank 1's last chunk is empty. Routed at
+    random; to experts 4 and 1 (each rank's other experts idle, local groups padded to 8 rows as on
+    CUDA); and to rank 0's experts 1 and 2 (rank 1 receives no row in any chunk). For every chunk
+    count, each rank's output, input gradient and every parameter gradient equal one process's
+    (the experts' summed over both ranks' tokens), and the overlapped runs equal the one-chunk run."""
+    rank = dist.get_rank()
+    inputs = [torch.rand(2, 9, HIDDEN, generator=torch.Generator().manual_seed(3)) + 0.1,
+              torch.rand(1, 2, HIDDEN, generator=torch.Generator().manual_seed(4)) + 0.1]
+    mine = slice(rank * EXPERTS // 2, (rank + 1) * EXPERTS // 2)
+    for favourites in (None, (4, 1), (1, 2)):
+        def layer(moe):
+            return moe if favourites is None else rigged(moe, favourites)
+        expected = [run(layer(make_moe()), x) for x in inputs]
+        want_grads = {name: sum(g[name][mine] for _, _, g in expected) if name.startswith("experts.")
+                      else expected[rank][2][name] for name in expected[rank][2]}
+        runs = {}
+        for chunks in (1, 2, 3):
+            moe = layer(expert_parallel_moe(rank, ep=2, chunks=chunks))
+            moe.experts.group_align = 8 if favourites == (4, 1) else None
+            runs[chunks] = y, dx, grads = run(moe, inputs[rank])
+            what = f"{favourites} in {chunks} chunks"
+            assert_close_to_scale(y, expected[rank][0], rtol=1e-5, what=what)
+            assert_close_to_scale(dx, expected[rank][1], rtol=1e-5, what=what)
+            for name, grad in grads.items():
+                assert_close_to_scale(grad, want_grads[name], rtol=1e-5, what=f"{what}: {name}")
+        for chunks in (2, 3):  # the same sums, but over fewer rows at a time: FP32 rounding apart
+            what = f"{favourites}: {chunks} chunks against 1"
+            assert_close_to_scale(runs[chunks][0], runs[1][0], rtol=1e-6, what=what)
+            assert_close_to_scale(runs[chunks][1], runs[1][1], rtol=1e-6, what=what)
+            for name, grad in runs[chunks][2].items():
+                assert_close_to_scale(grad, runs[1][2][name], rtol=1e-6, what=f"{what}: {name}")
+
+
+def test_the_overlapped_exchange_equals_one_process_with_uneven_routing():
+    spawn(2, check_overlapped_exchange_with_uneven_routing)
