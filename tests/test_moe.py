@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe import MoE, balanced_counts, set_balanced_routing, sort_by_expert
 from parallel import close_distributed
@@ -484,3 +485,61 @@ def check_overlapped_exchange_with_uneven_routing() -> None:
 
 def test_the_overlapped_exchange_equals_one_process_with_uneven_routing():
     spawn(2, check_overlapped_exchange_with_uneven_routing)
+
+
+class ScheduleLog(TorchDispatchMode):
+    """The order of what runs: S<rows> an all-to-all started (its input rows), W<rows> one waited for
+    (its rows), M a matmul (router, shared expert), G and g the grouped GEMMs and their weight gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("all_to_all_single", "wait_tensor"):
+            self.events.append(f"{'S' if name == 'all_to_all_single' else 'W'}{args[0].shape[0]}")
+        elif name in ("mm", "grouped_mm", "grouped_mm_weight_grad"):
+            self.events.append({"mm": "M", "grouped_mm": "G", "grouped_mm_weight_grad": "g"}[name])
+        return func(*args, **(kwargs or {}))
+
+
+def documented_schedule(sent: list[int], received: list[int]) -> tuple[list[str], list[str]]:
+    """ExpertParallelExperts' schedule, written out from its docstring, for chunks that send sent[c]
+    rows and receive received[c]: forward, then backward (one process's events)."""
+    n, forward, backward = len(sent), ["M", f"S{sent[0]}", f"S{sent[0]}", "M", "M", "M"], []
+    for c in range(n):
+        if c + 1 < n:
+            forward += [f"S{sent[c + 1]}"] * 2  # start dispatch c+1 (rows, weights)
+        forward += [f"W{received[c]}"] * 2 + ["G", "G", f"S{received[c]}"]  # wait dispatch c, experts, combine c
+    forward += [f"W{sent[c]}" for c in range(n)]
+    backward += [f"S{sent[c]}" for c in reversed(range(n))]  # the combines' gradients start
+    for c in reversed(range(n)):
+        backward += [f"W{received[c]}", "G", "g", "G", "g", f"S{received[c]}", f"S{received[c]}"]
+        if c + 1 < n:
+            backward += [f"W{sent[c + 1]}"] * 2  # dispatch c+1's gradients
+    return forward, backward + ["M"] * 6 + [f"W{sent[0]}"] * 2 + ["M", "M"]  # shared, dispatch 0, router
+
+
+def check_the_schedule_is_the_documented_one() -> None:
+    """Forced balance (so the rows of each chunk are known) over 2 ranks of 9 tokens, 6 experts,
+    top 2: rank 0's chunks of 5 and 4 tokens send 10 and 8 rows and receive 12 and 6 (in 3 chunks:
+    6 each way each). The events in forward and backward are the documented schedule's."""
+    def received(tokens: range) -> int:  # both ranks send the same: rank 0 holds experts 0-2
+        return 2 * sum((token * TOP_K + choice) % EXPERTS < EXPERTS // 2 for token in tokens for choice in range(TOP_K))
+    chunked = {1: [range(0, 9)], 2: [range(0, 5), range(5, 9)], 3: [range(0, 3), range(3, 6), range(6, 9)]}
+    for chunks, pieces in chunked.items():
+        moe = expert_parallel_moe(dist.get_rank(), ep=2, chunks=chunks)
+        set_balanced_routing(moe, True)
+        x = torch.randn(1, 9, HIDDEN, requires_grad=True)
+        with ScheduleLog() as forward:
+            y = moe(x)
+        with ScheduleLog() as backward:
+            y.sum().backward()
+        if dist.get_rank() == 0:
+            expected = documented_schedule([TOP_K * len(piece) for piece in pieces], [received(p) for p in pieces])
+            assert (forward.events, backward.events) == expected, (chunks, forward.events, backward.events)
+
+
+def test_the_overlapped_exchange_runs_the_documented_schedule():
+    spawn(2, check_the_schedule_is_the_documented_one)
