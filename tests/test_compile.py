@@ -17,12 +17,15 @@ import torch.nn.attention.flex_attention as flex_module
 
 from attention import FULL, SLIDING, build_masks, flash_sink_attention
 from helpers import (BF16_GRAPHS, FAMILY_NAMES, assert_close_to_scale, block_inputs, build, counting_backend,
-                     in_process_group, only, parallel_block_model, parallel_step, spawn, tiny_config,
+                     in_process_group, only, parallel_block_model, parallel_step, registered, spawn, tiny_config,
                      values_and_grads)
 from layers import document_positions
 from moe import _grouped_mm_op, expert_counts, grouped_mm
 
 SLOW = os.environ.get("FLINT_SLOW") == "1"
+# FP32 under ep = 2 (FSDP over the ep ranks, no FP32 units of their own): a dense block is one graph; an MoE
+# block 4: the experts' FSDP unit breaks the block before and after it, and their count exchange in between.
+EP_FP32_GRAPHS = registered({"flint": {"0": 1, "1": 4}, "large4": {"0": 1, "1": 4, "2": 4}})
 SLOW_ONLY = pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1")
 BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1"))]
 BATCH, SEQ = 2, 32  # 32 > 2 * (window 9 - 1): sliding layers take the banded path
@@ -329,3 +332,13 @@ def test_checkpointed_blocks_under_bf16_pipeline_stages():
     """pp = 2 over 2 gloo ranks, BF16 policy: each stage's blocks run the graphs of the FSDP layout."""
     spawn(2, spawned, check_checkpointed_compiled_matches_eager, "flint",
           {"param_dtype": "bfloat16", "pp": 2, "activation_checkpointing": "full"}, BF16_GRAPHS["flint"], 1e-2, 1e-3)
+
+
+@pytest.mark.parametrize("family", [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=SLOW_ONLY)
+                                    for name in FAMILY_NAMES])
+def test_checkpointed_blocks_under_fp32_expert_parallel_in_three_chunks(family):
+    """ep = 2 over 2 gloo ranks in FP32, every block checkpointed, the exchange in 3 chunks: the
+    compiled step equals the eager one to FP32 rounding over two batches routed differently (no
+    recompile), and the graphs are pinned (EP_FP32_GRAPHS)."""
+    spawn(2, spawned, check_checkpointed_compiled_matches_eager, family,
+          {"ep": 2, "activation_checkpointing": "full", "ep_overlap": 3}, EP_FP32_GRAPHS[family], 1e-5, 1e-6, 2)
