@@ -6,7 +6,9 @@ Routed experts hold native grouped weights so that `x @ w` needs no transpose:
 Tokens are sorted by expert, each projection is one grouped GEMM over the sorted rows, the routing
 weight scales each hidden row before the down projection, and each token's rows are summed back.
 With a capacity factor (capacity.py) the rows go to a static [E, C, H] buffer instead, and past C
-they drop.
+they drop. Under expert parallelism (the last section) the rows cross ranks by all-to-all, in chunks
+whose exchanges overlap the experts' and the shared expert's compute: the schedule, forward and
+backward, is ExpertParallelExperts' docstring.
 """
 
 from __future__ import annotations
