@@ -584,8 +584,8 @@ class ExpertParallelExperts(nn.Module):
     GroupedExperts.
 
     The overlap ([parallel] ep_overlap = n chunks). A rank's N tokens split into n chunks of
-    consecutive tokens (chunk c: the tokens t with t * n // N == c), each exchanged by all-to-alls of
-    its own: dispatch (rows and routing weights, two collectives) and combine (outputs, one). Each is
+    consecutive tokens (chunk c: the tokens t with t * n // N == c; under expert capacity, each
+    expert's C slots in n ranges), each exchanged by all-to-alls of its own: dispatch (rows and routing weights, two collectives) and combine (outputs, one). Each is
     started, then waited for where its result is needed (exchange), and NCCL runs one group's
     collectives one after another in the order they start. Forward:
         start dispatch 0; shared expert                          while dispatch 0 travels
