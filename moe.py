@@ -6,7 +6,9 @@ Routed experts hold native grouped weights so that `x @ w` needs no transpose:
 Tokens are sorted by expert, each projection is one grouped GEMM over the sorted rows, the routing
 weight scales each hidden row before the down projection, and each token's rows are summed back.
 With a capacity factor (capacity.py) the rows go to a static [E, C, H] buffer instead, and past C
-they drop.
+they drop. Under expert parallelism (the last section) the rows cross ranks by all-to-all, in chunks
+whose exchanges overlap the experts' and the shared expert's compute: the schedule, forward and
+backward, is ExpertParallelExperts' docstring.
 """
 
 from __future__ import annotations
@@ -322,15 +324,20 @@ def combine(out: torch.Tensor, rows: RowMap) -> torch.Tensor:
     return _Combine.apply(out, rows.token_of_row, rows.row_of_choice, rows.kept, rows.has_empty_rows)
 
 
+def capacity_rows(indices: torch.Tensor, num_experts: int, capacity: int) -> RowMap:
+    """The RowMap of the capacity buffer's E * C rows for expert indices [N, k] (capacity.plan_capacity)."""
+    plan = plan_capacity(indices, num_experts, capacity)
+    kept = plan.slots < num_experts * capacity  # [N*k]
+    return RowMap(plan.sources, torch.where(kept, plan.slots, 0).view(indices.shape), kept.view(indices.shape), True)
+
+
 def capacity_forward(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, num_experts: int,
                      ratio: tuple[int, int], experts: Callable[..., torch.Tensor]) -> torch.Tensor:
     """Routed experts under expert capacity (capacity.py: who counts, what drops and in what
     order): x [N, H], weights/indices [N, k], ratio the capacity factor's capacity_ratio; experts
     maps the buffer [E, C, H] and its routing weights [E, C] to the weighted outputs [E, C, H]."""
     capacity = expert_capacity(x.shape[0], indices.shape[1], num_experts, ratio)
-    plan = plan_capacity(indices, num_experts, capacity)
-    kept = plan.slots < num_experts * capacity  # [N*k]
-    rows = RowMap(plan.sources, torch.where(kept, plan.slots, 0).view(indices.shape), kept.view(indices.shape), True)
+    rows = capacity_rows(indices, num_experts, capacity)
     out = experts(dispatch(x, rows).view(num_experts, capacity, -1),
                   dispatch_weights(weights, rows, x.dtype).view(num_experts, capacity))
     return combine(out.view(num_experts * capacity, -1), rows)
@@ -406,7 +413,10 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [B, T, H] -> [N, H]
         weights, indices, logits = self.router(x)
-        y = self.experts(x, weights, indices) + self.shared_expert(x)
+        if isinstance(self.experts, ExpertParallelExperts):  # the shared expert runs while rows travel
+            y = self.experts(x, weights, indices, self.shared_expert)
+        else:
+            y = self.experts(x, weights, indices) + self.shared_expert(x)
         return y.view(shape), logits.view(*shape[:-1], -1), indices.view(*shape[:-1], -1)
 
 
@@ -431,15 +441,89 @@ def local_experts_forward(xs: torch.Tensor, weights: torch.Tensor, expert_of_row
     return combine(out, rows)  # back to the order of xs
 
 
-class ExpertSplits:
-    """What one expert-parallel forward exchanges, per expert rank. A plain object, not a tuple: a
-    compiled block hands it from one all-to-all to the other without guarding on the sizes inside
-    (a tuple of ints would be specialised, and recompiled for, as the routing changes)."""
+# ----------------------------------------------------------------------------- all-to-alls started and finished apart
+# An all-to-all is started, and waited for later, so that a rank computes while the rows travel, in
+# forward and in backward: the gradient's all-to-all starts in _FinishExchange's backward and is
+# waited for in _AwaitGradient's, the node where the rows left. torch's functional collectives (a
+# tensor in, a tensor out) trace into a compiled graph; on NCCL a wait makes the compute stream, not
+# the host, wait for the collective's stream.
+_c10d = torch.ops._c10d_functional
 
-    def __init__(self, received_counts: torch.Tensor, send: list[int], receive: list[int]):
-        self.received_counts = received_counts  # [ep * El] on the device: rows from source s for local expert j
-        self.send = send  # rows this rank sends to each expert rank (host)
-        self.receive = receive  # rows it receives from each (host)
+
+class _AwaitGradient(torch.autograd.Function):
+    """The rows [S, ...] about to be sent, unchanged; backward: waits for their gradient's all-to-all."""
+
+    @staticmethod
+    def forward(ctx, rows):
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad_in_flight):
+        return _c10d.wait_tensor(grad_in_flight)
+
+
+class _FinishExchange(torch.autograd.Function):
+    """The rows in flight -> the rows received [R, ...]; backward: the gradient [R, ...] starts its
+    way back, in flight, as the gradient of the rows sent [S, ...] (waited for in _AwaitGradient)."""
+
+    @staticmethod
+    def forward(ctx, in_flight, sent, output_splits, input_splits, group_name):
+        ctx.splits, ctx.group_name = (output_splits, input_splits), group_name
+        return _c10d.wait_tensor(in_flight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        grad_sent = _c10d.all_to_all_single(grad.contiguous(), input_splits, output_splits, ctx.group_name)
+        return None, grad_sent, None, None, None
+
+
+class Exchange(NamedTuple):
+    """An all-to-all in flight: started by start_exchange, waited for by finish."""
+    sent: torch.Tensor  # the rows sent [S, ...], as autograd knows them
+    in_flight: torch.Tensor  # the rows being received [R, ...]: not to be read before finish
+    output_splits: list[int]
+    input_splits: list[int]
+    group_name: str
+
+    def finish(self) -> torch.Tensor:
+        return _FinishExchange.apply(self.in_flight, self.sent, self.output_splits, self.input_splits, self.group_name)
+
+
+def start_exchange(rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group_name: str) -> Exchange:
+    """Start an all-to-all of rows [S, ...]: input_splits[r] of them to rank r, output_splits[r] from it."""
+    sent = _AwaitGradient.apply(rows)
+    in_flight = _c10d.all_to_all_single(sent.detach().contiguous(), output_splits, input_splits, group_name)
+    return Exchange(sent, in_flight, output_splits, input_splits, group_name)
+
+
+Sizes = tuple[list[int], list[int]]  # one chunk's rows sent to and received from each expert rank
+
+
+class ExpertSplits:
+    """What one expert-parallel forward exchanges, per chunk and expert rank. A plain object, not a
+    tuple: a compiled block takes it from the eager count exchange without guarding on the sizes
+    inside (a tuple of ints would be specialised, and recompiled for, as the routing changes)."""
+
+    def __init__(self, received_counts: torch.Tensor, send: list[list[int]], receive: list[list[int]]):
+        self.received_counts = received_counts  # [n, ep * El] on the device: chunk c's rows from source s for local expert j
+        self.send = send  # [n][ep]: rows this rank sends to each expert rank, per chunk (host)
+        self.receive = receive  # [n][ep]: rows it receives from each
+        self.host = torch.tensor([send, receive])  # [2, n, ep]: the same in a host tensor, for compiled graphs
+
+    def sizes(self, chunk_rows: list[int]) -> list[Sizes]:
+        """Each chunk's (send, receive); chunk_rows: the rows each chunk sends (known from the shapes).
+        Compiled, read inside the graph from the host tensor as unbacked integers (no device sync):
+        one graph serves every routing."""
+        if not torch.compiler.is_compiling():
+            return list(zip(self.send, self.receive))
+        send, receive = self.host.tolist()
+        for sizes in send + receive:
+            for size in sizes:
+                torch._check(size >= 0)
+        for sizes, rows in zip(send, chunk_rows):
+            torch._check(sum(sizes) == rows)  # so the rows that come back have the shape of those sent
+        return list(zip(send, receive))
 
 
 class SplitsForRecompute:
@@ -477,122 +561,202 @@ def in_recompute() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def chunk_bounds(length: int, chunks: int) -> list[int]:
+    """`chunks` near-equal pieces of range(length): piece c is [bounds[c], bounds[c + 1]), the i with
+    i * chunks // length == c (empty pieces when length < chunks)."""
+    return [-(-c * length // chunks) for c in range(chunks + 1)]
+
+
+def joined(pieces: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """torch.cat, without the copy of a single piece."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
 class ExpertParallelExperts(nn.Module):
     """GroupedExperts sharded over the expert dimension: the expert rank r holds experts
     [r * E / ep, (r + 1) * E / ep) and exchanges tokens with the other expert ranks.
 
-    Forward: sort this rank's (token, expert) assignments by expert, send each expert's rows to
-    the rank that owns it (all-to-all: counts first, then rows), run the grouped GEMM on the local
-    experts, send the results back the same way, weight them and add them to their tokens.
-    Autograd runs through both all-to-alls. Parameter names match GroupedExperts.
+    Forward: sort this rank's (token, expert) assignments by chunk, then expert; exchange how many
+    rows go where (one all-to-all of counts for all chunks); then chunk by chunk send each
+    expert's rows (and routing weights) to the rank that owns it, run the grouped GEMM on the local
+    experts, send the outputs back, and sum them into their tokens, adding the shared expert's
+    output, computed meanwhile. Autograd runs through every all-to-all. Parameter names match
+    GroupedExperts.
+
+    The overlap ([parallel] ep_overlap = n chunks). A rank's N tokens split into n chunks of
+    consecutive tokens (chunk c: the tokens t with t * n // N == c; under expert capacity, each
+    expert's C slots in n ranges), each exchanged by all-to-alls of its own: dispatch (rows and routing weights, two collectives) and combine (outputs, one). Each is
+    started, then waited for where its result is needed (exchange), and NCCL runs one group's
+    collectives one after another in the order they start. Forward:
+        start dispatch 0; shared expert                          while dispatch 0 travels
+        for c = 0 .. n-1: start dispatch c+1 (if c+1 < n); wait dispatch c;
+                          experts on chunk c                     while combine c-1 and dispatch c+1 travel
+                          start combine c
+        wait combine 0 .. n-1; sum each token's rows, add the shared expert's
+    Backward, in autograd's order (the latest node first), mirrors it:
+        start the gradients of combine n-1, n-2, .., 0 (all ready at once)
+        for c = n-1 .. 0: wait combine c's; experts' backward on chunk c  while combine c-1 .. 0's
+                          and dispatch c+1's travel; start dispatch c's; wait dispatch c+1's
+        shared expert's backward                                 while dispatch 0's travels
+        wait dispatch 0's
+    Exposed: the count exchange, dispatch 0 past the shared expert, combine n-1; in backward
+    combine n-1's gradient and dispatch 0's past the shared expert's backward. An activation
+    checkpointing recompute runs the forward schedule again, without the count exchange. n = 1 sends
+    the micro-batch in one piece, still overlapping its dispatch with the shared expert.
 
     Host syncs: the all-to-all needs its split sizes on the host, so each forward copies them from
-    the device once (both directions in one copy); a recompute reuses them (SplitsForRecompute).
-    Under forced balance (`balanced`, see set_balanced_routing) they follow from the shapes and
-    nothing is read from the device. Under expert capacity (capacity.py) every split is C rows
-    per expert, the exchanges pass no split sizes at all, and the layer compiles whole.
+    the device once, every chunk's in one copy, after the count exchange; a recompute reuses them
+    (SplitsForRecompute). Under forced balance (`balanced`, see set_balanced_routing) they follow
+    from the shapes and nothing is read from the device. Under expert capacity (capacity.py) every
+    split is C rows per expert, the exchanges pass no split sizes at all, and the layer compiles
+    whole. Compiled, the count exchange is a graph break of its own (exchange_counts: host values, the
+    recompute's bookkeeping); the chunks' exchanges and experts trace into the graph after it, the
+    split sizes as unbacked integers (ExpertSplits.sizes).
     """
 
-    def __init__(self, experts: GroupedExperts, group, num_experts: int):
+    def __init__(self, experts: GroupedExperts, group, num_experts: int, chunks: int = 2):
         super().__init__()
         if experts.backend != "grouped":
             raise ValueError(f"expert parallelism needs experts_backend 'grouped', got {experts.backend!r}")
-        self.group, self.num_experts = group, num_experts
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"expert parallelism's overlap (ep_overlap) takes chunks >= 1, got {chunks!r}")
+        self.group, self.group_name, self.num_experts = group, group.group_name, num_experts
+        self.chunks = chunks  # [parallel] ep_overlap
         self.group_align, self.capacity_ratio = experts.group_align, experts.capacity_ratio
         self.balanced = False
         self.recompute_splits = SplitsForRecompute()
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """x [N, H], weights/indices [N, k] -> [N, H]."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                shared_expert: nn.Module | None = None) -> torch.Tensor:
+        """x [N, H], weights/indices [N, k] -> the routed experts' output [N, H], plus the shared
+        expert's when given (computed while the rows travel)."""
         gate_up, down = _local_shard(self.gate_up_proj), _local_shard(self.down_proj)
-        if self.capacity_ratio is not None:
-            return capacity_forward(x, weights, indices, self.num_experts, self.capacity_ratio,
-                                    partial(self.exchange_capacity_rows, gate_up=gate_up, down=down)).to(x.dtype)
-        rows = expert_rows(sort_by_expert(indices, self.num_experts, 1), indices.shape[1])  # expert, so rank, order
+        meanwhile = None if shared_expert is None else partial(shared_expert, x)
+        forward = self.forward_dropless if self.capacity_ratio is None else self.forward_capacity
+        routed, shared = forward(x, weights, indices, gate_up, down, meanwhile)
+        routed = routed.to(x.dtype)
+        return routed if shared is None else routed + shared
+
+    def forward_dropless(self, x, weights, indices, gate_up, down, meanwhile):
+        num_tokens, top_k = indices.shape
+        local = gate_up.shape[0]
+        chunk_of_token = torch.arange(num_tokens, device=x.device) * self.chunks // num_tokens  # [N]
+        keys = chunk_of_token.unsqueeze(1) * self.num_experts + indices  # [N, k]: by chunk, then expert
+        rows = expert_rows(sort_by_expert(keys, self.chunks * self.num_experts, 1), top_k)  # so by chunk, then rank
         sent, sent_weights = dispatch(x, rows), dispatch_weights(weights, rows, x.dtype)  # [N*k, H], [N*k]
-        received, received_weights, expert_of_row, splits = self.send_rows(
-            sent, sent_weights, indices.flatten(), gate_up.shape[0])  # [R, H], [R], [R]
+        bounds = chunk_bounds(num_tokens, self.chunks)
+        pieces = [slice(start * top_k, end * top_k) for start, end in zip(bounds, bounds[1:])]  # each chunk's rows
+        splits = self.exchange_counts(keys.flatten(), pieces, local, sent)
+        sizes = splits.sizes([piece.stop - piece.start for piece in pieces])
+        source_experts = torch.arange(local, device=x.device).repeat(self.num_experts // local)  # [ep * El]
         align = self.group_align or group_alignment(x.device)
-        out = local_experts_forward(received, received_weights, expert_of_row, gate_up, down, align)
-        return combine(self.return_rows(out, splits), rows).to(x.dtype)
 
-    def exchange_capacity_rows(self, rows: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                               down: torch.Tensor) -> torch.Tensor:
-        """This rank's capacity buffer [E, C, H] and its routing weights [E, C] -> its experts'
-        weighted outputs [E, C, H]: C rows (and weights) per expert to its owner and the outputs
-        back, in even all-to-alls; the local experts run on the [El, ep * C, H] rows of every
-        source rank."""
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-        num_experts, capacity, hidden = rows.shape
-        local_experts = gate_up.shape[0]
-        ep = num_experts // local_experts
-        received = all_to_all_single_autograd(rows.flatten(0, 1), None, None, self.group)  # [ep * El * C, H]
-        received_weights = all_to_all_single_autograd(weights.flatten(), None, None, self.group)  # [ep * El * C]
-        by_expert = received.view(ep, local_experts, capacity, hidden).transpose(0, 1)  # [El, ep, C, H]
-        weights_by_expert = received_weights.view(ep, local_experts, capacity).transpose(0, 1)  # [El, ep, C]
-        out = batched_swiglu(by_expert.reshape(local_experts, ep * capacity, hidden),
-                             weights_by_expert.reshape(local_experts, ep * capacity), gate_up, down)
-        out = out.view(local_experts, ep, capacity, hidden).transpose(0, 1).reshape(-1, hidden)  # [ep * El * C, H]
-        return all_to_all_single_autograd(out, None, None, self.group).view(num_experts, capacity, hidden)
+        def experts(chunk, received, received_weights):  # rows ordered by source rank, then local expert
+            expert_of_row = torch.repeat_interleave(source_experts, splits.received_counts[chunk],
+                                                    output_size=received.shape[0])  # [R]
+            return local_experts_forward(received, received_weights, expert_of_row, gate_up, down, align)
+        returned, shared = self.exchange([(sent[piece], sent_weights[piece]) for piece in pieces], sizes, experts,
+                                         meanwhile)
+        return combine(joined(returned), rows), shared
 
-    # Compiled, each of the two exchanges is a graph break of its own (eager code between graphs):
-    # host values, the recompute's bookkeeping, and rows whose count changes with the routing, which
-    # the next graph takes as a dynamic size from the start (maybe_mark_dynamic) instead of recompiling.
+    def forward_capacity(self, x, weights, indices, gate_up, down, meanwhile):
+        """Under expert capacity: the buffer [E, C, H] sends C rows per expert to its owner, and the
+        outputs come back, in even all-to-alls (chunks of the C slots); the local experts run on the
+        [El, ep * Cc, H] rows of every source rank."""
+        num_experts, hidden, local = self.num_experts, x.shape[1], gate_up.shape[0]
+        ep = num_experts // local
+        capacity = expert_capacity(x.shape[0], indices.shape[1], num_experts, self.capacity_ratio)
+        rows = capacity_rows(indices, num_experts, capacity)
+        buffer = dispatch(x, rows).view(num_experts, capacity, hidden)
+        buffer_weights = dispatch_weights(weights, rows, x.dtype).view(num_experts, capacity)
+        bounds = chunk_bounds(capacity, self.chunks)
+        widths = [end - start for start, end in zip(bounds, bounds[1:])]
+        chunks = [(buffer[:, start:end].flatten(0, 1), buffer_weights[:, start:end].flatten())
+                  for start, end in zip(bounds, bounds[1:])]  # [E * Cc, H], [E * Cc]
+
+        def experts(chunk, received, received_weights):  # [ep * El * Cc, H]: by source, local expert, slot
+            width = widths[chunk]
+            by_expert = received.view(ep, local, width, hidden).transpose(0, 1).reshape(local, ep * width, hidden)
+            weights_by_expert = received_weights.view(ep, local, width).transpose(0, 1).reshape(local, ep * width)
+            out = batched_swiglu(by_expert, weights_by_expert, gate_up, down)  # [El, ep * Cc, H]
+            return out.view(local, ep, width, hidden).transpose(0, 1).reshape(-1, hidden)
+        sizes = [([local * width] * ep, [local * width] * ep) for width in widths]
+        returned, shared = self.exchange(chunks, sizes, experts, meanwhile)
+        out = joined([piece.view(num_experts, width, hidden) for piece, width in zip(returned, widths)], dim=1)
+        return combine(out.flatten(0, 1), rows), shared
+
+    def exchange(self, chunks: list[tuple[torch.Tensor, torch.Tensor]], sizes: list[Sizes],
+                 experts: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+                 meanwhile: Callable[[], torch.Tensor] | None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The overlapped schedule of the class docstring. chunks[c]: chunk c's rows [S_c, H], ordered
+        by expert rank, and their routing weights [S_c]; sizes[c]: its (send, receive); experts(c,
+        rows, weights): the local experts' outputs for the rows chunk c received; meanwhile: work
+        that needs no exchange -> each chunk's outputs back [S_c, H], in its send order, and
+        meanwhile's result."""
+        dispatches = [self.send_rows(*chunks[0], sizes[0])]
+        side = None if meanwhile is None else meanwhile()
+        combines = []
+        for chunk in range(len(chunks)):
+            if chunk + 1 < len(chunks):
+                dispatches.append(self.send_rows(*chunks[chunk + 1], sizes[chunk + 1]))
+            rows, weights = (exchange.finish() for exchange in dispatches[chunk])
+            combines.append(self.return_rows(experts(chunk, rows, weights), sizes[chunk]))
+        return [exchange.finish() for exchange in combines], side
+
+    def send_rows(self, rows: torch.Tensor, weights: torch.Tensor, sizes: Sizes) -> tuple[Exchange, Exchange]:
+        """Start a chunk's dispatch: its rows [S, H] and their weights [S] to their experts' ranks."""
+        send, receive = sizes
+        return (start_exchange(rows, receive, send, self.group_name),
+                start_exchange(weights, receive, send, self.group_name))
+
+    def return_rows(self, out: torch.Tensor, sizes: Sizes) -> Exchange:
+        """Start a chunk's combine: the experts' outputs [R, H] back to the ranks that sent the rows."""
+        send, receive = sizes
+        return start_exchange(out, send, receive, self.group_name)
 
     @torch.compiler.disable
-    def send_rows(self, rows: torch.Tensor, weights: torch.Tensor, flat: torch.Tensor,
-                  local_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ExpertSplits]:
-        """rows [N*k, H] in expert order, their routing weights [N*k] and experts flat [N*k] -> the
-        rows this rank's experts receive [R, H] (ordered by source rank, then local expert), their
-        weights [R], each one's local expert [R], splits."""
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-        splits = self.exchange_counts(flat, local_experts, rows)
-        received = all_to_all_single_autograd(rows, splits.receive, splits.send, self.group)
-        received_weights = all_to_all_single_autograd(weights, splits.receive, splits.send, self.group)
-        ep = len(splits.send)
-        expert_of_row = torch.repeat_interleave(torch.arange(local_experts, device=rows.device).repeat(ep),
-                                                splits.received_counts, output_size=received.shape[0])
-        for tensor in (received, received_weights, expert_of_row):
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        return received, received_weights, expert_of_row, splits
-
-    @torch.compiler.disable
-    def return_rows(self, out: torch.Tensor, splits: ExpertSplits) -> torch.Tensor:
-        """The experts' outputs [R, H] back to the ranks that sent the rows -> [N*k, H] in expert order."""
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-        return all_to_all_single_autograd(out, splits.send, splits.receive, self.group)
-
-    def exchange_counts(self, flat: torch.Tensor, local_experts: int, rows: torch.Tensor) -> ExpertSplits:
-        """How many rows go to and come from each expert rank, for expert ids flat [N*k]. rows: the
-        dispatched rows, whose autograd node a remembered entry lives as long as."""
+    def exchange_counts(self, keys: torch.Tensor, pieces: list[slice], local_experts: int,
+                        sent: torch.Tensor) -> ExpertSplits:
+        """How many rows go to and come from each expert rank, per chunk: keys [N*k] are chunk * E +
+        expert, chunk c's rows are pieces[c] of them. sent: the dispatched rows, whose autograd node a
+        remembered entry lives as long as. Eager in a compiled block: host values and bookkeeping."""
         import torch.distributed as dist
 
         ep = dist.get_world_size(self.group)
         if self.balanced:
-            return balanced_splits(flat.numel(), self.num_experts, ep, dist.get_rank(self.group), flat.device)
-        counts = expert_counts(flat, self.num_experts)  # [E] rows this rank sends
+            return balanced_splits(pieces, self.num_experts, ep, dist.get_rank(self.group), keys.device)
+        counts = expert_counts(keys, self.chunks * self.num_experts)  # [n * E] rows this rank sends
         recomputing = in_recompute()
         remembered = self.recompute_splits.take(counts) if recomputing else None
         if remembered is not None:
             return remembered
-        received_counts = torch.empty_like(counts)  # [ep * El]
-        dist.all_to_all_single(received_counts, counts, group=self.group)
-        per_rank = torch.stack([counts.view(ep, local_experts).sum(1), received_counts.view(ep, local_experts).sum(1)])
-        send, receive = per_rank.tolist()  # [2, ep]: the layer's one device-to-host copy
-        splits = ExpertSplits(received_counts, send, receive)
-        if rows.grad_fn is not None and not recomputing:
-            self.recompute_splits.remember(rows.grad_fn, counts, splits)
+        to_ranks = counts.view(self.chunks, ep, local_experts).transpose(0, 1).contiguous()  # [ep, n, El]
+        from_ranks = torch.empty_like(to_ranks)  # [ep (source), n, El]
+        dist.all_to_all_single(from_ranks, to_ranks, group=self.group)
+        per_rank = torch.stack([to_ranks.sum(2), from_ranks.sum(2)]).transpose(1, 2)  # [2, n, ep]
+        send, receive = per_rank.tolist()  # the layer's one device-to-host copy
+        splits = ExpertSplits(from_ranks.transpose(0, 1).reshape(self.chunks, -1), send, receive)
+        if sent.grad_fn is not None and not recomputing:
+            self.recompute_splits.remember(sent.grad_fn, counts, splits)
         return splits
 
 
-def balanced_splits(rows: int, num_experts: int, ep: int, rank: int, device: torch.device) -> ExpertSplits:
+def balanced_splits(pieces: list[slice], num_experts: int, ep: int, rank: int, device: torch.device) -> ExpertSplits:
     """The splits of forced-balance routing (balanced_choices) from the shapes alone: every expert
-    rank routes the same `rows` assignments (equal micro-batches), expert e gets balanced_counts."""
-    counts = balanced_counts(rows, num_experts)
+    rank routes the same assignments (equal micro-batches), chunk c those in pieces[c], and
+    assignment a goes to expert a % E (balanced_counts(a, E) counts those below a)."""
     local = num_experts // ep
-    per_rank = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
     mine = torch.arange(rank * local, (rank + 1) * local, device=device)
-    received_counts = (rows // num_experts + (mine < rows % num_experts).long()).repeat(ep)  # [ep * El], no copy
-    return ExpertSplits(received_counts, per_rank, [per_rank[rank]] * ep)
 
+    def below(assignment: int) -> torch.Tensor:  # [El] assignments below it for each of my experts, no copy
+        return assignment // num_experts + (mine < assignment % num_experts).long()
+    send, receive, received_counts = [], [], []
+    for piece in pieces:
+        counts = [end - start for end, start in zip(balanced_counts(piece.stop, num_experts),
+                                                    balanced_counts(piece.start, num_experts))]
+        per_rank = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
+        send.append(per_rank)
+        receive.append([per_rank[rank]] * ep)
+        received_counts.append((below(piece.stop) - below(piece.start)).repeat(ep))  # [ep * El]
+    return ExpertSplits(torch.stack(received_counts), send, receive)

@@ -75,6 +75,8 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP: full replicas, each sharded over dp_shard
     dp_shard: int = -1  # -1: the world size divided by all other degrees
     ep: int = 1  # expert parallel: must divide num_experts
+    ep_overlap: int = 2  # chunks of each micro-batch's tokens exchanged apart, one chunk's all-to-all while
+    # another's experts (or the shared expert) compute (moe.ExpertParallelExperts); 1: one exchange
     pp: int = 1  # pipeline parallel: stages
     cp: int = 1  # context parallel: the sequence length must divide by 2 * cp
     pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | ZBVZeroBubble | DualPipeV
@@ -150,6 +152,9 @@ class ParallelConfig:
             raise LayoutError("dp_shard", f"{where} dp_shard must be -1 (fill the world size) or >= 1, got {self.dp_shard!r}")
         if num_experts is not None and num_experts % self.ep:
             raise LayoutError("ep", f"{where} ep = {self.ep} must divide the model's num_experts = {num_experts}")
+        if isinstance(self.ep_overlap, bool) or not isinstance(self.ep_overlap, int) or self.ep_overlap < 1:
+            raise LayoutError("ep_overlap", f"{where} ep_overlap must be an integer >= 1 (the chunks whose expert "
+                              f"all-to-alls overlap; 1: one exchange per MoE layer), got {self.ep_overlap!r}")
         for key, allowed in (("pp_schedule", list(SCHEDULES)), ("activation_checkpointing", list(AC_MODES)),
                              ("backend", ["auto", "nccl", "gloo"]), ("param_dtype", ["auto", *DTYPES]),
                              ("head_precision", list(HEAD_PRECISIONS))):
@@ -362,8 +367,9 @@ class ContextParallel:
 
 # ============================================================================= expert parallel, AC, compile, FSDP
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Shard every MoE layer's experts over the ep mesh (DTensor Shard(0) on the expert dim)."""
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, chunks: int) -> None:
+    """Shard every MoE layer's experts over the ep mesh (DTensor Shard(0) on the expert dim), their
+    exchange in `chunks` overlapped pieces ([parallel] ep_overlap)."""
     for layer in model.layers.values():
         if isinstance(layer.mlp, MoE):
             experts = layer.mlp.experts
@@ -373,7 +379,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
                 # Every rank holds the same full tensor (or a meta one): keep this rank's slice, no traffic.
                 local = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
                 setattr(experts, name, nn.Parameter(local))
-            layer.mlp.experts = ExpertParallelExperts(experts, ep_mesh.get_group(), num_experts)
+            layer.mlp.experts = ExpertParallelExperts(experts, ep_mesh.get_group(), num_experts, chunks)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -410,8 +416,9 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
         a unit in that unit's param_dtype and reduce-scatters only one gradient dtype per unit.
         Left out of FSDP (ignored_params, replicated), they would need a gradient all-reduce of
         their own, and the fused AdamW refuses a mix of tensors and DTensors.
-      - Under expert parallelism, the two token exchanges (moe.ExpertParallelExperts.send_rows and
-        return_rows: host split sizes), eager between graphs that take their rows as dynamic sizes.
+      - Under expert parallelism, dropless, the count exchange (moe.ExpertParallelExperts.exchange_counts:
+        host split sizes), eager between the graph that sorts the rows and the one that exchanges them,
+        which reads the sizes as unbacked integers.
       - Context parallelism (a key/value all-gather in each block) is not asked to be whole.
     Two settings keep those breaks to the ones named: nested_graph_breaks resumes tracing inside
     the module that broke (by default dynamo breaks at every call on the way down to it, each
@@ -517,7 +524,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
         if mesh["cp"].size() > 1:
             part.context = ContextParallel(mesh["cp"].get_group())
         if cfg.ep > 1:
-            apply_expert_parallel(part, mesh["ep"])
+            apply_expert_parallel(part, mesh["ep"], cfg.ep_overlap)
         apply_activation_checkpointing(part, cfg.activation_checkpointing)
         if cfg.compile:
             apply_compile(part, fullgraph=param_dtype == torch.float32 and cfg.ep == 1 and cfg.cp == 1)

@@ -412,8 +412,9 @@ def adamw_matches_plain(model: torch.nn.Module, reference: torch.nn.Module, step
 
 # ============================================================================= MoE layers
 
-def shard_experts(moe, rank: int, ep: int, **experts_options):
-    """moe with its experts sharded over ep ranks of the world group: this rank holds E / ep of them."""
+def shard_experts(moe, rank: int, ep: int, chunks: int = 2, **experts_options):
+    """moe with its experts sharded over ep ranks of the world group: this rank holds E / ep of them,
+    and exchanges its tokens in `chunks` overlapped pieces ([parallel] ep_overlap)."""
     from moe import ExpertParallelExperts, GroupedExperts
     num_experts, hidden, _ = moe.experts.gate_up_proj.shape
     local = num_experts // ep
@@ -421,7 +422,7 @@ def shard_experts(moe, rank: int, ep: int, **experts_options):
     with torch.no_grad():
         experts.gate_up_proj.copy_(moe.experts.gate_up_proj[rank * local:(rank + 1) * local])
         experts.down_proj.copy_(moe.experts.down_proj[rank * local:(rank + 1) * local])
-    moe.experts = ExpertParallelExperts(experts, dist.group.WORLD, num_experts)
+    moe.experts = ExpertParallelExperts(experts, dist.group.WORLD, num_experts, chunks)
     return moe
 
 

@@ -204,9 +204,9 @@ def test_a_capacity_moe_layer_compiles_to_one_graph(name, one_thread):
 
 # ----------------------------------------------------------------------------- expert parallel
 
-def expert_parallel_moe(rank: int, ep: int, factor: float) -> MoE:
-    """make_moe's layer with its experts sharded: this rank holds E / ep of them."""
-    return shard_experts(make_moe(factor), rank, ep, capacity_factor=factor)
+def expert_parallel_moe(rank: int, ep: int, factor: float, chunks: int = 2) -> MoE:
+    """make_moe's layer with its experts sharded: this rank holds E / ep of them, exchanged in chunks."""
+    return shard_experts(make_moe(factor), rank, ep, chunks, capacity_factor=factor)
 
 
 def test_capacity_reads_nothing_from_the_device_under_expert_parallelism():
@@ -227,14 +227,15 @@ def test_capacity_reads_nothing_from_the_device_under_expert_parallelism():
 
 def check_capacity_on_two_ranks() -> None:
     """Each rank's tokens through the expert-parallel layer equal them through one process with the
-    same factor (capacity per source rank), values and gradients, eager and compiled whole; and
-    the eager forward and backward copy nothing to the host."""
+    same factor (capacity per source rank), values and gradients, eager (the C slots exchanged in
+    1, 2 or 3 chunks: C = 3 at the factor that drops) and compiled whole; and the eager forward and
+    backward copy nothing to the host."""
     from tools.profiling import HostSyncs
     rank = dist.get_rank()
     inputs = [tokens(seed=10 + r) for r in range(2)]
-    for factor in (NO_DROP, 0.5):
+    for factor, chunks in ((NO_DROP, 1), (NO_DROP, 2), (0.5, 1), (0.5, 3)):
         expected = [run(make_moe(factor), x) for x in inputs]
-        moe = expert_parallel_moe(rank, ep=2, factor=factor)
+        moe = expert_parallel_moe(rank, ep=2, factor=factor, chunks=chunks)
         x = inputs[rank].clone().requires_grad_()
         with HostSyncs() as syncs:
             y = moe(x)

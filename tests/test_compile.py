@@ -17,12 +17,15 @@ import torch.nn.attention.flex_attention as flex_module
 
 from attention import FULL, SLIDING, build_masks, flash_sink_attention
 from helpers import (BF16_GRAPHS, FAMILY_NAMES, assert_close_to_scale, block_inputs, build, counting_backend,
-                     in_process_group, only, parallel_block_model, parallel_step, spawn, tiny_config,
+                     in_process_group, only, parallel_block_model, parallel_step, registered, spawn, tiny_config,
                      values_and_grads)
 from layers import document_positions
 from moe import _grouped_mm_op, expert_counts, grouped_mm
 
 SLOW = os.environ.get("FLINT_SLOW") == "1"
+# FP32 under ep = 2 (FSDP over the ep ranks, no FP32 units of their own): a dense block is one graph; an MoE
+# block 4: the experts' FSDP unit breaks the block before and after it, and their count exchange in between.
+EP_FP32_GRAPHS = registered({"flint": {"0": 1, "1": 4}, "large4": {"0": 1, "1": 4, "2": 4}})
 SLOW_ONLY = pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1")
 BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1"))]
 BATCH, SEQ = 2, 32  # 32 > 2 * (window 9 - 1): sliding layers take the banded path
@@ -277,8 +280,8 @@ def check_checkpointed_compiled_matches_eager(family: str, layout: dict, expecte
     assert calls == eager_calls, (calls, eager_calls)
     expected_graphs = {name: expected_graphs[name] for name in calls}  # this pipeline rank's blocks
     assert graphs == expected_graphs, f"graphs per block {graphs}, expected {expected_graphs}"
-    # FSDP's hooks, and under expert parallelism the exchanges moe.py keeps eager (torch.compiler.disable)
-    known = ("_fsdp_common.py", "send_rows", "return_rows")
+    # FSDP's hooks, and under expert parallelism the count exchange moe.py keeps eager (torch.compiler.disable)
+    known = ("_fsdp_common.py", "exchange_counts")
     unknown = [reason.splitlines()[0] for reason in breaks if not any(mark in reason for mark in known)]
     assert not unknown, unknown
 
@@ -312,14 +315,15 @@ def test_checkpointed_blocks_under_a_bf16_policy(family, monkeypatch):
 
 @FLINT
 def test_checkpointed_blocks_under_bf16_expert_parallel():
-    """ep = 2 over 2 gloo ranks, BF16 policy, every block checkpointed: an MoE block runs 8 graphs:
+    """ep = 2 over 2 gloo ranks, BF16 policy, every block checkpointed: an MoE block runs 7 graphs:
     its nested units' FSDP hooks (sinks, router, and the experts' own unit on the efsdp mesh) less
-    one empty segment make 6, and the two token exchanges (moe.ExpertParallelExperts.send_rows and
-    return_rows) run eager between graphs, so that their host split sizes are read once per forward
-    and reused by the recompute. The rows they pass enter the next graph as dynamic sizes, so a
-    second batch, routed otherwise, runs the same graphs."""
+    one empty segment make 6, and the count exchange (moe.ExpertParallelExperts.exchange_counts)
+    runs eager between two graphs, so that its host split sizes are read once per forward and reused
+    by the recompute. The graph after it exchanges the chunks' rows, runs the experts and the
+    shared expert, and reads the split sizes as unbacked integers, so a second batch, routed
+    otherwise, runs the same graphs."""
     spawn(2, spawned, check_checkpointed_compiled_matches_eager, "flint",
-          {"param_dtype": "bfloat16", "ep": 2, "activation_checkpointing": "full"}, {"0": 3, "1": 8}, 1e-2, 1e-3, 2)
+          {"param_dtype": "bfloat16", "ep": 2, "activation_checkpointing": "full"}, {"0": 3, "1": 7}, 1e-2, 1e-3, 2)
 
 
 @SLOW_ONLY
@@ -328,3 +332,13 @@ def test_checkpointed_blocks_under_bf16_pipeline_stages():
     """pp = 2 over 2 gloo ranks, BF16 policy: each stage's blocks run the graphs of the FSDP layout."""
     spawn(2, spawned, check_checkpointed_compiled_matches_eager, "flint",
           {"param_dtype": "bfloat16", "pp": 2, "activation_checkpointing": "full"}, BF16_GRAPHS["flint"], 1e-2, 1e-3)
+
+
+@pytest.mark.parametrize("family", [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=SLOW_ONLY)
+                                    for name in FAMILY_NAMES])
+def test_checkpointed_blocks_under_fp32_expert_parallel_in_three_chunks(family):
+    """ep = 2 over 2 gloo ranks in FP32, every block checkpointed, the exchange in 3 chunks: the
+    compiled step equals the eager one to FP32 rounding over two batches routed differently (no
+    recompile), and the graphs are pinned (EP_FP32_GRAPHS)."""
+    spawn(2, spawned, check_checkpointed_compiled_matches_eager, family,
+          {"ep": 2, "activation_checkpointing": "full", "ep_overlap": 3}, EP_FP32_GRAPHS[family], 1e-5, 1e-6, 2)

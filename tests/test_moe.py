@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe import MoE, balanced_counts, set_balanced_routing, sort_by_expert
 from parallel import close_distributed
@@ -158,9 +159,9 @@ def test_forced_balance_routes_round_robin_by_the_real_scores(norm_topk_prob):
     assert balanced_counts(7, 3) == [3, 2, 2]
 
 
-def expert_parallel_moe(rank: int, ep: int, norm_topk_prob: bool = True) -> MoE:
+def expert_parallel_moe(rank: int, ep: int, norm_topk_prob: bool = True, chunks: int = 2) -> MoE:
     """make_moe's layer with its experts sharded: this rank holds E / ep of them."""
-    return shard_experts(make_moe(norm_topk_prob=norm_topk_prob), rank, ep)
+    return shard_experts(make_moe(norm_topk_prob=norm_topk_prob), rank, ep, chunks)
 
 
 def test_forced_balance_reads_nothing_from_the_device_under_expert_parallelism():
@@ -208,6 +209,8 @@ def check_compiled_routing_changes_without_recompiling() -> None:
     the exchanged rows' count is dynamic from the start, the split sizes are never guarded on."""
     rank, counters = dist.get_rank(), torch._dynamo.utils.counters
     eager, compiled = expert_parallel_moe(rank, ep=2), expert_parallel_moe(rank, ep=2)
+    # as parallel.apply_compile sets them: the split sizes, read inside the graph, are unbacked integers
+    torch._dynamo.config.capture_scalar_outputs = torch._dynamo.config.capture_dynamic_output_shape_ops = True
     compiled.compile(backend="eager")
     loads, graphs = [], []
     for seed in range(3):
@@ -433,3 +436,110 @@ def check_expert_parallel_padded_with_idle_experts() -> None:
 def test_expert_parallel_with_padded_groups_and_idle_experts_equals_one_process():
     from helpers import spawn
     spawn(2, check_expert_parallel_padded_with_idle_experts)
+
+
+# ----------------------------------------------------------------------------- the overlapped expert exchange
+
+def rigged(moe: MoE, favourites: tuple[int, ...]) -> MoE:
+    """Every (positive) token routes to the favourite experts, the first ones first."""
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        for rank, expert in enumerate(favourites):
+            moe.router.weight[expert] = 0.5 / (rank + 1)
+    return moe
+
+
+def check_overlapped_exchange_with_uneven_routing() -> None:
+    """Rank 0 routes 18 tokens, rank 1 only 2: in 3 chunks, rank 1's last chunk is empty. Routed at
+    random; to experts 4 and 1 (each rank's other experts idle, local groups padded to 8 rows as on
+    CUDA); and to rank 0's experts 1 and 2 (rank 1 receives no row in any chunk). For every chunk
+    count, each rank's output, input gradient and every parameter gradient equal one process's
+    (the experts' summed over both ranks' tokens), and the overlapped runs equal the one-chunk run."""
+    rank = dist.get_rank()
+    inputs = [torch.rand(2, 9, HIDDEN, generator=torch.Generator().manual_seed(3)) + 0.1,
+              torch.rand(1, 2, HIDDEN, generator=torch.Generator().manual_seed(4)) + 0.1]
+    mine = slice(rank * EXPERTS // 2, (rank + 1) * EXPERTS // 2)
+    for favourites in (None, (4, 1), (1, 2)):
+        def layer(moe):
+            return moe if favourites is None else rigged(moe, favourites)
+        expected = [run(layer(make_moe()), x) for x in inputs]
+        want_grads = {name: sum(g[name][mine] for _, _, g in expected) if name.startswith("experts.")
+                      else expected[rank][2][name] for name in expected[rank][2]}
+        runs = {}
+        for chunks in (1, 2, 3):
+            moe = layer(expert_parallel_moe(rank, ep=2, chunks=chunks))
+            moe.experts.group_align = 8 if favourites == (4, 1) else None
+            runs[chunks] = y, dx, grads = run(moe, inputs[rank])
+            what = f"{favourites} in {chunks} chunks"
+            assert_close_to_scale(y, expected[rank][0], rtol=1e-5, what=what)
+            assert_close_to_scale(dx, expected[rank][1], rtol=1e-5, what=what)
+            for name, grad in grads.items():
+                assert_close_to_scale(grad, want_grads[name], rtol=1e-5, what=f"{what}: {name}")
+        for chunks in (2, 3):  # the same sums, but over fewer rows at a time: FP32 rounding apart
+            what = f"{favourites}: {chunks} chunks against 1"
+            assert_close_to_scale(runs[chunks][0], runs[1][0], rtol=1e-6, what=what)
+            assert_close_to_scale(runs[chunks][1], runs[1][1], rtol=1e-6, what=what)
+            for name, grad in runs[chunks][2].items():
+                assert_close_to_scale(grad, runs[1][2][name], rtol=1e-6, what=f"{what}: {name}")
+
+
+def test_the_overlapped_exchange_equals_one_process_with_uneven_routing():
+    spawn(2, check_overlapped_exchange_with_uneven_routing)
+
+
+class ScheduleLog(TorchDispatchMode):
+    """The order of what runs: S<rows> an all-to-all started (its input rows), W<rows> one waited for
+    (its rows), M a matmul (router, shared expert), G and g the grouped GEMMs and their weight gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("all_to_all_single", "wait_tensor"):
+            self.events.append(f"{'S' if name == 'all_to_all_single' else 'W'}{args[0].shape[0]}")
+        elif name in ("mm", "grouped_mm", "grouped_mm_weight_grad"):
+            self.events.append({"mm": "M", "grouped_mm": "G", "grouped_mm_weight_grad": "g"}[name])
+        return func(*args, **(kwargs or {}))
+
+
+def documented_schedule(sent: list[int], received: list[int]) -> tuple[list[str], list[str]]:
+    """ExpertParallelExperts' schedule, written out from its docstring, for chunks that send sent[c]
+    rows and receive received[c]: forward, then backward (one process's events)."""
+    n, forward, backward = len(sent), ["M", f"S{sent[0]}", f"S{sent[0]}", "M", "M", "M"], []
+    for c in range(n):
+        if c + 1 < n:
+            forward += [f"S{sent[c + 1]}"] * 2  # start dispatch c+1 (rows, weights)
+        forward += [f"W{received[c]}"] * 2 + ["G", "G", f"S{received[c]}"]  # wait dispatch c, experts, combine c
+    forward += [f"W{sent[c]}" for c in range(n)]
+    backward += [f"S{sent[c]}" for c in reversed(range(n))]  # the combines' gradients start
+    for c in reversed(range(n)):
+        backward += [f"W{received[c]}", "G", "g", "G", "g", f"S{received[c]}", f"S{received[c]}"]
+        if c + 1 < n:
+            backward += [f"W{sent[c + 1]}"] * 2  # dispatch c+1's gradients
+    return forward, backward + ["M"] * 6 + [f"W{sent[0]}"] * 2 + ["M", "M"]  # shared, dispatch 0, router
+
+
+def check_the_schedule_is_the_documented_one() -> None:
+    """Forced balance (so the rows of each chunk are known) over 2 ranks of 9 tokens, 6 experts,
+    top 2: rank 0's chunks of 5 and 4 tokens send 10 and 8 rows and receive 12 and 6 (in 3 chunks:
+    6 each way each). The events in forward and backward are the documented schedule's."""
+    def received(tokens: range) -> int:  # both ranks send the same: rank 0 holds experts 0-2
+        return 2 * sum((token * TOP_K + choice) % EXPERTS < EXPERTS // 2 for token in tokens for choice in range(TOP_K))
+    chunked = {1: [range(0, 9)], 2: [range(0, 5), range(5, 9)], 3: [range(0, 3), range(3, 6), range(6, 9)]}
+    for chunks, pieces in chunked.items():
+        moe = expert_parallel_moe(dist.get_rank(), ep=2, chunks=chunks)
+        set_balanced_routing(moe, True)
+        x = torch.randn(1, 9, HIDDEN, requires_grad=True)
+        with ScheduleLog() as forward:
+            y = moe(x)
+        with ScheduleLog() as backward:
+            y.sum().backward()
+        if dist.get_rank() == 0:
+            expected = documented_schedule([TOP_K * len(piece) for piece in pieces], [received(p) for p in pieces])
+            assert (forward.events, backward.events) == expected, (chunks, forward.events, backward.events)
+
+
+def test_the_overlapped_exchange_runs_the_documented_schedule():
+    spawn(2, check_the_schedule_is_the_documented_one)

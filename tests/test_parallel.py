@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from helpers import (FAMILY_NAMES, LR, MAX_NORM, PLAIN_INIT_OVERRIDES, SEQ, STEPS, adamw_matches_plain, build,
-                     check_layouts, close, full, in_process_group, make_batch, only, reference_run, rows_of_this_rank,
-                     slow, spawn, tiny_config)
+from helpers import (FAMILY_NAMES, LR, MAX_NORM, PLAIN_INIT_OVERRIDES, SEQ, STEPS, adamw_matches_plain,
+                     build, check_layouts, close, full, in_process_group, make_batch, only,
+                     reference_run, rows_of_this_rank, slow, spawn, stops_with_one_line, tiny_config)
 from registry import FAMILIES, family, model_class
-from parallel import ParallelConfig, build_mesh, close_distributed, cp_token_index, init_weights, parallelize
+from parallel import (LayoutError, ParallelConfig, build_mesh, close_distributed, cp_token_index, init_weights,
+                      parallelize)
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -33,6 +34,9 @@ def test_config_errors_name_the_key():
         ParallelConfig.from_dict({"tp": 2})
     with pytest.raises(ValueError, match=r"pp_schedule must be one of"):
         ParallelConfig(pp_schedule="zigzag").resolve(1)
+    for chunks in (0, 1.5, True):
+        stops_with_one_line(lambda: ParallelConfig(ep_overlap=chunks).validate(), LayoutError, "ep_overlap",
+                            r"\[parallel\] ep_overlap must be an integer >= 1 .*, got")
     assert ParallelConfig(ep=2, cp=2).resolve(8).dp_shard == 2
 
 
@@ -61,6 +65,27 @@ def test_experts_fewer_than_their_shards_split_along_dim_1_and_match_single_proc
     spawn(4, check_layouts, [{"dp_shard": 4}, {"ep": 2, "dp_shard": 2}],
           {"num_experts": 2, "num_experts_per_tok": 1, "norm_topk_prob": False},
           "flint")
+
+
+def check_overlapped_expert_layouts(family: str, four: bool) -> None:
+    """Each layout with the exchange in one chunk and in 3 (ep_overlap) against one process."""
+    layouts = [{"ep": 2, "dp_shard": 2}] if four else [{"ep": 2, "dp_shard": 1, "activation_checkpointing": "full"}]
+    check_layouts([{**layout, "ep_overlap": chunks} for layout in layouts for chunks in (1, 3)], {}, family)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_overlapped_expert_exchange_matches_one_process(family):
+    """ep 2 with every block recomputed (activation checkpointing full: the recompute runs the
+    chunks' exchanges again, with the forward's split sizes) in 1 and 3 chunks (the default 2 runs
+    in every other expert-parallel layout)."""
+    spawn(2, check_overlapped_expert_layouts, family, False)
+
+
+@slow
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_overlapped_expert_exchange_matches_one_process_on_four_ranks(family):
+    """ep 2 x dp_shard 2 (the experts' FSDP over 2 expert-data-parallel ranks) in 1 and 3 chunks."""
+    spawn(4, check_overlapped_expert_layouts, family, True)
 
 
 @only("flint")
