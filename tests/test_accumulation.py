@@ -75,10 +75,10 @@ def units_of(pm) -> tuple[int, int, int]:
     return sharded, resharded, replicated
 
 
-def expected_collectives(mode: str, pm, pipelined: bool) -> dict[str, int]:
+def expected_collectives(mode: str, pm, pipelined: bool, micro_batches: int = GRAD_ACCUM) -> dict[str, int]:
     sharded, resharded, replicated = units_of(pm)
-    syncs = GRAD_ACCUM if mode == "sync_each" else 1
-    gathers = sharded if mode == "gathered" else GRAD_ACCUM * (sharded + resharded)
+    syncs = micro_batches if mode == "sync_each" else 1
+    gathers = sharded if mode == "gathered" else micro_batches * (sharded + resharded)
     if pipelined:  # weights gathered through each schedule call (reshard_after_forward false), one call per sync
         gathers = syncs * sharded
     counts = {"all_gather_single": gathers, "reduce_scatter_single": syncs * sharded, "all_reduce": syncs * replicated,
@@ -156,6 +156,12 @@ def check_accumulation(layouts: list[dict], family: str, modes=MODES, count: boo
                     num_tokens = pm.global_tokens(torch.stack([b["targets"] for b in local]))
                     evaluated = sum(pm.loss(**batch, num_tokens=num_tokens) for batch in local)
                     assert_close_to_scale(evaluated, ref_losses[1], what=f"{what} evaluation after step 0")
+            if count:  # then FSDP2's settings are back: a lone forward_backward, and a step of one micro-batch in
+                for run in (lambda: pm.forward_backward(**local[0]), lambda: pm.accumulate_gradients(local[:1])):
+                    with fsdp_collectives() as counts:  # every mode, communicate as sync_each does
+                        run()
+                    expected = expected_collectives("sync_each", pm, cfg.pp > 1, micro_batches=1)
+                    assert dict(counts) == expected, f"{what}: one micro-batch issued {dict(counts)}, not {expected}"
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
