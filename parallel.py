@@ -203,16 +203,12 @@ class ParallelConfig:
 
 
 def choose_accumulation(cfg: ParallelConfig, gradient_bytes: float, weight_bytes: float, device_bytes: float) -> str:
-    """[parallel] accumulation as a run uses it: the mode set, or for "auto" the most that fits. What
-    sync_last holds between micro-batches: `gradient_bytes`, the FP32 gradients of this rank's FSDP
-    units unsharded; gathered holds `weight_bytes` as well, their weights gathered in their compute
-    dtypes (ParallelModel.accumulation_bytes; tools/memory.py counts the same). "auto":
-      - under a pipeline, sync_last (one schedule call for the step: see ParallelModel.accumulate_gradients),
-        which holds nothing more than one call does, except under GPipe, which runs every forward first and
-        would hold the activations of all grad_accum x pp_microbatches micro-batches: sync_each;
-      - with offload, sync_each: the unsharded gradients would stay on the device that offload relieves;
-      - otherwise gathered if gradients and weights together fit ACCUMULATION_SHARE of `device_bytes`, else
-        sync_last if the gradients do, else sync_each."""
+    """[parallel] accumulation as a run uses it; "auto" takes the most that fits (tools/memory.py asks the same).
+    sync_last holds `gradient_bytes` (this rank's FSDP units' FP32 gradients, unsharded), gathered `weight_bytes`
+    (their gathered weights) as well: gathered if both fit ACCUMULATION_SHARE of `device_bytes`, else sync_last
+    if the gradients do, else sync_each; sync_each with offload (the gradients would stay on the device it
+    relieves). Under pp sync_last (one schedule call holds no more than a call holds), but sync_each for GPipe,
+    which would hold the activations of all grad_accum x pp_microbatches micro-batches."""
     if cfg.accumulation != "auto":
         return cfg.accumulation
     if cfg.pp > 1:
@@ -483,10 +479,8 @@ def least_padding(shards: int) -> Callable[[nn.Parameter], Shard | None]:
 
 @dataclass
 class FSDPUnit:
-    """One fully_shard of this rank, as gradient accumulation sets it per micro-batch: its module (the
-    first of a list unit's, which share its state), the reshard_after_forward it was given, and what it
-    gathers on this rank (under expert parallelism, this rank's experts): elements, the trainable ones
-    among them, and the dtype it gathers them in."""
+    """One fully_shard of this rank: its module (a list unit's first), the reshard_after_forward it was given, and
+    what it gathers here (under ep, this rank's experts): elements, the trainable ones, in which dtype."""
     module: FSDPModule
     reshard_after_forward: bool
     numel: int
@@ -645,9 +639,8 @@ class ParallelModel:
         self.token_weight = torch.ones(())  # dp / num_tokens of the current step
 
     def accumulation_bytes(self) -> tuple[int, int]:
-        """What accumulating without re-communication holds on this rank: (the FP32 gradients of its FSDP
-        units unsharded, for sync_last and gathered; their weights gathered in their compute dtypes, for
-        gathered). FSDP2 accumulates unsharded gradients in the reduce dtype, FP32 (apply_fsdp)."""
+        """(The unsharded gradients of this rank's FSDP units, in their reduce dtype FP32: what sync_last holds
+        between micro-batches; their gathered weights, which gathered holds as well) in bytes."""
         gradients = sum(4 * unit.trainable_numel for unit in self.units)
         weights = sum(unit.numel * unit.param_dtype.itemsize for unit in self.units)
         return gradients, weights
@@ -669,20 +662,14 @@ class ParallelModel:
 
     def accumulate_gradients(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Forward and backward of an optimizer step's micro-batches on this rank (dicts of forward_backward's
-        arguments), their gradients summed, every target token of the step weighing the same -> the step's
-        mean loss per target token. [parallel] accumulation (`self.accumulation`) decides what FSDP2
-        communicates in between, per FSDP unit (sync_each: today's default before it existed):
-          sync_each  every micro-batch reduce-scatters its gradients (HSDP: and all-reduces them);
-          sync_last  only the last one does; the others leave unsharded FP32 gradients that accumulate;
-          gathered   as sync_last, and the weights stay gathered from the first forward to the last
-                     backward (no all-gather in between, nor in any backward), resharded by that backward.
-        Under a pipeline, the schedule already accumulates over its own micro-batches with the sync off
-        (torch's stage: set_requires_gradient_sync(False) and set_reshard_after_backward(False) before each
-        backward, then one reduce-scatter per unit after the last) and keeps a stage's weights gathered
-        through a call (reshard_after_forward is false there by default). So sync_each calls the schedule
-        once per micro-batch, and sync_last and gathered once for the step, on the micro-batches joined
-        (grad_accum x pp_microbatches pipeline micro-batches); gathered also turns reshard_after_forward off
-        for that call. One micro-batch is the same in every mode."""
+        arguments), every target token of the step weighing the same -> the step's mean loss per target token.
+        `accumulation` says what FSDP2 communicates in between, per unit (CONFIG.md): sync_each reduce-scatters
+        (HSDP: and all-reduces) in every backward; sync_last only in the last, the others accumulating
+        unsharded FP32 gradients; gathered as sync_last, the weights staying gathered from the first forward to
+        the last backward, which reshards them. torch's pipeline schedules already sync once per call (their
+        stages turn the sync and the reshard after backward off until REDUCE_GRAD, after the last micro-batch)
+        and keep a stage gathered through it: under pp, sync_last and gathered run one call on the micro-batches
+        joined, of grad_accum x pp_microbatches pipeline micro-batches. One micro-batch: the same in every mode."""
         targets = torch.stack([batch["targets"] for batch in batches])
         num_tokens = self.global_tokens(targets)
         mode = self.accumulation if len(batches) > 1 else "sync_each"
@@ -696,10 +683,7 @@ class ParallelModel:
                 self.communicate(mode, last=index == len(batches) - 1)
                 loss = loss + self.forward_backward(**batch, num_tokens=num_tokens, pipeline_microbatches=microbatches)
         finally:
-            self.communicate("sync_each", last=True)  # what a lone forward_backward, `loss` and a checkpoint expect
-        if mode == "gathered":  # the last backward resharded every unit; a unit it did not reach is resharded here
-            for unit in self.units:
-                unit.module.reshard()
+            self.communicate("sync_each", last=True)  # what a lone forward_backward or `loss` expects
         return loss
 
     def communicate(self, mode: str, last: bool) -> None:
