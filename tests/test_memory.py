@@ -81,6 +81,9 @@ def test_what_each_accumulation_holds_counted_by_hand():
     assert each["total"] == pytest.approx(sum(each[c] for c in (*fixed, "grads", "gathered")))
     for row in (last, gathered):  # the sharded gradients come only as the last backward frees the unsharded ones
         assert row["total"] == pytest.approx(sum(row[c] for c in (*fixed, "held grads", "gathered")))
+    one = memory_per_gpu(config, ParallelConfig(dp_shard=4, accumulation="gathered").resolve(4), 16, 2)
+    assert one == memory_per_gpu(config, ParallelConfig(dp_shard=4, accumulation="sync_each").resolve(4), 16, 2)
+    assert one["held grads"] == 0  # one micro-batch: every mode is sync_each
     half = memory_per_gpu(config, ParallelConfig(dp_shard=2, ep=2, accumulation="sync_last").resolve(4, 8), 16, 2, 2)
     assert half["held grads"] * GIB == 4 * (total - experts / 2)
     gradients, weights = 4 * total, 2 * (total - fp32) + 4 * fp32
