@@ -55,12 +55,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attention
+import parallel
 import train
 from config import ConfigError, TrainConfig
 from layers import token_ids_checked_at_load
 from devices import targeting
 from tools.memory import GPU_GIB as MEMORY_GPU_GIB, memory_per_gpu
-from parallel import Run, choose_accumulation, close_distributed
+from parallel import Run, close_distributed
 from report import write_memory_timeline
 
 GIB = 2 ** 30
@@ -242,10 +243,9 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
         run = start_fake_run(job, say)
         batches = rehearsal_batches(job, run, say)
         tracker = PeakMemory()
-        with failing_as_the_job(job, rank, world, lambda: "while laying out the model"):
-            model = train.build_model(job, run)  # on meta
-        # [parallel] accumulation = "auto" as the job's GPU resolves it, not this CPU host
-        model.accumulation = choose_accumulation(job.parallel, *model.accumulation_bytes(), GPU_GIB[gpu] * GIB)
+        with failing_as_the_job(job, rank, world, lambda: "while laying out the model"), \
+                mock.patch.object(parallel, "device_memory_bytes", lambda device_type: GPU_GIB[gpu] * GIB):
+            model = train.build_model(job, run)  # on meta; [parallel] accumulation "auto" for the GPU's memory
         with FakeTensorMode(allow_non_fake_inputs=True), tracker.watching():
             with failing_as_the_job(job, rank, world, lambda: "while allocating the weights and the optimizer"):
                 for part in model.parts:
