@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from helpers import (FAMILY_NAMES, LR, assert_close_to_scale, build, full, in_process_group, make_batch, moe_layers, only,
-                     rows_of_this_rank, slow, spawn, tiny_config)
+from helpers import (DEFAULT_FAMILY, FAMILY_NAMES, LR, assert_close_to_scale, build, full, in_process_group, make_batch,
+                     moe_layers, only, rows_of_this_rank, slow, spawn, tiny_config)
 from parallel import ParallelConfig, build_mesh, choose_accumulation, parallelize
 
 GRAD_ACCUM = 3
@@ -169,29 +169,26 @@ def test_every_mode_matches_one_process_under_fsdp(family):
     spawn(2, check_accumulation, [{"dp_shard": 2}], family)
 
 
-@only("flint")
 def test_every_mode_matches_one_process_under_expert_parallel_and_a_pipeline():
     """ep 2 (the experts' own FSDP units over one rank each: no collective of theirs), and a 1F1B pipeline of
     2 stages (no FSDP on one data-parallel rank: the schedule's gradient reductions are counted)."""
-    spawn(2, check_accumulation, [{"ep": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}], "flint")
+    spawn(2, check_accumulation, [{"ep": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}], DEFAULT_FAMILY)
 
 
-@only("flint")
 def test_every_mode_matches_one_process_under_hsdp_and_a_sharded_pipeline():
     """HSDP (replicate 2 x shard 2: the all-reduces counted) and a 1F1B pipeline of 2 stages over 2 FSDP ranks
     each (its units gathered once per schedule call, reduce-scattered once per call)."""
-    spawn(4, check_accumulation, [{"dp_replicate": 2, "dp_shard": 2}, {"pp": 2, "dp_shard": 2}], "flint")
+    spawn(4, check_accumulation, [{"dp_replicate": 2, "dp_shard": 2}, {"pp": 2, "dp_shard": 2}], DEFAULT_FAMILY)
 
 
 @slow
-@only("flint")
 def test_every_mode_matches_one_process_under_other_schedules_offload_and_checkpointing():
     """The V and interleaved schedules (two stages per rank, torch's UNSHARD and RESHARD actions), CPU offload
     and full activation checkpointing (whose recompute gathers again): values only."""
     spawn(2, check_accumulation, [{"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble"},
                                   {"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B"},
                                   {"dp_shard": 2, "offload": True}, {"dp_shard": 2, "activation_checkpointing": "full"}],
-          "flint", MODES, False)
+          DEFAULT_FAMILY, MODES, False)
 
 
 def test_auto_takes_the_most_that_fits_a_quarter_of_the_device():
