@@ -166,6 +166,7 @@ def check_accumulation(layouts: list[dict], family: str, modes=MODES, count: boo
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_every_mode_matches_one_process_under_fsdp(family):
+    """FSDP over 2 ranks, every registered family (Large 4: its frozen indexer gets no gradient in any mode)."""
     spawn(2, check_accumulation, [{"dp_shard": 2}], family)
 
 
