@@ -23,7 +23,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -53,6 +53,10 @@ FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(FSDPSinks\) returned a view tensor"
 warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp")
 AC_MODES = ("none", "full", "selective")
+ACCUMULATION_MODES = ("auto", "sync_each", "sync_last", "gathered")  # [parallel] accumulation
+# The share of the device's memory that "auto" lets the accumulation hold (choose_accumulation): the
+# rest is for the sharded states, the activations and what the estimate leaves out.
+ACCUMULATION_SHARE = 0.25
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 MAX_TIMEOUT_MINUTES = 525_600  # a year: [parallel] collective_timeout_minutes
 
@@ -89,6 +93,7 @@ class ParallelConfig:
     param_dtype: str = "auto"  # bulk compute dtype: auto (bfloat16 on GPUs, float32 on the CPU) | bfloat16 |
     # float32; sinks, routers and the head always compute in FP32, master weights are always FP32
     reshard_after_forward: bool | None = None  # None: True, but False for pipeline stages
+    accumulation: str = "auto"  # grad_accum's micro-batches: sync_each | sync_last | gathered | auto (choose_accumulation)
     offload: bool = False  # FSDP2's CPU offload: sharded weights, gradients and AdamW states in host memory
     backend: str = "auto"  # process group: auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
     head_precision: str = "tf32"  # the FP32 head's matmuls on GPUs: tf32 | bf16x3 | bf16 | float32 (decoder.py)
@@ -157,7 +162,7 @@ class ParallelConfig:
                               f"all-to-alls overlap; 1: one exchange per MoE layer), got {self.ep_overlap!r}")
         for key, allowed in (("pp_schedule", list(SCHEDULES)), ("activation_checkpointing", list(AC_MODES)),
                              ("backend", ["auto", "nccl", "gloo"]), ("param_dtype", ["auto", *DTYPES]),
-                             ("head_precision", list(HEAD_PRECISIONS))):
+                             ("head_precision", list(HEAD_PRECISIONS)), ("accumulation", list(ACCUMULATION_MODES))):
             if getattr(self, key) not in allowed:
                 raise LayoutError(key, f"{where} {key} must be one of {allowed}, got {getattr(self, key)!r}")
         if not 0 < self.collective_timeout_minutes <= MAX_TIMEOUT_MINUTES:  # beyond, datetime.timedelta overflows
@@ -200,6 +205,30 @@ class ParallelConfig:
             raise LayoutError("pp_microbatches", f"[parallel] pp_microbatches = {microbatches}: pp_schedule {schedule!r} "
                               f"needs at least {needed} ({why}); raise pp_microbatches, or set it to 0 (one per stage)",
                               also=("pp_schedule",))
+
+
+def choose_accumulation(cfg: ParallelConfig, gradient_bytes: float, weight_bytes: float, device_bytes: float) -> str:
+    """[parallel] accumulation as a run uses it; "auto" takes the most that fits (tools/memory.py asks the same).
+    sync_last holds `gradient_bytes` (this rank's FSDP units' FP32 gradients, unsharded), gathered `weight_bytes`
+    (their gathered weights) as well: gathered if both fit ACCUMULATION_SHARE of `device_bytes`, else sync_last
+    if the gradients do, else sync_each; sync_each with offload (the gradients would stay on the device it
+    relieves). Under pp sync_last (one schedule call holds no more than a call holds), but sync_each for GPipe,
+    which would hold the activations of all grad_accum x pp_microbatches micro-batches."""
+    if cfg.accumulation != "auto":
+        return cfg.accumulation
+    if cfg.pp > 1:
+        return "sync_each" if cfg.pp_schedule == "GPipe" else "sync_last"
+    budget = ACCUMULATION_SHARE * device_bytes
+    if cfg.offload or gradient_bytes > budget:
+        return "sync_each"
+    return "gathered" if gradient_bytes + weight_bytes <= budget else "sync_last"
+
+
+def device_memory_bytes(device_type: str) -> int:
+    """The memory of this process's device: its GPU's, or on the CPU the host's."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 # ============================================================================= process group and mesh
@@ -455,14 +484,25 @@ def least_padding(shards: int) -> Callable[[nn.Parameter], Shard | None]:
     return placement
 
 
+@dataclass
+class FSDPUnit:
+    """One fully_shard of this rank: its module (a list unit's first), the reshard_after_forward it was given, and
+    what it gathers here (under ep, this rank's experts): elements, the trainable ones, in which dtype."""
+    module: FSDPModule
+    reshard_after_forward: bool
+    numel: int
+    trainable_numel: int
+    param_dtype: torch.dtype
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reshard: bool,
-               offload: bool = False) -> None:
+               offload: bool = False) -> list[FSDPUnit]:
     """FSDP2 per unit, innermost first: the model's FP32 modules (`fp32_root_modules`, and under
     a narrower bulk dtype each block's `fp32_modules` as one unit) and the head, stored, gathered
     and computed in FP32; experts over the expert-data-parallel ranks, then each block, the
     embedding and the root in the bulk policy. HSDP when dp_replicate > 1. offload: every unit keeps
     its shards (and so their gradients and the optimizer's states) in host memory, copied to the
-    device for each all-gather; the optimizer then steps on the CPU."""
+    device for each all-gather; the optimizer then steps on the CPU. -> the units, innermost first."""
     def dp_mesh(shard_dim: str) -> DeviceMesh:
         return mesh["dp_replicate", shard_dim] if mesh["dp_replicate"].size() > 1 else mesh[shard_dim]
     # No input casts: a block casts what it computes with to its weights' dtype itself, so an FP32
@@ -472,7 +512,18 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, res
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
     fsdp_mesh, experts_mesh = dp_mesh("fsdp"), dp_mesh("efsdp")
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
-    shard = partial(fully_shard, offload_policy=policy, shard_placement_fn=least_padding(mesh["fsdp"].size()))
+    units: list[FSDPUnit] = []
+    counted: set[int] = set()  # a unit holds the parameters that no inner unit took
+
+    def shard(target: nn.Module | list[nn.Module], **options) -> None:
+        modules = target if isinstance(target, list) else [target]
+        params = [p for m in modules for p in m.parameters() if id(p) not in counted]
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]  # ep: this rank's experts
+        units.append(FSDPUnit(modules[0], options["reshard_after_forward"], sum(p.numel() for p in local),
+                              sum(p.numel() for p in local if p.requires_grad), options["mp_policy"].param_dtype))
+        options.setdefault("shard_placement_fn", least_padding(mesh["fsdp"].size()))
+        fully_shard(target, offload_policy=policy, **options)
+        counted.update(id(p) for m in modules for p in m.parameters())  # the shards that replaced them
     for module in model.fp32_root_modules():
         shard(module, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
     for layer in model.layers.values():
@@ -496,6 +547,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, res
     if model.lm_head is not None:  # backward starts here: keep it gathered after forward
         shard(model.lm_head, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=False)
     shard(model, mesh=fsdp_mesh, mp_policy=bulk, reshard_after_forward=reshard)
+    return units
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "ParallelModel":
@@ -518,6 +570,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
     reshard = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else cfg.pp == 1
     param_dtype = cfg.compute_dtype(mesh.device_type)
     fsdp = mesh["dp_cp"].size() > 1 or param_dtype != torch.float32 or cfg.offload
+    units: list[FSDPUnit] = []
     for part in parts:
         if part.lm_head is not None:  # None on pipeline stages other than the last
             part.lm_head.precision = cfg.head_precision  # on GPUs only: the CPU's head stays FP32
@@ -529,10 +582,16 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
         if cfg.compile:
             apply_compile(part, fullgraph=param_dtype == torch.float32 and cfg.ep == 1 and cfg.cp == 1)
         if fsdp:
-            apply_fsdp(part, mesh, param_dtype, reshard, cfg.offload)
-    pm = ParallelModel(parts, mesh, config)
+            units += apply_fsdp(part, mesh, param_dtype, reshard, cfg.offload)
+    pm = ParallelModel(parts, mesh, config, units)
+    pm.accumulation = choose_accumulation(cfg, *pm.accumulation_bytes(), device_memory_bytes(mesh.device_type))
     if cfg.pp > 1:
-        pm.make_schedule = partial(pipeline_schedule, parts, stage_ids, cfg, mesh, param_dtype, pm.weighted_loss)
+        pm.pp_microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
+
+        def make_schedule(batch_shape: tuple[int, int], microbatches: int):
+            layout = dataclasses.replace(cfg, pp_microbatches=microbatches)
+            return pipeline_schedule(parts, stage_ids, layout, mesh, param_dtype, pm.weighted_loss, batch_shape)
+        pm.make_schedule = make_schedule
     return pm
 
 
@@ -567,7 +626,8 @@ def uncompile(pm: "ParallelModel") -> None:
 
 class ParallelModel:
     """What train.py holds: `module` (native parameter names, for the optimizer and checkpoints),
-    `forward_backward` and `loss` for this rank's batch, and `clip_grad_norm_`.
+    `accumulate_gradients` for an optimizer step's micro-batches, `forward_backward` and `loss` for
+    one batch of this rank, and `clip_grad_norm_`.
 
     Every target token weighs the same in every layout. A rank's model returns the mean loss over
     its batch's target tokens (under cp: its share of that mean); `weighted_loss` turns it into
@@ -576,12 +636,21 @@ class ParallelModel:
     ranks, so the step's gradient is that of the mean loss over all of its tokens.
     """
 
-    def __init__(self, parts: list[nn.Module], mesh: DeviceMesh, config: ModelConfig):
-        self.parts, self.mesh, self.config = parts, mesh, config
-        self.make_schedule = None  # pp > 1: batch shape -> the pipeline's schedule (parallelize)
-        self.schedules: dict = {}  # by batch shape
+    def __init__(self, parts: list[nn.Module], mesh: DeviceMesh, config: ModelConfig, units: list[FSDPUnit] = ()):
+        self.parts, self.mesh, self.config, self.units = parts, mesh, config, list(units)
+        self.accumulation = "sync_each"  # [parallel] accumulation, resolved (parallelize)
+        self.make_schedule = None  # pp > 1: (batch shape, micro-batches) -> the pipeline's schedule (parallelize)
+        self.pp_microbatches = 1  # pp > 1: [parallel] pp_microbatches, resolved
+        self.schedules: dict = {}  # by batch shape and micro-batches
         self.module = merged_view(parts)
         self.token_weight = torch.ones(())  # dp / num_tokens of the current step
+
+    def accumulation_bytes(self) -> tuple[int, int]:
+        """(The unsharded gradients of this rank's FSDP units, in their reduce dtype FP32: what sync_last holds
+        between micro-batches; their gathered weights, which gathered holds as well) in bytes."""
+        gradients = sum(4 * unit.trainable_numel for unit in self.units)
+        weights = sum(unit.numel * unit.param_dtype.itemsize for unit in self.units)
+        return gradients, weights
 
     @property
     def dp_size(self) -> int:
@@ -598,13 +667,47 @@ class ParallelModel:
         """The model's mean loss over `targets`' tokens -> this batch's share of the step's loss."""
         return mean_loss * (targets != -100).sum() * self.token_weight
 
+    def accumulate_gradients(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of an optimizer step's micro-batches on this rank (dicts of forward_backward's
+        arguments), every target token of the step weighing the same -> the step's mean loss per target token.
+        `accumulation` says what FSDP2 communicates in between, per unit (CONFIG.md): sync_each reduce-scatters
+        (HSDP: and all-reduces) in every backward; sync_last only in the last, the others accumulating
+        unsharded FP32 gradients; gathered as sync_last, the weights staying gathered from the first forward to
+        the last backward, which reshards them. torch's pipeline schedules already sync once per call (their
+        stages turn the sync and the reshard after backward off until REDUCE_GRAD, after the last micro-batch)
+        and keep a stage gathered through it: under pp, sync_last and gathered run one call on the micro-batches
+        joined, of grad_accum x pp_microbatches pipeline micro-batches. One micro-batch: the same in every mode."""
+        targets = torch.stack([batch["targets"] for batch in batches])
+        num_tokens = self.global_tokens(targets)
+        mode = self.accumulation if len(batches) > 1 else "sync_each"
+        microbatches = self.pp_microbatches
+        if self.make_schedule is not None and mode != "sync_each":
+            microbatches *= len(batches)
+            batches = [{key: torch.cat([batch[key] for batch in batches]) for key in batches[0]}]  # [B, T] -> [n B, T]
+        loss = torch.zeros((), device=targets.device)
+        try:
+            for index, batch in enumerate(batches):
+                self.communicate(mode, last=index == len(batches) - 1)
+                loss = loss + self.forward_backward(**batch, num_tokens=num_tokens, pipeline_microbatches=microbatches)
+        finally:
+            self.communicate("sync_each", last=True)  # what a lone forward_backward or `loss` expects
+        return loss
+
+    def communicate(self, mode: str, last: bool) -> None:
+        """FSDP2's settings for the next micro-batch under accumulation `mode` (accumulate_gradients)."""
+        for unit in self.units:
+            unit.module.set_requires_gradient_sync(last or mode == "sync_each", recurse=False)
+            unit.module.set_reshard_after_backward(last or mode != "gathered", recurse=False)
+            unit.module.set_reshard_after_forward(unit.reshard_after_forward and mode != "gathered", recurse=False)
+
     def forward_backward(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                         num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                         num_tokens: torch.Tensor | None = None, *, pipeline_microbatches: int = 0) -> torch.Tensor:
         """Forward and backward on this rank's batch [B, T]; gradients accumulate over calls.
         num_tokens: the target tokens of the optimizer step over all its micro-batches and all
-        data-parallel ranks (`global_tokens`); default: this batch's. -> this batch's share of the
+        data-parallel ranks (`global_tokens`); default: this batch's. pipeline_microbatches: what a
+        pipeline cuts the batch into (0: [parallel] pp_microbatches). -> this batch's share of the
         step's mean loss per token (detached, equal on every rank): sum it over micro-batches."""
-        return self._run(input_ids, targets, doc_ids, num_tokens, backward=True)
+        return self._run(input_ids, targets, doc_ids, num_tokens, backward=True, microbatches=pipeline_microbatches)
 
     @torch.no_grad()
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None,
@@ -619,7 +722,7 @@ class ParallelModel:
                 module.reshard()
         return loss
 
-    def _run(self, input_ids, targets, doc_ids, num_tokens, backward: bool) -> torch.Tensor:
+    def _run(self, input_ids, targets, doc_ids, num_tokens, backward: bool, microbatches: int = 0) -> torch.Tensor:
         num_tokens = self.global_tokens(targets) if num_tokens is None else num_tokens
         self.token_weight = self.dp_size / num_tokens.clamp(min=1)
         kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
@@ -630,10 +733,10 @@ class ParallelModel:
             loss = loss.detach()
         else:
             losses: list[torch.Tensor] = []
-            shape = tuple(input_ids.shape)
-            if shape not in self.schedules:
-                self.schedules[shape] = self.make_schedule(shape)
-            run = self.schedules[shape].step if backward else self.schedules[shape].eval
+            key = (tuple(input_ids.shape), microbatches or self.pp_microbatches)
+            if key not in self.schedules:
+                self.schedules[key] = self.make_schedule(*key)
+            run = self.schedules[key].step if backward else self.schedules[key].eval
             run(input_ids, target=targets, losses=losses, return_outputs=False, targets=targets, **kwargs)
             # Only the last stage holds the micro-batch losses: sum them over the pp group.
             loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=input_ids.device)

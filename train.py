@@ -329,6 +329,9 @@ def build_model(cfg: TrainConfig, run: Run) -> ParallelModel:
               f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
               f"{config.num_experts} experts (top {config.num_experts_per_tok}), vocab {config.vocab_size}")
     pm = parallelize(model, cfg.parallel, run.mesh)
+    if cfg.training.grad_accum > 1:
+        chosen = " (auto: parallel.choose_accumulation)" if cfg.parallel.accumulation == "auto" else ""
+        run.print(f"accumulation over {cfg.training.grad_accum} micro-batches: {pm.accumulation}{chosen}")
     set_balanced_routing(pm.module, cfg.training.force_balanced_routing)
     return pm
 
@@ -559,9 +562,8 @@ def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: Pac
     the run before anything is saved. The batches' token ids were checked by data.py at load.
     """
     batches = [{k: v.to(run.device) for k, v in data.next_batch().items()} for _ in range(cfg.training.grad_accum)]
-    num_tokens = model.global_tokens(torch.stack([b["targets"] for b in batches]))
     with token_ids_checked_at_load():
-        loss = sum(model.forward_backward(**batch, num_tokens=num_tokens) for batch in batches)
+        loss = model.accumulate_gradients(batches)  # [parallel] accumulation: what communicates between them
     grad_norm = model.clip_grad_norm_(cfg.optim.grad_clip or float("inf"))
     before = weight_squares(model)
     optimizer.step()

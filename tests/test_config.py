@@ -85,6 +85,8 @@ def test_overrides_are_typed_toml_values(tmp_path):
                  marks=only("flint")),
     ('[model]\npreset = "{tiny}"\n', ["--parallel.pp_schedule=zigzag"],
      r"command line --parallel.pp_schedule: \[parallel\] pp_schedule must be one of"),
+    ('[model]\npreset = "{tiny}"\n', ["--parallel.accumulation=sync"], r"command line --parallel.accumulation: "
+     r"\[parallel\] accumulation must be one of \['auto', 'sync_each', 'sync_last', 'gathered'\], got 'sync'$"),
     ('[model]\npreset = "{tiny}"\n[parallel]\nreshard_after_forward = "no"\n', [],
      r"\[parallel\].reshard_after_forward must be bool, got str"),
     ('[model]\npreset = "{tiny}"\n[optim]\nlr = 0\n', [], r"run.toml: \[optim\].lr must be a finite number > 0, got 0.0"),

@@ -9,8 +9,8 @@ import torch
 import tools.memory as memory
 from config import ConfigError
 from tools.memory import GIB, memory_per_gpu, memory_table
-from helpers import ROOT, build, only, tiny_config
-from parallel import ParallelConfig
+from helpers import ROOT, build, in_process_group, moe_layers, only, tiny_config
+from parallel import ParallelConfig, build_mesh, parallelize
 
 # Counted by hand for Flint (no frozen parameters) and its configs; Large 4's below.
 FLINT, LARGE4 = only("flint"), only("large4")
@@ -46,13 +46,85 @@ def test_offload_moves_the_sharded_states_to_host_memory():
 def test_activations_and_gradients_peak_together_only_under_accumulation_or_a_pipeline():
     """One micro-batch: the peak is at the head (activations, no block gradient yet) or at the end of the
     backward (every gradient, the last block's recompute), whichever is larger; otherwise their sum."""
-    config, layout = tiny_config("flint"), ParallelConfig(dp_shard=4, activation_checkpointing="full").resolve(4)
+    config = tiny_config("flint")
+    layout = ParallelConfig(dp_shard=4, activation_checkpointing="full", accumulation="sync_each").resolve(4)
     one = memory_per_gpu(config, layout, 16, 2)
     accumulating = memory_per_gpu(config, layout, 16, 2, grad_accum=2)
     columns = ("params", "grads", "optimizer", "gathered", "activations")
+    assert accumulating["held grads"] == 0 == one["held grads"]
     assert accumulating["total"] == pytest.approx(sum(accumulating[c] for c in columns))
     assert one["params"] + one["optimizer"] + one["gathered"] + max(one["activations"], one["grads"]) <= one["total"]
     assert one["total"] < accumulating["total"]
+
+
+@FLINT
+def test_what_each_accumulation_holds_counted_by_hand():
+    """Flint's tiny model (255,696 parameters, all trainable) on 4 FSDP ranks, 2 micro-batches: sync_last holds
+    every unsharded FP32 gradient (4 B each) instead of the sharded ones through the step; gathered holds as
+    well every weight gathered, in BF16 (2 B) but the head, the sinks and the routers (FP32 units, 4 B); with
+    ep 2 a rank holds half of the experts. auto: gathered when both fit 25 % of the GPU, sync_last when the
+    gradients do."""
+    config = tiny_config("flint")
+    total = 255_696
+    experts = len(moe_layers(config)) * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
+    fp32 = (config.vocab_size * config.hidden_size + config.num_hidden_layers * config.num_attention_heads
+            + len(moe_layers(config)) * config.num_experts * config.hidden_size)
+    assert build(config).num_params() == total
+    rows = {mode: memory_per_gpu(config, ParallelConfig(dp_shard=4, accumulation=mode).resolve(4), 16, 2, grad_accum=2)
+            for mode in ("sync_each", "sync_last", "gathered")}
+    each, last, gathered = rows["sync_each"], rows["sync_last"], rows["gathered"]
+    assert (each["held grads"], last["held grads"], gathered["held grads"]) == (0, 4 * total / GIB, 4 * total / GIB)
+    assert last["gathered"] == each["gathered"] and gathered["gathered"] * GIB == 2 * (total - fp32) + 4 * fp32
+    for row in rows.values():
+        assert row["grads"] * GIB == pytest.approx(4 * total / 4)
+    fixed = ("params", "optimizer", "activations")
+    assert each["total"] == pytest.approx(sum(each[c] for c in (*fixed, "grads", "gathered")))
+    for row in (last, gathered):  # the sharded gradients come only as the last backward frees the unsharded ones
+        assert row["total"] == pytest.approx(sum(row[c] for c in (*fixed, "held grads", "gathered")))
+    one = memory_per_gpu(config, ParallelConfig(dp_shard=4, accumulation="gathered").resolve(4), 16, 2)
+    assert one == memory_per_gpu(config, ParallelConfig(dp_shard=4, accumulation="sync_each").resolve(4), 16, 2)
+    assert one["held grads"] == 0  # one micro-batch: every mode is sync_each
+    half = memory_per_gpu(config, ParallelConfig(dp_shard=2, ep=2, accumulation="sync_last").resolve(4, 8), 16, 2, 2)
+    assert half["held grads"] * GIB == 4 * (total - experts / 2)
+    gradients, weights = 4 * total, 2 * (total - fp32) + 4 * fp32
+    auto = ParallelConfig(dp_shard=4).resolve(4)
+    assert memory.accumulation_of(config, auto, 4 * (gradients + weights) / GIB) == "gathered"
+    assert memory.accumulation_of(config, auto, 4 * (gradients + weights) / GIB * 0.99) == "sync_last"
+    assert memory.accumulation_of(config, auto, 4 * gradients / GIB * 0.99) == "sync_each"
+    assert memory_per_gpu(config, auto, 16, 2, grad_accum=2, gpu_gib=4 * gradients / GIB)["held grads"] > 0
+    assert memory_per_gpu(config, auto, 16, 2, grad_accum=2, gpu_gib=4 * gradients / GIB * 0.99)["held grads"] == 0
+
+
+@FLINT
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_a_pipeline_holds_its_stages_gradients_and_weights_through_each_call(schedule):
+    """Under pp torch's stages hold their unsharded gradients, and (reshard_after_forward off) their gathered
+    weights, through each schedule call, in every mode; sync_each calls it once per micro-batch, so the
+    sharded gradients of the earlier calls are there too; sync_last calls it once for the step, which under
+    GPipe holds the activations of twice the micro-batches (grad_accum 2)."""
+    config = tiny_config("flint")
+    rows = {mode: memory_per_gpu(config, ParallelConfig(pp=2, dp_shard=2, pp_schedule=schedule, accumulation=mode)
+                                 .resolve(4), 16, 2, grad_accum=2) for mode in ("sync_each", "sync_last")}
+    each, last = rows["sync_each"], rows["sync_last"]
+    gradients, weights = memory.accumulation_bytes(config, ParallelConfig(pp=2, dp_shard=2).resolve(4))
+    for row in rows.values():
+        assert (row["held grads"] * GIB, row["gathered"] * GIB) == (gradients, weights)
+    columns = ("params", "optimizer", "held grads", "gathered", "activations")
+    assert each["total"] == pytest.approx(sum(each[c] for c in (*columns, "grads")))
+    assert last["total"] == pytest.approx(sum(last[c] for c in columns))
+    assert (last["activations"] > each["activations"]) == (schedule == "GPipe")
+
+
+@FLINT
+def test_memory_counts_what_accumulation_holds_as_parallel_does():
+    """tools/memory.py resolves "auto" from the bytes parallel.py's ParallelModel.accumulation_bytes counts on the
+    FSDP units it made: the same bytes, for a one-rank BF16 layout."""
+    config = tiny_config("flint")
+
+    def counted():
+        cfg = ParallelConfig(param_dtype="bfloat16")
+        return parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts)).accumulation_bytes()
+    assert in_process_group(counted) == memory.accumulation_bytes(config, ParallelConfig().resolve(1))
 
 
 @FLINT

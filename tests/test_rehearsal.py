@@ -187,6 +187,16 @@ def test_offload_counts_the_sharded_states_in_host_memory(tmp_path, capsys):
     assert "GiB in host memory ([parallel] offload)" in offloaded["printed"]
 
 
+@FLINT
+def test_accumulation_auto_is_resolved_for_the_jobs_gpu(tmp_path, capsys, monkeypatch):
+    """The rehearsal runs a step's micro-batches as train.py does (ParallelModel.accumulate_gradients), with
+    [parallel] accumulation "auto" resolved against the GPU's memory, not this host's (here: none at all)."""
+    import parallel
+    monkeypatch.setattr(parallel, "device_memory_bytes", lambda device_type: 0)
+    result = rehearse_tiny(tmp_path, capsys, "--training.grad_accum=2", world=2)
+    assert "GiB, accumulation gathered (" in result["printed"], result["printed"]
+
+
 def test_train_py_dry_run_as_a_script_reports_a_failing_rehearsal_in_one_line():
     """`python train.py --dry-run` runs train.py as __main__, and tools/rehearsal.py's `import train` loaded
     a second copy: RehearsalError subclassed that copy's TrainingError, which __main__'s handler did not
@@ -218,7 +228,7 @@ def test_a_failure_while_laying_out_the_model_is_a_rehearsal_verdict(tmp_path, c
     from torch.distributed.tensor import Shard
     monkeypatch.setattr(parallel, "least_padding", lambda shards: lambda param: Shard(1) if param.dim() > 1 else None)
     with pytest.raises(RehearsalError, match=r"configs/debug.toml: rank 2 of 3 fails while laying out the model "
-                                             r"\(parallel.py:\d+, apply_fsdp\), as the GPU job would: "
+                                             r"\(parallel.py:\d+, shard\), as the GPU job would: "
                                              r"NotImplementedError: FSDP does not support uneven sharding on dim 1") \
             as refused:
         rehearse_tiny(tmp_path, capsys, world=3)

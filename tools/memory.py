@@ -5,8 +5,9 @@
     python3 -m tools.memory --config configs/large4-256gpu.toml --gpus 256
 
 prints GiB per GPU (FP32 master weights, FP32 gradients and AdamW moments of the trainable parameters,
-the BF16 blocks FSDP gathers, and activations) for the config's own layout and, with --gpus, the usual
-alternatives, marking which fit 141 GB and 80 GB GPUs.
+the unsharded FP32 gradients that gradient accumulation holds, the weights FSDP gathers, and activations)
+for the config's own layout and, with --gpus, the usual alternatives, marking which fit 141 GB and 80 GB
+GPUs ([parallel] accumulation = "auto" resolved for a 141 GB one, as parallel.choose_accumulation would).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from config import ConfigError, load_config
 from registry import ModelConfig, model_class
-from parallel import MESH_DIMS, ParallelConfig, unsupported_layout
+from parallel import MESH_DIMS, ParallelConfig, choose_accumulation, unsupported_layout
 from pipeline import pipeline_stage
 
 GIB = 2 ** 30
@@ -54,6 +55,29 @@ def _stage_params(config: ModelConfig, pp: int) -> list[tuple[int, int, int]]:
              sum(p.numel() for p in part.parameters() if not p.requires_grad)) for part in stages]
 
 
+def _stage_fp32_params(config: ModelConfig, pp: int) -> list[int]:
+    """Parameters of each pipeline stage that FSDP gathers in FP32 under the BF16 policy: the head and the
+    model's FP32 modules (parallel.apply_fsdp's FP32 units), expert parameters among them none."""
+    model = _meta_model(config)
+    stages = [pipeline_stage(model, s, pp) if pp > 1 else model for s in range(pp)]
+    units = [[*part.fp32_root_modules(), part.lm_head, *(m for layer in part.layers.values()
+                                                         for m in part.fp32_modules(layer))] for part in stages]
+    return [sum(p.numel() for m in unit if m is not None for p in m.parameters()) for unit in units]
+
+
+def accumulation_bytes(config: ModelConfig, cfg: ParallelConfig) -> tuple[float, float]:
+    """parallel.ParallelModel.accumulation_bytes on the busiest stage of a GPU run: (its FSDP units' trainable
+    parameters unsharded, in FP32; all their weights gathered, BF16 but the FP32 units) in bytes. Under
+    expert parallelism a rank's units hold its own experts."""
+    stages = zip(_stage_params(config, cfg.pp), _stage_fp32_params(config, cfg.pp))
+    return max((4 * (e / cfg.ep + o), 2 * (e / cfg.ep + o + f) + 2 * fp32) for (e, o, f), fp32 in stages)
+
+
+def accumulation_of(config: ModelConfig, cfg: ParallelConfig, gpu_gib: float) -> str:
+    """[parallel] accumulation as parallel.choose_accumulation resolves it on a GPU of `gpu_gib` usable GiB."""
+    return choose_accumulation(cfg, *accumulation_bytes(config, cfg), gpu_gib * GIB)
+
+
 def _activation_bytes_per_token(config: ModelConfig, layers: int, checkpointing: str, seq_len: int) -> float:
     """Saved activations of `layers` blocks for one token (the model's own per-block estimate)."""
     model = _meta_model(config)
@@ -64,17 +88,26 @@ def _activation_bytes_per_token(config: ModelConfig, layers: int, checkpointing:
 
 
 def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch_size: int,
-                   grad_accum: int = 1) -> dict[str, float]:
+                   grad_accum: int = 1, gpu_gib: float = GPU_GIB["141GB"]) -> dict[str, float]:
     """GiB per GPU on the busiest pipeline stage: FP32 master weights, FP32 gradients and AdamW
     moments (2 x FP32) of the trainable ones (in host memory instead with [parallel] offload:
-    `host`), the BF16 blocks FSDP gathers (the current block and the prefetched next), and
-    activations of the micro-batches in flight. An estimate: no allocator slack or buffers.
+    `host`), the unsharded FP32 gradients that accumulation holds (`held grads`), the weights FSDP
+    gathers (BF16, the FP32 units in FP32: the current block and the prefetched next, or all of them
+    when they stay gathered), and activations of the micro-batches in flight. An estimate: no
+    allocator slack or buffers. [parallel] accumulation "auto" is resolved for a GPU of `gpu_gib`
+    (parallel.choose_accumulation); with one micro-batch every mode is sync_each.
 
     `total` is the step's peak. With one micro-batch and no pipeline, activations and gradients never
     peak together: the activations peak at the head, before any block has a gradient, and the
     gradients at the end of the backward, when only the last block's recompute is left (the rehearsal
     measures both, rehearsal.py). Under gradient accumulation or a pipeline, later micro-batches run
-    their forward while the gradients are there: the sum."""
+    their forward while gradients are there: the sum, with the gradients held: sync_each's sharded
+    ones after its first micro-batch; sync_last's and gathered's unsharded ones, which become the sharded
+    ones only in the last backward; under a pipeline a stage's unsharded ones through each schedule call
+    (torch's stages sync once per call), and the sharded ones too where sync_each makes several calls.
+    A pipeline keeps its stage's weights gathered through a call when reshard_after_forward is off (its
+    default there), and under sync_last and gathered runs one call for the step: GPipe then holds the
+    activations of all grad_accum x pp_microbatches micro-batches."""
     other_shards = cfg.dp_shard * cfg.ep * cfg.cp
     expert_shards = cfg.ep * cfg.dp_shard * cfg.cp
     stages = _stage_params(config, cfg.pp)
@@ -83,11 +116,16 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
     frozen = max(f / other_shards for _, _, f in stages)
     expert_block = max(e for e, _, _ in stages) / layers_per_stage / cfg.ep
     other_block = (max(o + f for _, o, f in stages) - 2 * config.vocab_size * config.hidden_size / cfg.pp) / layers_per_stage
+    accumulation = accumulation_of(config, cfg, gpu_gib) if grad_accum > 1 else "sync_each"
+    calls = grad_accum if cfg.pp > 1 and accumulation == "sync_each" else 1  # schedule calls per step
+    unsharded_grads, all_gathered = accumulation_bytes(config, cfg)
+    held = cfg.pp > 1 or accumulation != "sync_each"  # unsharded gradients held across micro-batches
+    stays_gathered = accumulation == "gathered" or (cfg.pp > 1 and not cfg.reshard_after_forward)
     microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
-    # Micro-batches whose activations a stage holds at the peak: GPipe all of them, 1F1B and
+    # Micro-batches whose activations a stage holds at the peak: GPipe all of them (of the call), 1F1B and
     # interleaving pp, ZB-V pp as well (its point: 1F1B's memory), DualPipeV pp + 1 (DeepSeek-V3's report).
-    held = {"GPipe": microbatches, "DualPipeV": cfg.pp + 1}
-    in_flight = 1 if cfg.pp == 1 else held.get(cfg.pp_schedule, cfg.pp)
+    held_microbatches = {"GPipe": microbatches * grad_accum // calls, "DualPipeV": cfg.pp + 1}
+    in_flight = 1 if cfg.pp == 1 else held_microbatches.get(cfg.pp_schedule, cfg.pp)
     tokens = batch_size * seq_len / cfg.cp / (microbatches if cfg.pp > 1 else 1)
     per_token = _activation_bytes_per_token(config, layers_per_stage, cfg.activation_checkpointing, seq_len)
     activations = tokens * in_flight * per_token
@@ -95,15 +133,17 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
     # reduce-scatter: the fused loss (model.LinearCrossEntropy) makes it in the head's forward, at the
     # activations' peak, one per micro-batch in flight there (GPipe runs every forward first; 1F1B runs
     # the last stage's backward right after its forward).
-    head_in_flight = microbatches if cfg.pp > 1 and cfg.pp_schedule == "GPipe" else 1
+    head_in_flight = in_flight if cfg.pp > 1 and cfg.pp_schedule == "GPipe" else 1
     logits = 2 * 4 * min(config.loss_chunk_size, tokens) * config.vocab_size
     logits += 4 * config.vocab_size * config.hidden_size * head_in_flight
     states = {"params": 4 * (sharded + frozen), "grads": 4 * sharded, "optimizer": 8 * sharded}
-    row = {**({name: 0.0 for name in states} if cfg.offload else states),
-           "gathered": 2 * 2 * (expert_block + other_block), "activations": activations + logits}
+    row = {**({name: 0.0 for name in states} if cfg.offload else states), "held grads": unsharded_grads if held else 0.0,
+           "gathered": all_gathered if stays_gathered else 2 * 2 * (expert_block + other_block),
+           "activations": activations + logits}
     row = {name: value / GIB for name, value in row.items()}
     if cfg.pp > 1 or grad_accum > 1:
-        row["total"] = sum(row.values())
+        sharded_grads_meanwhile = accumulation == "sync_each" and (cfg.pp == 1 or calls > 1)
+        row["total"] = sum(row.values()) - (0.0 if sharded_grads_meanwhile else row["grads"])
     else:
         last_block = tokens * _meta_model(config).block_activation_bytes(seq_len) / GIB
         row["total"] = row["params"] + row["optimizer"] + row["gathered"] + max(row["activations"],
@@ -129,16 +169,19 @@ def candidate_layouts(gpus: int, num_experts: int, pipelines: bool = True) -> li
 def memory_table(config: ModelConfig, layouts: list[tuple[str, ParallelConfig]], seq_len: int, batch_size: int,
                  grad_accum: int = 1) -> str:
     """layouts: (label, layout) rows; the label says where a row comes from (the config, a candidate)."""
-    names = ("params", "grads", "optimizer", "gathered", "activations", "total")
+    names = ("params", "grads", "held grads", "optimizer", "gathered", "activations", "total")
     names += ("host",) if any(cfg.offload for _, cfg in layouts) else ()  # [parallel] offload's host memory
     fits = [f"fits {gpu}" for gpu in GPU_GIB]
     lines = [f"Memory per GPU (GiB, estimate) for seq_len {seq_len}, batch_size {batch_size} rows per "
-             f"data-parallel rank, {config.num_hidden_layers} layers, {config.num_experts} experts; a layout "
+             f"data-parallel rank, {grad_accum} micro-batch(es) per step, {config.num_hidden_layers} layers, "
+             f"{config.num_experts} experts; a layout "
              f"fits a GPU if total + {OVERHEAD_GIB:.0f} GiB (slack, buffers) <= its usable memory",
              "| layout | " + " | ".join(names + tuple(fits)) + " |", "|---" * (len(names) + len(fits) + 1) + "|"]
     for label, cfg in layouts:
         layout = " ".join(f"{d}={getattr(cfg, d)}" for d in MESH_DIMS if getattr(cfg, d) > 1)
         layout = f"{label}: {layout or 'one GPU'} ac={cfg.activation_checkpointing}"
+        if grad_accum > 1:  # [parallel] accumulation, resolved
+            layout += f" accumulation={accumulation_of(config, cfg, GPU_GIB['141GB'])}"
         row = memory_per_gpu(config, cfg, seq_len, batch_size, grad_accum)
         marks = ["yes" if row["total"] + OVERHEAD_GIB <= usable else "NO" for usable in GPU_GIB.values()]
         lines.append(f"| {layout} | " + " | ".join([f"{row[n]:.1f}" for n in names] + marks) + " |")

@@ -55,6 +55,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attention
+import parallel
 import train
 from config import ConfigError, TrainConfig
 from layers import token_ids_checked_at_load
@@ -242,15 +243,17 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
         run = start_fake_run(job, say)
         batches = rehearsal_batches(job, run, say)
         tracker = PeakMemory()
-        with failing_as_the_job(job, rank, world, lambda: "while laying out the model"):
-            model = train.build_model(job, run)  # on meta
+        with failing_as_the_job(job, rank, world, lambda: "while laying out the model"), \
+                mock.patch.object(parallel, "device_memory_bytes", lambda device_type: GPU_GIB[gpu] * GIB):
+            model = train.build_model(job, run)  # on meta; [parallel] accumulation "auto" for the GPU's memory
         with FakeTensorMode(allow_non_fake_inputs=True), tracker.watching():
             with failing_as_the_job(job, rank, world, lambda: "while allocating the weights and the optimizer"):
                 for part in model.parts:
                     part.to_empty(device="cpu")  # fake: nothing is allocated, nothing initialised
                 optimizer = train.build_optimizer(model.module, job.optim)
             say(f"model: {job.model_config.num_hidden_layers} layers laid out ({len(model.parts)} stage(s) here), "
-                f"{str(job.parallel.compute_dtype('cuda'))[6:]} compute, weights {tracker.now / GIB:.1f} GiB")
+                f"{str(job.parallel.compute_dtype('cuda'))[6:]} compute, weights {tracker.now / GIB:.1f} GiB, "
+                f"accumulation {model.accumulation}")
             if not job.parallel.offload:
                 check_fits(job, world, rank, gpu, tracker.peak / GIB, "for its FP32 weights alone")
             for step in range(1, steps + 1):
@@ -347,10 +350,8 @@ def fake_step(model, optimizer, batches: list[dict], cfg: TrainConfig, tracker: 
     values): micro-batches weighted by the step's tokens, clipping, the optimizer. Any other read of a
     value fails here (DataDependentOutputException), as a host sync the GPU step would make."""
     tracker.phase = "forward and backward"
-    num_tokens = model.global_tokens(torch.stack([b["targets"] for b in batches]))
     with token_ids_checked_at_load():  # as in train_step: data.py checks the real run's ids at load
-        for batch in batches:
-            model.forward_backward(**batch, num_tokens=num_tokens)
+        model.accumulate_gradients(batches)
     tracker.phase = "optimizer"
     model.clip_grad_norm_(cfg.optim.grad_clip or float("inf"))
     optimizer.step()
@@ -401,7 +402,7 @@ def report(cfg: TrainConfig, world: int, rank: int, gpu: str, tracker: PeakMemor
     are counted), beside memory.py's estimate and the GPU's capacity."""
     parallel = cfg.parallel.resolve(world, cfg.model_config.num_experts)
     estimate = memory_per_gpu(cfg.model_config, parallel, cfg.data.seq_len, cfg.training.batch_size,
-                              cfg.training.grad_accum)["total"]
+                              cfg.training.grad_accum, GPU_GIB[gpu])["total"]
     peak, capacity = (tracker.peak - host) / GIB, GPU_GIB[gpu]
     offloaded = f", and {host / GIB:.1f} GiB in host memory ([parallel] offload)" if host else ""
     say(f"peak {peak:.1f} GiB of {capacity:.1f} GiB on an {gpu} (memory.py {estimate:.1f} GiB){offloaded}, "
