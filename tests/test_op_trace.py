@@ -67,6 +67,21 @@ def test_fused_chain_reads_its_input_and_writes_its_result_once():
     assert mm.fused_bytes == mm.bytes > 0
 
 
+
+def test_a_chain_is_not_fused_across_the_forward_and_backward_graphs():
+    """x * 2 in the forward, then + 1 on its result in the backward: two compiled graphs, so the product
+    reaches memory between them. Each op reads and writes [n] FP32 (4 + 4 bytes per element), fused or not."""
+    n = 1024
+    recorder = StepRecorder(0, 0)
+    with FakeTensorMode(), recorder:
+        y = torch.empty(n) * 2
+        recorder.phase = "backward"
+        y + 1
+    fuse_chains(recorder.calls)
+    chain = [c for c in recorder.costs.values() if c.op in ("mul", "add")]
+    assert [(c.phase, c.op) for c in chain] == [("forward", "mul"), ("backward", "add")]
+    assert [c.fused_bytes for c in chain] == [8 * n, 8 * n]
+
 def test_score_matrices_mark_the_attention_core():
     """Ops on a [B, H, q_len, kv_len] tensor belong to the attention core (a flex kernel on a GPU)."""
     def step():
