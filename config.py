@@ -263,10 +263,18 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         raise ConfigError(f"command line: expected --section.key=value, got {text!r}")
     dotted, value = text[2:].split("=", 1)
     section, key = dotted.split(".", 1)
+    if is_text_key(section, key) and not value.startswith(('"', "'")):
+        return section, key, value  # --logging.profile_steps=5 means the text "5", as a path or a name would
     try:
         return section, key, tomllib.loads(f"v = {value}")["v"]
     except tomllib.TOMLDecodeError:
         return section, key, value  # not a TOML value: a plain string such as a path
+
+
+def is_text_key(section: str, key: str) -> bool:
+    """Whether [section].key is a known key whose value is text (its default a str)."""
+    fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])} if section in SECTIONS else {}
+    return key in fields and isinstance(fields[key].default, str)
 
 
 def build_section(name: str, table: Any, origins: dict[str, str], path: Path):

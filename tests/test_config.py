@@ -75,6 +75,14 @@ def test_overrides_are_typed_toml_values(tmp_path):
     assert isinstance(load_config(write(tmp_path, f'[model]\npreset = "{TINY}"\n[optim]\nlr = 1\n')).optim.lr, float)
 
 
+def test_a_text_key_takes_its_override_as_text(tmp_path):
+    """--logging.profile_steps=5 names step 5 as the text "5" that the key holds (TOML would read an int),
+    and a quoted value is still TOML."""
+    cfg = load_config(write(tmp_path, f'[model]\npreset = "{TINY}"\n'),
+                      ["--logging.profile_steps=5", "--checkpoint.resume='never'", "--training.steps=7"])
+    assert (cfg.logging.profile_steps, cfg.checkpoint.resume, cfg.training.steps) == ("5", "never", 7)
+
+
 @pytest.mark.parametrize("text, overrides, message", [
     ('[model]\npreset = "{tiny}"\n[training]\nstepz = 3\n', [], r"run.toml: unknown key \[training\].stepz"),
     ('[model]\npreset = "{tiny}"\n[data]\noverlong = "cut"\n', [], r'run.toml: \[data\].overlong must be "truncate" or "drop"'),

@@ -13,7 +13,8 @@ import torch
 import metrics
 import moe
 import train
-from helpers import DEFAULT_FAMILY, FAMILY_NAMES, ROOT, debug_configs, only, run_debug, tiny_config
+from helpers import (DEFAULT_FAMILY, FAMILY_NAMES, ROOT, debug_args, debug_configs, only, run_debug,
+                     run_two_processes, tiny_config)
 from metrics import drop_superseded_records, duration, model_flops_per_token
 from registry import model_class
 
@@ -115,6 +116,20 @@ def test_profiled_steps_write_a_trace_with_named_ranges_and_the_run_its_report(t
     assert json.loads((run_dir / "run.json").read_text())["jsonl"] == str(tmp_path / "metrics.jsonl")
     assert f"{summary['loss']:.4f}" in (run_dir / "report.html").read_text()
 
+
+
+@only("flint")
+def test_two_processes_write_one_trace_per_rank(tmp_path):
+    """Each rank of a gloo run records its own profiled step, with its collectives among the named ranges."""
+    run_two_processes(debug_args(tmp_path, "--training.steps=2", "--logging.profile_steps=2",
+                                 "--training.sample_tokens=0", "--parallel.dp_shard=2", family="flint"))
+    run_dir = tmp_path / "ckpt" / "run_0001"
+    assert sorted(p.name for p in run_dir.glob("trace_*.json")) == ["trace_steps2-2_rank0.json",
+                                                                   "trace_steps2-2_rank1.json"]
+    for rank in (0, 1):
+        names = trace_names(run_dir / f"trace_steps2-2_rank{rank}.json")
+        assert {"step 2", "optimizer"} <= names and "step 1" not in names
+        assert any(name.startswith("gloo:") for name in names)
 
 @only("flint")
 def test_named_ranges_are_placed_while_profiling_and_all_taken_away_after():
