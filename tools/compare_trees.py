@@ -1,0 +1,89 @@
+"""The same training numbers from two checkouts: a refactor's proof that nothing moved.
+
+    python3 -m tools.compare_trees OLD_TREE NEW_TREE [--steps 6] [--layouts one,dp_shard,ep,pp,cp]
+
+trains each registered family's smallest debug model for a few steps in each layout, once with each tree's
+own train.py (under torchrun for the 2-process layouts), and compares the losses and gradient norms every
+step logs. A tree is any checkout (`git worktree add /tmp/old COMMIT`). Both trees get the same config,
+written here from what every tree since the first layouts understands, so an old tree needs none of the
+new configs. Prints one line per family and layout: identical, or the largest relative difference and the
+first step where the two runs part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# Each family's debug model, as configs/debug.toml and configs/large4-debug.toml define it today.
+FAMILY_MODEL = {
+    "flint": 'preset = "tiny"\nvocab_size = 264\nnum_hidden_layers = 4\n',
+    "large4": 'family = "large4"\npreset = "large4-tiny"\nvocab_size = 264\nindex_topk = 64\n',
+}
+LAYOUTS = {"one": [], "dp_shard": ["--parallel.dp_shard=2"], "ep": ["--parallel.ep=2"],
+           "pp": ["--parallel.pp=2"], "cp": ["--parallel.cp=2"]}
+
+
+def config_text(family: str, steps: int, run_dir: Path) -> str:
+    return (f"[model]\n{FAMILY_MODEL[family]}\n"
+            f'[data]\npath = "data/python_reference.jsonl"\nseq_len = 64\nval_fraction = 0.05\n\n'
+            f"[training]\nsteps = {steps}\nbatch_size = 4\nseed = 0\neval_batches = 2\nsample_tokens = 0\n\n"
+            f"[optim]\nlr = 3e-3\nmin_lr = 3e-4\nwarmup_steps = 2\n\n"
+            f'[checkpoint]\ndir = "{run_dir}/checkpoints"\nresume = "never"\n\n'
+            f'[logging]\nevery = 1\njsonl = "{run_dir}/metrics.jsonl"\n')
+
+
+def train(tree: Path, family: str, layout: str, steps: int, work: Path) -> list[dict]:
+    """One run of `tree`'s train.py -> its per-step training records ([{step, loss, grad_norm}, ...])."""
+    run_dir = work / f"{tree.name}-{family}-{layout}"
+    config = run_dir / "config.toml"
+    run_dir.mkdir(parents=True)
+    config.write_text(config_text(family, steps, run_dir))
+    extra = LAYOUTS[layout]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"] if extra
+                else [sys.executable])
+    result = subprocess.run([*launcher, "train.py", "--config", str(config), *extra], cwd=tree,
+                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if result.returncode:
+        raise SystemExit(f"{tree}: {family} {layout} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "loss" in r and "step" in r]
+
+
+def compare(old: list[dict], new: list[dict]) -> str:
+    """'identical', or the largest relative difference of loss and gradient norm and the first step that differs."""
+    if [r["step"] for r in old] != [r["step"] for r in new]:
+        return f"different steps logged: {[r['step'] for r in old]} vs {[r['step'] for r in new]}"
+    worst, first = 0.0, None
+    for a, b in zip(old, new):
+        for key in ("loss", "grad_norm"):
+            gap = abs(a[key] - b[key]) / max(abs(a[key]), 1e-30)
+            if gap and first is None:
+                first = a["step"]
+            worst = max(worst, gap)
+    return "identical" if first is None else f"largest relative difference {worst:.1e}, first at step {first}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("old", type=Path)
+    parser.add_argument("new", type=Path)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--families", default=",".join(FAMILY_MODEL))
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as work:
+        for family in args.families.split(","):
+            for layout in args.layouts.split(","):
+                old = train(args.old.resolve(), family, layout, args.steps, Path(work) / "old")
+                new = train(args.new.resolve(), family, layout, args.steps, Path(work) / "new")
+                print(f"{family:7} {layout:9} {len(old)} steps: {compare(old, new)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
