@@ -195,7 +195,11 @@ def _(x, w, offsets, rowwise):
 
 
 def weight_grad_cuda(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    """Per group x_g^T [K, M_g] @ grad_g [M_g, N] with torch._scaled_grouped_mm -> [G, K, N] in BF16."""
+    """Per group x_g^T [K, M_g] @ grad_g [M_g, N] with torch._scaled_grouped_mm -> [G, K, N] in BF16.
+    The rows are padded with zeros (in no group) to a multiple of 16: the transposed operands' rows
+    must start on 16-byte boundaries, and a padded expert buffer's M need not be one."""
+    pad = -x.shape[0] % ALIGNMENT
+    x, grad = torch.cat([x, x.new_zeros(pad, x.shape[1])]), torch.cat([grad, grad.new_zeros(pad, grad.shape[1])])
     x8, x_inverse = quantize_per_group_column(x, offsets, rowwise)  # [M, K], [G, K]
     g8, g_inverse = quantize_per_group_column(grad, offsets, rowwise)  # [M, N], [G, N]
     return torch._scaled_grouped_mm(x8.T.contiguous(), column_major(g8), x_inverse.reshape(-1),

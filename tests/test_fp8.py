@@ -15,11 +15,14 @@ from config import ConfigError
 from devices import targeting
 from fp8 import apply_fp8, fp8_grouped_mm, fp8_linear, fp8_matmul, fp8_targets
 from helpers import (assert_close_to_scale, block_inputs, build, debug_args, in_process_group, only, parallel_step,
-                     spawn, stops_with_one_line, tiny_config, values_and_grads)
+                     slow, spawn, stops_with_one_line, tiny_config, values_and_grads)
 from moe import GroupedExperts
 
 E4M3 = torch.float8_e4m3fn
 RECIPES = ["rowwise", "tensorwise"]
+# Large 4's debug config has a 24-wide latent projection: these widths (configs/large4-smoke.toml's) align it.
+FP8_WIDTHS = {"large4": ["--model.kv_lora_rank=32", "--model.qk_rope_head_dim=16", "--model.qk_nope_head_dim=16",
+                         "--model.v_head_dim=32"]}
 
 
 # ============================================================================= the plain reference
@@ -216,24 +219,26 @@ def test_ops_pass_opcheck():
     torch.library.opcheck(fp8_grouped_mm, (x, torch.randn(3, 16, 32, requires_grad=True), ends, False))
 
 
-def cuda_kernels_on_fake_tensors(rows: int, width: int) -> torch.Tensor:
-    """A BF16 linear and a grouped GEMM, forward and backward, on fake tensors with CUDA's kernels chosen."""
+def cuda_kernels_on_fake_tensors(width: int) -> torch.Tensor:
+    """A BF16 linear on 64 tokens and a grouped GEMM on a padded expert buffer of 72 rows (groups of 16
+    ending at 64, then rows in no group), forward and backward, on fake tensors with CUDA's kernels chosen."""
     with FakeTensorMode(), targeting("cuda"):
-        x = torch.empty(rows, width, dtype=torch.bfloat16, requires_grad=True)
+        x = torch.empty(64, width, dtype=torch.bfloat16, requires_grad=True)
         w = torch.empty(32, width, dtype=torch.bfloat16, requires_grad=True)
+        rows = torch.empty(72, width, dtype=torch.bfloat16, requires_grad=True)
         experts = torch.empty(4, width, 32, dtype=torch.bfloat16, requires_grad=True)
-        ends = torch.tensor([16, 16, rows - 16, rows], dtype=torch.int32)
-        y = fp8_linear(x, w, True) + fp8_grouped_mm(x, experts, ends, True)
-        y.sum().backward()
-        return y, x.grad, w.grad, experts.grad
+        ends = torch.tensor([16, 16, 48, 64], dtype=torch.int32)
+        y, y_rows = fp8_linear(x, w, True), fp8_grouped_mm(rows, experts, ends, True)
+        (y.sum() + y_rows.sum()).backward()
+        return y, y_rows, w.grad, experts.grad
 
 
 def test_cuda_kernels_check_their_shapes_on_fake_tensors():
     """What a rehearsal runs: torch._scaled_mm and torch._scaled_grouped_mm's own meta checks."""
-    y, grad_x, grad_w, grad_experts = cuda_kernels_on_fake_tensors(64, 32)
-    assert (y.shape, y.dtype, grad_w.shape, grad_experts.shape) == ((64, 32), torch.bfloat16, (32, 32), (4, 32, 32))
+    y, y_rows, grad_w, grad_experts = cuda_kernels_on_fake_tensors(32)
+    assert (y.dtype, y_rows.shape, grad_w.shape, grad_experts.shape) == (torch.bfloat16, (72, 32), (32, 32), (4, 32, 32))
     with pytest.raises(RuntimeError, match="multiple of 16 bytes"):
-        cuda_kernels_on_fake_tensors(64, 24)  # the 24-wide rows: not on 16-byte boundaries
+        cuda_kernels_on_fake_tensors(24)  # the 24-wide rows: not on 16-byte boundaries
 
 
 # ============================================================================= layouts against one process
@@ -259,3 +264,26 @@ def test_fsdp_and_expert_parallel_match_one_process():
     assert abs(one_process[0] - without_fp8) > 1e-5, "FP8 changed nothing: it did not run"
     spawn(2, check_layout_matches_one_process, {"dp_shard": 2}, one_process)
     spawn(2, check_layout_matches_one_process, {"ep": 2}, one_process)
+
+
+@pytest.mark.parametrize("family", ["flint", pytest.param("large4", marks=slow)])
+def test_the_rehearsal_runs_the_cuda_fp8_kernels_on_fake_tensors(family, tmp_path, monkeypatch):
+    """`train.py --dry-run` with fp8: every dense FP8 matmul and every grouped one goes through the CUDA
+    kernels (their meta functions, on fake tensors), forward and backward."""
+    import train
+    from helpers import debug_configs
+    calls = {"_scaled_mm": 0, "_scaled_grouped_mm": 0}
+    for name in calls:
+        kernel = getattr(torch, name)
+
+        def counted(*args, _kernel=kernel, _name=name, **kwargs):
+            calls[_name] += 1
+            return _kernel(*args, **kwargs)
+        monkeypatch.setattr(torch, name, counted)
+    widths = FP8_WIDTHS.get(family, [])
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--config", str(debug_configs()[family]), "--dry-run", "--world-size=2", "--parallel.fp8=rowwise",
+                    "--training.steps=1", f"--checkpoint.dir={tmp_path}/ck", f"--logging.jsonl={tmp_path}/m.jsonl",
+                    *widths])
+    assert stop.value.code == 0
+    assert calls["_scaled_mm"] > 0 and calls["_scaled_grouped_mm"] > 0, calls
