@@ -630,9 +630,17 @@ def divergence_remedy(cfg: TrainConfig) -> str:
     if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
         coefficients.insert(0, "router_aux_loss_coef")  # Flint's published balance term
     if not coefficients:
-        return f"try {remedy}"
+        return f"try {remedy}{fp8_suspect(cfg)}"
     listed = ", ".join(f"{name} = {getattr(config, name):g} ({cfg.where('model.' + name)})" for name in coefficients)
-    return f"the loss holds the router losses of [model] {listed}: try a lower coefficient, or {remedy}"
+    return f"the loss holds the router losses of [model] {listed}: try a lower coefficient, or {remedy}{fp8_suspect(cfg)}"
+
+
+def fp8_suspect(cfg: TrainConfig) -> str:
+    """A NaN or an overflowing scale in FP8 matmuls (fp8.py lets them through) reaches the same checks: name it."""
+    if cfg.parallel.fp8 == "none":
+        return ""
+    return (f"; the matmuls run in FP8 (parallel.fp8 = {cfg.parallel.fp8!r}, {cfg.where('parallel.fp8')}): "
+            f"a run with fp8 = \"none\" from the same checkpoint tells whether FP8 causes it")
 
 
 def evaluate(model: ParallelModel, data: PackedLoader, cfg: TrainConfig, run: Run) -> float:

@@ -287,3 +287,15 @@ def test_the_rehearsal_runs_the_cuda_fp8_kernels_on_fake_tensors(family, tmp_pat
                     *widths])
     assert stop.value.code == 0
     assert calls["_scaled_mm"] > 0 and calls["_scaled_grouped_mm"] > 0, calls
+
+
+def test_a_nan_in_fp8_stops_the_run_naming_fp8(tmp_path, monkeypatch):
+    """A NaN scale (as an infinite amax makes one) reaches the loss; the trainer's check stops the run
+    at that step and names parallel.fp8."""
+    import fp8
+    import train
+    from helpers import run_debug
+    monkeypatch.setattr(fp8, "power_of_two_scale", lambda amax: torch.full_like(amax.float(), float("nan")))
+    with pytest.raises(train.TrainingError, match=r"step 1: the training loss is nan .*diverged.*"
+                                                  r"parallel.fp8 = 'rowwise', command line --parallel.fp8"):
+        run_debug(tmp_path, "--parallel.fp8=rowwise", "--training.steps=2")
