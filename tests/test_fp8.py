@@ -299,3 +299,34 @@ def test_a_nan_in_fp8_stops_the_run_naming_fp8(tmp_path, monkeypatch):
     with pytest.raises(train.TrainingError, match=r"step 1: the training loss is nan .*diverged.*"
                                                   r"parallel.fp8 = 'rowwise', command line --parallel.fp8"):
         run_debug(tmp_path, "--parallel.fp8=rowwise", "--training.steps=2")
+
+
+# ============================================================================= the planner and memory.py
+
+@only("flint")
+def test_the_planner_prices_fp8_matmuls_at_the_fp8_peak_and_counts_their_quantisation():
+    """The same FLOPs traced with fp8, every BF16 matmul FLOP outside the attention core now in an FP8 op,
+    priced at the data sheet's FP8 peak; each FP8 op's operands read twice and written once in FP8."""
+    from tools.op_trace import trace_step
+    from tools.planner import GPUS, Pricing, fp8_quantisation_bytes
+    config = tiny_config("flint")
+    plain = trace_step(config, 1, 64, torch.bfloat16, "none")
+    costs = trace_step(config, 1, 64, torch.bfloat16, "none", fp8="rowwise")
+    assert sum(c.flops for c in costs) == sum(c.flops for c in plain)
+    fp8_ops = [c for c in costs if c.op.startswith("flint.fp8")]
+    assert {c.op for c in fp8_ops} == {"flint.fp8_matmul", "flint.fp8_grouped_mm", "flint.fp8_grouped_mm_weight_grad"}
+    assert not any(c.flops for c in costs if c.dtype == "bfloat16" and not c.attention_core and c not in fp8_ops)
+    pricing = Pricing(GPUS["H100"])
+    assert pricing.matmul_peak(fp8_ops[0]) == 1979e12 and Pricing(GPUS["B200"]).matmul_peak(fp8_ops[0]) == 4500e12
+    q_proj = next(c for c in fp8_ops if c.module.endswith("q_proj"))  # x [64, H] @ W^T [H, Hq * D]
+    h, q = config.hidden_size, config.num_attention_heads * config.head_dim
+    assert fp8_quantisation_bytes(q_proj, ep=1) == q_proj.calls * (64 * h + h * q) * 5
+    assert not any(fp8_quantisation_bytes(c, ep=1) for c in plain)
+
+
+def test_memory_counts_the_fp8_copies():
+    from tools.memory import memory_per_gpu
+    from parallel import ParallelConfig
+    config = tiny_config("flint")
+    plain, fp8 = (memory_per_gpu(config, ParallelConfig(dp_shard=1, fp8=recipe), 64, 1) for recipe in ("none", "rowwise"))
+    assert fp8["activations"] > plain["activations"] and fp8["params"] == plain["params"]

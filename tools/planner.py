@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -83,20 +84,25 @@ class Device:
     nvlink: float  # per GPU, each way
     network: float  # per GPU, each way
     gpus_per_node: int = 8
+    fp8: float = 0.0  # tensor cores, dense: [parallel] fp8's matmuls (MFU stays against bf16)
 
 
 GPUS = {
     # NVIDIA H100 Tensor Core GPU data sheet (SXM column; sparse figures halved to dense): BF16
     # 1,979 TFLOP/s sparse, TF32 989 sparse, FP32 67; HBM3 3.35 TB/s; NVLink 900 GB/s (both ways).
     # Network: DGX H100 user guide, 8 ConnectX-7 at 400 Gb/s InfiniBand, one per GPU.
-    "H100": Device("H100 SXM", 989.4 * TFLOPS, 494.7 * TFLOPS, 67 * TFLOPS, 3.35 * TBPS, 450 * GBPS, 50 * GBPS),
+    # FP8 (E4M3) 3,958 TFLOP/s sparse: 1,979 dense, the H200's too.
+    "H100": Device("H100 SXM", 989.4 * TFLOPS, 494.7 * TFLOPS, 67 * TFLOPS, 3.35 * TBPS, 450 * GBPS, 50 * GBPS,
+                   fp8=1979 * TFLOPS),
     # NVIDIA H200 Tensor Core GPU data sheet (SXM): the H100's compute, HBM3e 4.8 TB/s, NVLink 900 GB/s.
     # Network: HGX H200 reference, 400 Gb/s per GPU (ConnectX-7).
-    "H200": Device("H200 SXM", 989.4 * TFLOPS, 494.7 * TFLOPS, 67 * TFLOPS, 4.8 * TBPS, 450 * GBPS, 50 * GBPS),
+    "H200": Device("H200 SXM", 989.4 * TFLOPS, 494.7 * TFLOPS, 67 * TFLOPS, 4.8 * TBPS, 450 * GBPS, 50 * GBPS,
+                   fp8=1979 * TFLOPS),
     # NVIDIA DGX B200 data sheet, per GPU of 8 (sparse halved): BF16 4.5 PFLOP/s sparse, TF32 2.2
     # sparse, FP32 75 TFLOP/s (600 for 8 GPUs); HBM3e 8 TB/s (64 for 8); NVLink 5 1.8 TB/s both ways;
-    # 8 ConnectX-7 at 400 Gb/s.
-    "B200": Device("B200", 2250 * TFLOPS, 1100 * TFLOPS, 75 * TFLOPS, 8.0 * TBPS, 900 * GBPS, 50 * GBPS),
+    # 8 ConnectX-7 at 400 Gb/s. FP8 9 PFLOP/s sparse: 4,500 TFLOP/s dense.
+    "B200": Device("B200", 2250 * TFLOPS, 1100 * TFLOPS, 75 * TFLOPS, 8.0 * TBPS, 900 * GBPS, 50 * GBPS,
+                   fp8=4500 * TFLOPS),
 }
 
 # What an FP32 matmul of the head runs at on CUDA, by [parallel] head_precision: its peak from a Device.
@@ -113,7 +119,7 @@ def measure_cpu(matmul_size: int = 1024, copy_mib: int = 512) -> Device:
     seconds = min(time_call(lambda: target.copy_(source), torch.device("cpu")) for _ in range(5))
     bandwidth = 2 * source.nbytes / seconds
     return Device(f"cpu ({rate / 1e12:.3f} TFLOP/s FP32 matmul, {bandwidth / 1e9:.1f} GB/s copy, measured now)",
-                  rate, rate, rate, bandwidth, 0.0, 0.0, gpus_per_node=1)
+                  rate, rate, rate, bandwidth, 0.0, 0.0, gpus_per_node=1, fp8=rate)
 
 
 def device_named(name: str) -> Device:
@@ -154,7 +160,9 @@ class Pricing:
 
     def matmul_peak(self, cost: OpCost) -> float:
         """FLOP/s for a matmul of this dtype: BF16 tensor cores; FP32 ones in the head at head_precision,
-        elsewhere (routers) at torch's default "highest" precision, on CUDA cores."""
+        elsewhere (routers) at torch's default "highest" precision, on CUDA cores; fp8.py's ops at the FP8 peak."""
+        if cost.op.startswith("flint.fp8"):
+            return self.device.fp8
         if cost.dtype != "float32":
             return self.device.bf16
         if cost.module.startswith("lm_head"):
@@ -201,11 +209,28 @@ def compute_items(config: ModelConfig, costs: list[OpCost], pricing: Pricing, se
         if where and not item.label.endswith(")"):
             item.label += where
     items = list(groups.values())
+    quantisation = sum(fp8_quantisation_bytes(cost, pricing.ep) for cost in costs) / pricing.device.hbm
+    if quantisation:
+        items.append(Item("FP8 quantisation passes (amax, scale and cast of every operand)", quantisation,
+                          quantisation, "memory"))
     if pricing.gpu:
         units = 2 + 5 + 2 * recomputed_share(config, checkpointing)  # flash: the backward recomputes the scores
         seconds = attention_flops_per_token(config, seq_len) * tokens * units / 6 / pricing.device.bf16
         items.append(Item("attention core (flex kernel, BF16)", seconds, seconds, "compute"))
     return items
+
+
+def fp8_quantisation_bytes(cost: OpCost, ep: int) -> float:
+    """What fp8.py's quantisation of an FP8 op's two operands moves: each is read twice (its absolute
+    maximum, then scaled) and written once in FP8; outside the op's GEMM, so never fused into it. An
+    expert-parallel rank quantises 1/ep of the expert weights (a grouped GEMM's second operand)."""
+    if not cost.op.startswith("flint.fp8"):
+        return 0.0
+    element_bytes = torch.empty((), dtype=getattr(torch, cost.dtype)).element_size()
+    sizes = [math.prod(int(n) for n in dims.split(", ")) for dims in re.findall(r"\[([\d, ]+)\]", cost.shapes)]
+    if cost.op == "flint.fp8_grouped_mm":
+        sizes[1] /= ep
+    return cost.calls * sum(sizes) * (2 * element_bytes + 1)
 
 
 # ============================================================================= the layout's communication
@@ -362,7 +387,7 @@ def plan_step(cfg: TrainConfig, layout: ParallelConfig, device: Device) -> Plan:
     dtype = layout.compute_dtype("cuda" if gpu else "cpu")
     bulk_bytes = torch.empty((), dtype=dtype).element_size()
     checkpointing = layout.activation_checkpointing
-    costs = trace_step(config, batch, seq_len, dtype, checkpointing, 16 if gpu and layout.ep == 1 else 1)
+    costs = trace_step(config, batch, seq_len, dtype, checkpointing, 16 if gpu and layout.ep == 1 else 1, layout.fp8)
     tokens = batch * seq_len / layout.cp  # this rank's, per micro-batch
     share = 1 / (layout.cp * layout.pp)  # of the traced whole-model, whole-sequence step
     ops = compute_items(config, costs, pricing, seq_len, batch * seq_len, checkpointing)
