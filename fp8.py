@@ -26,9 +26,10 @@ The routed experts' grouped GEMM (moe.grouped_mm's x [M, K] rows sorted by exper
 scales its rows per row and each expert's weight per output column; its weight gradient, per
 expert x_e^T @ grad_e, scales both per column within each expert's rows.
 
-Kernels: on CUDA torch._scaled_mm (dense) and torch._scaled_grouped_mm (experts: operands on 16-byte
-boundaries, which config checks and the experts' 16-row groups give; BF16 output); on the CPU the
-same quantisation and torch._scaled_mm, expert by expert. Each matmul is a torch.library custom op,
+Kernels: on CUDA torch._scaled_mm (dense) and, on Hopper, torch._scaled_grouped_mm (experts: operands on
+16-byte boundaries, which config checks and the experts' 16-row groups give; BF16 output); on the CPU
+the same quantisation and torch._scaled_mm, expert by expert, as on the GPUs whose grouped FP8 kernel
+torch 2.13 does not build (grouped_fp8_kernel). Each matmul is a torch.library custom op,
 opaque to the compiler (blocks compile whole, fullgraph=True); its fake function runs the CUDA
 kernels on fake tensors whenever kernels are chosen for CUDA (devices.targeting), so a rehearsal
 checks their shapes, strides and dtypes.
@@ -151,6 +152,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, rowwise: bool) -> torch.Te
 
 # ============================================================================= grouped: the routed experts
 
+def grouped_fp8_kernel(device: torch.device) -> bool:
+    """Whether the experts' FP8 GEMMs on `device` run torch._scaled_grouped_mm: kernels chosen for CUDA,
+    on a Hopper GPU (torch 2.13 builds its row-wise FP8 grouped GEMM for SM90 only: Ada and Blackwell loop
+    over the experts with torch._scaled_mm, as the CPU does) or on the fake CPU tensors of a rehearsal,
+    which checks the Hopper kernel's shapes."""
+    if kernel_device_type(device) != "cuda":
+        return False
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
+
+
 def grouped_cuda(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rowwise: bool) -> torch.Tensor:
     """x [M, K] @ the groups of w [G, K, N] with torch._scaled_grouped_mm -> [M, N] in BF16."""
     x8, x_inverse = quantize(x, 1, rowwise)  # [M, 1] or []
@@ -161,9 +172,10 @@ def grouped_cuda(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rowwis
                                     out_dtype=torch.bfloat16)
 
 
-def grouped_cpu(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    """The same quantisation as grouped_cuda, then torch._scaled_mm expert by expert (the CPU has no
-    grouped FP8 kernel) -> [M, N] in x's dtype; rows past the last group stay zero."""
+def grouped_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    """The same quantisation as grouped_cuda, then torch._scaled_mm expert by expert where there is no
+    grouped FP8 kernel (the CPU; GPUs but Hopper: one host sync for the group ends) -> [M, N] in x's
+    dtype; rows past the last group stay zero."""
     x8, x_inverse = quantize(x, 1, rowwise)
     w8, w_inverse = quantize(w, 1, rowwise)
     x_inverse = x_inverse.expand(x.shape[0], 1).contiguous()  # [M, 1]: the kernel takes contiguous scales
@@ -182,14 +194,14 @@ def grouped_cpu(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rowwise
 def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rowwise: bool) -> torch.Tensor:
     """x [M, K] rows sorted by group, w [G, K, N], offsets int32 [G] cumulative ends -> [M, N]:
     moe.grouped_mm on FP8 operands, rows scaled per row, each group's weight per output column."""
-    if uses_cuda_kernels(x):
+    if grouped_fp8_kernel(x.device):
         return grouped_cuda(x, w, offsets, rowwise).to(x.dtype)
-    return grouped_cpu(x.contiguous(), w, offsets, rowwise)
+    return grouped_loop(x.contiguous(), w, offsets, rowwise)
 
 
 @fp8_grouped_mm.register_fake
 def _(x, w, offsets, rowwise):
-    if uses_cuda_kernels(x):
+    if grouped_fp8_kernel(x.device):  # a rehearsal or a compile on Hopper: the kernel's checks
         return grouped_cuda(x, w, offsets, rowwise).to(x.dtype)
     return x.new_empty(x.shape[0], w.shape[2])
 
@@ -206,7 +218,7 @@ def weight_grad_cuda(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor,
                                     g_inverse.reshape(-1), offs=offsets, out_dtype=torch.bfloat16)
 
 
-def weight_grad_cpu(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, rowwise: bool) -> torch.Tensor:
+def weight_grad_loop(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, rowwise: bool) -> torch.Tensor:
     """weight_grad_cuda's quantisation, then torch._scaled_mm per group -> [G, K, N]; an empty group's is zero."""
     x8, x_inverse = quantize_per_group_column(x, offsets, rowwise)
     g8, g_inverse = quantize_per_group_column(grad, offsets, rowwise)
@@ -225,14 +237,14 @@ def weight_grad_cpu(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, 
 def fp8_grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor,
                                rowwise: bool) -> torch.Tensor:
     """x [M, K], grad [M, N] -> [G, K, N]: per group x_g^T @ grad_g, both scaled along the group's rows."""
-    if uses_cuda_kernels(x):
+    if grouped_fp8_kernel(x.device):
         return weight_grad_cuda(x, grad, offsets, rowwise).to(x.dtype)
-    return weight_grad_cpu(x, grad, offsets, rowwise)
+    return weight_grad_loop(x, grad, offsets, rowwise)
 
 
 @fp8_grouped_mm_weight_grad.register_fake
 def _(x, grad, offsets, rowwise):
-    if uses_cuda_kernels(x):
+    if grouped_fp8_kernel(x.device):
         return weight_grad_cuda(x, grad, offsets, rowwise).to(x.dtype)
     return x.new_empty(offsets.shape[0], x.shape[1], grad.shape[1])
 

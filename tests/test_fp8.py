@@ -367,3 +367,14 @@ def test_fp8_blocks_compiled_through_parallelize_keep_the_graph_pins(layout, bf1
     expected = (BF16_GRAPHS["flint"] if bf16
                 else {str(i): 1 for i in range(parallel_block_model("flint").config.num_hidden_layers)})
     in_process_group(check_compiled_matches_eager, {**layout, "fp8": "rowwise"}, expected, *tolerance)
+
+
+def test_the_grouped_fp8_kernel_is_chosen_on_hopper_and_in_rehearsals_only(monkeypatch):
+    """torch 2.13 builds _scaled_grouped_mm's row-wise FP8 for SM90 only: other GPUs loop over experts."""
+    from fp8 import grouped_fp8_kernel
+    assert not grouped_fp8_kernel(torch.device("cpu"))
+    with targeting("cuda"):
+        assert grouped_fp8_kernel(torch.device("cpu"))  # a rehearsal's fake tensors: Hopper's kernel checked
+        for capability, grouped in [((9, 0), True), ((8, 9), False), ((10, 0), False)]:
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+            assert grouped_fp8_kernel(torch.device("cuda")) == grouped, capability
