@@ -378,3 +378,17 @@ def test_the_grouped_fp8_kernel_is_chosen_on_hopper_and_in_rehearsals_only(monke
         for capability, grouped in [((9, 0), True), ((8, 9), False), ((10, 0), False)]:
             monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
             assert grouped_fp8_kernel(torch.device("cuda")) == grouped, capability
+
+
+# ============================================================================= training through train.py
+
+@pytest.mark.parametrize("family", ["flint", pytest.param("large4", marks=slow)])
+def test_fp8_trains_through_train_py_close_to_the_run_without(family, tmp_path):
+    """The debug config's 20 steps with fp8 = rowwise against the same run without: the validation loss
+    within 2 % (configs/smoke.toml's 300 steps in BENCHMARKS.md, FP8)."""
+    from helpers import run_debug
+    widths = FP8_WIDTHS.get(family, [])
+    losses = {recipe: run_debug(tmp_path / recipe, f"--parallel.fp8={recipe}", "--training.sample_tokens=0", *widths,
+                                family=family)["val_loss"] for recipe in ("none", "rowwise")}
+    assert losses["rowwise"] != losses["none"], "FP8 changed nothing: it did not run"
+    assert abs(losses["rowwise"] - losses["none"]) <= 0.02 * losses["none"], losses
