@@ -44,8 +44,9 @@ prints tokens/s per GPU, MFU, the step time and the ten ops or collectives that 
 4. Per step: grad_accum micro-batches, then AdamW over the FP32 shards: 32 bytes per trainable
    parameter (read weight, gradient, 2 moments, write weight, 2 moments, and the norm's read).
 
-MFU divides the model's FLOPs (model.flops_per_token, as train.py reports it) by the step time and
-the dense BF16 peak. The CPU device (--gpu cpu) measures this machine's FP32 matmul rate and copy
+With [parallel] fp8, fp8.py's matmuls are priced at the dense FP8 peak (FP8_PEAKS) and their operands'
+quantisation as one memory-bound item (fp8_quantisation_bytes). MFU divides the model's FLOPs
+(model.flops_per_token, as train.py reports it) by the step time and the dense BF16 peak, with FP8 too. The CPU device (--gpu cpu) measures this machine's FP32 matmul rate and copy
 bandwidth and predicts bench.py's CPU shape, to check the method against a measured step.
 """
 
@@ -84,26 +85,24 @@ class Device:
     nvlink: float  # per GPU, each way
     network: float  # per GPU, each way
     gpus_per_node: int = 8
-    fp8: float = 0.0  # tensor cores, dense: [parallel] fp8's matmuls (MFU stays against bf16)
 
 
 GPUS = {
     # NVIDIA H100 Tensor Core GPU data sheet (SXM column; sparse figures halved to dense): BF16
     # 1,979 TFLOP/s sparse, TF32 989 sparse, FP32 67; HBM3 3.35 TB/s; NVLink 900 GB/s (both ways).
     # Network: DGX H100 user guide, 8 ConnectX-7 at 400 Gb/s InfiniBand, one per GPU.
-    # FP8 (E4M3) 3,958 TFLOP/s sparse: 1,979 dense, the H200's too.
-    "H100": Device("H100 SXM", 989.4 * TFLOPS, 494.7 * TFLOPS, 67 * TFLOPS, 3.35 * TBPS, 450 * GBPS, 50 * GBPS,
-                   fp8=1979 * TFLOPS),
+    "H100": Device("H100 SXM", 989.4 * TFLOPS, 494.7 * TFLOPS, 67 * TFLOPS, 3.35 * TBPS, 450 * GBPS, 50 * GBPS),
     # NVIDIA H200 Tensor Core GPU data sheet (SXM): the H100's compute, HBM3e 4.8 TB/s, NVLink 900 GB/s.
     # Network: HGX H200 reference, 400 Gb/s per GPU (ConnectX-7).
-    "H200": Device("H200 SXM", 989.4 * TFLOPS, 494.7 * TFLOPS, 67 * TFLOPS, 4.8 * TBPS, 450 * GBPS, 50 * GBPS,
-                   fp8=1979 * TFLOPS),
+    "H200": Device("H200 SXM", 989.4 * TFLOPS, 494.7 * TFLOPS, 67 * TFLOPS, 4.8 * TBPS, 450 * GBPS, 50 * GBPS),
     # NVIDIA DGX B200 data sheet, per GPU of 8 (sparse halved): BF16 4.5 PFLOP/s sparse, TF32 2.2
     # sparse, FP32 75 TFLOP/s (600 for 8 GPUs); HBM3e 8 TB/s (64 for 8); NVLink 5 1.8 TB/s both ways;
-    # 8 ConnectX-7 at 400 Gb/s. FP8 9 PFLOP/s sparse: 4,500 TFLOP/s dense.
-    "B200": Device("B200", 2250 * TFLOPS, 1100 * TFLOPS, 75 * TFLOPS, 8.0 * TBPS, 900 * GBPS, 50 * GBPS,
-                   fp8=4500 * TFLOPS),
+    # 8 ConnectX-7 at 400 Gb/s.
+    "B200": Device("B200", 2250 * TFLOPS, 1100 * TFLOPS, 75 * TFLOPS, 8.0 * TBPS, 900 * GBPS, 50 * GBPS),
 }
+# [parallel] fp8's matmuls, by Device name: the same data sheets' dense FP8 (E4M3) peaks (sparse halved:
+# H100 and H200 3,958 TFLOP/s, B200 9 PFLOP/s). The CPU runs them at its measured rate. MFU stays against bf16.
+FP8_PEAKS = {"H100 SXM": 1979 * TFLOPS, "H200 SXM": 1979 * TFLOPS, "B200": 4500 * TFLOPS}
 
 # What an FP32 matmul of the head runs at on CUDA, by [parallel] head_precision: its peak from a Device.
 HEAD_PRECISION_PEAKS = {"tf32": lambda d: d.tf32, "bf16": lambda d: d.bf16, "bf16x3": lambda d: d.bf16 / 3,
@@ -119,7 +118,7 @@ def measure_cpu(matmul_size: int = 1024, copy_mib: int = 512) -> Device:
     seconds = min(time_call(lambda: target.copy_(source), torch.device("cpu")) for _ in range(5))
     bandwidth = 2 * source.nbytes / seconds
     return Device(f"cpu ({rate / 1e12:.3f} TFLOP/s FP32 matmul, {bandwidth / 1e9:.1f} GB/s copy, measured now)",
-                  rate, rate, rate, bandwidth, 0.0, 0.0, gpus_per_node=1, fp8=rate)
+                  rate, rate, rate, bandwidth, 0.0, 0.0, gpus_per_node=1)
 
 
 def device_named(name: str) -> Device:
@@ -162,7 +161,7 @@ class Pricing:
         """FLOP/s for a matmul of this dtype: BF16 tensor cores; FP32 ones in the head at head_precision,
         elsewhere (routers) at torch's default "highest" precision, on CUDA cores; fp8.py's ops at the FP8 peak."""
         if cost.op.startswith("flint.fp8"):
-            return self.device.fp8
+            return FP8_PEAKS.get(self.device.name, self.device.bf16)
         if cost.dtype != "float32":
             return self.device.bf16
         if cost.module.startswith("lm_head"):
