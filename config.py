@@ -27,7 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from checkpoint_files import CheckpointError, resolve_checkpoint
+from fp8 import fp8_refusal
 from generate import MIN_TEMPERATURE, usable_temperature
 from registry import FAMILIES, ModelConfig, family, family_of_hf_config, model_class
 from parallel import LayoutError, ParallelConfig, unsupported_layout
@@ -449,6 +452,20 @@ def validate(cfg: TrainConfig) -> None:
         keys = [f"parallel.{key}" for key in error.keys]
         raise ConfigError(f"{cfg.where(keys[0]) if len(keys) == 1 else cfg.where_any(keys)}: {error}") from error
     check_microbatches(cfg)
+    check_fp8(cfg)
+
+
+def check_fp8(cfg: TrainConfig) -> None:
+    """[parallel] fp8's shapes (fp8.fp8_refusal), on the model built on meta: no weight is made."""
+    p, t = cfg.parallel, cfg.training
+    if p.fp8 == "none":
+        return
+    with torch.device("meta"):
+        model = model_class(cfg.model_config)(cfg.model_config, torch.float32)
+    rows = t.batch_size // (p.pp_microbatches or p.pp * p.stages_per_rank) if p.pp > 1 else t.batch_size
+    refusal = fp8_refusal(model, rows * cfg.data.seq_len // p.cp)
+    if refusal:
+        raise ConfigError(f"{cfg.where('parallel.fp8')}: [parallel].{refusal}")
 
 
 def check_paths(cfg: TrainConfig) -> None:

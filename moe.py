@@ -219,12 +219,13 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int) -> Exper
 
 
 def grouped_swiglu(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, gate_up_proj: torch.Tensor,
-                   down_proj: torch.Tensor) -> torch.Tensor:
+                   down_proj: torch.Tensor, mm: Callable[..., torch.Tensor] = grouped_mm) -> torch.Tensor:
     """Rows grouped by expert [R, H] (groups ending at offsets) and their routing weights [R] ->
-    weight * each row's expert SwiGLU [R, H], a grouped GEMM per projection. The weight scales the
-    I-wide hidden row before the down projection (not the H-wide output), so combine only sums."""
-    gate, up = grouped_mm(rows, gate_up_proj, offsets).chunk(2, dim=-1)  # [R, Im] each
-    return grouped_mm(F.silu(gate) * up * weights.unsqueeze(-1), down_proj, offsets)
+    weight * each row's expert SwiGLU [R, H], a grouped GEMM per projection (mm: grouped_mm, or
+    fp8.py's). The weight scales the I-wide hidden row before the down projection (not the H-wide
+    output), so combine only sums."""
+    gate, up = mm(rows, gate_up_proj, offsets).chunk(2, dim=-1)  # [R, Im] each
+    return mm(F.silu(gate) * up * weights.unsqueeze(-1), down_proj, offsets)
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
@@ -355,6 +356,7 @@ class GroupedExperts(nn.Module):
         self.backend, self.capacity_factor = backend, capacity_factor
         self.capacity_ratio = None if capacity_factor is None else capacity_ratio(capacity_factor)
         self.group_align: int | None = None  # None: group_alignment(device); tests force padding
+        self.grouped_mm: Callable[..., torch.Tensor] = grouped_mm  # fp8.apply_fp8 sets the FP8 one
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden, dtype=dtype))
 
@@ -371,7 +373,7 @@ class GroupedExperts(nn.Module):
         plan = sort_by_expert(indices, self.gate_up_proj.shape[0], self.group_align or group_alignment(x.device))
         rows = expert_rows(plan, indices.shape[1])
         out = grouped_swiglu(dispatch(x, rows), dispatch_weights(weights, rows, x.dtype), plan.offsets,
-                             self.gate_up_proj, self.down_proj)
+                             self.gate_up_proj, self.down_proj, self.grouped_mm)
         return combine(out, rows)
 
     def forward_loop(self, x, weights, indices):
@@ -431,13 +433,14 @@ def _local_shard(weight: torch.Tensor) -> torch.Tensor:
 
 
 def local_experts_forward(xs: torch.Tensor, weights: torch.Tensor, expert_of_row: torch.Tensor,
-                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor, align: int) -> torch.Tensor:
+                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor, align: int,
+                          mm: Callable[..., torch.Tensor] = grouped_mm) -> torch.Tensor:
     """xs [R, H] in any order, their routing weights [R] and local expert ids expert_of_row [R] ->
     each row's weighted SwiGLU [R, H], same order."""
     plan = sort_by_expert(expert_of_row.unsqueeze(1), gate_up_proj.shape[0], align)
     rows = expert_rows(plan, 1)  # each received row a token with one choice
     out = grouped_swiglu(dispatch(xs, rows), dispatch_weights(weights.unsqueeze(1), rows, xs.dtype), plan.offsets,
-                         gate_up_proj, down_proj)
+                         gate_up_proj, down_proj, mm)
     return combine(out, rows)  # back to the order of xs
 
 
@@ -623,6 +626,7 @@ class ExpertParallelExperts(nn.Module):
         self.group, self.group_name, self.num_experts = group, group.group_name, num_experts
         self.chunks = chunks  # [parallel] ep_overlap
         self.group_align, self.capacity_ratio = experts.group_align, experts.capacity_ratio
+        self.grouped_mm = experts.grouped_mm
         self.balanced = False
         self.recompute_splits = SplitsForRecompute()
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
@@ -655,7 +659,8 @@ class ExpertParallelExperts(nn.Module):
         def experts(chunk, received, received_weights):  # rows ordered by source rank, then local expert
             expert_of_row = torch.repeat_interleave(source_experts, splits.received_counts[chunk],
                                                     output_size=received.shape[0])  # [R]
-            return local_experts_forward(received, received_weights, expert_of_row, gate_up, down, align)
+            return local_experts_forward(received, received_weights, expert_of_row, gate_up, down, align,
+                                         self.grouped_mm)
         returned, shared = self.exchange([(sent[piece], sent_weights[piece]) for piece in pieces], sizes, experts,
                                          meanwhile)
         return combine(joined(returned), rows), shared

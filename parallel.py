@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from fp8 import FP8_RECIPES, apply_fp8
 from layers import HEAD_PRECISIONS
 from moe import ExpertParallelExperts, MoE
 from pipeline import SCHEDULES, V_SCHEDULES, merged_view, pipeline_schedule, pipeline_stage
@@ -97,6 +98,7 @@ class ParallelConfig:
     offload: bool = False  # FSDP2's CPU offload: sharded weights, gradients and AdamW states in host memory
     backend: str = "auto"  # process group: auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
     head_precision: str = "tf32"  # the FP32 head's matmuls on GPUs: tf32 | bf16x3 | bf16 | float32 (decoder.py)
+    fp8: str = "none"  # none | rowwise | tensorwise: the projections, dense MLPs and experts on FP8 operands (fp8.py)
     collective_timeout_minutes: float = 60.0  # how long a rank waits at a collective (for rank 0's data
     # preparation and checkpoint listing, a slow rank's checkpoint write) before the run stops
 
@@ -162,7 +164,8 @@ class ParallelConfig:
                               f"all-to-alls overlap; 1: one exchange per MoE layer), got {self.ep_overlap!r}")
         for key, allowed in (("pp_schedule", list(SCHEDULES)), ("activation_checkpointing", list(AC_MODES)),
                              ("backend", ["auto", "nccl", "gloo"]), ("param_dtype", ["auto", *DTYPES]),
-                             ("head_precision", list(HEAD_PRECISIONS)), ("accumulation", list(ACCUMULATION_MODES))):
+                             ("head_precision", list(HEAD_PRECISIONS)), ("accumulation", list(ACCUMULATION_MODES)),
+                             ("fp8", list(FP8_RECIPES))):
             if getattr(self, key) not in allowed:
                 raise LayoutError(key, f"{where} {key} must be one of {allowed}, got {getattr(self, key)!r}")
         if not 0 < self.collective_timeout_minutes <= MAX_TIMEOUT_MINUTES:  # beyond, datetime.timedelta overflows
@@ -576,6 +579,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
             part.lm_head.precision = cfg.head_precision  # on GPUs only: the CPU's head stays FP32
         if mesh["cp"].size() > 1:
             part.context = ContextParallel(mesh["cp"].get_group())
+        if cfg.fp8 != "none":
+            apply_fp8(part, cfg.fp8)
         if cfg.ep > 1:
             apply_expert_parallel(part, mesh["ep"], cfg.ep_overlap)
         apply_activation_checkpointing(part, cfg.activation_checkpointing)

@@ -45,6 +45,7 @@ from config import (ConfigError, OptimSection, TrainConfig, TrainingSection, hel
                     resolved_summary, resolved_toml)
 from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
 from files import read_json_object
+from fp8 import fp8_device_refusal
 from layers import token_ids_checked_at_load
 from metrics import MetricsLogger
 from registry import config_from_hf, model_class
@@ -231,10 +232,14 @@ def layout_of(run: Run) -> str:
 
 
 def check_device_choices(cfg: TrainConfig, on_gpu: bool) -> None:
-    """Choices that only fail on the CPU, refused before the process group starts."""
+    """Choices that fail on this machine's device (the CPU, or a GPU without FP8), refused before the process
+    group starts."""
     if cfg.parallel.backend == "nccl" and not on_gpu:
         raise ConfigError(f"{cfg.where('parallel.backend')}: [parallel].backend = \"nccl\" needs GPUs but this run "
                           f"is on the CPU; use \"auto\" or \"gloo\"")
+    refusal = fp8_device_refusal() if cfg.parallel.fp8 != "none" and on_gpu else None
+    if refusal:
+        raise ConfigError(f"{cfg.where('parallel.fp8')}: [parallel].{refusal}")
     if cfg.model_config.attention_backend == "flex" and not on_gpu:
         raise ConfigError(f"{cfg.where('model.attention_backend')}: attention_backend = \"flex\" cannot train on the "
                           f"CPU (FlexAttention has no CPU backward); use \"auto\" or \"sdpa\"")
@@ -625,9 +630,17 @@ def divergence_remedy(cfg: TrainConfig) -> str:
     if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
         coefficients.insert(0, "router_aux_loss_coef")  # Flint's published balance term
     if not coefficients:
-        return f"try {remedy}"
+        return f"try {remedy}{fp8_suspect(cfg)}"
     listed = ", ".join(f"{name} = {getattr(config, name):g} ({cfg.where('model.' + name)})" for name in coefficients)
-    return f"the loss holds the router losses of [model] {listed}: try a lower coefficient, or {remedy}"
+    return f"the loss holds the router losses of [model] {listed}: try a lower coefficient, or {remedy}{fp8_suspect(cfg)}"
+
+
+def fp8_suspect(cfg: TrainConfig) -> str:
+    """A NaN or an overflowing scale in FP8 matmuls (fp8.py lets them through) reaches the same checks: name it."""
+    if cfg.parallel.fp8 == "none":
+        return ""
+    return (f"; the matmuls run in FP8 (parallel.fp8 = {cfg.parallel.fp8!r}, {cfg.where('parallel.fp8')}): "
+            f"a run with fp8 = \"none\" from the same checkpoint tells whether FP8 causes it")
 
 
 def evaluate(model: ParallelModel, data: PackedLoader, cfg: TrainConfig, run: Run) -> float:

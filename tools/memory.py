@@ -139,7 +139,7 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
     states = {"params": 4 * (sharded + frozen), "grads": 4 * sharded, "optimizer": 8 * sharded}
     row = {**({name: 0.0 for name in states} if cfg.offload else states), "held grads": unsharded_grads if held else 0.0,
            "gathered": all_gathered if stays_gathered else 2 * 2 * (expert_block + other_block),
-           "activations": activations + logits}
+           "activations": activations + logits + fp8_copy_bytes(config, cfg, tokens, expert_block)}
     row = {name: value / GIB for name, value in row.items()}
     if cfg.pp > 1 or grad_accum > 1:
         sharded_grads_meanwhile = accumulation == "sync_each" and (cfg.pp == 1 or calls > 1)
@@ -150,6 +150,16 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
                                                                                  row["grads"] + last_block)
     row["host"] = sum(states.values()) / GIB if cfg.offload else 0.0  # [parallel] offload: in host memory
     return row
+
+
+def fp8_copy_bytes(config: ModelConfig, cfg: ParallelConfig, tokens: float, expert_block: float) -> float:
+    """[parallel] fp8's copies at their largest: the FP8 operands of one expert GEMM, made in the op and
+    freed after it (fp8.py saves its BF16 inputs, no FP8 copy outlives an op): the local gate_up weight
+    [E/ep, H, 2 * Im] (2/3 of a block's expert parameters) and its column-major copy, and the routed rows
+    [tokens * k, H] with theirs, 1 byte each."""
+    if cfg.fp8 == "none":
+        return 0.0
+    return 2 * (expert_block * 2 / 3 + tokens * config.num_experts_per_tok * config.hidden_size)
 
 
 def candidate_layouts(gpus: int, num_experts: int, pipelines: bool = True) -> list[ParallelConfig]:

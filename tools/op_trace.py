@@ -25,6 +25,7 @@ from torch.utils.module_tracker import ModuleTracker
 import attention  # noqa: F401  (registers the flint::flash_sink_attention operators counted below)
 import layers
 import moe
+from fp8 import apply_fp8
 from registry import ModelConfig, model_class
 from parallel import apply_activation_checkpointing
 
@@ -36,6 +37,19 @@ def _grouped_mm_flop(x_shape, w_shape, offsets_shape, out_shape=None, **kwargs) 
 
 def _grouped_mm_weight_grad_flop(x_shape, grad_shape, offsets_shape, out_shape=None, **kwargs) -> int:
     return 2 * x_shape[0] * x_shape[1] * grad_shape[1]
+
+
+def _fp8_matmul_flop(a_shape, b_shape, rowwise=None, out_shape=None, **kwargs) -> int:
+    """flint::fp8_matmul: a [M, K] @ b [K, N] on FP8 operands (fp8.py)."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
+def _fp8_grouped_mm_flop(x_shape, w_shape, offsets_shape, rowwise=None, out_shape=None, **kwargs) -> int:
+    return _grouped_mm_flop(x_shape, w_shape, offsets_shape)
+
+
+def _fp8_grouped_mm_weight_grad_flop(x_shape, grad_shape, offsets_shape, rowwise=None, out_shape=None, **kwargs) -> int:
+    return _grouped_mm_weight_grad_flop(x_shape, grad_shape, offsets_shape)
 
 
 def _addmm_inplace_flop(self_shape, mat1_shape, mat2_shape, *args, out_shape=None, **kwargs) -> int:
@@ -56,6 +70,9 @@ def _flash_sink_backward_flop(dy_shape, q_shape, k_shape, v_shape, *args, out_sh
 CUSTOM_FLOPS = {torch.ops.aten.addmm_: _addmm_inplace_flop,
                 torch.ops.flint.grouped_mm: _grouped_mm_flop,
                 torch.ops.flint.grouped_mm_weight_grad: _grouped_mm_weight_grad_flop,
+                torch.ops.flint.fp8_matmul: _fp8_matmul_flop,
+                torch.ops.flint.fp8_grouped_mm: _fp8_grouped_mm_flop,
+                torch.ops.flint.fp8_grouped_mm_weight_grad: _fp8_grouped_mm_weight_grad_flop,
                 torch.ops.flint.flash_sink_attention: _flash_sink_flop,
                 torch.ops.flint.flash_sink_attention_backward: _flash_sink_backward_flop}
 
@@ -109,7 +126,8 @@ ATTENTION_KERNELS = {torch.ops.flint.flash_sink_attention, torch.ops.flint.flash
                      torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
                      torch.ops.aten.scaled_dot_product_attention, torch.ops.aten._scaled_dot_product_attention_math}
 BATCHED_MATMULS = {torch.ops.aten.bmm, torch.ops.aten.baddbmm}
-GROUPED_GEMMS = {torch.ops.flint.grouped_mm: 1, torch.ops.flint.grouped_mm_weight_grad: None}  # the weight: arg 1, the output
+GROUPED_GEMMS = {torch.ops.flint.grouped_mm: 1, torch.ops.flint.grouped_mm_weight_grad: None,
+                 torch.ops.flint.fp8_grouped_mm: 1, torch.ops.flint.fp8_grouped_mm_weight_grad: None}  # the weight: arg 1, the output
 
 
 # Ops the compiler fuses into one kernel with their neighbours (torch's pointwise and reduction tags, casts, softmax).
@@ -233,16 +251,19 @@ _TRACES: dict[str, list[OpCost]] = {}
 
 
 def trace_step(config: ModelConfig, batch: int, seq_len: int, dtype: torch.dtype, checkpointing: str,
-               group_align: int = 1) -> list[OpCost]:
+               group_align: int = 1, fp8: str = "none") -> list[OpCost]:
     """The ops of one forward and backward of the whole model on fake CPU tensors: micro-batch
     [batch, seq_len], bulk `dtype`, [parallel] activation_checkpointing, expert groups padded to
-    `group_align` rows. Traced once per argument set (the released models take a minute)."""
-    key = repr((config, batch, seq_len, dtype, checkpointing, group_align))
+    `group_align` rows, [parallel] fp8 (its matmuls are fp8.py's ops). Traced once per argument set
+    (the released models take a minute)."""
+    key = repr((config, batch, seq_len, dtype, checkpointing, group_align, fp8))
     if key in _TRACES:
         return _TRACES[key]
     with torch.device("meta"):
         model = model_class(config)(config, dtype)
     apply_activation_checkpointing(model, checkpointing)
+    if fp8 != "none":
+        apply_fp8(model, fp8)
     for module in model.modules():
         if isinstance(module, moe.GroupedExperts):
             module.group_align = group_align

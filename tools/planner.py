@@ -44,8 +44,9 @@ prints tokens/s per GPU, MFU, the step time and the ten ops or collectives that 
 4. Per step: grad_accum micro-batches, then AdamW over the FP32 shards: 32 bytes per trainable
    parameter (read weight, gradient, 2 moments, write weight, 2 moments, and the norm's read).
 
-MFU divides the model's FLOPs (model.flops_per_token, as train.py reports it) by the step time and
-the dense BF16 peak. The CPU device (--gpu cpu) measures this machine's FP32 matmul rate and copy
+With [parallel] fp8, fp8.py's matmuls are priced at the dense FP8 peak (FP8_PEAKS) and their operands'
+quantisation as one memory-bound item (fp8_quantisation_bytes). MFU divides the model's FLOPs
+(model.flops_per_token, as train.py reports it) by the step time and the dense BF16 peak, with FP8 too. The CPU device (--gpu cpu) measures this machine's FP32 matmul rate and copy
 bandwidth and predicts bench.py's CPU shape, to check the method against a measured step.
 """
 
@@ -54,6 +55,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -98,6 +100,9 @@ GPUS = {
     # 8 ConnectX-7 at 400 Gb/s.
     "B200": Device("B200", 2250 * TFLOPS, 1100 * TFLOPS, 75 * TFLOPS, 8.0 * TBPS, 900 * GBPS, 50 * GBPS),
 }
+# [parallel] fp8's matmuls, by Device name: the same data sheets' dense FP8 (E4M3) peaks (sparse halved:
+# H100 and H200 3,958 TFLOP/s, B200 9 PFLOP/s). The CPU runs them at its measured rate. MFU stays against bf16.
+FP8_PEAKS = {"H100 SXM": 1979 * TFLOPS, "H200 SXM": 1979 * TFLOPS, "B200": 4500 * TFLOPS}
 
 # What an FP32 matmul of the head runs at on CUDA, by [parallel] head_precision: its peak from a Device.
 HEAD_PRECISION_PEAKS = {"tf32": lambda d: d.tf32, "bf16": lambda d: d.bf16, "bf16x3": lambda d: d.bf16 / 3,
@@ -154,7 +159,9 @@ class Pricing:
 
     def matmul_peak(self, cost: OpCost) -> float:
         """FLOP/s for a matmul of this dtype: BF16 tensor cores; FP32 ones in the head at head_precision,
-        elsewhere (routers) at torch's default "highest" precision, on CUDA cores."""
+        elsewhere (routers) at torch's default "highest" precision, on CUDA cores; fp8.py's ops at the FP8 peak."""
+        if cost.op.startswith("flint.fp8"):
+            return FP8_PEAKS.get(self.device.name, self.device.bf16)
         if cost.dtype != "float32":
             return self.device.bf16
         if cost.module.startswith("lm_head"):
@@ -201,11 +208,28 @@ def compute_items(config: ModelConfig, costs: list[OpCost], pricing: Pricing, se
         if where and not item.label.endswith(")"):
             item.label += where
     items = list(groups.values())
+    quantisation = sum(fp8_quantisation_bytes(cost, pricing.ep) for cost in costs) / pricing.device.hbm
+    if quantisation:
+        items.append(Item("FP8 quantisation passes (amax, scale and cast of every operand)", quantisation,
+                          quantisation, "memory"))
     if pricing.gpu:
         units = 2 + 5 + 2 * recomputed_share(config, checkpointing)  # flash: the backward recomputes the scores
         seconds = attention_flops_per_token(config, seq_len) * tokens * units / 6 / pricing.device.bf16
         items.append(Item("attention core (flex kernel, BF16)", seconds, seconds, "compute"))
     return items
+
+
+def fp8_quantisation_bytes(cost: OpCost, ep: int) -> float:
+    """What fp8.py's quantisation of an FP8 op's two operands moves: each is read twice (its absolute
+    maximum, then scaled) and written once in FP8; outside the op's GEMM, so never fused into it. An
+    expert-parallel rank quantises 1/ep of the expert weights (a grouped GEMM's second operand)."""
+    if not cost.op.startswith("flint.fp8"):
+        return 0.0
+    element_bytes = torch.empty((), dtype=getattr(torch, cost.dtype)).element_size()
+    sizes = [math.prod(int(n) for n in dims.split(", ")) for dims in re.findall(r"\[([\d, ]+)\]", cost.shapes)]
+    if cost.op == "flint.fp8_grouped_mm":
+        sizes[1] /= ep
+    return cost.calls * sum(sizes) * (2 * element_bytes + 1)
 
 
 # ============================================================================= the layout's communication
@@ -362,7 +386,7 @@ def plan_step(cfg: TrainConfig, layout: ParallelConfig, device: Device) -> Plan:
     dtype = layout.compute_dtype("cuda" if gpu else "cpu")
     bulk_bytes = torch.empty((), dtype=dtype).element_size()
     checkpointing = layout.activation_checkpointing
-    costs = trace_step(config, batch, seq_len, dtype, checkpointing, 16 if gpu and layout.ep == 1 else 1)
+    costs = trace_step(config, batch, seq_len, dtype, checkpointing, 16 if gpu and layout.ep == 1 else 1, layout.fp8)
     tokens = batch * seq_len / layout.cp  # this rank's, per micro-batch
     share = 1 / (layout.cp * layout.pp)  # of the traced whole-model, whole-sequence step
     ops = compute_items(config, costs, pricing, seq_len, batch * seq_len, checkpointing)
