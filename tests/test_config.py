@@ -244,14 +244,14 @@ def test_init_from_a_runs_checkpoint_dir_takes_its_newest_intact_step(trained_on
         load_config(ROOT / "configs" / "debug.toml", [f"--model.init_from={tmp_path}", "--model.preset="])
 
 
-@pytest.mark.parametrize("value", ['"x"', '"6-5"', '"0"', '"3-21"', '"2-"', "5"])
+@pytest.mark.parametrize("value", ['"x"', '"6-5"', '"0"', '"3-21"', '"2-"', "21"])
 def test_profile_steps_must_name_steps_of_the_run(value):
     """One line naming the key, what it takes and the run's last step (configs/debug.toml trains 20)."""
     with pytest.raises(ConfigError) as error:
         load_config(CONFIGS / "debug.toml", [f"--logging.profile_steps={value}"])
     message = str(error.value)
     assert "\n" not in message and message.startswith("command line --logging.profile_steps: ")
-    assert ("1 <= A <= B <= training.steps = 20" in message) if value != "5" else "must be str, got int 5" in message
+    assert "1 <= A <= B <= training.steps = 20" in message
     assert load_config(CONFIGS / "debug.toml", ["--logging.profile_steps=5-6"]).logging.profile_steps == "5-6"
 
 
