@@ -87,6 +87,16 @@ def _activation_bytes_per_token(config: ModelConfig, layers: int, checkpointing:
     return kept * block + (layers - kept) * checkpointed + (block if kept < layers else 0)
 
 
+def microbatches_in_flight(cfg: ParallelConfig, grad_accum: int = 1, calls: int = 1) -> int:
+    """Pipeline micro-batches whose activations a stage holds at its peak: GPipe all of them (of a schedule
+    call: grad_accum / calls training micro-batches of pp_microbatches each), 1F1B and interleaving pp, ZB-V
+    pp as well (its point: 1F1B's memory), DualPipeV pp + 1 (DeepSeek-V3's report, DualPipe's README)."""
+    if cfg.pp == 1:
+        return 1
+    microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
+    return {"GPipe": microbatches * grad_accum // calls, "DualPipeV": cfg.pp + 1}.get(cfg.pp_schedule, cfg.pp)
+
+
 def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch_size: int,
                    grad_accum: int = 1, gpu_gib: float = GPU_GIB["141GB"]) -> dict[str, float]:
     """GiB per GPU on the busiest pipeline stage: FP32 master weights, FP32 gradients and AdamW
@@ -122,10 +132,7 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
     held = cfg.pp > 1 or accumulation != "sync_each"  # unsharded gradients held across micro-batches
     stays_gathered = accumulation == "gathered" or (cfg.pp > 1 and not cfg.reshard_after_forward)
     microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
-    # Micro-batches whose activations a stage holds at the peak: GPipe all of them (of the call), 1F1B and
-    # interleaving pp, ZB-V pp as well (its point: 1F1B's memory), DualPipeV pp + 1 (DeepSeek-V3's report).
-    held_microbatches = {"GPipe": microbatches * grad_accum // calls, "DualPipeV": cfg.pp + 1}
-    in_flight = 1 if cfg.pp == 1 else held_microbatches.get(cfg.pp_schedule, cfg.pp)
+    in_flight = microbatches_in_flight(cfg, grad_accum, calls)
     tokens = batch_size * seq_len / cfg.cp / (microbatches if cfg.pp > 1 else 1)
     per_token = _activation_bytes_per_token(config, layers_per_stage, cfg.activation_checkpointing, seq_len)
     activations = tokens * in_flight * per_token
