@@ -47,17 +47,35 @@ _META_MODELS: dict[str, torch.nn.Module] = {}
 
 def _stage_params(config: ModelConfig, pp: int) -> list[tuple[int, int, int]]:
     """(expert, other trainable, frozen) parameter counts of each pipeline stage, counted on the meta
-    device. Frozen parameters (Large 4's indexer) have no gradient and no optimizer state."""
+    device. Frozen parameters (Large 4's indexer) have no gradient and no optimizer state. Counted once per
+    (config, pp): a layout search asks for the same counts many times."""
+    key = (repr(config), pp)
+    if key in _STAGE_PARAMS:
+        return _STAGE_PARAMS[key]
     model = _meta_model(config)
     stages = [pipeline_stage(model, s, pp) if pp > 1 else model for s in range(pp)]
-    return [(sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." in n),
-             sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." not in n and p.requires_grad),
-             sum(p.numel() for p in part.parameters() if not p.requires_grad)) for part in stages]
+    _STAGE_PARAMS[key] = [(sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." in n),
+                           sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." not in n and p.requires_grad),
+                           sum(p.numel() for p in part.parameters() if not p.requires_grad)) for part in stages]
+    return _STAGE_PARAMS[key]
+
+
+_STAGE_PARAMS: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
 
 
 def _stage_fp32_params(config: ModelConfig, pp: int) -> list[int]:
     """Parameters of each pipeline stage that FSDP gathers in FP32 under the BF16 policy: the head and the
     model's FP32 modules (parallel.apply_fsdp's FP32 units), expert parameters among them none."""
+    key = (repr(config), pp)
+    if key not in _STAGE_FP32:
+        _STAGE_FP32[key] = _count_stage_fp32_params(config, pp)
+    return _STAGE_FP32[key]
+
+
+_STAGE_FP32: dict[tuple[str, int], list[int]] = {}
+
+
+def _count_stage_fp32_params(config: ModelConfig, pp: int) -> list[int]:
     model = _meta_model(config)
     stages = [pipeline_stage(model, s, pp) if pp > 1 else model for s in range(pp)]
     units = [[*part.fp32_root_modules(), part.lm_head, *(m for layer in part.layers.values()

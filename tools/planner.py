@@ -359,6 +359,17 @@ def all_to_all_seconds(sent_bytes: float, size: int, per_node: int, pricing: Pri
 def unit_bytes(config: ModelConfig, layout: ParallelConfig, bulk_bytes: int) -> list[tuple[float, float, float, float]]:
     """Per FSDP unit (each block of one pipeline stage, then the root modules): the bytes gathered
     over the FSDP group and over the experts' group, and their FP32 gradients, for one rank."""
+    key = (repr(config), layout.pp, layout.ep, bulk_bytes)
+    if key not in _UNITS:
+        _UNITS[key] = count_unit_bytes(config, layout, bulk_bytes)
+    return _UNITS[key]
+
+
+_UNITS: dict[tuple, list[tuple[float, float, float, float]]] = {}
+
+
+def count_unit_bytes(config: ModelConfig, layout: ParallelConfig, bulk_bytes: int) -> list[tuple[float, float, float, float]]:
+    """unit_bytes, counted on the meta model."""
     model = _meta_model(config)
     layers = list(model.layers.values())
     units = []
@@ -724,6 +735,8 @@ def main(argv: list[str] | None = None) -> Plan | None:
     parser.add_argument("--gpu", default="H100", help=f"{', '.join(GPUS)}, or cpu: this machine, measured now")
     parser.add_argument("--gpus", type=int, help="GPUs in all (default: what the config's layout needs)")
     parser.add_argument("--validate", action="store_true", help="the published runs against their predictions")
+    parser.add_argument("--search", action="store_true", help="rank every layout of --gpus that fits (tools/search.py)")
+    parser.add_argument("--tokens-per-step", type=int, help="with --search: the global batch (default: the config's)")
     args, overrides = parser.parse_known_args(argv)
     if args.validate:
         print(validation_table())
@@ -741,6 +754,14 @@ def main(argv: list[str] | None = None) -> Plan | None:
     except ValueError as error:
         raise ConfigError(f"{cfg.source} on --gpus {gpus}: {error}") from error
     started = time.perf_counter()
+    if args.search:
+        from tools.search import search, search_table, tokens_per_step
+        tokens = args.tokens_per_step or tokens_per_step(cfg, gpus)
+        found = search(cfg, gpus, device, tokens)
+        print(f"{Path(cfg.source).name} on {gpus} x {device.name}: {tokens:,} tokens per step, {len(found)} layouts "
+              f"fit ({time.perf_counter() - started:.0f} s)")
+        print(search_table(found))
+        return found[0].plan if found else None
     plan = plan_step(cfg, layout, device)
     print(f"{Path(cfg.source).name}: seq_len {cfg.data.seq_len}, batch_size {cfg.training.batch_size} x "
           f"grad_accum {cfg.training.grad_accum} per GPU, {gpus} GPUs (traced in {time.perf_counter() - started:.0f} s)")
