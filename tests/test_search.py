@@ -59,3 +59,9 @@ def test_search_keeps_the_step_and_ranks_what_fits(small_space, capsys, monkeypa
     out = capsys.readouterr().out
     assert f"{tokens:,} tokens per step, {len(found)} layouts fit" in out and "| 1 | " in out
     assert best.tokens_per_second == found[0].plan.tokens_per_second
+
+
+@FLINT
+def test_search_tries_only_the_checkpointing_modes_asked(small_space):
+    found = search.search(tiny_config(), 8, planner.GPUS["H100"], 2 * 64 * 8, ("full", "selective"))
+    assert found and {c.layout.activation_checkpointing for c in found} <= {"full", "selective"}

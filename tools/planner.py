@@ -6,8 +6,10 @@
     python3 -m tools.planner --preset flint-shallow --gpu H200 --gpus 1 --data.seq_len=4096 --training.batch_size=2
     python3 -m tools.planner --gpu cpu                                        # bench.py's CPU shape, this machine
     python3 -m tools.planner --validate                                       # published runs, measured / predicted
+    python3 -m tools.planner --search --config configs/flint.toml --gpus 64 --gpu H100  # the best layouts (tools/search.py)
 
-prints tokens/s per GPU, MFU, the step time and the ten ops or collectives that cost most. Method:
+prints tokens/s per GPU, MFU, the step time and the ten ops or collectives that cost most, then the same step at
+100 % of every peak (the bound). Method:
 
 1. Compute: one forward and backward (with the recompute forward of activation checkpointing) of the
    whole model at a rank's micro-batch [batch_size, seq_len], in the run's dtypes (BF16 bulk, FP32
@@ -737,6 +739,8 @@ def main(argv: list[str] | None = None) -> Plan | None:
     parser.add_argument("--validate", action="store_true", help="the published runs against their predictions")
     parser.add_argument("--search", action="store_true", help="rank every layout of --gpus that fits (tools/search.py)")
     parser.add_argument("--tokens-per-step", type=int, help="with --search: the global batch (default: the config's)")
+    parser.add_argument("--checkpointing", help="with --search: the activation checkpointing modes to try, "
+                        "comma-separated (default: none,selective,full)")
     args, overrides = parser.parse_known_args(argv)
     if args.validate:
         print(validation_table())
@@ -757,7 +761,8 @@ def main(argv: list[str] | None = None) -> Plan | None:
     if args.search:
         from tools.search import search, search_table, tokens_per_step
         tokens = args.tokens_per_step or tokens_per_step(cfg, gpus)
-        found = search(cfg, gpus, device, tokens)
+        modes = tuple(args.checkpointing.split(",")) if args.checkpointing else None
+        found = search(cfg, gpus, device, tokens, modes)
         print(f"{Path(cfg.source).name} on {gpus} x {device.name}: {tokens:,} tokens per step, {len(found)} layouts "
               f"fit ({time.perf_counter() - started:.0f} s)")
         print(search_table(found))

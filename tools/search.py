@@ -84,11 +84,13 @@ def meshes(cfg: TrainConfig, gpus: int, device: Device) -> Iterator[ParallelConf
                                                   dp_shard=rest // replicas)
 
 
-def candidates(cfg: TrainConfig, gpus: int, device: Device, tokens: int) -> Iterator[tuple[ParallelConfig, int, int]]:
+def candidates(cfg: TrainConfig, gpus: int, device: Device, tokens: int,
+               checkpointing_modes: tuple[str, ...] = CHECKPOINTING) -> Iterator[tuple[ParallelConfig, int, int]]:
     """(layout, rows, grad_accum) of each mesh, micro-batch shape, accumulation, checkpointing and overlap
     that keep the step at `tokens` and that parallel.py accepts."""
     num_experts, seq_len = cfg.model_config.num_experts, cfg.data.seq_len
-    for mesh, rows, checkpointing, overlap in itertools.product(meshes(cfg, gpus, device), ROWS, CHECKPOINTING, OVERLAPS):
+    for mesh, rows, checkpointing, overlap in itertools.product(meshes(cfg, gpus, device), ROWS, checkpointing_modes,
+                                                                OVERLAPS):
         per_step = rows * seq_len * data_parallel(mesh)
         if tokens % per_step or (mesh.ep == 1 and overlap > 1):
             continue
@@ -109,12 +111,14 @@ def fits(memory_gib: float, device: Device, checkpointing: str) -> bool:
     return memory_gib * (1 + MEMORY_MARGIN[checkpointing]) + OVERHEAD_GIB <= device.memory_gib
 
 
-def search(cfg: TrainConfig, gpus: int, device: Device, tokens: int | None = None) -> list[Candidate]:
-    """The layouts that fit, best calibrated tokens/s per GPU first."""
+def search(cfg: TrainConfig, gpus: int, device: Device, tokens: int | None = None,
+           checkpointing_modes: tuple[str, ...] | None = None) -> list[Candidate]:
+    """The layouts that fit, best calibrated tokens/s per GPU first; `checkpointing_modes` narrows the modes
+    tried (default: all)."""
     tokens = tokens or tokens_per_step(cfg, gpus)
     config, seq_len = cfg.model_config, cfg.data.seq_len
     found = []
-    for layout, rows, accum in candidates(cfg, gpus, device, tokens):
+    for layout, rows, accum in candidates(cfg, gpus, device, tokens, checkpointing_modes or CHECKPOINTING):
         memory = memory_per_gpu(config, layout, seq_len, rows, accum, device.memory_gib)["total"]
         if not fits(memory, device, layout.activation_checkpointing):
             continue
