@@ -273,3 +273,17 @@ def test_published_runs_within_15_percent():
     assert len(rows) == len(planner.PUBLISHED_RUNS)
     for row in rows:
         assert 0.85 <= float(row[4]) <= 1.15, row
+
+
+@only("large4")
+def test_large4_context_parallel_gathers_its_latent():
+    """Mistral Large 4 under cp 2 on one node: each layer all-gathers the whole sequence's latent and rotated
+    key (kv_lora_rank + qk_rope_head_dim BF16 values a token) in forward and recompute, and reduce-scatters their
+    gradients: 3 rings of (n - 1) / n of it at NCCL's 80 % of NVLink."""
+    c = family("large4").config.from_name("large4-tiny")
+    layout = ParallelConfig(cp=2, activation_checkpointing="full").resolve(2, c.num_experts)
+    h100, tokens = GPUS["H100"], 64  # this rank's
+    item = planner.context_parallel_item(c, layout, Pricing(h100), tokens, 2, recomputed=1.0)
+    gathered = tokens * 2 * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
+    ring = gathered / 2 / (h100.nvlink * NVLINK_RING_EFFICIENCY)
+    assert item.seconds == pytest.approx(c.num_hidden_layers * 3 * ring)

@@ -505,8 +505,8 @@ def context_parallel_item(config: ModelConfig, layout: ParallelConfig, pricing: 
     size, bandwidth = group_link(layout, ("cp",), pricing)
     if size == 1:
         return None
-    width = (2 * config.num_key_value_heads * config.head_dim if hasattr(config, "num_key_value_heads")
-             else config.kv_lora_rank + config.qk_rope_head_dim)
+    width = (config.kv_lora_rank + config.qk_rope_head_dim if hasattr(config, "kv_lora_rank")  # MLA's latent
+             else 2 * config.num_key_value_heads * config.head_dim)
     gathered = tokens * size * width * bulk_bytes  # the whole sequence's
     layers = config.num_hidden_layers / layout.pp
     seconds = layers * (1 + recomputed + 1) * ring_seconds(gathered, size, bandwidth)
