@@ -170,7 +170,7 @@ def test_command_prints_the_released_layouts_labelled(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     memory.main(["--config", "configs/flint-8gpu.toml", "--gpus", "8"])
     out = capsys.readouterr().out
-    assert "| config flint-8gpu.toml: ep=8 ac=full |" in out and "| candidate: dp_shard=8 ac=none |" in out
+    assert "| config flint-8gpu.toml: dp_shard=2 ep=4 ac=full |" in out and "| candidate: dp_shard=8 ac=none |" in out
     memory.main(["--config", "configs/flint-8gpu.toml", "--parallel.ep=4", "--parallel.dp_shard=2", "--data.seq_len=8192"])
     out = capsys.readouterr().out
     assert "seq_len 8192" in out and "| config flint-8gpu.toml: dp_shard=2 ep=4 ac=full |" in out

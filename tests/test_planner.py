@@ -208,7 +208,7 @@ def test_command_prints_tokens_mfu_and_the_ten_costliest(capsys, monkeypatch):
     plan = planner.main(["--config", "configs/flint-8gpu.toml", "--gpu", "h200", "--model.num_hidden_layers=4",
                          "--data.seq_len=1024"])
     out = capsys.readouterr().out
-    assert "H200 SXM, ep=8 ac=full ep_overlap=2" in out and "tokens/s per GPU, MFU" in out
+    assert "H200 SXM, dp_shard=2 ep=4 ac=full ep_overlap=4" in out and "tokens/s per GPU, MFU" in out
     assert any("expert-parallel all-to-all" in item.label for item in plan.items) and "100 % of peak (the bound)" in out
     assert len([line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]) == 10
     assert 0 < plan.mfu < 1 and plan.step_seconds == pytest.approx(sum(item.exposed for item in plan.items))
