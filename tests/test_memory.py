@@ -196,14 +196,14 @@ def test_large4_released_layouts_and_what_fits():
     from config import load_config
     cfg = load_config(ROOT / "configs" / "large4-256gpu.toml")
     config, layout = cfg.model_config, cfg.parallel.resolve(256, 128)
-    assert (layout.dp_shard, layout.ep, layout.activation_checkpointing) == (32, 8, "full")
+    assert (layout.dp_shard, layout.ep, layout.activation_checkpointing) == (8, 32, "full")
     row = memory_per_gpu(config, layout, cfg.data.seq_len, cfg.training.batch_size)
     states = (row["params"] + row["grads"] + row["optimizer"]) * GIB * 256
     assert abs(states / 16.78e12 - 1) < 0.005, states
     table = memory_table(config, [("config", layout), ("candidate", ParallelConfig(dp_shard=256).resolve(256, 128))], cfg.data.seq_len,
                          cfg.training.batch_size).splitlines()
     assert table[1].endswith("| total | fits 141GB | fits 80GB |")
-    assert table[3].startswith("| config: dp_shard=32 ep=8 ac=full |") and table[3].endswith("| yes | NO |")
+    assert table[3].startswith("| config: dp_shard=8 ep=32 ac=full |") and table[3].endswith("| yes | NO |")
     assert table[4].startswith("| candidate: dp_shard=256 ac=none |") and table[4].endswith("| NO | NO |")
 
 
