@@ -164,7 +164,7 @@ def test_flint_8gpu_is_rehearsed_at_its_real_size(tmp_path, capsys):
 
 @slow
 @pytest.mark.parametrize("name, world, overrides", [
-    pytest.param("flint-multinode", 32, (), marks=FLINT), pytest.param("flint", 8, (), marks=FLINT),
+    pytest.param("flint-multinode", 32, (), marks=FLINT), pytest.param("flint", 64, (), marks=FLINT),
     pytest.param("large4-256gpu", 256, (), marks=LARGE4),
     pytest.param("finetune", 8, ("init_from:flint",), marks=FLINT),
     pytest.param("large4", 256, ("init_from:large4",), marks=LARGE4)])
