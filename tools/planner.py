@@ -672,6 +672,14 @@ GPT_OSS = ["--model.hidden_size=2880", "--model.num_attention_heads=64", "--mode
            "--model.shared_expert_intermediate_size=1"]  # no shared expert: one channel, no FLOPs to speak of
 
 
+def published_layout(ep: int) -> list[str]:
+    """A published run's layout in full, whatever configs/flint-8gpu.toml holds: FSDP over every GPU, the
+    experts over `ep`, full checkpointing, compiled; Flint's default of 2 overlapped chunks (the runs do not
+    state how DeepEP overlapped)."""
+    return ["--parallel.dp_shard=-1", f"--parallel.ep={ep}", "--parallel.ep_overlap=2",
+            "--parallel.activation_checkpointing=full", "--parallel.compile=true"]
+
+
 def gpt_oss_layers(layers: int) -> list[str]:
     """GPT-OSS's attention: sliding (128 keys) and full layers alternating."""
     kinds = ", ".join(['"sliding_attention", "full_attention"'] * (layers // 2))
@@ -688,7 +696,8 @@ def gpt_oss_layers(layers: int) -> list[str]:
 PUBLISHED_RUNS = [
     ("GPT-OSS-20B", "NeMo AutoModel performance summary: 8 x H100, GBS 256, MBS 2, GA 16, seq 4,096, FSDP 8, "
      "TE + DeepEP + FlexAttn, 10.04 s per step", 8, 13_058, "flex",
-     GPT_OSS + gpt_oss_layers(24) + ["--model.num_experts=32", "--training.batch_size=2", "--training.grad_accum=16"]),
+     GPT_OSS + gpt_oss_layers(24) + published_layout(8)
+     + ["--model.num_experts=32", "--training.batch_size=2", "--training.grad_accum=16"]),
     ("Qwen3-30B-A3B", "NeMo AutoModel performance summary: 8 x H100, GBS 512, MBS 4, GA 16, seq 4,096, EP 8, FSDP 8, "
      "TE + DeepEP, 21.773 s per step", 8, 12_040, "fused",
      ["--model.hidden_size=2048", "--model.num_hidden_layers=48", "--model.num_attention_heads=32",
@@ -696,11 +705,11 @@ PUBLISHED_RUNS = [
       "--model.sliding_window=4096", "--model.layer_types=[" + ", ".join(['"full_attention"'] * 48) + "]",
       "--model.moe_intermediate_size=768", "--model.num_experts=128", "--model.num_experts_per_tok=8",
       "--model.mlp_only_layers=[]", "--model.shared_expert_intermediate_size=1",
-      "--training.batch_size=4", "--training.grad_accum=16"]),
+      "--training.batch_size=4", "--training.grad_accum=16", *published_layout(8)]),
     ("GPT-OSS-120B", "NeMo AutoModel performance summary: 64 x H100, GBS 512, MBS 2, GA 4, seq 4,096, FSDP 64, "
      "TE + DeepEP + FlexAttn, 4.30 s per step; EP 64", 64, 7_626, "flex",
-     GPT_OSS + gpt_oss_layers(36) + ["--model.num_experts=128", "--training.batch_size=2", "--training.grad_accum=4",
-                                     "--parallel.ep=64"]),
+     GPT_OSS + gpt_oss_layers(36) + published_layout(64)
+     + ["--model.num_experts=128", "--training.batch_size=2", "--training.grad_accum=4"]),
 ]
 
 
