@@ -226,7 +226,7 @@ def test_a_training_config_is_read_as_train_py_reads_it():
     (["--config", "/nowhere/checkpoint"], r"^command line --config: \[model\].hf_config /nowhere/checkpoint does not"),
     (["--model.init_from=/nowhere"], r"^command line --model.init_from: \[model\].init_from /nowhere does not exist"),
     pytest.param(["--config", "configs/flint-8gpu.toml"], r"^configs/flint-8gpu.toml: bench.py times one process .* "
-                 r"ep \* cp = 1 \* 1 \* 1 \* 8 \* 1 must equal the world size 1", marks=FLINT),
+                 r"ep \* cp = 1 \* 1 \* 2 \* 4 \* 1 must equal the world size 1", marks=FLINT),
     (["--parallel.dp_shard=2"], r"^command line --parallel.dp_shard: bench.py times one process"),
     pytest.param(["--model.num_experts=many"], r"^command line --model.num_experts: \[model\].num_experts must be int",
                  marks=FLINT),

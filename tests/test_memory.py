@@ -30,6 +30,44 @@ def test_memory_table_counts_sharded_state_by_hand():
 
 
 @FLINT
+def test_experts_states_are_sharded_over_ep_dp_shard_and_cp():
+    """4 GPUs as ep 2 x cp 2 (dp_shard 1): the routed experts split over ep and FSDP-sharded over dp_shard x cp
+    (parallel.build_mesh's efsdp), the rest over dp_shard x ep x cp: every trainable parameter's FP32 weight,
+    gradient and two moments 4 ways."""
+    config = tiny_config("flint")
+    total = build(config).num_params()
+    row = memory_per_gpu(config, ParallelConfig(ep=2, cp=2, dp_shard=1).resolve(4, 8), seq_len=16, batch_size=2)
+    assert row["params"] * GIB == pytest.approx(4 * total / 4) and row["grads"] * GIB == pytest.approx(4 * total / 4)
+    assert row["optimizer"] * GIB == pytest.approx(8 * total / 4)
+
+
+def test_microbatches_each_schedule_holds_in_flight():
+    """At a stage's peak: GPipe all of a call's micro-batches (pp_microbatches x grad_accum / calls), 1F1B,
+    Interleaved1F1B and ZBVZeroBubble pp, DualPipeV pp + 1; no pipeline, one."""
+    def held(schedule, pp=4, stages=0, microbatches=8, grad_accum=2, calls=1):
+        cfg = ParallelConfig(pp=pp, pp_schedule=schedule, pp_stages_per_rank=stages, pp_microbatches=microbatches)
+        return memory.microbatches_in_flight(cfg, grad_accum, calls)
+    assert held("GPipe") == 16 and held("GPipe", calls=2) == 8
+    assert held("1F1B") == 4 and held("Interleaved1F1B", stages=2) == 4 and held("ZBVZeroBubble", stages=2) == 4
+    assert held("DualPipeV", stages=2) == 5 and held("DualPipeV", pp=2, stages=2) == 3
+    assert memory.microbatches_in_flight(ParallelConfig(), 4) == 1
+
+
+@FLINT
+def test_dualpipev_activations_by_hand():
+    """pp 2 under DualPipeV (2 stages per rank, 4 micro-batches of one row each): the busiest rank holds
+    pp + 1 = 3 micro-batches' activations of its half of the blocks, no checkpointing,
+    plus two FP32 chunks of logits and the unsharded FP32 head gradient."""
+    config = tiny_config("flint")
+    layout = ParallelConfig(pp=2, dp_shard=2, pp_schedule="DualPipeV", pp_microbatches=4).resolve(4)
+    row = memory_per_gpu(config, layout, seq_len=16, batch_size=4)
+    tokens = 4 * 16 / 4  # one pipeline micro-batch
+    blocks = config.num_hidden_layers // 2 * build(config).block_activation_bytes(16)
+    logits = 2 * 4 * tokens * config.vocab_size + 4 * config.vocab_size * config.hidden_size
+    assert row["activations"] * GIB == pytest.approx(3 * tokens * blocks + logits)
+
+
+@FLINT
 def test_offload_moves_the_sharded_states_to_host_memory():
     """[parallel] offload: weights, gradients and AdamW states (16 B per trainable parameter's shard)
     leave the GPU's total for `host`; what FSDP gathers and the activations stay."""
@@ -132,7 +170,7 @@ def test_command_prints_the_released_layouts_labelled(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     memory.main(["--config", "configs/flint-8gpu.toml", "--gpus", "8"])
     out = capsys.readouterr().out
-    assert "| config flint-8gpu.toml: ep=8 ac=full |" in out and "| candidate: dp_shard=8 ac=none |" in out
+    assert "| config flint-8gpu.toml: dp_shard=2 ep=4 ac=full |" in out and "| candidate: dp_shard=8 ac=none |" in out
     memory.main(["--config", "configs/flint-8gpu.toml", "--parallel.ep=4", "--parallel.dp_shard=2", "--data.seq_len=8192"])
     out = capsys.readouterr().out
     assert "seq_len 8192" in out and "| config flint-8gpu.toml: dp_shard=2 ep=4 ac=full |" in out
@@ -158,14 +196,14 @@ def test_large4_released_layouts_and_what_fits():
     from config import load_config
     cfg = load_config(ROOT / "configs" / "large4-256gpu.toml")
     config, layout = cfg.model_config, cfg.parallel.resolve(256, 128)
-    assert (layout.dp_shard, layout.ep, layout.activation_checkpointing) == (32, 8, "full")
+    assert (layout.dp_shard, layout.ep, layout.activation_checkpointing) == (8, 32, "full")
     row = memory_per_gpu(config, layout, cfg.data.seq_len, cfg.training.batch_size)
     states = (row["params"] + row["grads"] + row["optimizer"]) * GIB * 256
     assert abs(states / 16.78e12 - 1) < 0.005, states
     table = memory_table(config, [("config", layout), ("candidate", ParallelConfig(dp_shard=256).resolve(256, 128))], cfg.data.seq_len,
                          cfg.training.batch_size).splitlines()
     assert table[1].endswith("| total | fits 141GB | fits 80GB |")
-    assert table[3].startswith("| config: dp_shard=32 ep=8 ac=full |") and table[3].endswith("| yes | NO |")
+    assert table[3].startswith("| config: dp_shard=8 ep=32 ac=full |") and table[3].endswith("| yes | NO |")
     assert table[4].startswith("| candidate: dp_shard=256 ac=none |") and table[4].endswith("| NO | NO |")
 
 

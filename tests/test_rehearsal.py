@@ -156,7 +156,7 @@ def rehearse_config(tmp_path, capsys, name: str, world: int, *overrides: str) ->
 
 @FLINT
 def test_flint_8gpu_is_rehearsed_at_its_real_size(tmp_path, capsys):
-    """The released Flint, 8 ranks, experts split 32 per rank, full checkpointing: what
+    """The released Flint, 8 ranks as dp_shard 2 x ep 4 (experts split 64 per rank), full checkpointing: what
     `torchrun --nproc-per-node 8 train.py --config configs/flint-8gpu.toml` runs on rank 0."""
     result = rehearse_config(tmp_path, capsys, "flint-8gpu", 8)
     assert result["peak_gib"] < rehearsal.GPU_GIB["H200"]
@@ -164,7 +164,7 @@ def test_flint_8gpu_is_rehearsed_at_its_real_size(tmp_path, capsys):
 
 @slow
 @pytest.mark.parametrize("name, world, overrides", [
-    pytest.param("flint-multinode", 32, (), marks=FLINT), pytest.param("flint", 8, (), marks=FLINT),
+    pytest.param("flint-multinode", 32, (), marks=FLINT), pytest.param("flint", 64, (), marks=FLINT),
     pytest.param("large4-256gpu", 256, (), marks=LARGE4),
     pytest.param("finetune", 8, ("init_from:flint",), marks=FLINT),
     pytest.param("large4", 256, ("init_from:large4",), marks=LARGE4)])

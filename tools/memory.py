@@ -47,17 +47,35 @@ _META_MODELS: dict[str, torch.nn.Module] = {}
 
 def _stage_params(config: ModelConfig, pp: int) -> list[tuple[int, int, int]]:
     """(expert, other trainable, frozen) parameter counts of each pipeline stage, counted on the meta
-    device. Frozen parameters (Large 4's indexer) have no gradient and no optimizer state."""
+    device. Frozen parameters (Large 4's indexer) have no gradient and no optimizer state. Counted once per
+    (config, pp): a layout search asks for the same counts many times."""
+    key = (repr(config), pp)
+    if key in _STAGE_PARAMS:
+        return _STAGE_PARAMS[key]
     model = _meta_model(config)
     stages = [pipeline_stage(model, s, pp) if pp > 1 else model for s in range(pp)]
-    return [(sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." in n),
-             sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." not in n and p.requires_grad),
-             sum(p.numel() for p in part.parameters() if not p.requires_grad)) for part in stages]
+    _STAGE_PARAMS[key] = [(sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." in n),
+                           sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." not in n and p.requires_grad),
+                           sum(p.numel() for p in part.parameters() if not p.requires_grad)) for part in stages]
+    return _STAGE_PARAMS[key]
+
+
+_STAGE_PARAMS: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
 
 
 def _stage_fp32_params(config: ModelConfig, pp: int) -> list[int]:
     """Parameters of each pipeline stage that FSDP gathers in FP32 under the BF16 policy: the head and the
     model's FP32 modules (parallel.apply_fsdp's FP32 units), expert parameters among them none."""
+    key = (repr(config), pp)
+    if key not in _STAGE_FP32:
+        _STAGE_FP32[key] = _count_stage_fp32_params(config, pp)
+    return _STAGE_FP32[key]
+
+
+_STAGE_FP32: dict[tuple[str, int], list[int]] = {}
+
+
+def _count_stage_fp32_params(config: ModelConfig, pp: int) -> list[int]:
     model = _meta_model(config)
     stages = [pipeline_stage(model, s, pp) if pp > 1 else model for s in range(pp)]
     units = [[*part.fp32_root_modules(), part.lm_head, *(m for layer in part.layers.values()
@@ -85,6 +103,16 @@ def _activation_bytes_per_token(config: ModelConfig, layers: int, checkpointing:
     kept = {"none": layers, "full": 0, "selective": layers // 2}[checkpointing]
     # Checkpointed blocks keep their inputs only; one block at a time is recomputed in full.
     return kept * block + (layers - kept) * checkpointed + (block if kept < layers else 0)
+
+
+def microbatches_in_flight(cfg: ParallelConfig, grad_accum: int = 1, calls: int = 1) -> int:
+    """Pipeline micro-batches whose activations a stage holds at its peak: GPipe all of them (of a schedule
+    call: grad_accum / calls training micro-batches of pp_microbatches each), 1F1B and interleaving pp, ZB-V
+    pp as well (its point: 1F1B's memory), DualPipeV pp + 1 (DeepSeek-V3's report, DualPipe's README)."""
+    if cfg.pp == 1:
+        return 1
+    microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
+    return {"GPipe": microbatches * grad_accum // calls, "DualPipeV": cfg.pp + 1}.get(cfg.pp_schedule, cfg.pp)
 
 
 def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch_size: int,
@@ -122,10 +150,7 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
     held = cfg.pp > 1 or accumulation != "sync_each"  # unsharded gradients held across micro-batches
     stays_gathered = accumulation == "gathered" or (cfg.pp > 1 and not cfg.reshard_after_forward)
     microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
-    # Micro-batches whose activations a stage holds at the peak: GPipe all of them (of the call), 1F1B and
-    # interleaving pp, ZB-V pp as well (its point: 1F1B's memory), DualPipeV pp + 1 (DeepSeek-V3's report).
-    held_microbatches = {"GPipe": microbatches * grad_accum // calls, "DualPipeV": cfg.pp + 1}
-    in_flight = 1 if cfg.pp == 1 else held_microbatches.get(cfg.pp_schedule, cfg.pp)
+    in_flight = microbatches_in_flight(cfg, grad_accum, calls)
     tokens = batch_size * seq_len / cfg.cp / (microbatches if cfg.pp > 1 else 1)
     per_token = _activation_bytes_per_token(config, layers_per_stage, cfg.activation_checkpointing, seq_len)
     activations = tokens * in_flight * per_token

@@ -1,0 +1,67 @@
+"""tools/search.py: the layouts it enumerates keep the step's tokens, fit memory.py's estimate with the margin,
+and come ranked by the calibrated planner."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import tools.planner as planner
+import tools.search as search
+from config import load_config
+from helpers import only
+from tools.memory import OVERHEAD_GIB, memory_per_gpu
+
+ROOT = Path(__file__).resolve().parent.parent
+FLINT = only("flint")
+
+
+@pytest.fixture
+def small_space(monkeypatch):
+    """One checkpointing mode and overlap, two micro-batch shapes: a few traces of the tiny model."""
+    monkeypatch.setattr(search, "ROWS", (1, 2))
+    monkeypatch.setattr(search, "CHECKPOINTING", ("none",))
+    monkeypatch.setattr(search, "OVERLAPS", (1,))
+
+
+def tiny_config():
+    return load_config(ROOT / "configs" / "flint-8gpu.toml", ["--model.preset=tiny", "--data.seq_len=64"])
+
+
+def test_fits_leaves_the_slack_and_the_margin():
+    """total x (1 + 6 %) + 10 GiB <= the GPU's usable memory with full checkpointing; 27 % without."""
+    h100 = planner.GPUS["H100"]
+    for checkpointing, margin in (("full", 0.06), ("none", 0.27)):
+        limit = (h100.memory_gib - OVERHEAD_GIB) / (1 + margin)
+        assert search.fits(limit * 0.999, h100, checkpointing) and not search.fits(limit * 1.001, h100, checkpointing)
+
+
+@FLINT
+def test_search_keeps_the_step_and_ranks_what_fits(small_space, capsys, monkeypatch):
+    cfg, h100 = tiny_config(), planner.GPUS["H100"]
+    tokens = 2 * 64 * 8  # two rows of 64 tokens on each of 8 data-parallel ranks
+    found = search.search(cfg, 8, h100, tokens)
+    assert found and [c.plan.tokens_per_second for c in found] == sorted((c.plan.tokens_per_second for c in found),
+                                                                          reverse=True)
+    for candidate in found:
+        layout = candidate.layout
+        assert layout.pp * layout.dp_replicate * layout.dp_shard * layout.ep * layout.cp == 8
+        assert candidate.rows * 64 * candidate.grad_accum * search.data_parallel(layout) == tokens
+        row = memory_per_gpu(cfg.model_config, layout, 64, candidate.rows, candidate.grad_accum, h100.memory_gib)
+        assert candidate.memory_gib == row["total"] and search.fits(row["total"], h100, layout.activation_checkpointing)
+    modes = {c.layout.accumulation for c in found if c.grad_accum > 1}
+    assert modes == {"sync_each", "sync_last", "gathered"}
+    cramped = dataclasses.replace(h100, memory_gib=OVERHEAD_GIB)  # nothing fits beside the slack
+    assert search.search(cfg, 8, cramped, tokens) == []
+    monkeypatch.chdir(ROOT)
+    best = planner.main(["--search", "--config", "configs/flint-8gpu.toml", "--gpus", "8", "--model.preset=tiny",
+                         "--data.seq_len=64", "--tokens-per-step", str(tokens)])
+    out = capsys.readouterr().out
+    assert f"{tokens:,} tokens per step, {len(found)} layouts fit" in out and "| 1 | " in out
+    assert best.tokens_per_second == found[0].plan.tokens_per_second
+
+
+@FLINT
+def test_search_tries_only_the_checkpointing_modes_asked(small_space):
+    found = search.search(tiny_config(), 8, planner.GPUS["H100"], 2 * 64 * 8, ("full", "selective"))
+    assert found and {c.layout.activation_checkpointing for c in found} <= {"full", "selective"}
