@@ -604,7 +604,18 @@ def init_weights(pm: "ParallelModel", device: torch.device, seed: int | None) ->
         part.to_empty(device=device)  # on each FSDP root: it re-registers its shards
         for buffer in part.buffers():  # statistics, not weights
             buffer.zero_()
-        for name, param in (part.named_parameters() if seed is not None else ()):
+    if seed is not None:
+        set_initial_values(pm, seed)
+
+
+@torch.no_grad()
+def set_initial_values(pm: "ParallelModel", seed: int, which: Callable[[str], bool] = lambda name: True) -> None:
+    """Set this rank's shards of the parameters `which` names to the model's `initial_value` (LoRA's
+    adapters after the base is loaded: lora.py)."""
+    for part in pm.parts:
+        for name, param in part.named_parameters():
+            if not which(name):
+                continue
             full = part.initial_value(name, param, seed)
             if isinstance(param, DTensor):  # Shard and _StridedShard over FSDP/EP meshes, chunked like FSDP2
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()

@@ -402,7 +402,7 @@ def report(cfg: TrainConfig, world: int, rank: int, gpu: str, tracker: PeakMemor
     are counted), beside memory.py's estimate and the GPU's capacity."""
     parallel = cfg.parallel.resolve(world, cfg.model_config.num_experts)
     estimate = memory_per_gpu(cfg.model_config, parallel, cfg.data.seq_len, cfg.training.batch_size,
-                              cfg.training.grad_accum, GPU_GIB[gpu])["total"]
+                              cfg.training.grad_accum, GPU_GIB[gpu], cfg.lora if cfg.lora.enabled else None)["total"]
     peak, capacity = (tracker.peak - host) / GIB, GPU_GIB[gpu]
     offloaded = f", and {host / GIB:.1f} GiB in host memory ([parallel] offload)" if host else ""
     say(f"peak {peak:.1f} GiB of {capacity:.1f} GiB on an {gpu} (memory.py {estimate:.1f} GiB){offloaded}, "
