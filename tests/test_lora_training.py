@@ -92,11 +92,17 @@ def test_resume_is_bit_exact_and_only_on_the_same_base(tmp_path, trained_once):
         lora_run(tmp_path / "whole", trained_once, f"--checkpoint.resume={trained_once}")
 
 
-def test_export_merged_and_as_peft(tmp_path, trained_once):
+@pytest.mark.parametrize("published_base", [False, True], ids=["native_base", "hugging_face_base"])
+def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
     """convert.py to-hf on a LoRA checkpoint writes the merged model (its logits are the adapted model's) and
     to-peft the adapter directory (its tensors are lora.peft_state of the checkpoint's adapters); the run's
-    own export_hf is the merged one."""
-    lora_run(tmp_path, trained_once, "--training.steps=3", f"--checkpoint.export_hf={tmp_path / 'run_export'}")
+    own export_hf is the merged one. The base is read where the run read it: native, or Hugging Face
+    (converted tensor by tensor, as train.py converted it)."""
+    base = trained_once
+    if published_base:
+        base = tmp_path / "hf_base"
+        convert.main(["to-hf", str(trained_once), str(base)])
+    lora_run(tmp_path, base, "--training.steps=3", f"--checkpoint.export_hf={tmp_path / 'run_export'}")
     checkpoint = checkpoint_of(tmp_path, 3)
     convert.main(["to-hf", str(checkpoint), str(tmp_path / "merged")])
     convert.main(["to-peft", str(checkpoint), str(tmp_path / "peft")])
@@ -108,14 +114,14 @@ def test_export_merged_and_as_peft(tmp_path, trained_once):
     merged = convert.load_hf(tmp_path / "merged", torch.float32)
     with torch.no_grad():
         assert_close_to_scale(merged(ids), model(ids), rtol=1e-5, what="merged logits")
-        base = convert.load_native(trained_once, torch.float32)
-        assert not torch.allclose(base(ids), model(ids), atol=1e-4)  # the adapters changed the model
+        unadapted = convert.load_native(trained_once, torch.float32)
+        assert not torch.allclose(unadapted(ids), model(ids), atol=1e-4)  # the adapters changed the model
     written = exported_tensors(tmp_path / "peft")
     expected = lora.peft_state(adapters, convert.published_table(model.config))
     assert sorted(written) == sorted(expected)
     assert all(torch.equal(written[key], value) for key, value in expected.items())
     peft_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-    assert peft_config["r"] == 8 and peft_config["base_model_name_or_path"] == str(trained_once.resolve())
+    assert peft_config["r"] == 8 and peft_config["base_model_name_or_path"] == str(base.resolve())
     run_export = exported_tensors(tmp_path / "run_export")
     assert all(torch.equal(run_export[key], value) for key, value in exported_tensors(tmp_path / "merged").items())
 

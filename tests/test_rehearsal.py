@@ -188,6 +188,22 @@ def test_offload_counts_the_sharded_states_in_host_memory(tmp_path, capsys):
 
 
 @FLINT
+def test_a_lora_job_is_rehearsed_with_its_base_frozen(tmp_path, capsys):
+    """[lora] on the debug model (its config.json as the init_from, as for the released configs): the frozen base
+    has no gradient and no AdamW states, so the peak is below full training's although the adapters add weights
+    (the activations of so small a model are most of either peak)."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps(load_config("configs/debug.toml").model_config.to_hf_config()))
+    full = rehearse_tiny(tmp_path / "full", capsys, f"--model.init_from={base}", "--model.preset=", world=2,
+                         config="debug")
+    adapted = rehearse_tiny(tmp_path / "lora", capsys, f"--model.init_from={base}", "--model.preset=",
+                            '--lora.targets=["all"]', "--lora.rank=8", world=2, config="debug")
+    assert "step 1: forward, backward, clipping and adamw passed" in adapted["printed"]
+    assert adapted["peak_gib"] < 0.9 * full["peak_gib"], (adapted["peak_gib"], full["peak_gib"])  # 0.86 measured
+
+
+@FLINT
 def test_accumulation_auto_is_resolved_for_the_jobs_gpu(tmp_path, capsys, monkeypatch):
     """The rehearsal runs a step's micro-batches as train.py does (ParallelModel.accumulate_gradients), with
     [parallel] accumulation "auto" resolved against the GPU's memory, not this host's (here: none at all)."""
