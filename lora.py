@@ -511,6 +511,17 @@ class MergedSource(Source):
         return tensors
 
 
+@torch.no_grad()
+def load_merged(checkpoint: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> nn.Module:
+    """A LoRA checkpoint's model merged, in one process (sampling), read a tensor at a time. dtype None: FP32."""
+    from convert import _empty_model, read_config
+    source = MergedSource(Path(checkpoint))
+    model = _empty_model(read_config(checkpoint)[0], dtype or torch.float32, device)
+    for key, value in model.state_dict().items():
+        value.copy_(source.read([key])[key])
+    return model
+
+
 # Where transformers' model of each family puts a native module (peft matches target_modules against those
 # names): a prefix, and renamed pieces (Large 4's shared expert is transformers' shared_experts).
 TRANSFORMERS_MODULES = {"flint": ("model.", {}),

@@ -89,7 +89,9 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
         step = checkpoints.resume(model, optimizer, train_data)
         explain_resumed_settings(cfg, checkpoints.last if step else None, step, run)
         logger = MetricsLogger(cfg, run, model.config, start_step=step, run_dir=checkpoints.run_dir)
-        routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps, run.is_main)
+        # A LoRA run keeps its base frozen, the routers' selection bias (aux-loss-free balancing) included.
+        frozen = dataclasses.replace(model.config, router_bias_update_rate=0.0) if cfg.lora.enabled else model.config
+        routing = RoutingMonitor(model.module, frozen, run.device, cfg.logging.idle_expert_steps, run.is_main)
         with Interruption(run) as interruption, explain_stop(checkpoints, run, argv):
             while step < cfg.training.steps:
                 step += 1
@@ -671,10 +673,7 @@ def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, l
             export_published(source, config, export, dtype, extras=extras)
             run.print(f"exported the model{' merged with its LoRA adapters' * cfg.lora.enabled} in Hugging Face "
                       f"format to {export}")
-        if run.is_main and t.sample_tokens and cfg.lora.enabled and not export:
-            run.print("sample skipped: a LoRA checkpoint holds the adapters only; set checkpoint.export_hf to sample "
-                      "from the merged export (or python convert.py to-hf CHECKPOINT OUT, then sample.py)")
-        elif run.is_main and t.sample_tokens:
+        if run.is_main and t.sample_tokens:
             with torch.device("meta"):
                 saved = config_from_hf(checkpoint / "config.json")
                 num_params = model_class(saved)(saved).num_params()
@@ -683,7 +682,7 @@ def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, l
                           f"is {SAMPLE_MAX_PARAMS / 1e9:.0f}B); export with checkpoint.export_hf and sample "
                           f"from the export in an inference engine")
             else:
-                draw_sample(Path(export) if cfg.lora.enabled else checkpoint, tokenizer, t, logger, run)
+                draw_sample(checkpoint, tokenizer, t, logger, run)
     logger.write_report()  # report.py's page of the run, in its directory
     return logger.summary
 

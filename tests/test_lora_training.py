@@ -12,6 +12,7 @@ import torch
 
 import convert
 import lora
+import sample
 import train
 from checkpoint_files import CheckpointError, read_metadata
 from config import ConfigError
@@ -57,13 +58,18 @@ def test_the_adapters_train_on_the_frozen_base(tmp_path, trained_once, monkeypat
     assert set(base_state) == set(lora.without_adapters(model.state_dict()))
 
 
-def test_the_base_weights_stay_bit_for_bit(tmp_path, trained_once, monkeypatch):
-    """The layout's own model after training: every frozen weight equal to the checkpoint it was loaded from."""
+def test_the_base_stays_bit_for_bit(tmp_path, monkeypatch):
+    """The layout's own model after training: every frozen weight and buffer equal to the checkpoint it was
+    loaded from, the routers' selection bias of a base balanced without a loss (aux-loss-free) included."""
+    run_debug(tmp_path / "biased", "--training.steps=2", "--training.sample_tokens=0",
+              "--model.router_bias_update_rate=0.01")
+    biased = checkpoint_of(tmp_path / "biased", 2)
     models = []
     parallelize = train.parallelize
     monkeypatch.setattr(train, "parallelize", lambda *args: models.append(parallelize(*args)) or models[-1])
-    lora_run(tmp_path, trained_once, "--training.steps=3")
-    base = convert.load_native(trained_once, torch.float32).state_dict()
+    lora_run(tmp_path / "lora", biased, "--training.steps=3")
+    base = convert.load_native(biased, torch.float32).state_dict()
+    assert any(key.endswith("selection_bias") and value.abs().max() > 0 for key, value in base.items())
     trained = models[0].module.state_dict()
     for name, value in base.items():
         assert torch.equal(trained[name], value), name
@@ -102,7 +108,9 @@ def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
     if published_base:
         base = tmp_path / "hf_base"
         convert.main(["to-hf", str(trained_once), str(base)])
-    lora_run(tmp_path, base, "--training.steps=3", f"--checkpoint.export_hf={tmp_path / 'run_export'}")
+    summary = lora_run(tmp_path, base, "--training.steps=3", f"--checkpoint.export_hf={tmp_path / 'run_export'}",
+                       "--training.sample_tokens=8")
+    assert "sample" in summary  # drawn from the checkpoint, merged in memory (sample.load_model)
     checkpoint = checkpoint_of(tmp_path, 3)
     convert.main(["to-hf", str(checkpoint), str(tmp_path / "merged")])
     convert.main(["to-peft", str(checkpoint), str(tmp_path / "peft")])
@@ -114,6 +122,7 @@ def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
     merged = convert.load_hf(tmp_path / "merged", torch.float32)
     with torch.no_grad():
         assert_close_to_scale(merged(ids), model(ids), rtol=1e-5, what="merged logits")
+        assert_close_to_scale(sample.load_model(checkpoint)(ids), model(ids), rtol=1e-5, what="sampled model's logits")
         unadapted = convert.load_native(trained_once, torch.float32)
         assert not torch.allclose(unadapted(ids), model(ids), atol=1e-4)  # the adapters changed the model
     written = exported_tensors(tmp_path / "peft")
