@@ -539,7 +539,7 @@ def check_router_aux_loss(cfg: TrainConfig) -> None:
 
 def check_lora(cfg: TrainConfig) -> None:
     """[lora] adapts a trained model (init_from, which is not itself a LoRA run's adapters), and each of its
-    targets must take an adapter under this layout: checked on a meta model before any work."""
+    targets must take an adapter: checked on a meta model before any work."""
     if cfg.model.init_from and (Path(cfg.model.init_from) / RUN_FILE).is_file():
         raise ConfigError(f"{cfg.where('model.init_from')}: [model].init_from {cfg.model.init_from} is a LoRA run's "
                           f"checkpoint, which holds adapters only: export it merged (python convert.py to-hf) and "
@@ -551,6 +551,6 @@ def check_lora(cfg: TrainConfig) -> None:
         raise ConfigError(f"{where}: [lora] trains adapters on a frozen base: set [model].init_from to the model "
                           f"to adapt (a Hugging Face or native checkpoint)")
     try:
-        check_training(cfg.model_config, cfg.lora, cfg.parallel.ep)
+        check_training(cfg.model_config, cfg.lora)
     except ValueError as error:
         raise ConfigError(f"{where}: {error}") from error

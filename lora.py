@@ -17,7 +17,10 @@ so that an expert's update is x @ A_e @ B_e: two grouped GEMMs over the rows sor
 (`grouped_lora`), with no transpose, and the merged weight is w_e + scale * A_e @ B_e.
 A targeted module keeps its class; its forward becomes the adapted one (an instance attribute, as
 parallel.apply_compile sets a compiled forward), which reads the parameters at each call, so FSDP's
-gathered weights and a compiled block see the adapters like any other parameter.
+gathered weights and a compiled block see the adapters like any other parameter. Routed experts keep
+their forward and take an adapted `swiglu` (the grouped GEMMs of their rows, grouped by expert): under
+expert parallelism moe.ExpertParallelExperts runs it on this rank's experts, whose adapters
+parallel.apply_expert_parallel splits over the experts with the weights.
 
 Export: `merge_lora` adds the scaled products to the base weights (the merged model is the
 published model again); `peft_state` and `write_peft_adapter` write an adapter directory in PEFT's
@@ -31,6 +34,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import MethodType
 from typing import Callable
@@ -38,11 +42,11 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from layers import seeded_normal
 from hf_io import NativeDir, Part, Source, atomic_directory, read_json
-from moe import (GroupedExperts, combine, dispatch, dispatch_weights, expert_rows, group_alignment, grouped_mm,
-                 sort_by_expert)
+from moe import GroupedExperts, grouped_mm
 from registry import ModelConfig, family_of, model_class
 
 ALL = "all"  # the target that adapts every nn.Linear and routed-expert group outside the FP32 units and frozen parts
@@ -124,9 +128,16 @@ class GroupedAdapter(nn.Module):
         self.B = nn.Parameter(torch.empty(num_experts, rank, out_features, dtype=torch.float32, device=device))
 
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """rows [R, in] sorted by expert, offsets int32 [E] (moe.grouped_mm's) -> the update [R, out]."""
-        rows_in = F.dropout(rows.to(self.A.dtype), self.dropout, self.training)
-        return grouped_lora(rows_in, offsets, self.A, self.B, self.scale).to(rows.dtype)
+        """rows [R, in] sorted by this rank's experts, offsets int32 [E] (moe.grouped_mm's) -> the update
+        [R, out]. Under expert parallelism A and B are split over the experts: this rank's are used."""
+        A, B = local_experts(self.A), local_experts(self.B)
+        rows_in = F.dropout(rows.to(A.dtype), self.dropout, self.training)
+        return grouped_lora(rows_in, offsets, A, B, self.scale).to(rows.dtype)
+
+
+def local_experts(param: torch.Tensor) -> torch.Tensor:
+    """An expert adapter's parameter as this rank holds it: a DTensor split over the experts -> its local part."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def grouped_lora(rows: torch.Tensor, offsets: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -151,19 +162,18 @@ def adapted_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias) + self.lora(x)
 
 
-def adapted_experts(self: GroupedExperts, x: torch.Tensor, weights: torch.Tensor,
-                    indices: torch.Tensor) -> torch.Tensor:
-    """Adapted routed experts, dropless: x [N, H], weights/indices [N, k] -> [N, H]. moe.py's grouped
-    path (forward_grouped) with each grouped GEMM's update added. The routing weight scales the hidden
-    row before the down projection, so it scales the down adapter's update too, as in the merged weight."""
-    plan = sort_by_expert(indices, self.gate_up_proj.shape[0], self.group_align or group_alignment(x.device))
-    rows = expert_rows(plan, indices.shape[1])
-    xs = dispatch(x, rows)  # [rows, H] in expert order, zero in padding rows
-    gate_up = grouped_mm(xs, self.gate_up_proj, plan.offsets) + self.gate_up_lora(xs, plan.offsets)
-    gate, up = gate_up.chunk(2, dim=-1)  # [rows, Im] each
-    hidden = F.silu(gate) * up * dispatch_weights(weights, rows, x.dtype).unsqueeze(-1)
-    out = grouped_mm(hidden, self.down_proj, plan.offsets) + self.down_lora(hidden, plan.offsets)  # [rows, H]
-    return combine(out, rows)
+def adapted_swiglu(gate_up_lora: GroupedAdapter, down_lora: GroupedAdapter, rows: torch.Tensor,
+                   weights: torch.Tensor, offsets: torch.Tensor, gate_up_proj: torch.Tensor,
+                   down_proj: torch.Tensor) -> torch.Tensor:
+    """Adapted routed experts: moe.grouped_swiglu (rows [R, H] grouped by expert, routing weights [R]
+    -> [R, H]) with each grouped GEMM's update added; GroupedExperts.swiglu, so that the dropless
+    grouped path and the expert-parallel one (on this rank's experts) both run it. The routing weight
+    scales the hidden row before the down projection, so it scales the down adapter's update too, as
+    in the merged weight."""
+    gate_up = grouped_mm(rows, gate_up_proj, offsets) + gate_up_lora(rows, offsets)
+    gate, up = gate_up.chunk(2, dim=-1)  # [R, Im] each
+    hidden = F.silu(gate) * up * weights.unsqueeze(-1)
+    return grouped_mm(hidden, down_proj, offsets) + down_lora(hidden, offsets)  # [R, H]
 
 
 # ============================================================================= applying
@@ -184,7 +194,7 @@ def apply_lora(model: nn.Module, config: LoraConfig, seed: int = 0) -> list[str]
             device = module.gate_up_proj.device
             module.gate_up_lora = GroupedAdapter(num_experts, hidden, double, config, device)
             module.down_lora = GroupedAdapter(num_experts, double // 2, hidden, config, device)
-            module.forward = MethodType(adapted_experts, module)
+            module.swiglu = partial(adapted_swiglu, module.gate_up_lora, module.down_lora)
         else:
             module.lora = LinearAdapter(module.in_features, module.out_features, config, module.weight.device)
             module.forward = MethodType(adapted_linear, module)
@@ -395,16 +405,12 @@ def write_peft_adapter(directory: str | Path, adapters: dict[str, torch.Tensor],
 RUN_FILE = "lora.json"  # in each checkpoint of a LoRA run: its [lora] settings and the base's identity
 
 
-def check_training(model_config: ModelConfig, config: LoraConfig, ep: int) -> None:
-    """What apply_lora would refuse (targets matching nothing or a frozen or FP32 part, the rank), found
-    at config time on a meta model, and the layouts the adapters do not run under."""
+def check_training(model_config: ModelConfig, config: LoraConfig) -> None:
+    """What apply_lora would refuse (targets matching nothing or a frozen or FP32 part, the rank, experts
+    under capacity), found at config time on a meta model."""
     with torch.device("meta"):
         model = model_class(model_config)(model_config)
-    targets = apply_lora(model, config)
-    experts = [name for name in targets if isinstance(model.get_submodule(name), GroupedExperts)]
-    if ep > 1 and experts:
-        raise ValueError(f"[lora] targets adapt the routed experts ({experts[0]}, ...), which take no adapter under "
-                         f"expert parallelism (parallel.ep = {ep}) yet: target the other maps, or set parallel.ep = 1")
+    apply_lora(model, config)
 
 
 def without_adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

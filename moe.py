@@ -347,6 +347,8 @@ class GroupedExperts(nn.Module):
     """E routed SwiGLU experts held as two grouped weights, run with one grouped GEMM each (under
     expert capacity, one batched matmul each over the static [E, C, H] buffer: capacity.py)."""
 
+    swiglu = staticmethod(grouped_swiglu)  # the grouped path's experts; lora.py's adapters add their updates
+
     def __init__(self, hidden: int, intermediate: int, num_experts: int,
                  backend: str = "grouped", dtype: torch.dtype | None = None, capacity_factor: float | None = None):
         super().__init__()
@@ -370,8 +372,8 @@ class GroupedExperts(nn.Module):
     def forward_grouped(self, x, weights, indices):
         plan = sort_by_expert(indices, self.gate_up_proj.shape[0], self.group_align or group_alignment(x.device))
         rows = expert_rows(plan, indices.shape[1])
-        out = grouped_swiglu(dispatch(x, rows), dispatch_weights(weights, rows, x.dtype), plan.offsets,
-                             self.gate_up_proj, self.down_proj)
+        out = self.swiglu(dispatch(x, rows), dispatch_weights(weights, rows, x.dtype), plan.offsets,
+                          self.gate_up_proj, self.down_proj)
         return combine(out, rows)
 
     def forward_loop(self, x, weights, indices):
@@ -431,13 +433,14 @@ def _local_shard(weight: torch.Tensor) -> torch.Tensor:
 
 
 def local_experts_forward(xs: torch.Tensor, weights: torch.Tensor, expert_of_row: torch.Tensor,
-                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor, align: int) -> torch.Tensor:
+                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor, align: int,
+                          swiglu: Callable = grouped_swiglu) -> torch.Tensor:
     """xs [R, H] in any order, their routing weights [R] and local expert ids expert_of_row [R] ->
-    each row's weighted SwiGLU [R, H], same order."""
+    each row's weighted SwiGLU [R, H], same order (`swiglu`: GroupedExperts.swiglu's signature)."""
     plan = sort_by_expert(expert_of_row.unsqueeze(1), gate_up_proj.shape[0], align)
     rows = expert_rows(plan, 1)  # each received row a token with one choice
-    out = grouped_swiglu(dispatch(xs, rows), dispatch_weights(weights.unsqueeze(1), rows, xs.dtype), plan.offsets,
-                         gate_up_proj, down_proj)
+    out = swiglu(dispatch(xs, rows), dispatch_weights(weights.unsqueeze(1), rows, xs.dtype), plan.offsets,
+                 gate_up_proj, down_proj)
     return combine(out, rows)  # back to the order of xs
 
 
@@ -626,6 +629,9 @@ class ExpertParallelExperts(nn.Module):
         self.balanced = False
         self.recompute_splits = SplitsForRecompute()
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+        self.swiglu = experts.swiglu  # with lora.py's adapters, their updates too: the adapters come along
+        for name, adapter in experts.named_children():
+            self.add_module(name, adapter)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                 shared_expert: nn.Module | None = None) -> torch.Tensor:
@@ -655,7 +661,7 @@ class ExpertParallelExperts(nn.Module):
         def experts(chunk, received, received_weights):  # rows ordered by source rank, then local expert
             expert_of_row = torch.repeat_interleave(source_experts, splits.received_counts[chunk],
                                                     output_size=received.shape[0])  # [R]
-            return local_experts_forward(received, received_weights, expert_of_row, gate_up, down, align)
+            return local_experts_forward(received, received_weights, expert_of_row, gate_up, down, align, self.swiglu)
         returned, shared = self.exchange([(sent[piece], sent_weights[piece]) for piece in pieces], sizes, experts,
                                          meanwhile)
         return combine(joined(returned), rows), shared

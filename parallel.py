@@ -403,11 +403,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, chunks: int) ->
         if isinstance(layer.mlp, MoE):
             experts = layer.mlp.experts
             num_experts = experts.gate_up_proj.shape[0]
-            for name in ("gate_up_proj", "down_proj"):
-                param = getattr(experts, name)
+            for name, param in list(experts.named_parameters()):  # the weights, and lora.py's adapters of them
+                owner, _, leaf = name.rpartition(".")
                 # Every rank holds the same full tensor (or a meta one): keep this rank's slice, no traffic.
                 local = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
-                setattr(experts, name, nn.Parameter(local))
+                setattr(experts.get_submodule(owner), leaf, nn.Parameter(local, requires_grad=param.requires_grad))
             layer.mlp.experts = ExpertParallelExperts(experts, ep_mesh.get_group(), num_experts, chunks)
 
 

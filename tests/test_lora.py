@@ -380,7 +380,8 @@ def check_layout(family: str, layout: dict) -> None:
             opt.zero_grad()
 
 
-LAYOUTS = {"fsdp2": {"dp_shard": 2}, "pp2": {"pp": 2, "dp_shard": 1}, "cp2": {"cp": 2, "dp_shard": 1}}
+LAYOUTS = {"fsdp2": {"dp_shard": 2}, "ep2": {"ep": 2, "dp_shard": 1}, "pp2": {"pp": 2, "dp_shard": 1},
+           "cp2": {"cp": 2, "dp_shard": 1}}
 
 
 @pytest.mark.parametrize("family, layout", [
@@ -388,8 +389,8 @@ LAYOUTS = {"fsdp2": {"dp_shard": 2}, "pp2": {"pp": 2, "dp_shard": 1}, "cp2": {"c
                  marks=slow if family != DEFAULT_FAMILY and name != "fsdp2" else ())
     for family in FAMILY_NAMES for name, layout in LAYOUTS.items()])
 def test_layouts_match_one_process(family, layout):
-    """FSDP 2, PP 2 and CP 2 on gloo (the other families' PP and CP with FLINT_SLOW=1: 20 s each). Expert
-    parallelism is refused at config time while the adapted experts cannot run split (config.check_lora)."""
+    """FSDP 2, EP 2 (the expert adapters split with their experts), PP 2 and CP 2 on gloo (the other families'
+    EP, PP and CP with FLINT_SLOW=1: 20 s each)."""
     from helpers import spawn
     spawn(2, check_layout, family, layout)
 

@@ -140,7 +140,8 @@ BAD_LORA = [
     (["--lora.alpha=nan"], r"command line --lora.alpha: \[lora\] alpha must be a finite number, got nan"),
     (['--lora.targets=["qproj"]'], r"command line --lora.targets.*: \[lora\] targets: 'qproj' matches no module"),
     (["--model.init_from=", "--model.preset=tiny"], r"\[lora\] trains adapters on a frozen base: set \[model\].init_from"),
-    (["--parallel.ep=2"], r"\[lora\] targets adapt the routed experts .*expert parallelism \(parallel.ep = 2\)"),
+    (["--model.capacity_factor=1.25"], r"'all' matches layers.2.mlp.experts: routed-expert adapters need "
+                                       r"experts_backend 'grouped' and no capacity_factor"),
 ]
 
 
