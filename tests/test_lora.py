@@ -429,6 +429,17 @@ def test_peft_tensors_hold_the_same_updates():
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_convert_names_modules_as_the_fixture_checked_them(family):
+    """convert.py to-peft's module names (lora.transformers_module_name) are those the fixture's check gave
+    peft, under which it found every target in transformers' model."""
+    from make_lora_peft_fixture import transformers_module_name
+    model = tiny(family)
+    names = [name for name, _ in model.named_modules() if name]
+    assert [lora.transformers_module_name(model.config, name) for name in names] == \
+        [transformers_module_name(family, name) for name in names]
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_the_peft_directory_is_the_one_peft_loaded(family, tmp_path):
     """tests/make_lora_peft_fixture.py loaded this adapter directory with peft onto transformers' model (and the
     merged export with transformers) and got the adapted model's logits: the same directory is still written,
