@@ -16,7 +16,8 @@ import sample
 import train
 from checkpoint_files import CheckpointError, read_metadata
 from config import ConfigError
-from helpers import assert_close_to_scale, debug_args, exported_tensors, only, run_debug, train_losses
+from helpers import (assert_close_to_scale, debug_args, exported_tensors, only, run_debug, run_two_processes,
+                     train_losses)
 
 LORA = ["--model.preset=", '--lora.targets=["all"]', "--lora.rank=8", "--training.sample_tokens=0",
         "--optim.lr=1e-2", "--logging.every=1"]
@@ -96,6 +97,21 @@ def test_resume_is_bit_exact_and_only_on_the_same_base(tmp_path, trained_once):
         lora_run(tmp_path / "wider", trained_once, "--lora.rank=16", f"--checkpoint.resume={middle}")
     with pytest.raises(CheckpointError, match=r"holds a whole model, not LoRA adapters"):
         lora_run(tmp_path / "whole", trained_once, f"--checkpoint.resume={trained_once}")
+
+
+def test_two_processes_train_as_one_and_their_checkpoint_resumes_in_one(tmp_path, trained_once):
+    """train.py under EP 2 on gloo (FSDP over the 2 data-parallel ranks too): the base loaded into shards, the
+    adapters initialised in theirs; its losses are one process's (2 micro-batches of the same 8 rows), and its
+    sharded checkpoint resumes in one process as one's does."""
+    common = [f"--model.init_from={trained_once}", *LORA, "--training.steps=3", "--checkpoint.every=2",
+              f"--data.cache_dir={tmp_path / 'cache'}"]
+    run_debug(tmp_path / "one", *common, "--training.grad_accum=2")
+    run_two_processes(debug_args(tmp_path / "two", *common, "--parallel.dp_shard=1", "--parallel.ep=2"))
+    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert sorted(two) == [1, 2, 3] and all(two[s] == pytest.approx(one[s], rel=1e-5) for s in one), (one, two)
+    run_debug(tmp_path / "resumed", *common, "--training.grad_accum=2",
+              f"--checkpoint.resume={checkpoint_of(tmp_path / 'two', 2)}")
+    assert train_losses(tmp_path / "resumed")[3] == pytest.approx(one[3], rel=1e-5)
 
 
 @pytest.mark.parametrize("published_base", [False, True], ids=["native_base", "hugging_face_base"])
