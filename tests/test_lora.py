@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import lora
-from helpers import DEFAULT_FAMILY, FAMILY_NAMES, assert_close_to_scale, build, only, slow, tiny_config
+from helpers import FAMILY_NAMES, assert_close_to_scale, build, only, tiny_config
 from lora import LoraConfig, apply_lora, grouped_lora, merge_lora
 from moe import GroupedExperts
 
@@ -384,13 +384,10 @@ LAYOUTS = {"fsdp2": {"dp_shard": 2}, "ep2": {"ep": 2, "dp_shard": 1}, "pp2": {"p
            "cp2": {"cp": 2, "dp_shard": 1}}
 
 
-@pytest.mark.parametrize("family, layout", [
-    pytest.param(family, layout, id=f"{name}-{family}",
-                 marks=slow if family != DEFAULT_FAMILY and name != "fsdp2" else ())
-    for family in FAMILY_NAMES for name, layout in LAYOUTS.items()])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_layouts_match_one_process(family, layout):
-    """FSDP 2, EP 2 (the expert adapters split with their experts), PP 2 and CP 2 on gloo (the other families'
-    EP, PP and CP with FLINT_SLOW=1: 20 s each)."""
+    """FSDP 2, EP 2 (the expert adapters split with their experts), PP 2 and CP 2 on gloo, 3-8 s each."""
     from helpers import spawn
     spawn(2, check_layout, family, layout)
 
