@@ -168,7 +168,8 @@ def test_flint_8gpu_is_rehearsed_at_its_real_size(tmp_path, capsys):
     pytest.param("large4-256gpu", 256, (), marks=LARGE4),
     pytest.param("finetune", 8, ("init_from:flint",), marks=FLINT),
     pytest.param("flint-lora", 2, ("init_from:flint",), marks=FLINT),
-    pytest.param("large4", 256, ("init_from:large4",), marks=LARGE4)])
+    pytest.param("large4", 256, ("init_from:large4",), marks=LARGE4),
+    pytest.param("large4-lora", 48, ("init_from:large4",), marks=LARGE4)])
 def test_every_gpu_config_is_rehearsed_at_its_real_size(tmp_path, capsys, name, world, overrides):
     args = [f"--model.init_from={released_checkpoint(tmp_path, o.split(':')[1])}" for o in overrides]
     rehearse_config(tmp_path, capsys, name, world, *args)
