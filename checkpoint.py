@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from checkpoint_files import (CheckpointError, checksums, damage_found_together, from_main_rank,
                               is_native_checkpoint, load_dcp, read_metadata, save_dcp, to_main_rank, write_checksums)
 from config import INIT_FROM_SETTINGS
+from lora import RUN_FILE, adapter_state, resume_refusal, run_record
 from registry import ModelConfig, config_from_hf
 from files import sync_rename
 from parallel import ParallelModel, Run, barrier, waiting_for_main_rank
@@ -260,6 +261,8 @@ class Checkpointer:
     def state(self, model: ParallelModel, optimizer: torch.optim.Optimizer, data: PackedLoader, step: int) -> dict:
         """The same names and full shapes in every layout: DCP reshards on load."""
         model_state = get_model_state_dict(model.module)
+        if self.cfg.lora.enabled:  # the frozen base stays where init_from names it (lora.RUN_FILE)
+            model_state = adapter_state(model_state)
         optimizer_state = get_optimizer_state_dict(model.module, optimizer)
         train = {"step": torch.tensor(step), "cpu_rng": torch.get_rng_state(),
                  "data": {k: torch.tensor(v) for k, v in data.state_dict().items()}}
@@ -296,6 +299,9 @@ class Checkpointer:
         if self.run.is_main:
             (tmp / "config.json").write_text(json.dumps(model_config, indent=1))
             (tmp / "train_config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+            if self.cfg.lora.enabled:
+                record = run_record(self.cfg.lora, self.cfg.model.init_from)
+                (tmp / RUN_FILE).write_text(json.dumps(record, indent=1))
             write_checksums(tmp, {name: entry for files in listed for name, entry in files.items()})
             if final.exists():
                 shutil.rmtree(final)
@@ -340,13 +346,16 @@ class Checkpointer:
             raise CheckpointError(f"{self.cfg.where('checkpoint.resume')}: {path} is not a complete checkpoint "
                                   f"(it needs .metadata and config.json)")
         check_architecture(path, model.config)
+        refusal = resume_refusal(path, self.cfg.lora, self.cfg.model.init_from)
+        if refusal:
+            raise CheckpointError(f"{self.cfg.where('checkpoint.resume')}: {refusal}")
         saved_keys = read_metadata(path).state_dict_metadata
         check_optimizer(path, saved_keys, self.cfg)
         state = self.state(model, optimizer, data, 0)
         if "train.cuda_rng" not in saved_keys:
             state["train"].pop("cuda_rng", None)
         load_dcp(state, path, verified=choice == "auto")  # newest_intact verified it
-        set_model_state_dict(model.module, state["model"])
+        set_model_state_dict(model.module, state["model"], options=StateDictOptions(strict=not self.cfg.lora.enabled))
         # The param groups hold the [optim] settings (betas, eps, weight_decay; Muon's momentum and lr_scale =
         # muon_lr / lr) and the checkpoint saved them: set_optimizer_state_dict puts the saved values back.
         # A resume trains with the config's settings and the checkpoint's states (moments, momentum buffers).

@@ -8,6 +8,7 @@
     [checkpoint]  where, how often, how many to keep, resume, Hugging Face export
     [logging]     how often, the JSONL file, the peak FLOP/s used for MFU
     [parallel]    the layout across processes, compute dtype, checkpointing and compile: parallel.ParallelConfig
+    [lora]        optional: train low-rank adapters on the frozen init_from model instead of every weight (lora.py)
 
 An override `--training.steps=200` replaces one key; its value is read as TOML (`--parallel.compile=true`,
 `--optim.lr=1e-3`), and as a plain string when it is not valid TOML (`--data.path=notes/`).
@@ -33,6 +34,7 @@ from checkpoint_files import CheckpointError, resolve_checkpoint
 from fp8 import fp8_refusal
 from generate import MIN_TEMPERATURE, usable_temperature
 from registry import FAMILIES, ModelConfig, family, family_of_hf_config, model_class
+from lora import RUN_FILE, LoraConfig, check_training
 from parallel import LayoutError, ParallelConfig, unsupported_layout
 
 MODEL_SOURCES = ("preset", "hf_config", "init_from")
@@ -122,7 +124,7 @@ class LoggingSection:
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "training": TrainingSection, "optim": OptimSection,
-            "checkpoint": CheckpointSection, "logging": LoggingSection, "parallel": ParallelConfig}
+            "checkpoint": CheckpointSection, "logging": LoggingSection, "parallel": ParallelConfig, "lora": LoraConfig}
 
 
 @dataclass
@@ -134,6 +136,7 @@ class TrainConfig:
     checkpoint: CheckpointSection
     logging: LoggingSection
     parallel: ParallelConfig
+    lora: LoraConfig  # no [lora] section: no targets, every weight trains
     model_config: ModelConfig  # the architecture, resolved from [model]
     source: str  # the TOML file
     origins: dict[str, str]  # "section.key" -> where it was set, for error messages
@@ -198,6 +201,8 @@ def resolved_values(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
     Unset (None) values are left out: TOML has no null."""
     resolved = {}
     for name in SECTIONS:
+        if name == "lora" and not cfg.lora.enabled:
+            continue  # no [lora] section: writing an empty one would ask for one
         values = dataclasses.asdict(getattr(cfg, name))
         if name == "model":
             values = {k: v for k, v in values.items() if k != "overrides" and v}
@@ -250,7 +255,8 @@ def config_from_tables(raw: dict, path: Path, origins: dict[str, str], overrides
         section, key, value = parse_override(override)
         raw.setdefault(section, {})[key] = value
         origins[f"{section}.{key}"] = f"command line {override.split('=')[0]}"
-    sections = {name: build_section(name, raw.pop(name, {}), origins, path) for name in SECTIONS}
+    sections = {name: build_section(name, raw.pop(name, {}), origins, path) for name in SECTIONS if name != "lora"}
+    sections["lora"] = build_lora_section(raw.pop("lora", None), origins, path)
     if raw:
         name = next(iter(raw))
         raise ConfigError(f"{path}: unknown section [{name}]; sections are {', '.join(SECTIONS)}")
@@ -300,6 +306,19 @@ def build_section(name: str, table: Any, origins: dict[str, str], path: Path):
     if name == "model":
         section.overrides = extra
     return section
+
+
+def build_lora_section(table: Any, origins: dict[str, str], path: Path) -> LoraConfig:
+    """[lora], present (even empty) or not: a present section asks for adapters, so its keys are checked here."""
+    if table is None:
+        return LoraConfig()
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [lora] must be a table, got {table!r}")
+    where = ", ".join(dict.fromkeys(origins.get(f"lora.{key}", str(path)) for key in table)) or str(path)
+    try:
+        return LoraConfig.from_dict(table)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{where}: {error}") from error
 
 
 def check_type(key: str, value: Any, expected: type, where: str) -> None:
@@ -439,6 +458,7 @@ def validate(cfg: TrainConfig) -> None:
                           f"validation split, but data.val_fraction = 0")
     check_profile_steps(cfg)
     check_router_aux_loss(cfg)
+    check_lora(cfg)
     refusal = cfg.model_config.training_error(d.seq_len, fresh_weights=not cfg.model.init_from)
     if refusal:
         raise ConfigError(f"{cfg.where('data.seq_len')}: {refusal}")
@@ -541,3 +561,25 @@ def check_router_aux_loss(cfg: TrainConfig) -> None:
     refusal = cfg.model_config.layout_error(p.pp, p.cp)
     if refusal:
         raise ConfigError(f"{cfg.where('parallel.' + refusal[0])}: {refusal[1]}")
+
+def check_lora(cfg: TrainConfig) -> None:
+    """[lora] adapts a trained model (init_from, which is not itself a LoRA run's adapters), and each of its
+    targets must take an adapter: checked on a meta model before any work."""
+    if cfg.model.init_from and (Path(cfg.model.init_from) / RUN_FILE).is_file():
+        raise ConfigError(f"{cfg.where('model.init_from')}: [model].init_from {cfg.model.init_from} is a LoRA run's "
+                          f"checkpoint, which holds adapters only: export it merged (python convert.py to-hf) and "
+                          f"start from the export")
+    if not cfg.lora.enabled:
+        return
+    where = cfg.where_any([key for key in cfg.origins if key.startswith("lora.")])
+    if cfg.parallel.fp8 != "none":  # both replace an adapted map's forward: one would silently drop the other
+        raise ConfigError(f"{where}, {cfg.where('parallel.fp8')}: [lora] with [parallel] fp8 = "
+                          f"{cfg.parallel.fp8!r} is not supported (the adapters' maps would run one or the other); "
+                          f'set fp8 = "none" for a LoRA run')
+    if not cfg.model.init_from:
+        raise ConfigError(f"{where}: [lora] trains adapters on a frozen base: set [model].init_from to the model "
+                          f"to adapt (a Hugging Face or native checkpoint)")
+    try:
+        check_training(cfg.model_config, cfg.lora)
+    except ValueError as error:
+        raise ConfigError(f"{where}: {error}") from error

@@ -3,6 +3,10 @@ checkpoint, one tensor at a time.
 
     python convert.py to-native HF_DIR OUT      # published -> native (DCP directory + config.json)
     python convert.py to-hf IN HF_DIR           # native (model-only or a training checkpoint) -> published
+    python convert.py to-peft IN ADAPTER_DIR    # a LoRA run's checkpoint -> PEFT's adapter directory
+
+to-hf on a LoRA run's checkpoint (adapters only, lora.py) writes the merged model: the base it names,
+each adapted weight plus its scaled update.
 
 The native checkpoint is what train.py saves and resumes from: a torch.distributed.checkpoint
 directory whose state dict holds {"model": <native state dict>, optional "optimizer", "train"}, plus
@@ -42,6 +46,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from checkpoint_files import load_dcp, write_checksums
 from hf_io import (SAFETENSORS_DTYPES, Entry, Layout, NativeDir, Part, SafetensorsDir, Source, StateSource,
                    atomic_directory, dcp_call, parse_size, published_view, read_json, write_safetensors)
+import lora
 from registry import ModelConfig, config_from_hf, family_of, model_class
 
 Log = Callable[[str], None]
@@ -436,8 +441,18 @@ def main(argv: list[str] | None = None) -> None:
     to_hf.add_argument("--extras-from", metavar="HF_DIR",
                        help="copy the tensors outside the model (vision tower, draft head) from this published or "
                             "native checkpoint; default: those IN keeps (to-native output keeps them, training not)")
+    to_peft = commands.add_parser("to-peft", help="a LoRA run's checkpoint IN -> PEFT adapter directory ADAPTER_DIR")
+    to_peft.add_argument("native_dir")
+    to_peft.add_argument("adapter_dir")
     args = parser.parse_args(argv)
     started = time.perf_counter()
+    if args.command == "to-peft":
+        try:
+            tensors = lora.export_peft(Path(args.native_dir), args.adapter_dir)
+        except (ValueError, OSError) as error:
+            sys.exit(f"error: {error}")
+        print(f"wrote {tensors} adapter tensors to {args.adapter_dir} in {time.perf_counter() - started:.1f} s")
+        return
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         if args.command == "to-native":
@@ -446,6 +461,9 @@ def main(argv: list[str] | None = None) -> None:
             tensors, size = import_native(source, config, args.out, log=print)
         else:
             source = NativeDir(args.native_dir)  # first: a directory without .metadata is not native
+            if lora.read_run_record(Path(args.native_dir)) is not None:  # adapters only: merge them into their base
+                source = lora.MergedSource(Path(args.native_dir))
+                args.extras_from = args.extras_from or source.base_path
             config = read_config(args.native_dir)[0]
             report_defaults(Path(args.native_dir) / "config.json", config, print)
             extras = published_extras(args.extras_from or args.native_dir, config)

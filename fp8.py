@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 
 from devices import kernel_device_type
-from moe import GroupedExperts
+from moe import GroupedExperts, grouped_swiglu
 
 FP8_RECIPES = ("none", "rowwise", "tensorwise")
 FP8 = torch.float8_e4m3fn
@@ -287,7 +287,7 @@ def apply_fp8(model: nn.Module, recipe: str) -> list[str]:
     """Run `model`'s targeted maps (fp8_targets) in FP8 with `recipe` ("rowwise" or "tensorwise"), in
     place: parameters, names and master weights unchanged; an nn.Linear's forward becomes
     fp8_linear_forward (an instance attribute, as lora.py and parallel.apply_compile set theirs),
-    the routed experts' grouped GEMM becomes fp8_grouped_mm. -> the targeted names. Call it before
+    the routed experts' swiglu runs its grouped GEMMs as fp8_grouped_mm. -> the targeted names. Call it before
     expert parallelism and compile (parallel.parallelize)."""
     if recipe not in FP8_RECIPES[1:]:
         raise ValueError(f"[parallel] fp8 must be one of {list(FP8_RECIPES)}, got {recipe!r}")
@@ -295,7 +295,7 @@ def apply_fp8(model: nn.Module, recipe: str) -> list[str]:
     targets = fp8_targets(model)
     for module in targets.values():
         if isinstance(module, GroupedExperts):
-            module.grouped_mm = partial(fp8_grouped_mm, rowwise=rowwise)
+            module.swiglu = partial(grouped_swiglu, mm=partial(fp8_grouped_mm, rowwise=rowwise))
         else:
             module.fp8_rowwise = rowwise
             module.forward = MethodType(fp8_linear_forward, module)

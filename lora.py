@@ -17,7 +17,10 @@ so that an expert's update is x @ A_e @ B_e: two grouped GEMMs over the rows sor
 (`grouped_lora`), with no transpose, and the merged weight is w_e + scale * A_e @ B_e.
 A targeted module keeps its class; its forward becomes the adapted one (an instance attribute, as
 parallel.apply_compile sets a compiled forward), which reads the parameters at each call, so FSDP's
-gathered weights and a compiled block see the adapters like any other parameter.
+gathered weights and a compiled block see the adapters like any other parameter. Routed experts keep
+their forward and take an adapted `swiglu` (the grouped GEMMs of their rows, grouped by expert): under
+expert parallelism moe.ExpertParallelExperts runs it on this rank's experts, whose adapters
+parallel.apply_expert_parallel splits over the experts with the weights.
 
 Export: `merge_lora` adds the scaled products to the base weights (the merged model is the
 published model again); `peft_state` and `write_peft_adapter` write an adapter directory in PEFT's
@@ -27,9 +30,11 @@ format (see tests/make_lora_peft_fixture.py for what peft loads onto transformer
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import MethodType
 from typing import Callable
@@ -37,11 +42,12 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from layers import seeded_normal
-from hf_io import Part, atomic_directory
-from moe import (GroupedExperts, combine, dispatch, dispatch_weights, expert_rows, group_alignment, grouped_mm,
-                 sort_by_expert)
+from hf_io import NativeDir, Part, Source, atomic_directory, read_json
+from moe import GroupedExperts, grouped_mm
+from registry import ModelConfig, family_of, model_class
 
 ALL = "all"  # the target that adapts every nn.Linear and routed-expert group outside the FP32 units and frozen parts
 # Adapter submodule name -> the base parameter of its owner that it adapts.
@@ -58,8 +64,7 @@ class LoraConfig:
     rank: int = 16  # r: the adapters' inner width
     alpha: float = 32.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # on each adapter's input, in training only
-    targets: list[str] = field(default_factory=list)  # module names (or dotted tails of them): "q_proj",
-    # "mlp.down_proj", "experts" (the routed experts, both grouped weights), or "all"
+    targets: list[str] = field(default_factory=list)  # module names or dotted tails ("q_proj", "mlp.experts"), or "all"
 
     @classmethod
     def from_dict(cls, section: dict, where: str = "[lora]") -> "LoraConfig":
@@ -87,6 +92,11 @@ class LoraConfig:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    @property
+    def enabled(self) -> bool:
+        """A training config without a [lora] section has no targets: it trains every parameter."""
+        return bool(self.targets)
 
 
 # ============================================================================= the adapters
@@ -118,9 +128,16 @@ class GroupedAdapter(nn.Module):
         self.B = nn.Parameter(torch.empty(num_experts, rank, out_features, dtype=torch.float32, device=device))
 
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """rows [R, in] sorted by expert, offsets int32 [E] (moe.grouped_mm's) -> the update [R, out]."""
-        rows_in = F.dropout(rows.to(self.A.dtype), self.dropout, self.training)
-        return grouped_lora(rows_in, offsets, self.A, self.B, self.scale).to(rows.dtype)
+        """rows [R, in] sorted by this rank's experts, offsets int32 [E] (moe.grouped_mm's) -> the update
+        [R, out]. Under expert parallelism A and B are split over the experts: this rank's are used."""
+        A, B = local_experts(self.A), local_experts(self.B)
+        rows_in = F.dropout(rows.to(A.dtype), self.dropout, self.training)
+        return grouped_lora(rows_in, offsets, A, B, self.scale).to(rows.dtype)
+
+
+def local_experts(param: torch.Tensor) -> torch.Tensor:
+    """An expert adapter's parameter as this rank holds it: a DTensor split over the experts -> its local part."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def grouped_lora(rows: torch.Tensor, offsets: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -145,19 +162,18 @@ def adapted_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias) + self.lora(x)
 
 
-def adapted_experts(self: GroupedExperts, x: torch.Tensor, weights: torch.Tensor,
-                    indices: torch.Tensor) -> torch.Tensor:
-    """Adapted routed experts, dropless: x [N, H], weights/indices [N, k] -> [N, H]. moe.py's grouped
-    path (forward_grouped) with each grouped GEMM's update added. The routing weight scales the hidden
-    row before the down projection, so it scales the down adapter's update too, as in the merged weight."""
-    plan = sort_by_expert(indices, self.gate_up_proj.shape[0], self.group_align or group_alignment(x.device))
-    rows = expert_rows(plan, indices.shape[1])
-    xs = dispatch(x, rows)  # [rows, H] in expert order, zero in padding rows
-    gate_up = grouped_mm(xs, self.gate_up_proj, plan.offsets) + self.gate_up_lora(xs, plan.offsets)
-    gate, up = gate_up.chunk(2, dim=-1)  # [rows, Im] each
-    hidden = F.silu(gate) * up * dispatch_weights(weights, rows, x.dtype).unsqueeze(-1)
-    out = grouped_mm(hidden, self.down_proj, plan.offsets) + self.down_lora(hidden, plan.offsets)  # [rows, H]
-    return combine(out, rows)
+def adapted_swiglu(gate_up_lora: GroupedAdapter, down_lora: GroupedAdapter, rows: torch.Tensor,
+                   weights: torch.Tensor, offsets: torch.Tensor, gate_up_proj: torch.Tensor,
+                   down_proj: torch.Tensor) -> torch.Tensor:
+    """Adapted routed experts: moe.grouped_swiglu (rows [R, H] grouped by expert, routing weights [R]
+    -> [R, H]) with each grouped GEMM's update added; GroupedExperts.swiglu, so that the dropless
+    grouped path and the expert-parallel one (on this rank's experts) both run it. The routing weight
+    scales the hidden row before the down projection, so it scales the down adapter's update too, as
+    in the merged weight."""
+    gate_up = grouped_mm(rows, gate_up_proj, offsets) + gate_up_lora(rows, offsets)
+    gate, up = gate_up.chunk(2, dim=-1)  # [R, Im] each
+    hidden = F.silu(gate) * up * weights.unsqueeze(-1)
+    return grouped_mm(hidden, down_proj, offsets) + down_lora(hidden, offsets)  # [R, H]
 
 
 # ============================================================================= applying
@@ -178,11 +194,13 @@ def apply_lora(model: nn.Module, config: LoraConfig, seed: int = 0) -> list[str]
             device = module.gate_up_proj.device
             module.gate_up_lora = GroupedAdapter(num_experts, hidden, double, config, device)
             module.down_lora = GroupedAdapter(num_experts, double // 2, hidden, config, device)
-            module.forward = MethodType(adapted_experts, module)
+            module.swiglu = partial(adapted_swiglu, module.gate_up_lora, module.down_lora)
         else:
             module.lora = LinearAdapter(module.in_features, module.out_features, config, module.weight.device)
             module.forward = MethodType(adapted_linear, module)
     init_adapters(model, seed)
+    # parallel.init_weights asks the model for each parameter's initial value: the adapters' come from here.
+    model.initial_value = MethodType(initial_value_of_adapted, model)
     return list(targets)
 
 
@@ -271,7 +289,12 @@ def initial_value(model: nn.Module, name: str, param: torch.Tensor, seed: int) -
     """The initial value of any parameter of an adapted model: the adapter's, or the model's own."""
     if is_adapter_key(name):
         return adapter_initial_value(name, param, seed)
-    return model.initial_value(name, param, seed)
+    return type(model).initial_value(model, name, param, seed)
+
+
+def initial_value_of_adapted(self: nn.Module, name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
+    """An adapted model's `initial_value` (apply_lora sets it on the instance, as it sets the forwards)."""
+    return initial_value(self, name, param, seed)
 
 
 @torch.no_grad()
@@ -375,3 +398,158 @@ def write_peft_adapter(directory: str | Path, adapters: dict[str, torch.Tensor],
         save_file(peft_state(adapters, published), str(tmp / "adapter_model.safetensors"), {"format": "pt"})
         text = json.dumps(peft_config(config, adapters, module_name, base_model), indent=2)
         (tmp / "adapter_config.json").write_text(text + "\n")
+
+
+# ============================================================================= training runs and their checkpoints
+
+RUN_FILE = "lora.json"  # in each checkpoint of a LoRA run: its [lora] settings and the base's identity
+
+
+def check_training(model_config: ModelConfig, config: LoraConfig) -> None:
+    """What apply_lora would refuse (targets matching nothing or a frozen or FP32 part, the rank, experts
+    under capacity), found at config time on a meta model."""
+    with torch.device("meta"):
+        model = model_class(model_config)(model_config)
+    apply_lora(model, config)
+
+
+def without_adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base's entries of an adapted model's state dict (what the base checkpoint holds)."""
+    return {key: value for key, value in state.items() if not is_adapter_key(key)}
+
+
+def base_identity(init_from: str | Path) -> dict:
+    """The base a LoRA run adapts: its path and the SHA-256 of its config.json (read as JSON, so
+    formatting does not count). Its weights are not hashed: reading hundreds of GB at each save would."""
+    path = Path(init_from).resolve()
+    text = json.dumps(read_json(path / "config.json"), sort_keys=True)
+    return {"path": str(path), "config_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def run_record(config: LoraConfig, init_from: str | Path) -> dict:
+    """RUN_FILE's contents for a run adapting the base `init_from`."""
+    return {"lora": dataclasses.asdict(config), "base": base_identity(init_from)}
+
+
+def read_run_record(checkpoint: Path) -> dict | None:
+    """A checkpoint's RUN_FILE, or None for the checkpoint of a run without [lora]."""
+    path = checkpoint / RUN_FILE
+    return read_json(path) if path.is_file() else None
+
+
+def resume_refusal(checkpoint: Path, config: LoraConfig, init_from: str) -> str | None:
+    """Why this run cannot resume `checkpoint`, in one line, or None: a LoRA checkpoint resumes only in a
+    LoRA run with adapters of the same shapes, on the same base."""
+    saved = read_run_record(checkpoint)
+    if saved is None:
+        return None if not config.enabled else (
+            f"checkpoint {checkpoint} holds a whole model, not LoRA adapters; to adapt it, set [model].init_from "
+            f"= \"{checkpoint}\" and checkpoint.resume = \"never\"")
+    if not config.enabled:
+        return (f"checkpoint {checkpoint} holds LoRA adapters only (of the base {saved['base']['path']}): resume it "
+                f"with its [lora] section, or export it merged (python convert.py to-hf) and train from that")
+    now = base_identity(init_from)
+    if saved["base"] != now:
+        return (f"checkpoint {checkpoint} adapts the base {saved['base']['path']} (config.json SHA-256 "
+                f"{saved['base']['config_sha256'][:12]}), not [model].init_from {now['path']} (config.json SHA-256 "
+                f"{now['config_sha256'][:12]}): resume it on its own base")
+    shape = {key: saved["lora"].get(key) for key in ("rank", "targets")}
+    if shape != {"rank": config.rank, "targets": list(config.targets)}:
+        return (f"checkpoint {checkpoint} holds adapters of [lora] rank {shape['rank']}, targets {shape['targets']}; "
+                f"this run asks for rank {config.rank}, targets {list(config.targets)}")
+    return None
+
+
+# ============================================================================= export of a run's checkpoint
+
+class PublishedAsNative(Source):
+    """A published checkpoint read under native keys and layouts, one native tensor at a time."""
+
+    def __init__(self, path: str | Path):
+        from convert import check_source, native_meta, open_published
+        config, self.source = open_published(path)
+        self.layout, dtypes = check_source(self.source, config, published=True)
+        shapes = native_meta(config)
+        self.name = self.source.name
+        self.meta = {key: (tuple(shapes[key].shape), dtypes[key]) for key in self.layout}
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        from convert import build_native
+        return {key: build_native(self.source, self.layout[key], torch.empty(self.meta[key][0], dtype=self.meta[key][1]))
+                for key in keys}
+
+
+def base_source(checkpoint: Path) -> tuple[Source, LoraConfig, str]:
+    """A LoRA checkpoint's base (native or published), checked against the identity the run recorded ->
+    (its tensors under native keys, the run's [lora] settings, its path)."""
+    saved = read_run_record(checkpoint)
+    if saved is None:
+        raise ValueError(f"{checkpoint}: not the checkpoint of a LoRA run (it has no {RUN_FILE})")
+    path = saved["base"]["path"]
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"{checkpoint / RUN_FILE}: its base {path} is not there any more; the adapters need it")
+    if base_identity(path) != saved["base"]:
+        raise ValueError(f"{checkpoint / RUN_FILE}: the config.json of its base {path} changed since the run "
+                         f"(SHA-256 {saved['base']['config_sha256'][:12]} then, {base_identity(path)['config_sha256'][:12]} now)")
+    source = NativeDir(path) if (Path(path) / ".metadata").exists() else PublishedAsNative(path)
+    return source, LoraConfig(**saved["lora"]), path
+
+
+class MergedSource(Source):
+    """A LoRA checkpoint's model merged, under native keys: each base tensor, plus its scaled update where
+    adapted (in FP32, cast back to the base's dtype), read one at a time, so that convert.export_published
+    streams the merged model as it streams any native checkpoint."""
+
+    def __init__(self, checkpoint: Path):
+        self.base, self.config, self.base_path = base_source(checkpoint)
+        self.adapters = NativeDir(checkpoint)
+        self.name, self.meta = self.base.name, self.base.meta
+        # the adapted weight -> its adapter's prefix: q_proj.weight -> q_proj.lora.
+        self.adapted = {base_key(key): key[:-1] for key in self.adapters.meta if key.endswith(".A")}
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        tensors = self.base.read(keys)
+        for key in (key for key in keys if key in self.adapted):
+            prefix = self.adapted[key]
+            pair = self.adapters.read([prefix + "A", prefix + "B"])
+            update = delta_weight(pair[prefix + "A"], pair[prefix + "B"], self.config.scale)
+            tensors[key] = (tensors[key].float() + update).to(tensors[key].dtype)
+        return tensors
+
+
+@torch.no_grad()
+def load_merged(checkpoint: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> nn.Module:
+    """A LoRA checkpoint's model merged, in one process (sampling), read a tensor at a time. dtype None: FP32."""
+    from convert import _empty_model, read_config
+    source = MergedSource(Path(checkpoint))
+    model = _empty_model(read_config(checkpoint)[0], dtype or torch.float32, device)
+    for key, value in model.state_dict().items():
+        value.copy_(source.read([key])[key])
+    return model
+
+
+# Where transformers' model of each family puts a native module (peft matches target_modules against those
+# names): a prefix, and renamed pieces (Large 4's shared expert is transformers' shared_experts).
+TRANSFORMERS_MODULES = {"flint": ("model.", {}),
+                        "large4": ("model.language_model.", {".shared_expert.": ".shared_experts."})}
+
+
+def transformers_module_name(config: ModelConfig, native: str) -> str:
+    """The name transformers' model gives the native module `native`."""
+    prefix, renames = TRANSFORMERS_MODULES[family_of(config).name]
+    name = prefix + native
+    for old, new in renames.items():
+        name = name.replace(old, new)
+    return name
+
+
+def export_peft(checkpoint: Path, out: str | Path) -> int:
+    """A LoRA checkpoint's adapters as a PEFT adapter directory `out` -> the tensors written."""
+    from convert import published_table, read_config
+    _, config, base_path = base_source(checkpoint)
+    adapters = NativeDir(checkpoint)
+    tensors = adapters.read(list(adapters.meta))
+    model_config = read_config(checkpoint)[0]
+    write_peft_adapter(out, tensors, config, published_table(model_config),
+                       lambda native: transformers_module_name(model_config, native), base_path)
+    return len(tensors)

@@ -348,6 +348,8 @@ class GroupedExperts(nn.Module):
     """E routed SwiGLU experts held as two grouped weights, run with one grouped GEMM each (under
     expert capacity, one batched matmul each over the static [E, C, H] buffer: capacity.py)."""
 
+    swiglu = staticmethod(grouped_swiglu)  # the grouped path's experts; lora.py's adapters add their updates
+
     def __init__(self, hidden: int, intermediate: int, num_experts: int,
                  backend: str = "grouped", dtype: torch.dtype | None = None, capacity_factor: float | None = None):
         super().__init__()
@@ -356,7 +358,6 @@ class GroupedExperts(nn.Module):
         self.backend, self.capacity_factor = backend, capacity_factor
         self.capacity_ratio = None if capacity_factor is None else capacity_ratio(capacity_factor)
         self.group_align: int | None = None  # None: group_alignment(device); tests force padding
-        self.grouped_mm: Callable[..., torch.Tensor] = grouped_mm  # fp8.apply_fp8 sets the FP8 one
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden, dtype=dtype))
 
@@ -372,8 +373,8 @@ class GroupedExperts(nn.Module):
     def forward_grouped(self, x, weights, indices):
         plan = sort_by_expert(indices, self.gate_up_proj.shape[0], self.group_align or group_alignment(x.device))
         rows = expert_rows(plan, indices.shape[1])
-        out = grouped_swiglu(dispatch(x, rows), dispatch_weights(weights, rows, x.dtype), plan.offsets,
-                             self.gate_up_proj, self.down_proj, self.grouped_mm)
+        out = self.swiglu(dispatch(x, rows), dispatch_weights(weights, rows, x.dtype), plan.offsets,
+                          self.gate_up_proj, self.down_proj)
         return combine(out, rows)
 
     def forward_loop(self, x, weights, indices):
@@ -434,13 +435,13 @@ def _local_shard(weight: torch.Tensor) -> torch.Tensor:
 
 def local_experts_forward(xs: torch.Tensor, weights: torch.Tensor, expert_of_row: torch.Tensor,
                           gate_up_proj: torch.Tensor, down_proj: torch.Tensor, align: int,
-                          mm: Callable[..., torch.Tensor] = grouped_mm) -> torch.Tensor:
+                          swiglu: Callable = grouped_swiglu) -> torch.Tensor:
     """xs [R, H] in any order, their routing weights [R] and local expert ids expert_of_row [R] ->
-    each row's weighted SwiGLU [R, H], same order."""
+    each row's weighted SwiGLU [R, H], same order (`swiglu`: GroupedExperts.swiglu's signature)."""
     plan = sort_by_expert(expert_of_row.unsqueeze(1), gate_up_proj.shape[0], align)
     rows = expert_rows(plan, 1)  # each received row a token with one choice
-    out = grouped_swiglu(dispatch(xs, rows), dispatch_weights(weights.unsqueeze(1), rows, xs.dtype), plan.offsets,
-                         gate_up_proj, down_proj, mm)
+    out = swiglu(dispatch(xs, rows), dispatch_weights(weights.unsqueeze(1), rows, xs.dtype), plan.offsets,
+                 gate_up_proj, down_proj)
     return combine(out, rows)  # back to the order of xs
 
 
@@ -626,10 +627,12 @@ class ExpertParallelExperts(nn.Module):
         self.group, self.group_name, self.num_experts = group, group.group_name, num_experts
         self.chunks = chunks  # [parallel] ep_overlap
         self.group_align, self.capacity_ratio = experts.group_align, experts.capacity_ratio
-        self.grouped_mm = experts.grouped_mm
         self.balanced = False
         self.recompute_splits = SplitsForRecompute()
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+        self.swiglu = experts.swiglu  # with lora.py's adapters, their updates too: the adapters come along
+        for name, adapter in experts.named_children():
+            self.add_module(name, adapter)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                 shared_expert: nn.Module | None = None) -> torch.Tensor:
@@ -659,8 +662,7 @@ class ExpertParallelExperts(nn.Module):
         def experts(chunk, received, received_weights):  # rows ordered by source rank, then local expert
             expert_of_row = torch.repeat_interleave(source_experts, splits.received_counts[chunk],
                                                     output_size=received.shape[0])  # [R]
-            return local_experts_forward(received, received_weights, expert_of_row, gate_up, down, align,
-                                         self.grouped_mm)
+            return local_experts_forward(received, received_weights, expert_of_row, gate_up, down, align, self.swiglu)
         returned, shared = self.exchange([(sent[piece], sent_weights[piece]) for piece in pieces], sizes, experts,
                                          meanwhile)
         return combine(joined(returned), rows), shared

@@ -406,11 +406,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, chunks: int) ->
         if isinstance(layer.mlp, MoE):
             experts = layer.mlp.experts
             num_experts = experts.gate_up_proj.shape[0]
-            for name in ("gate_up_proj", "down_proj"):
-                param = getattr(experts, name)
+            for name, param in list(experts.named_parameters()):  # the weights, and lora.py's adapters of them
+                owner, _, leaf = name.rpartition(".")
                 # Every rank holds the same full tensor (or a meta one): keep this rank's slice, no traffic.
                 local = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
-                setattr(experts, name, nn.Parameter(local))
+                setattr(experts.get_submodule(owner), leaf, nn.Parameter(local, requires_grad=param.requires_grad))
             layer.mlp.experts = ExpertParallelExperts(experts, ep_mesh.get_group(), num_experts, chunks)
 
 
@@ -609,7 +609,16 @@ def init_weights(pm: "ParallelModel", device: torch.device, seed: int | None) ->
         part.to_empty(device=device)  # on each FSDP root: it re-registers its shards
         for buffer in part.buffers():  # statistics, not weights
             buffer.zero_()
-        for name, param in (part.named_parameters() if seed is not None else ()):
+    if seed is not None:
+        set_initial_values(pm, seed)
+
+
+@torch.no_grad()
+def set_initial_values(pm: "ParallelModel", seed: int, which: Callable[[str], bool] = lambda name: True) -> None:
+    """Set this rank's shards of the parameters `which` names to the model's `initial_value` (LoRA's
+    adapters after the base is loaded: lora.py)."""
+    for part in pm.parts:
+        for name, param in filter(lambda named: which(named[0]), part.named_parameters()):
             full = part.initial_value(name, param, seed)
             if isinstance(param, DTensor):  # Shard and _StridedShard over FSDP/EP meshes, chunked like FSDP2
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()

@@ -113,9 +113,13 @@ def device(text: str) -> str:
 # ============================================================================= what to load
 
 def load_model(checkpoint: Path, device: str = "cpu") -> torch.nn.Module:
-    """FP32 weights on `device`, from a native or a Hugging Face checkpoint, in eval mode."""
+    """FP32 weights on `device`, from a native or a Hugging Face checkpoint (a LoRA run's: merged into its
+    base), in eval mode."""
     from convert import load_hf, load_native
+    from lora import load_merged, read_run_record
     load = load_native if is_native_checkpoint(checkpoint) else load_hf
+    if read_run_record(checkpoint) is not None:
+        load = load_merged
     model = load(checkpoint, dtype=torch.float32, device=device).eval()
     for name, param in model.named_parameters():
         if not torch.isfinite(param).all():

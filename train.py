@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from checkpoint import CheckpointError, Checkpointer, check_architecture
 from checkpoint_files import is_native_checkpoint, load_dcp
@@ -47,12 +47,13 @@ from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, sp
 from files import read_json_object
 from fp8 import fp8_device_refusal
 from layers import token_ids_checked_at_load
+from lora import MergedSource, apply_lora, is_adapter_key, without_adapters
 from metrics import MetricsLogger
 from registry import config_from_hf, model_class
 from moe import set_balanced_routing
 from muon import Muon, takes_muon
 from parallel import (ParallelModel, Run, barrier, build_mesh, close_distributed, init_distributed, init_weights,
-                      parallelize, uncompile, waiting_for_main_rank)
+                      parallelize, set_initial_values, uncompile, waiting_for_main_rank)
 from balance import COEFFICIENTS, RoutingMonitor
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
@@ -89,7 +90,9 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
         step = checkpoints.resume(model, optimizer, train_data)
         explain_resumed_settings(cfg, checkpoints.last if step else None, step, run)
         logger = MetricsLogger(cfg, run, model.config, start_step=step, run_dir=checkpoints.run_dir)
-        routing = RoutingMonitor(model.module, model.config, run.device, cfg.logging.idle_expert_steps, run.is_main)
+        # A LoRA run keeps its base frozen, the routers' selection bias (aux-loss-free balancing) included.
+        frozen = dataclasses.replace(model.config, router_bias_update_rate=0.0) if cfg.lora.enabled else model.config
+        routing = RoutingMonitor(model.module, frozen, run.device, cfg.logging.idle_expert_steps, run.is_main)
         with Interruption(run) as interruption, explain_stop(checkpoints, run, argv):
             while step < cfg.training.steps:
                 step += 1
@@ -316,9 +319,13 @@ def load_model(cfg: TrainConfig, run: Run) -> ParallelModel:
     check_architecture(native, config)
     init_weights(pm, run.device, seed=None)  # allocated, then filled from the checkpoint
     state = {"model": get_model_state_dict(pm.module)}  # this rank's shards; DCP reads just those
+    adapting = cfg.lora.enabled
+    if adapting:  # the base holds no adapters: they start from their initial values (B = 0)
+        state["model"] = without_adapters(state["model"])
+        set_initial_values(pm, cfg.training.seed, is_adapter_key)
     load_dcp(state, native)
-    set_model_state_dict(pm.module, state["model"])
-    run.print(f"loaded the weights of {source}")
+    set_model_state_dict(pm.module, state["model"], options=StateDictOptions(strict=not adapting))
+    run.print(f"loaded the weights of {source}" + (" (frozen; LoRA adapters train)" if adapting else ""))
     return pm
 
 
@@ -328,6 +335,11 @@ def build_model(cfg: TrainConfig, run: Run) -> ParallelModel:
     config = cfg.model_config  # an init_from checkpoint's config.json, with the training settings of [model]
     with torch.device("meta"):
         model = model_class(config)(config, torch.float32)
+    if cfg.lora.enabled:  # before parallelize: the adapters are sharded, split and compiled with their modules
+        adapted = apply_lora(model, cfg.lora, cfg.training.seed)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        run.print(f"LoRA: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on {len(adapted)} modules, "
+                  f"{trainable / 1e6:.2f}M trainable parameters; the rest frozen")
     embedding = config.vocab_size * config.hidden_size  # a lookup: no matmul, not in flops_per_token
     run.print(f"model: {model.num_params() / 1e6:.2f}M parameters, {model.num_params(active=True) / 1e6:.2f}M "
               f"active per token ({(model.num_params(active=True) - embedding) / 1e6:.2f}M without the embedding); "
@@ -670,8 +682,10 @@ def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, l
             config = config_from_hf(checkpoint / "config.json")
             # Training keeps no vision tower or draft head: the export copies them from the init_from source.
             extras = published_extras(cfg.model.init_from, config) if cfg.model.init_from else None
-            export_published(NativeDir(checkpoint), config, export, dtype, extras=extras)
-            run.print(f"exported the model in Hugging Face format to {export}")
+            source = MergedSource(checkpoint) if cfg.lora.enabled else NativeDir(checkpoint)
+            export_published(source, config, export, dtype, extras=extras)
+            run.print(f"exported the model{' merged with its LoRA adapters' * cfg.lora.enabled} in Hugging Face "
+                      f"format to {export}")
         if run.is_main and t.sample_tokens:
             with torch.device("meta"):
                 saved = config_from_hf(checkpoint / "config.json")

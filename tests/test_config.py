@@ -23,10 +23,13 @@ def write(tmp_path: Path, text: str) -> Path:
 
 # The world size each config's comment runs it with (torchrun --nproc-per-node x --nnodes).
 WORLD_SIZES = {"smoke": 1, "sft-smoke": 1, "debug": 1, "finetune": 8, "flint": 64, "flint-8gpu": 8,
-               "flint-multinode": 32, "large4-smoke": 1, "large4-debug": 1, "large4": 256, "large4-256gpu": 256}
+               "flint-multinode": 32, "large4-smoke": 1, "large4-debug": 1, "large4": 256, "large4-256gpu": 256,
+               "flint-lora": 2, "large4-lora": 48}
 # The configs that continue a checkpoint: (its family, the config of the checkpoint they are tried on).
 INIT_FROM = {"finetune": ("flint", lambda config: config.from_name("tiny", router_aux_loss_coef=0.0005)),
-             "large4": ("large4", lambda config: config())}
+             "large4": ("large4", lambda config: config()),
+             "flint-lora": ("flint", lambda config: config.from_name("tiny")),
+             "large4-lora": ("large4", lambda config: config())}
 
 
 def test_every_config_file_loads_and_its_layout_fits(tmp_path):

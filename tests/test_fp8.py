@@ -166,7 +166,7 @@ def test_fp8_targets_the_projections_mlps_and_experts_only(family):
         assert not any(part in name for part in ("router", "sinks", "lm_head", "norm", "indexer")), name
     assert not any("indexer" in name for name in targets)
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    assert experts and all(m.grouped_mm.func is fp8_grouped_mm for m in experts)
+    assert experts and all(m.swiglu.keywords["mm"].func is fp8_grouped_mm for m in experts)
 
 
 @pytest.mark.parametrize("override, pattern", [

@@ -346,9 +346,9 @@ def test_adapted_blocks_compile_whole_and_match_eager(kind, one_thread):
         assert_close_to_scale(got, want, rtol=1e-4, what=f"gradient {i}")
 
 
-def check_fsdp(family: str, layout: dict) -> None:
-    """One spawned rank: FSDP 2 over the adapted model equals one process (loss, adapter gradients,
-    clipped norm, two AdamW steps on the adapters); the base gets no gradient."""
+def check_layout(family: str, layout: dict) -> None:
+    """One spawned rank: the adapted model laid out by `layout` equals one process (loss, the gradients of
+    the adapters this rank holds, clipped norm, two AdamW steps on the adapters); the base gets no gradient."""
     from parallel import ParallelConfig, build_mesh, parallelize
     from helpers import full, make_batch, rows_of_this_rank
     def adapted_tiny():
@@ -365,9 +365,10 @@ def check_fsdp(family: str, layout: dict) -> None:
         ref_loss.backward()
         loss = pm.forward_backward(*rows_of_this_rank(mesh, data))
         assert_close_to_scale(loss, ref_loss.detach(), what=f"step {step} loss")
-        if step == 0:
+        if step == 0:  # a pipeline stage holds its own layers' parameters
             grads = {n: p.grad for n, p in pm.module.named_parameters()}
-            for name, param in reference.named_parameters():
+            assert any(lora.is_adapter_key(name) for name in grads)
+            for name, param in ((n, p) for n, p in reference.named_parameters() if n in grads):
                 if lora.is_adapter_key(name):
                     assert_close_to_scale(full(grads[name]), param.grad, what=f"grad {name}")
                 else:
@@ -379,10 +380,16 @@ def check_fsdp(family: str, layout: dict) -> None:
             opt.zero_grad()
 
 
+LAYOUTS = {"fsdp2": {"dp_shard": 2}, "ep2": {"ep": 2, "dp_shard": 1}, "pp2": {"pp": 2, "dp_shard": 1},
+           "cp2": {"cp": 2, "dp_shard": 1}}
+
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_fsdp_matches_one_process(family):
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_layouts_match_one_process(family, layout):
+    """FSDP 2, EP 2 (the expert adapters split with their experts), PP 2 and CP 2 on gloo, 3-8 s each."""
     from helpers import spawn
-    spawn(2, check_fsdp, family, {"dp_shard": 2})
+    spawn(2, check_layout, family, layout)
 
 
 # ============================================================================= export
@@ -416,6 +423,17 @@ def test_peft_tensors_hold_the_same_updates():
     q = tensors[f"{prefix}.self_attn.q_proj.lora_B.weight"] @ tensors[f"{prefix}.self_attn.q_proj.lora_A.weight"]
     assert_close_to_scale(SCALE * q, lora.delta_weight(adapters["layers.2.self_attn.q_proj.lora.A"],
                                                        adapters["layers.2.self_attn.q_proj.lora.B"], SCALE))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_convert_names_modules_as_the_fixture_checked_them(family):
+    """convert.py to-peft's module names (lora.transformers_module_name) are those the fixture's check gave
+    peft, under which it found every target in transformers' model."""
+    from make_lora_peft_fixture import transformers_module_name
+    model = tiny(family)
+    names = [name for name, _ in model.named_modules() if name]
+    assert [lora.transformers_module_name(model.config, name) for name in names] == \
+        [transformers_module_name(family, name) for name in names]
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

@@ -68,6 +68,23 @@ def test_dualpipev_activations_by_hand():
 
 
 @FLINT
+def test_lora_counts_the_frozen_base_without_gradients_or_optimizer_states():
+    """Under [lora] the base keeps its FP32 weights, split 4 ways like everything else, and only the
+    adapters have gradients and AdamW moments."""
+    from lora import LoraConfig, apply_lora
+    config = tiny_config("flint")
+    lora = LoraConfig(rank=8, targets=["all"])
+    model = build(config)
+    base = model.num_params()
+    apply_lora(model, lora)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    row = memory_per_gpu(config, ParallelConfig(dp_shard=4).resolve(4), 16, 2, lora=lora)
+    assert row["params"] * GIB == pytest.approx(4 * (base + adapters) / 4, abs=1)
+    assert row["grads"] * GIB == pytest.approx(4 * adapters / 4, abs=1)
+    assert row["optimizer"] * GIB == pytest.approx(8 * adapters / 4, abs=1)
+
+
+@FLINT
 def test_offload_moves_the_sharded_states_to_host_memory():
     """[parallel] offload: weights, gradients and AdamW states (16 B per trainable parameter's shard)
     leave the GPU's total for `host`; what FSDP gathers and the activations stay."""

@@ -4,7 +4,8 @@
     python3 -m tools.memory --config configs/large4.toml --gpus 256 --model.init_from=PATH
     python3 -m tools.memory --config configs/large4-256gpu.toml --gpus 256
 
-prints GiB per GPU (FP32 master weights, FP32 gradients and AdamW moments of the trainable parameters,
+prints GiB per GPU (FP32 master weights, FP32 gradients and AdamW moments of the trainable parameters (under
+[lora] the adapters alone),
 the unsharded FP32 gradients that gradient accumulation holds, the weights FSDP gathers, and activations)
 for the config's own layout and, with --gpus, the usual alternatives, marking which fit 141 GB and 80 GB
 GPUs ([parallel] accumulation = "auto" resolved for a 141 GB one, as parallel.choose_accumulation would).
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from config import ConfigError, load_config
+from lora import LoraConfig, apply_lora
 from registry import ModelConfig, model_class
 from parallel import MESH_DIMS, ParallelConfig, choose_accumulation, unsupported_layout
 from pipeline import pipeline_stage
@@ -31,36 +33,44 @@ GPU_GIB = {"141GB": 140.4, "80GB": 79.6}
 OVERHEAD_GIB = 10.0
 
 
-def _meta_model(config: ModelConfig) -> torch.nn.Module:
-    """The model on the meta device, in its stage-aware form where it has one (parallel.py); built
-    once per config (the released Large 4 takes seconds even on meta)."""
-    key = repr(config)  # configs are mutable dataclasses, so not hashable
+def _meta_model(config: ModelConfig, lora: LoraConfig | None = None) -> torch.nn.Module:
+    """The model on the meta device, in its stage-aware form where it has one (parallel.py), with `lora`'s
+    adapters on its frozen base when given; built once per config (the released Large 4 takes seconds
+    even on meta)."""
+    key = repr((config, lora))  # configs are mutable dataclasses, so not hashable
     if key not in _META_MODELS:
         cls = model_class(config)
         with torch.device("meta"):
             _META_MODELS[key] = cls(config)
+        if lora is not None:
+            apply_lora(_META_MODELS[key], lora)
     return _META_MODELS[key]
 
 
 _META_MODELS: dict[str, torch.nn.Module] = {}
 
 
+def _stage_counts(config: ModelConfig, pp: int, lora: LoraConfig | None = None) -> list[tuple[int, ...]]:
+    """(expert trainable, expert frozen, other trainable, other frozen) parameter counts of each pipeline
+    stage, counted on the meta device. Frozen parameters (Large 4's indexer; under LoRA the whole base)
+    have no gradient and no optimizer state. Counted once per (config, pp, lora): a layout search asks
+    for the same counts many times."""
+    key = repr((config, pp, lora))
+    if key not in _STAGE_COUNTS:
+        model = _meta_model(config, lora)
+        stages = [pipeline_stage(model, s, pp) if pp > 1 else model for s in range(pp)]
+        _STAGE_COUNTS[key] = [tuple(sum(p.numel() for n, p in part.named_parameters()
+                                        if (".mlp.experts." in n) == expert and p.requires_grad == trainable)
+                                    for expert in (True, False) for trainable in (True, False)) for part in stages]
+    return _STAGE_COUNTS[key]
+
+
+_STAGE_COUNTS: dict[str, list[tuple[int, ...]]] = {}
+
+
 def _stage_params(config: ModelConfig, pp: int) -> list[tuple[int, int, int]]:
-    """(expert, other trainable, frozen) parameter counts of each pipeline stage, counted on the meta
-    device. Frozen parameters (Large 4's indexer) have no gradient and no optimizer state. Counted once per
-    (config, pp): a layout search asks for the same counts many times."""
-    key = (repr(config), pp)
-    if key in _STAGE_PARAMS:
-        return _STAGE_PARAMS[key]
-    model = _meta_model(config)
-    stages = [pipeline_stage(model, s, pp) if pp > 1 else model for s in range(pp)]
-    _STAGE_PARAMS[key] = [(sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." in n),
-                           sum(p.numel() for n, p in part.named_parameters() if ".mlp.experts." not in n and p.requires_grad),
-                           sum(p.numel() for p in part.parameters() if not p.requires_grad)) for part in stages]
-    return _STAGE_PARAMS[key]
-
-
-_STAGE_PARAMS: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+    """(expert, other trainable, other frozen) parameter counts of each pipeline stage."""
+    return [(et + ef, ot, of) for et, ef, ot, of in _stage_counts(config, pp)]
 
 
 def _stage_fp32_params(config: ModelConfig, pp: int) -> list[int]:
@@ -83,17 +93,18 @@ def _count_stage_fp32_params(config: ModelConfig, pp: int) -> list[int]:
     return [sum(p.numel() for m in unit if m is not None for p in m.parameters()) for unit in units]
 
 
-def accumulation_bytes(config: ModelConfig, cfg: ParallelConfig) -> tuple[float, float]:
+def accumulation_bytes(config: ModelConfig, cfg: ParallelConfig, lora: LoraConfig | None = None) -> tuple[float, float]:
     """parallel.ParallelModel.accumulation_bytes on the busiest stage of a GPU run: (its FSDP units' trainable
     parameters unsharded, in FP32; all their weights gathered, BF16 but the FP32 units) in bytes. Under
     expert parallelism a rank's units hold its own experts."""
-    stages = zip(_stage_params(config, cfg.pp), _stage_fp32_params(config, cfg.pp))
-    return max((4 * (e / cfg.ep + o), 2 * (e / cfg.ep + o + f) + 2 * fp32) for (e, o, f), fp32 in stages)
+    stages = zip(_stage_counts(config, cfg.pp, lora), _stage_fp32_params(config, cfg.pp))
+    return max((4 * (et / cfg.ep + ot), 2 * ((et + ef) / cfg.ep + ot + of) + 2 * fp32)
+               for (et, ef, ot, of), fp32 in stages)
 
 
-def accumulation_of(config: ModelConfig, cfg: ParallelConfig, gpu_gib: float) -> str:
+def accumulation_of(config: ModelConfig, cfg: ParallelConfig, gpu_gib: float, lora: LoraConfig | None = None) -> str:
     """[parallel] accumulation as parallel.choose_accumulation resolves it on a GPU of `gpu_gib` usable GiB."""
-    return choose_accumulation(cfg, *accumulation_bytes(config, cfg), gpu_gib * GIB)
+    return choose_accumulation(cfg, *accumulation_bytes(config, cfg, lora), gpu_gib * GIB)
 
 
 def _activation_bytes_per_token(config: ModelConfig, layers: int, checkpointing: str, seq_len: int) -> float:
@@ -116,12 +127,13 @@ def microbatches_in_flight(cfg: ParallelConfig, grad_accum: int = 1, calls: int 
 
 
 def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch_size: int,
-                   grad_accum: int = 1, gpu_gib: float = GPU_GIB["141GB"]) -> dict[str, float]:
+                   grad_accum: int = 1, gpu_gib: float = GPU_GIB["141GB"],
+                   lora: LoraConfig | None = None) -> dict[str, float]:
     """GiB per GPU on the busiest pipeline stage: FP32 master weights, FP32 gradients and AdamW
     moments (2 x FP32) of the trainable ones (in host memory instead with [parallel] offload:
     `host`), the unsharded FP32 gradients that accumulation holds (`held grads`), the weights FSDP
     gathers (BF16, the FP32 units in FP32: the current block and the prefetched next, or all of them
-    when they stay gathered), and activations of the micro-batches in flight. An estimate: no
+    when they stay gathered), and activations of the micro-batches in flight; with `lora`, only the adapters train. An estimate: no
     allocator slack or buffers. [parallel] accumulation "auto" is resolved for a GPU of `gpu_gib`
     (parallel.choose_accumulation); with one micro-batch every mode is sync_each.
 
@@ -138,15 +150,16 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
     activations of all grad_accum x pp_microbatches micro-batches."""
     other_shards = cfg.dp_shard * cfg.ep * cfg.cp
     expert_shards = cfg.ep * cfg.dp_shard * cfg.cp
-    stages = _stage_params(config, cfg.pp)
+    stages = _stage_counts(config, cfg.pp, lora)
     layers_per_stage = math.ceil(config.num_hidden_layers / cfg.pp)
-    sharded = max(e / expert_shards + o / other_shards for e, o, _ in stages)  # trainable
-    frozen = max(f / other_shards for _, _, f in stages)
-    expert_block = max(e for e, _, _ in stages) / layers_per_stage / cfg.ep
-    other_block = (max(o + f for _, o, f in stages) - 2 * config.vocab_size * config.hidden_size / cfg.pp) / layers_per_stage
-    accumulation = accumulation_of(config, cfg, gpu_gib) if grad_accum > 1 else "sync_each"
+    sharded = max(et / expert_shards + ot / other_shards for et, _, ot, _ in stages)  # trainable
+    frozen = max(ef / expert_shards + of / other_shards for _, ef, _, of in stages)
+    expert_block = max(et + ef for et, ef, _, _ in stages) / layers_per_stage / cfg.ep
+    other_block = (max(ot + of for _, _, ot, of in stages)
+                   - 2 * config.vocab_size * config.hidden_size / cfg.pp) / layers_per_stage
+    accumulation = accumulation_of(config, cfg, gpu_gib, lora) if grad_accum > 1 else "sync_each"
     calls = grad_accum if cfg.pp > 1 and accumulation == "sync_each" else 1  # schedule calls per step
-    unsharded_grads, all_gathered = accumulation_bytes(config, cfg)
+    unsharded_grads, all_gathered = accumulation_bytes(config, cfg, lora)
     held = cfg.pp > 1 or accumulation != "sync_each"  # unsharded gradients held across micro-batches
     stays_gathered = accumulation == "gathered" or (cfg.pp > 1 and not cfg.reshard_after_forward)
     microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
@@ -202,7 +215,7 @@ def candidate_layouts(gpus: int, num_experts: int, pipelines: bool = True) -> li
 
 
 def memory_table(config: ModelConfig, layouts: list[tuple[str, ParallelConfig]], seq_len: int, batch_size: int,
-                 grad_accum: int = 1) -> str:
+                 grad_accum: int = 1, lora: LoraConfig | None = None) -> str:
     """layouts: (label, layout) rows; the label says where a row comes from (the config, a candidate)."""
     names = ("params", "grads", "held grads", "optimizer", "gathered", "activations", "total")
     names += ("host",) if any(cfg.offload for _, cfg in layouts) else ()  # [parallel] offload's host memory
@@ -216,8 +229,8 @@ def memory_table(config: ModelConfig, layouts: list[tuple[str, ParallelConfig]],
         layout = " ".join(f"{d}={getattr(cfg, d)}" for d in MESH_DIMS if getattr(cfg, d) > 1)
         layout = f"{label}: {layout or 'one GPU'} ac={cfg.activation_checkpointing}"
         if grad_accum > 1:  # [parallel] accumulation, resolved
-            layout += f" accumulation={accumulation_of(config, cfg, GPU_GIB['141GB'])}"
-        row = memory_per_gpu(config, cfg, seq_len, batch_size, grad_accum)
+            layout += f" accumulation={accumulation_of(config, cfg, GPU_GIB['141GB'], lora)}"
+        row = memory_per_gpu(config, cfg, seq_len, batch_size, grad_accum, lora=lora)
         marks = ["yes" if row["total"] + OVERHEAD_GIB <= usable else "NO" for usable in GPU_GIB.values()]
         lines.append(f"| {layout} | " + " | ".join([f"{row[n]:.1f}" for n in names] + marks) + " |")
     return "\n".join(lines)
@@ -246,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         candidates = candidate_layouts(gpus, config.num_experts, pipelines)
         layouts += [("candidate", c) for c in candidates]
         layouts += [("candidate", dataclasses.replace(c, activation_checkpointing="full")) for c in candidates]
-    print(memory_table(config, layouts, cfg.data.seq_len, cfg.training.batch_size, cfg.training.grad_accum))
+    print(memory_table(config, layouts, cfg.data.seq_len, cfg.training.batch_size, cfg.training.grad_accum,
+                       cfg.lora if cfg.lora.enabled else None))
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ import parallel
 import train
 from config import ConfigError, TrainConfig
 from layers import token_ids_checked_at_load
+from lora import adapter_state
 from devices import targeting
 from tools.memory import GPU_GIB as MEMORY_GPU_GIB, memory_per_gpu
 from parallel import Run, close_distributed
@@ -263,7 +264,7 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
             with failing_as_the_job(job, rank, world, lambda: "in the evaluation"):
                 fake_evaluation(model, batches()[0], tracker)
             say("evaluation (train.py's, after the last step and every eval_every steps) passed")
-            checkpoint_bytes = state_dict_bytes(model, optimizer)
+            checkpoint_bytes = state_dict_bytes(model, optimizer, job.lora.enabled)
             say(f"checkpoint: this rank's state dicts hold {checkpoint_bytes / GIB:.1f} GiB (model and optimizer)")
             host = offloaded_bytes(model, optimizer) if job.parallel.offload else 0
     picture = write_memory_timeline(Path(cfg.logging.jsonl).parent / f"rehearsal_rank{rank}_of_{world}_memory.svg",
@@ -367,9 +368,11 @@ def fake_evaluation(model, batch: dict, tracker: PeakMemory) -> None:
         model.loss(**batch, num_tokens=num_tokens)
 
 
-def state_dict_bytes(model, optimizer) -> int:
-    """The bytes this rank's checkpoint would write: its shards of the model and optimizer states."""
-    states = [get_model_state_dict(model.module), get_optimizer_state_dict(model.module, optimizer)]
+def state_dict_bytes(model, optimizer, adapters_only: bool = False) -> int:
+    """The bytes this rank's checkpoint would write: its shards of the model (a LoRA run's: of its adapters,
+    checkpoint.py) and optimizer states."""
+    weights = get_model_state_dict(model.module)
+    states = [adapter_state(weights) if adapters_only else weights, get_optimizer_state_dict(model.module, optimizer)]
     local = [t.to_local() if isinstance(t, DTensor) else t for t in pytree.tree_leaves(states)
              if isinstance(t, torch.Tensor)]
     return sum(t.numel() * t.element_size() for t in local)
@@ -402,7 +405,7 @@ def report(cfg: TrainConfig, world: int, rank: int, gpu: str, tracker: PeakMemor
     are counted), beside memory.py's estimate and the GPU's capacity."""
     parallel = cfg.parallel.resolve(world, cfg.model_config.num_experts)
     estimate = memory_per_gpu(cfg.model_config, parallel, cfg.data.seq_len, cfg.training.batch_size,
-                              cfg.training.grad_accum, GPU_GIB[gpu])["total"]
+                              cfg.training.grad_accum, GPU_GIB[gpu], cfg.lora if cfg.lora.enabled else None)["total"]
     peak, capacity = (tracker.peak - host) / GIB, GPU_GIB[gpu]
     offloaded = f", and {host / GIB:.1f} GiB in host memory ([parallel] offload)" if host else ""
     say(f"peak {peak:.1f} GiB of {capacity:.1f} GiB on an {gpu} (memory.py {estimate:.1f} GiB){offloaded}, "
