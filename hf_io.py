@@ -54,6 +54,10 @@ class Layout:
     missing_fields: Callable[[Any, dict], list[str]] | None = None  # published fields config.json leaves out
     # config -> the config.json an export writes (default: config.to_hf_config())
     published_config: Callable[[Any], dict] | None = None
+    # Where transformers' model puts a native module (peft matches an adapter's targets against those
+    # names): a prefix, and renamed pieces of the name.
+    transformers_prefix: str = "model."
+    transformers_renames: dict[str, str] = field(default_factory=dict)
 
 
 def published_view(native: torch.Tensor, part: Part) -> torch.Tensor:

@@ -515,4 +515,6 @@ def dequantized(source: Source, hf_config: dict, where: str, dtype: torch.dtype,
 
 
 LAYOUT = Layout(lambda config, native, present: published_layout(native, present), FP32_SUFFIXES,
-                PUBLISHED_FP32_SUFFIXES, is_extra, FP8_DTYPES, dequantized, published_config=published_config)
+                PUBLISHED_FP32_SUFFIXES, is_extra, FP8_DTYPES, dequantized, published_config=published_config,
+                transformers_prefix="model.language_model.",
+                transformers_renames={".shared_expert.": ".shared_experts."})

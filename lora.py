@@ -528,17 +528,11 @@ def load_merged(checkpoint: str | Path, dtype: torch.dtype | None = None, device
     return model
 
 
-# Where transformers' model of each family puts a native module (peft matches target_modules against those
-# names): a prefix, and renamed pieces (Large 4's shared expert is transformers' shared_experts).
-TRANSFORMERS_MODULES = {"flint": ("model.", {}),
-                        "large4": ("model.language_model.", {".shared_expert.": ".shared_experts."})}
-
-
 def transformers_module_name(config: ModelConfig, native: str) -> str:
-    """The name transformers' model gives the native module `native`."""
-    prefix, renames = TRANSFORMERS_MODULES[family_of(config).name]
-    name = prefix + native
-    for old, new in renames.items():
+    """The name transformers' model gives the native module `native` (the family's Layout declares it)."""
+    layout = family_of(config).layout
+    name = layout.transformers_prefix + native
+    for old, new in layout.transformers_renames.items():
         name = name.replace(old, new)
     return name
 

@@ -219,11 +219,12 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int) -> Exper
 
 
 def grouped_swiglu(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, gate_up_proj: torch.Tensor,
-                   down_proj: torch.Tensor, mm: Callable[..., torch.Tensor] = grouped_mm) -> torch.Tensor:
+                   down_proj: torch.Tensor, mm: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Rows grouped by expert [R, H] (groups ending at offsets) and their routing weights [R] ->
-    weight * each row's expert SwiGLU [R, H], a grouped GEMM per projection (mm: grouped_mm, or
-    fp8.py's). The weight scales the I-wide hidden row before the down projection (not the H-wide
-    output), so combine only sums."""
+    weight * each row's expert SwiGLU [R, H], a grouped GEMM per projection (mm: fp8.py's, or None for
+    grouped_mm, looked up at each call so that a profiler's range around it is seen). The weight scales
+    the I-wide hidden row before the down projection (not the H-wide output), so combine only sums."""
+    mm = mm or grouped_mm
     gate, up = mm(rows, gate_up_proj, offsets).chunk(2, dim=-1)  # [R, Im] each
     return mm(F.silu(gate) * up * weights.unsqueeze(-1), down_proj, offsets)
 

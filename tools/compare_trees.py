@@ -2,11 +2,11 @@
 
     python3 -m tools.compare_trees OLD_TREE NEW_TREE [--steps 6] [--layouts one,dp_shard,ep,pp,cp]
 
-trains each registered family's smallest debug model for a few steps in each layout, once with each tree's
+trains each registered family's debug model (configs/*debug.toml) for a few steps in each layout, once with each tree's
 own train.py (under torchrun for the 2-process layouts), and compares the losses and gradient norms every
 step logs. A tree is any checkout (`git worktree add /tmp/old COMMIT`). Both trees get the same config,
 written here from what every tree since the first layouts understands, so an old tree needs none of the
-new configs. Prints one line per family and layout: identical, or the largest relative difference and the
+new configs. Prints one line per debug model and layout: identical, or the largest relative difference and the
 first step where the two runs part.
 """
 
@@ -18,19 +18,27 @@ import os
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
-# Each family's debug model, as configs/debug.toml and configs/large4-debug.toml define it today.
-FAMILY_MODEL = {
-    "flint": 'preset = "tiny"\nvocab_size = 264\nnum_hidden_layers = 4\n',
-    "large4": 'family = "large4"\npreset = "large4-tiny"\nvocab_size = 264\nindex_topk = 64\n',
-}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def debug_models(root: Path = ROOT) -> dict[str, str]:
+    """Each registered family's debug model, as this checkout's configs/*debug.toml define it: the
+    config's name -> its [model] table as TOML text (keys every tree since the first layouts reads)."""
+    return {path.stem: "".join(f"{key} = {json.dumps(value)}\n"
+                               for key, value in tomllib.loads(path.read_text())["model"].items())
+            for path in sorted((root / "configs").glob("*debug.toml"))}
+
+
+DEBUG_MODELS = debug_models()
 LAYOUTS = {"one": [], "dp_shard": ["--parallel.dp_shard=2"], "ep": ["--parallel.ep=2"],
            "pp": ["--parallel.pp=2"], "cp": ["--parallel.cp=2"]}
 
 
-def config_text(family: str, steps: int, run_dir: Path) -> str:
-    return (f"[model]\n{FAMILY_MODEL[family]}\n"
+def config_text(model: str, steps: int, run_dir: Path) -> str:
+    return (f"[model]\n{DEBUG_MODELS[model]}\n"
             f'[data]\npath = "data/python_reference.jsonl"\nseq_len = 64\nval_fraction = 0.05\n\n'
             f"[training]\nsteps = {steps}\nbatch_size = 4\nseed = 0\neval_batches = 2\nsample_tokens = 0\n\n"
             f"[optim]\nlr = 3e-3\nmin_lr = 3e-4\nwarmup_steps = 2\n\n"
@@ -38,19 +46,19 @@ def config_text(family: str, steps: int, run_dir: Path) -> str:
             f'[logging]\nevery = 1\njsonl = "{run_dir}/metrics.jsonl"\n')
 
 
-def train(tree: Path, family: str, layout: str, steps: int, work: Path) -> list[dict]:
+def train(tree: Path, model: str, layout: str, steps: int, work: Path) -> list[dict]:
     """One run of `tree`'s train.py -> its per-step training records ([{step, loss, grad_norm}, ...])."""
-    run_dir = work / f"{tree.name}-{family}-{layout}"
+    run_dir = work / f"{tree.name}-{model}-{layout}"
     config = run_dir / "config.toml"
     run_dir.mkdir(parents=True)
-    config.write_text(config_text(family, steps, run_dir))
+    config.write_text(config_text(model, steps, run_dir))
     extra = LAYOUTS[layout]
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"] if extra
                 else [sys.executable])
     result = subprocess.run([*launcher, "train.py", "--config", str(config), *extra], cwd=tree,
                             capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if result.returncode:
-        raise SystemExit(f"{tree}: {family} {layout} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+        raise SystemExit(f"{tree}: {model} {layout} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if "loss" in r and "step" in r]
 
@@ -75,14 +83,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("new", type=Path)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
-    parser.add_argument("--families", default=",".join(FAMILY_MODEL))
+    parser.add_argument("--models", default=",".join(DEBUG_MODELS), help="debug configs' names")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
-        for family in args.families.split(","):
+        for model in args.models.split(","):
             for layout in args.layouts.split(","):
-                old = train(args.old.resolve(), family, layout, args.steps, Path(work) / "old")
-                new = train(args.new.resolve(), family, layout, args.steps, Path(work) / "new")
-                print(f"{family:7} {layout:9} {len(old)} steps: {compare(old, new)}", flush=True)
+                old = train(args.old.resolve(), model, layout, args.steps, Path(work) / "old")
+                new = train(args.new.resolve(), model, layout, args.steps, Path(work) / "new")
+                print(f"{model:12} {layout:9} {len(old)} steps: {compare(old, new)}", flush=True)
 
 
 if __name__ == "__main__":

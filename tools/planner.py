@@ -53,7 +53,8 @@ prints tokens/s per GPU, MFU, the step time and the ten ops or collectives that 
      of every layer (forward, recompute) and reduce-scatters their gradients (backward), exposed.
 4. Per step: grad_accum micro-batches, then AdamW over the FP32 shards: 32 bytes per trainable
    parameter (read weight, gradient, 2 moments, write weight, 2 moments, and the norm's read).
-5. `--validate`: published runs (PUBLISHED_RUNS), measured / predicted beside the bound.
+5. `--validate`: published runs (each family's tools/<family>_baselines.py PUBLISHED_RUNS), measured /
+   predicted beside the bound.
 
 MFU divides the model's FLOPs (model.flops_per_token, as train.py counts them) by the step time and the
 dense BF16 peak, with FP8 too. --gpu cpu measures this machine's FP32 matmul rate and copy bandwidth and
@@ -64,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import re
 import time
@@ -74,7 +76,7 @@ import torch
 
 from config import ConfigError, TrainConfig, load_config
 from tools.memory import GPU_GIB, _meta_model, _stage_params, accumulation_of
-from registry import ModelConfig
+from registry import FAMILIES, ModelConfig
 from tools.op_trace import OpCost, trace_step
 from parallel import MESH_DIMS, ParallelConfig
 
@@ -677,55 +679,24 @@ def plan_table(plan: Plan, top: int = 10) -> str:
 
 # ============================================================================= validation
 
-GPT_OSS = ["--model.hidden_size=2880", "--model.num_attention_heads=64", "--model.num_key_value_heads=8",
-           "--model.head_dim=64", "--model.vocab_size=201088", "--model.sliding_window=128",
-           "--model.moe_intermediate_size=2880", "--model.num_experts_per_tok=4", "--model.mlp_only_layers=[]",
-           "--model.shared_expert_intermediate_size=1"]  # no shared expert: one channel, no FLOPs to speak of
-
-
-def published_layout(ep: int) -> list[str]:
-    """A published run's layout in full: FSDP over every GPU, the experts over `ep`, full checkpointing,
-    compiled, Flint's default 2 overlapped chunks (the runs do not say how DeepEP overlapped)."""
-    return ["--parallel.dp_shard=-1", f"--parallel.ep={ep}", "--parallel.ep_overlap=2",
-            "--parallel.activation_checkpointing=full", "--parallel.compile=true"]
-
-
-def gpt_oss_layers(layers: int) -> list[str]:
-    """GPT-OSS's attention: sliding (128 keys) and full layers alternating."""
-    kinds = ", ".join(['"sliding_attention", "full_attention"'] * (layers // 2))
-    return [f"--model.num_hidden_layers={layers}", f"--model.layer_types=[{kinds}]"]
-
-
-# Published BF16 runs on H100 SXM the Flint family expresses: (name, setup, GPUs, measured tokens/s per GPU,
-# attention kernel, overrides of configs/flint-8gpu.toml), from NeMo AutoModel's docs/performance-summary.md
-# (DGX-H100, TE + DeepEP, full checkpointing). Its EP column is blank for GPT-OSS: 8 (one node) for the 20B,
-# 64 for the 120B (sharding its experts over nodes would move 29 GB per GPU per gather, more than its step).
-PUBLISHED_RUNS = [
-    ("GPT-OSS-20B", "NeMo AutoModel performance summary: 8 x H100, GBS 256, MBS 2, GA 16, seq 4,096, FSDP 8, "
-     "TE + DeepEP + FlexAttn, 10.04 s per step", 8, 13_058, "flex",
-     GPT_OSS + gpt_oss_layers(24) + published_layout(8)
-     + ["--model.num_experts=32", "--training.batch_size=2", "--training.grad_accum=16"]),
-    ("Qwen3-30B-A3B", "NeMo AutoModel performance summary: 8 x H100, GBS 512, MBS 4, GA 16, seq 4,096, EP 8, FSDP 8, "
-     "TE + DeepEP, 21.773 s per step", 8, 12_040, "fused",
-     ["--model.hidden_size=2048", "--model.num_hidden_layers=48", "--model.num_attention_heads=32",
-      "--model.num_key_value_heads=4", "--model.head_dim=128", "--model.vocab_size=151936",
-      "--model.sliding_window=4096", "--model.layer_types=[" + ", ".join(['"full_attention"'] * 48) + "]",
-      "--model.moe_intermediate_size=768", "--model.num_experts=128", "--model.num_experts_per_tok=8",
-      "--model.mlp_only_layers=[]", "--model.shared_expert_intermediate_size=1",
-      "--training.batch_size=4", "--training.grad_accum=16", *published_layout(8)]),
-    ("GPT-OSS-120B", "NeMo AutoModel performance summary: 64 x H100, GBS 512, MBS 2, GA 4, seq 4,096, FSDP 64, "
-     "TE + DeepEP + FlexAttn, 4.30 s per step; EP 64", 64, 7_626, "flex",
-     GPT_OSS + gpt_oss_layers(36) + published_layout(64)
-     + ["--model.num_experts=128", "--training.batch_size=2", "--training.grad_accum=4"]),
-]
+def published_runs() -> list[tuple]:
+    """Every registered family's published runs, from its tools/<family>_baselines.py (Flint's: NeMo
+    AutoModel's GPT-OSS and Qwen3 runs): (name, setup, GPUs, measured tokens/s per GPU, attention kernel,
+    the config they override, the overrides)."""
+    runs = []
+    for family in FAMILIES:
+        module = f"tools.{family}_baselines"
+        if importlib.util.find_spec(module) is not None:
+            runs += getattr(importlib.import_module(module), "PUBLISHED_RUNS", [])
+    return runs
 
 
 def validation_table() -> str:
     """Each published run: measured tokens/s per GPU, the calibrated prediction, their ratio, and the bound."""
     lines = ["| run | setup | measured tokens/s per GPU | predicted | measured / predicted | 100 %-of-peak bound |",
              "|---|---|---|---|---|---|"]
-    for name, setup, gpus, measured, attention, overrides in PUBLISHED_RUNS:
-        cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "flint-8gpu.toml", overrides)
+    for name, setup, gpus, measured, attention, config, overrides in published_runs():
+        cfg = load_config(Path(__file__).resolve().parent.parent / config, overrides)
         layout = cfg.parallel.resolve(gpus, cfg.model_config.num_experts)
         plan, bound = (plan_step(cfg, layout, GPUS["H100"], calibrated, attention) for calibrated in (True, False))
         lines.append(f"| {name} | {setup} | {measured:,} | {plan.tokens_per_second:,.0f} | "
