@@ -21,7 +21,7 @@ import checkpoint_files
 import convert
 import train
 from checkpoint import CheckpointError
-from helpers import FAMILY_NAMES, debug_args, free_port, records, run_debug, train_losses
+from helpers import FAMILY_NAMES, debug_args, free_port, records, run_debug, start, train_losses
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -399,12 +399,12 @@ def test_kill_9_of_two_ranks_during_an_async_save_keeps_the_last_checkpoint(tmp_
                       "--checkpoint.async_save=true")
     crc_log = tmp_path / "crc.log"
     with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
-        mp.spawn(_rank_of_train, args=(2, free_port(), argv, 2, str(crc_log)), nprocs=2)
+        start(_rank_of_train, (2, free_port(), argv, 2, str(crc_log)), nprocs=2)
     killed = train_losses(tmp_path)
     run_dir = tmp_path / "ckpt" / "run_0001"
     assert sorted(killed) == [1, 2]
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "run.json", "step_00000001", "step_00000002.tmp"]
-    mp.spawn(_rank_of_train, args=(2, free_port(), [*argv, "--checkpoint.resume=auto"], 0, str(crc_log)), nprocs=2)
+    start(_rank_of_train, (2, free_port(), [*argv, "--checkpoint.resume=auto"], 0, str(crc_log)), nprocs=2)
     assert [Path(r["run"]).name for r in records(tmp_path) if "loss" in r] == ["run_0001"] * 2  # continued it
     assert train_losses(tmp_path) == killed  # step 2 trained again from step 1 (its record replaced)
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "report.html", "run.json", "step_00000001",
@@ -531,11 +531,11 @@ def test_a_run_killed_in_its_first_save_leaves_no_leftovers_and_no_duplicate_rec
                       "--training.sample_tokens=0", "--training.eval_every=0", "--checkpoint.resume=auto")
     crc_log = tmp_path / "crc.log"
     with pytest.raises(mp.ProcessExitedException, match="SIGKILL"):
-        mp.spawn(_rank_of_train, args=(1, free_port(), argv, 1, str(crc_log)), nprocs=1)
+        start(_rank_of_train, (1, free_port(), argv, 1, str(crc_log)), nprocs=1)
     run_dir = tmp_path / "ckpt" / "run_0001"
     assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "run.json", "step_00000001.tmp"]
     killed = train_losses(tmp_path)
-    mp.spawn(_rank_of_train, args=(1, free_port(), argv, 0, str(crc_log)), nprocs=1)
+    start(_rank_of_train, (1, free_port(), argv, 0, str(crc_log)), nprocs=1)
     assert [(Path(r["run"]).name, r["step"]) for r in records(tmp_path) if "loss" in r] == [("run_0001", 1),
                                                                                           ("run_0001", 2)]
     assert train_losses(tmp_path)[1] == killed[1]
