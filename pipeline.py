@@ -49,11 +49,11 @@ class ForwardOnlyEvaluation:
 
 
 class ZBVZeroBubble(ForwardOnlyEvaluation, ScheduleZBVZeroBubble):
-    pass
+    """torch's ZBVZeroBubble, evaluating with forward passes only."""
 
 
 class DualPipeV(ForwardOnlyEvaluation, ScheduleDualPipeV):
-    pass
+    """torch's DualPipeV, evaluating with forward passes only."""
 
 
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
