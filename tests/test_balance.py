@@ -392,6 +392,7 @@ def test_training_with_the_bias_resumes_exactly_and_is_not_exported(tmp_path, fa
         convert.export_published(convert.NativeDir(step2), model.config, tmp_path / "hf")
 
 
+@only("flint")  # Flint's sigmoid scores and its vocabulary
 def test_the_sequence_wise_term_weighs_each_row_by_its_loss_tokens():
     """Rows of the same real tokens but different loss tokens (targets masked, inputs kept): the term
     weighs each sequence by its loss tokens, so that it does not depend on how a step is cut. Every

@@ -14,8 +14,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from config import ConfigError
 from devices import targeting
 from fp8 import apply_fp8, fp8_grouped_mm, fp8_linear, fp8_matmul, fp8_targets
-from helpers import (assert_close_to_scale, block_inputs, build, debug_args, in_process_group, only, parallel_step,
-                     slow, spawn, stops_with_one_line, tiny_config, values_and_grads)
+from helpers import (FAMILY_NAMES, FIRST_FAMILY_THEN_SLOW, assert_close_to_scale, block_inputs, build, debug_args,
+                     in_process_group, only, parallel_step, slow, spawn, stops_with_one_line, tiny_config,
+                     values_and_grads)
 from moe import GroupedExperts
 
 E4M3 = torch.float8_e4m3fn
@@ -155,7 +156,7 @@ def test_a_nan_or_an_infinity_reaches_the_output():
 
 # ============================================================================= which maps, and what is refused
 
-@pytest.mark.parametrize("family", ["flint", "large4"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_fp8_targets_the_projections_mlps_and_experts_only(family):
     model = build(tiny_config(family))
     targets = apply_fp8(model, "rowwise")
@@ -274,7 +275,7 @@ def test_pipeline_context_parallel_and_checkpointing_match_one_process(layout):
     spawn(2, check_layout_matches_one_process, layout, in_process_group(fp8_step, {}))
 
 
-@pytest.mark.parametrize("family", ["flint", pytest.param("large4", marks=slow)])
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SLOW)
 def test_the_rehearsal_runs_the_cuda_fp8_kernels_on_fake_tensors(family, tmp_path, monkeypatch):
     """`train.py --dry-run` with fp8: every dense FP8 matmul and every grouped one goes through the CUDA
     kernels (their meta functions, on fake tensors), forward and backward."""
@@ -382,7 +383,7 @@ def test_the_grouped_fp8_kernel_is_chosen_on_hopper_and_in_rehearsals_only(monke
 
 # ============================================================================= training through train.py
 
-@pytest.mark.parametrize("family", ["flint", pytest.param("large4", marks=slow)])
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SLOW)
 def test_fp8_trains_through_train_py_close_to_the_run_without(family, tmp_path):
     """The debug config's 20 steps with fp8 = rowwise against the same run without: the validation loss
     within 2 % (configs/smoke.toml's 300 steps in BENCHMARKS.md, FP8)."""

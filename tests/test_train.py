@@ -18,9 +18,9 @@ import convert
 import train
 from config import ConfigError, OptimSection
 from data import EMBEDDED_CORPUS, DataError
-from helpers import (DEFAULT_FAMILY, FAMILY_NAMES, ROOT, adamw_matches_plain, closing, debug_args, debug_configs,
-                     exported_tensors, moe_layers, only, records, run_debug, run_two_processes, slow, step_host_syncs,
-                     train_losses)
+from helpers import (DEFAULT_FAMILY, FAMILY_NAMES, FIRST_FAMILY_THEN_SLOW, ROOT, adamw_matches_plain, closing,
+                     debug_args, debug_configs, exported_tensors, moe_layers, only, records, run_debug,
+                     run_two_processes, step_host_syncs, train_losses)
 from registry import config_from_hf, family
 from train import TrainingError
 
@@ -197,8 +197,7 @@ def assert_same_losses(actual: dict[int, float], expected: dict[int, float], wha
         assert actual[step] == pytest.approx(expected[step], rel=1e-5), f"{what}, step {step}"
 
 
-@pytest.mark.parametrize("family", [name if name == DEFAULT_FAMILY else pytest.param(name, marks=slow)
-                                    for name in FAMILY_NAMES])
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SLOW)
 def test_two_processes_match_one_resume_in_one_and_export(tmp_path, family):
     """Global batch of 8 rows: one process with 2 micro-batches of 4, FSDP 2 and EP 2 with 4 rows
     per rank, PP 2 with 2 micro-batches of 4. Micro-batches and ranks hold different numbers of
