@@ -36,7 +36,8 @@ FAMILY_NAMES = list(FAMILIES)  # what a test of a shared guarantee is parametris
 DEFAULT_FAMILY = FAMILY_NAMES[0]  # what a test of machinery independent of the model runs (any family would do)
 # Each registered family, the others than DEFAULT_FAMILY with FLINT_SLOW=1 only: a parametrisation for tests
 # of shared machinery that take tens of seconds per family.
-FIRST_FAMILY_THEN_SLOW = [name if name == DEFAULT_FAMILY else pytest.param(name, marks=slow) for name in FAMILY_NAMES]
+FIRST_FAMILY_THEN_SLOW = [name if name == DEFAULT_FAMILY else pytest.param(name, marks=slow)
+                          for name in FAMILY_NAMES]
 
 
 def registered(per_family: dict) -> dict:

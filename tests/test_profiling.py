@@ -97,7 +97,8 @@ def test_gpu_check_script_parses():
     """tools/gpu_check.sh cannot run here (no GPU): its bash and each of its Python pieces at least parse."""
     script = Path(__file__).resolve().parent.parent / "tools" / "gpu_check.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
-    pieces = re.findall(r"<<'PY'[^\n]*\n(.*?)\nPY\n", script.read_text(), re.DOTALL)
-    assert len(pieces) == script.read_text().count("<<'PY'") == 6  # parity, graphs, train, bench, fp8, two GPUs
+    text = script.read_text()
+    pieces = re.findall(r"<<'PY'[^\n]*\n(.*?)\nPY\n", text, re.DOTALL)
+    assert len(pieces) == text.count("<<'PY'") == 6  # parity, graphs, train, bench, fp8, two GPUs
     for number, piece in enumerate(pieces):
         compile(piece, f"gpu_check.sh, Python piece {number + 1}", "exec")

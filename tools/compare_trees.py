@@ -2,9 +2,9 @@
 
     python3 -m tools.compare_trees OLD_TREE NEW_TREE [--steps 6] [--layouts one,dp_shard,ep,pp,cp]
 
-trains each registered family's debug model (configs/*debug.toml) for a few steps in each layout, once with each tree's
-own train.py (under torchrun for the 2-process layouts), and compares the losses and gradient norms every
-step logs. A tree is any checkout (`git worktree add /tmp/old COMMIT`). Both trees get the same config,
+trains each registered family's debug model (configs/*debug.toml) for a few steps in each layout, once
+with each tree's own train.py (under torchrun for the 2-process layouts), and compares the losses and
+gradient norms every step logs. A tree is any checkout (`git worktree add /tmp/old COMMIT`). Both trees get the same config,
 written here from what every tree since the first layouts understands, so an old tree needs none of the
 new configs. Prints one line per debug model and layout: identical, or the largest relative difference and the
 first step where the two runs part.

@@ -144,7 +144,7 @@ def attention_layer_step(config: FlintConfig, layer_type: str, batch: int, seq_l
     return lambda: attention(x, rope, mask).sum().backward()
 
 
-# ============================================================================= published runs (tools/planner.py --validate)
+# ======================================================================== published runs (planner.py --validate)
 
 GPT_OSS = ["--model.hidden_size=2880", "--model.num_attention_heads=64", "--model.num_key_value_heads=8",
            "--model.head_dim=64", "--model.vocab_size=201088", "--model.sliding_window=128",
