@@ -43,11 +43,23 @@ def check_architecture(path: Path, config: ModelConfig) -> None:
         saved = config_from_hf(path / "config.json").to_hf_config()
     except (OSError, ValueError, TypeError, KeyError) as error:  # not JSON, or a field no model can have
         raise CheckpointError(f"{path / 'config.json'}: not a usable model config ({error})") from None
-    mine = config.to_hf_config()
+    saved, mine = dotted_fields(saved), dotted_fields(config.to_hf_config())
     diffs = [f"{k} = {saved.get(k)!r} there, {mine.get(k)!r} here" for k in sorted(set(saved) | set(mine))
-             if k not in INIT_FROM_SETTINGS and saved.get(k) != mine.get(k)]
+             if k.rsplit(".", 1)[-1] not in INIT_FROM_SETTINGS and saved.get(k) != mine.get(k)]
     if diffs:
         raise CheckpointError(f"checkpoint {path} holds a different architecture: {'; '.join(diffs[:5])}")
+
+
+def dotted_fields(config: dict, prefix: str = "") -> dict:
+    """A config.json's fields, a nested object's under dotted names (Large 4's text_config.hidden_size), so a
+    difference is named by the field that differs rather than by the whole object around it."""
+    fields = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            fields.update(dotted_fields(value, f"{prefix}{key}."))
+        else:
+            fields[prefix + key] = value
+    return fields
 
 
 # ============================================================================= checkpoints of a run

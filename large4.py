@@ -733,4 +733,4 @@ def build_large4(config: Large4Config, device: torch.device | str = "cpu", dtype
 FAMILY = Family("large4", Large4Config, MistralLarge4, model_type="mistral_large4", layout=LAYOUT,
                 timed_modules=((Indexer, "indexer (Large 4)"),
                                (MLAttention, "latent attention (Large 4: projections + core)")),
-                smallest_preset="large4-tiny")
+                smallest_preset="large4-tiny", bench_preset="large4-bench")

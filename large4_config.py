@@ -333,6 +333,13 @@ PRESETS: dict[str, dict] = {
                         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
                         num_experts_per_tok=2, index_topk=4, index_n_heads=2, index_head_dim=16,
                         max_position_embeddings=4096, **_SCHEDULES),
+    # The CPU benchmark shape (tools/bench.py), Flint's bench-cpu widths on the tiny schedules. The frozen
+    # indexer starts random, so index_topk covers bench's 512 tokens: every causal key is kept.
+    "large4-bench": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
+                         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=64,
+                         qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32,
+                         num_experts_per_tok=4, index_topk=512, index_n_heads=4, index_head_dim=32,
+                         max_position_embeddings=4096, **_SCHEDULES),
     # The parity config: every width distinct; two RoPE producers (1 and 4) of one slot.
     "large4-parity": dict(vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=40,
                           num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24,

@@ -70,6 +70,16 @@ def tiny_preset(name: str) -> str:
     return family(name).smallest_preset
 
 
+# What the family's smallest preset needs to load at [data]'s defaults (256 tokens): Large 4's frozen indexer
+# starts random, so a sequence must fit in index_topk (attention is then dense causal).
+TINY_MODEL_FIELDS = {"flint": "", "large4": "index_topk = 512\n"}
+
+
+def tiny_model_toml(name: str = DEFAULT_FAMILY) -> str:
+    """A run file's [model] table of the family's smallest preset, as a test of config.py writes it."""
+    return f'[model]\nfamily = "{name}"\npreset = "{tiny_preset(name)}"\n{TINY_MODEL_FIELDS[name]}'
+
+
 # ============================================================================= train.py runs
 
 def debug_args(tmp_path: Path, *overrides: str, family: str = DEFAULT_FAMILY) -> list[str]:

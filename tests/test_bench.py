@@ -15,7 +15,7 @@ import torch
 import metrics
 import tools.bench as bench
 from config import ConfigError
-from helpers import ROOT, only
+from helpers import FAMILY_NAMES, ROOT, only
 from registry import family
 from tools.profiling import OPTIMIZER, SPLIT_ORDER
 
@@ -219,6 +219,16 @@ def test_a_training_config_is_read_as_train_py_reads_it():
     assert (cfg.model_config.hidden_size, cfg.model_config.num_experts) == (128, 4)  # smoke.toml, overridden
     assert (cfg.training.batch_size, cfg.data.seq_len, cfg.optim.lr) == (3, 256, 3e-3)
     assert bench.source_label(args, cfg) == "config smoke.toml"
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_each_family_has_a_default_shape_that_loads(name):
+    """bench.py with no model named times the family's bench preset (a --model.family override picks the
+    family whose presets are the defaults), at 4 x 512 tokens: a config train.py would accept."""
+    cfg = bench.load_bench_config(bench.parse_args([f"--model.family={name}"]))
+    assert cfg.model_config.family == name
+    assert cfg.model.preset == (family(name).bench_preset or family(name).smallest_preset)
+    assert (cfg.training.batch_size, cfg.data.seq_len) == (4, 512)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 from config import ConfigError, load_config
-from helpers import DEFAULT_FAMILY, ROOT, debug_configs, only, registered, tiny_preset
+from helpers import DEFAULT_FAMILY, ROOT, debug_configs, only, registered, tiny_model_toml
 from registry import family
 
 CONFIGS = ROOT / "configs"
 DEBUG = debug_configs()[DEFAULT_FAMILY]  # configs/debug.toml (Flint); in a fork that keeps Large 4 its own
-TINY = tiny_preset(DEFAULT_FAMILY)
+TINY = tiny_model_toml()  # the [model] table of its smallest preset
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -72,70 +72,70 @@ def test_finetune_config_takes_its_architecture_from_the_checkpoint(tmp_path):
 
 
 def test_overrides_are_typed_toml_values(tmp_path):
-    cfg = load_config(write(tmp_path, f'[model]\npreset = "{TINY}"\n'),
+    cfg = load_config(write(tmp_path, TINY),
                       ["--training.steps=7", "--optim.lr=1e-3", "--parallel.compile=true", "--data.path=notes/a b"])
     assert (cfg.training.steps, cfg.optim.lr, cfg.parallel.compile, cfg.data.path) == (7, 1e-3, True, "notes/a b")
-    assert isinstance(load_config(write(tmp_path, f'[model]\npreset = "{TINY}"\n[optim]\nlr = 1\n')).optim.lr, float)
+    assert isinstance(load_config(write(tmp_path, TINY + '[optim]\nlr = 1\n')).optim.lr, float)
 
 
 def test_a_text_key_takes_its_override_as_text(tmp_path):
     """--logging.profile_steps=5 names step 5 as the text "5" that the key holds (TOML would read an int),
     and a quoted value is still TOML."""
-    cfg = load_config(write(tmp_path, f'[model]\npreset = "{TINY}"\n'),
+    cfg = load_config(write(tmp_path, TINY),
                       ["--logging.profile_steps=5", "--checkpoint.resume='never'", "--training.steps=7"])
     assert (cfg.logging.profile_steps, cfg.checkpoint.resume, cfg.training.steps) == ("5", "never", 7)
 
 
 @pytest.mark.parametrize("text, overrides, message", [
-    ('[model]\npreset = "{tiny}"\n[training]\nstepz = 3\n', [], r"run.toml: unknown key \[training\].stepz"),
-    ('[model]\npreset = "{tiny}"\n[data]\noverlong = "cut"\n', [], r'run.toml: \[data\].overlong must be "truncate" or "drop"'),
-    ('[model]\npreset = "{tiny}"\n[training]\nsteps = "3"\n', [], r"run.toml: \[training\].steps must be int, got str"),
-    ('[model]\npreset = "{tiny}"\n[parallel]\ncompile = 1\n', [], r"\[parallel\].compile must be bool, got int"),
-    ('[model]\npreset = "{tiny}"\n[training]\ncompile = true\n', [], r"unknown key \[training\].compile"),
+    ('{tiny}[training]\nstepz = 3\n', [], r"run.toml: unknown key \[training\].stepz"),
+    ('{tiny}[data]\noverlong = "cut"\n', [], r'run.toml: \[data\].overlong must be "truncate" or "drop"'),
+    ('{tiny}[training]\nsteps = "3"\n', [], r"run.toml: \[training\].steps must be int, got str"),
+    ('{tiny}[parallel]\ncompile = 1\n', [], r"\[parallel\].compile must be bool, got int"),
+    ('{tiny}[training]\ncompile = true\n', [], r"unknown key \[training\].compile"),
     pytest.param('[model]\npreset = "tiny"\n[parallel]\nep = 3\n', [], r"run.toml: \[parallel\] ep = 3 must divide .* = 8",
                  marks=only("flint")),
-    ('[model]\npreset = "{tiny}"\n', ["--parallel.pp_schedule=zigzag"],
+    ('{tiny}', ["--parallel.pp_schedule=zigzag"],
      r"command line --parallel.pp_schedule: \[parallel\] pp_schedule must be one of"),
-    ('[model]\npreset = "{tiny}"\n', ["--parallel.accumulation=sync"], r"command line --parallel.accumulation: "
+    ('{tiny}', ["--parallel.accumulation=sync"], r"command line --parallel.accumulation: "
      r"\[parallel\] accumulation must be one of \['auto', 'sync_each', 'sync_last', 'gathered'\], got 'sync'$"),
-    ('[model]\npreset = "{tiny}"\n[parallel]\nreshard_after_forward = "no"\n', [],
+    ('{tiny}[parallel]\nreshard_after_forward = "no"\n', [],
      r"\[parallel\].reshard_after_forward must be bool, got str"),
-    ('[model]\npreset = "{tiny}"\n[optim]\nlr = 0\n', [], r"run.toml: \[optim\].lr must be a finite number > 0, got 0.0"),
-    ('[model]\npreset = "{tiny}"\n', ["--training.steps=0"], r"command line --training.steps: \[training\].steps must be >= 1"),
-    ('[model]\npreset = "{tiny}"\n', ["--optim.lr=1e-5"], r"run.toml \(default\): \[optim\].min_lr must be in \[0, optim.lr = 1e-05\]"),
-    ('[model]\npreset = "{tiny}"\n', ["--data.seq_len=5000"], r"max_position_embeddings = 4096"),
-    ('[model]\npreset = "{tiny}"\n', ["--parallel.collective_timeout_minutes=0"], r"command line "
+    ('{tiny}[optim]\nlr = 0\n', [], r"run.toml: \[optim\].lr must be a finite number > 0, got 0.0"),
+    ('{tiny}', ["--training.steps=0"], r"command line --training.steps: \[training\].steps must be >= 1"),
+    ('{tiny}', ["--optim.lr=1e-5"], r"run.toml \(default\): \[optim\].min_lr must be in \[0, optim.lr = 1e-05\]"),
+    ('{tiny}', ["--data.seq_len=5000"], r"max_position_embeddings = 4096"),
+    ('{tiny}', ["--parallel.collective_timeout_minutes=0"], r"command line "
      r"--parallel.collective_timeout_minutes: \[parallel\] collective_timeout_minutes must be a number of minutes in \(0, "),
-    ('[model]\npreset = "{tiny}"\n', ["--training.eval_every=5", "--data.val_fraction=0"], r"needs a validation split"),
-    ('[model]\npreset = "{tiny}"\n', ["--data.seq_len"], r"expected --section.key=value"),
-    ('[model]\npreset = "{tiny}"\n[trainer]\nsteps = 1\n', [], r"unknown section \[trainer\]"),
-    ('[model]\npreset = "{tiny}"\nhidden = 3\n', [], r"unknown key \[model\].hidden"),
-    ('[model]\npreset = "{tiny}"\nhidden_size = "wide"\n', [], r"\[model\].hidden_size must be int"),
+    ('{tiny}', ["--training.eval_every=5", "--data.val_fraction=0"], r"needs a validation split"),
+    ('{tiny}', ["--data.seq_len"], r"expected --section.key=value"),
+    ('{tiny}[trainer]\nsteps = 1\n', [], r"unknown section \[trainer\]"),
+    ('{tiny}hidden = 3\n', [], r"unknown key \[model\].hidden"),
+    ('{tiny}hidden_size = "wide"\n', [], r"\[model\].hidden_size must be int"),
     pytest.param('[model]\npreset = "huge"\n', [], r"run.toml: \[model\]: unknown model preset 'huge'",
                  marks=only("flint")),
     pytest.param('[model]\npreset = "tiny"\nnum_experts_per_tok = 99\n', [],
                  r"num_experts_per_tok \(99\) must be <= num_experts", marks=only("flint")),
     ('[model]\n', [], r"\[model\] needs exactly one of preset, hf_config, init_from"),
-    ('[model]\npreset = "{tiny}"\nhf_config = "x"\n', [], r"needs exactly one"),
+    ('{tiny}hf_config = "x"\n', [], r"needs exactly one"),
     ('[model]\nhf_config = "missing/config.json"\n', [], r"\[model\].hf_config missing/config.json does not exist"),
     pytest.param('[model]\npreset = "tiny"\nrouter_aux_loss_coef = -0.01\n', [],
                  r"router_aux_loss_coef must be a finite number >= 0, got -0.01", marks=only("flint")),
     pytest.param('[model]\npreset = "tiny"\nrouter_z_loss_coef = -0.001\n', [],
                  r"router_z_loss_coef must be a finite number >= 0 \(0: off\), got -0.001", marks=only("flint")),
     ('[model\n', [], r"run.toml: not valid TOML"),
-    ('[model]\npreset = "{tiny}"\n[data]\nseq_len = 100\n[parallel]\ncp = 4\n', [],
+    ('{tiny}[data]\nseq_len = 100\n[parallel]\ncp = 4\n', [],
      r"run.toml: \[parallel\] cp = 4 .* data.seq_len = 100 must be divisible by 8"),
     pytest.param('[model]\npreset = "tiny"\nnum_hidden_layers = 3\n[parallel]\npp = 2\npp_schedule = "Interleaved1F1B"\n', [],
                  r"run.toml: \[parallel\] pp = 2 with 2 stage\(s\) per rank makes 4 pipeline stages, more than the "
                  r"model's 3", marks=only("flint")),
     pytest.param('[model]\npreset = "tiny"\nmoe_intermediate_size = 36\n', [],
                  r"moe_intermediate_size must be a multiple of 8 .* got 36", marks=only("flint")),
-    ('[model]\npreset = "{tiny}"\n[training]\nsample_temperature = inf\n', [],
+    ('{tiny}[training]\nsample_temperature = inf\n', [],
      r"run.toml: \[training\].sample_temperature must be 0 \(greedy\) or a finite number >= 0.001, got inf"),
 ])
 def test_config_errors_name_the_key_and_where(tmp_path, text, overrides, message):
-    """{tiny}: the smallest preset of the default family (Flint's "tiny"); the rows about Flint's own fields
-    or numbers run when Flint is registered."""
+    """{tiny}: the [model] table of the default family's smallest preset (Flint's "tiny"); the rows about
+    Flint's own fields or numbers run when Flint is registered."""
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, text.replace("{tiny}", TINY)), overrides)
 
@@ -240,41 +240,41 @@ def test_print_config_loads_back_to_the_same_run_and_trains_nothing(tmp_path, ca
 def test_init_from_a_runs_checkpoint_dir_takes_its_newest_intact_step(trained_once, tmp_path):
     """What a first run leaves in [checkpoint].dir can be named as it is, as sample.py's --checkpoint takes it."""
     runs = trained_once.parent.parent  # [checkpoint].dir, holding run_0001/step_00000001
-    cfg = load_config(ROOT / "configs" / "debug.toml", [f"--model.init_from={runs}", "--model.preset="])
+    cfg = load_config(DEBUG, [f"--model.init_from={runs}", "--model.preset="])
     assert cfg.model.init_from == str(trained_once)
     (tmp_path / "run_0001" / "step_00000002").mkdir(parents=True)  # no checkpoint inside: none to take
     with pytest.raises(ConfigError, match=r"command line --model.init_from: \[model\].init_from .*no complete step_"):
-        load_config(ROOT / "configs" / "debug.toml", [f"--model.init_from={tmp_path}", "--model.preset="])
+        load_config(DEBUG, [f"--model.init_from={tmp_path}", "--model.preset="])
 
 
 @pytest.mark.parametrize("value", ['"x"', '"6-5"', '"0"', '"3-21"', '"2-"', "21"])
 def test_profile_steps_must_name_steps_of_the_run(value):
-    """One line naming the key, what it takes and the run's last step (configs/debug.toml trains 20)."""
+    """One line naming the key, what it takes and the run's last step (the debug configs train 20)."""
     with pytest.raises(ConfigError) as error:
-        load_config(CONFIGS / "debug.toml", [f"--logging.profile_steps={value}"])
+        load_config(DEBUG, [f"--logging.profile_steps={value}"])
     message = str(error.value)
     assert "\n" not in message and message.startswith("command line --logging.profile_steps: ")
     assert "1 <= A <= B <= training.steps = 20" in message
-    assert load_config(CONFIGS / "debug.toml", ["--logging.profile_steps=5-6"]).logging.profile_steps == "5-6"
+    assert load_config(DEBUG, ["--logging.profile_steps=5-6"]).logging.profile_steps == "5-6"
 
 
 # Issue 32's values that passed validation and failed deep inside (or trained on): one line each, naming the keys.
 REFUSED = {
-    "zbv with full checkpointing": (["--model.num_hidden_layers=4", "--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble",
+    "zbv with full checkpointing": (["--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble",
                                      "--parallel.activation_checkpointing=full"],
                                     r"command line --parallel.pp_schedule, command line --parallel.activation_checkpointing: "
                                     r"\[parallel\] activation_checkpointing = 'full' cannot run under pp_schedule "
                                     r"'ZBVZeroBubble'"),
-    "dualpipev with selective checkpointing": (["--model.num_hidden_layers=4", "--parallel.pp=2",
+    "dualpipev with selective checkpointing": (["--parallel.pp=2",
                                                 "--parallel.pp_schedule=DualPipeV",
                                                 "--parallel.activation_checkpointing=selective"],
                                                r"activation_checkpointing = 'selective' cannot run under pp_schedule "
                                                r"'DualPipeV'"),
-    "zbv with one micro-batch": (["--model.num_hidden_layers=4", "--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble",
+    "zbv with one micro-batch": (["--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble",
                                   "--parallel.pp_microbatches=1"],
                                  r"command line --parallel.pp_schedule, command line --parallel.pp_microbatches: "
                                  r"\[parallel\] pp_microbatches = 1: pp_schedule 'ZBVZeroBubble' needs at least 2"),
-    "dualpipev with fewer micro-batches than stages": (["--model.num_hidden_layers=4", "--parallel.pp=2",
+    "dualpipev with fewer micro-batches than stages": (["--parallel.pp=2",
                                                         "--parallel.pp_schedule=DualPipeV", "--parallel.pp_microbatches=2"],
                                                        r"\[parallel\] pp_microbatches = 2: pp_schedule 'DualPipeV' needs at "
                                                        r"least 4 \(one per pipeline stage: pp = 2 x 2 stages per rank\)"),
@@ -292,8 +292,6 @@ REFUSED = {
                                  r"finite number >= 0 \(0: off\), got inf"),
     "router sequence coefficient inf": (["--model.router_sequence_loss_coef=inf"],
                                         r"router_sequence_loss_coef must be a finite number >= 0"),
-    "router aux coefficient inf": (["--model.router_aux_loss_coef=inf"], r"router_aux_loss_coef must be a finite number "
-                                                                       r">= 0, got inf"),
     "collective timeout 1e300": (["--parallel.collective_timeout_minutes=1e300"],
                                  r"command line --parallel.collective_timeout_minutes: \[parallel\] "
                                  r"collective_timeout_minutes must be a number of minutes in \(0, 525600\] \(a year\), "
@@ -301,8 +299,14 @@ REFUSED = {
 }
 
 
-@pytest.mark.parametrize("overrides, message", REFUSED.values(), ids=REFUSED)
+# Of Flint's own fields.
+FLINT_REFUSED = {"router aux coefficient inf": (["--model.router_aux_loss_coef=inf"],
+                                                r"router_aux_loss_coef must be a finite number >= 0, got inf")}
+
+
+@pytest.mark.parametrize("overrides, message", [pytest.param(*row, id=name) for name, row in REFUSED.items()] +
+                         [pytest.param(*row, id=name, marks=only("flint")) for name, row in FLINT_REFUSED.items()])
 def test_impossible_and_non_finite_settings_are_refused_in_one_line(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message) as refused:
-        load_config(write(tmp_path, '[model]\npreset = "tiny"\n'), overrides)
+        load_config(write(tmp_path, TINY), overrides)
     assert "\n" not in str(refused.value)

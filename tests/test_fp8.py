@@ -14,8 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from config import ConfigError
 from devices import targeting
 from fp8 import apply_fp8, fp8_grouped_mm, fp8_linear, fp8_matmul, fp8_targets
-from helpers import (FAMILY_NAMES, FIRST_FAMILY_THEN_SLOW, assert_close_to_scale, block_inputs, build, debug_args,
-                     in_process_group, only, parallel_step, slow, spawn, stops_with_one_line, tiny_config,
+from helpers import (DEFAULT_FAMILY, FAMILY_NAMES, FIRST_FAMILY_THEN_SLOW, assert_close_to_scale, block_inputs, build,
+                     debug_args, in_process_group, only, parallel_step, slow, spawn, stops_with_one_line, tiny_config,
                      values_and_grads)
 from moe import GroupedExperts
 
@@ -24,6 +24,11 @@ RECIPES = ["rowwise", "tensorwise"]
 # Large 4's debug config has a 24-wide latent projection: these widths (configs/large4-smoke.toml's) align it.
 FP8_WIDTHS = {"large4": ["--model.kv_lora_rank=32", "--model.qk_rope_head_dim=16", "--model.qk_nope_head_dim=16",
                          "--model.v_head_dim=32"]}
+
+
+def fp8_debug_args(tmp_path, *overrides: str) -> list[str]:
+    """The default family's debug config, FP8 widths and all, with fp8 = rowwise (then the overrides)."""
+    return debug_args(tmp_path, "--parallel.fp8=rowwise", *FP8_WIDTHS.get(DEFAULT_FAMILY, []), *overrides)
 
 
 # ============================================================================= the plain reference
@@ -178,7 +183,7 @@ def test_fp8_targets_the_projections_mlps_and_experts_only(family):
 ])
 def test_bad_fp8_settings_stop_with_one_line(tmp_path, override, pattern):
     from train import main
-    args = debug_args(tmp_path, "--parallel.fp8=rowwise", override)
+    args = fp8_debug_args(tmp_path, override)
     stops_with_one_line(lambda: main(args), ConfigError, "parallel.fp8", pattern)
 
 
@@ -188,7 +193,7 @@ def test_a_gpu_without_fp8_tensor_cores_is_refused_before_the_process_group(tmp_
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA A100")
     monkeypatch.setattr(train, "init_distributed", lambda *a, **k: pytest.fail("the process group started"))
-    args = debug_args(tmp_path, "--parallel.fp8=rowwise")
+    args = fp8_debug_args(tmp_path)
     stops_with_one_line(lambda: train.main(args), ConfigError, "parallel.fp8", r"NVIDIA A100 has 8\.0")
 
 
@@ -303,11 +308,10 @@ def test_a_nan_in_fp8_stops_the_run_naming_fp8(tmp_path, monkeypatch):
     at that step and names parallel.fp8."""
     import fp8
     import train
-    from helpers import run_debug
     monkeypatch.setattr(fp8, "power_of_two_scale", lambda amax: torch.full_like(amax.float(), float("nan")))
     with pytest.raises(train.TrainingError, match=r"step 1: the training loss is nan .*diverged.*"
                                                   r"parallel.fp8 = 'rowwise', command line --parallel.fp8"):
-        run_debug(tmp_path, "--parallel.fp8=rowwise", "--training.steps=2")
+        train.main(fp8_debug_args(tmp_path, "--training.steps=2"))
 
 
 # ============================================================================= the planner and memory.py
@@ -336,7 +340,7 @@ def test_the_planner_prices_fp8_matmuls_at_the_fp8_peak_and_counts_their_quantis
 def test_memory_counts_the_fp8_copies():
     from tools.memory import memory_per_gpu
     from parallel import ParallelConfig
-    config = tiny_config("flint")
+    config = tiny_config(DEFAULT_FAMILY)
     plain, fp8 = (memory_per_gpu(config, ParallelConfig(dp_shard=1, fp8=recipe), 64, 1) for recipe in ("none", "rowwise"))
     assert fp8["activations"] > plain["activations"] and fp8["params"] == plain["params"]
 

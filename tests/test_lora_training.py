@@ -16,8 +16,8 @@ import sample
 import train
 from checkpoint_files import CheckpointError, read_metadata
 from config import ConfigError
-from helpers import (assert_close_to_scale, debug_args, exported_tensors, only, run_debug, run_two_processes,
-                     train_losses)
+from helpers import (DEFAULT_FAMILY, assert_close_to_scale, debug_args, exported_tensors, only, run_debug,
+                     run_two_processes, tiny_preset, train_losses)
 
 LORA = ["--model.preset=", '--lora.targets=["all"]', "--lora.rank=8", "--training.sample_tokens=0",
         "--optim.lr=1e-2", "--logging.every=1"]
@@ -155,8 +155,9 @@ BAD_LORA = [
     (["--lora.rank=0"], r"command line --lora.rank: \[lora\] rank must be an integer > 0, got 0"),
     (["--lora.alpha=nan"], r"command line --lora.alpha: \[lora\] alpha must be a finite number, got nan"),
     (['--lora.targets=["qproj"]'], r"command line --lora.targets.*: \[lora\] targets: 'qproj' matches no module"),
-    (["--model.init_from=", "--model.preset=tiny"], r"\[lora\] trains adapters on a frozen base: set \[model\].init_from"),
-    (["--model.capacity_factor=1.25"], r"'all' matches layers.2.mlp.experts: routed-expert adapters need "
+    (["--model.init_from=", f"--model.preset={tiny_preset(DEFAULT_FAMILY)}"],
+     r"\[lora\] trains adapters on a frozen base: set \[model\].init_from"),
+    (["--model.capacity_factor=1.25"], r"'all' matches layers\.\d+\.mlp\.experts: routed-expert adapters need "
                                        r"experts_backend 'grouped' and no capacity_factor"),
     (["--parallel.fp8=rowwise"], r"command line --lora.targets.*command line --parallel.fp8: \[lora\] with "
                                  r"\[parallel\] fp8 = 'rowwise' is not supported"),

@@ -405,8 +405,9 @@ def check_meta_init(layouts: list[dict], family: str) -> None:
         pm, mesh = meta_built(config, layout, seed=5)
         names = [n for n, _ in pm.module.named_parameters()]
         for name, param in pm.module.named_parameters():
-            if isinstance(param, DTensor):
-                assert param.to_local().shape[0] < param.shape[0], f"{layout}: {name} is not sharded"
+            if isinstance(param, DTensor):  # sharded on dim 0, or on dim 1 where dim 0 is shorter than the shards
+                dim = param.placements[-1].dim
+                assert param.to_local().shape[dim] < param.shape[dim], f"{layout}: {name} is not sharded"
             assert torch.equal(full(param), expected[name]), f"{layout}: {name} differs from one process"
         everyone = [None] * mesh["pp"].size()
         dist.all_gather_object(everyone, names, group=mesh["pp"].get_group())
@@ -679,7 +680,7 @@ def check_evaluation_between_steps(layouts: list[dict]) -> None:
     """For each layout: an evaluation (ParallelModel.loss) before the first step, a step, another
     evaluation: the losses of one process, and the step's gradients unchanged by the evaluation before it."""
     config = tiny_config()
-    batch = make_batch()
+    batch = make_batch(vocab=min(256, config.vocab_size))
     reference = build(config)
     ref_loss = reference(*batch)
     ref_loss.backward()
@@ -692,7 +693,8 @@ def check_evaluation_between_steps(layouts: list[dict]) -> None:
         close(pm.loss(*local), ref_loss.detach(), f"{layout} evaluation before training")
         close(pm.forward_backward(*local), ref_loss.detach(), f"{layout} training loss")
         for name, param in pm.module.named_parameters():
-            close(full(param.grad), ref_grads[name], f"{layout} grad {name} after an evaluation")
+            if param.requires_grad:  # not Large 4's frozen indexer
+                close(full(param.grad), ref_grads[name], f"{layout} grad {name} after an evaluation")
         close(pm.loss(*local), ref_loss.detach(), f"{layout} evaluation after training")
 
 

@@ -3,6 +3,7 @@ where the GPU job would."""
 
 import json
 import os
+import re
 import xml.etree.ElementTree as ElementTree
 
 import pytest
@@ -222,20 +223,24 @@ def test_train_py_dry_run_as_a_script_reports_a_failing_rehearsal_in_one_line():
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "train.py", "--config", "configs/flint-8gpu.toml", "--data.path=data/pretrain",
-                           "--parallel.ep=1", "--parallel.dp_shard=1", "--dry-run", "--world-size=1", "--gpu=H100"],
+    debug = debug_configs()[DEFAULT_FAMILY].relative_to(root)  # a vocabulary of 10^8: its tables pass 80 GiB
+    done = subprocess.run([sys.executable, "train.py", "--config", str(debug), "--model.vocab_size=100000000",
+                           "--dry-run", "--world-size=1", "--gpu=H100"],
                           cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: configs/flint-8gpu.toml: rank 0 of 1 needs "), done.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"error: {debug}: rank 0 of 1 needs "), done.stderr
     assert "more than the 79.6 GiB of an H100" in lines[0]
+
+
+TWO_EXPERTS = {"flint": ["--model.num_experts=2"], "large4": ["--model.n_routed_experts=2"]}
 
 
 def test_experts_shorter_than_the_shards_with_an_uneven_dim_1_are_rehearsed(tmp_path, capsys):
     """2 experts of 64 rows over 3 FSDP ranks: dim 0 is shorter than the shards and 64 does not split 3
     ways, where FSDP2 refuses a split of dim 1 ("uneven sharding on dim 1", Flint on 768 ranks): dim 0 is
     padded instead (parallel.least_padding), and the rehearsal goes through its steps and an evaluation."""
-    result = rehearse_tiny(tmp_path, capsys, "--model.num_experts=2", "--model.num_experts_per_tok=1", world=3)
+    result = rehearse_tiny(tmp_path, capsys, *TWO_EXPERTS[DEFAULT_FAMILY], "--model.num_experts_per_tok=1", world=3)
     assert "evaluation (train.py's" in result["printed"] and "step 1: forward" in result["printed"]
 
 
@@ -245,7 +250,8 @@ def test_a_failure_while_laying_out_the_model_is_a_rehearsal_verdict(tmp_path, c
     import parallel
     from torch.distributed.tensor import Shard
     monkeypatch.setattr(parallel, "least_padding", lambda shards: lambda param: Shard(1) if param.dim() > 1 else None)
-    with pytest.raises(RehearsalError, match=r"configs/debug.toml: rank 2 of 3 fails while laying out the model "
+    debug = re.escape(debug_configs()[DEFAULT_FAMILY].name)
+    with pytest.raises(RehearsalError, match=debug + r": rank 2 of 3 fails while laying out the model "
                                              r"\(parallel.py:\d+, shard\), as the GPU job would: "
                                              r"NotImplementedError: FSDP does not support uneven sharding on dim 1") \
             as refused:

@@ -417,12 +417,3 @@ def test_the_first_runs_next_steps_work_as_the_readme_says(tmp_path, capsys):
     train.main([*smoke, "--model.router_bias_update_rate=0", "--model.router_sequence_loss_coef=0.01",
                 f"--checkpoint.export_hf={tmp_path / 'hf'}"])
     assert convert.load_hf(tmp_path / "hf").config.hidden_size == 128
-
-
-def test_the_released_flint_is_about_2_5b_active_without_its_embedding():
-    """SPEC.md's "about 2.5B active": the active count less the embedding (a lookup, not a matmul)."""
-    from model import FlintConfig
-    config = FlintConfig()
-    with torch.device("meta"):
-        active = train.model_class(config)(config).num_params(active=True)
-    assert round((active - config.vocab_size * config.hidden_size) / 1e6) == 2515

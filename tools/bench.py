@@ -45,7 +45,7 @@ from config import ConfigError, ModelSection, OptimSection, TrainConfig, config_
 from files import write_atomically
 from metrics import CPU_PEAK_CACHE, model_flops_per_token, run_peak_flops
 from layers import build
-from registry import ModelConfig, family, model_class
+from registry import FAMILIES, ModelConfig, family, model_class
 from parallel import apply_activation_checkpointing, apply_compile
 from tools.profiling import (OPTIMIZER, RANGE, NotApplicable, dense_logits_loss, matmul_rate, memory_in_use, peak_memory, profile_step, reset_peak_memory, time_call)
 from parallel import Run
@@ -421,6 +421,13 @@ FLAG_KEYS = {"batch": ("training", "batch_size", 4), "seq_len": ("data", "seq_le
              "device": ("training", "device", "cpu"), "dtype": ("parallel", "param_dtype", "auto")}
 
 
+def chosen_family(overrides: list[str]) -> str:
+    """The family a --model.family override names (its presets are the defaults), else the default one; a
+    name no family has is left to the config's check, which names the flag."""
+    named = [o.split("=", 1)[1].strip("'\"") for o in overrides if o.startswith("--model.family=")]
+    return named[-1] if named and named[-1] in FAMILIES else ModelSection().family
+
+
 def load_bench_config(args: argparse.Namespace) -> TrainConfig:
     """The config to time, read and checked as train.py reads one: a training TOML, or tables built from
     --preset / a config.json; then the flags of FLAG_KEYS, then the --section.key=value overrides."""
@@ -428,7 +435,7 @@ def load_bench_config(args: argparse.Namespace) -> TrainConfig:
         tables, path, origins = read_tables(args.config)
     else:
         named = any(o.split("=")[0] in ("--model.hf_config", "--model.init_from") for o in args.overrides)
-        default = family(ModelSection().family)
+        default = family(chosen_family(args.overrides))
         model = {"hf_config": str(args.config)} if args.config else {
             "preset": args.preset or default.bench_preset or default.smallest_preset}
         tables = {"model": {} if named and not args.config and not args.preset else model}
@@ -555,7 +562,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(unless given), 1 rep, 1 thread, no compiled section, short sweep")
     args, args.overrides = parser.parse_known_args(argv)
     if args.quick:
-        args.preset = args.preset or (None if args.config else family(ModelSection().family).smallest_preset)
+        args.preset = args.preset or (None if args.config else family(chosen_family(args.overrides)).smallest_preset)
         args.batch, args.seq_len = args.batch or 2, args.seq_len or 64
         args.warmup, args.reps, args.sweep_reps, args.matmul_size = 1, 1, 1, 256
         # Tiny ops gain nothing from threads, and on busy cores each thread barrier waits for a core.
