@@ -41,7 +41,8 @@ import torch
 from torch.profiler import record_function
 
 from attention import FULL, SLIDING, resolve_backend
-from config import ConfigError, ModelSection, OptimSection, TrainConfig, config_from_tables, model_family, read_tables
+from config import (ConfigError, ModelSection, OptimSection, TrainConfig, config_from_tables, model_family,
+                    parse_override, read_tables)
 from files import write_atomically
 from metrics import CPU_PEAK_CACHE, model_flops_per_token, run_peak_flops
 from layers import build
@@ -424,7 +425,7 @@ FLAG_KEYS = {"batch": ("training", "batch_size", 4), "seq_len": ("data", "seq_le
 def chosen_family(overrides: list[str]) -> str:
     """The family a --model.family override names (its presets are the defaults), else the default one; a
     name no family has is left to the config's check, which names the flag."""
-    named = [o.split("=", 1)[1].strip("'\"") for o in overrides if o.startswith("--model.family=")]
+    named = [parse_override(o)[2] for o in overrides if o.startswith("--model.family=")]
     return named[-1] if named and named[-1] in FAMILIES else ModelSection().family
 
 
