@@ -28,7 +28,7 @@ import moe
 from balance import worst_layer
 from config import TrainConfig, profile_step_range
 from files import read_json_object, write_atomically
-from layers import Head
+from head import Head
 from parallel import ParallelModel, Run, barrier
 from registry import ModelConfig, family_of, model_class
 from report import note_run, write_report

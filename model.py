@@ -31,7 +31,8 @@ from capacity import check_capacity_factor
 from files import read_config_json
 from generate import generate
 from hf_io import Layout, Part
-from layers import (Gather, Head, RMSNorm, build, call_arguments, check_inputs, context_share, count_params,
+from head import Head
+from layers import (Gather, RMSNorm, build, call_arguments, check_inputs, context_share, count_params,
                     default_positions, init_weights, seeded_normal)
 from moe import EXPERT_BACKENDS, MoE, SwiGLU, check_bias_update_rate
 from registry import Family, check_choices, check_positive_ints, from_preset

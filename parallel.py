@@ -36,7 +36,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fp8 import FP8_RECIPES, apply_fp8
-from layers import HEAD_PRECISIONS
+from head import HEAD_PRECISIONS
 from moe import ExpertParallelExperts, MoE
 from pipeline import SCHEDULES, V_SCHEDULES, merged_view, pipeline_schedule, pipeline_stage
 

@@ -64,6 +64,7 @@ LEAVES = [
     ("checkpoint_files", set()),
     ("hf_io", {"files", "checkpoint_files"}),
     ("layers", set()),
+    ("head", set()),
     ("generate", set()),
     ("devices", set()),
     ("report", {"files"}),

@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from layers import HEAD_PRECISIONS, Head
+from head import HEAD_PRECISIONS, Head
 from registry import FAMILIES, family
 from moe import GroupedExperts, Router, SwiGLU
 
