@@ -46,13 +46,12 @@ from torch.distributed.tensor import DTensor
 
 from layers import fp32_units, frozen_modules, inside, seeded_normal
 from hf_io import NativeDir, Part, Source, atomic_directory, read_json
-from moe import GroupedExperts, grouped_mm
+from moe import GROUPED_GEMM_MULTIPLE, GroupedExperts, grouped_mm
 from registry import ModelConfig, family_of, model_class
 
 ALL = "all"  # the target that adapts every nn.Linear and routed-expert group outside the FP32 units and frozen parts
 # Adapter submodule name -> the base parameter of its owner that it adapts.
 ADAPTED = {"lora": "weight", "gate_up_lora": "gate_up_proj", "down_lora": "down_proj"}
-GROUPED_GEMM_MULTIPLE = 8  # CUDA's grouped GEMM: rows on 16-byte boundaries, 8 BF16 values (as the model configs)
 
 
 # ============================================================================= configuration
