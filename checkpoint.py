@@ -31,7 +31,7 @@ from config import INIT_FROM_SETTINGS
 from lora import RUN_FILE, adapter_state, resume_refusal, run_record
 from registry import ModelConfig, config_from_hf
 from files import sync_rename
-from parallel import ParallelModel, Run, barrier, waiting_for_main_rank
+from parallel import ParallelModel, Process, barrier, waiting_for_main_rank
 
 if TYPE_CHECKING:  # only for annotations
     from config import TrainConfig
@@ -118,7 +118,7 @@ class Checkpointer:
     - A checkpoint whose weights hold non-finite values is never written.
     """
 
-    def __init__(self, cfg: TrainConfig, run: Run):
+    def __init__(self, cfg: TrainConfig, run: Process):
         self.cfg, self.run, self.dir = cfg, run, Path(cfg.checkpoint.dir)
         self.last: Path | None = None  # saved or resumed from by this run
         self.lock_files: list = []  # rank 0's: checkpoint.dir's and, once chosen, the run directory's

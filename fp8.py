@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 
 from devices import kernel_device_type
+from layers import fp32_units, frozen_modules, inside
 from moe import GroupedExperts, grouped_swiglu
 
 FP8_RECIPES = ("none", "rowwise", "tensorwise")
@@ -277,7 +278,6 @@ def fp8_targets(model: nn.Module) -> dict[str, nn.Module]:
     """The maps that run in FP8: every nn.Linear and routed-expert group outside the model's FP32 units
     (its declaration: fp32_modules, fp32_root_modules, the head) and its frozen modules (Large 4's
     indexer). Norms, sinks and the attention core hold no such map."""
-    from lora import fp32_units, frozen_modules, inside  # the same declaration the adapters read
     fp32, frozen = fp32_units(model), frozen_modules(model)
     return {name: module for name, module in model.named_modules()
             if isinstance(module, (nn.Linear, GroupedExperts)) and not inside(name, fp32) and not inside(name, frozen)}

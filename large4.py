@@ -32,8 +32,9 @@ from attention import (FULL, Mask, MaskMod, at_queries, block_mask, fused_flex_a
                        new_block_mask, resolve_backend)
 from balance import RouterLosses, Stats, add_layer, real_tokens
 from generate import generate
+from head import Head
 from large4_config import LAYOUT, PRESETS, Large4Config  # noqa: F401  (PRESETS: re-exported for users of large4)
-from layers import (Gather, Head, RMSNorm, build, call_arguments, check_inputs, context_share, count_params,
+from layers import (Gather, RMSNorm, build, call_arguments, check_inputs, context_share, count_params,
                     default_positions, init_weights, seeded_normal)
 from moe import MoE, SwiGLU
 from registry import Family

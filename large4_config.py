@@ -51,7 +51,7 @@ from balance import NATIVE_FIELDS, check_coefficients
 from capacity import check_capacity_factor
 from files import read_config_json
 from hf_io import Layout, Part, Source
-from moe import EXPERT_BACKENDS, check_bias_update_rate
+from moe import EXPERT_BACKENDS, check_bias_update_rate, check_grouped_gemm_widths
 from registry import check_choices, check_positive_ints, from_preset
 
 LAYER_TYPE = "indexed_attention"  # the only layer type; it selects transformers' cache class
@@ -175,6 +175,7 @@ class Large4Config:
         check_choices(self, choices)
         check_bias_update_rate(self.router_bias_update_rate)
         check_capacity_factor(self.capacity_factor)
+        check_grouped_gemm_widths(self)
         check_coefficients(self)
         if self.attention_dropout != 0.0:
             raise ValueError(f"attention_dropout must be 0.0, got {self.attention_dropout!r}")

@@ -44,15 +44,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from layers import seeded_normal
+from layers import fp32_units, frozen_modules, inside, seeded_normal
 from hf_io import NativeDir, Part, Source, atomic_directory, read_json
-from moe import GroupedExperts, grouped_mm
+from moe import GROUPED_GEMM_MULTIPLE, GroupedExperts, grouped_mm
 from registry import ModelConfig, family_of, model_class
 
 ALL = "all"  # the target that adapts every nn.Linear and routed-expert group outside the FP32 units and frozen parts
 # Adapter submodule name -> the base parameter of its owner that it adapts.
 ADAPTED = {"lora": "weight", "gate_up_lora": "gate_up_proj", "down_lora": "down_proj"}
-GROUPED_GEMM_MULTIPLE = 8  # CUDA's grouped GEMM: rows on 16-byte boundaries, 8 BF16 values (as the model configs)
 
 
 # ============================================================================= configuration
@@ -238,27 +237,6 @@ def check_target(pattern: str, name: str, module: nn.Module, fp32: set[str], fro
         raise ValueError(f"{where} ({type(module).__name__}): adapters go on nn.Linear maps and routed experts only")
     if isinstance(module, GroupedExperts) and (module.backend != "grouped" or module.capacity_ratio is not None):
         raise ValueError(f"{where}: routed-expert adapters need experts_backend 'grouped' and no capacity_factor")
-
-
-def fp32_units(model: nn.Module) -> set[str]:
-    """Names of the modules the model keeps in FP32 (its declaration: fp32_modules, fp32_root_modules, the head)."""
-    units = [*model.fp32_root_modules(), model.lm_head]
-    for layer in model.layers.values():
-        units += model.fp32_modules(layer)
-    ids = {id(unit) for unit in units if unit is not None}
-    return {name for name, module in model.named_modules() if id(module) in ids}
-
-
-def frozen_modules(model: nn.Module) -> set[str]:
-    """Names of the modules whose parameters are all frozen in the base (Large 4's indexer)."""
-    return {name for name, module in model.named_modules()
-            if (params := list(module.parameters())) and not any(p.requires_grad for p in params)}
-
-
-def inside(name: str, owners: set[str]) -> bool:
-    """Whether module `name` is one of `owners` or lies inside one."""
-    parts = name.split(".")
-    return any(".".join(parts[:i]) in owners for i in range(1, len(parts) + 1))
 
 
 # ============================================================================= initial values and names

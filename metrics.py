@@ -28,8 +28,8 @@ import moe
 from balance import worst_layer
 from config import TrainConfig, profile_step_range
 from files import read_json_object, write_atomically
-from layers import Head
-from parallel import ParallelModel, Run, barrier
+from head import Head
+from parallel import ParallelModel, Process, barrier
 from registry import ModelConfig, family_of, model_class
 from report import note_run, write_report
 
@@ -39,7 +39,7 @@ GPU_PEAK_TFLOPS = [("B200", 2250.0), ("H200", 989.0), ("H100 PCIe", 756.0), ("H1
                    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0)]
 
 
-def run_peak_flops(cfg: TrainConfig, run: Run) -> float | None:
+def run_peak_flops(cfg: TrainConfig, run: Process) -> float | None:
     """FLOP/s of all the run's hardware: the config's per-device value or a GPU's table entry times
     the processes (one per device), or on the CPU the machine's cached matmul rate times the
     machines: processes on one machine share its cores, so their peak is not multiplied."""
@@ -58,7 +58,7 @@ def run_peak_flops(cfg: TrainConfig, run: Run) -> float | None:
 CPU_PEAK_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flint" / "cpu_peak.json"
 
 
-def cpu_peak_flops(run: Run) -> float:
+def cpu_peak_flops(run: Process) -> float:
     """This machine's entry of CPU_PEAK_CACHE, measured by rank 0 if missing (others wait)."""
     key = f"{cpu_model()} x {os.cpu_count()} cores"
     if run.is_main and key not in read_peak_cache():
@@ -106,7 +106,7 @@ def measure_cpu_flops(size: int = 2048) -> float:
     return 2 * size ** 3 / best
 
 
-def memory_gib(run: Run) -> float:
+def memory_gib(run: Process) -> float:
     """Peak memory: allocated on the GPU, or this process's resident set on the CPU."""
     if run.device.type == "cuda":
         return torch.cuda.max_memory_allocated(run.device) / 2 ** 30
@@ -122,7 +122,7 @@ class MetricsLogger:
     """A plain line per logging step (readable in a log file: no carriage returns), and the same
     numbers as one JSON object per line in logging.jsonl."""
 
-    def __init__(self, cfg: TrainConfig, run: Run, config: ModelConfig, start_step: int, run_dir: Path):
+    def __init__(self, cfg: TrainConfig, run: Process, config: ModelConfig, start_step: int, run_dir: Path):
         t = cfg.training
         self.cfg, self.run, self.total = cfg, run, t.steps
         self.tokens_per_step = t.batch_size * t.grad_accum * cfg.data.seq_len * run.dp_size

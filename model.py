@@ -31,9 +31,10 @@ from capacity import check_capacity_factor
 from files import read_config_json
 from generate import generate
 from hf_io import Layout, Part
-from layers import (Gather, Head, RMSNorm, build, call_arguments, check_inputs, context_share, count_params,
+from head import Head
+from layers import (Gather, RMSNorm, build, call_arguments, check_inputs, context_share, count_params,
                     default_positions, init_weights, seeded_normal)
-from moe import EXPERT_BACKENDS, MoE, SwiGLU, check_bias_update_rate
+from moe import EXPERT_BACKENDS, MoE, SwiGLU, check_bias_update_rate, check_grouped_gemm_widths
 from registry import Family, check_choices, check_positive_ints, from_preset
 
 # ============================================================================= the config
@@ -42,8 +43,6 @@ def default_layer_types(num_layers: int) -> list[str]:
     """Full attention at 0, 1, every i with i % 4 == 1, and the last layer; sliding elsewhere."""
     return [FULL if i < 2 or i % 4 == 1 or i == num_layers - 1 else SLIDING for i in range(num_layers)]
 
-
-GROUPED_GEMM_MULTIPLE = 8  # BF16 values per 16 bytes
 
 # Hugging Face keys that carry no meaning for this implementation (quantization_config concerns the
 # files: convert.py refuses a dtype it cannot read, naming the key).
@@ -176,12 +175,7 @@ class FlintConfig:
                              f"num_key_value_heads ({self.num_key_value_heads})")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})")
-        if self.experts_backend == "grouped":  # CUDA's grouped GEMM needs rows on 16-byte boundaries
-            for name in ("hidden_size", "moe_intermediate_size"):
-                if getattr(self, name) % GROUPED_GEMM_MULTIPLE:
-                    raise ValueError(f"{name} must be a multiple of {GROUPED_GEMM_MULTIPLE} for experts_backend "
-                                     f"'grouped' (grouped GEMM rows start on 16-byte boundaries, 8 BF16 values), "
-                                     f"got {getattr(self, name)}; or use experts_backend 'loop'")
+        check_grouped_gemm_widths(self)
         bad_types = [t for t in self.layer_types if t not in LAYER_TYPES]
         if bad_types:
             raise ValueError(f"layer_types may only hold {LAYER_TYPES}, got {bad_types[0]!r}")

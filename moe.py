@@ -1,4 +1,5 @@
-"""Flint's mixture of experts: sigmoid router, grouped experts, shared expert, dense SwiGLU.
+"""The mixture of experts of both models (Flint: sigmoid routing; Mistral Large 4: softmax): router,
+grouped experts, shared expert, dense SwiGLU.
 
 Routed experts hold native grouped weights so that `x @ w` needs no transpose:
     gate_up_proj [E, H, 2 * Im]   (gate columns first, then up)
@@ -26,6 +27,9 @@ from capacity import batched_swiglu, capacity_ratio, expert_capacity, plan_capac
 from devices import kernel_device_type
 
 EXPERT_BACKENDS = ("grouped", "loop")
+# CUDA's grouped GEMM starts every expert's rows on a 16-byte boundary: 8 BF16 values, so each width it
+# multiplies (the model's hidden and expert sizes, a LoRA rank on the experts) is a multiple of 8.
+GROUPED_GEMM_MULTIPLE = 8
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
 
 
@@ -73,6 +77,18 @@ def set_balanced_routing(model: nn.Module, enabled: bool) -> None:
     for module in model.modules():
         if isinstance(module, (Router, ExpertParallelExperts)):
             module.balanced = enabled
+
+
+def check_grouped_gemm_widths(config: object) -> None:
+    """A model config's hidden_size and moe_intermediate_size, with experts_backend 'grouped': each a
+    multiple of GROUPED_GEMM_MULTIPLE, or a ValueError naming the field."""
+    if config.experts_backend != "grouped":
+        return
+    for name in ("hidden_size", "moe_intermediate_size"):
+        if getattr(config, name) % GROUPED_GEMM_MULTIPLE:
+            raise ValueError(f"{name} must be a multiple of {GROUPED_GEMM_MULTIPLE} for experts_backend "
+                             f"'grouped' (grouped GEMM rows start on 16-byte boundaries, 8 BF16 values), "
+                             f"got {getattr(config, name)}; or use experts_backend 'loop'")
 
 
 def check_bias_update_rate(rate: object) -> None:

@@ -11,7 +11,7 @@ units first), on the embedding and on the root. Parameter names never change, so
 written with one layout loads into any other. Pipeline and context parallelism run the model's
 own forward, which serves a stage (the layers, embedding or head a stage lacks are deleted) and a
 context-parallel rank (`context`) alike, for models that declare them in `parallel_dims`
-(models.py); this file holds no model's code.
+(registry.Model); this file holds no model's code.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fp8 import FP8_RECIPES, apply_fp8
-from layers import HEAD_PRECISIONS
+from head import HEAD_PRECISIONS
 from moe import ExpertParallelExperts, MoE
 from pipeline import SCHEDULES, V_SCHEDULES, merged_view, pipeline_schedule, pipeline_stage
 
@@ -97,7 +97,7 @@ class ParallelConfig:
     accumulation: str = "auto"  # grad_accum's micro-batches: sync_each | sync_last | gathered | auto (choose_accumulation)
     offload: bool = False  # FSDP2's CPU offload: sharded weights, gradients and AdamW states in host memory
     backend: str = "auto"  # process group: auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
-    head_precision: str = "tf32"  # the FP32 head's matmuls on GPUs: tf32 | bf16x3 | bf16 | float32 (decoder.py)
+    head_precision: str = "tf32"  # the FP32 head's matmuls on GPUs: tf32 | bf16x3 | bf16 | float32 (head.py)
     fp8: str = "none"  # none | rowwise | tensorwise: the projections, dense MLPs and experts on FP8 operands (fp8.py)
     collective_timeout_minutes: float = 60.0  # how long a rank waits at a collective (for rank 0's data
     # preparation and checkpoint listing, a slow rank's checkpoint write) before the run stops
@@ -317,7 +317,7 @@ def build_mesh(cfg: ParallelConfig, device_type: str, num_experts: int | None = 
 # ============================================================================= this process
 
 @dataclass
-class Run:
+class Process:
     """This process in the job: its rank, where its data comes from, its device and the mesh."""
     rank: int
     world_size: int

@@ -80,7 +80,7 @@ class Model(Protocol):
     embed_tokens: nn.Module | None
     layers: nn.ModuleDict
     norm: nn.Module | None
-    lm_head: nn.Module | None  # layers.Head
+    lm_head: nn.Module | None  # head.Head
     parallel_dims: tuple[str, ...]  # the layouts its forward serves beyond data and expert parallelism: "pp", "cp"
     first_stage_modules: tuple[str, ...]  # what only the first pipeline stage keeps (the embedding, ...)
     context: Any  # cp > 1: parallel.ContextParallel, set by parallelize (this rank's positions, the gather)

@@ -52,7 +52,7 @@ from metrics import MetricsLogger
 from registry import config_from_hf, model_class
 from moe import set_balanced_routing
 from muon import Muon, takes_muon
-from parallel import (ParallelModel, Run, barrier, build_mesh, close_distributed, init_distributed, init_weights,
+from parallel import (ParallelModel, Process, barrier, build_mesh, close_distributed, init_distributed, init_weights,
                       parallelize, set_initial_values, uncompile, waiting_for_main_rank)
 from balance import COEFFICIENTS, RoutingMonitor
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
@@ -119,7 +119,7 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
 
 
 @contextmanager
-def explain_stop(checkpoints: Checkpointer, run: Run, argv: list[str]):
+def explain_stop(checkpoints: Checkpointer, run: Process, argv: list[str]):
     """A second Ctrl-C stops at once: say that nothing was saved, and how to resume from what was."""
     try:
         yield
@@ -129,7 +129,7 @@ def explain_stop(checkpoints: Checkpointer, run: Run, argv: list[str]):
         raise
 
 
-def resume_command(argv: list[str], run: Run) -> str:
+def resume_command(argv: list[str], run: Process) -> str:
     """The command line of this run, continuing from its latest checkpoint."""
     start = ["torchrun", f"--nproc-per-node={run.world_size}"] if run.world_size > 1 else ["python3"]
     kept = [arg for arg in argv if not arg.startswith("--checkpoint.resume")]
@@ -202,7 +202,7 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
 
 # ============================================================================= devices and processes
 
-def start_run(cfg: TrainConfig) -> Run:
+def start_run(cfg: TrainConfig) -> Process:
     """One process per device, always in a process group (of one without torchrun), and the mesh."""
     t, parallel = cfg.training, cfg.parallel
     if t.device == "cuda" and not torch.cuda.is_available():
@@ -217,17 +217,17 @@ def start_run(cfg: TrainConfig) -> Run:
     return run
 
 
-def join_mesh(cfg: TrainConfig, device: torch.device) -> Run:
+def join_mesh(cfg: TrainConfig, device: torch.device) -> Process:
     """This process of the started process group, with the config's mesh over the group."""
     try:
         mesh = build_mesh(cfg.parallel, device.type, cfg.model_config.num_experts)
     except ValueError as error:  # the layout does not fit the world size
         layout = [f"parallel.{key}" for key in ("pp", "dp_replicate", "dp_shard", "ep", "cp")]
         raise ConfigError(f"{cfg.where_any(layout)}: {error}") from error
-    return Run(dist.get_rank(), dist.get_world_size(), mesh["dp"].get_local_rank(), mesh["dp"].size(), device, mesh)
+    return Process(dist.get_rank(), dist.get_world_size(), mesh["dp"].get_local_rank(), mesh["dp"].size(), device, mesh)
 
 
-def layout_of(run: Run) -> str:
+def layout_of(run: Process) -> str:
     """The mesh's parallel degrees, e.g. "dp_shard 2 x ep 2"."""
     mesh = run.mesh
     return " x ".join(f"{name} {mesh[name].size()}" for name in mesh.mesh_dim_names
@@ -264,7 +264,8 @@ def missing_inputs(cfg: TrainConfig) -> str | None:
     return None
 
 
-def setup_data(cfg: TrainConfig, run: Run) -> tuple[Tokenizer, PackedLoader, PackedLoader | None]:
+def setup_data(cfg: TrainConfig,
+               run: Process) -> tuple[Tokenizer, PackedLoader, PackedLoader | None]:
     """Tokenizer, then shards (prepared once, by rank 0), then the training and validation loaders."""
     d, t = cfg.data, cfg.training
     tokenizer = load_tokenizer(d.tokenizer, d.eos_token, cfg.model.init_from)
@@ -291,7 +292,7 @@ def setup_data(cfg: TrainConfig, run: Run) -> tuple[Tokenizer, PackedLoader, Pac
     return tokenizer, train, val
 
 
-def check_enough_data(cfg: TrainConfig, train: PackedLoader, val: PackedLoader | None, run: Run) -> None:
+def check_enough_data(cfg: TrainConfig, train: PackedLoader, val: PackedLoader | None, run: Process) -> None:
     t, global_rows = cfg.training, run.dp_size * cfg.training.batch_size
     needed = t.steps * t.grad_accum * global_rows
     if needed > train.rows_available():
@@ -305,7 +306,7 @@ def check_enough_data(cfg: TrainConfig, train: PackedLoader, val: PackedLoader |
                         f"data.val_fraction or lower training.batch_size")
 
 
-def load_model(cfg: TrainConfig, run: Run) -> ParallelModel:
+def load_model(cfg: TrainConfig, run: Process) -> ParallelModel:
     """FP32 master weights, laid out by parallel.py: fresh from the seed, or from [model].init_from
     (native, or Hugging Face converted to native first). Built on meta and parallelized before
     any weight exists, so each rank only ever holds its own shards (the 40B model fits)."""
@@ -329,7 +330,7 @@ def load_model(cfg: TrainConfig, run: Run) -> ParallelModel:
     return pm
 
 
-def build_model(cfg: TrainConfig, run: Run) -> ParallelModel:
+def build_model(cfg: TrainConfig, run: Process) -> ParallelModel:
     """The model on the meta device (no weight exists yet), laid out by parallel.py, its routers forced
     balanced if [training] force_balanced_routing asks (benchmarks, rehearsals)."""
     config = cfg.model_config  # an init_from checkpoint's config.json, with the training settings of [model]
@@ -353,7 +354,7 @@ def build_model(cfg: TrainConfig, run: Run) -> ParallelModel:
     return pm
 
 
-def converted_checkpoint(hf_dir: Path, cfg: TrainConfig, run: Run) -> Path:
+def converted_checkpoint(hf_dir: Path, cfg: TrainConfig, run: Process) -> Path:
     """A Hugging Face init_from as a native checkpoint in checkpoint.dir, written by rank 0 with
     convert.py's streaming import (memory: about two tensors) and reused while the source's
     safetensors files are unchanged; other checkpoints of earlier sources there are removed."""
@@ -375,7 +376,7 @@ def converted_checkpoint(hf_dir: Path, cfg: TrainConfig, run: Run) -> Path:
 
 
 @contextmanager
-def main_rank_works(run: Run, hours: float = 4.0):
+def main_rank_works(run: Process, hours: float = 4.0):
     """Rank 0 does the body's long work (converting or exporting a checkpoint) while the others wait
     at a gloo barrier of `hours`: the NCCL default of 10 minutes is shorter than a 40B conversion."""
     group = dist.new_group(backend="gloo", timeout=timedelta(hours=hours)) if run.world_size > 1 else None
@@ -385,7 +386,7 @@ def main_rank_works(run: Run, hours: float = 4.0):
         dist.destroy_process_group(group)
 
 
-def check_compiled(model: ParallelModel, example: dict[str, torch.Tensor], run: Run, fallback: bool) -> None:
+def check_compiled(model: ParallelModel, example: dict[str, torch.Tensor], run: Process, fallback: bool) -> None:
     """parallel.py compiled each decoder block; compilation happens at the first call, so one
     forward and backward, then one evaluation forward (no_grad graphs of their own), on a real
     batch shape show a failure here, not mid-run, and count the graphs and graph breaks. A failure stops the run on this rank, whose exit ends the others
@@ -479,7 +480,7 @@ SCHEDULE_KEYS = ("optim.lr", "optim.min_lr", "optim.schedule", "optim.warmup_ste
                  "training.steps")
 
 
-def explain_resumed_settings(cfg: TrainConfig, checkpoint: Path | None, step: int, run: Run) -> None:
+def explain_resumed_settings(cfg: TrainConfig, checkpoint: Path | None, step: int, run: Process) -> None:
     """What changed since the resumed checkpoint's run (its train_config.json): every [optim] setting and
     training.steps take the config's value from the next step (Checkpointer.resume keeps the config's
     optimizer settings over the saved ones), each change named; a change that moves the learning rate
@@ -520,7 +521,7 @@ class Interruption:
     saved and the run stops; a second signal stops at once, without saving. Every rank stops at the
     same step: train_step sums each rank's `flag` over the ranks, in the step's one copy."""
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Process):
         self.run, self.name, self.previous = run, None, {}
 
     def __enter__(self) -> "Interruption":
@@ -565,7 +566,7 @@ EXPLODED = 2.0
 
 
 def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: PackedLoader, cfg: TrainConfig,
-               run: Run, routing: RoutingMonitor, interruption: Interruption, step: int,
+               run: Process, routing: RoutingMonitor, interruption: Interruption, step: int,
                checkpoints: "Checkpointer") -> tuple[float, float, bool]:
     """One optimizer step over grad_accum micro-batches -> (mean loss per target token, grad norm,
     whether any rank was asked to stop).
@@ -655,7 +656,7 @@ def fp8_suspect(cfg: TrainConfig) -> str:
             f"a run with fp8 = \"none\" from the same checkpoint tells whether FP8 causes it")
 
 
-def evaluate(model: ParallelModel, data: PackedLoader, cfg: TrainConfig, run: Run) -> float:
+def evaluate(model: ParallelModel, data: PackedLoader, cfg: TrainConfig, run: Process) -> float:
     """Mean loss per target token over the same first validation batches every time."""
     data.next_row = 0
     count = min(cfg.training.eval_batches, data.rows_per_epoch // (run.dp_size * cfg.training.batch_size))
@@ -669,7 +670,7 @@ def evaluate(model: ParallelModel, data: PackedLoader, cfg: TrainConfig, run: Ru
 SAMPLE_MAX_PARAMS = 1_000_000_000
 
 
-def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, logger: MetricsLogger) -> dict:
+def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Process, logger: MetricsLogger) -> dict:
     """The Hugging Face export and a text sample when asked, made by rank 0 from the final
     checkpoint, whatever layout (sharded, expert- or pipeline-split) trained it. The export streams
     one tensor at a time and comes first; the sample needs the whole model in one process, so
@@ -701,7 +702,7 @@ def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Run, l
 
 
 def draw_sample(checkpoint: Path, tokenizer: Tokenizer, t: TrainingSection, logger: MetricsLogger,
-                run: Run) -> None:
+                run: Process) -> None:
     """sample.py's generation from the final checkpoint, printed as it comes."""
     from sample import generate_text, load_model as load_for_sampling
     run.print(f"sample ({t.sample_tokens} tokens, temperature {t.sample_temperature}; more with "

@@ -166,7 +166,7 @@ def test_models_route_their_moe_layers_with_the_configured_capacity(name, preset
 @only("flint")  # capacity_reference routes by sigmoid scores, as Flint's router does
 def test_the_routing_record_gives_each_layer_its_dropped_assignments():
     """RoutingMonitor's stats under capacity: each MoE layer's dropped assignments, as many as the
-    plain reference refuses for that layer's input (routing.py derives them from the router's counts)."""
+    plain reference refuses for that layer's input (balance.py derives them from the router's counts)."""
     from balance import RoutingMonitor, worst_layer
     factor = 0.5
     config = tiny_config("flint", capacity_factor=factor)  # 4 layers

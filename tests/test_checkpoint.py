@@ -564,9 +564,9 @@ def test_two_checkpointers_on_one_directory_are_refused(tmp_path):
     refused while the first holds it, and takes it once the first has closed. (A shared lock would let
     both run; the other lock tests take the lock by hand, exclusively, and could not tell.)"""
     import torch.distributed as dist
-    from parallel import Run
+    from parallel import Process
     cfg = train.parse_args(debug_args(tmp_path))
-    run = Run(rank=0, world_size=1, dp_rank=0, dp_size=1, device=torch.device("cpu"))
+    run = Process(rank=0, world_size=1, dp_rank=0, dp_size=1, device=torch.device("cpu"))
     assert not dist.is_initialized()
     with checkpoint.Checkpointer(cfg, run):
         with pytest.raises(CheckpointError, match=rf"checkpoint.dir {tmp_path / 'ckpt'} is in use by another run "

@@ -152,3 +152,16 @@ def test_dequantize_broadcasts_each_scale_over_its_block_partial_edges_included(
     got = large4_config.dequantize(quantized, scale, (8, 16), torch.float32)
     assert torch.equal(got, dequantize_by_hand(quantized, scale, (8, 16)))
     assert (got - weight).abs().max() <= weight.abs().max() / 8  # E4M3 keeps 3 mantissa bits
+
+
+@pytest.mark.parametrize("field", ["moe_intermediate_size", "hidden_size"])
+def test_grouped_experts_need_widths_on_16_byte_boundaries(field):
+    """The grouped GEMM's rows start on 16-byte boundaries: 8 BF16 values. 36 and 60 are refused with
+    experts_backend 'grouped' (the field named), taken with 'loop'; 40 and 64 are taken by both."""
+    refused, accepted = {"moe_intermediate_size": (36, 40), "hidden_size": (60, 64)}[field]
+    message = rf"{field} must be a multiple of 8 for experts_backend 'grouped'.* got {refused}"
+    with pytest.raises(ValueError, match=message):
+        Large4Config.from_name(LARGE4_PARITY, **{field: refused})
+    looped = Large4Config.from_name(LARGE4_PARITY, **{field: refused}, experts_backend="loop")
+    assert getattr(looped, field) == refused
+    assert getattr(Large4Config.from_name(LARGE4_PARITY, **{field: accepted}), field) == accepted

@@ -232,7 +232,7 @@ def test_large4_activation_model_within_20_percent_of_measured(index_topk):
     dense selection, then a sparse one), counted once per storage, parameters excluded."""
     from large4 import Visibility
     from large4 import Large4Config, build_large4
-    from tools.memory import _activation_bytes_per_token
+    from tools.memory import activation_bytes_per_token
     config = Large4Config.from_name("large4-tiny", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                                     kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
                                     n_routed_experts=8, index_head_dim=32, index_topk=index_topk,
@@ -252,5 +252,5 @@ def test_large4_activation_model_within_20_percent_of_measured(index_topk):
     visible = Visibility(None, batch, seq_len, seq_len, ids.device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model.run_layers(model.embed_tokens(ids), positions, visible)
-    estimate = _activation_bytes_per_token(config, config.num_hidden_layers, "none", seq_len) * batch * seq_len
+    estimate = activation_bytes_per_token(config, config.num_hidden_layers, "none", seq_len) * batch * seq_len
     assert 0.8 < estimate / sum(saved.values()) < 1.2, (estimate, sum(saved.values()))

@@ -58,13 +58,13 @@ def test_cpu_peak_is_measured_once_per_machine_and_shared_by_its_processes(tmp_p
     measured = []
     monkeypatch.setattr(metrics, "measure_cpu_flops", lambda: measured.append(1) or 2e11)
     cfg = train.load_config(DEBUG)
-    one = train.Run(0, 1, 0, 1, torch.device("cpu"))
+    one = train.Process(0, 1, 0, 1, torch.device("cpu"))
     assert metrics.run_peak_flops(cfg, one) == 2e11 and metrics.run_peak_flops(cfg, one) == 2e11
     assert len(measured) == 1  # the second run reads the cache
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    two_on_one_machine = train.Run(0, 2, 0, 2, torch.device("cpu"))
+    two_on_one_machine = train.Process(0, 2, 0, 2, torch.device("cpu"))
     assert metrics.run_peak_flops(cfg, two_on_one_machine) == 2e11  # shared cores: not 2 x
-    four_on_two_machines = train.Run(0, 4, 0, 4, torch.device("cpu"))
+    four_on_two_machines = train.Process(0, 4, 0, 4, torch.device("cpu"))
     assert metrics.run_peak_flops(cfg, four_on_two_machines) == 4e11
     given = train.load_config(DEBUG, ["--logging.peak_tflops=0.5"])
     assert metrics.run_peak_flops(given, two_on_one_machine) == pytest.approx(1e12)  # per device, as the key says
@@ -75,7 +75,7 @@ def test_a_logged_step_is_one_line_with_units_and_the_same_numbers_in_the_log(tm
     FLOPs per token and the given peak, and the busiest layer's expert loads at the end."""
     log = tmp_path / "metrics.jsonl"
     cfg = train.load_config(DEBUG, [f"--logging.jsonl={log}", "--logging.peak_tflops=0.1"])
-    logger = metrics.MetricsLogger(cfg, train.Run(0, 1, 0, 1, torch.device("cpu")), cfg.model_config,
+    logger = metrics.MetricsLogger(cfg, train.Process(0, 1, 0, 1, torch.device("cpu")), cfg.model_config,
                                    start_step=0, run_dir=tmp_path / "run_0001")
     routing = {"2": {"max_load": 1.75, "min_load": 0.25}, "3": {"max_load": 3.5, "min_load": 0.0}}
     logger.log_train(5, loss=2.5, lr=1e-3, grad_norm=0.5, routing=routing)
@@ -159,7 +159,7 @@ def test_named_ranges_are_placed_while_profiling_and_all_taken_away_after():
 
 def test_a_step_out_of_gpu_memory_exits_with_one_line_naming_its_snapshot(tmp_path, monkeypatch):
     cfg = train.load_config(DEBUG, [f"--logging.jsonl={tmp_path / 'm.jsonl'}", "--logging.peak_tflops=0.1"])
-    logger = metrics.MetricsLogger(cfg, train.Run(0, 1, 0, 1, torch.device("cpu")), cfg.model_config, start_step=0,
+    logger = metrics.MetricsLogger(cfg, train.Process(0, 1, 0, 1, torch.device("cpu")), cfg.model_config, start_step=0,
                                    run_dir=tmp_path / "run_0001")
     out_of_memory = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has ...")
     with pytest.raises(torch.OutOfMemoryError):  # on the CPU: as it came

@@ -204,7 +204,7 @@ def dtypes_in_use(pm, batch) -> dict[str, set]:
     Weights and inputs are read in forward pre-hooks, which run after FSDP's own pre-hook has
     gathered the weights in their policy's dtype: after forward FSDP reshards them to the FP32
     master shards, so a forward (post) hook would see FP32 whatever the policy."""
-    from layers import Head
+    from head import Head
     from model import DecoderLayer, Sinks
     from moe import Router
     kinds = {Sinks: "sinks", Router: "router", Head: "head", torch.nn.Linear: "linear"}
@@ -754,6 +754,6 @@ def head_precision_of(layout: dict) -> list[str]:
 
 def test_the_head_takes_its_precision_from_head_precision():
     """[parallel] head_precision reaches the head that parallelize lays out (it acts on GPUs only, so no
-    CPU number can show it: test_layers checks the CPU's head stays FP32 whatever it says)."""
+    CPU number can show it: test_head checks the CPU's head stays FP32 whatever it says)."""
     for precision in ("bf16x3", "bf16"):
         assert in_process_group(head_precision_of, {"head_precision": precision}) == [precision]

@@ -238,7 +238,7 @@ def test_released_flint_step_is_its_model_flops_plus_at_most_one_recomputed_forw
     (torch's checkpoint stops recomputing once the last tensor backward needs is back)."""
     from config import load_config
     config, seq_len = load_config(ROOT / "configs" / "flint-8gpu.toml").model_config, 1024
-    weights = (planner._meta_model(config).flops_per_token(seq_len) - attention_flops_per_token(config, seq_len)) / 6
+    weights = (planner.meta_model(config).flops_per_token(seq_len) - attention_flops_per_token(config, seq_len)) / 6
     block_weights = weights - config.vocab_size * config.hidden_size  # the head is not checkpointed
 
     def traced(checkpointing):

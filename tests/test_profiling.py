@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import assert_close_to_scale, build, only, tiny_config
-from layers import Head
+from head import Head
 from registry import FAMILIES, family
 from tools.profiling import SPLIT_ORDER, TIMED_MODULES, cosine_parity, dense_logits_loss, profile_step
 

@@ -54,8 +54,8 @@ def test_search_keeps_the_step_and_ranks_what_fits(small_space, capsys, monkeypa
     cramped = dataclasses.replace(h100, memory_gib=OVERHEAD_GIB)  # nothing fits beside the slack
     assert search.search(cfg, 8, cramped, tokens) == []
     monkeypatch.chdir(ROOT)
-    best = planner.main(["--search", "--config", "configs/flint-8gpu.toml", "--gpus", "8", "--model.preset=tiny",
-                         "--data.seq_len=64", "--tokens-per-step", str(tokens)])
+    best = search.main(["--config", "configs/flint-8gpu.toml", "--gpus", "8", "--model.preset=tiny",
+                        "--data.seq_len=64", "--tokens-per-step", str(tokens)])
     out = capsys.readouterr().out
     assert f"{tokens:,} tokens per step, {len(found)} layouts fit" in out and "| 1 | " in out
     assert best.tokens_per_second == found[0].plan.tokens_per_second

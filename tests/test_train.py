@@ -174,7 +174,7 @@ def test_finetune_from_hugging_face_converts_once_and_exports(tmp_path):
     written = (converted[0] / ".metadata").stat().st_mtime_ns
     loader = train.setup_data(train.load_config(debug_configs()["flint"], [f"--data.path={EMBEDDED_CORPUS}",
                                                         f"--data.cache_dir={tmp_path / 'cache'}"]),
-                              train.Run(0, 1, 0, 1, torch.device("cpu")))[1]
+                              train.Process(0, 1, 0, 1, torch.device("cpu")))[1]
     batches = [loader.next_batch() for _ in range(2)]  # rank 0's rows, then rank 1's
     with torch.no_grad():
         tokens = [(b["targets"] != -100).sum() for b in batches]

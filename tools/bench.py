@@ -49,7 +49,7 @@ from layers import build
 from registry import FAMILIES, ModelConfig, family, model_class
 from parallel import apply_activation_checkpointing, apply_compile
 from tools.profiling import (OPTIMIZER, RANGE, NotApplicable, dense_logits_loss, matmul_rate, memory_in_use, peak_memory, profile_step, reset_peak_memory, time_call)
-from parallel import Run
+from parallel import Process
 from train import build_optimizer
 
 SECTIONS = ("main", "compiled", "baseline", "reference", "attention", "experts", "loss", "sweep")
@@ -60,7 +60,7 @@ SECTIONS = ("main", "compiled", "baseline", "reference", "attention", "experts",
 def peak_flops(cfg: TrainConfig, device: torch.device) -> tuple[float | None, str]:
     """FLOP/s to divide by for MFU, as train.py takes it for one process, and where it comes from;
     None for a GPU missing from metrics.GPU_PEAK_TFLOPS (then: the best matmul rate of this run)."""
-    peak = run_peak_flops(cfg, Run(0, 1, 0, 1, device))
+    peak = run_peak_flops(cfg, Process(0, 1, 0, 1, device))
     if cfg.logging.peak_tflops:
         return peak, f"[logging].peak_tflops, {cfg.where('logging.peak_tflops')}"
     if device.type == "cuda":

@@ -33,7 +33,7 @@ GPU_GIB = {"141GB": 140.4, "80GB": 79.6}
 OVERHEAD_GIB = 10.0
 
 
-def _meta_model(config: ModelConfig, lora: LoraConfig | None = None) -> torch.nn.Module:
+def meta_model(config: ModelConfig, lora: LoraConfig | None = None) -> torch.nn.Module:
     """The model on the meta device, in its stage-aware form where it has one (parallel.py), with `lora`'s
     adapters on its frozen base when given; built once per config (the released Large 4 takes seconds
     even on meta)."""
@@ -57,7 +57,7 @@ def _stage_counts(config: ModelConfig, pp: int, lora: LoraConfig | None = None) 
     for the same counts many times."""
     key = repr((config, pp, lora))
     if key not in _STAGE_COUNTS:
-        model = _meta_model(config, lora)
+        model = meta_model(config, lora)
         stages = [pipeline_stage(model, s, pp) if pp > 1 else model for s in range(pp)]
         _STAGE_COUNTS[key] = [tuple(sum(p.numel() for n, p in part.named_parameters()
                                         if (".mlp.experts." in n) == expert and p.requires_grad == trainable)
@@ -68,8 +68,10 @@ def _stage_counts(config: ModelConfig, pp: int, lora: LoraConfig | None = None) 
 _STAGE_COUNTS: dict[str, list[tuple[int, ...]]] = {}
 
 
-def _stage_params(config: ModelConfig, pp: int) -> list[tuple[int, int, int]]:
-    """(expert, other trainable, other frozen) parameter counts of each pipeline stage."""
+def stage_param_counts(config: ModelConfig, pp: int) -> list[tuple[int, int, int]]:
+    """(expert, other trainable, other frozen) parameter counts of each of `pp` pipeline stages,
+    on the meta device: what a stage holds before sharding (the planner sizes its collectives
+    with it)."""
     return [(et + ef, ot, of) for et, ef, ot, of in _stage_counts(config, pp)]
 
 
@@ -86,7 +88,7 @@ _STAGE_FP32: dict[tuple[str, int], list[int]] = {}
 
 
 def _count_stage_fp32_params(config: ModelConfig, pp: int) -> list[int]:
-    model = _meta_model(config)
+    model = meta_model(config)
     stages = [pipeline_stage(model, s, pp) if pp > 1 else model for s in range(pp)]
     units = [[*part.fp32_root_modules(), part.lm_head, *(m for layer in part.layers.values()
                                                          for m in part.fp32_modules(layer))] for part in stages]
@@ -107,9 +109,10 @@ def accumulation_of(config: ModelConfig, cfg: ParallelConfig, gpu_gib: float, lo
     return choose_accumulation(cfg, *accumulation_bytes(config, cfg, lora), gpu_gib * GIB)
 
 
-def _activation_bytes_per_token(config: ModelConfig, layers: int, checkpointing: str, seq_len: int) -> float:
-    """Saved activations of `layers` blocks for one token (the model's own per-block estimate)."""
-    model = _meta_model(config)
+def activation_bytes_per_token(config: ModelConfig, layers: int, checkpointing: str, seq_len: int) -> float:
+    """Bytes of saved activations per token of `layers` blocks under `checkpointing` (none,
+    selective, full), from the model's own per-block estimates."""
+    model = meta_model(config)
     block, checkpointed = model.block_activation_bytes(seq_len), model.checkpointed_block_bytes(seq_len)
     kept = {"none": layers, "full": 0, "selective": layers // 2}[checkpointing]
     # Checkpointed blocks keep their inputs only; one block at a time is recomputed in full.
@@ -165,7 +168,7 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
     microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
     in_flight = microbatches_in_flight(cfg, grad_accum, calls)
     tokens = batch_size * seq_len / cfg.cp / (microbatches if cfg.pp > 1 else 1)
-    per_token = _activation_bytes_per_token(config, layers_per_stage, cfg.activation_checkpointing, seq_len)
+    per_token = activation_bytes_per_token(config, layers_per_stage, cfg.activation_checkpointing, seq_len)
     activations = tokens * in_flight * per_token
     # Two FP32 chunks of logits at once, and the unsharded FP32 head gradient [V, H] before its
     # reduce-scatter: the fused loss (model.LinearCrossEntropy) makes it in the head's forward, at the
@@ -183,7 +186,7 @@ def memory_per_gpu(config: ModelConfig, cfg: ParallelConfig, seq_len: int, batch
         sharded_grads_meanwhile = accumulation == "sync_each" and (cfg.pp == 1 or calls > 1)
         row["total"] = sum(row.values()) - (0.0 if sharded_grads_meanwhile else row["grads"])
     else:
-        last_block = tokens * _meta_model(config).block_activation_bytes(seq_len) / GIB
+        last_block = tokens * meta_model(config).block_activation_bytes(seq_len) / GIB
         row["total"] = row["params"] + row["optimizer"] + row["gathered"] + max(row["activations"],
                                                                                  row["grads"] + last_block)
     row["host"] = sum(states.values()) / GIB if cfg.offload else 0.0  # [parallel] offload: in host memory

@@ -6,7 +6,6 @@
     python3 -m tools.planner --preset flint-shallow --gpu H200 --gpus 1 --data.seq_len=4096 --training.batch_size=2
     python3 -m tools.planner --gpu cpu                                        # bench.py's CPU shape, this machine
     python3 -m tools.planner --validate                                       # published runs, measured / predicted
-    python3 -m tools.planner --search --config configs/flint.toml --gpus 64 --gpu H100  # the best layouts (tools/search.py)
 
 prints tokens/s per GPU, MFU, the step time and the ten ops or collectives that cost most, then the same step at
 100 % of every peak (the bound). Method:
@@ -75,7 +74,7 @@ from pathlib import Path
 import torch
 
 from config import ConfigError, TrainConfig, load_config
-from tools.memory import GPU_GIB, _meta_model, _stage_params, accumulation_of
+from tools.memory import GPU_GIB, accumulation_of, meta_model, stage_param_counts
 from registry import FAMILIES, ModelConfig
 from tools.op_trace import OpCost, trace_step
 from parallel import MESH_DIMS, ParallelConfig
@@ -97,7 +96,7 @@ class Device:
     nvlink: float  # per GPU, each way
     network: float  # per GPU, each way
     gpus_per_node: int = 8
-    memory_gib: float = 140.4  # usable (memory.GPU_GIB): what [parallel] accumulation = "auto" and --search fit
+    memory_gib: float = 140.4  # usable (memory.GPU_GIB): what accumulation "auto" and search.py fit
 
 
 GPUS = {
@@ -255,7 +254,7 @@ def attention_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """The part of model.flops_per_token that grows with the keys each query attends. Both models
     count FLOPs = fixed + c x mean keys per query, and the mean is 1 at seq_len 1 and 1.5 at 2, so
     two evaluations give c and the fixed part."""
-    model = _meta_model(config)
+    model = meta_model(config)
     one, two = model.flops_per_token(1), model.flops_per_token(2)
     per_key = (two - one) / 0.5
     return model.flops_per_token(seq_len) - (one - per_key)
@@ -397,7 +396,7 @@ _UNITS: dict[tuple, list[tuple[float, float, float, float]]] = {}
 
 def count_unit_bytes(config: ModelConfig, layout: ParallelConfig, bulk_bytes: int) -> list[tuple[float, float, float, float]]:
     """unit_bytes, counted on the meta model."""
-    model = _meta_model(config)
+    model = meta_model(config)
     layers = list(model.layers.values())
     units = []
     for layer in layers[: math.ceil(len(layers) / layout.pp)]:
@@ -565,7 +564,7 @@ class Plan:
 def trainable_shard(config: ModelConfig, layout: ParallelConfig) -> float:
     """Trainable parameters one GPU holds a shard of (memory.py's count, busiest stage)."""
     return max(e / (layout.ep * layout.dp_shard * layout.cp) + o / (layout.dp_shard * layout.ep * layout.cp)
-               for e, o, _ in _stage_params(config, layout.pp))
+               for e, o, _ in stage_param_counts(config, layout.pp))
 
 
 def head_precision(layout: ParallelConfig) -> str:
@@ -639,7 +638,7 @@ def plan_step(cfg: TrainConfig, layout: ParallelConfig, device: Device, calibrat
     items.append(Item("AdamW + gradient norm (FP32 shards)", optimizer, optimizer, "memory"))
     step = sum(item.exposed for item in items)
     tokens_per_gpu = batch * seq_len * accum / (layout.cp * layout.pp)
-    return Plan(device, layout, step, tokens_per_gpu, _meta_model(config).flops_per_token(seq_len), items,
+    return Plan(device, layout, step, tokens_per_gpu, meta_model(config).flops_per_token(seq_len), items,
                 accumulation, calibrated)
 
 
@@ -714,24 +713,21 @@ def load_plan_config(config: str | None, preset: str | None, overrides: list[str
     return load_bench_config(args)
 
 
-def main(argv: list[str] | None = None) -> Plan | None:
-    parser = argparse.ArgumentParser(description="Predicted step time, tokens/s and MFU per GPU (no GPU needed).",
-                                     epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192")
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """--config or --preset, --gpu and --gpus: the step and machine that the planner and the layout
+    search (tools/search.py) both read."""
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--config", help="a training TOML: its [model], [data] seq_len, [training] batch_size "
                        "and grad_accum, and [parallel] layout")
     shape.add_argument("--preset", help="a model preset at bench.py's shape (default with --gpu cpu: bench-cpu)")
     parser.add_argument("--gpu", default="H100", help=f"{', '.join(GPUS)}, or cpu: this machine, measured now")
     parser.add_argument("--gpus", type=int, help="GPUs in all (default: what the config's layout needs)")
-    parser.add_argument("--validate", action="store_true", help="the published runs against their predictions")
-    parser.add_argument("--search", action="store_true", help="rank every layout of --gpus that fits (tools/search.py)")
-    parser.add_argument("--tokens-per-step", type=int, help="with --search: the global batch (default: the config's)")
-    parser.add_argument("--checkpointing", help="with --search: the activation checkpointing modes to try, "
-                        "comma-separated (default: none,selective,full)")
-    args, overrides = parser.parse_known_args(argv)
-    if args.validate:
-        print(validation_table())
-        return None
+
+
+def read_shape(args: argparse.Namespace,
+               overrides: list[str]) -> tuple[TrainConfig, Device, int, ParallelConfig]:
+    """add_shape_arguments' values -> (the config, the device, the GPUs in all, the layout resolved
+    on them)."""
     if not args.config and not args.preset and args.gpu.lower() != "cpu":
         raise ConfigError("give --config or --preset (only --gpu cpu has a default: bench.py's bench-cpu shape)")
     device = device_named(args.gpu)
@@ -744,16 +740,22 @@ def main(argv: list[str] | None = None) -> Plan | None:
         layout = layout.resolve(gpus, cfg.model_config.num_experts)
     except ValueError as error:
         raise ConfigError(f"{cfg.source} on --gpus {gpus}: {error}") from error
+    return cfg, device, gpus, layout
+
+
+def main(argv: list[str] | None = None) -> Plan | None:
+    parser = argparse.ArgumentParser(
+        description="Predicted step time, tokens/s and MFU per GPU (no GPU needed).",
+        epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192")
+    add_shape_arguments(parser)
+    parser.add_argument("--validate", action="store_true",
+                        help="the published runs against their predictions")
+    args, overrides = parser.parse_known_args(argv)
+    if args.validate:
+        print(validation_table())
+        return None
+    cfg, device, gpus, layout = read_shape(args, overrides)
     started = time.perf_counter()
-    if args.search:
-        from tools.search import search, search_table, tokens_per_step
-        tokens = args.tokens_per_step or tokens_per_step(cfg, gpus)
-        modes = tuple(args.checkpointing.split(",")) if args.checkpointing else None
-        found = search(cfg, gpus, device, tokens, modes)
-        print(f"{Path(cfg.source).name} on {gpus} x {device.name}: {tokens:,} tokens per step, {len(found)} layouts "
-              f"fit ({time.perf_counter() - started:.0f} s)")
-        print(search_table(found))
-        return found[0].plan if found else None
     plan = plan_step(cfg, layout, device)
     print(f"{Path(cfg.source).name}: seq_len {cfg.data.seq_len}, batch_size {cfg.training.batch_size} x "
           f"grad_accum {cfg.training.grad_accum} per GPU, {gpus} GPUs (traced in {time.perf_counter() - started:.0f} s)")

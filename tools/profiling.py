@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from layers import HEAD_PRECISIONS, Head
+from head import HEAD_PRECISIONS, Head
 from registry import FAMILIES, family
 from moe import GroupedExperts, Router, SwiGLU
 
@@ -85,7 +85,7 @@ def peak_memory(device: torch.device) -> int:
 # Each timed module opens a profiler range named RANGE + category around its forward; its backward
 # is found through the autograd sequence numbers of the ops it ran. Innermost range wins.
 RANGE = "bench/"
-# Each family's own module kinds (models.py), then the shared ones.
+# Each family's own module kinds (its Family's timed_modules, registry.py), then the shared ones.
 TIMED_MODULES = tuple(kind for name in FAMILIES for kind in family(name).timed_modules) + (
     (Router, "router"), (GroupedExperts, "routed experts"), (SwiGLU, "dense MLP + shared expert"),
     (Head, "head + loss"))

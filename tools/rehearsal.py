@@ -62,7 +62,7 @@ from layers import token_ids_checked_at_load
 from lora import adapter_state
 from devices import targeting
 from tools.memory import GPU_GIB as MEMORY_GPU_GIB, memory_per_gpu
-from parallel import Run, close_distributed
+from parallel import Process, close_distributed
 from report import write_memory_timeline
 
 GIB = 2 ** 30
@@ -307,14 +307,14 @@ class Phases:
         self.last = now
 
 
-def start_fake_run(cfg: TrainConfig, say: Phases) -> Run:
+def start_fake_run(cfg: TrainConfig, say: Phases) -> Process:
     run = train.join_mesh(cfg, torch.device("cpu"))  # the mesh is built outside FakeTensorMode
     say(f"fake world of {run.world_size} ({train.layout_of(run)}); routing forced balanced, block masks "
         f"without documents, blocks eager (see rehearsal.py)")
     return run
 
 
-def rehearsal_batches(cfg: TrainConfig, run: Run, say: Phases):
+def rehearsal_batches(cfg: TrainConfig, run: Process, say: Phases):
     """The data check on the data the config names, when it exists here; the step's batches are
     fake token ids of the real shape (a rehearsal reads no values)."""
     missing = train.missing_inputs(cfg)

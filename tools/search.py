@@ -1,7 +1,7 @@
 """Layout search: every layout of a model on N GPUs that fits memory.py's estimate, ranked by planner.py.
 
-    python3 -m tools.planner --search --config configs/flint-8gpu.toml --gpus 8 --gpu H200
-    python3 -m tools.planner --search --config configs/flint.toml --gpus 64 --gpu H100 --tokens-per-step 1048576
+    python3 -m tools.search --config configs/flint-8gpu.toml --gpus 8 --gpu H200
+    python3 -m tools.search --config configs/flint.toml --gpus 64 --gpu H100 --tokens-per-step 1048576
 
 The step's tokens (--tokens-per-step; default: the config's global batch, rows x seq_len x grad_accum x
 the data-parallel ranks) stay fixed: each layout takes the micro-batches of `rows` sequences per rank that
@@ -15,15 +15,18 @@ stays under the GPU's usable memory. Ranked by calibrated tokens/s per GPU; each
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
-from config import TrainConfig
+from config import ConfigError, TrainConfig
 from parallel import ParallelConfig, unsupported_layout
 from registry import model_class
 from tools.memory import OVERHEAD_GIB, memory_per_gpu
-from tools.planner import Device, Plan, describe_layout, plan_step
+from tools.planner import Device, Plan, add_shape_arguments, describe_layout, plan_step, read_shape
 
 # memory.py's largest miss against a rehearsal's measured peak (BENCHMARKS.md), by activation checkpointing:
 # within 6 % for every fully checkpointed GPU config; flint-8gpu's layout without checkpointing (dp_shard 2 x
@@ -139,3 +142,31 @@ def search_table(found: list[Candidate], top: int = 5) -> str:
                      f"{plan.accumulation} | {found_one.memory_gib:.1f} | {plan.tokens_per_second:,.0f} | "
                      f"{100 * plan.mfu:.1f} % | {costliest} |")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> Plan | None:
+    parser = argparse.ArgumentParser(
+        description="The layouts of --gpus GPUs that fit, best tokens/s per GPU first (no GPU).",
+        epilog="Override any config key as train.py does: --data.seq_len=8192")
+    add_shape_arguments(parser)
+    parser.add_argument("--tokens-per-step", type=int,
+                        help="the global batch (default: the config's)")
+    parser.add_argument("--checkpointing", help="the activation checkpointing modes to try, "
+                        "comma-separated (default: none,selective,full)")
+    args, overrides = parser.parse_known_args(argv)
+    cfg, device, gpus, _ = read_shape(args, overrides)
+    started = time.perf_counter()
+    tokens = args.tokens_per_step or tokens_per_step(cfg, gpus)
+    modes = tuple(args.checkpointing.split(",")) if args.checkpointing else None
+    found = search(cfg, gpus, device, tokens, modes)
+    print(f"{Path(cfg.source).name} on {gpus} x {device.name}: {tokens:,} tokens per step, "
+          f"{len(found)} layouts fit ({time.perf_counter() - started:.0f} s)")
+    print(search_table(found))
+    return found[0].plan if found else None
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as error:
+        raise SystemExit(f"error: {error}")
