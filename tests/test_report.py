@@ -124,7 +124,7 @@ def tick_value(label: str) -> float:
 def axis(ticks: list[tuple[float, str]]):
     """pixel -> value, from the tick labels' positions; every tick must agree with the first and last."""
     (p0, v0), (p1, v1) = [(p, tick_value(label)) for p, label in (ticks[0], ticks[-1])]
-    to_value = lambda p: v0 + (p - p0) * (v1 - v0) / (p1 - p0)
+    to_value = lambda p: 2 * (v0 / 2 + (p - p0) / (p1 - p0) * (v1 / 2 - v0 / 2))  # halves: +-1e308
     for p, label in ticks:
         assert to_value(p) == pytest.approx(tick_value(label), abs=1e-4 * abs(v1 - v0))  # 0.01-pixel rounding
     return to_value, abs(v1 - v0)
@@ -641,3 +641,185 @@ def test_the_memory_picture_shows_markup_in_its_names_as_text():
     page = Page(picture)
     assert not live_markup(page, clean) and "<script" not in picture
     assert PAYLOAD.replace("\x00", "\ufffd").replace("\ud800", "\ufffd") in "".join(page.texts)
+
+
+# ----------------------------------------------------------------------------- where the page goes
+
+def run_report(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "report.py", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True)
+
+
+def test_the_page_never_overwrites_a_file_it_reads(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    write_log(log, {"run_a": 512}, steps=(1, 10))
+    run_dir = tmp_path / "run_0001"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({"jsonl": str(log), "run": "run_a", "settings": {}}))
+    (tmp_path / "link.jsonl").symlink_to(log)
+    before = {path: path.read_bytes() for path in (log, run_dir / "run.json")}
+    for sources, out, read in [([log], log, log), ([log], tmp_path / "link.jsonl", log),
+                               ([run_dir], log, log), ([run_dir], run_dir / "run.json", run_dir / "run.json"),
+                               ([tmp_path / "link.jsonl"], tmp_path / ".." / tmp_path.name / log.name,
+                                tmp_path / "link.jsonl")]:  # a link, a path through "..": the same file
+        done = run_report(*sources, "--out", out)
+        assert done.returncode == 1 and done.stdout == "", done.stderr
+        assert done.stderr == (f"error: {out}: the report would overwrite {read}, which it reads; "
+                               f"name another file with --out\n")
+    assert {path: path.read_bytes() for path in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "metrics.jsonl", "run_0001"]
+    beside = tmp_path / "metrics.html"  # the accepted neighbour: the same directory, another name
+    assert run_report(log, "--out", beside).returncode == 0 and Page(beside.read_text()).charts["loss-step"]
+    assert {path: path.read_bytes() for path in before} == before
+
+
+def test_out_naming_a_directory_writes_report_html_inside_and_leaves_no_temporary(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    write_log(log, {"run_a": 512}, steps=(1, 10))
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    done = run_report(log, "--out", pages)
+    assert done.returncode == 0 and done.stdout == f"report: {pages / 'report.html'}\n", done.stderr
+    assert [p.name for p in pages.iterdir()] == ["report.html"]
+    assert Page((pages / "report.html").read_text()).charts["loss-step"].series
+    (pages / "report.html").unlink()
+    (pages / "report.html").mkdir()  # report.html inside is itself a directory: refused, nothing left
+    done = run_report(log, "--out", pages)
+    assert done.returncode == 1 and done.stderr == (f"error: {pages / 'report.html'}: is a directory, so the "
+                                                    f"report cannot be written there; name a file with --out\n")
+    assert [p.name for p in pages.iterdir()] == ["report.html"] and not any((pages / "report.html").iterdir())
+    assert "a directory to write report.html into" in run_report("--help").stdout
+
+
+# ----------------------------------------------------------------------------- careless and hostile input
+
+def test_a_loss_past_any_float_is_marked_and_huge_finite_ones_get_a_sane_axis(tmp_path):
+    """1e400 reads as inf: marked at its step. +-1e308 are 2e308 apart, past any float: the axis
+    still spans them with finite round ticks, and every point reads back through it."""
+    log = tmp_path / "metrics.jsonl"
+    losses = {1: "2.5", 2: "1e400", 3: "1e308", 4: "-1e308", 5: "-1e400", 6: "1.7976931348623157e308"}
+    log.write_text("".join(f'{{"run": "r", "step": {step}, "loss": {loss}}}\n' for step, loss in losses.items()))
+    done = run_report(log, "--out", tmp_path / "report.html")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    chart = Page((tmp_path / "report.html").read_text()).charts["loss-step"]
+    ticks = [tick_value(label) for _, label in chart.y_ticks]
+    assert all(math.isfinite(t) for t in ticks) and ticks == sorted(ticks) and len(ticks) >= 4
+    assert ticks[0] <= -1e308 and ticks[-1] == pytest.approx(sys.float_info.max, rel=1e-5)
+    x_of, _ = axis(chart.x_ticks)
+    assert {round(x_of(x)): title.rsplit(":", 1)[-1] for x, title in chart.marks} == {
+        2: " inf at step 2", 5: " -inf at step 5"}
+    got = values_of(chart, "r", "training loss")
+    expected = [(1, 2.5), (3, 1e308), (4, -1e308), (6, 1.7976931348623157e308)]
+    assert len(got) == len(expected)
+    for (gx, gy), (ex, ey) in zip(got, expected):
+        assert gx == pytest.approx(ex, abs=0.01) and gy / 1e308 == pytest.approx(ey / 1e308, abs=1e-3)
+
+
+SOUND = {"run": "r", "step": 1, "loss": 2.5, "tokens": 512, "routing": {"2": {"max_load": 1.5, "min_load": 0.5}}}
+
+
+def line(**changes) -> str:
+    return json.dumps({**SOUND, "step": 2, **changes})
+
+
+# (what, the JSONL's lines after a sound record, run.json's settings (None: no run directory), lines
+# skipped). Each gives a page, or the one line of a ReportError.
+CARELESS = [
+    ("optim a string", [], {"optim": "adamw"}, 0), ("optim a list", [], {"optim": ["adamw", 3]}, 0),
+    ("optim null", [], {"optim": None}, 0), ("optim.name a list", [], {"optim": {"name": ["a"]}}, 0),
+    ("optim.name an object", [], {"optim": {"name": {"a": 1}}}, 0),
+    ("optim.lr a string", [], {"optim": {"lr": "3e-4"}}, 0), ("optim.lr a bool", [], {"optim": {"lr": True}}, 0),
+    ("optim.lr 1e400", [], {"optim": {"lr": math.inf}}, 0), ("optim.lr 10**400", [], {"optim": {"lr": 10 ** 400}}, 0),
+    ("training a string", [], {"training": "x"}, 0), ("training.steps a string", [], {"training": {"steps": "9"}}, 0),
+    ("training.steps a bool", [], {"training": {"steps": True}}, 0),
+    ("training.steps negative", [], {"training": {"steps": -1}}, 0), ("settings a list", [], [1], 0),
+    ("loss NaN", [line(loss=math.nan)], None, 0), ("loss a bool", [line(loss=True)], None, 1),
+    ("loss 10**400", [line(loss=10 ** 400)], None, 0), ("loss null", [line(loss=None)], None, 1),
+    ("step a bool", [line(step=True)], None, 1), ("step negative", [line(step=-1)], None, 1),
+    ("step 2**60", [line(step=2 ** 60)], None, 1), ("step 1.5", [line(step=1.5)], None, 1),
+    ("step a string", [line(step="2")], None, 1), ("run a number", [line(run=5)], None, 1),
+    ("run empty", [line(run="")], None, 0), ("tokens 10**400", [line(tokens=10 ** 400)], None, 0),
+    ("tokens NaN", [line(tokens=math.nan)], None, 0), ("lr a string", [line(lr="x")], None, 1),
+    ("memory inf", [line(memory_gib=math.inf)], None, 0), ("mfu a list", [line(mfu_percent=[1])], None, 1),
+    ("routing a string", [line(routing="x")], None, 1), ("a layer a string", [line(routing={"2": "x"})], None, 0),
+    ("max_load a string", [line(routing={"2": {"max_load": "x"}})], None, 0),
+    ("max_load inf", [line(routing={"2": {"max_load": math.inf, "min_load": -1e308}})], None, 0),
+    ("tokens a string", [line(routing={"2": {"tokens": "x", "dropped": 5}})], None, 0),
+    ("dropped past any float", [line(routing={"2": {"tokens": [1e-300], "dropped": 1e308}})], None, 0),
+    ("bias spread past any float", [line(routing={"2": {"bias": [1e308, -1e308]}})], None, 0),
+    ("bias 10**400", [line(routing={"2": {"bias": [10 ** 400, True, "x", 1]}})], None, 0),
+    ("val_loss NaN", ['{"run": "r", "step": 1, "val_loss": NaN}'], None, 0),
+    ("val_loss a string", ['{"run": "r", "step": 1, "val_loss": "x"}'], None, 1),
+    ("val_loss 10**400", ['{"run": "r", "step": 1, "val_loss": ' + "9" * 400 + "}"], None, 0),
+    ("a number of 5000 digits", ['{"run": "r", "step": 2, "loss": ' + "9" * 5000 + "}"], None, 1),
+    ("nested too deeply", ["[" * 100_000], None, 1), ("a lone surrogate", [line(run="\ud800<")], None, 0),
+    ("a truncated last line", [line()[:20]], None, 1), ("not UTF-8", [line(run="r\udcff")], None, 0),
+    ("a byte-order mark", ["\ufeff" + line()], None, 0),
+]
+
+
+@pytest.mark.parametrize("lines, settings, skipped", [case[1:] for case in CARELESS],
+                         ids=[case[0] for case in CARELESS])
+def test_careless_records_and_settings_give_a_page(tmp_path, lines, settings, skipped):
+    log = tmp_path / "metrics.jsonl"
+    text = "\n".join([json.dumps(SOUND), *lines]) + ("\n" if "truncated" not in str(lines) else "")
+    if "\ufeff" in text:  # the mark starts the file
+        text = "\ufeff" + text.replace("\ufeff", "")
+    log.write_bytes(text.encode("utf-8", "surrogateescape" if "\udcff" in text else "surrogatepass"))
+    source = log
+    if settings is not None:
+        source = tmp_path / "run_0001"
+        source.mkdir()
+        (source / "run.json").write_text(json.dumps({"jsonl": str(log), "run": "r", "settings": settings}))
+    page = Page(report.main([str(source), "--out", str(tmp_path / "report.html")]).read_text())
+    assert page.skipped == ([skipped] if skipped else [])
+    assert page.charts["loss-step"].series[0]["points"]  # the sound record is drawn
+
+
+@pytest.mark.parametrize("note, expected", [
+    ("", "cannot read JSON"), ("[1]", "expected a JSON object, got a list"),
+    ('{"run": "r"}', 'expected "jsonl" and "run" strings'), ('{"jsonl": 5, "run": "r"}', "strings"),
+    ('{"jsonl": "a\\u0000b", "run": "r"}', "holds a NUL character"), ("[" * 100_000, "nested too deeply"),
+    ('{"jsonl": "", "run": "r"}', "its records' file . does not exist")])
+def test_a_run_json_that_names_no_records_is_one_line(tmp_path, note, expected):
+    run_dir = tmp_path / "run_0001"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(note)
+    done = run_report(run_dir)
+    assert done.returncode == 1 and done.stderr.startswith(f"error: {run_dir / 'run.json'}: "), done.stderr
+    assert expected in done.stderr and done.stderr.count("\n") == 1 and not (run_dir / "report.html").exists()
+
+
+def test_non_utf8_bytes_and_an_empty_log_give_a_page_that_says_so(tmp_path):
+    binary, empty = tmp_path / "binary.jsonl", tmp_path / "empty.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00\x80garbage\n" + json.dumps(SOUND).encode() + b"\n")
+    empty.write_bytes(b"")
+    page = Page(report.main([str(binary), str(empty), "--out", str(tmp_path / "r.html")]).read_text())
+    assert page.skipped == [1] and page.charts["loss-step"].series
+    page = Page(report.main([str(empty), "--out", str(tmp_path / "e.html")]).read_text())
+    assert "No records of a run in these files." in page.texts and not page.charts["loss-step"].series
+
+
+# ----------------------------------------------------------------------------- a diverged run's report
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_run_stopped_by_divergence_writes_its_report(tmp_path, monkeypatch):
+    """Steps 1 and 2 train at the debug config's rates; from step 3 the rate is 1e6, so the update
+    blows the weights up and train.py's check stops the run: its page holds the two logged steps."""
+    import train
+    from helpers import run_debug, train_losses
+    real_step = train.train_step
+
+    def blown_up_from_step_3(model, optimizer, *args):
+        if args[-2] >= 3:  # the step number
+            for group in optimizer.param_groups:
+                group["lr"] = 1e6
+        return real_step(model, optimizer, *args)
+
+    monkeypatch.setattr(train, "train_step", blown_up_from_step_3)
+    with pytest.raises(train.TrainingError, match=r"step 3: .*the run diverged"):
+        run_debug(tmp_path, "--training.steps=6", "--logging.every=1", "--training.sample_tokens=0")
+    logged = train_losses(tmp_path)
+    assert sorted(logged) == [1, 2]
+    page = Page((tmp_path / "ckpt" / "run_0001" / "report.html").read_text())
+    assert_points(page.charts["loss-step"], "run_0001", "training loss", sorted(logged.items()))
