@@ -5,13 +5,17 @@
 
 RUN_DIR is a run directory of train.py (checkpoint.dir/run_NNNN): its run.json, written when the run
 starts, names the JSONL file that holds its records and the settings it ran with. train.py writes
-RUN_DIR/report.html at the end of every run; a run still going is read as far as it has gone.
+RUN_DIR/report.html at the end of every run, a run stopped by divergence too; a run still going is
+read as far as it has gone. --out names the page's file, or a directory to write report.html into;
+never a file the report reads.
 
 The page is one self-contained file (inline SVG and CSS, no script, nothing fetched): training and
 validation loss against step and tokens, learning rate, gradient norm, tokens/s, MFU and peak memory,
 and for MoE runs a heatmap per run of each layer's busiest and idlest expert's load, the assignments
 dropped past the experts' capacity and the spread of the selection bias, over the steps. A line that
-is not a record (a truncated last line, something else's JSON) is skipped and counted on the page.
+is not a record (a truncated last line, something else's JSON) is skipped and counted on the page; a
+value that is not a finite number (inf, NaN) is marked where it was logged; every string of a file
+(run and layer names, paths, settings) is escaped, so nothing in a record is markup on the page.
 
 A leaf like files.py: it imports nothing of the model (no torch), so it runs on any copy of a log.
 rehearsal.py draws its memory timeline with the same axes (memory_timeline_svg).
@@ -125,7 +129,7 @@ def not_a_record(value: object) -> str | None:
 def read_log(path: Path, runs: dict[str, RunLog], wanted: set[str] | None) -> LogFile:
     """Adds the records of `path` to runs (those of the `wanted` run names; None: every run)."""
     log = LogFile(path)
-    # Bytes that are not UTF-8 become U+FFFD; utf-8-sig drops the byte-order mark some editors write.
+    # Bytes that are not UTF-8 become U+FFFD; utf-8-sig drops the byte-order mark of some editors.
     with open(path, encoding="utf-8-sig", errors="replace") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -136,8 +140,8 @@ def read_log(path: Path, runs: dict[str, RunLog], wanted: set[str] | None) -> Lo
                 log.skipped.append((number, "JSON nested too deeply"))
                 continue
             except ValueError:
-                ending = "" if line.endswith("\n") else (" (a truncated last line: a run writing it, "
-                                                         "or a crash)")
+                truncated = " (a truncated last line: a run writing it, or a crash)"
+                ending = "" if line.endswith("\n") else truncated
                 log.skipped.append((number, "not JSON" + ending))
                 continue
             why = not_a_record(record)
@@ -197,7 +201,8 @@ def read_note(path: Path) -> dict:
     except ValueError as error:  # not JSON, not an object: files.py's line names the file
         raise ReportError(str(error)) from error
     if not isinstance(note.get("jsonl"), str) or not isinstance(note.get("run"), str):
-        raise ReportError(f"{path}: expected \"jsonl\" and \"run\" strings, got keys {sorted(note)}")
+        raise ReportError(f"{path}: expected \"jsonl\" and \"run\" strings, "
+                          f"got keys {sorted(note)}")
     if "\0" in note["jsonl"]:
         raise ReportError(f"{path}: \"jsonl\" holds a NUL character, so names no file")
     return note
@@ -225,10 +230,10 @@ def optimizer_name(run: RunLog) -> str | None:
 # ============================================================================= numbers on axes
 
 def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    """About `count` round values (1, 2 or 5 times a power of ten apart) from at most lo to at least hi,
-    for any finite lo and hi: halves never overflow (1e308 and -1e308 are 2e308 apart, past any float),
-    and where a round value would pass the largest float, lo or hi itself ends the axis."""
-    if not hi - lo > max(1e-9 * max(abs(lo), abs(hi)), 1e-300):  # flat at 12 digits: widen around it
+    """About `count` round values (1, 2 or 5 times a power of ten apart) from at most lo to at least
+    hi, for any finite lo and hi: halves never overflow (1e308 and -1e308 are 2e308 apart, past any
+    float), and where a round value would pass the largest float, lo or hi itself ends the axis."""
+    if not hi - lo > max(1e-9 * max(abs(lo), abs(hi)), 1e-300):  # flat at 12 digits: widen it
         centre = lo / 2 + hi / 2
         spread = 1.0 if abs(centre) < 1e-12 else abs(centre) / 2
         lo, hi = max(centre - spread, -FLOAT_MAX), min(centre + spread, FLOAT_MAX)
@@ -303,10 +308,10 @@ class Frame:
                              dominant_baseline="middle"))
         frame = tag("rect", x=self.left, y=self.top, width=self.width, height=self.height, class_="frame")
         return out + ["</g>", frame,
-                      tag("text", text(x_label), x=self.left + self.width / 2, y=bottom + 30, class_="axis",
-                          text_anchor="middle"),
-                      tag("text", text(y_label), x=14, y=middle, class_="axis", text_anchor="middle",
-                          transform=f"rotate(-90 14 {middle})")]
+                      tag("text", text(x_label), x=self.left + self.width / 2, y=bottom + 30,
+                          class_="axis", text_anchor="middle"),
+                      tag("text", text(y_label), x=14, y=middle, class_="axis",
+                          text_anchor="middle", transform=f"rotate(-90 14 {middle})")]
 
 
 def along(value: float, ticks: list[float]) -> float:
@@ -331,7 +336,7 @@ class Series:
     run: str  # the run's label
     what: str  # "training loss", "validation loss", ...
     colour: str
-    points: list[tuple[float, float]]  # (x, y) in x order: x finite, y inf or NaN where it was logged so
+    points: list[tuple[float, float]]  # (x, y) in x order: x finite, y as logged (inf, NaN too)
     dashed: bool = False
 
 
@@ -412,7 +417,8 @@ def legend(runs: list[tuple[str, str]], notes: list[str], top: float, width: flo
         out.append(tag("line", x1=x, x2=x + 18, y1=y, y2=y, stroke=colour, stroke_width=2.5)
                    + tag("text", text(run[:72]), x=x + 24, y=y + 4, class_="tick"))
     below = top + 4 + 16 * math.ceil(len(runs) / columns)
-    out += [tag("text", text(note), x=62, y=below + 16 * k, class_="tick") for k, note in enumerate(notes)]
+    out += [tag("text", text(note), x=62, y=below + 16 * k, class_="tick")
+            for k, note in enumerate(notes)]
     return out + ["</g>"]
 
 
@@ -431,8 +437,9 @@ def heatmap(chart: str, title: str, rows: list[str], steps: list[int], cells: di
     for (i, j), value in cells.items():
         x0, x1 = frame.x(edges[j]), frame.x(edges[j + 1])
         title = f"<title>layer {text(rows[i])}, step {steps[j]}: {text(what)} {value:.4g}</title>"
-        # A value past any float (an overflowing spread, a logged inf) has no colour: outlined in red.
-        colour = ({"fill": ramp(along(value, [lo, hi]) if hi != lo else 0.0)} if math.isfinite(value)
+        # A value past any float (an overflowing spread, a logged inf) has no colour: a red outline.
+        shade = ramp(along(value, [lo, hi]) if hi != lo else 0.0) if math.isfinite(value) else None
+        colour = ({"fill": shade} if shade
                   else {"fill": "none", "stroke": "#dc2626", "class_": "not-finite"})
         body.append(tag("rect", title, x=x0, y=round(30 + i * row_height, 2),
                         width=max(round(x1 - x0, 2), 0.6), height=row_height, **colour))
@@ -466,14 +473,15 @@ def training_charts(runs: list[RunLog]) -> list[str]:
 
     # A value that is not a finite number (inf, NaN) stays in the series: drawn as a mark, a gap.
     def logged(run: RunLog, colour: str, key: str, what: str, x_key: str = "step") -> Series:
-        return Series(run.label, what, colour, [(float(r[x_key]), r[key]) for _, r in sorted(run.train.items())
-                                                if is_number(r.get(key)) and finite(r.get(x_key))])
+        points = [(float(r[x_key]), r[key]) for _, r in sorted(run.train.items())
+                  if is_number(r.get(key)) and finite(r.get(x_key))]
+        return Series(run.label, what, colour, points)
 
     def validation(run: RunLog, colour: str, x_key: str) -> Series:
         per_step = 1 if x_key == "step" else run.tokens_per_step()  # evaluations hold no token count
         points = [(step * per_step, loss) for step, loss in sorted(run.evals.items()) if per_step]
-        return Series(run.label, "validation loss", colour, [(x, y) for x, y in points if math.isfinite(x)],
-                      dashed=True)
+        return Series(run.label, "validation loss", colour,
+                      [(x, y) for x, y in points if math.isfinite(x)], dashed=True)
 
     charts = [line_chart(f"loss-{x_key}", f"loss against {x_key}", x_key, "loss (nats per token)",
                          [s for run, colour in coloured for s in (logged(run, colour, "loss", "training loss", x_key),
@@ -521,7 +529,7 @@ def expert_charts(run: RunLog, index: int) -> list[str]:
     def bias_spread(stats):
         bias = stats.get("bias") if isinstance(stats, dict) else None
         values = [as_float(b) for b in bias if finite(b)] if isinstance(bias, list) else []
-        return max(values) - min(values) if values else None  # inf where the spread passes any float
+        return max(values) - min(values) if values else None  # inf: a spread past any float
 
     def top(values, least):  # the scale's bright end: the highest finite value, or at least `least`
         return max([least, *(v for v in values if math.isfinite(v))])
@@ -535,11 +543,13 @@ def expert_charts(run: RunLog, index: int) -> list[str]:
     dropped = cells(dropped_percent, max)
     if dropped:
         charts.append(heatmap(f"dropped-{index}", "assignments dropped past capacity (% of the layer's)",
-                              layers, steps, dropped, (0.0, top(dropped.values(), 1.0)), "dropped %"))
+                              layers, steps, dropped, (0.0, top(dropped.values(), 1.0)),
+                              "dropped %"))
     spread = cells(bias_spread, max)
     if spread:
         charts.append(heatmap(f"bias-{index}", "selection bias: highest minus lowest expert's",
-                              layers, steps, spread, (0.0, top(spread.values(), 1e-3)), "bias spread"))
+                              layers, steps, spread, (0.0, top(spread.values(), 1e-3)),
+                              "bias spread"))
     return charts
 
 
@@ -603,14 +613,15 @@ def render(runs: list[RunLog], logs: list[LogFile]) -> str:
         if log.skipped:
             where = "; ".join(f"line {n}: {why}" for n, why in log.skipped[:5])
             more = f" and {len(log.skipped) - 5} more" if len(log.skipped) > 5 else ""
-            parts.append(f'<p class="warning" data-skipped="{len(log.skipped)}">{text(str(log.path))}: '
-                         f'{len(log.skipped)} line(s) skipped, not records of a run: {text(where)}{more}</p>')
+            parts.append(f'<p class="warning" data-skipped="{len(log.skipped)}">'
+                         f'{text(str(log.path))}: {len(log.skipped)} line(s) skipped, not records '
+                         f'of a run: {text(where)}{more}</p>')
     parts += ["<h2>Training</h2>", '<div class="grid-of-charts">', *training_charts(runs), "</div>"]
     for index, run in enumerate(runs):
         experts = expert_charts(run, index)
         if experts:
-            parts += [f"<h2>Experts: {text(run.label)}</h2>", '<div class="grid-of-charts">', *experts,
-                      "</div>"]
+            parts += [f"<h2>Experts: {text(run.label)}</h2>", '<div class="grid-of-charts">',
+                      *experts, "</div>"]
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>flint report</title>'
             f'<style>{STYLE}</style></head><body>{"".join(parts)}</body></html>\n')
 
@@ -625,9 +636,9 @@ def write_report(sources: list[Path], out: Path | None = None) -> Path:
 
 
 def page_path(sources: list[Path], out: Path | None, logs: list[Path]) -> Path:
-    """Where the page goes: `out`, or report.html inside it when it is a directory (as cp puts a file
-    into a directory); by default the one run directory's report.html, else ./report.html. Never
-    over a file the report reads (compared as files: a link to one counts)."""
+    """Where the page goes: `out`, or report.html inside it when it is a directory (as cp puts a
+    file into a directory); by default the one run directory's report.html, else ./report.html.
+    Never over a file the report reads (compared as files: a link to one counts)."""
     if out is None:
         one_dir = len(sources) == 1 and Path(sources[0]).is_dir()
         out = Path(sources[0]) / REPORT if one_dir else Path(REPORT)
@@ -685,8 +696,9 @@ def memory_timeline_svg(events: list[tuple[str, str, int]], title: str, holders:
         edge = [(frame.x(i), frame.y(v)) for (i, _, _), v in zip(samples, above)]
         base = [(frame.x(i), frame.y(v)) for (i, _, _), v in zip(reversed(samples), reversed(below))]
         colour, x, y = COLOURS[k] if k < len(top) else "#9ca3af", 62 + (k % 2) * 330, height - 60 + 16 * (k // 2)
-        body += [tag("polygon", f"<title>{text(name)}</title>", class_="holder", data_holder=name, fill=colour,
-                     fill_opacity=0.75, points=" ".join(f"{px},{py}" for px, py in edge + base)),
+        body += [tag("polygon", f"<title>{text(name)}</title>", class_="holder", data_holder=name,
+                     fill=colour, fill_opacity=0.75,
+                     points=" ".join(f"{px},{py}" for px, py in edge + base)),
                  tag("rect", x=x, y=y, width=10, height=10, fill=colour),
                  tag("text", text(name[:56]), x=x + 16, y=y + 9, class_="tick")]
         below = above
@@ -707,17 +719,19 @@ def phase_bands(events: list[tuple[str, str, int]], frame: Frame) -> list[str]:
             start = index
     for k, (first, last, phase) in enumerate(stretches):
         x0, x1 = frame.x(first), frame.x(last)
-        out.append(tag("rect", f"<title>{text(phase)}</title>", x=x0, y=frame.top, width=round(x1 - x0, 2),
-                       height=frame.height, fill="#f3f4f6" if k % 2 else "#ffffff"))
+        out.append(tag("rect", f"<title>{text(phase)}</title>", x=x0, y=frame.top,
+                       width=round(x1 - x0, 2), height=frame.height,
+                       fill="#f3f4f6" if k % 2 else "#ffffff"))
         if x1 - x0 > 40:  # room for a name
-            out.append(tag("text", text(phase[:int((x1 - x0) / 6)]), x=round((x0 + x1) / 2, 2), y=frame.top + 12,
-                           class_="tick", text_anchor="middle"))
+            out.append(tag("text", text(phase[:int((x1 - x0) / 6)]), x=round((x0 + x1) / 2, 2),
+                           y=frame.top + 12, class_="tick", text_anchor="middle"))
     return out + ["</g>"]
 
 
 def write_memory_timeline(path: Path, events: list[tuple[str, str, int]], title: str) -> Path:
     """memory_timeline_svg as a file that a browser opens."""
-    write_page(Path(path), '<?xml version="1.0" encoding="utf-8"?>\n' + memory_timeline_svg(events, title))
+    write_page(Path(path), '<?xml version="1.0" encoding="utf-8"?>\n'
+               + memory_timeline_svg(events, title))
     return Path(path)
 
 
