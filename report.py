@@ -243,7 +243,7 @@ def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
     first, last = math.floor(lo / spacing + 1e-9), math.ceil(hi / spacing - 1e-9)
     ticks = [float(f"{i * spacing:.12g}") for i in range(first, last + 1)]
     inside = [tick for tick in ticks if math.isfinite(tick)]
-    return [lo] * (inside[0] > lo) + inside + [hi] * (inside[-1] < hi)
+    return [lo] * math.isinf(ticks[0]) + inside + [hi] * math.isinf(ticks[-1])
 
 
 def number(value: float) -> str:
