@@ -5,13 +5,17 @@
 
 RUN_DIR is a run directory of train.py (checkpoint.dir/run_NNNN): its run.json, written when the run
 starts, names the JSONL file that holds its records and the settings it ran with. train.py writes
-RUN_DIR/report.html at the end of every run; a run still going is read as far as it has gone.
+RUN_DIR/report.html at the end of every run, a run stopped by divergence too; a run still going is
+read as far as it has gone. --out names the page's file, or a directory to write report.html into;
+never a file the report reads.
 
 The page is one self-contained file (inline SVG and CSS, no script, nothing fetched): training and
 validation loss against step and tokens, learning rate, gradient norm, tokens/s, MFU and peak memory,
 and for MoE runs a heatmap per run of each layer's busiest and idlest expert's load, the assignments
 dropped past the experts' capacity and the spread of the selection bias, over the steps. A line that
-is not a record (a truncated last line, something else's JSON) is skipped and counted on the page.
+is not a record (a truncated last line, something else's JSON) is skipped and counted on the page; a
+value that is not a finite number (inf, NaN) is marked where it was logged; every string of a file
+(run and layer names, paths, settings) is escaped, so nothing in a record is markup on the page.
 
 A leaf like files.py: it imports nothing of the model (no torch), so it runs on any copy of a log.
 rehearsal.py draws its memory timeline with the same axes (memory_timeline_svg).
@@ -23,6 +27,7 @@ import argparse
 import html
 import json
 import math
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -39,6 +44,11 @@ RAMP = [(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37
 MAX_POINTS = 2000  # a longer series is thinned to each bucket's lowest and highest point
 MAX_COLUMNS = 100  # a heatmap bins more logged steps than this into this many columns
 NUMBER_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu_percent", "memory_gib", "tokens")
+MAX_STEP = 2 ** 53  # the largest step a float (an axis) holds exactly
+FLOAT_MAX = sys.float_info.max
+# Characters no page may hold: C0 controls but tab and newlines, DEL, and lone surrogates (a JSON
+# escape such as "\ud800" decodes to one, and no UTF-8 file can hold it).
+UNPRINTABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
 
 
 class ReportError(ValueError):
@@ -58,8 +68,13 @@ class RunLog:
     evals: dict[int, float] = field(default_factory=dict)
 
     def tokens_per_step(self) -> float | None:
-        return next((r["tokens"] / step for step, r in self.train.items() if step and is_number(r.get("tokens"))),
-                    None)
+        return next((r["tokens"] / step for step, r in self.train.items()
+                     if step and finite(r.get("tokens"))), None)
+
+    def setting(self, section: str, key: str) -> object:
+        """run.json's settings[section][key]; None where a section is missing or not a table."""
+        part = self.settings.get(section)
+        return part.get(key) if isinstance(part, dict) else None
 
 
 @dataclass
@@ -78,13 +93,29 @@ def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def finite(value: object) -> bool:
+    """A number that an axis can place: not inf or NaN, and not an integer beyond any float."""
+    try:
+        return is_number(value) and math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def as_float(value: int | float) -> float:
+    """A JSON number as a float: an integer too large for one is infinite, as 1e400 reads."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def not_a_record(value: object) -> str | None:
     """Why a JSON value is not one of train.py's records, or None when it is one."""
     if not isinstance(value, dict) or not isinstance(value.get("run"), str):
         return "not a record of a run (no \"run\" name)"
     step = value.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        return "no step number"
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        return "no step number (a whole number from 0 to 2**53)"
     if "val_loss" in value:
         return None if is_number(value["val_loss"]) else "\"val_loss\" is not a number"
     if not is_number(value.get("loss")):
@@ -98,14 +129,19 @@ def not_a_record(value: object) -> str | None:
 def read_log(path: Path, runs: dict[str, RunLog], wanted: set[str] | None) -> LogFile:
     """Adds the records of `path` to runs (those of the `wanted` run names; None: every run)."""
     log = LogFile(path)
-    with open(path, encoding="utf-8", errors="replace") as lines:
+    # Bytes that are not UTF-8 become U+FFFD; utf-8-sig drops the byte-order mark of some editors.
+    with open(path, encoding="utf-8-sig", errors="replace") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
+            except RecursionError:
+                log.skipped.append((number, "JSON nested too deeply"))
+                continue
             except ValueError:
-                ending = "" if line.endswith("\n") else " (a truncated last line: a run writing it, or a crash)"
+                truncated = " (a truncated last line: a run writing it, or a crash)"
+                ending = "" if line.endswith("\n") else truncated
                 log.skipped.append((number, "not JSON" + ending))
                 continue
             why = not_a_record(record)
@@ -114,9 +150,11 @@ def read_log(path: Path, runs: dict[str, RunLog], wanted: set[str] | None) -> Lo
             elif wanted is None or record["run"] in wanted:
                 run = runs.setdefault(record["run"], RunLog(record["run"]))
                 if "val_loss" in record:
-                    run.evals[record["step"]] = float(record["val_loss"])
+                    run.evals[record["step"]] = as_float(record["val_loss"])
                 else:
-                    run.train[record["step"]] = record
+                    run.train[record["step"]] = {**record, **{key: as_float(record[key])
+                                                              for key in NUMBER_FIELDS
+                                                              if is_number(record.get(key))}}
     return log
 
 
@@ -133,9 +171,7 @@ def load_runs(sources: list[Path]) -> tuple[list[RunLog], list[LogFile]]:
             if not note_path.is_file():
                 raise ReportError(f"{source}: no {RUN_NOTE}, so not a run directory of train.py "
                                   f"(checkpoint.dir/run_NNNN); name its logging.jsonl file instead")
-            note = read_json_object(note_path)
-            if not isinstance(note.get("jsonl"), str) or not isinstance(note.get("run"), str):
-                raise ReportError(f"{note_path}: expected \"jsonl\" and \"run\" strings, got {sorted(note)}")
+            note = read_note(note_path)
             jsonl = given.setdefault(Path(note["jsonl"]).resolve(), Path(note["jsonl"]))
             if not jsonl.is_file():
                 raise ReportError(f"{note_path}: its records' file {jsonl} does not exist")
@@ -156,11 +192,27 @@ def load_runs(sources: list[Path]) -> tuple[list[RunLog], list[LogFile]]:
     return chosen, logs
 
 
+def read_note(path: Path) -> dict:
+    """A run directory's run.json, checked: "jsonl" and "run" strings (a path that can exist)."""
+    try:
+        note = read_json_object(path)
+    except RecursionError as error:
+        raise ReportError(f"{path}: cannot read JSON: nested too deeply") from error
+    except ValueError as error:  # not JSON, not an object: files.py's line names the file
+        raise ReportError(str(error)) from error
+    if not isinstance(note.get("jsonl"), str) or not isinstance(note.get("run"), str):
+        raise ReportError(f"{path}: expected \"jsonl\" and \"run\" strings, "
+                          f"got keys {sorted(note)}")
+    if "\0" in note["jsonl"]:
+        raise ReportError(f"{path}: \"jsonl\" holds a NUL character, so names no file")
+    return note
+
+
 def label_runs(runs: list[RunLog]) -> None:
     """Each run's directory name, after the parts of its path (counted from the end) that tell it from
     the runs of the same name ("adamw/run_0001", "muon/run_0001"); and its optimizer where runs differ."""
     parts = [tuple(reversed(Path(run.name).parts or (run.name,))) for run in runs]
-    optimizers = [run.settings.get("optim", {}).get("name") for run in runs]
+    optimizers = [optimizer_name(run) for run in runs]
     for run, mine, optimizer in zip(runs, parts, optimizers):
         namesakes = [p for p in parts if p[0] == mine[0]]
         telling = [part for depth, part in enumerate(mine[1:], 1)
@@ -170,21 +222,34 @@ def label_runs(runs: list[RunLog]) -> None:
         run.label = f"{label} ({optimizer})" if differ else label
 
 
+def optimizer_name(run: RunLog) -> str | None:
+    name = run.setting("optim", "name")
+    return name if isinstance(name, str) else None
+
+
 # ============================================================================= numbers on axes
 
 def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    """About `count` round values (1, 2 or 5 times a power of ten apart) from at most lo to at least hi."""
-    if hi <= lo:
-        lo, hi = (lo - 1, hi + 1) if lo == 0 or abs(lo) < 1e-12 else (lo - abs(lo) / 2, hi + abs(hi) / 2)
-    raw = (hi - lo) / count
-    power = 10 ** math.floor(math.log10(raw))
+    """About `count` round values (1, 2 or 5 times a power of ten apart) from at most lo to at least
+    hi, for any finite lo and hi: halves never overflow (1e308 and -1e308 are 2e308 apart, past any
+    float), and where a round value would pass the largest float, lo or hi itself ends the axis."""
+    if not hi - lo > max(1e-9 * max(abs(lo), abs(hi)), 1e-300):  # flat at 12 digits: widen it
+        centre = lo / 2 + hi / 2
+        spread = 1.0 if abs(centre) < 1e-12 else abs(centre) / 2
+        lo, hi = max(centre - spread, -FLOAT_MAX), min(centre + spread, FLOAT_MAX)
+    raw = hi / count - lo / count
+    power = 10.0 ** math.floor(math.log10(raw))
     spacing = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
     first, last = math.floor(lo / spacing + 1e-9), math.ceil(hi / spacing - 1e-9)
-    return [float(f"{i * spacing:.12g}") for i in range(first, last + 1)]
+    ticks = [float(f"{i * spacing:.12g}") for i in range(first, last + 1)]
+    inside = [tick for tick in ticks if math.isfinite(tick)]
+    return [lo] * math.isinf(ticks[0]) + inside + [hi] * math.isinf(ticks[-1])
 
 
 def number(value: float) -> str:
-    """A tick label: 0, 0.0015, 2.5, 400, 20k, 1.5M, 3G."""
+    """A tick label: 0, 0.0015, 2.5, 400, 20k, 1.5M, 3G, 1e+20."""
+    if abs(value) >= 1e15:
+        return f"{value:g}"
     for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(value) >= scale:
             return f"{value / scale:g}{suffix}"
@@ -199,10 +264,17 @@ def ramp(t: float) -> str:
     return "#" + "".join(f"{round(x + (y - x) * (t - i)):02x}" for x, y in zip(a, b))
 
 
+def text(value: object) -> str:
+    """Any value as the text of an element or an attribute's value (quoted with "): its markup
+    escaped, and characters no page may hold shown as U+FFFD. Every string of a user's file that
+    reaches the page passes through here."""
+    return html.escape(UNPRINTABLE.sub("\ufffd", str(value)), quote=True)
+
+
 def tag(name: str, content: str | None = None, **values) -> str:
     """An SVG element: tag("text", "0.5", x=3, class_="tick", text_anchor="end") ->
     <text x="3" class="tick" text-anchor="end">0.5</text>; content (already escaped) None: <name .../>."""
-    attributes = " ".join(f'{key.rstrip("_").replace("_", "-")}="{html.escape(str(value))}"'
+    attributes = " ".join(f'{key.rstrip("_").replace("_", "-")}="{text(value)}"'
                           for key, value in values.items())
     return f"<{name} {attributes}/>" if content is None else f"<{name} {attributes}>{content}</{name}>"
 
@@ -215,12 +287,10 @@ class Frame:
         self.left, self.top, self.width, self.height = left, top, width, height
 
     def x(self, value: float) -> float:
-        lo, hi = self.xticks[0], self.xticks[-1]
-        return round(self.left + (value - lo) / (hi - lo) * self.width, 2)
+        return round(self.left + along(value, self.xticks) * self.width, 2)
 
     def y(self, value: float) -> float:
-        lo, hi = self.yticks[0], self.yticks[-1]
-        return round(self.top + self.height - (value - lo) / (hi - lo) * self.height, 2)
+        return round(self.top + self.height - along(value, self.yticks) * self.height, 2)
 
     def axes(self, x_label: str, y_label: str, grid: bool = True) -> list[str]:
         """Grid lines, tick labels (each <text> at its tick's position) and the axis titles; a heatmap
@@ -238,10 +308,17 @@ class Frame:
                              dominant_baseline="middle"))
         frame = tag("rect", x=self.left, y=self.top, width=self.width, height=self.height, class_="frame")
         return out + ["</g>", frame,
-                      tag("text", html.escape(x_label), x=self.left + self.width / 2, y=bottom + 30, class_="axis",
-                          text_anchor="middle"),
-                      tag("text", html.escape(y_label), x=14, y=middle, class_="axis", text_anchor="middle",
-                          transform=f"rotate(-90 14 {middle})")]
+                      tag("text", text(x_label), x=self.left + self.width / 2, y=bottom + 30,
+                          class_="axis", text_anchor="middle"),
+                      tag("text", text(y_label), x=14, y=middle, class_="axis",
+                          text_anchor="middle", transform=f"rotate(-90 14 {middle})")]
+
+
+def along(value: float, ticks: list[float]) -> float:
+    """How far along the axis from its first tick to its last: 0 to 1. In halves, so that the span
+    of an axis from -1e308 to 1e308 does not overflow."""
+    lo, hi = ticks[0], ticks[-1]
+    return (value / 2 - lo / 2) / (hi / 2 - lo / 2)
 
 
 def svg(chart: str, width: float, height: float, body: list[str], title: str, style: str = "") -> str:
@@ -249,7 +326,7 @@ def svg(chart: str, width: float, height: float, body: list[str], title: str, st
     return (f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="{chart}" '
             f'viewBox="0 0 {width} {height}" width="{width}" height="{height}">'
             + (f"<style>{style}</style>" if style else "")
-            + tag("text", html.escape(title), x=8, y=18, class_="title") + "".join(body) + "</svg>")
+            + tag("text", text(title), x=8, y=18, class_="title") + "".join(body) + "</svg>")
 
 
 # ============================================================================= charts
@@ -259,7 +336,7 @@ class Series:
     run: str  # the run's label
     what: str  # "training loss", "validation loss", ...
     colour: str
-    points: list[tuple[float, float]]  # (x, y), finite, in x order
+    points: list[tuple[float, float]]  # (x, y) in x order: x finite, y as logged (inf, NaN too)
     dashed: bool = False
 
 
@@ -281,35 +358,67 @@ def line_chart(chart: str, title: str, x_label: str, y_label: str, series: list[
     drawn = [s for s in series if s.points]
     runs = list(dict.fromkeys((s.run, s.colour) for s in drawn))
     columns = 2 if max((len(run) for run, _ in runs), default=0) <= 36 else 1
-    total = height + 16 * (math.ceil(len(runs) / columns) + any(s.dashed for s in drawn))
+    notes = [note for note, shown in ((DASHED_NOTE, any(s.dashed for s in drawn)),
+                                      (MARK_NOTE, any(not_finite(s) for s in drawn))) if shown]
+    total = height + 16 * (math.ceil(len(runs) / columns) + len(notes))
     if not drawn:
-        nothing = tag("text", "nothing logged", x=width / 2, y=height / 2, class_="axis", text_anchor="middle")
+        nothing = tag("text", "nothing logged", x=width / 2, y=height / 2, class_="axis",
+                      text_anchor="middle")
         return svg(chart, width, total, [nothing], title)
     xs = [x for s in drawn for x, _ in s.points]
-    ys = [y for s in drawn for _, y in s.points]
-    frame = Frame(xs, ys, left=62, top=30, width=width - 80, height=height - 84)  # below: ticks, axis title
+    ys = [y for s in drawn for _, y in s.points if math.isfinite(y)] or [0.0, 1.0]
+    # below the plot: the ticks and the axis title
+    frame = Frame(xs, ys, left=62, top=30, width=width - 80, height=height - 84)
     body = frame.axes(x_label, y_label)
     for s in drawn:
-        points = thinned(s.points)
-        body.append(tag("polyline", class_="series", data_run=s.run, data_what=s.what, stroke=s.colour,
-                        stroke_dasharray="5 3" if s.dashed else "none",
-                        points=" ".join(f"{frame.x(x)},{frame.y(y)}" for x, y in points)))
-        if len(points) <= 60 or s.dashed:  # a point each, with its value on hover
-            body += [tag("circle", f"<title>{html.escape(s.run)}, {s.what}: {y:.6g} at {x_label} {x:g}</title>",
-                         cx=frame.x(x), cy=frame.y(y), r=2.5, fill=s.colour) for x, y in points]
-    body += legend(runs, any(s.dashed for s in drawn), height - 12, width, columns)
+        for stretch in finite_stretches(s.points):  # a value that is not a number breaks the line
+            points = thinned(stretch)
+            body.append(tag("polyline", class_="series", data_run=s.run, data_what=s.what,
+                            stroke=s.colour, stroke_dasharray="5 3" if s.dashed else "none",
+                            points=" ".join(f"{frame.x(x)},{frame.y(y)}" for x, y in points)))
+            if len(points) <= 60 or s.dashed:  # a point each, with its value on hover
+                body += [tag("circle", point_title(s, x, y, x_label), cx=frame.x(x), cy=frame.y(y),
+                             r=2.5, fill=s.colour) for x, y in points]
+        body += [tag("text", point_title(s, x, y, x_label) + "&#215;", class_="not-finite",
+                     data_run=s.run, data_what=s.what, x=frame.x(x), y=frame.top + 6, fill=s.colour,
+                     text_anchor="middle") for x, y in not_finite(s)]
+    body += legend(runs, notes, height - 12, width, columns)
     return svg(chart, width, total, body, title)
 
 
-def legend(runs: list[tuple[str, str]], dashed_note: bool, top: float, width: float, columns: int) -> list[str]:
+DASHED_NOTE = "solid: training loss; dashed with dots: validation loss"
+MARK_NOTE = "\u00d7 at the top: a value that is not a finite number (inf, NaN), on hover"
+
+
+def finite_stretches(points: list[tuple[float, float]]) -> list[list[tuple[float, float]]]:
+    """The runs of neighbouring points whose values are finite numbers."""
+    stretches = [[]]
+    for x, y in points:
+        if math.isfinite(y):
+            stretches[-1].append((x, y))
+        elif stretches[-1]:
+            stretches.append([])
+    return [stretch for stretch in stretches if stretch]
+
+
+def not_finite(series: Series) -> list[tuple[float, float]]:
+    return [(x, y) for x, y in series.points if not math.isfinite(y)]
+
+
+def point_title(s: Series, x: float, y: float, x_label: str) -> str:
+    return f"<title>{text(s.run)}, {text(s.what)}: {y:.6g} at {text(x_label)} {x:g}</title>"
+
+
+def legend(runs: list[tuple[str, str]], notes: list[str], top: float, width: float,
+           columns: int) -> list[str]:
     out = ['<g class="legend">']
     for i, (run, colour) in enumerate(runs):
         x, y = 62 + (i % columns) * (width - 80) / 2, top + 16 * (i // columns)
         out.append(tag("line", x1=x, x2=x + 18, y1=y, y2=y, stroke=colour, stroke_width=2.5)
-                   + tag("text", html.escape(run[:72]), x=x + 24, y=y + 4, class_="tick"))
-    if dashed_note:
-        out.append(tag("text", "solid: training loss; dashed with dots: validation loss", x=62,
-                       y=top + 4 + 16 * math.ceil(len(runs) / columns), class_="tick"))
+                   + tag("text", text(run[:72]), x=x + 24, y=y + 4, class_="tick"))
+    below = top + 4 + 16 * math.ceil(len(runs) / columns)
+    out += [tag("text", text(note), x=62, y=below + 16 * k, class_="tick")
+            for k, note in enumerate(notes)]
     return out + ["</g>"]
 
 
@@ -327,12 +436,16 @@ def heatmap(chart: str, title: str, rows: list[str], steps: list[int], cells: di
     body = []
     for (i, j), value in cells.items():
         x0, x1 = frame.x(edges[j]), frame.x(edges[j + 1])
-        body.append(tag("rect", f"<title>layer {rows[i]}, step {steps[j]}: {what} {value:.4g}</title>", x=x0,
-                        y=round(30 + i * row_height, 2), width=max(round(x1 - x0, 2), 0.6), height=row_height,
-                        fill=ramp((value - lo) / (hi - lo) if hi != lo else 0.0)))
+        title = f"<title>layer {text(rows[i])}, step {steps[j]}: {text(what)} {value:.4g}</title>"
+        # A value past any float (an overflowing spread, a logged inf) has no colour: a red outline.
+        shade = ramp(along(value, [lo, hi]) if hi != lo else 0.0) if math.isfinite(value) else None
+        colour = ({"fill": shade} if shade
+                  else {"fill": "none", "stroke": "#dc2626", "class_": "not-finite"})
+        body.append(tag("rect", title, x=x0, y=round(30 + i * row_height, 2),
+                        width=max(round(x1 - x0, 2), 0.6), height=row_height, **colour))
     body += frame.axes("step", "layer", grid=False)
     every = math.ceil(len(rows) / 24)  # at most 24 row names
-    body += [tag("text", html.escape(row), x=57, y=round(30 + (i + 0.5) * row_height, 2), class_="tick",
+    body += [tag("text", text(row), x=57, y=round(30 + (i + 0.5) * row_height, 2), class_="tick",
                  text_anchor="end", dominant_baseline="middle") for i, row in enumerate(rows) if i % every == 0]
     body += colour_bar(scale, width - 66, 30, plot_height)
     return svg(chart, width, plot_height + 80, body, title)
@@ -354,23 +467,21 @@ def colour_bar(scale: tuple[float, float], left: float, top: float, height: floa
 
 # ============================================================================= the runs' charts
 
-def finite(value: object) -> bool:
-    return is_number(value) and math.isfinite(value)
-
-
 def training_charts(runs: list[RunLog]) -> list[str]:
     """Loss against step and tokens, then one chart per logged quantity, every run overlaid."""
     coloured = list(zip(runs, COLOURS * len(runs)))
 
+    # A value that is not a finite number (inf, NaN) stays in the series: drawn as a mark, a gap.
     def logged(run: RunLog, colour: str, key: str, what: str, x_key: str = "step") -> Series:
-        return Series(run.label, what, colour, [(float(r[x_key]), float(r[key])) for _, r in sorted(run.train.items())
-                                                if finite(r.get(key)) and finite(r.get(x_key))])
+        points = [(float(r[x_key]), r[key]) for _, r in sorted(run.train.items())
+                  if is_number(r.get(key)) and finite(r.get(x_key))]
+        return Series(run.label, what, colour, points)
 
     def validation(run: RunLog, colour: str, x_key: str) -> Series:
         per_step = 1 if x_key == "step" else run.tokens_per_step()  # evaluations hold no token count
-        return Series(run.label, "validation loss", colour, [(step * per_step, loss) for step, loss in
-                                                             sorted(run.evals.items()) if per_step and finite(loss)],
-                      dashed=True)
+        points = [(step * per_step, loss) for step, loss in sorted(run.evals.items()) if per_step]
+        return Series(run.label, "validation loss", colour,
+                      [(x, y) for x, y in points if math.isfinite(x)], dashed=True)
 
     charts = [line_chart(f"loss-{x_key}", f"loss against {x_key}", x_key, "loss (nats per token)",
                          [s for run, colour in coloured for s in (logged(run, colour, "loss", "training loss", x_key),
@@ -413,27 +524,32 @@ def expert_charts(run: RunLog, index: int) -> list[str]:
     def dropped_percent(stats):  # of the layer's assignments: its experts' routed tokens, before any drop
         tokens = stats.get("tokens") if isinstance(stats, dict) and finite(stats.get("dropped")) else None
         total = sum(t for t in tokens if finite(t)) if isinstance(tokens, list) else 0
-        return 100 * stats["dropped"] / total if total else None
+        return 100 * as_float(stats["dropped"]) / as_float(total) if total else None
 
     def bias_spread(stats):
         bias = stats.get("bias") if isinstance(stats, dict) else None
-        values = [b for b in bias if finite(b)] if isinstance(bias, list) else []
-        return max(values) - min(values) if values else None
+        values = [as_float(b) for b in bias if finite(b)] if isinstance(bias, list) else []
+        return max(values) - min(values) if values else None  # inf: a spread past any float
+
+    def top(values, least):  # the scale's bright end: the highest finite value, or at least `least`
+        return max([least, *(v for v in values if math.isfinite(v))])
 
     highest = cells(field_of("max_load"), max)
     charts = [heatmap(f"max-load-{index}", "busiest expert's load / mean (1 = balanced)", layers, steps,
-                      highest, (1.0, max([1.5, *highest.values()])), "max load")]
+                      highest, (1.0, top(highest.values(), 1.5)), "max load")]
     lowest = cells(field_of("min_load"), min)
     charts.append(heatmap(f"min-load-{index}", "idlest expert's load / mean (0 = an expert got nothing)",
                           layers, steps, lowest, (1.0, 0.0), "min load"))
     dropped = cells(dropped_percent, max)
     if dropped:
         charts.append(heatmap(f"dropped-{index}", "assignments dropped past capacity (% of the layer's)",
-                              layers, steps, dropped, (0.0, max([1.0, *dropped.values()])), "dropped %"))
+                              layers, steps, dropped, (0.0, top(dropped.values(), 1.0)),
+                              "dropped %"))
     spread = cells(bias_spread, max)
     if spread:
         charts.append(heatmap(f"bias-{index}", "selection bias: highest minus lowest expert's",
-                              layers, steps, spread, (0.0, max([1e-3, *spread.values()])), "bias spread"))
+                              layers, steps, spread, (0.0, top(spread.values(), 1e-3)),
+                              "bias spread"))
     return charts
 
 
@@ -451,30 +567,35 @@ td:first-child{text-align:left}td:last-child{text-align:left;white-space:normal}
 
 
 def summary_row(run: RunLog, colour: str) -> str:
+    """The run's row: its first and last training loss as logged (inf and NaN shown as such: a
+    diverged run); medians, the best and the peak over the finite values."""
     train = [r for _, r in sorted(run.train.items())]
-    settings = run.settings
-    total = settings.get("training", {}).get("steps")
+    total = run.setting("training", "steps")
     last = max([*run.train, *run.evals], default=0)
 
+    def finite_values(key):
+        return [r[key] for r in train if finite(r.get(key))]
+
     def median(key, unit, digits):
-        values = [r[key] for r in train if is_number(r.get(key))]
+        values = finite_values(key)
         return f"{statistics.median(values):,.{digits}f}{unit}" if values else "-"
     losses = [r["loss"] for r in train]
-    cells = [f'<span style="color:{colour}">&#9632;</span> {html.escape(run.label)}',
-             f"{last}" + (f" of {total}" if is_number(total) else ""),
+    best = [loss for loss in run.evals.values() if math.isfinite(loss)]
+    has_total = isinstance(total, int) and not isinstance(total, bool) and total >= 0
+    cells = [f'<span style="color:{colour}">&#9632;</span> {text(run.label)}',
+             f"{last}" + (f" of {total}" if has_total else ""),
              f"{losses[0]:.4f} &rarr; {losses[-1]:.4f}" if losses else "-",
-             f"{min(run.evals.values()):.4f}" if run.evals else "-",
+             f"{min(best):.4f}" if best else "-",
              median("tokens_per_s", "", 0), median("mfu_percent", " %", 2),
-             f"{max(r['memory_gib'] for r in train if is_number(r.get('memory_gib'))):.2f} GiB"
-             if any(is_number(r.get("memory_gib")) for r in train) else "-",
-             html.escape(described(run))]
+             f"{max(finite_values('memory_gib')):.2f} GiB" if finite_values("memory_gib") else "-",
+             text(described(run))]
     return "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
 
 
 def described(run: RunLog) -> str:
     """The settings that tell runs apart at a glance: optimizer, peak learning rate, tokens per step."""
-    optim, per_step = run.settings.get("optim", {}), run.tokens_per_step()
-    return ", ".join(part for part in (optim.get("name"), f"lr {optim['lr']:g}" if is_number(optim.get("lr")) else "",
+    lr, per_step = run.setting("optim", "lr"), run.tokens_per_step()
+    return ", ".join(part for part in (optimizer_name(run), f"lr {lr:g}" if finite(lr) else "",
                                        f"{per_step:,.0f} tokens/step" if per_step else "") if part)
 
 
@@ -483,21 +604,24 @@ def render(runs: list[RunLog], logs: list[LogFile]) -> str:
     head = ("<tr><th>run</th><th>last step</th><th>training loss</th><th>best validation loss</th>"
             "<th>tokens/s (median)</th><th>MFU (median)</th><th>peak memory</th><th>settings</th></tr>")
     rows = "".join(summary_row(run, colour) for run, colour in zip(runs, COLOURS * len(runs)))
-    parts = [f"<h1>Training report: {html.escape(', '.join(run.label for run in runs))}</h1>",
+    parts = [f"<h1>Training report: {text(', '.join(run.label for run in runs))}</h1>",
              f"<table>{head}{rows}</table>",
-             f"<p>Records from {html.escape(', '.join(str(log.path) for log in logs))}.</p>"]
+             f"<p>Records from {text(', '.join(str(log.path) for log in logs))}.</p>"]
+    if not runs:
+        parts.append('<p class="warning">No records of a run in these files.</p>')
     for log in logs:
         if log.skipped:
             where = "; ".join(f"line {n}: {why}" for n, why in log.skipped[:5])
             more = f" and {len(log.skipped) - 5} more" if len(log.skipped) > 5 else ""
-            parts.append(f'<p class="warning" data-skipped="{len(log.skipped)}">{html.escape(str(log.path))}: '
-                         f'{len(log.skipped)} line(s) skipped, not records of a run: {html.escape(where)}{more}</p>')
+            parts.append(f'<p class="warning" data-skipped="{len(log.skipped)}">'
+                         f'{text(str(log.path))}: {len(log.skipped)} line(s) skipped, not records '
+                         f'of a run: {text(where)}{more}</p>')
     parts += ["<h2>Training</h2>", '<div class="grid-of-charts">', *training_charts(runs), "</div>"]
     for index, run in enumerate(runs):
         experts = expert_charts(run, index)
         if experts:
-            parts += [f"<h2>Experts: {html.escape(run.label)}</h2>", '<div class="grid-of-charts">', *experts,
-                      "</div>"]
+            parts += [f"<h2>Experts: {text(run.label)}</h2>", '<div class="grid-of-charts">',
+                      *experts, "</div>"]
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>flint report</title>'
             f'<style>{STYLE}</style></head><body>{"".join(parts)}</body></html>\n')
 
@@ -506,10 +630,38 @@ def write_report(sources: list[Path], out: Path | None = None) -> Path:
     """The report of the runs `sources` names (run directories, JSONL files), written to `out`
     (default: the one run directory's report.html, else ./report.html) -> its path."""
     runs, logs = load_runs(sources)
-    if out is None:
-        out = Path(sources[0]) / REPORT if len(sources) == 1 and Path(sources[0]).is_dir() else Path(REPORT)
-    write_atomically(out, render(runs, logs))
+    out = page_path(sources, out, [log.path for log in logs])
+    write_page(out, render(runs, logs))
     return out
+
+
+def page_path(sources: list[Path], out: Path | None, logs: list[Path]) -> Path:
+    """Where the page goes: `out`, or report.html inside it when it is a directory (as cp puts a
+    file into a directory); by default the one run directory's report.html, else ./report.html.
+    Never over a file the report reads (compared as files: a link to one counts)."""
+    if out is None:
+        one_dir = len(sources) == 1 and Path(sources[0]).is_dir()
+        out = Path(sources[0]) / REPORT if one_dir else Path(REPORT)
+    elif out.is_dir():
+        out = out / REPORT
+    if out.is_dir():
+        raise ReportError(f"{out}: is a directory, so the report cannot be written there; "
+                          f"name a file with --out")
+    notes = [Path(source) / RUN_NOTE for source in sources if Path(source).is_dir()]
+    for read in [*logs, *notes]:
+        if out.exists() and read.exists() and out.samefile(read):
+            raise ReportError(f"{out}: the report would overwrite {read}, which it reads; "
+                              f"name another file with --out")
+    return out
+
+
+def write_page(path: Path, page: str) -> None:
+    """The page written atomically, as ASCII (character references for the rest), so that it reads
+    the same whatever encoding this machine's locale writes files in."""
+    try:
+        write_atomically(path, page.encode("ascii", "xmlcharrefreplace").decode("ascii"))
+    except OSError as error:
+        raise ReportError(f"{path}: cannot write the report: {error}") from error
 
 
 # ============================================================================= the rehearsal's memory
@@ -544,12 +696,13 @@ def memory_timeline_svg(events: list[tuple[str, str, int]], title: str, holders:
         edge = [(frame.x(i), frame.y(v)) for (i, _, _), v in zip(samples, above)]
         base = [(frame.x(i), frame.y(v)) for (i, _, _), v in zip(reversed(samples), reversed(below))]
         colour, x, y = COLOURS[k] if k < len(top) else "#9ca3af", 62 + (k % 2) * 330, height - 60 + 16 * (k // 2)
-        body += [tag("polygon", f"<title>{html.escape(name)}</title>", class_="holder", data_holder=name, fill=colour,
-                     fill_opacity=0.75, points=" ".join(f"{px},{py}" for px, py in edge + base)),
+        body += [tag("polygon", f"<title>{text(name)}</title>", class_="holder", data_holder=name,
+                     fill=colour, fill_opacity=0.75,
+                     points=" ".join(f"{px},{py}" for px, py in edge + base)),
                  tag("rect", x=x, y=y, width=10, height=10, fill=colour),
-                 tag("text", html.escape(name[:56]), x=x + 16, y=y + 9, class_="tick")]
+                 tag("text", text(name[:56]), x=x + 16, y=y + 9, class_="tick")]
         below = above
-    y, phase = frame.y(peak / gib), html.escape(events[peak_at - 1][0])
+    y, phase = frame.y(peak / gib), text(events[peak_at - 1][0])
     body += [tag("line", class_="peak", x1=62, x2=width - 18, y1=y, y2=y, stroke="#111", stroke_dasharray="4 3"),
              tag("text", f"peak {peak / gib:.3g} GiB, in the {phase}", x=width - 20, y=y + 14, class_="tick",
                  text_anchor="end")]
@@ -566,17 +719,19 @@ def phase_bands(events: list[tuple[str, str, int]], frame: Frame) -> list[str]:
             start = index
     for k, (first, last, phase) in enumerate(stretches):
         x0, x1 = frame.x(first), frame.x(last)
-        out.append(tag("rect", f"<title>{html.escape(phase)}</title>", x=x0, y=frame.top, width=round(x1 - x0, 2),
-                       height=frame.height, fill="#f3f4f6" if k % 2 else "#ffffff"))
+        out.append(tag("rect", f"<title>{text(phase)}</title>", x=x0, y=frame.top,
+                       width=round(x1 - x0, 2), height=frame.height,
+                       fill="#f3f4f6" if k % 2 else "#ffffff"))
         if x1 - x0 > 40:  # room for a name
-            out.append(tag("text", html.escape(phase[:int((x1 - x0) / 6)]), x=round((x0 + x1) / 2, 2), y=frame.top + 12,
-                           class_="tick", text_anchor="middle"))
+            out.append(tag("text", text(phase[:int((x1 - x0) / 6)]), x=round((x0 + x1) / 2, 2),
+                           y=frame.top + 12, class_="tick", text_anchor="middle"))
     return out + ["</g>"]
 
 
 def write_memory_timeline(path: Path, events: list[tuple[str, str, int]], title: str) -> Path:
     """memory_timeline_svg as a file that a browser opens."""
-    write_atomically(Path(path), '<?xml version="1.0" encoding="utf-8"?>\n' + memory_timeline_svg(events, title))
+    write_page(Path(path), '<?xml version="1.0" encoding="utf-8"?>\n'
+               + memory_timeline_svg(events, title))
     return Path(path)
 
 
@@ -584,8 +739,10 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sources", nargs="+", type=Path,
                         help="run directories (checkpoint.dir/run_NNNN) or JSONL files")
-    parser.add_argument("--out", type=Path, help="the HTML file (default: RUN_DIR/report.html for one run "
-                                                 "directory, else ./report.html)")
+    parser.add_argument("--out", type=Path,
+                        help="the HTML file, or a directory to write report.html into (default: "
+                             "RUN_DIR/report.html for one run directory, else ./report.html); "
+                             "never one of the files it reads")
     args = parser.parse_args(argv)
     path = write_report(args.sources, args.out)
     print(f"report: {path}")

@@ -93,7 +93,7 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
         # A LoRA run keeps its base frozen, the routers' selection bias (aux-loss-free balancing) included.
         frozen = dataclasses.replace(model.config, router_bias_update_rate=0.0) if cfg.lora.enabled else model.config
         routing = RoutingMonitor(model.module, frozen, run.device, cfg.logging.idle_expert_steps, run.is_main)
-        with Interruption(run) as interruption, explain_stop(checkpoints, run, argv):
+        with Interruption(run) as interruption, explain_stop(checkpoints, run, argv, logger):
             while step < cfg.training.steps:
                 step += 1
                 lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.training.steps))
@@ -119,10 +119,16 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
 
 
 @contextmanager
-def explain_stop(checkpoints: Checkpointer, run: Process, argv: list[str]):
-    """A second Ctrl-C stops at once: say that nothing was saved, and how to resume from what was."""
+def explain_stop(checkpoints: Checkpointer, run: Process, argv: list[str], logger: MetricsLogger):
+    """A second Ctrl-C stops at once: say that nothing was saved, and how to resume from what was.
+    A run stopped by divergence (check_loss, check_update) gets its report, as a finished run does:
+    the run that most needs one."""
     try:
         yield
+    except TrainingError:
+        if logger.summary["first_loss"] is not None:  # a step was logged: report.py has records
+            logger.write_report()  # the page of the steps logged before it diverged
+        raise
     except KeyboardInterrupt:
         run.print(f"\ninterrupted without saving; the last checkpoint is "
                   f"{checkpoints.latest() or 'none (none was saved yet)'}. Resume with:\n  {resume_command(argv, run)}")

@@ -1,8 +1,13 @@
-"""report.py: the page's plotted series read back through their axes give the logged values; runs
-overlay; lines that are not records are skipped and counted; a real browser draws the page."""
+"""report.py: the page's plotted series read back through their axes give the logged values, drawn
+the right way up; the summary table reads back hand-computed values; runs overlay; lines that are
+not records are skipped and counted; no string of a user's file is live markup on the page; hostile
+and careless input gives a page or one line; a real browser draws the page."""
 
+import ast
+import copy
 import json
 import math
+import os
 import shutil
 import struct
 import subprocess
@@ -28,10 +33,12 @@ LINE_CHARTS = {"lr": "lr", "grad-norm": "grad_norm", "tokens-per-s": "tokens_per
 class Chart:
     def __init__(self):
         self.x_ticks, self.y_ticks = [], []  # (pixel, label)
-        self.series = []  # {"run", "what", "stroke", "points": [(px, py)]}
-        self.cells = []  # (x, width, fill, title)
+        self.series = []  # {"run", "what", "stroke", "points": [(px, py)]}: a stretch each
+        self.cells = []  # (x, width, fill, title, y)
         self.areas = {}  # a polygon's data-holder -> its points [(px, py)]
         self.legend = []
+        self.circles = []  # (cx, cy, title): a plotted point each
+        self.marks = []  # (x, title): a value that is not a finite number, marked at the top
 
 
 class Page(HTMLParser):
@@ -40,28 +47,50 @@ class Page(HTMLParser):
     def __init__(self, text: str):
         super().__init__()
         self.charts, self.skipped, self.texts = {}, [], []
+        self.elements = []  # (tag, attributes) of every element, in order
+        self.rows = []  # the table's rows: each a list of its cells' text
         self.chart, self.group, self.text_attrs, self.cell = None, None, None, None
+        self.circle, self.mark, self.table_cell = None, None, None
         self.feed(text)
+        self.close()
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
-        if tag == "svg":
-            self.chart = self.charts.setdefault(a["data-chart"], Chart())
+        self.elements.append((tag, attrs))
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self.table_cell = ""
+        elif tag == "circle":
+            self.circle = [float(a["cx"]), float(a["cy"]), None]
+        elif tag == "text" and a.get("class") == "not-finite":
+            self.mark = [float(a["x"]), None]
+        if tag == "svg":  # one without data-chart: markup a user's file put in, which a test finds
+            self.chart = self.charts.setdefault(a.get("data-chart", "?"), Chart())
         elif tag == "g":
             self.group = a.get("class")
         elif tag == "text":
             self.text_attrs = a
-        elif tag == "polyline":
+        elif tag == "polyline" and {"data-run", "data-what", "stroke", "points"} <= set(a):
             self.chart.series.append({"run": a["data-run"], "what": a["data-what"], "stroke": a["stroke"],
                                       "points": [tuple(map(float, p.split(","))) for p in a["points"].split()]})
         elif tag == "polygon":
             self.chart.areas[a["data-holder"]] = [tuple(map(float, p.split(","))) for p in a["points"].split()]
         elif tag == "rect" and "fill" in a and self.group is None:
-            self.cell = [float(a["x"]), float(a["width"]), a["fill"], None]
+            self.cell = [float(a["x"]), float(a["width"]), a["fill"], None, float(a["y"])]
         elif tag == "p" and "data-skipped" in a:
             self.skipped.append(int(a["data-skipped"]))
 
     def handle_endtag(self, tag):
+        if tag in ("td", "th") and self.table_cell is not None:
+            self.rows[-1].append(self.table_cell.strip())
+            self.table_cell = None
+        elif tag == "circle" and self.circle:
+            self.chart.circles.append(tuple(self.circle))
+            self.circle = None
+        elif tag == "text" and self.mark:
+            self.chart.marks.append(tuple(self.mark))
+            self.mark = None
         if tag == "g":
             self.group = None
         elif tag == "rect" and self.cell:
@@ -70,6 +99,11 @@ class Page(HTMLParser):
 
     def handle_data(self, data):
         self.texts.append(data)
+        if self.table_cell is not None:
+            self.table_cell += data
+        for element in (self.circle, self.mark):
+            if element is not None and element[-1] is None:
+                element[-1] = data
         if self.cell is not None:
             self.cell[3] = data
         if self.text_attrs is None or self.chart is None:
@@ -90,7 +124,7 @@ def tick_value(label: str) -> float:
 def axis(ticks: list[tuple[float, str]]):
     """pixel -> value, from the tick labels' positions; every tick must agree with the first and last."""
     (p0, v0), (p1, v1) = [(p, tick_value(label)) for p, label in (ticks[0], ticks[-1])]
-    to_value = lambda p: v0 + (p - p0) * (v1 - v0) / (p1 - p0)
+    to_value = lambda p: 2 * (v0 / 2 + (p - p0) / (p1 - p0) * (v1 / 2 - v0 / 2))  # halves: +-1e308
     for p, label in ticks:
         assert to_value(p) == pytest.approx(tick_value(label), abs=1e-4 * abs(v1 - v0))  # 0.01-pixel rounding
     return to_value, abs(v1 - v0)
@@ -98,10 +132,11 @@ def axis(ticks: list[tuple[float, str]]):
 
 def values_of(chart: Chart, run: str, what: str) -> list[tuple[float, float]]:
     """The data points of a run's series, read back through the chart's axes."""
-    (series,) = [s for s in chart.series if s["run"] == run and s["what"] == what]
+    stretches = [s for s in chart.series if s["run"] == run and s["what"] == what]
+    assert stretches, (run, what)
     x_of, _ = axis(chart.x_ticks)
     y_of, _ = axis(chart.y_ticks)
-    return [(x_of(px), y_of(py)) for px, py in series["points"]]
+    return [(x_of(px), y_of(py)) for s in stretches for px, py in s["points"]]
 
 
 def assert_points(chart: Chart, run: str, what: str, expected: list[tuple[float, float]]) -> None:
@@ -238,7 +273,7 @@ def check_heatmap(chart: Chart, expected: dict[tuple[str, int], float], brighter
     as the values do."""
     x_of, span = axis(chart.x_ticks)
     seen = {}
-    for x, width, fill, title in chart.cells:
+    for x, width, fill, title, _ in chart.cells:
         where, value = title.rsplit(": ", 1)[0], float(title.rsplit(" ", 1)[1])
         layer, step = where.split(", ")[0].split()[1], int(where.split("step ")[1])
         assert x_of(x) - 1e-4 * span <= step <= x_of(x + width) + 1e-4 * span
@@ -275,7 +310,7 @@ def test_a_long_run_bins_its_steps_into_columns_keeping_the_worst_of_each(tmp_pa
     charts = Page(write_report([log], tmp_path / "report.html").read_text()).charts
     for chart, worst, index in (("max-load-0", max, 0), ("min-load-0", min, 1)):
         shown = {int(title.split("step ")[1].split(":")[0]): float(title.rsplit(" ", 1)[1])
-                 for *_, title in charts[chart].cells}
+                 for _, _, _, title, _ in charts[chart].cells}
         assert len(shown) == math.ceil(250 / 3) <= report.MAX_COLUMNS  # 3 logged steps a column
         edges = [0, *sorted(shown)]
         for first, last in zip(edges, edges[1:]):
@@ -372,3 +407,456 @@ def test_a_browser_draws_the_report(tmp_path):
     for colour in report.COLOURS[:2]:  # both runs' lines are drawn in their colours
         rgb = np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)])
         assert (np.abs(pixels - rgb).sum(axis=2) < 40).sum() > 50, colour
+
+
+# ----------------------------------------------------------------------------- read back
+
+# A run directory's records, written out by hand: every number below is read back from the page.
+HANDWRITTEN = [
+    '{"run": "RUN", "step": 1, "loss": 4.0, "lr": 0.001, "grad_norm": 2.0, "tokens_per_s": 100.0, '
+    '"mfu_percent": 1.0, "memory_gib": 0.5, "tokens": 1024, '
+    '"routing": {"2": {"max_load": 1.5, "min_load": 0.5}, '
+    '"10": {"max_load": 2.0, "min_load": 0.25}}}',
+    '{"run": "RUN", "step": 5, "loss": 3.0, "lr": 0.003, "grad_norm": 1.0, "tokens_per_s": 400.0, '
+    '"mfu_percent": 4.0, "memory_gib": 1.25, "tokens": 5120, '
+    '"routing": {"2": {"max_load": 1.25, "min_load": 0.75}, '
+    '"10": {"max_load": 3.0, "min_load": 0.0}}}',
+    '{"run": "RUN", "step": 5, "val_loss": 3.6}',
+    '{"run": "RUN", "step": 10, "loss": 3.5, "lr": 0.002, "grad_norm": 1.5, "tokens_per_s": 200.0, '
+    '"mfu_percent": 2.0, "memory_gib": 1.0, "tokens": 10240}',
+    '{"run": "RUN", "step": 10, "val_loss": 3.7}',
+    # a second run that diverged: no memory, no MFU, no settings; its loss ends at inf
+    '{"run": "other", "step": 1, "loss": 5.0, "tokens_per_s": 50.0, "mfu_percent": null}',
+    '{"run": "other", "step": 2, "loss": NaN, "tokens_per_s": 90.0}',
+    '{"run": "other", "step": 3, "loss": 1e400, "tokens_per_s": 70.0}',
+]
+
+
+def handwritten_page(tmp_path: Path) -> Page:
+    """The page of a run directory (settings: AdamW, lr 3e-3, 20 steps) and the log it names."""
+    run_dir = tmp_path / "ckpt" / "run_0001"
+    run_dir.mkdir(parents=True)
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("\n".join(HANDWRITTEN).replace("RUN", str(run_dir)) + "\n")
+    settings = {"optim": {"name": "adamw", "lr": 0.003}, "training": {"steps": 20}}
+    (run_dir / "run.json").write_text(json.dumps({"jsonl": str(log), "run": str(run_dir),
+                                                  "settings": settings}))
+    return Page(write_report([run_dir, log], tmp_path / "report.html").read_text())
+
+
+def test_the_summary_table_reads_back_hand_computed_values(tmp_path):
+    page = handwritten_page(tmp_path)
+    head, *rows = page.rows
+    table = [dict(zip(head, row)) for row in rows]
+    assert table == [
+        {"run": "\u25a0 run_0001 (adamw)", "last step": "10 of 20",
+         "training loss": "4.0000 \u2192 3.5000",
+         "best validation loss": "3.6000", "tokens/s (median)": "200", "MFU (median)": "2.00 %",
+         "peak memory": "1.25 GiB", "settings": "adamw, lr 0.003, 1,024 tokens/step"},
+        {"run": "\u25a0 other", "last step": "3", "training loss": "5.0000 \u2192 inf",
+         "best validation loss": "-", "tokens/s (median)": "70", "MFU (median)": "-",
+         "peak memory": "-", "settings": ""}]
+
+
+LABEL = "run_0001 (adamw)"  # the runs' optimizers differ: the one with settings names its own
+
+
+def point_at(chart: Chart, run: str, what: str, x_text: str) -> tuple[float, float]:
+    """The pixel (cx, cy) of the point whose hover title names the run, the series and x."""
+    (point,) = [(cx, cy) for cx, cy, title in chart.circles
+                if title.startswith(f"{run}, {what}: ") and title.endswith(f" {x_text}")]
+    return point
+
+
+def test_axes_draw_larger_values_higher_and_later_steps_further_right(tmp_path):
+    """Read through the tick labels, a chart drawn upside down reads back right: here the pixels
+    of known points are compared. Each quantity's three values are distinct (HANDWRITTEN)."""
+    charts = handwritten_page(tmp_path).charts
+    records = [json.loads(line.replace("RUN", "run_0001")) for line in HANDWRITTEN[:5]]
+    train = [r for r in records if "loss" in r]
+    quantities = [("loss-step", "loss", "training loss", "step"),
+                  ("loss-tokens", "loss", "training loss", "tokens"),
+                  ("lr", "lr", "learning rate", "step"),
+                  ("grad-norm", "grad_norm", "gradient norm (global L2, before clipping)", "step"),
+                  ("tokens-per-s", "tokens_per_s", "throughput", "step"),
+                  ("mfu", "mfu_percent", "model FLOPs utilisation", "step"),
+                  ("memory", "memory_gib", "peak memory (GPU allocated, or CPU resident)", "step")]
+    for chart, key, what, x_key in quantities:
+        points = [(r[x_key], r[key], point_at(charts[chart], LABEL, what, f"{x_key} {r[x_key]}"))
+                  for r in train]
+        by_x = [px for _, _, (px, _) in sorted(points)]
+        by_value = [py for _, _, (_, py) in sorted(points, key=lambda p: p[1])]
+        assert by_x == sorted(by_x) and len(set(by_x)) == 3, chart  # later: further right
+        assert by_value == sorted(by_value, reverse=True), chart  # larger: higher (smaller y)
+        assert len(set(by_value)) == 3, chart
+    evals = [point_at(charts["loss-step"], LABEL, "validation loss", f"step {s}") for s in (5, 10)]
+    assert evals[0][0] < evals[1][0] and evals[0][1] > evals[1][1]  # 3.6 at step 5 below 3.7 at 10
+    for chart in charts.values():  # the tick labels agree: values grow rightwards and upwards
+        for ticks, grows in ((chart.x_ticks, 1), (chart.y_ticks, -1)):
+            values = [tick_value(label) for _, label in sorted(ticks)]
+            assert values == sorted(values, reverse=grows < 0)
+    cells = {tuple(title.split(":")[0].split(", ")): (x, y) for x, _, _, title, y in
+             charts["max-load-0"].cells}
+    assert cells[("layer 2", "step 1")][0] < cells[("layer 2", "step 5")][0]  # steps rightwards
+    assert cells[("layer 2", "step 1")][1] < cells[("layer 10", "step 1")][1]  # layers downwards
+
+
+def test_a_value_that_is_not_finite_is_marked_and_breaks_the_line(tmp_path):
+    """The diverged run: NaN at step 2 and 1e400 (inf) at step 3 are marked where they were logged;
+    its one finite point stays a point of its own, read back through the axes."""
+    chart = handwritten_page(tmp_path).charts["loss-step"]
+    x_of, span = axis(chart.x_ticks)
+    marks = {round(x_of(x)): title for x, title in chart.marks}
+    assert marks == {2: "other, training loss: nan at step 2",
+                     3: "other, training loss: inf at step 3"}
+    got = values_of(chart, "other", "training loss")
+    assert got == [pytest.approx((1.0, 5.0), abs=1e-4 * span)]
+
+
+# ----------------------------------------------------------------------------- no live markup
+
+PAYLOAD = ("<script>alert(1)</script>\"><img src=x onerror=alert(2)>' onmouseover='alert(3)"
+           "</title></svg></script><svg onload=alert(4)>&amp;\x00\ud800")
+PAYLOAD_DIR = "<script>alert(5)</script>\"><img src=x onerror=alert(6)>"  # a path: its / nests
+
+
+def full_record(step: int) -> dict:
+    """A training record with every field train.py writes (metrics.MetricsLogger.log_train) and
+    every field of a layer's routing statistics (balance.RoutingMonitor.stats)."""
+    routing = {"max_load": 1.5, "min_load": 0.5, "tokens": [3, 5], "dropped": 1,
+               "bias": [0.1, -0.2]}
+    return {**record("RUN", step), "routing": {"2": routing, "3": dict(routing)}}
+
+
+def leaves(value, where=()):
+    """Every place a user's file can hold a string: each key of each object, each value."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield where + (key,), "key"
+            yield from leaves(item, where + (key,))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from leaves(item, where + (i,))
+    yield where, "value"
+
+
+def with_payload(value, where, what):
+    """A deep copy of value with the key or the value at `where` replaced by PAYLOAD."""
+    value = copy.deepcopy(value)
+    if not where:
+        return PAYLOAD
+    parent = value
+    for step in where[:-1]:
+        parent = parent[step]
+    if what == "key":
+        parent[PAYLOAD] = parent.pop(where[-1])
+    else:
+        parent[where[-1]] = PAYLOAD
+    return value
+
+
+def written_keys(path: str, function: str, stores: bool = False) -> set[str]:
+    """The string keys of the dict literals (and with `stores`, of the subscript stores) in one
+    function of a source file, as the file is now: what a record or a layer's statistics hold."""
+    tree = ast.parse((ROOT / path).read_text())
+    (found,) = [node for node in ast.walk(tree)
+                if isinstance(node, ast.FunctionDef) and node.name == function]
+    keys = {k.value for node in ast.walk(found) if isinstance(node, ast.Dict) for k in node.keys
+            if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    return keys | {node.slice.value for node in ast.walk(found)
+                   if stores and isinstance(node, ast.Subscript)
+                   and isinstance(node.ctx, ast.Store) and isinstance(node.slice, ast.Constant)}
+
+
+def test_the_full_record_holds_every_field_the_trainer_writes():
+    """So that the markup test below covers a field added to the records."""
+    record_keys = {key for function in ("log_train", "log_eval", "write")
+                   for key in written_keys("metrics.py", function)}
+    assert record_keys <= set(full_record(1)) | {"run", "val_loss"}  # hostile_run's two templates
+    assert written_keys("balance.py", "stats", stores=True) <= set(full_record(1)["routing"]["2"])
+
+
+def hostile_run(tmp_path: Path) -> tuple[list[Path], int]:
+    """Run directories and their JSONL under paths holding markup; in their records and run.json,
+    one copy per key and per value (at every depth) with that key or value replaced by PAYLOAD
+    -> the sources, and how many copies."""
+    where = tmp_path / PAYLOAD_DIR
+    where.mkdir(parents=True)
+    log = where / f"{PAYLOAD_DIR.replace('/', '')}.jsonl"
+    training, evaluation = full_record(1), {"run": "RUN", "step": 1, "val_loss": 3.0}
+    settings = {"optim": {"name": "adamw", "lr": 0.003}, "training": {"steps": 20},
+                "model": {"x": [1]}}
+    lines, sources = [], []
+    places = [(t, p) for t in (training, evaluation) for p in leaves(t)]
+    for k, (template, place) in enumerate(places):
+        hostile = with_payload(template, *place)
+        if isinstance(hostile, dict) and hostile.get("run") == "RUN":
+            hostile["run"] = f"run {k}"
+        run = hostile.get("run", f"run {k}") if isinstance(hostile, dict) else f"run {k}"
+        sound = {**full_record(2), "run": run}  # beside it
+        lines += [json.dumps(hostile), json.dumps(sound)]
+    note = {"jsonl": str(log), "run": "RUN", "settings": settings}
+    for k, place in enumerate(leaves(note)):
+        if place == (("jsonl",), "value"):
+            continue  # the path, with markup, is the log's own
+        run_dir = where / f"run_{k:04d}"
+        run_dir.mkdir()
+        hostile = with_payload({**note, "run": str(run_dir)}, *place)
+        (run_dir / "run.json").write_text(json.dumps(hostile))
+        if isinstance(hostile, dict) and isinstance(hostile.get("run"), str) and "jsonl" in hostile:
+            lines.append(json.dumps({**full_record(1), "run": hostile["run"]}))
+            sources.append(run_dir)
+        else:  # no run directory without "jsonl" and "run": one line, before any page
+            expected = r"run\.json: expected (a JSON object|\"jsonl\" and \"run\" strings)"
+            with pytest.raises(report.ReportError, match=expected):
+                load_runs([run_dir])
+    lines += [PAYLOAD.replace("\ud800", ""), json.dumps(PAYLOAD)]  # not records: skipped, counted
+    log.write_text("\n".join(lines) + "\n")
+    return sources + [log], len(lines)
+
+
+def live_markup(page: Page, clean: Page) -> list:
+    """The elements and attributes of `page` that a page without markup in its data never has, and
+    every event handler and script."""
+    allowed = {(tag, name) for tag, attrs in clean.elements for name, _ in attrs}
+    tags = {tag for tag, _ in clean.elements}
+    return ([tag for tag, _ in page.elements if tag not in tags or tag == "script"]
+            + [(tag, name) for tag, attrs in page.elements for name, _ in attrs
+               if (tag, name) not in allowed or name.startswith("on")])
+
+
+def test_no_string_of_a_users_files_is_live_markup(tmp_path):
+    sources, copies = hostile_run(tmp_path)
+    page_text = write_report(sources, tmp_path / "report.html").read_text()
+    clean_log = tmp_path / "clean.jsonl"
+    clean_log.write_text(json.dumps({**full_record(1), "run": "a"}) + "\n" + json.dumps(
+        {"run": "a", "step": 1, "val_loss": 3.0}) + "\nnot a record\n")
+    clean = Page(write_report([clean_log], tmp_path / "clean.html").read_text())
+    page = Page(page_text)
+    assert copies > 60 and not live_markup(page, clean)
+    assert [tag for tag, _ in page.elements].count("script") == 0  # the report runs no script
+    assert "<script" not in page_text and "<img" not in page_text  # only escaped text holds them
+    shown = PAYLOAD.replace("\x00", "\ufffd").replace("\ud800", "\ufffd")
+    texts = "".join(page.texts)
+    titles = [title for chart in page.charts.values() for *_, title, _ in chart.cells]
+    assert f"layer {shown}, step 1" in " ".join(titles)  # a layer named with markup: as text
+    assert texts.count(shown) >= 5 and PAYLOAD_DIR in texts  # legends, table, headings, paths
+    label = shown.rsplit("/", 1)[-1]  # a run's label: the last part of its name as a path
+    assert any(label in value for _, attrs in page.elements for _, value in attrs)  # data-run
+
+
+def test_the_memory_picture_shows_markup_in_its_names_as_text():
+    events = [(PAYLOAD, PAYLOAD, 2 ** 30), ("backward", "x" + PAYLOAD, 2 ** 29)]
+    picture = memory_timeline_svg(events, PAYLOAD, holders=1)
+    clean = Page(memory_timeline_svg([("forward", "weights", 2 ** 30), ("backward", "x", 2 ** 29)],
+                                     "title", holders=1))
+    page = Page(picture)
+    assert not live_markup(page, clean) and "<script" not in picture
+    assert PAYLOAD.replace("\x00", "\ufffd").replace("\ud800", "\ufffd") in "".join(page.texts)
+
+
+# ----------------------------------------------------------------------------- where the page goes
+
+def run_report(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "report.py", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True)
+
+
+def test_the_page_never_overwrites_a_file_it_reads(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    write_log(log, {"run_a": 512}, steps=(1, 10))
+    run_dir = tmp_path / "run_0001"
+    run_dir.mkdir()
+    note = {"jsonl": str(log), "run": "run_a", "settings": {}}
+    (run_dir / "run.json").write_text(json.dumps(note))
+    (tmp_path / "link.jsonl").symlink_to(log)
+    before = {path: path.read_bytes() for path in (log, run_dir / "run.json")}
+    link, through_parent = tmp_path / "link.jsonl", tmp_path / ".." / tmp_path.name / log.name
+    for sources, out, read in [([log], log, log), ([log], link, log), ([run_dir], log, log),
+                               ([run_dir], run_dir / "run.json", run_dir / "run.json"),
+                               ([link], through_parent, link)]:  # the same file, by other paths
+        done = run_report(*sources, "--out", out)
+        assert done.returncode == 1 and done.stdout == "", done.stderr
+        assert done.stderr == (f"error: {out}: the report would overwrite {read}, which it reads; "
+                               f"name another file with --out\n")
+    assert {path: path.read_bytes() for path in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "metrics.jsonl", "run_0001"]
+    beside = tmp_path / "metrics.html"  # the accepted neighbour: the same directory, another name
+    assert run_report(log, "--out", beside).returncode == 0
+    assert Page(beside.read_text()).charts["loss-step"].series
+    assert {path: path.read_bytes() for path in before} == before
+
+
+def test_out_naming_a_directory_writes_report_html_inside_and_leaves_no_temporary(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    write_log(log, {"run_a": 512}, steps=(1, 10))
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    done = run_report(log, "--out", pages)
+    assert done.returncode == 0 and done.stdout == f"report: {pages / 'report.html'}\n", done.stderr
+    assert [p.name for p in pages.iterdir()] == ["report.html"]
+    assert Page((pages / "report.html").read_text()).charts["loss-step"].series
+    (pages / "report.html").unlink()
+    (pages / "report.html").mkdir()  # report.html inside is a directory: refused, nothing left
+    done = run_report(log, "--out", pages)
+    assert done.returncode == 1 and done.stderr == (
+        f"error: {pages / 'report.html'}: is a directory, so the report cannot be written there; "
+        f"name a file with --out\n")
+    assert [p.name for p in pages.iterdir()] == ["report.html"]
+    assert not any((pages / "report.html").iterdir())
+    assert "a directory to write report.html into" in run_report("--help").stdout
+
+
+# ----------------------------------------------------------------------------- careless input
+
+def test_a_loss_past_any_float_is_marked_and_huge_finite_ones_get_a_sane_axis(tmp_path):
+    """1e400 reads as inf: marked at its step. +-1e308 are 2e308 apart, past any float: the axis
+    still spans them with finite round ticks, and every point reads back through it."""
+    log = tmp_path / "metrics.jsonl"
+    losses = {1: "2.5", 2: "1e400", 3: "1e308", 4: "-1e308", 5: "-1e400",
+              6: "1.7976931348623157e308"}
+    log.write_text("".join(f'{{"run": "r", "step": {step}, "loss": {loss}}}\n'
+                           for step, loss in losses.items()))
+    done = run_report(log, "--out", tmp_path / "report.html")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    chart = Page((tmp_path / "report.html").read_text()).charts["loss-step"]
+    ticks = [tick_value(label) for _, label in chart.y_ticks]
+    assert all(math.isfinite(t) for t in ticks) and ticks == sorted(ticks) and len(ticks) >= 4
+    assert ticks[0] <= -1e308 and ticks[-1] == pytest.approx(sys.float_info.max, rel=1e-5)
+    x_of, _ = axis(chart.x_ticks)
+    assert {round(x_of(x)): title.rsplit(":", 1)[-1] for x, title in chart.marks} == {
+        2: " inf at step 2", 5: " -inf at step 5"}
+    assert [len(s["points"]) for s in chart.series] == [1, 2, 1]  # the line breaks at inf
+    got = values_of(chart, "r", "training loss")
+    expected = [(1, 2.5), (3, 1e308), (4, -1e308), (6, 1.7976931348623157e308)]
+    assert len(got) == len(expected)
+    for (gx, gy), (ex, ey) in zip(got, expected):
+        assert gx == pytest.approx(ex, abs=0.01)
+        assert gy / 1e308 == pytest.approx(ey / 1e308, abs=1e-3)
+
+
+SOUND = {"run": "r", "step": 1, "loss": 2.5, "tokens": 512,
+         "routing": {"2": {"max_load": 1.5, "min_load": 0.5}}}
+
+
+def line(**changes) -> str:
+    return json.dumps({**SOUND, "step": 2, **changes})
+
+
+# (what, the JSONL's lines after a sound record, run.json's settings (None: no run directory), lines
+# skipped). Each gives a page, or the one line of a ReportError.
+CARELESS = [
+    ("optim a string", [], {"optim": "adamw"}, 0), ("optim a list", [], {"optim": ["adamw", 3]}, 0),
+    ("optim null", [], {"optim": None}, 0),
+    ("optim.name a list", [], {"optim": {"name": ["a"]}}, 0),
+    ("optim.name an object", [], {"optim": {"name": {"a": 1}}}, 0),
+    ("optim.lr a string", [], {"optim": {"lr": "3e-4"}}, 0),
+    ("optim.lr a bool", [], {"optim": {"lr": True}}, 0),
+    ("optim.lr 1e400", [], {"optim": {"lr": math.inf}}, 0),
+    ("optim.lr 10**400", [], {"optim": {"lr": 10 ** 400}}, 0),
+    ("training a string", [], {"training": "x"}, 0),
+    ("training.steps a string", [], {"training": {"steps": "9"}}, 0),
+    ("training.steps a bool", [], {"training": {"steps": True}}, 0),
+    ("training.steps negative", [], {"training": {"steps": -1}}, 0),
+    ("settings a list", [], [1], 0),
+    ("loss NaN", [line(loss=math.nan)], None, 0), ("loss a bool", [line(loss=True)], None, 1),
+    ("loss 10**400", [line(loss=10 ** 400)], None, 0), ("loss null", [line(loss=None)], None, 1),
+    ("step a bool", [line(step=True)], None, 1), ("step negative", [line(step=-1)], None, 1),
+    ("step 2**60", [line(step=2 ** 60)], None, 1), ("step 1.5", [line(step=1.5)], None, 1),
+    ("step a string", [line(step="2")], None, 1), ("run a number", [line(run=5)], None, 1),
+    ("run empty", [line(run="")], None, 0), ("tokens 10**400", [line(tokens=10 ** 400)], None, 0),
+    ("tokens NaN", [line(tokens=math.nan)], None, 0), ("lr a string", [line(lr="x")], None, 1),
+    ("memory inf", [line(memory_gib=math.inf)], None, 0),
+    ("mfu a list", [line(mfu_percent=[1])], None, 1),
+    ("routing a string", [line(routing="x")], None, 1),
+    ("a layer a string", [line(routing={"2": "x"})], None, 0),
+    ("max_load a string", [line(routing={"2": {"max_load": "x"}})], None, 0),
+    ("max_load inf", [line(routing={"2": {"max_load": math.inf, "min_load": -1e308}})], None, 0),
+    ("tokens a string", [line(routing={"2": {"tokens": "x", "dropped": 5}})], None, 0),
+    ("dropped past any float", [line(routing={"2": {"tokens": [1e-300], "dropped": 1e308}})],
+     None, 0),
+    ("bias spread past any float", [line(routing={"2": {"bias": [1e308, -1e308]}})], None, 0),
+    ("bias 10**400", [line(routing={"2": {"bias": [10 ** 400, True, "x", 1]}})], None, 0),
+    ("val_loss NaN", ['{"run": "r", "step": 1, "val_loss": NaN}'], None, 0),
+    ("val_loss a string", ['{"run": "r", "step": 1, "val_loss": "x"}'], None, 1),
+    ("val_loss 10**400", ['{"run": "r", "step": 1, "val_loss": ' + "9" * 400 + "}"], None, 0),
+    ("a number of 5000 digits", ['{"run": "r", "step": 2, "loss": ' + "9" * 5000 + "}"], None, 1),
+    ("nested too deeply", ["[" * 100_000], None, 1),
+    ("a lone surrogate", [line(run="\ud800<")], None, 0),
+    ("a truncated last line", [line()[:20]], None, 1),
+    ("not UTF-8", [line(run="r\udcff")], None, 0),
+    ("a byte-order mark", ["\ufeff" + line()], None, 0),
+]
+
+
+@pytest.mark.parametrize("lines, settings, skipped", [case[1:] for case in CARELESS],
+                         ids=[case[0] for case in CARELESS])
+def test_careless_records_and_settings_give_a_page(tmp_path, lines, settings, skipped):
+    log = tmp_path / "metrics.jsonl"
+    text = "\n".join([json.dumps(SOUND), *lines]) + ("\n" if "truncated" not in str(lines) else "")
+    if "\ufeff" in text:  # the mark starts the file
+        text = "\ufeff" + text.replace("\ufeff", "")
+    raw_byte = "\udcff" in text  # written as the byte 0xff, which is not UTF-8
+    log.write_bytes(text.encode("utf-8", "surrogateescape" if raw_byte else "surrogatepass"))
+    source = log
+    if settings is not None:
+        source = tmp_path / "run_0001"
+        source.mkdir()
+        note = {"jsonl": str(log), "run": "r", "settings": settings}
+        (source / "run.json").write_text(json.dumps(note))
+    page = Page(report.main([str(source), "--out", str(tmp_path / "report.html")]).read_text())
+    assert page.skipped == ([skipped] if skipped else [])
+    assert page.charts["loss-step"].series[0]["points"]  # the sound record is drawn
+
+
+@pytest.mark.parametrize("note, expected", [
+    ("", "cannot read JSON"), ("[1]", "expected a JSON object, got a list"),
+    ('{"run": "r"}', 'expected "jsonl" and "run" strings'), ('{"jsonl": 5, "run": "r"}', "strings"),
+    ('{"jsonl": "a\\u0000b", "run": "r"}', "holds a NUL character"),
+    ("[" * 100_000, "nested too deeply"),
+    ('{"jsonl": "", "run": "r"}', "its records' file . does not exist")])
+def test_a_run_json_that_names_no_records_is_one_line(tmp_path, note, expected):
+    run_dir = tmp_path / "run_0001"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(note)
+    done = run_report(run_dir)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith(f"error: {run_dir / 'run.json'}: ") and expected in done.stderr
+    assert done.stderr.count("\n") == 1 and not (run_dir / "report.html").exists()
+
+
+def test_non_utf8_bytes_and_an_empty_log_give_a_page_that_says_so(tmp_path):
+    binary, empty = tmp_path / "binary.jsonl", tmp_path / "empty.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00\x80garbage\n" + json.dumps(SOUND).encode() + b"\n")
+    empty.write_bytes(b"")
+    both = report.main([str(binary), str(empty), "--out", str(tmp_path / "r.html")])
+    page = Page(both.read_text())
+    assert page.skipped == [1] and page.charts["loss-step"].series
+    page = Page(report.main([str(empty), "--out", str(tmp_path / "e.html")]).read_text())
+    assert "No records of a run in these files." in page.texts
+    assert not page.charts["loss-step"].series
+
+
+# ----------------------------------------------------------------------------- a diverged run
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_run_stopped_by_divergence_writes_its_report(tmp_path, monkeypatch):
+    """Steps 1 and 2 train at the debug config's rates; from step 3 the rate is 1e6, so the update
+    blows the weights up and train.py's check stops the run: its page holds the two logged steps."""
+    import train
+    from helpers import run_debug, train_losses
+    real_step = train.train_step
+
+    def blown_up_from_step_3(model, optimizer, *args):
+        if args[-2] >= 3:  # the step number
+            for group in optimizer.param_groups:
+                group["lr"] = 1e6
+        return real_step(model, optimizer, *args)
+
+    monkeypatch.setattr(train, "train_step", blown_up_from_step_3)
+    with pytest.raises(train.TrainingError, match=r"step 3: .*the run diverged"):
+        run_debug(tmp_path, "--training.steps=6", "--logging.every=1", "--training.sample_tokens=0")
+    logged = train_losses(tmp_path)
+    assert sorted(logged) == [1, 2]
+    page = Page((tmp_path / "ckpt" / "run_0001" / "report.html").read_text())
+    assert_points(page.charts["loss-step"], "run_0001", "training loss", sorted(logged.items()))
