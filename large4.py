@@ -34,7 +34,8 @@ from attention import (FULL, Mask, MaskMod, at_queries, block_mask, fused_flex_a
 from balance import RouterLosses, Stats, add_layer
 from generate import generate
 from large4_config import LAYOUT, PRESETS, Large4Config  # noqa: F401  (PRESETS: re-exported for users of large4)
-from layers import Gather, Head, RMSNorm, build, check_inputs, count_params, init_weights, seeded_normal
+from layers import (Gather, Head, RMSNorm, build, check_inputs, count_params, init_weights,
+                    seeded_normal)
 from moe import MoE, SwiGLU
 from registry import Family
 from stage import ONE_DEVICE, ForwardPlan, StageContext
@@ -370,8 +371,9 @@ class Large4Block(nn.Module):
     A pure function of its arguments (see the module docstring):
     (x, cos, sin, log_positions, visible, src_latent, src_rope_key, prev_indices, prev_mask)
         -> (y, own_latent, own_rope_key, indices, mask)
-    With the router-loss statistics so far (`stats`, and real [B, T]: false at padding), the MoE
-    adds its own and they come back as a sixth output (only then). own_* are None on a KV consumer; indices is None when attention is dense (every query may
+    Given the router-loss statistics so far (`stats`, and real [B, T]: false at padding), the MoE
+    adds its own and they come back as a sixth output (only then: stage.ForwardPlan.block). own_*
+    are None on a KV consumer; indices is None when attention is dense (every query may
     attend index_topk keys or fewer), else [B, T, k] with -1 for invalid slots. A layer whose
     indexer selects starts a group: it builds the group's attention mask from its selection, once,
     and returns it; the other layers attend with prev_mask. `cache` (generation), `backend` (flex |
@@ -451,7 +453,7 @@ class MistralLarge4(nn.Module):
     the group, so attention and the selection see every key of the sequence, exactly."""
 
     parallel_dims = ("pp", "cp")  # the layouts its forward serves beyond data and expert parallelism (parallel.py)
-    stage: StageContext = ONE_DEVICE  # what a layout adds to the forward (stage.py); parallel.py sets it
+    stage: StageContext = ONE_DEVICE  # the seam to the layouts (stage.py); parallel.py sets it
 
     def __init__(self, config: Large4Config, dtype: torch.dtype | None = None):
         """Bulk parameters in `dtype`; alpha, routers, indexer weights_proj and k_norm, and the head
@@ -495,25 +497,27 @@ class MistralLarge4(nn.Module):
     def forward(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Token ids [B, T] -> FP32 soft-capped logits [B, T, V], or with targets [B, T] (shifted,
-        -100 ignored) the mean loss, plus the router losses when on; targets, doc_ids and positions
-        may also follow input_ids positionally. doc_ids [B, T] marks packed documents (< 0: padding);
-        positions default to restarting at each document. The visibility, positions and rope tables
-        are built once per forward and passed to every block.
+        -100 ignored) the mean loss, plus the router losses when on; targets, doc_ids and
+        positions may also follow input_ids positionally. doc_ids [B, T] marks packed documents
+        (< 0: padding); positions default to restarting at each document. The visibility,
+        positions and rope tables are built once per forward and passed to every block.
 
-        A layout enters through `self.stage` (stage.py): on a pipeline stage without the embedding,
-        the arguments are the previous stage's tuple (`stage_boundary`, which carries the rope tables),
-        and without the head the result is the next stage's; a context-parallel rank computes its
-        share of the positions (`plan.local`), its loss its share of the mean."""
+        A layout enters through `self.stage` (stage.py): on a pipeline stage without the
+        embedding, the arguments are the previous stage's tuple (`stage_boundary`, which carries
+        the rope tables), and without the head the result is the next stage's; a context-parallel
+        rank computes its share of the positions (`plan.local`), its loss its share of the mean."""
         plan = self.stage.plan(self, inputs, targets, doc_ids, positions)
         positions = plan.local(plan.positions)  # [B, T / cp]
-        visible = Visibility(plan.doc_ids, plan.batch, positions.shape[1], plan.seq_len, plan.device, plan.mine)
+        visible = Visibility(plan.doc_ids, plan.batch, positions.shape[1], plan.seq_len,
+                             plan.device, plan.mine)
         layers = [int(name) for name in self.layers]
         if self.embed_tokens is not None:
             h, (cos, sin) = self.embed_tokens(plan.local(plan.input_ids)), self.rotary(positions)
             shared, indices = {}, None
         else:
             h, cos, sin, shared, indices = self._unpack(plan.received, layers[0])
-        h, shared, indices = self.run_stage(h, cos, sin, positions, visible, shared, indices, plan=plan)
+        h, shared, indices = self.run_stage(h, cos, sin, positions, visible, shared, indices,
+                                            plan=plan)
         if self.lm_head is None:
             return plan.send(*self._pack(h, cos, sin, shared, indices, layers[-1] + 1))
         h = self.norm(h.float())
@@ -531,7 +535,7 @@ class MistralLarge4(nn.Module):
                   shared: dict[int, tuple] | None = None, indices: torch.Tensor | None = None,
                   caches: dict[int, LayerCache] | None = None, plan: ForwardPlan | None = None
                   ) -> tuple[torch.Tensor, dict[int, tuple], torch.Tensor | None]:
-        """The layers this module holds (all of them, or a pipeline stage's) -> (h, shared, indices).
+        """The layers this module holds (all, or a pipeline stage's) -> (h, shared, indices).
         `shared` maps a source layer to its latent and rotated key, `indices` is the current selection;
         both live only in this call (a pipeline stage receives and returns them as tensors) and
         reach each layer as arguments, as does the attention mask of the current group. That mask is
@@ -550,7 +554,8 @@ class MistralLarge4(nn.Module):
             source_kv = shared.get(layer.source, (None, None))
             cache = None if caches is None else caches.setdefault(layer.index, LayerCache())
             h, latent, rope_key, indices, mask = plan.block(
-                layer, h, cos, sin, log_positions, visible, *source_kv, indices, mask, cache=cache, backend=backend)
+                layer, h, cos, sin, log_positions, visible, *source_kv, indices, mask, cache=cache,
+                backend=backend)
             if self.config.kv_mode(layer.index) == "store":
                 shared[layer.index] = (latent, rope_key)
         return h, shared, indices

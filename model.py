@@ -31,8 +31,8 @@ from capacity import check_capacity_factor
 from files import read_config_json
 from generate import generate
 from hf_io import Layout, Part
-from layers import (Gather, Head, RMSNorm, build, check_inputs, count_params, default_positions, init_weights,
-                    seeded_normal)
+from layers import (Gather, Head, RMSNorm, build, check_inputs, count_params, default_positions,
+                    init_weights, seeded_normal)
 from moe import EXPERT_BACKENDS, MoE, SwiGLU, check_bias_update_rate
 from registry import Family, check_choices, check_positive_ints, from_preset
 from stage import ONE_DEVICE, StageContext
@@ -408,7 +408,7 @@ class Flint(nn.Module):
 
     parallel_dims = ("pp", "cp")  # the layouts its forward serves beyond data and expert parallelism (parallel.py)
     first_stage_modules = ("embed_tokens",)  # what only the first pipeline stage keeps (pipeline.py)
-    stage: StageContext = ONE_DEVICE  # what a layout adds to the forward (stage.py); parallel.py sets it
+    stage: StageContext = ONE_DEVICE  # the seam to the layouts (stage.py); parallel.py sets it
 
     def __init__(self, config: FlintConfig, dtype: torch.dtype | None = None):
         """Bulk parameters in `dtype`; sinks, routers and the head are always FP32.
@@ -457,20 +457,23 @@ class Flint(nn.Module):
     def forward(self, input_ids: torch.Tensor, *rest: torch.Tensor, targets: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """Token ids [B, T] -> FP32 logits [B, T, V], or with targets [B, T] (shifted, -100 ignored)
-        the mean loss, plus the router losses when on; targets, doc_ids and positions may also follow
-        input_ids positionally. doc_ids [B, T] marks packed documents (< 0: padding); positions
-        default to restarting at each document. The masks and RoPE tables are built once here,
-        outside the layers.
+        """Token ids [B, T] -> FP32 logits [B, T, V], or with targets [B, T] (shifted, -100
+        ignored) the mean loss, plus the router losses when on; targets, doc_ids and positions may
+        also follow input_ids positionally. doc_ids [B, T] marks packed documents (< 0: padding);
+        positions default to restarting at each document. The masks and RoPE tables are built
+        once here, outside the layers.
 
-        A layout enters through `self.stage` (stage.py): on a pipeline stage without the embedding,
-        the arguments are what the stage before sent, and without the head the result is what the
-        next stage takes; a context-parallel rank computes its share of the positions (`plan.local`),
-        its loss its share of the mean."""
+        A layout enters through `self.stage` (stage.py): on a pipeline stage without the
+        embedding, the arguments are what the stage before sent, and without the head the result
+        is what the next stage takes; a context-parallel rank computes its share of the positions
+        (`plan.local`), its loss its share of the mean."""
         plan = self.stage.plan(self, (input_ids, *rest), targets, doc_ids, positions)
-        rope, masks = self.block_inputs(plan.doc_ids, plan.positions, plan.batch, plan.seq_len, plan.device,
-                                        plan.mine)
-        h = self.embed(plan.local(plan.input_ids)) if self.embed_tokens is not None else plan.received[0]
+        rope, masks = self.block_inputs(plan.doc_ids, plan.positions, plan.batch, plan.seq_len,
+                                        plan.device, plan.mine)
+        if self.embed_tokens is not None:
+            h = self.embed(plan.local(plan.input_ids))
+        else:
+            h = plan.received[0]  # the hidden states [B, T / cp, H] the stage before sent
         for layer in self.layers.values():  # [B, T / cp, H] under context parallelism
             h = plan.block(layer, h, rope, masks)
         if self.lm_head is None:

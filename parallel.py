@@ -352,8 +352,8 @@ def unsupported_layout(cfg: ParallelConfig, model_type: type) -> LayoutError | N
 
 # ============================================================================= context parallel
 # Which positions each rank of a cp group computes, and the gather of a sequence over the group.
-# parallelize gives a model the StageContext of its rank (stage.py); the model's forward then computes
-# the queries of its positions and its blocks gather keys and values.
+# parallelize gives a model the StageContext of its rank (stage.py); the model's forward then
+# computes the queries of its positions and its blocks gather keys and values.
 
 @lru_cache(maxsize=64)
 def _cp_index(seq_len: int, cp: int, rank: int, device: str) -> torch.Tensor:
@@ -382,8 +382,9 @@ def gather_sequence(t: torch.Tensor, cp_group, dim: int) -> torch.Tensor:
 
 
 def context_parallel(group: dist.ProcessGroup) -> StageContext:
-    """The StageContext (stage.py) of this rank of cp group `group`, which parallelize gives the model:
-    its queries are cp_token_index's, and its blocks gather keys and values with gather_sequence."""
+    """The StageContext (stage.py) of this rank of cp group `group`, which parallelize gives the
+    model: its queries are cp_token_index's, and its blocks gather keys and values with
+    gather_sequence."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
 
     def queries(seq_len: int, device: torch.device) -> torch.Tensor:  # [T / cp]

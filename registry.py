@@ -88,8 +88,9 @@ class Model(Protocol):
     lm_head: nn.Module | None  # layers.Head
     parallel_dims: tuple[str, ...]  # the layouts its forward serves beyond data and expert parallelism: "pp", "cp"
     first_stage_modules: tuple[str, ...]  # what only the first pipeline stage keeps (the embedding, ...)
-    stage: StageContext  # what a layout adds to the forward: one device by default; parallelize sets a cp rank's
-    router_losses: RouterLosses  # the router losses its config asks for (balance.py), which its stage plans
+    # What a layout adds to its forward (stage.py): one device, unless parallelize sets a cp rank's.
+    stage: StageContext
+    router_losses: RouterLosses  # what its config asks for (balance.py); its stage plans them
 
     def init_weights(self, seed: int = 0) -> None: ...
 

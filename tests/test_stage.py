@@ -16,10 +16,11 @@ NO_LOSSES = RouterLosses(num_experts=4, top_k=2, num_moe_layers=2)
 
 
 def stand_in(first: bool = True, losses: RouterLosses = NO_LOSSES) -> SimpleNamespace:
-    """What a plan reads of a model: whether it holds the embedding, its input check, its router losses."""
+    """What a plan reads of a model: whether it holds the embedding, its input check (which
+    records what it was given), its router losses."""
     checked = []
-    return SimpleNamespace(embed_tokens=object() if first else None, router_losses=losses, checked=checked,
-                           check_inputs=lambda *arguments: checked.append(arguments))
+    return SimpleNamespace(embed_tokens=object() if first else None, router_losses=losses,
+                           checked=checked, check_inputs=lambda *given: checked.append(given))
 
 
 def test_one_device_adds_nothing_to_the_forward():
@@ -28,7 +29,8 @@ def test_one_device_adds_nothing_to_the_forward():
     plan = ONE_DEVICE.plan(model, (ids, targets), None, None, None)
     assert model.checked == [(ids, targets, None, None)]  # a first stage checks what it is given
     assert plan.input_ids is ids and plan.targets is targets and plan.received == ()
-    assert (plan.batch, plan.seq_len, plan.mine, plan.gather, plan.stats) == (2, 4, None, None, None)
+    assert (plan.batch, plan.seq_len) == (2, 4)
+    assert plan.mine is None and plan.gather is None and plan.stats is None
     assert plan.positions.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
     assert plan.local(ids) is ids
     h, loss = torch.randn(2, 4, 3), torch.tensor(2.5)
@@ -42,7 +44,8 @@ def test_positions_restart_at_each_document():
 
 
 def cp_rank(gathered: list) -> StageContext:
-    """Rank 0 of 2 splitting 8 positions into 4 chunks: it computes chunks 0 and 3 (parallel.cp_token_index)."""
+    """Rank 0 of 2 splitting 8 positions into 4 chunks: it computes chunks 0 and 3, as
+    parallel.cp_token_index places them; its gather records the dim and doubles the sequence."""
     def queries(seq_len: int, device) -> torch.Tensor:
         assert seq_len == 8
         return torch.tensor([0, 1, 6, 7], device=device)
@@ -56,12 +59,13 @@ def cp_rank(gathered: list) -> StageContext:
 def test_a_context_parallel_rank_computes_its_share_and_its_share_of_the_loss():
     gathered: list = []
     ids = torch.arange(16).view(2, 8)
-    targets = torch.tensor([[-100, -100, 5, 5, 5, 5, 5, -100], [5] * 8])  # 13 loss tokens, 1 + 4 at this rank's
+    # 13 loss tokens, 1 + 4 of them at this rank's positions
+    targets = torch.tensor([[-100, -100, 5, 5, 5, 5, 5, -100], [5] * 8])
     plan = cp_rank(gathered).plan(stand_in(), (ids,), targets, None, None)
     assert plan.seq_len == 8 and plan.mine.tolist() == [0, 1, 6, 7]
     assert plan.local(ids).tolist() == [[0, 1, 6, 7], [8, 9, 14, 15]]
     assert plan.local(plan.positions).tolist() == [[0, 1, 6, 7]] * 2
-    share = plan.loss(torch.tensor(2.0))  # the head's mean over this rank's 5 -> its share of the mean over 13
+    share = plan.loss(torch.tensor(2.0))  # the head's mean over this rank's 5 -> its share of 13's
     assert share.item() == pytest.approx(2.0 * 5 * 2 / 13, rel=1e-6)
     h = torch.ones(2, 4, 3)
     assert plan.block(lambda x, gather: gather(x, 2), h).shape == (2, 4, 6) and gathered == [2]
@@ -81,7 +85,7 @@ def test_router_statistics_start_pass_through_each_block_and_cross_after_the_mod
     plan = ONE_DEVICE.plan(stand_in(losses=Z_ONLY), (ids, targets), None, doc_ids, None)
     assert plan.stats["z"].tolist() == [0.0]
 
-    def moe_block(x, gather=None, stats=None, real=None):  # a block adds its statistics, the last output
+    def moe_block(x, gather=None, stats=None, real=None):  # adds its statistics: the last output
         return x + 1, x - 1, {"z": stats["z"] + real.sum()}
     h = torch.zeros(2, 5, 3)
     h, other = plan.block(moe_block, h)
