@@ -14,7 +14,8 @@ State shared between layers (the rope tables, a source layer's latent and rotate
 previous layer's selection and the attention mask built from it) is an explicit block input built
 once per forward (the mask once per group of layers sharing a selection), never a mutable
 dictionary: a checkpointed or pipelined block is then a pure function of its arguments.
-The one forward serves the whole model, a pipeline stage and a context-parallel rank alike.
+The one forward reads as on one device and serves the whole model, a pipeline stage and a
+context-parallel rank alike (stage.py).
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from attention import (FULL, Mask, MaskMod, at_queries, block_mask, fused_flex_attention, layer_mask_mod,
                        new_block_mask, resolve_backend)
-from balance import RouterLosses, Stats, add_layer, real_tokens
+from balance import RouterLosses, Stats, add_layer
 from generate import generate
 from head import Head
 from large4_config import LAYOUT, PRESETS, Large4Config  # noqa: F401  (PRESETS: re-exported for users of large4)
-from layers import (Gather, RMSNorm, build, call_arguments, check_inputs, context_share, count_params,
-                    default_positions, init_weights, seeded_normal)
+from layers import (Gather, RMSNorm, build, check_inputs, count_params, init_weights,
+                    seeded_normal)
 from moe import MoE, SwiGLU
 from registry import Family
+from stage import ONE_DEVICE, ForwardPlan, StageContext
 
 # cos or sin [B, T, R/2] FP32, built once per forward; None on a pipeline stage when no layer from it on rotates
 Angles = torch.Tensor | None
@@ -370,8 +372,9 @@ class Large4Block(nn.Module):
     A pure function of its arguments (see the module docstring):
     (x, cos, sin, log_positions, visible, src_latent, src_rope_key, prev_indices, prev_mask)
         -> (y, own_latent, own_rope_key, indices, mask)
-    With the router-loss statistics so far (`stats`, and real [B, T]: false at padding), the MoE
-    adds its own and they come back as a sixth output (None without). own_* are None on a KV consumer; indices is None when attention is dense (every query may
+    Given the router-loss statistics so far (`stats`, and real [B, T]: false at padding), the MoE
+    adds its own and they come back as a sixth output (only then: stage.ForwardPlan.block). own_*
+    are None on a KV consumer; indices is None when attention is dense (every query may
     attend index_topk keys or fewer), else [B, T, k] with -1 for invalid slots. A layer whose
     indexer selects starts a group: it builds the group's attention mask from its selection, once,
     and returns it; the other layers attend with prev_mask. `cache` (generation), `backend` (flex |
@@ -400,8 +403,7 @@ class Large4Block(nn.Module):
                 prev_indices: torch.Tensor | None = None, prev_mask: Mask | None = None,
                 cache: LayerCache | None = None, backend: str = "sdpa", gather: Gather | None = None,
                 stats: Stats | None = None, real: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, Mask | None,
-                           Stats | None]:
+                ) -> tuple[torch.Tensor | Mask | Stats | None, ...]:
         attn_in = self.input_layernorm(x)
         latent, rope_key, own = src_latent, src_rope_key, self.source == self.index
         if own:
@@ -421,7 +423,8 @@ class Large4Block(nn.Module):
         else:
             routed, logits, chosen = self.mlp.routed(mlp_in)
             y, stats = h + routed, add_layer(stats, self.loss_slot, logits, chosen, real, self.mlp.router.score_function)
-        return y, (latent if own else None), (rope_key if own else None), indices, mask, stats
+        outputs = (y, (latent if own else None), (rope_key if own else None), indices, mask)
+        return outputs if stats is None else (*outputs, stats)
 
 
 def selects(top_k: int, visible: Visibility, cache: LayerCache | None) -> bool:
@@ -441,17 +444,17 @@ def router_losses_of(config: Large4Config) -> RouterLosses:
 
 
 class MistralLarge4(nn.Module):
-    """Mistral Large 4. One forward serves the whole model, a pipeline stage (parallel.py deletes
+    """Mistral Large 4. One forward serves the whole model, a pipeline stage (pipeline.py deletes
     the layers of the other stages; the embedding and the rotary (alpha) stay on the first stage,
     norm and head on the last) and a context-parallel rank. Parameter names never change. Each
     stage rebuilds the positions, SSMax's log positions and the causal and document visibility from
-    the doc_ids every stage is given. Under context parallelism (`context`, set by parallel.py)
+    the doc_ids every stage is given. Under context parallelism (`stage`, set by parallel.py)
     every rank of a cp group is given the whole batch and computes the queries at its share of the
     positions; each layer gathers the small compressed latents, rotated keys and indexer keys over
     the group, so attention and the selection see every key of the sequence, exactly."""
 
     parallel_dims = ("pp", "cp")  # the layouts its forward serves beyond data and expert parallelism (parallel.py)
-    context = None  # cp > 1: parallel.ContextParallel (this rank's positions, the sequence gather)
+    stage: StageContext = ONE_DEVICE  # the seam to the layouts (stage.py); parallel.py sets it
 
     def __init__(self, config: Large4Config, dtype: torch.dtype | None = None):
         """Bulk parameters in `dtype`; alpha, routers, indexer weights_proj and k_norm, and the head
@@ -494,55 +497,34 @@ class MistralLarge4(nn.Module):
 
     def forward(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """The whole model, or one pipeline stage of it, or one context-parallel rank's share.
+        """Token ids [B, T] -> FP32 soft-capped logits [B, T, V], or with targets [B, T] (shifted,
+        -100 ignored) the mean loss, plus the router losses when on; targets, doc_ids and
+        positions may also follow input_ids positionally. doc_ids [B, T] marks packed documents
+        (< 0: padding); positions default to restarting at each document. The visibility,
+        positions and rope tables are built once per forward and passed to every block.
 
-        inputs: where the model holds the embedding (the whole model, a first stage), input_ids
-        [B, T], optionally followed by targets, doc_ids and positions as in model(ids, targets);
-        on a later stage, the previous stage's tuple (`stage_boundary`), so the rest come by
-        keyword. -> FP32 soft-capped logits [B, T, V] (of this rank's positions under cp), the mean
-        loss when targets (already shifted, -100 ignored) are given (under cp: this rank's share of
-        the mean over all positions), plus the router losses when on, or, without a head, the next
-        stage's tuple (followed by the router-loss statistics when on). doc_ids [B, T]
-        marks packed documents (< 0: padding); positions default to restarting at each document.
-        The visibility, positions and rope tables are built once per forward (on the first stage:
-        later ones receive the tables) and passed to every block."""
-        first = self.embed_tokens is not None
-        if first:
-            inputs, targets, doc_ids, positions = call_arguments("Mistral Large 4", inputs, targets, doc_ids, positions)
-            self.check_inputs(inputs[0], targets, doc_ids, positions)
-        cp = self.context.size if self.context is not None else 1
-        batch, seq_len, device = inputs[0].shape[0], inputs[0].shape[1] * (1 if first else cp), inputs[0].device
-        mine = self.context.positions(seq_len, device) if cp > 1 else None  # [T / cp]
-        positions = default_positions(doc_ids, batch, seq_len, device) if positions is None else positions
-        positions = positions if mine is None else positions[:, mine]  # [B, T] -> [B, T / cp]
-        visible = Visibility(doc_ids, batch, positions.shape[1], seq_len, device, mine)
+        A layout enters through `self.stage` (stage.py): on a pipeline stage without the
+        embedding, the arguments are the previous stage's tuple (`stage_boundary`, which carries
+        the rope tables), and without the head the result is the next stage's; a context-parallel
+        rank computes its share of the positions (`plan.local`), its loss its share of the mean."""
+        plan = self.stage.plan(self, inputs, targets, doc_ids, positions)
+        positions = plan.local(plan.positions)  # [B, T / cp]
+        visible = Visibility(plan.doc_ids, plan.batch, positions.shape[1], plan.seq_len,
+                             plan.device, plan.mine)
         layers = [int(name) for name in self.layers]
-        stats = real = None  # the router losses' statistics, in training with a router loss on
-        if self.router_losses.active and targets is not None:
-            carried = len(self.router_losses.fields)
-            stats = self.router_losses.start(batch, device) if first else self.router_losses.unpack(inputs[-carried:])
-            inputs = inputs if first else inputs[:-carried]
-            real = real_tokens(doc_ids, batch, seq_len, device)  # [B, T]
-        if first:
-            ids = inputs[0] if mine is None else inputs[0][:, mine]  # [B, T] -> [B, T / cp]
-            h, (cos, sin), shared, indices = self.embed_tokens(ids), self.rotary(positions), {}, None
+        if self.embed_tokens is not None:
+            h, (cos, sin) = self.embed_tokens(plan.local(plan.input_ids)), self.rotary(positions)
+            shared, indices = {}, None
         else:
-            h, cos, sin, shared, indices = self._unpack(inputs, layers[0])
-        gather = None if mine is None else self.context.gather
-        mine_real = real if real is None or mine is None else real[:, mine]  # [B, T / cp]
-        h, shared, indices, stats = self.run_stage(h, cos, sin, positions, visible, shared, indices, gather=gather,
-                                                   stats=stats, real=mine_real)
+            h, cos, sin, shared, indices = self._unpack(plan.received, layers[0])
+        h, shared, indices = self.run_stage(h, cos, sin, positions, visible, shared, indices,
+                                            plan=plan)
         if self.lm_head is None:
-            statistics = () if stats is None else self.router_losses.pack(stats)
-            return self._pack(h, cos, sin, shared, indices, layers[-1] + 1) + statistics
+            return plan.send(*self._pack(h, cos, sin, shared, indices, layers[-1] + 1))
         h = self.norm(h.float())
-        if targets is None:
+        if plan.targets is None:
             return self.lm_head(h)
-        loss = self.lm_head(h, targets) if mine is None else context_share(self.lm_head(h, targets[:, mine]), targets,
-                                                                            mine, cp)
-        if stats is None:
-            return loss
-        return loss + self.router_losses.loss(stats, real, targets, None if mine is None else self.context.group)
+        return plan.loss(self.lm_head(h, plan.local(plan.targets)))
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, visible: Visibility,
                    caches: dict[int, LayerCache] | None = None) -> torch.Tensor:
@@ -552,17 +534,17 @@ class MistralLarge4(nn.Module):
 
     def run_stage(self, h: torch.Tensor, cos: Angles, sin: Angles, positions: torch.Tensor, visible: Visibility,
                   shared: dict[int, tuple] | None = None, indices: torch.Tensor | None = None,
-                  caches: dict[int, LayerCache] | None = None, gather: Gather | None = None,
-                  stats: Stats | None = None, real: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, dict[int, tuple], torch.Tensor | None, Stats | None]:
-        """The layers this module holds (all of them, or a pipeline stage's) -> (h, shared, indices,
-        stats: the router-loss statistics with these layers' added, when given; see Large4Block).
+                  caches: dict[int, LayerCache] | None = None, plan: ForwardPlan | None = None
+                  ) -> tuple[torch.Tensor, dict[int, tuple], torch.Tensor | None]:
+        """The layers this module holds (all, or a pipeline stage's) -> (h, shared, indices).
         `shared` maps a source layer to its latent and rotated key, `indices` is the current selection;
         both live only in this call (a pipeline stage receives and returns them as tensors) and
         reach each layer as arguments, as does the attention mask of the current group. That mask is
         built here for a dense forward (one group of all layers) or from a selection received from
-        the previous stage; each layer whose indexer selects builds its own group's. `gather`: see
-        Large4Block."""
+        the previous stage; each layer whose indexer selects builds its own group's. `plan`: the
+        forward's (stage.py), through which each block runs (the layout's gather, the router-loss
+        statistics); generation's adds nothing."""
+        plan = ForwardPlan() if plan is None else plan
         # Generation stays dense: a compiled flex kernel would recompile for every new key count.
         backend = "sdpa" if caches is not None else resolve_backend(self.config.attention_backend, h.device)
         log_positions = torch.log(positions.float() + 1)  # SSMax, FP32
@@ -572,12 +554,12 @@ class MistralLarge4(nn.Module):
         for layer in self.layers.values():
             source_kv = shared.get(layer.source, (None, None))
             cache = None if caches is None else caches.setdefault(layer.index, LayerCache())
-            h, latent, rope_key, indices, mask, stats = layer(
-                h, cos, sin, log_positions, visible, *source_kv, indices, mask, cache=cache, backend=backend,
-                gather=gather, stats=stats, real=real)
+            h, latent, rope_key, indices, mask = plan.block(
+                layer, h, cos, sin, log_positions, visible, *source_kv, indices, mask, cache=cache,
+                backend=backend)
             if self.config.kv_mode(layer.index) == "store":
                 shared[layer.index] = (latent, rope_key)
-        return h, shared, indices, stats
+        return h, shared, indices
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -682,7 +664,7 @@ class MistralLarge4(nn.Module):
         (latents cross gathered over the cp group)."""
         c = self.config
         sources, rope, shares = self._crossing(layer)
-        local = seq_len // (self.context.size if self.context is not None else 1)
+        local = seq_len // self.stage.cp
 
         def meta(width: int, kind: torch.dtype = dtype, length: int = local) -> torch.Tensor:
             return torch.empty(batch, length, width, dtype=kind, device="meta", requires_grad=kind.is_floating_point)

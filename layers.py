@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
-# Context parallelism's sequence gather (parallel.ContextParallel.gather): a tensor holding this rank's
+# Context parallelism's sequence gather (stage.StageContext.gather): a tensor holding this rank's
 # positions along `dim` (default 1), T / cp long, -> the whole sequence's, T long.
 Gather = Callable[..., torch.Tensor]
 

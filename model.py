@@ -8,8 +8,8 @@ SPEC.md is the contract this file implements.
 
 - FlintConfig: every field of the published config.json (defaults: the released model), the layer
   schedule, presets, reading and writing config.json; validation errors name the field.
-- The network: attention with sinks, the decoder layer, the model. The one forward serves the whole
-  model, a pipeline stage and a context-parallel rank alike.
+- The network: attention with sinks, the decoder layer, the model. The one forward reads as on one
+  device and serves the whole model, a pipeline stage and a context-parallel rank alike (stage.py).
 - The published checkpoint layout (SPEC.md), for convert.py: the key table and its FP32 keys.
 - FAMILY: what registry.py, parallel.py, train.py and convert.py read of this model.
 """
@@ -26,16 +26,17 @@ import torch
 import torch.nn as nn
 
 from attention import BACKENDS, FULL, LAYER_TYPES, SLIDING, KVCache, build_masks, resolve_backend, sink_attention
-from balance import COEFFICIENTS, NATIVE_FIELDS, RouterLosses, Stats, add_layer, check_coefficients, real_tokens
+from balance import COEFFICIENTS, NATIVE_FIELDS, RouterLosses, Stats, add_layer, check_coefficients
 from capacity import check_capacity_factor
 from files import read_config_json
 from generate import generate
 from hf_io import Layout, Part
 from head import Head
-from layers import (Gather, RMSNorm, build, call_arguments, check_inputs, context_share, count_params,
-                    default_positions, init_weights, seeded_normal)
+from layers import (Gather, RMSNorm, build, check_inputs, count_params, default_positions,
+                    init_weights, seeded_normal)
 from moe import EXPERT_BACKENDS, MoE, SwiGLU, check_bias_update_rate, check_grouped_gemm_widths
 from registry import Family, check_choices, check_positive_ints, from_preset
+from stage import ONE_DEVICE, StageContext
 
 # ============================================================================= the config
 
@@ -393,15 +394,15 @@ class DecoderLayer(nn.Module):
 
 class Flint(nn.Module):
     """The Flint decoder. One forward serves the whole model, a pipeline stage and a context-parallel
-    rank: parallel.py deletes the layers of other stages (and the embedding, or the final norm and
-    head), and sets `context`. Parameter names never change. Under context parallelism every rank of
-    a cp group is given the whole batch and computes the queries at its share of the positions
-    (`context.positions`); attention gathers the keys and values over the group, so it sees every
+    rank: pipeline.py deletes the layers of other stages (and the embedding, or the final norm and
+    head), and parallel.py sets `stage` (stage.py). Parameter names never change. Under context
+    parallelism every rank of a cp group is given the whole batch and computes the queries at its
+    share of the positions; attention gathers the keys and values over the group, so it sees every
     key of the sequence, exactly."""
 
     parallel_dims = ("pp", "cp")  # the layouts its forward serves beyond data and expert parallelism (parallel.py)
     first_stage_modules = ("embed_tokens",)  # what only the first pipeline stage keeps (pipeline.py)
-    context = None  # cp > 1: parallel.ContextParallel (this rank's positions, the sequence gather)
+    stage: StageContext = ONE_DEVICE  # the seam to the layouts (stage.py); parallel.py sets it
 
     def __init__(self, config: FlintConfig, dtype: torch.dtype | None = None):
         """Bulk parameters in `dtype`; sinks, routers and the head are always FP32.
@@ -450,51 +451,31 @@ class Flint(nn.Module):
     def forward(self, input_ids: torch.Tensor, *rest: torch.Tensor, targets: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """The whole model, or one pipeline stage of it, or one context-parallel rank's share.
+        """Token ids [B, T] -> FP32 logits [B, T, V], or with targets [B, T] (shifted, -100
+        ignored) the mean loss, plus the router losses when on; targets, doc_ids and positions may
+        also follow input_ids positionally. doc_ids [B, T] marks packed documents (< 0: padding);
+        positions default to restarting at each document. The masks and RoPE tables are built
+        once here, outside the layers.
 
-        input_ids, rest: where the model holds the embedding (the whole model, a first stage), token
-        ids [B, T], optionally followed by targets, doc_ids and positions as in model(ids, targets);
-        on a later stage, what the previous stage returned: its hidden states [B, T / cp, H], then
-        the router-loss statistics when a router loss is on (balance.py), so the others come
-        by keyword. -> FP32 logits [B, T, V] (of this rank's positions under cp), the mean loss when
-        targets are given (under cp: this rank's share of the mean over all positions), plus the
-        router losses when on, or, without a head, what the next stage takes. doc_ids [B, T] marks
-        packed documents (< 0: padding); positions default to restarting at each document. Masks
-        and RoPE tables are built once here, outside the layers, on every stage, from the doc_ids
-        every stage is given.
-        """
-        first = self.embed_tokens is not None
-        if first:
-            (x,), targets, doc_ids, positions = call_arguments("Flint", (input_ids, *rest), targets, doc_ids, positions)
-            self.check_inputs(x, targets, doc_ids, positions)
+        A layout enters through `self.stage` (stage.py): on a pipeline stage without the
+        embedding, the arguments are what the stage before sent, and without the head the result
+        is what the next stage takes; a context-parallel rank computes its share of the positions
+        (`plan.local`), its loss its share of the mean."""
+        plan = self.stage.plan(self, (input_ids, *rest), targets, doc_ids, positions)
+        rope, masks = self.block_inputs(plan.doc_ids, plan.positions, plan.batch, plan.seq_len,
+                                        plan.device, plan.mine)
+        if self.embed_tokens is not None:
+            h = self.embed(plan.local(plan.input_ids))
         else:
-            x = input_ids
-        cp = self.context.size if self.context is not None else 1
-        batch, seq_len = x.shape[0], x.shape[1] * (1 if first else cp)
-        mine = self.context.positions(seq_len, x.device) if cp > 1 else None  # [T / cp]
-        rope, masks = self.block_inputs(doc_ids, positions, batch, seq_len, x.device, mine)
-        h = self.embed(x if mine is None else x[:, mine]) if first else x  # [B, T / cp, H]
-        gather = None if mine is None else self.context.gather
-        stats = None  # the router losses' statistics, in training with a router loss on
-        if self.router_losses.active and targets is not None:
-            stats = self.router_losses.start(batch, x.device) if first else self.router_losses.unpack(rest)
-            real = real_tokens(doc_ids, batch, seq_len, x.device)  # [B, T]
-            mine_real = real if mine is None else real[:, mine]
-        for layer in self.layers.values():
-            if stats is None:
-                h = layer(h, rope, masks, gather=gather)
-            else:
-                h, stats = layer(h, rope, masks, gather=gather, stats=stats, real=mine_real)
+            h = plan.received[0]  # the hidden states [B, T / cp, H] the stage before sent
+        for layer in self.layers.values():  # [B, T / cp, H] under context parallelism
+            h = plan.block(layer, h, rope, masks)
         if self.lm_head is None:
-            return h if stats is None else (h, *self.router_losses.pack(stats))
+            return plan.send(h)
         h = self.norm(h.float())
-        if targets is None:
+        if plan.targets is None:
             return self.lm_head(h)
-        loss = self.lm_head(h, targets) if mine is None else context_share(self.lm_head(h, targets[:, mine]),
-                                                                            targets, mine, cp)
-        if stats is None:
-            return loss
-        return loss + self.router_losses.loss(stats, real, targets, None if mine is None else self.context.group)
+        return plan.loss(self.lm_head(h, plan.local(plan.targets)))
 
     def block_inputs(self, doc_ids: torch.Tensor | None, positions: torch.Tensor | None, batch: int, seq_len: int,
                      device, queries: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor], dict]:
@@ -564,7 +545,7 @@ class Flint(nn.Module):
         ranks at the first step). Token ids into the first stage, the FP32 loss out of the last; between
         stages the hidden states [B, T / cp, H] in the residual stream's dtype, then the router-loss
         statistics when a router loss is on."""
-        local = seq_len // (self.context.size if self.context is not None else 1)
+        local = seq_len // self.stage.cp
         residual = getattr(torch, self.config.residual_dtype) if self.config.residual_dtype else dtype
         between = (torch.empty(batch, local, self.config.hidden_size, dtype=residual, device="meta",
                                requires_grad=True), *self.router_losses.boundary(batch))

@@ -10,8 +10,8 @@ split, expert parallel, activation checkpointing, compile per block, then FSDP p
 units first), on the embedding and on the root. Parameter names never change, so a checkpoint
 written with one layout loads into any other. Pipeline and context parallelism run the model's
 own forward, which serves a stage (the layers, embedding or head a stage lacks are deleted) and a
-context-parallel rank (`context`) alike, for models that declare them in `parallel_dims`
-(registry.Model); this file holds no model's code.
+context-parallel rank (its `stage`, stage.py's seam) alike, for models that declare them in
+`parallel_dims` (registry.Model); this file holds no model's code.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from fp8 import FP8_RECIPES, apply_fp8
 from head import HEAD_PRECISIONS
 from moe import ExpertParallelExperts, MoE
 from pipeline import SCHEDULES, V_SCHEDULES, merged_view, pipeline_schedule, pipeline_stage
+from stage import StageContext
 
 if TYPE_CHECKING:
     from registry import ModelConfig
@@ -351,8 +352,8 @@ def unsupported_layout(cfg: ParallelConfig, model_type: type) -> LayoutError | N
 
 # ============================================================================= context parallel
 # Which positions each rank of a cp group computes, and the gather of a sequence over the group.
-# parallelize sets a model's `context` to a ContextParallel; the model's forward then computes the
-# queries of its positions and gathers keys and values.
+# parallelize gives a model the StageContext of its rank (stage.py); the model's forward then
+# computes the queries of its positions and its blocks gather keys and values.
 
 @lru_cache(maxsize=64)
 def _cp_index(seq_len: int, cp: int, rank: int, device: str) -> torch.Tensor:
@@ -380,21 +381,18 @@ def gather_sequence(t: torch.Tensor, cp_group, dim: int) -> torch.Tensor:
     return all_gather_tensor_autograd(t.contiguous(), dim, cp_group).index_select(dim, torch.argsort(gathered_order))
 
 
-@dataclass
-class ContextParallel:
-    """A cp group, as a model's forward reads it (its `context`): the positions of this rank's
-    queries, and the gather of a sequence's keys."""
-    group: dist.ProcessGroup
+def context_parallel(group: dist.ProcessGroup) -> StageContext:
+    """The StageContext (stage.py) of this rank of cp group `group`, which parallelize gives the
+    model: its queries are cp_token_index's, and its blocks gather keys and values with
+    gather_sequence."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
 
-    @property
-    def size(self) -> int:
-        return dist.get_world_size(self.group)
+    def queries(seq_len: int, device: torch.device) -> torch.Tensor:  # [T / cp]
+        return cp_token_index(seq_len, cp, rank, device)
 
-    def positions(self, seq_len: int, device) -> torch.Tensor:  # this rank's queries [T / cp]
-        return cp_token_index(seq_len, self.size, dist.get_rank(self.group), device)
-
-    def gather(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:  # [B, T / cp, ...] -> [B, T, ...]
-        return gather_sequence(t, self.group, dim)
+    def gather(t: torch.Tensor, dim: int = 1) -> torch.Tensor:  # [B, T / cp, ...] -> [B, T, ...]
+        return gather_sequence(t, group, dim)
+    return StageContext(cp, group, queries, gather)
 
 
 # ============================================================================= expert parallel, AC, compile, FSDP
@@ -578,7 +576,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
         if part.lm_head is not None:  # None on pipeline stages other than the last
             part.lm_head.precision = cfg.head_precision  # on GPUs only: the CPU's head stays FP32
         if mesh["cp"].size() > 1:
-            part.context = ContextParallel(mesh["cp"].get_group())
+            part.stage = context_parallel(mesh["cp"].get_group())
         if cfg.fp8 != "none":
             apply_fp8(part, cfg.fp8)
         if cfg.ep > 1:

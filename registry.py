@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     import torch
     import torch.nn as nn
 
+    from balance import RouterLosses
     from hf_io import Layout
+    from stage import StageContext
 
 FAMILIES: dict[str, str] = {
     "flint": "model",  # Flint: model.py
@@ -72,10 +74,13 @@ class Model(Protocol):
     """What the shared machinery reads from a model: single-device code that parallel.py lays out.
 
     Its forward(input_ids, targets=None, doc_ids=None, positions=None) returns FP32 logits, or the
-    mean loss with targets; on a later pipeline stage it takes the previous stage's outputs instead
-    of token ids (stage_io). Layers live in an nn.ModuleDict keyed by index, so a pipeline stage
-    deletes the layers it does not own (and the embedding, or the final norm and head, set to None)
-    and every parameter keeps its name in every layout."""
+    mean loss with targets. It reads as on one device; what a layout adds goes through its `stage`
+    (stage.py's seam, shared by every model): the forward plans each call with
+    `self.stage.plan(self, ...)`, and on a later pipeline stage takes the previous stage's outputs
+    instead of token ids (stage_io). Layers live in an nn.ModuleDict keyed by index, so a pipeline
+    stage deletes the layers it does not own (and the embedding, or the final norm and head, set to
+    None; the forward passes over what is missing) and every parameter keeps its name in every
+    layout."""
     config: ModelConfig
     embed_tokens: nn.Module | None
     layers: nn.ModuleDict
@@ -83,7 +88,9 @@ class Model(Protocol):
     lm_head: nn.Module | None  # head.Head
     parallel_dims: tuple[str, ...]  # the layouts its forward serves beyond data and expert parallelism: "pp", "cp"
     first_stage_modules: tuple[str, ...]  # what only the first pipeline stage keeps (the embedding, ...)
-    context: Any  # cp > 1: parallel.ContextParallel, set by parallelize (this rank's positions, the gather)
+    # What a layout adds to its forward (stage.py): one device, unless parallelize sets a cp rank's.
+    stage: StageContext
+    router_losses: RouterLosses  # what its config asks for (balance.py); its stage plans them
 
     def init_weights(self, seed: int = 0) -> None: ...
 

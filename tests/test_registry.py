@@ -66,7 +66,7 @@ def test_each_familys_layout_and_timed_modules_fit_its_model(name):
 def declared(protocol: type) -> dict[str, object]:
     """The members a protocol declares: attribute annotations and methods, by name."""
     members = {name: None for name in typing.get_type_hints(protocol, globalns=vars(registry), localns={
-        "nn": torch.nn, "torch": torch, "Layout": object})}
+        "nn": torch.nn, "torch": torch, "Layout": object, "RouterLosses": object, "StageContext": object})}
     members.update({name: value for name, value in vars(protocol).items()
                     if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, classmethod))})
     return members
