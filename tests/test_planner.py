@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import tools.planner as planner
-from config import ConfigError
-from helpers import only
+from config import ConfigError, load_config
+from helpers import only, stops_with_one_line
 from registry import family
 from tools.op_trace import OpCost, trace_step
 from parallel import ParallelConfig
@@ -288,3 +288,98 @@ def test_large4_context_parallel_gathers_its_latent():
     gathered = tokens * 2 * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
     ring = gathered / 2 / (h100.nvlink * NVLINK_RING_EFFICIENCY)
     assert item.seconds == pytest.approx(c.num_hidden_layers * 3 * ring)
+
+
+def parameters_by_hand(c) -> int:
+    """Every parameter of a Flint config, from its fields: per block the attention projections, the q/k
+    norms, the sinks and the two block norms, then a dense MLP or router + experts + shared expert; the
+    embedding, the final norm and the (untied) head."""
+    h, d = c.hidden_size, c.head_dim
+    attention = h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 2 * d + c.num_attention_heads + 2 * h
+    dense = 3 * h * c.intermediate_size
+    moe = c.num_experts * h + 3 * c.num_experts * h * c.moe_intermediate_size + 3 * h * c.shared_expert_intermediate_size
+    blocks = sum(attention + (dense if i in c.mlp_only_layers else moe) for i in range(c.num_hidden_layers))
+    return blocks + 2 * c.vocab_size * h + h
+
+
+@FLINT
+def test_optimizer_traffic_is_adamws_bytes_per_parameter_by_hand():
+    """AdamW's step over FP32 shards moves, per trainable parameter: reads the weight, the gradient and the
+    two moments (4 x 4 bytes), writes the weight and the two moments (3 x 4), and the gradient norm reads
+    the gradient once more (4): 32 bytes, at HBM's calibrated 87 %. dp_shard 2 x ep 2 on 4 GPUs: each
+    GPU holds a quarter of every parameter (experts over ep x dp_shard, the rest over dp_shard x ep)."""
+    from config import load_config
+    from helpers import build
+    cfg = load_config(ROOT / "configs" / "flint-8gpu.toml", ["--model.preset=tiny", "--data.seq_len=64"])
+    c = cfg.model_config
+    params = parameters_by_hand(c)
+    assert params == build(c).num_params() == 404_504  # the hand count is the model's
+    layout = ParallelConfig(dp_shard=2, ep=2, activation_checkpointing="full").resolve(4, c.num_experts)
+    h100 = GPUS["H100"]
+    item = next(i for i in planner.plan_step(cfg, layout, h100).items if i.label.startswith("AdamW"))
+    read, written, norm = 4 + 4 + 4 + 4, 4 + 4 + 4, 4
+    expected = (read + written + norm) * params / 4 / (h100.hbm * 0.87)
+    assert item.seconds == pytest.approx(expected, rel=1e-12) and item.exposed == item.seconds
+
+
+@FLINT
+def test_every_parameter_is_reduce_scattered_once_in_fp32():
+    """The FSDP units' gradient bytes (the reduce-scatters' third and fourth fields) cover the whole model
+    once, 4 bytes per parameter: a unit left out or counted twice moves the collectives' time."""
+    c = tiny()
+    layout = ParallelConfig(dp_shard=4).resolve(4, c.num_experts)
+    assert sum(o + e for _, _, o, e in unit_bytes(c, layout, 2)) == 4 * parameters_by_hand(c)
+
+
+@pytest.fixture
+def recorded_search(monkeypatch):
+    """tools.search.search replaced by a recorder that finds nothing: what the planner's flags hand it,
+    without a trace."""
+    import tools.search
+    calls = []
+    monkeypatch.setattr(tools.search, "search",
+                        lambda cfg, gpus, device, tokens, modes: calls.append((gpus, tokens, modes)) or [])
+    monkeypatch.chdir(ROOT)
+    return calls
+
+
+SEARCH = ["--search", "--config", "configs/flint-8gpu.toml", "--model.preset=tiny", "--data.seq_len=64"]
+
+
+@FLINT
+@pytest.mark.parametrize("argv, kind, named, pattern", [
+    (["--checkpointing", "bogus"], SystemExit, "--checkpointing", r"unknown name 'bogus'; choose from none,full,sel"),
+    (["--checkpointing", "full,"], SystemExit, "--checkpointing", r"unknown name ''"),
+    (["--checkpointing", "full,full"], SystemExit, "--checkpointing", r"given twice"),
+    (["--tokens-per-step", "0"], SystemExit, "--tokens-per-step", r"must be >= 1, got 0$"),
+    (["--tokens-per-step", "-4096"], SystemExit, "--tokens-per-step", r"must be >= 1, got -4096$"),
+    (["--tokens-per-step", "1e6"], SystemExit, "--tokens-per-step", r"expected an integer >= 1, got '1e6'"),
+    (["--gpus", "0"], SystemExit, "--gpus", r"must be >= 1, got 0$"),
+    (["--gpus", "-8"], SystemExit, "--gpus", r"must be >= 1, got -8$"),
+    (["--gpus", "7"], ConfigError, "--gpus 7", r"must equal the world size"),
+    (["--gpu", "A100"], ConfigError, "--gpu", r"unknown GPU 'A100'"),
+    (["--config", "configs/missing.toml"], ConfigError, "configs/missing.toml", r"cannot read config file"),
+    (["--data.seq_len=0"], ConfigError, "data.seq_len", r"seq_len"),
+    (["--parallel.activation_checkpointing=sometimes"], ConfigError, "activation_checkpointing", r"sometimes"),
+])
+def test_planner_refuses_each_bad_flag_in_one_line(recorded_search, argv, kind, named, pattern):
+    stops_with_one_line(lambda: planner.main([*SEARCH, *argv]), kind, named, pattern)
+    assert recorded_search == []
+
+
+@FLINT
+def test_planner_flags_at_their_boundaries_reach_the_search(recorded_search, capsys):
+    """The smallest accepted values arrive unchanged; without --tokens-per-step the step is the config's
+    global batch: rows x seq_len x grad_accum x the data-parallel ranks (dp_replicate x dp_shard x ep)."""
+    planner.main([*SEARCH, "--tokens-per-step", "1", "--checkpointing", "full"])
+    assert recorded_search.pop() == (8, 1, ("full",))
+    assert "1 tokens per step, 0 layouts fit" in capsys.readouterr().out
+    planner.main([*SEARCH, "--gpus", "1", "--parallel.dp_shard=1", "--parallel.ep=1",
+                  "--checkpointing", "none,full,selective"])
+    cfg = load_config(ROOT / "configs" / "flint-8gpu.toml", ["--model.preset=tiny", "--data.seq_len=64"])
+    one_rank = cfg.training.batch_size * 64 * cfg.training.grad_accum  # one data-parallel rank
+    assert recorded_search.pop() == (1, one_rank, ("none", "full", "selective"))
+    planner.main(SEARCH)
+    p = cfg.parallel
+    assert p.dp_replicate * p.dp_shard * p.ep == 8  # flint-8gpu: dp_shard 2 x ep 4, one replica
+    assert recorded_search.pop() == (8, 8 * one_rank, None)

@@ -75,10 +75,11 @@ from pathlib import Path
 import torch
 
 from config import ConfigError, TrainConfig, load_config
+from tools.flags import OneLineParser, names_from, positive
 from tools.memory import GPU_GIB, _meta_model, _stage_params, accumulation_of
 from registry import FAMILIES, ModelConfig
 from tools.op_trace import OpCost, trace_step
-from parallel import MESH_DIMS, ParallelConfig
+from parallel import AC_MODES, MESH_DIMS, ParallelConfig
 
 TFLOPS, TBPS, GBPS = 1e12, 1e12, 1e9
 
@@ -715,19 +716,21 @@ def load_plan_config(config: str | None, preset: str | None, overrides: list[str
 
 
 def main(argv: list[str] | None = None) -> Plan | None:
-    parser = argparse.ArgumentParser(description="Predicted step time, tokens/s and MFU per GPU (no GPU needed).",
-                                     epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192")
+    parser = OneLineParser(description="Predicted step time, tokens/s and MFU per GPU (no GPU needed).",
+                           epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192")
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--config", help="a training TOML: its [model], [data] seq_len, [training] batch_size "
                        "and grad_accum, and [parallel] layout")
     shape.add_argument("--preset", help="a model preset at bench.py's shape (default with --gpu cpu: bench-cpu)")
     parser.add_argument("--gpu", default="H100", help=f"{', '.join(GPUS)}, or cpu: this machine, measured now")
-    parser.add_argument("--gpus", type=int, help="GPUs in all (default: what the config's layout needs)")
+    parser.add_argument("--gpus", type=positive, help="GPUs in all (default: what the config's layout needs)")
     parser.add_argument("--validate", action="store_true", help="the published runs against their predictions")
     parser.add_argument("--search", action="store_true", help="rank every layout of --gpus that fits (tools/search.py)")
-    parser.add_argument("--tokens-per-step", type=int, help="with --search: the global batch (default: the config's)")
-    parser.add_argument("--checkpointing", help="with --search: the activation checkpointing modes to try, "
-                        "comma-separated (default: none,selective,full)")
+    parser.add_argument("--tokens-per-step", type=positive,
+                        help="with --search: the global batch (default: the config's)")
+    parser.add_argument("--checkpointing", type=names_from(AC_MODES),
+                        help="with --search: the activation checkpointing modes to try, comma-separated "
+                        f"(default: all: {','.join(AC_MODES)})")
     args, overrides = parser.parse_known_args(argv)
     if args.validate:
         print(validation_table())
@@ -737,8 +740,6 @@ def main(argv: list[str] | None = None) -> Plan | None:
     device = device_named(args.gpu)
     cfg = load_plan_config(args.config, args.preset, overrides)
     layout = cfg.parallel
-    if args.gpus is not None and args.gpus < 1:
-        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
     gpus = args.gpus or layout.named_world_size
     try:
         layout = layout.resolve(gpus, cfg.model_config.num_experts)
@@ -747,12 +748,13 @@ def main(argv: list[str] | None = None) -> Plan | None:
     started = time.perf_counter()
     if args.search:
         from tools.search import search, search_table, tokens_per_step
-        tokens = args.tokens_per_step or tokens_per_step(cfg, gpus)
-        modes = tuple(args.checkpointing.split(",")) if args.checkpointing else None
+        tokens = args.tokens_per_step if args.tokens_per_step is not None else tokens_per_step(cfg, gpus)
+        modes = tuple(args.checkpointing) if args.checkpointing else None
         found = search(cfg, gpus, device, tokens, modes)
         print(f"{Path(cfg.source).name} on {gpus} x {device.name}: {tokens:,} tokens per step, {len(found)} layouts "
               f"fit ({time.perf_counter() - started:.0f} s)")
-        print(search_table(found))
+        print(search_table(found) if found else f"none: a layout needs --tokens-per-step a multiple of seq_len "
+              f"{cfg.data.seq_len} x rows x its data-parallel ranks, and its memory estimate to fit the GPU")
         return found[0].plan if found else None
     plan = plan_step(cfg, layout, device)
     print(f"{Path(cfg.source).name}: seq_len {cfg.data.seq_len}, batch_size {cfg.training.batch_size} x "

@@ -115,7 +115,9 @@ def search(cfg: TrainConfig, gpus: int, device: Device, tokens: int | None = Non
            checkpointing_modes: tuple[str, ...] | None = None) -> list[Candidate]:
     """The layouts that fit, best calibrated tokens/s per GPU first; `checkpointing_modes` narrows the modes
     tried (default: all)."""
-    tokens = tokens or tokens_per_step(cfg, gpus)
+    tokens = tokens_per_step(cfg, gpus) if tokens is None else tokens
+    if tokens < 1:  # 0 would be every layout's step of no micro-batches
+        raise ValueError(f"tokens per step must be >= 1, got {tokens}")
     config, seq_len = cfg.model_config, cfg.data.seq_len
     found = []
     for layout, rows, accum in candidates(cfg, gpus, device, tokens, checkpointing_modes or CHECKPOINTING):
