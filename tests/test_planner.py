@@ -316,10 +316,15 @@ def test_optimizer_traffic_is_adamws_bytes_per_parameter_by_hand():
     assert params == build(c).num_params() == 404_504  # the hand count is the model's
     layout = ParallelConfig(dp_shard=2, ep=2, activation_checkpointing="full").resolve(4, c.num_experts)
     h100 = GPUS["H100"]
-    item = next(i for i in planner.plan_step(cfg, layout, h100).items if i.label.startswith("AdamW"))
+    plan = planner.plan_step(cfg, layout, h100)
+    item = next(i for i in plan.items if i.label.startswith("AdamW"))
     read, written, norm = 4 + 4 + 4 + 4, 4 + 4 + 4, 4
     expected = (read + written + norm) * params / 4 / (h100.hbm * 0.87)
     assert item.seconds == pytest.approx(expected, rel=1e-12) and item.exposed == item.seconds
+    tokens = cfg.training.batch_size * 64 * cfg.training.grad_accum  # each GPU's rows (no pp, no cp)
+    assert plan.tokens_per_gpu == tokens
+    model_tflops = build(c).flops_per_token(64) * tokens / plan.step_seconds
+    assert plan.mfu == pytest.approx(model_tflops / h100.bf16, rel=1e-12)
 
 
 @FLINT
@@ -383,3 +388,53 @@ def test_planner_flags_at_their_boundaries_reach_the_search(recorded_search, cap
     p = cfg.parallel
     assert p.dp_replicate * p.dp_shard * p.ep == 8  # flint-8gpu: dp_shard 2 x ep 4, one replica
     assert recorded_search.pop() == (8, 8 * one_rank, None)
+
+
+@FLINT
+def test_pipeline_sends_and_bubble_by_hand():
+    """pp 2 x dp_shard 2 on one node, 256 tokens a micro-batch: each stage sends its [tokens, H] BF16
+    activations forward and their gradients back (2 transfers) at NCCL's 80 % of NVLink; the 1F1B bubble
+    is (pp - 1) / (pp micro-batches) of the compute, (pp - 1) / (4 x 2) when sync_last joins 4 micro-batches
+    into a call (8 micro-batches); Interleaved1F1B with 2 stages a rank runs 4 a call, bubble 1 / (4 x 2).
+    pp 2 x dp_shard 8 on 16 GPUs: the stages are 8 ranks apart, on two nodes: the NIC at 90 %."""
+    c, h100, tokens, compute = tiny(), GPUS["H100"], 256, 1.0
+    one_f_one_b = ParallelConfig(pp=2, dp_shard=2).resolve(4, c.num_experts)
+    sends, bubble = planner.pipeline_items(c, one_f_one_b, Pricing(h100), tokens, 2, compute)
+    assert sends.seconds == pytest.approx(2 * tokens * c.hidden_size * 2 / (h100.nvlink * 0.80))
+    assert bubble.seconds == pytest.approx(1 / 2) and bubble.exposed == bubble.seconds
+    joined = planner.pipeline_items(c, one_f_one_b, Pricing(h100), tokens, 2, compute, joined=4)[1]
+    assert joined.seconds == pytest.approx(1 / 8)
+    interleaved = ParallelConfig(pp=2, dp_shard=2, pp_schedule="Interleaved1F1B",
+                                 pp_stages_per_rank=2).resolve(4, c.num_experts)
+    assert planner.pipeline_items(c, interleaved, Pricing(h100), tokens, 2, compute)[1].seconds == pytest.approx(1 / 8)
+    two_nodes = ParallelConfig(pp=2, dp_shard=8).resolve(16, c.num_experts)
+    sends = planner.pipeline_items(c, two_nodes, Pricing(h100), tokens, 2, compute)[0]
+    assert sends.seconds == pytest.approx(2 * tokens * c.hidden_size * 2 / (h100.network * 0.90))
+    assert planner.pipeline_items(c, ParallelConfig(dp_shard=4).resolve(4, c.num_experts), Pricing(h100),
+                                  tokens, 2, compute) == []
+
+
+@FLINT
+def test_grouped_gemm_rows_and_their_tile_loss_by_hand():
+    """512 tokens top-2 on ep 2 of 8 experts: each rank's 4 experts compute 512 x 2 x 2 / 8 = 256 rows
+    (balanced); a grouped GEMM at r rows per expert loses its half-empty last 128-row tile:
+    70 % x r / (r + 64) of the BF16 peak; a dense matmul stays at 70 %."""
+    c, h100 = tiny(), GPUS["H100"]
+    layout = ParallelConfig(dp_shard=2, ep=2).resolve(4, c.num_experts)
+    assert planner.expert_rows(c, layout, 512) == 512 * 2 * 2 / 8 == 256
+    grouped = OpCost("forward", "layers.*.mlp.experts", "_grouped_mm", "bfloat16", "", False, flops=1e12)
+    dense = dataclasses.replace(grouped, op="mm")
+    assert Pricing(h100, expert_rows=256).seconds(grouped)[0] == pytest.approx(1e12 / (h100.bf16 * 0.70 * 256 / 320))
+    assert Pricing(h100, expert_rows=256).seconds(dense)[0] == pytest.approx(1e12 / (h100.bf16 * 0.70))
+
+
+@FLINT
+def test_flex_kernel_seconds_by_hand():
+    """At 100 % of peak (no tile ratio): per attended key 2 of the model's 6 FLOPs in forward, 2 more in a
+    full recompute, 5 in backward; selective checkpointing recomputes ceil(6 / 2) = 3 of tiny's 6 blocks."""
+    c, h100, tokens = tiny(), GPUS["H100"], 128
+    unit = attention_flops_per_token(c, 64) * tokens / 6 / h100.bf16
+    bound = Pricing(h100, calibrated=False)
+    assert planner.attention_seconds(c, bound, 64, tokens, "none") == pytest.approx((2 + 5) * unit)
+    assert planner.attention_seconds(c, bound, 64, tokens, "full") == pytest.approx((2 + 2 + 5) * unit)
+    assert planner.attention_seconds(c, bound, 64, tokens, "selective") == pytest.approx((2 + 2 * 3 / 6 + 5) * unit)
