@@ -304,13 +304,14 @@ def parameters_by_hand(c) -> int:
 
 @FLINT
 def test_optimizer_traffic_is_adamws_bytes_per_parameter_by_hand():
-    """AdamW's step over FP32 shards moves, per trainable parameter: reads the weight, the gradient and the
+    """AdamW's step over FP32 shards moves, once a step of 2 micro-batches, per trainable parameter: reads the weight, the gradient and the
     two moments (4 x 4 bytes), writes the weight and the two moments (3 x 4), and the gradient norm reads
     the gradient once more (4): 32 bytes, at HBM's calibrated 87 %. dp_shard 2 x ep 2 on 4 GPUs: each
     GPU holds a quarter of every parameter (experts over ep x dp_shard, the rest over dp_shard x ep)."""
     from config import load_config
     from helpers import build
-    cfg = load_config(ROOT / "configs" / "flint-8gpu.toml", ["--model.preset=tiny", "--data.seq_len=64"])
+    cfg = load_config(ROOT / "configs" / "flint-8gpu.toml", ["--model.preset=tiny", "--data.seq_len=64",
+                                                             "--training.grad_accum=2"])
     c = cfg.model_config
     params = parameters_by_hand(c)
     assert params == build(c).num_params() == 404_504  # the hand count is the model's
@@ -321,7 +322,7 @@ def test_optimizer_traffic_is_adamws_bytes_per_parameter_by_hand():
     read, written, norm = 4 + 4 + 4 + 4, 4 + 4 + 4, 4
     expected = (read + written + norm) * params / 4 / (h100.hbm * 0.87)
     assert item.seconds == pytest.approx(expected, rel=1e-12) and item.exposed == item.seconds
-    tokens = cfg.training.batch_size * 64 * cfg.training.grad_accum  # each GPU's rows (no pp, no cp)
+    tokens = cfg.training.batch_size * 64 * 2  # each GPU's rows of its 2 micro-batches (no pp, no cp)
     assert plan.tokens_per_gpu == tokens
     model_tflops = build(c).flops_per_token(64) * tokens / plan.step_seconds
     assert plan.mfu == pytest.approx(model_tflops / h100.bf16, rel=1e-12)
