@@ -367,10 +367,19 @@ SEARCH = ["--search", "--config", "configs/flint-8gpu.toml", "--model.preset=tin
     (["--config", "configs/missing.toml"], ConfigError, "configs/missing.toml", r"cannot read config file"),
     (["--data.seq_len=0"], ConfigError, "data.seq_len", r"seq_len"),
     (["--parallel.activation_checkpointing=sometimes"], ConfigError, "activation_checkpointing", r"sometimes"),
+    (["--preset", "tiny"], SystemExit, "--preset", r"not allowed with argument --config"),
+    (["--validate"], ConfigError, "--validate", r"drop --config --search --model.preset=tiny --data.seq_len=64"),
 ])
 def test_planner_refuses_each_bad_flag_in_one_line(recorded_search, argv, kind, named, pattern):
     stops_with_one_line(lambda: planner.main([*SEARCH, *argv]), kind, named, pattern)
     assert recorded_search == []
+
+
+@FLINT
+@pytest.mark.parametrize("flag", [["--tokens-per-step", "4096"], ["--checkpointing", "full"]])
+def test_the_searchs_flags_without_search_are_refused_not_ignored(recorded_search, flag):
+    argv = ["--config", "configs/flint-8gpu.toml", *flag]
+    stops_with_one_line(lambda: planner.main(argv), ConfigError, flag[0], r"applies to --search only")
 
 
 @FLINT

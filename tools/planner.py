@@ -715,6 +715,19 @@ def load_plan_config(config: str | None, preset: str | None, overrides: list[str
     return load_bench_config(args)
 
 
+def check_flag_combinations(args: argparse.Namespace, overrides: list[str]) -> None:
+    """Flags that would be ignored are refused: the search's own flags without --search, and anything
+    beside --validate, which prices the published runs' configs on H100s."""
+    for flag in ("tokens_per_step", "checkpointing"):
+        if getattr(args, flag) is not None and not args.search:
+            raise ConfigError(f"--{flag.replace('_', '-')} applies to --search only; add --search or drop it")
+    if args.validate:
+        given = [f"--{flag}" for flag in ("config", "preset", "gpus", "search") if getattr(args, flag)]
+        given += overrides + (["--gpu"] if args.gpu != "H100" else [])
+        if given:
+            raise ConfigError(f"--validate prices the published runs' own configs on H100s; drop {' '.join(given)}")
+
+
 def main(argv: list[str] | None = None) -> Plan | None:
     parser = OneLineParser(description="Predicted step time, tokens/s and MFU per GPU (no GPU needed).",
                            epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192")
@@ -732,6 +745,7 @@ def main(argv: list[str] | None = None) -> Plan | None:
                         help="with --search: the activation checkpointing modes to try, comma-separated "
                         f"(default: all: {','.join(AC_MODES)})")
     args, overrides = parser.parse_known_args(argv)
+    check_flag_combinations(args, overrides)
     if args.validate:
         print(validation_table())
         return None
