@@ -44,6 +44,8 @@ def test_a_nan_or_infinite_value_is_a_difference_never_agreement():
     both = records((5.0, 2.0), (nan, 1.0))
     assert compare(both, both) == "loss is nan at step 2 in the old run"
     assert compare([], []) == "no steps logged by either run"
+    unlogged = [{"step": 1, "loss": 5.0}]
+    assert compare(unlogged, unlogged) == "grad_norm is None at step 1 in the old run"
     assert compare(records((5.0, 1e300)), records((5.0, 1e300))) == "identical"  # finite, however large
 
 
@@ -86,3 +88,22 @@ def test_the_smallest_accepted_flags_reach_the_runs_and_a_difference_exits_1(tmp
     stops_with_one_line(lambda: compare_trees.main(argv), SystemExit, "1 of 1 runs differ", "")
     assert trained == [("old", model, "one", 1), ("new", model, "one", 1)]
     assert "largest relative difference 5.0e-01, first at step 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, pattern", [
+    (None, r"cannot read .*metrics.jsonl: \[Errno 2\]"),
+    ('{"step": 1, "loss": 5.0}\n{"step": 2,', r"cannot read .*metrics.jsonl: Expecting"),
+    ('{"step": 1, "loss": 5.0}\n[1, 2]\n', r"metrics.jsonl holds a line that is not a JSON object"),
+])
+def test_a_missing_or_damaged_metrics_file_is_one_line(tmp_path, text, pattern):
+    metrics = tmp_path / "metrics.jsonl"
+    if text is not None:
+        metrics.write_text(text)
+    stops_with_one_line(lambda: compare_trees.logged_steps(metrics, "old: debug one"), SystemExit, "old: debug one",
+                        pattern)
+
+
+def test_the_training_records_are_the_lines_with_a_step_and_a_loss(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 5.0, "grad_norm": 2.0}\n{"step": 1, "val_loss": 5.5}\n{"run": "x"}\n')
+    assert compare_trees.logged_steps(metrics, "old") == [{"step": 1, "loss": 5.0, "grad_norm": 2.0}]

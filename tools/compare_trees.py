@@ -62,7 +62,18 @@ def train(tree: Path, model: str, layout: str, steps: int, work: Path) -> list[d
                             capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if result.returncode:
         raise SystemExit(f"{tree}: {model} {layout} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return logged_steps(run_dir / "metrics.jsonl", f"{tree}: {model} {layout}")
+
+
+def logged_steps(metrics: Path, run: str) -> list[dict]:
+    """The training records ({step, loss, grad_norm, ...}) of a run's metrics JSONL; a missing file or a
+    line that is not a JSON object stops in one line naming it."""
+    try:
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{run}: cannot read {metrics}: {error}") from error
+    if not all(isinstance(r, dict) for r in records):
+        raise SystemExit(f"{run}: {metrics} holds a line that is not a JSON object")
     return [r for r in records if "loss" in r and "step" in r]
 
 
@@ -71,8 +82,9 @@ def not_finite(run: list[dict], name: str) -> str | None:
     nothing, so the relative difference below would read it as agreement)."""
     for record in run:
         for key in ("loss", "grad_norm"):
-            if not math.isfinite(record[key]):
-                return f"{key} is {record[key]} at step {record['step']} in the {name} run"
+            value = record.get(key)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                return f"{key} is {value!r} at step {record['step']} in the {name} run"
     return None
 
 
