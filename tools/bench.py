@@ -531,8 +531,11 @@ def print_summary(result: dict) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags; the rest must be --section.key=value overrides (checked by load_bench_config)."""
-    parser = OneLineParser(description=__doc__.split("\n")[0],
-                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = OneLineParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--preset", help="a preset of the model family ([model].family; default: its bench preset, "
                                         "Flint's bench-cpu)")
@@ -592,7 +595,8 @@ def sweep_lengths(text: str) -> list[int]:
 
 
 def check_json_target(path: Path | None) -> None:
-    """--json is written after minutes of timing: a path that cannot take the file is refused first."""
+    """--json is written after minutes of timing: a path that cannot take the file is refused
+    first."""
     if path is None:
         return
     if path.is_dir():

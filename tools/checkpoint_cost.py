@@ -12,7 +12,6 @@ only at the end. Everything is written under a temporary directory.
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import checkpoint
 import train
@@ -45,15 +44,19 @@ def timed_run(config: str, steps: int, every: str, async_save: str, directory: s
 
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="a training config, e.g. configs/debug.toml")
+    parser.add_argument(
+        "--config", required=True, help="a training config, e.g. configs/debug.toml"
+    )
     parser.add_argument("--steps", type=positive, default=40)
     parser.add_argument("--every", type=positive, default=5)
     parser.add_argument("--rounds", type=positive, default=3)
     args = parser.parse_args(argv)
     load_config(args.config)  # a missing or broken config stops here, before the first of many runs
     if args.steps < 2 * args.every:  # the last save is left out: one must remain to time
-        raise ConfigError(f"--steps must be at least twice --every (two saves, the last one not timed), "
-                          f"got --steps {args.steps} --every {args.every}")
+        raise ConfigError(
+            f"--steps must be at least twice --every (two saves, the last one not timed), "
+            f"got --steps {args.steps} --every {args.every}"
+        )
     results: dict[str, list[tuple[list[float], float]]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as scratch:
         for round_ in range(args.rounds):

@@ -7,7 +7,8 @@ with each tree's own train.py (under torchrun for the 2-process layouts), and co
 gradient norms every step logs. A tree is any checkout (`git worktree add /tmp/old COMMIT`). Both trees get the same config,
 written here from what every tree since the first layouts understands, so an old tree needs none of the
 new configs. Prints one line per debug model and layout: identical, or the largest relative difference and the
-first step where the two runs part (a NaN or infinite loss or norm is a difference); exits 1 if any run differs.
+first step where the two runs part (a NaN or infinite loss or norm is a difference); exits 1 if any
+run differs.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def train(tree: Path, model: str, layout: str, steps: int, work: Path) -> list[d
 
 
 def logged_steps(metrics: Path, run: str) -> list[dict]:
-    """The training records ({step, loss, grad_norm, ...}) of a run's metrics JSONL; a missing file or a
-    line that is not a JSON object stops in one line naming it."""
+    """The training records ({step, loss, grad_norm, ...}) of a run's metrics JSONL; a missing
+    file or a line that is not a JSON object stops in one line naming it."""
     try:
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
     except (OSError, ValueError) as error:
@@ -78,8 +79,8 @@ def logged_steps(metrics: Path, run: str) -> list[dict]:
 
 
 def not_finite(run: list[dict], name: str) -> str | None:
-    """The first loss or gradient norm of `run` that is NaN or infinite, said as a failure (NaN equals
-    nothing, so the relative difference below would read it as agreement)."""
+    """The first loss or gradient norm of `run` that is NaN or infinite, said as a failure (NaN
+    equals nothing, so the relative difference below would read it as agreement)."""
     for record in run:
         for key in ("loss", "grad_norm"):
             value = record.get(key)
@@ -89,8 +90,9 @@ def not_finite(run: list[dict], name: str) -> str | None:
 
 
 def compare(old: list[dict], new: list[dict]) -> str:
-    """'identical', or the largest relative difference of loss and gradient norm and the first step that
-    differs; a run with no steps, or with a NaN or infinite value, is a difference of its own."""
+    """'identical', or the largest relative difference of loss and gradient norm and the first
+    step that differs; a run with no steps, or with a NaN or infinite value, is a difference of
+    its own."""
     if [r["step"] for r in old] != [r["step"] for r in new]:
         return f"different steps logged: {[r['step'] for r in old]} vs {[r['step'] for r in new]}"
     if not old:
@@ -112,7 +114,9 @@ def checkout(text: str) -> Path:
     """An argparse type: a directory holding a train.py (a checkout of this repository)."""
     tree = Path(text).resolve()
     if not (tree / "train.py").is_file():
-        raise argparse.ArgumentTypeError(f"{text} is not a checkout: {tree / 'train.py'} does not exist")
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a checkout: {tree / 'train.py'} does not exist"
+        )
     return tree
 
 
@@ -122,8 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("new", type=checkout)
     parser.add_argument("--steps", type=positive, default=6)
     parser.add_argument("--layouts", type=names_from(LAYOUTS), default=list(LAYOUTS))
-    parser.add_argument("--models", type=names_from(DEBUG_MODELS), default=list(DEBUG_MODELS),
-                        help="debug configs' names")
+    parser.add_argument(
+        "--models",
+        type=names_from(DEBUG_MODELS),
+        default=list(DEBUG_MODELS),
+        help="debug configs' names",
+    )
     args = parser.parse_args(argv)
     differ = 0
     with tempfile.TemporaryDirectory() as work:

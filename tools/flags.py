@@ -18,14 +18,18 @@ class OneLineParser(argparse.ArgumentParser):
 
 def at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an integer >= `low` (the message names the bound and the value given)."""
+
     def integer(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {low}, got {text!r}"
+            ) from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
+
     return integer
 
 
@@ -52,8 +56,11 @@ def names_from(known: Iterable[str]) -> Callable[[str], list[str]]:
         chosen = text.split(",")
         for name in chosen:
             if name not in known:
-                raise argparse.ArgumentTypeError(f"unknown name {name!r}; choose from {','.join(known)}")
+                raise argparse.ArgumentTypeError(
+                    f"unknown name {name!r}; choose from {','.join(known)}"
+                )
         if len(set(chosen)) < len(chosen):
             raise argparse.ArgumentTypeError(f"a name given twice in {text!r}")
         return chosen
+
     return names

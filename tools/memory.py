@@ -237,11 +237,14 @@ def memory_table(config: ModelConfig, layouts: list[tuple[str, ParallelConfig]],
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = OneLineParser(description="Memory per GPU of parallel layouts (no GPU needed).",
-                           epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192")
+    parser = OneLineParser(
+        description="Memory per GPU of parallel layouts (no GPU needed).",
+        epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192",
+    )
     parser.add_argument("--config", required=True, help="a training TOML: its [model], [data] seq_len, "
                         "[training] batch_size and [parallel] layout")
-    parser.add_argument("--gpus", type=positive, help="the GPUs to lay out (default: what the config's layout needs); "
+    parser.add_argument("--gpus", type=positive,
+                        help="the GPUs to lay out (default: what the config's layout needs); "
                         "also lists candidate layouts for that many")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)

@@ -196,15 +196,22 @@ def matmul_split(steps: dict[str, Callable], rotations: int, top: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=positive, default=2048, help="tokens per step (default 2048)")
+    parser.add_argument(
+        "--tokens", type=positive, default=2048, help="tokens per step (default 2048)"
+    )
     parser.add_argument("--reps", type=positive, default=30, help="rotations timed (default 30)")
-    parser.add_argument("--warmup", type=non_negative, default=3, help="untimed steps per layer first (default 3)")
+    parser.add_argument(
+        "--warmup", type=non_negative, default=3, help="untimed steps per layer first (default 3)"
+    )
     parser.add_argument("--threads", type=positive, default=1, help="torch threads (default 1)")
     parser.add_argument("--router", choices=("sigmoid", "softmax"), default="sigmoid",
                         help="sigmoid: Flint's router; softmax: Large 4's (renormalised, scaled)")
     parser.add_argument("--bf16", action="store_true", help="also time torchtitan's shipped BF16 expert matmuls")
-    parser.add_argument("--profile-steps", type=positive, default=9, help="profiled rotations (default 9)")
-    parser.add_argument("--top", type=non_negative, default=6, help="costliest non-matmul ops listed per layer")
+    parser.add_argument(
+        "--profile-steps", type=positive, default=9, help="profiled rotations (default 9)"
+    )
+    parser.add_argument("--top", type=non_negative, default=6,
+                        help="costliest non-matmul ops listed per layer")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="In CPU autocast")  # torchtitan's FP32 router autocast

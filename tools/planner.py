@@ -716,34 +716,48 @@ def load_plan_config(config: str | None, preset: str | None, overrides: list[str
 
 
 def check_flag_combinations(args: argparse.Namespace, overrides: list[str]) -> None:
-    """Flags that would be ignored are refused: the search's own flags without --search, and anything
-    beside --validate, which prices the published runs' configs on H100s."""
+    """Flags that would be ignored are refused: the search's own flags without --search, and
+    anything beside --validate, which prices the published runs' configs on H100s."""
     for flag in ("tokens_per_step", "checkpointing"):
         if getattr(args, flag) is not None and not args.search:
-            raise ConfigError(f"--{flag.replace('_', '-')} applies to --search only; add --search or drop it")
+            raise ConfigError(
+                f"--{flag.replace('_', '-')} applies to --search only; add --search or drop it"
+            )
     if args.validate:
-        given = [f"--{flag}" for flag in ("config", "preset", "gpus", "search") if getattr(args, flag)]
+        given = [
+            f"--{flag}" for flag in ("config", "preset", "gpus", "search") if getattr(args, flag)
+        ]
         given += overrides + (["--gpu"] if args.gpu != "H100" else [])
         if given:
-            raise ConfigError(f"--validate prices the published runs' own configs on H100s; drop {' '.join(given)}")
+            raise ConfigError("--validate prices the published runs' own configs on H100s; "
+                              f"drop {' '.join(given)}")
 
 
 def main(argv: list[str] | None = None) -> Plan | None:
-    parser = OneLineParser(description="Predicted step time, tokens/s and MFU per GPU (no GPU needed).",
-                           epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192")
+    parser = OneLineParser(
+        description="Predicted step time, tokens/s and MFU per GPU (no GPU needed).",
+        epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192",
+    )
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--config", help="a training TOML: its [model], [data] seq_len, [training] batch_size "
                        "and grad_accum, and [parallel] layout")
     shape.add_argument("--preset", help="a model preset at bench.py's shape (default with --gpu cpu: bench-cpu)")
     parser.add_argument("--gpu", default="H100", help=f"{', '.join(GPUS)}, or cpu: this machine, measured now")
-    parser.add_argument("--gpus", type=positive, help="GPUs in all (default: what the config's layout needs)")
+    parser.add_argument("--gpus", type=positive,
+                        help="GPUs in all (default: what the config's layout needs)")
     parser.add_argument("--validate", action="store_true", help="the published runs against their predictions")
     parser.add_argument("--search", action="store_true", help="rank every layout of --gpus that fits (tools/search.py)")
-    parser.add_argument("--tokens-per-step", type=positive,
-                        help="with --search: the global batch (default: the config's)")
-    parser.add_argument("--checkpointing", type=names_from(AC_MODES),
-                        help="with --search: the activation checkpointing modes to try, comma-separated "
-                        f"(default: all: {','.join(AC_MODES)})")
+    parser.add_argument(
+        "--tokens-per-step",
+        type=positive,
+        help="with --search: the global batch (default: the config's)",
+    )
+    parser.add_argument(
+        "--checkpointing",
+        type=names_from(AC_MODES),
+        help="with --search: the activation checkpointing modes to try, comma-separated "
+        f"(default: all: {','.join(AC_MODES)})",
+    )
     args, overrides = parser.parse_known_args(argv)
     check_flag_combinations(args, overrides)
     if args.validate:
@@ -762,13 +776,20 @@ def main(argv: list[str] | None = None) -> Plan | None:
     started = time.perf_counter()
     if args.search:
         from tools.search import search, search_table, tokens_per_step
-        tokens = args.tokens_per_step if args.tokens_per_step is not None else tokens_per_step(cfg, gpus)
+
+        tokens = (
+            args.tokens_per_step if args.tokens_per_step is not None else tokens_per_step(cfg, gpus)
+        )
         modes = tuple(args.checkpointing) if args.checkpointing else None
         found = search(cfg, gpus, device, tokens, modes)
         print(f"{Path(cfg.source).name} on {gpus} x {device.name}: {tokens:,} tokens per step, {len(found)} layouts "
               f"fit ({time.perf_counter() - started:.0f} s)")
-        print(search_table(found) if found else f"none: a layout needs --tokens-per-step a multiple of seq_len "
-              f"{cfg.data.seq_len} x rows x its data-parallel ranks, and its memory estimate to fit the GPU")
+        if found:
+            print(search_table(found))
+        else:
+            print(f"none: a layout needs --tokens-per-step a multiple of seq_len "
+                  f"{cfg.data.seq_len} x rows x its data-parallel ranks, and its memory "
+                  "estimate to fit the GPU")
         return found[0].plan if found else None
     plan = plan_step(cfg, layout, device)
     print(f"{Path(cfg.source).name}: seq_len {cfg.data.seq_len}, batch_size {cfg.training.batch_size} x "
