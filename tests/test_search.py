@@ -3,6 +3,7 @@ and come ranked by the calibrated planner."""
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -65,9 +66,17 @@ def test_search_keeps_the_step_and_ranks_what_fits(small_space, capsys, monkeypa
 
 
 @FLINT
-def test_search_tries_only_the_checkpointing_modes_asked(small_space):
+def test_search_tries_only_the_checkpointing_modes_asked(small_space, monkeypatch):
+    """Each layout the search prices has one of the modes asked, and each mode asked is priced (the
+    planner replaced by a recorder: the traces are the test above's)."""
+    priced = []
+
+    def plan_step(cfg, layout, device):
+        priced.append(layout.activation_checkpointing)
+        return SimpleNamespace(tokens_per_second=1.0)
+    monkeypatch.setattr(search, "plan_step", plan_step)
     found = search.search(tiny_config(), 8, planner.GPUS["H100"], 2 * 64 * 8, ("full", "selective"))
-    assert found and {c.layout.activation_checkpointing for c in found} <= {"full", "selective"}
+    assert len(found) == len(priced) and set(priced) == {"full", "selective"}
 
 
 @FLINT
