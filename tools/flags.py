@@ -5,7 +5,6 @@ cannot mean anything (0 or fewer rows, steps, GPUs) rather than silently replace
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable, Iterable
 
 
@@ -35,17 +34,6 @@ def at_least(low: int) -> Callable[[str], int]:
 
 positive = at_least(1)
 non_negative = at_least(0)
-
-
-def finite_positive(text: str) -> float:
-    """An argparse type: a finite number > 0 (NaN and infinity refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
 def names_from(known: Iterable[str]) -> Callable[[str], list[str]]:
