@@ -15,7 +15,7 @@ import torch
 import metrics
 import tools.bench as bench
 from config import ConfigError
-from helpers import FAMILY_NAMES, ROOT, only
+from helpers import FAMILY_NAMES, ROOT, only, stops_with_one_line
 from registry import family
 from tools.profiling import OPTIMIZER, SPLIT_ORDER
 
@@ -259,3 +259,43 @@ def test_device_cuda_without_a_gpu_is_one_line_and_exit_status_1():
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr == ("error: command line --device: device cuda, but no GPU is available here; "
                              "use --device cpu\n")
+
+
+@pytest.mark.parametrize(
+    "argv, kind, named, pattern",
+    [
+        (["--sweep-lengths", "512,0"], SystemExit, "--sweep-lengths", r"must be >= 1, got 0$"),
+        (["--sweep-lengths", "512,-64"], SystemExit, "--sweep-lengths", r"must be >= 1, got -64$"),
+        (
+            ["--sweep-lengths", "512,long"],
+            SystemExit,
+            "--sweep-lengths",
+            r"expected an integer >= 1, got 'long'",
+        ),
+        (["--profile", "-1"], SystemExit, "--profile", r"must be >= 0, got -1$"),
+        (["--batch", "four"], SystemExit, "--batch", r"invalid int value: 'four'"),
+        (["--dtype", "float16"], SystemExit, "--dtype", r"invalid choice: 'float16'"),
+        (["--seq-len", "0"], ConfigError, "--seq-len", r"\[data\].seq_len must be in \[1, "),
+        (["--device", "gpu"], ConfigError, "--device", r"must be auto, cpu or cuda, got 'gpu'"),
+        (["--json", "{tmp}"], ConfigError, "--json {tmp}", r"is a directory, expected a file name"),
+        (
+            ["--json", "{tmp}/missing/out.json"],
+            ConfigError,
+            "--json {tmp}/missing/out.json",
+            r"its directory .*missing does not exist",
+        ),
+    ],
+)
+def test_flags_and_paths_are_refused_in_one_line_before_any_timing(
+    tmp_path, monkeypatch, argv, kind, named, pattern
+):
+    monkeypatch.setattr(bench, "run", lambda *args: pytest.fail("timed despite a bad flag"))
+    argv = [arg.format(tmp=tmp_path) for arg in argv]
+    stops_with_one_line(lambda: bench.main(argv), kind, named.format(tmp=tmp_path), pattern)
+
+
+def test_the_smallest_accepted_sweep_length_and_profile_are_kept(tmp_path):
+    args = bench.parse_args(
+        ["--sweep-lengths", "1,64", "--profile", "0", "--json", str(tmp_path / "out.json")]
+    )
+    assert (args.sweep_lengths, args.profile, args.json) == ([1, 64], 0, tmp_path / "out.json")

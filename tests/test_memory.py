@@ -9,7 +9,8 @@ import torch
 import tools.memory as memory
 from config import ConfigError
 from tools.memory import GIB, memory_per_gpu, memory_table
-from helpers import ROOT, build, in_process_group, moe_layers, only, tiny_config
+from helpers import (ROOT, build, in_process_group, moe_layers, only, stops_with_one_line,
+                     tiny_config)
 from parallel import ParallelConfig, build_mesh, parallelize
 
 # Counted by hand for Flint (no frozen parameters) and its configs; Large 4's below.
@@ -254,3 +255,48 @@ def test_large4_activation_model_within_20_percent_of_measured(index_topk):
         model.run_layers(model.embed_tokens(ids), positions, visible)
     estimate = activation_bytes_per_token(config, config.num_hidden_layers, "none", seq_len) * batch * seq_len
     assert 0.8 < estimate / sum(saved.values()) < 1.2, (estimate, sum(saved.values()))
+
+
+@FLINT
+@pytest.mark.parametrize(
+    "argv, kind, named, pattern",
+    [
+        (["--gpus", "0"], SystemExit, "--gpus", r"must be >= 1, got 0$"),
+        (["--gpus", "-8"], SystemExit, "--gpus", r"must be >= 1, got -8$"),
+        (["--gpus", "eight"], SystemExit, "--gpus", r"expected an integer >= 1, got 'eight'"),
+        (
+            ["--config", "configs/missing.toml"],
+            ConfigError,
+            "configs/missing.toml",
+            r"cannot read config file",
+        ),
+        (["--data.seq_len=-5"], ConfigError, "data.seq_len", r"seq_len"),
+        (["--training.batch_size=0"], ConfigError, "training.batch_size", r"must be >= 1, got 0"),
+    ],
+)
+def test_memory_refuses_each_bad_flag_in_one_line(monkeypatch, argv, kind, named, pattern):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(
+        memory, "memory_table", lambda *args, **kwargs: pytest.fail("a table despite a bad flag")
+    )
+    stops_with_one_line(
+        lambda: memory.main(["--config", "configs/flint-8gpu.toml", *argv]), kind, named, pattern
+    )
+
+
+@FLINT
+def test_one_gpu_is_the_smallest_layout_it_sizes(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    memory.main(
+        [
+            "--config",
+            "configs/flint-8gpu.toml",
+            "--gpus",
+            "1",
+            "--parallel.dp_shard=1",
+            "--parallel.ep=1",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "| config flint-8gpu.toml: one GPU ac=full |" in out
+    assert "| candidate: one GPU ac=none |" in out

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import tools.planner as planner
-from config import ConfigError
-from helpers import only
+from config import ConfigError, load_config
+from helpers import only, stops_with_one_line
 from registry import family
 from tools.op_trace import OpCost, trace_step
 from parallel import ParallelConfig
@@ -288,3 +288,269 @@ def test_large4_context_parallel_gathers_its_latent():
     gathered = tokens * 2 * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
     ring = gathered / 2 / (h100.nvlink * NVLINK_RING_EFFICIENCY)
     assert item.seconds == pytest.approx(c.num_hidden_layers * 3 * ring)
+
+
+def parameters_by_hand(c) -> int:
+    """Every parameter of a Flint config, from its fields: per block the attention projections, the
+    q/k norms, the sinks and the two block norms, then a dense MLP or router + experts + shared
+    expert; the embedding, the final norm and the (untied) head."""
+    h, d = c.hidden_size, c.head_dim
+    attention = (
+        h * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+        + 2 * d
+        + c.num_attention_heads
+        + 2 * h
+    )
+    dense = 3 * h * c.intermediate_size
+    moe = (
+        c.num_experts * h
+        + 3 * c.num_experts * h * c.moe_intermediate_size
+        + 3 * h * c.shared_expert_intermediate_size
+    )
+    blocks = sum(
+        attention + (dense if i in c.mlp_only_layers else moe) for i in range(c.num_hidden_layers)
+    )
+    return blocks + 2 * c.vocab_size * h + h
+
+
+@FLINT
+def test_optimizer_traffic_is_adamws_bytes_per_parameter_by_hand():
+    """AdamW's step over FP32 shards moves, once a step of 2 micro-batches, per trainable parameter:
+    reads the weight, the gradient and the two moments (4 x 4 bytes), writes the weight and the two
+    moments (3 x 4), and the gradient norm reads the gradient once more (4): 32 bytes, at HBM's
+    calibrated 87 %. dp_shard 2 x ep 2 on 4 GPUs: each GPU holds a quarter of every parameter
+    (experts over ep x dp_shard, the rest over dp_shard x ep)."""
+    from config import load_config
+    from helpers import build
+
+    cfg = load_config(
+        ROOT / "configs" / "flint-8gpu.toml",
+        ["--model.preset=tiny", "--data.seq_len=64", "--training.grad_accum=2"],
+    )
+    c = cfg.model_config
+    params = parameters_by_hand(c)
+    assert params == build(c).num_params() == 404_504  # the hand count is the model's
+    layout = ParallelConfig(dp_shard=2, ep=2, activation_checkpointing="full").resolve(
+        4, c.num_experts
+    )
+    h100 = GPUS["H100"]
+    plan = planner.plan_step(cfg, layout, h100)
+    item = next(i for i in plan.items if i.label.startswith("AdamW"))
+    read, written, norm = 4 + 4 + 4 + 4, 4 + 4 + 4, 4
+    expected = (read + written + norm) * params / 4 / (h100.hbm * 0.87)
+    assert item.seconds == pytest.approx(expected, rel=1e-12) and item.exposed == item.seconds
+    tokens = (
+        cfg.training.batch_size * 64 * 2
+    )  # each GPU's rows of its 2 micro-batches (no pp, no cp)
+    assert plan.tokens_per_gpu == tokens
+    model_tflops = build(c).flops_per_token(64) * tokens / plan.step_seconds
+    assert plan.mfu == pytest.approx(model_tflops / h100.bf16, rel=1e-12)
+
+
+@FLINT
+def test_every_parameter_is_reduce_scattered_once_in_fp32():
+    """The FSDP units' gradient bytes (the reduce-scatters' third and fourth fields) cover the whole
+    model once, 4 bytes per parameter: a unit left out or counted twice moves the collectives'
+    time."""
+    c = tiny()
+    layout = ParallelConfig(dp_shard=4).resolve(4, c.num_experts)
+    assert sum(o + e for _, _, o, e in unit_bytes(c, layout, 2)) == 4 * parameters_by_hand(c)
+
+
+@pytest.fixture
+def recorded_search(monkeypatch):
+    """tools.search.search replaced by a recorder that finds nothing: what the planner's flags hand
+    it, without a trace."""
+    import tools.search
+
+    calls = []
+    monkeypatch.setattr(
+        tools.search,
+        "search",
+        lambda cfg, gpus, device, tokens, modes: calls.append((gpus, tokens, modes)) or [],
+    )
+    monkeypatch.chdir(ROOT)
+    return calls
+
+
+SEARCH = [
+    "--config",
+    "configs/flint-8gpu.toml",
+    "--model.preset=tiny",
+    "--data.seq_len=64",
+]
+
+
+@FLINT
+@pytest.mark.parametrize(
+    "argv, kind, named, pattern",
+    [
+        (
+            ["--checkpointing", "bogus"],
+            SystemExit,
+            "--checkpointing",
+            r"unknown name 'bogus'; choose from none,full,sel",
+        ),
+        (["--checkpointing", "full,"], SystemExit, "--checkpointing", r"unknown name ''"),
+        (["--checkpointing", "full,full"], SystemExit, "--checkpointing", r"given twice"),
+        (["--tokens-per-step", "0"], SystemExit, "--tokens-per-step", r"must be >= 1, got 0$"),
+        (
+            ["--tokens-per-step", "-4096"],
+            SystemExit,
+            "--tokens-per-step",
+            r"must be >= 1, got -4096$",
+        ),
+        (
+            ["--tokens-per-step", "1e6"],
+            SystemExit,
+            "--tokens-per-step",
+            r"expected an integer >= 1, got '1e6'",
+        ),
+        (["--gpus", "0"], SystemExit, "--gpus", r"must be >= 1, got 0$"),
+        (["--gpus", "-8"], SystemExit, "--gpus", r"must be >= 1, got -8$"),
+        (["--gpus", "7"], ConfigError, "--gpus 7", r"must equal the world size"),
+        (["--gpu", "A100"], ConfigError, "--gpu", r"unknown GPU 'A100'"),
+        (
+            ["--config", "configs/missing.toml"],
+            ConfigError,
+            "configs/missing.toml",
+            r"cannot read config file",
+        ),
+        (["--data.seq_len=0"], ConfigError, "data.seq_len", r"seq_len"),
+        (
+            ["--parallel.activation_checkpointing=sometimes"],
+            ConfigError,
+            "activation_checkpointing",
+            r"sometimes",
+        ),
+        (["--preset", "tiny"], SystemExit, "--preset", r"not allowed with argument --config"),
+    ],
+)
+def test_the_search_refuses_each_bad_flag_in_one_line(recorded_search, argv, kind, named, pattern):
+    import tools.search
+
+    stops_with_one_line(lambda: tools.search.main([*SEARCH, *argv]), kind, named, pattern)
+    assert recorded_search == []
+
+
+@FLINT
+@pytest.mark.parametrize("flag", [["--tokens-per-step", "4096"], ["--checkpointing", "full"]])
+def test_the_searchs_flags_given_to_the_planner_are_refused_not_ignored(recorded_search, flag):
+    argv = ["--config", "configs/flint-8gpu.toml", *flag]
+    stops_with_one_line(lambda: planner.main(argv), ConfigError, flag[0], r"")
+
+
+@FLINT
+def test_validate_refuses_the_flags_it_would_ignore(recorded_search):
+    argv = ["--validate", *SEARCH]
+    stops_with_one_line(
+        lambda: planner.main(argv),
+        ConfigError,
+        "--validate",
+        r"drop --config --model.preset=tiny --data.seq_len=64",
+    )
+
+
+@FLINT
+def test_search_flags_at_their_boundaries_reach_the_search(recorded_search, capsys):
+    """The smallest accepted values arrive unchanged; without --tokens-per-step the step is the
+    config's global batch: rows x seq_len x grad_accum x the data-parallel ranks (dp_replicate x
+    dp_shard x ep)."""
+    import tools.search
+
+    tools.search.main([*SEARCH, "--tokens-per-step", "1", "--checkpointing", "full"])
+    assert recorded_search.pop() == (8, 1, ("full",))
+    assert "1 tokens per step, 0 layouts fit" in capsys.readouterr().out
+    tools.search.main(
+        [
+            *SEARCH,
+            "--gpus",
+            "1",
+            "--parallel.dp_shard=1",
+            "--parallel.ep=1",
+            "--checkpointing",
+            "none,full,selective",
+        ]
+    )
+    cfg = load_config(
+        ROOT / "configs" / "flint-8gpu.toml", ["--model.preset=tiny", "--data.seq_len=64"]
+    )
+    one_rank = cfg.training.batch_size * 64 * cfg.training.grad_accum  # one data-parallel rank
+    assert recorded_search.pop() == (1, one_rank, ("none", "full", "selective"))
+    tools.search.main(SEARCH)
+    p = cfg.parallel
+    assert p.dp_replicate * p.dp_shard * p.ep == 8  # flint-8gpu: dp_shard 2 x ep 4, one replica
+    assert recorded_search.pop() == (8, 8 * one_rank, None)
+
+
+@FLINT
+def test_pipeline_sends_and_bubble_by_hand():
+    """pp 2 x dp_shard 2 on one node, 256 tokens a micro-batch: each stage sends its [tokens, H]
+    BF16 activations forward and their gradients back (2 transfers) at NCCL's 80 % of NVLink; the
+    1F1B bubble is (pp - 1) / (pp micro-batches) of the compute, (pp - 1) / (4 x 2) when sync_last
+    joins 4 micro-batches into a call (8 micro-batches); Interleaved1F1B with 2 stages a rank runs 4
+    a call, bubble 1 / (4 x 2). pp 2 x dp_shard 8 on 16 GPUs: the stages are 8 ranks apart, on two
+    nodes: the NIC at 90 %."""
+    c, h100, tokens, compute = tiny(), GPUS["H100"], 256, 1.0
+    one_f_one_b = ParallelConfig(pp=2, dp_shard=2).resolve(4, c.num_experts)
+    sends, bubble = planner.pipeline_items(c, one_f_one_b, Pricing(h100), tokens, 2, compute)
+    assert sends.seconds == pytest.approx(2 * tokens * c.hidden_size * 2 / (h100.nvlink * 0.80))
+    assert bubble.seconds == pytest.approx(1 / 2) and bubble.exposed == bubble.seconds
+    joined = planner.pipeline_items(c, one_f_one_b, Pricing(h100), tokens, 2, compute, joined=4)[1]
+    assert joined.seconds == pytest.approx(1 / 8)
+    interleaved = ParallelConfig(
+        pp=2, dp_shard=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2
+    ).resolve(4, c.num_experts)
+    assert planner.pipeline_items(c, interleaved, Pricing(h100), tokens, 2, compute)[
+        1
+    ].seconds == pytest.approx(1 / 8)
+    two_nodes = ParallelConfig(pp=2, dp_shard=8).resolve(16, c.num_experts)
+    sends = planner.pipeline_items(c, two_nodes, Pricing(h100), tokens, 2, compute)[0]
+    assert sends.seconds == pytest.approx(2 * tokens * c.hidden_size * 2 / (h100.network * 0.90))
+    assert (
+        planner.pipeline_items(
+            c,
+            ParallelConfig(dp_shard=4).resolve(4, c.num_experts),
+            Pricing(h100),
+            tokens,
+            2,
+            compute,
+        )
+        == []
+    )
+
+
+@FLINT
+def test_grouped_gemm_rows_and_their_tile_loss_by_hand():
+    """512 tokens top-2 on ep 2 of 8 experts: each rank's 4 experts compute 512 x 2 x 2 / 8 = 256
+    rows (balanced); a grouped GEMM at r rows per expert loses its half-empty last 128-row tile: 70
+    % x r / (r + 64) of the BF16 peak; a dense matmul stays at 70 %."""
+    c, h100 = tiny(), GPUS["H100"]
+    layout = ParallelConfig(dp_shard=2, ep=2).resolve(4, c.num_experts)
+    assert planner.expert_rows(c, layout, 512) == 512 * 2 * 2 / 8 == 256
+    grouped = OpCost(
+        "forward", "layers.*.mlp.experts", "_grouped_mm", "bfloat16", "", False, flops=1e12
+    )
+    dense = dataclasses.replace(grouped, op="mm")
+    assert Pricing(h100, expert_rows=256).seconds(grouped)[0] == pytest.approx(
+        1e12 / (h100.bf16 * 0.70 * 256 / 320)
+    )
+    assert Pricing(h100, expert_rows=256).seconds(dense)[0] == pytest.approx(
+        1e12 / (h100.bf16 * 0.70)
+    )
+
+
+@FLINT
+def test_flex_kernel_seconds_by_hand():
+    """At 100 % of peak (no tile ratio): per attended key 2 of the model's 6 FLOPs in forward, 2
+    more in a full recompute, 5 in backward; selective checkpointing recomputes ceil(6 / 2) = 3 of
+    tiny's 6 blocks."""
+    c, h100, tokens = tiny(), GPUS["H100"], 128
+    unit = attention_flops_per_token(c, 64) * tokens / 6 / h100.bf16
+    bound = Pricing(h100, calibrated=False)
+    assert planner.attention_seconds(c, bound, 64, tokens, "none") == pytest.approx((2 + 5) * unit)
+    assert planner.attention_seconds(c, bound, 64, tokens, "full") == pytest.approx(
+        (2 + 2 + 5) * unit
+    )
+    selective = planner.attention_seconds(c, bound, 64, tokens, "selective")
+    assert selective == pytest.approx((2 + 2 * 3 / 6 + 5) * unit)

@@ -3,6 +3,7 @@ and come ranked by the calibrated planner."""
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -46,7 +47,10 @@ def test_search_keeps_the_step_and_ranks_what_fits(small_space, capsys, monkeypa
     for candidate in found:
         layout = candidate.layout
         assert layout.pp * layout.dp_replicate * layout.dp_shard * layout.ep * layout.cp == 8
-        assert candidate.rows * 64 * candidate.grad_accum * search.data_parallel(layout) == tokens
+        # the ranks that read distinct rows: cp ranks share a sequence, pp stages a micro-batch
+        readers = layout.dp_replicate * layout.dp_shard * layout.ep
+        assert candidate.rows * 64 * candidate.grad_accum * readers == tokens
+        assert candidate.plan.tokens_per_gpu * 8 == tokens  # the GPUs' shares add up to the step
         row = memory_per_gpu(cfg.model_config, layout, 64, candidate.rows, candidate.grad_accum, h100.memory_gib)
         assert candidate.memory_gib == row["total"] and search.fits(row["total"], h100, layout.activation_checkpointing)
     modes = {c.layout.accumulation for c in found if c.grad_accum > 1}
@@ -62,6 +66,25 @@ def test_search_keeps_the_step_and_ranks_what_fits(small_space, capsys, monkeypa
 
 
 @FLINT
-def test_search_tries_only_the_checkpointing_modes_asked(small_space):
+def test_search_tries_only_the_checkpointing_modes_asked(small_space, monkeypatch):
+    """Each layout the search prices has one of the modes asked, and each mode asked is priced (the
+    planner replaced by a recorder: the traces are the test above's)."""
+    priced = []
+
+    def plan_step(cfg, layout, device):
+        priced.append(layout.activation_checkpointing)
+        return SimpleNamespace(tokens_per_second=1.0)
+    monkeypatch.setattr(search, "plan_step", plan_step)
     found = search.search(tiny_config(), 8, planner.GPUS["H100"], 2 * 64 * 8, ("full", "selective"))
-    assert found and {c.layout.activation_checkpointing for c in found} <= {"full", "selective"}
+    assert len(found) == len(priced) and set(priced) == {"full", "selective"}
+
+
+@FLINT
+def test_search_refuses_a_step_of_no_tokens(small_space):
+    """0 tokens is not the config's default, and -4096 ranks nothing: refused; 1 token is a step no
+    layout can split into rows of 64, so nothing fits."""
+    cfg, h100 = tiny_config(), planner.GPUS["H100"]
+    for tokens in (0, -4096):
+        with pytest.raises(ValueError, match=f"tokens per step must be >= 1, got {tokens}"):
+            search.search(cfg, 8, h100, tokens)
+    assert search.search(cfg, 8, h100, 1) == []

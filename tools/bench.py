@@ -44,6 +44,7 @@ from attention import FULL, SLIDING, resolve_backend
 from config import (ConfigError, ModelSection, OptimSection, TrainConfig, config_from_tables, model_family,
                     parse_override, read_tables)
 from files import write_atomically
+from tools.flags import OneLineParser, non_negative, positive
 from metrics import CPU_PEAK_CACHE, model_flops_per_token, run_peak_flops
 from layers import build
 from registry import FAMILIES, ModelConfig, family, model_class
@@ -530,8 +531,11 @@ def print_summary(result: dict) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags; the rest must be --section.key=value overrides (checked by load_bench_config)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = OneLineParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument("--preset", help="a preset of the model family ([model].family; default: its bench preset, "
                                         "Flint's bench-cpu)")
@@ -549,13 +553,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", help=argparse.SUPPRESS)  # replaced by alternation: named in its error
     parser.add_argument("--sections", type=lambda s: s.split(","), default=list(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
-    parser.add_argument("--sweep-lengths", type=lambda s: [int(x) for x in s.split(",")],
+    parser.add_argument("--sweep-lengths", type=sweep_lengths,
                         default=[512, 1024, 2048, 4096, 8192], help="comma-separated sequence lengths of the sweep")
     parser.add_argument("--sweep-tokens", type=int, default=4096, help="tokens per sweep point (at least one sequence)")
     parser.add_argument("--sweep-reps", type=int, default=2, help="timed calls per sweep point, after one warm-up")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--matmul-size", type=int, default=1024, help="square matmul that measures the machine's rate")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
+    parser.add_argument("--profile", type=non_negative, default=0, metavar="N",
                         help="also print the torch.profiler table of the main step, top N ops")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--quick", action="store_true",
@@ -581,7 +585,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise ConfigError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.warmup < 1:  # the warm-up compiles, and its steps give a row's peak memory
         raise ConfigError(f"--warmup must be >= 1, got {args.warmup}")
+    check_json_target(args.json)
     return args
+
+
+def sweep_lengths(text: str) -> list[int]:
+    """--sweep-lengths: comma-separated sequence lengths, each >= 1."""
+    return [positive(length) for length in text.split(",")]
+
+
+def check_json_target(path: Path | None) -> None:
+    """--json is written after minutes of timing: a path that cannot take the file is refused
+    first."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ConfigError(f"--json {path} is a directory, expected a file name")
+    if not path.parent.is_dir():
+        raise ConfigError(f"--json {path}: its directory {path.parent} does not exist")
 
 
 def main(argv: list[str] | None = None) -> dict:

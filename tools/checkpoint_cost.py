@@ -9,14 +9,14 @@ save, which the run waits for anyway, is left out), and each whole run against t
 only at the end. Everything is written under a temporary directory.
 """
 
-import argparse
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import checkpoint
 import train
+from config import ConfigError, load_config
+from tools.flags import OneLineParser, positive
 
 MODES = {"at the end only": ("0", "false"), "sync": (None, "false"), "async": (None, "true")}
 
@@ -42,13 +42,21 @@ def timed_run(config: str, steps: int, every: str, async_save: str, directory: s
     return blocked[:-1], time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="a training config, e.g. configs/debug.toml")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--every", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--config", required=True, help="a training config, e.g. configs/debug.toml"
+    )
+    parser.add_argument("--steps", type=positive, default=40)
+    parser.add_argument("--every", type=positive, default=5)
+    parser.add_argument("--rounds", type=positive, default=3)
+    args = parser.parse_args(argv)
+    load_config(args.config)  # a missing or broken config stops here, before the first of many runs
+    if args.steps < 2 * args.every:  # the last save is left out: one must remain to time
+        raise ConfigError(
+            f"--steps must be at least twice --every (two saves, the last one not timed), "
+            f"got --steps {args.steps} --every {args.every}"
+        )
     results: dict[str, list[tuple[list[float], float]]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as scratch:
         for round_ in range(args.rounds):
@@ -66,4 +74,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as error:
+        raise SystemExit(f"error: {error}")

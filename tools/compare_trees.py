@@ -7,19 +7,23 @@ with each tree's own train.py (under torchrun for the 2-process layouts), and co
 gradient norms every step logs. A tree is any checkout (`git worktree add /tmp/old COMMIT`). Both trees get the same config,
 written here from what every tree since the first layouts understands, so an old tree needs none of the
 new configs. Prints one line per debug model and layout: identical, or the largest relative difference and the
-first step where the two runs part.
+first step where the two runs part (a NaN or infinite loss or norm is a difference); exits 1 if any
+run differs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import tomllib
 from pathlib import Path
+
+from tools.flags import OneLineParser, names_from, positive
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,14 +63,43 @@ def train(tree: Path, model: str, layout: str, steps: int, work: Path) -> list[d
                             capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if result.returncode:
         raise SystemExit(f"{tree}: {model} {layout} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return logged_steps(run_dir / "metrics.jsonl", f"{tree}: {model} {layout}")
+
+
+def logged_steps(metrics: Path, run: str) -> list[dict]:
+    """The training records ({step, loss, grad_norm, ...}) of a run's metrics JSONL; a missing
+    file or a line that is not a JSON object stops in one line naming it."""
+    try:
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{run}: cannot read {metrics}: {error}") from error
+    if not all(isinstance(r, dict) for r in records):
+        raise SystemExit(f"{run}: {metrics} holds a line that is not a JSON object")
     return [r for r in records if "loss" in r and "step" in r]
 
 
+def not_finite(run: list[dict], name: str) -> str | None:
+    """The first loss or gradient norm of `run` that is NaN or infinite, said as a failure (NaN
+    equals nothing, so the relative difference below would read it as agreement)."""
+    for record in run:
+        for key in ("loss", "grad_norm"):
+            value = record.get(key)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                return f"{key} is {value!r} at step {record['step']} in the {name} run"
+    return None
+
+
 def compare(old: list[dict], new: list[dict]) -> str:
-    """'identical', or the largest relative difference of loss and gradient norm and the first step that differs."""
+    """'identical', or the largest relative difference of loss and gradient norm and the first
+    step that differs; a run with no steps, or with a NaN or infinite value, is a difference of
+    its own."""
     if [r["step"] for r in old] != [r["step"] for r in new]:
         return f"different steps logged: {[r['step'] for r in old]} vs {[r['step'] for r in new]}"
+    if not old:
+        return "no steps logged by either run"
+    broken = not_finite(old, "old") or not_finite(new, "new")
+    if broken:
+        return broken
     worst, first = 0.0, None
     for a, b in zip(old, new):
         for key in ("loss", "grad_norm"):
@@ -77,20 +110,40 @@ def compare(old: list[dict], new: list[dict]) -> str:
     return "identical" if first is None else f"largest relative difference {worst:.1e}, first at step {first}"
 
 
+def checkout(text: str) -> Path:
+    """An argparse type: a directory holding a train.py (a checkout of this repository)."""
+    tree = Path(text).resolve()
+    if not (tree / "train.py").is_file():
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a checkout: {tree / 'train.py'} does not exist"
+        )
+    return tree
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("old", type=Path)
-    parser.add_argument("new", type=Path)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
-    parser.add_argument("--models", default=",".join(DEBUG_MODELS), help="debug configs' names")
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("old", type=checkout)
+    parser.add_argument("new", type=checkout)
+    parser.add_argument("--steps", type=positive, default=6)
+    parser.add_argument("--layouts", type=names_from(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument(
+        "--models",
+        type=names_from(DEBUG_MODELS),
+        default=list(DEBUG_MODELS),
+        help="debug configs' names",
+    )
     args = parser.parse_args(argv)
+    differ = 0
     with tempfile.TemporaryDirectory() as work:
-        for model in args.models.split(","):
-            for layout in args.layouts.split(","):
-                old = train(args.old.resolve(), model, layout, args.steps, Path(work) / "old")
-                new = train(args.new.resolve(), model, layout, args.steps, Path(work) / "new")
-                print(f"{model:12} {layout:9} {len(old)} steps: {compare(old, new)}", flush=True)
+        for model in args.models:
+            for layout in args.layouts:
+                old = train(args.old, model, layout, args.steps, Path(work) / "old")
+                new = train(args.new, model, layout, args.steps, Path(work) / "new")
+                verdict = compare(old, new)
+                differ += verdict != "identical"
+                print(f"{model:12} {layout:9} {len(old)} steps: {verdict}", flush=True)
+    if differ:
+        raise SystemExit(f"{differ} of {len(args.models) * len(args.layouts)} runs differ")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ GPUs ([parallel] accumulation = "auto" resolved for a 141 GB one, as parallel.ch
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 from config import ConfigError, load_config
 from lora import LoraConfig, apply_lora
+from tools.flags import OneLineParser, positive
 from registry import ModelConfig, model_class
 from parallel import MESH_DIMS, ParallelConfig, choose_accumulation, unsupported_layout
 from pipeline import pipeline_stage
@@ -240,17 +240,18 @@ def memory_table(config: ModelConfig, layouts: list[tuple[str, ParallelConfig]],
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Memory per GPU of parallel layouts (no GPU needed).",
-                                     epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192")
+    parser = OneLineParser(
+        description="Memory per GPU of parallel layouts (no GPU needed).",
+        epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192",
+    )
     parser.add_argument("--config", required=True, help="a training TOML: its [model], [data] seq_len, "
                         "[training] batch_size and [parallel] layout")
-    parser.add_argument("--gpus", type=int, help="the GPUs to lay out (default: what the config's layout needs); "
+    parser.add_argument("--gpus", type=positive,
+                        help="the GPUs to lay out (default: what the config's layout needs); "
                         "also lists candidate layouts for that many")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     config, parallel = cfg.model_config, cfg.parallel
-    if args.gpus is not None and args.gpus < 1:
-        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
     gpus = args.gpus or parallel.named_world_size
     try:
         own = parallel.resolve(gpus, config.num_experts)

@@ -25,7 +25,6 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as bench.py: idle OpenMP threads sleep
 
-import argparse
 import importlib.util
 import statistics
 import sys
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from moe import MoE
+from tools.flags import OneLineParser, non_negative, positive
 
 HIDDEN, EXPERTS, TOP_K, INTERMEDIATE, SHARED = 256, 32, 4, 128, 256
 AGREE = 1e-4  # FP32 sums in another order differ by far less
@@ -195,16 +195,23 @@ def matmul_split(steps: dict[str, Callable], rotations: int, top: int) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (default 2048)")
-    parser.add_argument("--reps", type=int, default=30, help="rotations timed (default 30)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per layer first (default 3)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--tokens", type=positive, default=2048, help="tokens per step (default 2048)"
+    )
+    parser.add_argument("--reps", type=positive, default=30, help="rotations timed (default 30)")
+    parser.add_argument(
+        "--warmup", type=non_negative, default=3, help="untimed steps per layer first (default 3)"
+    )
+    parser.add_argument("--threads", type=positive, default=1, help="torch threads (default 1)")
     parser.add_argument("--router", choices=("sigmoid", "softmax"), default="sigmoid",
                         help="sigmoid: Flint's router; softmax: Large 4's (renormalised, scaled)")
     parser.add_argument("--bf16", action="store_true", help="also time torchtitan's shipped BF16 expert matmuls")
-    parser.add_argument("--profile-steps", type=int, default=9, help="profiled rotations (default 9)")
-    parser.add_argument("--top", type=int, default=6, help="costliest non-matmul ops listed per layer")
+    parser.add_argument(
+        "--profile-steps", type=positive, default=9, help="profiled rotations (default 9)"
+    )
+    parser.add_argument("--top", type=non_negative, default=6,
+                        help="costliest non-matmul ops listed per layer")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="In CPU autocast")  # torchtitan's FP32 router autocast

@@ -74,6 +74,7 @@ from pathlib import Path
 import torch
 
 from config import ConfigError, TrainConfig, load_config
+from tools.flags import OneLineParser, positive
 from tools.memory import GPU_GIB, accumulation_of, meta_model, stage_param_counts
 from registry import FAMILIES, ModelConfig
 from tools.op_trace import OpCost, trace_step
@@ -713,6 +714,17 @@ def load_plan_config(config: str | None, preset: str | None, overrides: list[str
     return load_bench_config(args)
 
 
+def check_flag_combinations(args: argparse.Namespace, overrides: list[str]) -> None:
+    """--validate prices the published runs' own configs on H100s: a flag beside it would be
+    ignored, so it is refused."""
+    if args.validate:
+        given = [f"--{flag}" for flag in ("config", "preset", "gpus") if getattr(args, flag)]
+        given += overrides + (["--gpu"] if args.gpu != "H100" else [])
+        if given:
+            raise ConfigError("--validate prices the published runs' own configs on H100s; "
+                              f"drop {' '.join(given)}")
+
+
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     """--config or --preset, --gpu and --gpus: the step and machine that the planner and the layout
     search (tools/search.py) both read."""
@@ -721,7 +733,8 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
                        "and grad_accum, and [parallel] layout")
     shape.add_argument("--preset", help="a model preset at bench.py's shape (default with --gpu cpu: bench-cpu)")
     parser.add_argument("--gpu", default="H100", help=f"{', '.join(GPUS)}, or cpu: this machine, measured now")
-    parser.add_argument("--gpus", type=int, help="GPUs in all (default: what the config's layout needs)")
+    parser.add_argument("--gpus", type=positive,
+                        help="GPUs in all (default: what the config's layout needs)")
 
 
 def read_shape(args: argparse.Namespace,
@@ -733,8 +746,6 @@ def read_shape(args: argparse.Namespace,
     device = device_named(args.gpu)
     cfg = load_plan_config(args.config, args.preset, overrides)
     layout = cfg.parallel
-    if args.gpus is not None and args.gpus < 1:
-        raise ConfigError(f"--gpus must be >= 1, got {args.gpus}")
     gpus = args.gpus or layout.named_world_size
     try:
         layout = layout.resolve(gpus, cfg.model_config.num_experts)
@@ -744,13 +755,14 @@ def read_shape(args: argparse.Namespace,
 
 
 def main(argv: list[str] | None = None) -> Plan | None:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         description="Predicted step time, tokens/s and MFU per GPU (no GPU needed).",
         epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192")
     add_shape_arguments(parser)
     parser.add_argument("--validate", action="store_true",
                         help="the published runs against their predictions")
     args, overrides = parser.parse_known_args(argv)
+    check_flag_combinations(args, overrides)
     if args.validate:
         print(validation_table())
         return None

@@ -23,8 +23,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from config import ConfigError, TrainConfig
-from parallel import ParallelConfig, unsupported_layout
+from parallel import AC_MODES, ParallelConfig, unsupported_layout
 from registry import model_class
+from tools.flags import OneLineParser, names_from, positive
 from tools.memory import OVERHEAD_GIB, memory_per_gpu
 from tools.planner import Device, Plan, add_shape_arguments, describe_layout, plan_step, read_shape
 
@@ -118,7 +119,9 @@ def search(cfg: TrainConfig, gpus: int, device: Device, tokens: int | None = Non
            checkpointing_modes: tuple[str, ...] | None = None) -> list[Candidate]:
     """The layouts that fit, best calibrated tokens/s per GPU first; `checkpointing_modes` narrows the modes
     tried (default: all)."""
-    tokens = tokens or tokens_per_step(cfg, gpus)
+    tokens = tokens_per_step(cfg, gpus) if tokens is None else tokens
+    if tokens < 1:  # 0 would be every layout's step of no micro-batches
+        raise ValueError(f"tokens per step must be >= 1, got {tokens}")
     config, seq_len = cfg.model_config, cfg.data.seq_len
     found = []
     for layout, rows, accum in candidates(cfg, gpus, device, tokens, checkpointing_modes or CHECKPOINTING):
@@ -145,23 +148,31 @@ def search_table(found: list[Candidate], top: int = 5) -> str:
 
 
 def main(argv: list[str] | None = None) -> Plan | None:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         description="The layouts of --gpus GPUs that fit, best tokens/s per GPU first (no GPU).",
         epilog="Override any config key as train.py does: --data.seq_len=8192")
     add_shape_arguments(parser)
-    parser.add_argument("--tokens-per-step", type=int,
+    parser.add_argument("--tokens-per-step", type=positive,
                         help="the global batch (default: the config's)")
-    parser.add_argument("--checkpointing", help="the activation checkpointing modes to try, "
-                        "comma-separated (default: none,selective,full)")
+    parser.add_argument(
+        "--checkpointing",
+        type=names_from(AC_MODES),
+        help="the activation checkpointing modes to try, comma-separated "
+        f"(default: all: {','.join(AC_MODES)})",
+    )
     args, overrides = parser.parse_known_args(argv)
     cfg, device, gpus, _ = read_shape(args, overrides)
     started = time.perf_counter()
-    tokens = args.tokens_per_step or tokens_per_step(cfg, gpus)
-    modes = tuple(args.checkpointing.split(",")) if args.checkpointing else None
+    tokens = args.tokens_per_step if args.tokens_per_step is not None else tokens_per_step(cfg, gpus)
+    modes = tuple(args.checkpointing) if args.checkpointing else None
     found = search(cfg, gpus, device, tokens, modes)
     print(f"{Path(cfg.source).name} on {gpus} x {device.name}: {tokens:,} tokens per step, "
           f"{len(found)} layouts fit ({time.perf_counter() - started:.0f} s)")
-    print(search_table(found))
+    if found:
+        print(search_table(found))
+    else:
+        print(f"none: a layout needs --tokens-per-step a multiple of seq_len {cfg.data.seq_len} x "
+              "rows x its data-parallel ranks, and its memory estimate to fit the GPU")
     return found[0].plan if found else None
 
 
