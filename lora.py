@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -44,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from checkpoint_files import CHECKSUMS, CheckpointError, crc32_of
 from layers import seeded_normal
 from hf_io import NativeDir, Part, Source, atomic_directory, read_json
 from moe import GroupedExperts, grouped_mm
@@ -80,8 +82,11 @@ class LoraConfig:
         """Each setting on its own, one line naming the key; what the targets match is checked by apply_lora."""
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             raise ValueError(f"{where} rank must be an integer > 0, got {self.rank!r}")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha):
-            raise ValueError(f"{where} alpha must be a finite number, got {self.alpha!r}")
+        if (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
+                or not math.isfinite(self.alpha) or self.alpha == 0):
+            # alpha 0 scales every update to zero: the adapters would train and change nothing
+            raise ValueError(
+                f"{where} alpha must be a finite number other than 0, got {self.alpha!r}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise ValueError(f"{where} dropout must be a number in [0, 1), got {self.dropout!r}")
         if (not isinstance(self.targets, (list, tuple)) or not self.targets
@@ -184,6 +189,7 @@ def apply_lora(model: nn.Module, config: LoraConfig, seed: int = 0) -> list[str]
     weight they adapt and, unless that is meta, initialised (see `initial_value`)."""
     config.validate()
     targets = resolve_targets(model, config.targets)
+    check_rank(config.rank, targets)
     if config.rank % GROUPED_GEMM_MULTIPLE and any(isinstance(m, GroupedExperts) for m in targets.values()):
         raise ValueError(f"[lora] rank must be a multiple of {GROUPED_GEMM_MULTIPLE} to adapt routed experts (the "
                          f"grouped GEMM's rows start on 16-byte boundaries, 8 BF16 values), got {config.rank}")
@@ -202,6 +208,25 @@ def apply_lora(model: nn.Module, config: LoraConfig, seed: int = 0) -> list[str]
     # parallel.init_weights asks the model for each parameter's initial value: the adapters' come from here.
     model.initial_value = MethodType(initial_value_of_adapted, model)
     return list(targets)
+
+
+def map_sides(module: nn.Module) -> tuple[int, int]:
+    """(in, out) of the narrowest map a target holds: a Linear's; routed experts' down_proj
+    [E, Im, H] (their gate_up_proj [E, H, 2*Im] is wider on both sides)."""
+    if isinstance(module, GroupedExperts):
+        return tuple(module.down_proj.shape[1:])
+    return module.in_features, module.out_features
+
+
+def check_rank(rank: int, targets: dict[str, nn.Module]) -> None:
+    """Refuse a rank above min(in, out) of the narrowest adapted map: B A has rank min(in, out) at
+    most, so a wider one adds parameters and memory, not reach (2**40 dies in the allocator)."""
+    name, module = min(targets.items(), key=lambda item: min(map_sides(item[1])))
+    sides = map_sides(module)
+    if rank > min(sides):
+        raise ValueError(f"[lora] rank must be at most {min(sides)}, the smaller side of the "
+                         f"narrowest adapted map ({name}: in {sides[0]}, out {sides[1]}), "
+                         f"got {rank}")
 
 
 def resolve_targets(model: nn.Module, patterns: list[str]) -> dict[str, nn.Module]:
@@ -419,11 +444,70 @@ def without_adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def base_identity(init_from: str | Path) -> dict:
-    """The base a LoRA run adapts: its path and the SHA-256 of its config.json (read as JSON, so
-    formatting does not count). Its weights are not hashed: reading hundreds of GB at each save would."""
+    """The base a LoRA run adapts: its path, the SHA-256 of its config.json (read as JSON, so
+    formatting does not count) and that of its weight files' checksums (`weights_sha256`)."""
     path = Path(init_from).resolve()
     text = json.dumps(read_json(path / "config.json"), sort_keys=True)
-    return {"path": str(path), "config_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    return {"path": str(path), "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "weights_sha256": weights_sha256(path)}
+
+
+def weight_files(base: Path) -> list[Path]:
+    """The files that hold a base's tensors: a native checkpoint's .metadata and *.distcp, a
+    published one's *.safetensors."""
+    if (base / ".metadata").is_file():
+        return sorted([base / ".metadata", *base.glob("*.distcp")])
+    return sorted(base.glob("*.safetensors"))
+
+
+# (path, its weight files' names, sizes, inodes, mtimes) -> weights_sha256
+_WEIGHT_DIGESTS: dict[tuple, str] = {}
+
+
+def weights_sha256(base: Path) -> str:
+    """SHA-256 over each weight file's name, size and CRC-32. The CRC-32 is the one the base's
+    checksums.json lists (no weight is read: cheap for a base of hundreds of GB), or, for a file it
+    does not list (a published base has no checksums.json), computed from the file's bytes, once
+    per process while the file stays where it is. What this sees: weight files added, removed,
+    resized, or replaced together with their checksums.json, or content changed where no
+    checksums.json lists it. That a listed file's bytes still match checksums.json is checked when
+    the base is loaded (checkpoint_files.verify)."""
+    files = weight_files(base)
+    stats = {file.name: file.stat() for file in files}
+    key = (str(base), tuple((name, st.st_size, st.st_ino, st.st_mtime_ns)
+                            for name, st in stats.items()))
+    if key not in _WEIGHT_DIGESTS:
+        listed = listed_checksums(base)
+        sums = [[f.name, stats[f.name].st_size, listed[f.name] if f.name in listed else crc32_of(f)]
+                for f in files]
+        _WEIGHT_DIGESTS[key] = hashlib.sha256(json.dumps(sums).encode()).hexdigest()
+    return _WEIGHT_DIGESTS[key]
+
+
+def listed_checksums(directory: Path) -> dict[str, int]:
+    """{file name: CRC-32} from a checkpoint's checksums.json; {} where it has none or it is
+    unreadable (then the weights' checksums are computed; loading the base reports the damage)."""
+    try:
+        listed = json.loads((directory / CHECKSUMS).read_text())
+        return {name: int(entry["crc32"]) for name, entry in listed.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {}
+
+
+def base_changes(saved: dict, now: dict) -> str | None:
+    """What differs, in words, between the base identity a run recorded and that at its path now."""
+    changed = [f"{what} (SHA-256 {saved[key][:12]} then, {now[key][:12]} now)"
+               for key, what in (("config_sha256", "config.json"), ("weights_sha256", "weights"))
+               if key in saved and saved[key] != now[key]]
+    return " and its ".join(changed) or None
+
+
+def warn_unrecorded_weights(checkpoint: Path, base: str) -> None:
+    """A checkpoint written before the base's weights were recorded is used, not refused (its base
+    may be intact), with one line saying what could not be checked."""
+    print(f"warning: {checkpoint / RUN_FILE} records no checksum of its base's weights (written "
+          f"before they were recorded): the base {base} is checked by its config.json only",
+          file=sys.stderr)
 
 
 def run_record(config: LoraConfig, init_from: str | Path) -> dict:
@@ -431,32 +515,84 @@ def run_record(config: LoraConfig, init_from: str | Path) -> dict:
     return {"lora": dataclasses.asdict(config), "base": base_identity(init_from)}
 
 
-def read_run_record(checkpoint: Path) -> dict | None:
-    """A checkpoint's RUN_FILE, or None for the checkpoint of a run without [lora]."""
+@dataclass
+class RunRecord:
+    """A LoRA checkpoint's RUN_FILE, checked: the run's [lora] settings and its base's identity."""
+
+    lora: LoraConfig
+    base: dict  # base_identity's keys; weights_sha256 only in records written since it is recorded
+
+
+BASE_KEYS = {"path": str, "config_sha256": str}
+JSON_KINDS = {dict: "a JSON object", str: "a string"}
+
+
+def read_run_record(checkpoint: Path) -> RunRecord | None:
+    """A checkpoint's RUN_FILE, checked before anything in the checkpoint is read, or None for the
+    checkpoint of a run without [lora]. A damaged one: one line naming the file and the key."""
     path = checkpoint / RUN_FILE
-    return read_json(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        record = read_json(path)  # names the file: invalid JSON, an empty file, not an object
+        return RunRecord(record_settings(record), record_base(record))
+    except ValueError as error:
+        problem = str(error).removeprefix(f"{path}: ")
+        raise CheckpointError(f"{path}: {problem} (train.py writes this file with each checkpoint "
+                              f"of a LoRA run; restore it from a copy)") from None
+
+
+def record_entry(table: dict, key: str, kind: type, name: str) -> object:
+    """table[key], which must be a `kind` (a bool is no number): its name in the file is `name`."""
+    if key not in table:
+        raise ValueError(f"{name} is missing")
+    if not isinstance(table[key], kind) or isinstance(table[key], bool):
+        raise ValueError(f"{name} must be {JSON_KINDS[kind]}, got {table[key]!r:.60}")
+    return table[key]
+
+
+def record_settings(record: dict) -> LoraConfig:
+    settings = record_entry(record, "lora", dict, "lora")
+    for field_ in dataclasses.fields(LoraConfig):
+        if field_.name not in settings:
+            raise ValueError(f"lora.{field_.name} is missing")
+    return LoraConfig.from_dict(settings, where="lora:")
+
+
+def record_base(record: dict) -> dict:
+    base = record_entry(record, "base", dict, "base")
+    kinds = {**BASE_KEYS, "weights_sha256": str} if "weights_sha256" in base else BASE_KEYS
+    for key, kind in kinds.items():
+        record_entry(base, key, kind, f"base.{key}")
+    return base
 
 
 def resume_refusal(checkpoint: Path, config: LoraConfig, init_from: str) -> str | None:
-    """Why this run cannot resume `checkpoint`, in one line, or None: a LoRA checkpoint resumes only in a
-    LoRA run with adapters of the same shapes, on the same base."""
+    """Why this run cannot resume `checkpoint`, in one line, or None: a LoRA checkpoint resumes only
+    in a LoRA run with adapters of the same shapes, on the same base (path, config, weights)."""
     saved = read_run_record(checkpoint)
     if saved is None:
         return None if not config.enabled else (
             f"checkpoint {checkpoint} holds a whole model, not LoRA adapters; to adapt it, set [model].init_from "
             f"= \"{checkpoint}\" and checkpoint.resume = \"never\"")
+    base = saved.base["path"]
     if not config.enabled:
-        return (f"checkpoint {checkpoint} holds LoRA adapters only (of the base {saved['base']['path']}): resume it "
+        return (f"checkpoint {checkpoint} holds LoRA adapters only (of the base {base}): resume it "
                 f"with its [lora] section, or export it merged (python convert.py to-hf) and train from that")
     now = base_identity(init_from)
-    if saved["base"] != now:
-        return (f"checkpoint {checkpoint} adapts the base {saved['base']['path']} (config.json SHA-256 "
-                f"{saved['base']['config_sha256'][:12]}), not [model].init_from {now['path']} (config.json SHA-256 "
-                f"{now['config_sha256'][:12]}): resume it on its own base")
-    shape = {key: saved["lora"].get(key) for key in ("rank", "targets")}
-    if shape != {"rank": config.rank, "targets": list(config.targets)}:
-        return (f"checkpoint {checkpoint} holds adapters of [lora] rank {shape['rank']}, targets {shape['targets']}; "
-                f"this run asks for rank {config.rank}, targets {list(config.targets)}")
+    if base != now["path"]:
+        return (f"checkpoint {checkpoint} adapts the base {base}, not [model].init_from "
+                f"{now['path']}: resume it on its own base")
+    changes = base_changes(saved.base, now)
+    if changes:
+        return (f"checkpoint {checkpoint} adapts the base {base}, whose {changes} changed since "
+                f"the run started: resume it on the base it was trained on")
+    if "weights_sha256" not in saved.base:
+        warn_unrecorded_weights(checkpoint, base)
+    if (saved.lora.rank, saved.lora.targets) != (config.rank, list(config.targets)):
+        return (f"checkpoint {checkpoint} holds adapters of [lora] rank {saved.lora.rank}, "
+                f"targets {saved.lora.targets}; this run asks for rank {config.rank}, "
+                f"targets {list(config.targets)}")
     return None
 
 
@@ -485,14 +621,17 @@ def base_source(checkpoint: Path) -> tuple[Source, LoraConfig, str]:
     saved = read_run_record(checkpoint)
     if saved is None:
         raise ValueError(f"{checkpoint}: not the checkpoint of a LoRA run (it has no {RUN_FILE})")
-    path = saved["base"]["path"]
+    path = saved.base["path"]
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"{checkpoint / RUN_FILE}: its base {path} is not there any more; the adapters need it")
-    if base_identity(path) != saved["base"]:
-        raise ValueError(f"{checkpoint / RUN_FILE}: the config.json of its base {path} changed since the run "
-                         f"(SHA-256 {saved['base']['config_sha256'][:12]} then, {base_identity(path)['config_sha256'][:12]} now)")
+    changes = base_changes(saved.base, base_identity(path))
+    if changes:
+        raise ValueError(f"{checkpoint / RUN_FILE}: the base {path} is not the one the adapters "
+                         f"were trained on: its {changes} changed since the run started")
+    if "weights_sha256" not in saved.base:
+        warn_unrecorded_weights(checkpoint, path)
     source = NativeDir(path) if (Path(path) / ".metadata").exists() else PublishedAsNative(path)
-    return source, LoraConfig(**saved["lora"]), path
+    return source, saved.lora, path
 
 
 class MergedSource(Source):

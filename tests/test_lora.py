@@ -8,6 +8,9 @@ import copy
 import hashlib
 import json
 import math
+import os
+import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -60,8 +63,11 @@ def batch(vocab, seed=0, shape=(2, 12)):
 @pytest.mark.parametrize("section, message", [
     ({"rank": 0}, r"\[lora\] rank must be an integer > 0, got 0"),
     ({"rank": 2.5}, r"\[lora\] rank must be an integer > 0, got 2.5"),
-    ({"alpha": math.inf}, r"\[lora\] alpha must be a finite number, got inf"),
-    ({"alpha": math.nan}, r"\[lora\] alpha must be a finite number, got nan"),
+    ({"alpha": math.inf}, r"\[lora\] alpha must be a finite number other than 0, got inf"),
+    ({"alpha": math.nan}, r"\[lora\] alpha must be a finite number other than 0, got nan"),
+    ({"alpha": 0}, r"\[lora\] alpha must be a finite number other than 0, got 0"),
+    ({"alpha": 0.0}, r"\[lora\] alpha must be a finite number other than 0, got 0.0"),
+    ({"alpha": True}, r"\[lora\] alpha must be a finite number other than 0, got True"),
     ({"dropout": 1.0}, r"\[lora\] dropout must be a number in \[0, 1\), got 1.0"),
     ({"dropout": -0.1}, r"\[lora\] dropout must be a number in \[0, 1\), got -0.1"),
     ({"targets": []}, r"\[lora\] targets must be a non-empty list"),
@@ -70,6 +76,15 @@ def batch(vocab, seed=0, shape=(2, 12)):
 def test_config_errors_name_the_key(section, message):
     with pytest.raises(ValueError, match=message):
         LoraConfig.from_dict({"targets": ["q_proj"], **section})
+
+
+@pytest.mark.parametrize("alpha, scale", [(1e-3, 1e-3 / 4), (-2.0, -0.5), (3, 0.75)])
+def test_the_alpha_next_to_zero_is_accepted_and_reaches_the_scale(alpha, scale):
+    """The boundary of the alpha = 0 refusal: any other finite alpha trains (a negative one flips
+    the update's sign), and the adapter multiplies its update by alpha / rank (rank 4)."""
+    model = tiny("flint")
+    apply_lora(model, LoraConfig.from_dict({"rank": 4, "alpha": alpha, "targets": ["q_proj"]}))
+    assert model.layers["0"].self_attn.q_proj.lora.scale == scale
 
 
 REFUSED_TARGETS = [
@@ -125,6 +140,62 @@ def test_expert_adapters_need_a_rank_the_grouped_gemm_takes(family):
     with pytest.raises(ValueError, match=r"\[lora\] rank must be a multiple of 8 to adapt routed experts.*got 4"):
         apply_lora(tiny(family), LoraConfig(rank=4, targets=["q_proj", "experts"]))
     assert apply_lora(tiny(family), LoraConfig(rank=4, targets=["q_proj"]))  # Linear maps take any rank
+
+
+# Flint's tiny layout model (hidden 64, 4 query heads and 2 key-value heads of 16, dense MLP 128,
+# experts of intermediate 32): k_proj is [64 -> 32], an expert's down_proj [32 -> 64], q_proj
+# [64 -> 64].
+@pytest.mark.parametrize("targets, largest, narrowest", [
+    (["k_proj"], 32, r"layers\.0\.self_attn\.k_proj: in 64, out 32"),
+    (["q_proj", "experts"], 32, r"layers\.2\.mlp\.experts: in 32, out 64"),
+    (["q_proj"], 64, r"layers\.0\.self_attn\.q_proj: in 64, out 64"),
+])
+@only("flint")
+def test_a_rank_above_the_narrowest_map_is_refused(targets, largest, narrowest):
+    """rank <= min(in, out) of the narrowest adapted map, checked before any adapter is allocated
+    (2**40 is refused, not attempted); the largest rank the grouped GEMM takes there is accepted,
+    and shapes the adapters (the refusal's boundary)."""
+    above = largest + 8 if "experts" in targets else largest + 1
+    for rank in (above, 2 ** 40):
+        refusal = (rf"^\[lora\] rank must be at most {largest}, the smaller side of the narrowest "
+                   rf"adapted map \({narrowest}\), got {rank}$")
+        with pytest.raises(ValueError, match=refusal):
+            apply_lora(tiny("flint"), LoraConfig(rank=rank, targets=targets))
+    model = tiny("flint")
+    apply_lora(model, LoraConfig(rank=largest, targets=targets))
+    shapes = {name: tuple(p.shape) for name, p in adapter_params(model).items()}
+    if "k_proj" in targets:
+        assert shapes["layers.0.self_attn.k_proj.lora.A"] == (32, 64)
+        assert shapes["layers.0.self_attn.k_proj.lora.B"] == (32, 32)
+    if "experts" in targets:
+        assert shapes["layers.2.mlp.experts.down_lora.A"] == (8, 32, 32)  # [E, Im, r]
+        assert shapes["layers.2.mlp.experts.gate_up_lora.B"] == (8, 32, 64)  # [E, r, 2*Im]
+
+
+@only("flint")
+def test_each_setting_reaches_the_adapters():
+    """rank 8, alpha 6 (scale 0.75), targets q_proj, v_proj and the experts on Flint's tiny model
+    (4 layers, experts in layers 2-3): adapters on exactly those 10 modules, shaped by the rank, and
+    each update with A and B all ones equal to 0.75 * rank * in: 0.75 * 8 * 64 = 384 (q, v,
+    gate_up), 0.75 * 8 * 32 = 192 (an expert's down_proj, in = 32)."""
+    model = tiny("flint")
+    config = LoraConfig(rank=8, alpha=6.0, targets=["q_proj", "v_proj", "experts"])
+    names = apply_lora(model, config)
+    expected = {f"layers.{i}.self_attn.{proj}" for i in range(4) for proj in ("q_proj", "v_proj")}
+    expected |= {"layers.2.mlp.experts", "layers.3.mlp.experts"}
+    assert set(names) == expected
+    owners = {key.rsplit(".", 2)[0] for key in adapter_params(model)}
+    assert owners == expected
+    assert tuple(model.layers["1"].self_attn.v_proj.lora.B.shape) == (32, 8)  # [out, r]
+    with torch.no_grad():
+        for param in adapter_params(model).values():
+            param.fill_(1.0)
+    update = model.layers["1"].self_attn.v_proj.lora(torch.ones(1, 64))
+    assert torch.equal(update, torch.full((1, 32), 384.0))
+    experts = model.layers["3"].mlp.experts
+    offsets = torch.tensor([2, 2, 2, 2, 2, 2, 2, 2], dtype=torch.int32)  # both rows to expert 0
+    assert torch.equal(experts.gate_up_lora(torch.ones(2, 64), offsets), torch.full((2, 64), 384.0))
+    assert torch.equal(experts.down_lora(torch.ones(2, 32), offsets), torch.full((2, 64), 192.0))
 
 
 @only("large4")
@@ -390,6 +461,45 @@ def test_layouts_match_one_process(family, layout):
     """FSDP 2, EP 2 (the expert adapters split with their experts), PP 2 and CP 2 on gloo, 3-8 s each."""
     from helpers import spawn
     spawn(2, check_layout, family, layout)
+
+
+# ============================================================================= the base's identity
+
+def test_a_native_base_is_identified_by_its_listed_checksums(tmp_path, trained_once, monkeypatch):
+    """A native base with checksums.json: its weight files' CRC-32s are read from the list, no
+    byte of the weights is read (crc32_of is never called)."""
+    base = tmp_path / "base"  # a path this process has not identified yet
+    shutil.copytree(trained_once, base)
+    listed = json.loads((base / "checksums.json").read_text())
+    names = sorted(name for name in listed if name == ".metadata" or name.endswith(".distcp"))
+    expected = json.dumps([[name, listed[name]["bytes"], listed[name]["crc32"]] for name in names])
+
+    def no_reading(file):
+        raise AssertionError(f"read {file}")
+    monkeypatch.setattr(lora, "crc32_of", no_reading)
+    assert lora.weights_sha256(base) == hashlib.sha256(expected.encode()).hexdigest()
+
+
+def test_a_published_base_is_identified_by_its_content(tmp_path, trained_once):
+    """A Hugging Face base (no checksums.json): the CRC-32 of each safetensors file's bytes; a file
+    replaced by one of the same size with one byte changed gives another digest."""
+    import convert
+    base = tmp_path / "hf"
+    convert.main(["to-hf", str(trained_once), str(base)])
+    assert not (base / "checksums.json").exists()
+
+    def digest():
+        files = sorted(base.glob("*.safetensors"))
+        sums = [[f.name, f.stat().st_size, zlib.crc32(f.read_bytes())] for f in files]
+        return hashlib.sha256(json.dumps(sums).encode()).hexdigest()
+    before = lora.weights_sha256(base)
+    assert before == digest()
+    shard = sorted(base.glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # the last byte of the last tensor
+    (tmp_path / "changed").write_bytes(data)
+    os.replace(tmp_path / "changed", shard)
+    assert lora.weights_sha256(base) == digest() != before
 
 
 # ============================================================================= export
