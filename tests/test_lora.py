@@ -546,24 +546,68 @@ def test_convert_names_modules_as_the_fixture_checked_them(family):
         [transformers_module_name(family, name) for name in names]
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_the_peft_directory_is_the_one_peft_loaded(family, tmp_path):
-    """tests/make_lora_peft_fixture.py loaded this adapter directory with peft onto transformers' model (and the
-    merged export with transformers) and got the adapted model's logits: the same directory is still written,
-    byte for byte, and the native model still computes those logits."""
+# The cases of tests/make_lora_peft_fixture.py (family, [lora] settings, base_model_name_or_path).
+PEFT_CASES = ["flint", "large4", "flint_linear", "large4_experts"]
+# What peft read back from each case's adapter_config.json, from the case's settings by hand: r,
+# lora_alpha, lora_dropout (flint_linear's 0.1 on Linear maps; large4_experts' 0.2 written as 0, as
+# peft refuses a dropout on target parameters) and the scaling lora_alpha / r: 16 / 8, 3 / 4, 4 / 8.
+PEFT_READ = {"flint": (8, 16.0, 0.0, [2.0]), "large4": (8, 16.0, 0.0, [2.0]),
+             "flint_linear": (4, 3.0, 0.1, [0.75]), "large4_experts": (8, 4.0, 0.0, [0.5])}
+
+
+def peft_case(case: str):
+    from make_lora_peft_fixture import CASES
+    return pytest.param(case, marks=only(CASES[case][0]))
+
+
+@pytest.mark.parametrize("case", [peft_case(case) for case in PEFT_CASES])
+def test_the_peft_directory_is_the_one_peft_loaded(case, tmp_path):
+    """tests/make_lora_peft_fixture.py loaded this adapter directory with peft onto transformers'
+    model (and the merged export with transformers) and got the adapted model's logits: the same
+    directory is still written, byte for byte, and the native model still computes those logits.
+    Each option the directory carries reached peft: r, lora_alpha, lora_dropout and the scaling as
+    peft read them, base_model_name_or_path where set, and as many adapted Linear maps and expert
+    weights in peft's model as in the native one."""
     from safetensors.torch import load_file
-    from make_lora_peft_fixture import adapted_model, adapter_directory, inputs
-    result = json.loads((FIXTURE / family / "result.json").read_text())
+    from make_lora_peft_fixture import CASES, adapted_model, adapter_directory, inputs
+    family, settings, base_model = CASES[case]
+    result = json.loads((FIXTURE / case / "result.json").read_text())
     assert result["peft_loads"] and result["merged_loads"] and not result["peft_key_warnings"]
-    model = adapted_model(family)
-    adapter_directory(family, model, tmp_path / "adapter")
+    read = result["peft_read"]
+    options = (read["r"], read["lora_alpha"], read["lora_dropout"], read["scalings"])
+    assert options == PEFT_READ[case]
+    assert not read["use_rslora"]
+    if base_model is not None:
+        assert read["base_model_name_or_path"] == base_model
+    model = adapted_model(family, settings)
+    linear = [m for m in model.modules() if isinstance(m, lora.LinearAdapter)]
+    grouped = [m for m in model.modules() if isinstance(m, lora.GroupedAdapter)]  # 2 per experts
+    assert len(linear) == result["adapted_linear_maps"]
+    assert len(grouped) == result["adapted_expert_weights"]
+    adapter_directory(family, model, tmp_path / "adapter", settings, base_model)
     written = (tmp_path / "adapter" / "adapter_config.json").read_text()
-    assert written == (FIXTURE / family / "adapter_config.json").read_text()
+    assert written == (FIXTURE / case / "adapter_config.json").read_text()
     assert hashlib.sha256((tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()).hexdigest() == \
         result["adapter_sha256"]
-    expected = load_file(FIXTURE / family / "expected.safetensors")
+    expected = load_file(FIXTURE / case / "expected.safetensors")
     assert torch.equal(expected["input_ids"], inputs(family))
     with torch.no_grad():
         logits = model(expected["input_ids"])
     assert_close_to_scale(logits, expected["peft_logits"], rtol=1e-4, what="peft's logits")
     assert_close_to_scale(logits, expected["merged_logits"], rtol=1e-4, what="the merged export's logits")
+
+
+@only("flint")
+def test_the_linear_case_adapts_the_maps_its_targets_name():
+    """flint_linear's targets q_proj and down_proj on the fixture's 3-layer Flint (layers 0-1
+    dense, 2 MoE): q_proj in each layer, the dense MLPs' down_proj and the shared expert's, not the
+    routed experts (their down_proj is a parameter, not a module): 6 maps, as peft adapted."""
+    from make_lora_peft_fixture import CASES, adapted_model
+    family, settings, _ = CASES["flint_linear"]
+    model = adapted_model(family, settings)
+    adapted = {name for name, m in model.named_modules() if hasattr(m, "lora")}
+    assert adapted == {"layers.0.self_attn.q_proj", "layers.1.self_attn.q_proj",
+                       "layers.2.self_attn.q_proj", "layers.0.mlp.down_proj",
+                       "layers.1.mlp.down_proj", "layers.2.mlp.shared_expert.down_proj"}
+    result = json.loads((FIXTURE / "flint_linear" / "result.json").read_text())
+    assert result["adapted_linear_maps"] == 6
