@@ -4,10 +4,10 @@
 
 Not part of the test suite, which needs neither transformers nor peft. For each model family (a tiny
 Flint, the Large 4 parity shape), with every parameter random and LoRA on every target (B random too):
-- the adapter directory that lora.write_peft_adapter writes is loaded by peft (PeftModel.from_pretrained)
+- the adapter directory that convert.write_peft_adapter writes is loaded by peft (PeftModel.from_pretrained)
   onto transformers' model, itself loaded from the base's published export (convert.save_hf); its
   logits must equal the adapted native model's, and peft must report no missing or unexpected key;
-- the merged export (lora.merge_lora, then the published export) is loaded by transformers
+- the merged export (convert.merge_lora, then the published export) is loaded by transformers
   (from_pretrained); its logits must equal them too.
 Each check runs for every case of CASES: each family with LoRA on every target, and cases that set
 each option adapter_config.json carries to another value (a rank, an alpha, a dropout peft takes on
@@ -119,9 +119,9 @@ def inputs(family: str):
 
 def adapter_directory(family: str, model, out: Path, settings: dict = LORA,
                       base_model: str | None = None) -> None:
-    """What the suite and the check both write: lora.write_peft_adapter over the published table."""
-    from convert import published_table
-    from lora import LoraConfig, adapter_state, write_peft_adapter
+    """What the suite and the check both write: convert.write_peft_adapter over the published table."""
+    from convert import published_table, write_peft_adapter
+    from lora import LoraConfig, adapter_state
     write_peft_adapter(out, adapter_state(model.state_dict()), LoraConfig(**settings),
                        published_table(model.config),
                        lambda native: transformers_module_name(family, native), base_model)
@@ -151,7 +151,8 @@ def exported(family: str, state, config, directory: Path):
 def check(case: str, work: Path) -> tuple[dict, dict]:
     import torch
     from peft import PeftModel
-    from lora import LoraConfig, adapter_state, merge_lora
+    from convert import merge_lora
+    from lora import LoraConfig, adapter_state
     family, settings, base_model = CASES[case]
     model = adapted_model(family, settings)
     ids = inputs(family)

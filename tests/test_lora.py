@@ -17,9 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import convert
 import lora
 from helpers import FAMILY_NAMES, assert_close_to_scale, build, only, tiny_config
-from lora import LoraConfig, apply_lora, grouped_lora, merge_lora
+from lora import LoraConfig, apply_lora, grouped_lora
 from moe import GroupedExperts
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "lora_peft"
@@ -363,7 +364,7 @@ def test_merged_weights_give_the_adapted_logits(family):
     ids, _ = batch(model.config.vocab_size)
     base = tiny(family)
     before = base(ids)
-    merged = merge_lora(model.state_dict(), LoraConfig(rank=RANK, alpha=ALPHA, targets=["all"]))
+    merged = convert.merge_lora(model.state_dict(), LoraConfig(rank=RANK, alpha=ALPHA, targets=["all"]))
     assert set(merged) == set(base.state_dict())
     base.load_state_dict(merged)
     after, expected = base(ids), model(ids)
@@ -483,7 +484,6 @@ def test_a_native_base_is_identified_by_its_listed_checksums(tmp_path, trained_o
 def test_a_published_base_is_identified_by_its_content(tmp_path, trained_once):
     """A Hugging Face base (no checksums.json): the CRC-32 of each safetensors file's bytes; a file
     replaced by one of the same size with one byte changed gives another digest."""
-    import convert
     base = tmp_path / "hf"
     convert.main(["to-hf", str(trained_once), str(base)])
     assert not (base / "checksums.json").exists()
@@ -518,7 +518,7 @@ def test_peft_tensors_hold_the_same_updates():
     from convert import published_table
     model = adapted(tiny("flint"))
     adapters = lora.adapter_state(model.state_dict())
-    tensors = lora.peft_state(adapters, published_table(model.config))
+    tensors = convert.peft_state(adapters, published_table(model.config))
     assert len(tensors) == len(adapters)
     prefix = "base_model.model.model.layers.2"
     gate_up = peft_delta(tensors[f"{prefix}.mlp.experts.base_layer.lora_A.weight"],
@@ -537,12 +537,12 @@ def test_peft_tensors_hold_the_same_updates():
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_convert_names_modules_as_the_fixture_checked_them(family):
-    """convert.py to-peft's module names (lora.transformers_module_name) are those the fixture's check gave
+    """convert.py to-peft's module names (convert.transformers_module_name) are those the fixture's check gave
     peft, under which it found every target in transformers' model."""
     from make_lora_peft_fixture import transformers_module_name
     model = tiny(family)
     names = [name for name, _ in model.named_modules() if name]
-    assert [lora.transformers_module_name(model.config, name) for name in names] == \
+    assert [convert.transformers_module_name(model.config, name) for name in names] == \
         [transformers_module_name(family, name) for name in names]
 
 

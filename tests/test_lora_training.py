@@ -120,7 +120,7 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_in_one(tmp_path
 @pytest.mark.parametrize("published_base", [False, True], ids=["native_base", "hugging_face_base"])
 def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
     """convert.py to-hf on a LoRA checkpoint writes the merged model (its logits are the adapted model's) and
-    to-peft the adapter directory (its tensors are lora.peft_state of the checkpoint's adapters); the run's
+    to-peft the adapter directory (its tensors are convert.peft_state of the checkpoint's adapters); the run's
     own export_hf is the merged one. The base is read where the run read it: native, or Hugging Face
     (converted tensor by tensor, as train.py converted it)."""
     base = trained_once
@@ -145,7 +145,7 @@ def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
         unadapted = convert.load_native(trained_once, torch.float32)
         assert not torch.allclose(unadapted(ids), model(ids), atol=1e-4)  # the adapters changed the model
     written = exported_tensors(tmp_path / "peft")
-    expected = lora.peft_state(adapters, convert.published_table(model.config))
+    expected = convert.peft_state(adapters, convert.published_table(model.config))
     assert sorted(written) == sorted(expected)
     assert all(torch.equal(written[key], value) for key, value in expected.items())
     peft_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
