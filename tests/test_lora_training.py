@@ -315,11 +315,8 @@ DAMAGED_RECORDS = {
 }
 
 
-@pytest.mark.parametrize("damage", DAMAGED_RECORDS.values(), ids=DAMAGED_RECORDS.keys())
-def test_a_damaged_lora_json_is_one_line_everywhere(tmp_path, trained_once, lora_checkpoint,
-                                                    damage):
-    """Explicit resume, to-hf, to-peft and sample.py refuse a damaged lora.json in one line naming
-    the file and the key (one changed after the save is caught by the checksums too)."""
+def damaged_copy(tmp_path: Path, lora_checkpoint: Path, damage) -> tuple[Path, str]:
+    """A copy of the LoRA checkpoint, its lora.json damaged -> (the copy, the line refusing it)."""
     write, problem = damage
     checkpoint = tmp_path / "step_00000001"
     shutil.copytree(lora_checkpoint, checkpoint)
@@ -328,10 +325,26 @@ def test_a_damaged_lora_json_is_one_line_everywhere(tmp_path, trained_once, lora
     write_checksums(checkpoint)  # written so at save time: the checksums do not catch it first
     line = (rf"{re.escape(str(checkpoint / lora.RUN_FILE))}: {problem}.*\(train.py writes this "
             rf"file with each checkpoint of a LoRA run; restore it from a copy\)$")
+    return checkpoint, line
+
+
+@pytest.mark.parametrize("damage", DAMAGED_RECORDS.values(), ids=DAMAGED_RECORDS.keys())
+def test_a_damaged_lora_json_is_one_line_everywhere(tmp_path, lora_checkpoint, damage):
+    """to-hf, to-peft and sample.py refuse a damaged lora.json in one line naming the file and the
+    key (one changed after the save is caught by the checksums too)."""
+    checkpoint, line = damaged_copy(tmp_path, lora_checkpoint, damage)
     for command in ("to-hf", "to-peft"):
         with pytest.raises(SystemExit, match=rf"^error: {line}"):
             convert.main([command, str(checkpoint), str(tmp_path / command)])
     with pytest.raises(SystemExit, match=rf"^error: {line}"):
         sample.main(["--checkpoint", str(checkpoint), "--device", "cpu", "--max-new-tokens", "2"])
+
+
+@pytest.mark.parametrize("damage", ["empty", "no_rank", "weights_sha_number"])
+def test_an_explicit_resume_refuses_a_damaged_lora_json(tmp_path, trained_once, lora_checkpoint,
+                                                        damage):
+    """A resume reads lora.json through the same check (read_run_record): a few of the damages above
+    (each resume starts train.py)."""
+    checkpoint, line = damaged_copy(tmp_path, lora_checkpoint, DAMAGED_RECORDS[damage])
     with pytest.raises(CheckpointError, match=rf"^{line}"):
         lora_run(tmp_path / "resumed", trained_once, f"--checkpoint.resume={checkpoint}")
