@@ -6,7 +6,8 @@ checkpoint, one tensor at a time.
     python convert.py to-peft IN ADAPTER_DIR    # a LoRA run's checkpoint -> PEFT's adapter directory
 
 to-hf on a LoRA run's checkpoint (adapters only, lora.py) writes the merged model: the base it names,
-each adapted weight plus its scaled update.
+each adapted weight plus its scaled update; to-peft writes its adapters in PEFT's format. Both exports
+and the in-memory merge (sample.py) are here, below; lora.py holds the adapters and the run's record.
 
 The native checkpoint is what train.py saves and resumes from: a torch.distributed.checkpoint
 directory whose state dict holds {"model": <native state dict>, optional "optimizer", "train"}, plus
@@ -46,7 +47,8 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from checkpoint_files import load_dcp, write_checksums
 from hf_io import (SAFETENSORS_DTYPES, Entry, Layout, NativeDir, Part, SafetensorsDir, Source, StateSource,
                    atomic_directory, dcp_call, parse_size, published_view, read_json, write_safetensors)
-import lora
+from lora import (RUN_FILE, LoraConfig, adapter_state, base_changes, base_identity, base_key, delta_weight,
+                  read_run_record, warn_unrecorded_weights)
 from registry import ModelConfig, config_from_hf, family_of, model_class
 
 Log = Callable[[str], None]
@@ -412,6 +414,182 @@ def _keep_extras(model: nn.Module, extras: Source | None) -> None:
         model.published_extras = extras
 
 
+# ====================================================== LoRA checkpoints: merged and PEFT exports
+
+def merge_lora(state: dict[str, torch.Tensor], config: LoraConfig) -> dict[str, torch.Tensor]:
+    """An adapted model's state dict -> the base's keys only, each adapted weight plus its scaled
+    update (added in FP32, cast back to the weight's dtype): the published model again."""
+    adapters = adapter_state(state)
+    merged = {key: value for key, value in state.items() if key not in adapters}
+    for a_key in (key for key in adapters if key.endswith(".A")):
+        weight_key = base_key(a_key)
+        weight = merged[weight_key]
+        update = delta_weight(adapters[a_key], adapters[a_key[:-1] + "B"], config.scale)
+        merged[weight_key] = (weight.float() + update.to(weight.device)).to(weight.dtype)
+    return merged
+
+
+def peft_state(adapters: dict[str, torch.Tensor], published: dict[str, list[Part]]) -> dict[str, torch.Tensor]:
+    """Adapter tensors (native keys) -> PEFT's keys and layouts. `published`: the model's published
+    table (native key -> its published parts, as published_table gives it). Keys are named
+    after the published module, as the published checkpoint names its weights (transformers renames
+    both alike on loading).
+
+    A Linear's adapter keeps its layout: X.weight -> base_model.model.X.lora_A.weight [r, in] and
+    lora_B.weight [out, r]. Grouped experts, published one weight per expert (M.{e}.{proj}.weight) or
+    fused (M.gate_up_proj), follow peft's ParamWrapper (target_parameters) on transformers' fused
+    [E, out, in] weights: it wraps the experts module M once per parameter, gate_up_proj innermost, so
+    gate_up_proj -> M.base_layer.lora_{A,B}.weight and down_proj -> M.lora_{A,B}.weight, with
+    lora_A.weight [E * r, in] (expert e's A^T in rows e*r..(e+1)*r) and lora_B.weight [out, r * E]
+    (column j*E + e: rank j of expert e's B^T)."""
+    tensors = {}
+    for a_key in sorted(key for key in adapters if key.endswith(".A")):
+        A, B = adapters[a_key], adapters[a_key[:-1] + "B"]
+        stem = "base_model.model." + published_module(base_key(a_key), published[base_key(a_key)], A.dim() == 3)
+        if A.dim() == 2:
+            tensors[f"{stem}.lora_A.weight"], tensors[f"{stem}.lora_B.weight"] = A, B
+            continue
+        num_experts, _, rank = A.shape
+        stem += ".base_layer" if a_key.endswith("gate_up_lora.A") else ""
+        tensors[f"{stem}.lora_A.weight"] = A.transpose(1, 2).reshape(num_experts * rank, -1)  # [E, in, r] -> [E*r, in]
+        # [E, r, out] -> [out, r, E] -> [out, r*E]
+        tensors[f"{stem}.lora_B.weight"] = B.permute(2, 1, 0).reshape(-1, rank * num_experts)
+    return {key: value.detach().to("cpu").contiguous() for key, value in tensors.items()}
+
+
+def published_module(native_key: str, parts: list[Part], grouped: bool) -> str:
+    """The published name of the module holding native weight `native_key`: X.weight -> X; the
+    experts' per-expert M.{e}.{proj}.weight or fused M.gate_up_proj -> M."""
+    if not grouped:
+        if len(parts) != 1 or parts[0].index:
+            raise ValueError(f"{native_key}: published as {len(parts)} parts; a Linear's adapter needs one")
+        return parts[0].key.removesuffix(".weight")
+    if not all(part.transposed for part in parts):
+        raise ValueError(f"{native_key}: PEFT's expert adapters need the published [out, in] layout of each expert")
+    modules = {part.key.rsplit(".", 3 if part.index else 1)[0] for part in parts}
+    if len(modules) != 1:
+        raise ValueError(f"{native_key}: its published parts lie in {len(modules)} modules, expected one")
+    return modules.pop()
+
+
+def peft_config(config: LoraConfig, adapters: dict[str, torch.Tensor], module_name: Callable[[str], str],
+                base_model: str | None = None) -> dict:
+    """adapter_config.json for `adapters`. module_name: a native module name -> the name transformers'
+    model gives that module (peft matches its targets against those names when it wraps the model,
+    before the weights' names are converted). The adapted Linear maps go to target_modules, the
+    experts' weights to target_parameters. Dropout is written as 0 when experts are adapted: peft
+    refuses dropout on a target parameter (it only acts in training, so no output changes)."""
+    modules, parameters = set(), set()
+    for a_key in (key for key in adapters if key.endswith(".A")):
+        owner, _, weight = base_key(a_key).rpartition(".")
+        if adapters[a_key].dim() == 2:
+            modules.add(module_name(owner))
+        else:
+            parameters.add(f"{module_name(owner)}.{weight}")
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": config.rank, "lora_alpha": config.alpha, "lora_dropout": 0.0 if parameters else config.dropout,
+            "target_modules": sorted(modules), "target_parameters": sorted(parameters),
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
+
+
+def write_peft_adapter(directory: str | Path, adapters: dict[str, torch.Tensor], config: LoraConfig,
+                       published: dict[str, list[Part]], module_name: Callable[[str], str],
+                       base_model: str | None = None) -> None:
+    """Write `directory` (whole or not at all): adapter_config.json and adapter_model.safetensors."""
+    from safetensors.torch import save_file
+    with atomic_directory(directory) as tmp:
+        save_file(peft_state(adapters, published), str(tmp / "adapter_model.safetensors"), {"format": "pt"})
+        text = json.dumps(peft_config(config, adapters, module_name, base_model), indent=2)
+        (tmp / "adapter_config.json").write_text(text + "\n")
+
+
+class PublishedAsNative(Source):
+    """A published checkpoint read under native keys and layouts, one native tensor at a time."""
+
+    def __init__(self, path: str | Path):
+        config, self.source = open_published(path)
+        self.layout, dtypes = check_source(self.source, config, published=True)
+        shapes = native_meta(config)
+        self.name = self.source.name
+        self.meta = {key: (tuple(shapes[key].shape), dtypes[key]) for key in self.layout}
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        return {key: build_native(self.source, self.layout[key], torch.empty(self.meta[key][0], dtype=self.meta[key][1]))
+                for key in keys}
+
+
+def base_source(checkpoint: Path) -> tuple[Source, LoraConfig, str]:
+    """A LoRA checkpoint's base (native or published), checked against the identity the run recorded ->
+    (its tensors under native keys, the run's [lora] settings, its path)."""
+    saved = read_run_record(checkpoint)
+    if saved is None:
+        raise ValueError(f"{checkpoint}: not the checkpoint of a LoRA run (it has no {RUN_FILE})")
+    path = saved.base["path"]
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"{checkpoint / RUN_FILE}: its base {path} is not there any more; the adapters need it")
+    changes = base_changes(saved.base, base_identity(path))
+    if changes:
+        raise ValueError(f"{checkpoint / RUN_FILE}: the base {path} is not the one the adapters "
+                         f"were trained on: its {changes} changed since the run started")
+    if "weights_sha256" not in saved.base:
+        warn_unrecorded_weights(checkpoint, path)
+    source = NativeDir(path) if (Path(path) / ".metadata").exists() else PublishedAsNative(path)
+    return source, saved.lora, path
+
+
+class MergedSource(Source):
+    """A LoRA checkpoint's model merged, under native keys: each base tensor, plus its scaled update where
+    adapted (in FP32, cast back to the base's dtype), read one at a time, so that convert.export_published
+    streams the merged model as it streams any native checkpoint."""
+
+    def __init__(self, checkpoint: Path):
+        self.base, self.config, self.base_path = base_source(checkpoint)
+        self.adapters = NativeDir(checkpoint)
+        self.name, self.meta = self.base.name, self.base.meta
+        # the adapted weight -> its adapter's prefix: q_proj.weight -> q_proj.lora.
+        self.adapted = {base_key(key): key[:-1] for key in self.adapters.meta if key.endswith(".A")}
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        tensors = self.base.read(keys)
+        for key in (key for key in keys if key in self.adapted):
+            prefix = self.adapted[key]
+            pair = self.adapters.read([prefix + "A", prefix + "B"])
+            update = delta_weight(pair[prefix + "A"], pair[prefix + "B"], self.config.scale)
+            tensors[key] = (tensors[key].float() + update).to(tensors[key].dtype)
+        return tensors
+
+
+@torch.no_grad()
+def load_merged(checkpoint: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> nn.Module:
+    """A LoRA checkpoint's model merged, in one process (sampling), read a tensor at a time. dtype None: FP32."""
+    source = MergedSource(Path(checkpoint))
+    model = _empty_model(read_config(checkpoint)[0], dtype or torch.float32, device)
+    for key, value in model.state_dict().items():
+        value.copy_(source.read([key])[key])
+    return model
+
+
+def transformers_module_name(config: ModelConfig, native: str) -> str:
+    """The name transformers' model gives the native module `native` (the family's Layout declares it)."""
+    layout = family_of(config).layout
+    name = layout.transformers_prefix + native
+    for old, new in layout.transformers_renames.items():
+        name = name.replace(old, new)
+    return name
+
+
+def export_peft(checkpoint: Path, out: str | Path) -> int:
+    """A LoRA checkpoint's adapters as a PEFT adapter directory `out` -> the tensors written."""
+    _, config, base_path = base_source(checkpoint)
+    adapters = NativeDir(checkpoint)
+    tensors = adapters.read(list(adapters.meta))
+    model_config = read_config(checkpoint)[0]
+    write_peft_adapter(out, tensors, config, published_table(model_config),
+                       lambda native: transformers_module_name(model_config, native), base_path)
+    return len(tensors)
+
+
 # ============================================================================= command line
 
 def report_defaults(path: Path, config: ModelConfig, log: Callable[[str], None]) -> None:
@@ -448,7 +626,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     if args.command == "to-peft":
         try:
-            tensors = lora.export_peft(Path(args.native_dir), args.adapter_dir)
+            tensors = export_peft(Path(args.native_dir), args.adapter_dir)
         except (ValueError, OSError) as error:
             sys.exit(f"error: {error}")
         print(f"wrote {tensors} adapter tensors to {args.adapter_dir} in {time.perf_counter() - started:.1f} s")
@@ -461,8 +639,8 @@ def main(argv: list[str] | None = None) -> None:
             tensors, size = import_native(source, config, args.out, log=print)
         else:
             source = NativeDir(args.native_dir)  # first: a directory without .metadata is not native
-            if lora.read_run_record(Path(args.native_dir)) is not None:  # adapters only: merge them into their base
-                source = lora.MergedSource(Path(args.native_dir))
+            if read_run_record(Path(args.native_dir)) is not None:  # adapters only: merge them into their base
+                source = MergedSource(Path(args.native_dir))
                 args.extras_from = args.extras_from or source.base_path
             config = read_config(args.native_dir)[0]
             report_defaults(Path(args.native_dir) / "config.json", config, print)

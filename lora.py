@@ -22,9 +22,10 @@ their forward and take an adapted `swiglu` (the grouped GEMMs of their rows, gro
 expert parallelism moe.ExpertParallelExperts runs it on this rank's experts, whose adapters
 parallel.apply_expert_parallel splits over the experts with the weights.
 
-Export: `merge_lora` adds the scaled products to the base weights (the merged model is the
-published model again); `peft_state` and `write_peft_adapter` write an adapter directory in PEFT's
-format (see tests/make_lora_peft_fixture.py for what peft loads onto transformers' models).
+A LoRA run's checkpoints hold the adapters and RUN_FILE (its settings and its base's identity,
+checked on resume here and on export). Their export lives with the other exports, in convert.py:
+the merged model (the base plus the scaled products: the published model again) and PEFT's adapter
+directory (see tests/make_lora_peft_fixture.py for what peft loads onto transformers' models).
 """
 
 from __future__ import annotations
@@ -33,21 +34,22 @@ import dataclasses
 import hashlib
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from types import MethodType
-from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from checkpoint_files import CHECKSUMS, CheckpointError, crc32_of
 from layers import fp32_units, frozen_modules, inside, seeded_normal
-from hf_io import NativeDir, Part, Source, atomic_directory, read_json
+from hf_io import read_json
 from moe import GROUPED_GEMM_MULTIPLE, GroupedExperts, grouped_mm
-from registry import ModelConfig, family_of, model_class
+from registry import ModelConfig, model_class
 
 ALL = "all"  # the target that adapts every nn.Linear and routed-expert group outside the FP32 units and frozen parts
 # Adapter submodule name -> the base parameter of its owner that it adapts.
@@ -79,8 +81,11 @@ class LoraConfig:
         """Each setting on its own, one line naming the key; what the targets match is checked by apply_lora."""
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             raise ValueError(f"{where} rank must be an integer > 0, got {self.rank!r}")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha):
-            raise ValueError(f"{where} alpha must be a finite number, got {self.alpha!r}")
+        if (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
+                or not math.isfinite(self.alpha) or self.alpha == 0):
+            # alpha 0 scales every update to zero: the adapters would train and change nothing
+            raise ValueError(
+                f"{where} alpha must be a finite number other than 0, got {self.alpha!r}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise ValueError(f"{where} dropout must be a number in [0, 1), got {self.dropout!r}")
         if (not isinstance(self.targets, (list, tuple)) or not self.targets
@@ -183,6 +188,7 @@ def apply_lora(model: nn.Module, config: LoraConfig, seed: int = 0) -> list[str]
     weight they adapt and, unless that is meta, initialised (see `initial_value`)."""
     config.validate()
     targets = resolve_targets(model, config.targets)
+    check_rank(config.rank, targets)
     if config.rank % GROUPED_GEMM_MULTIPLE and any(isinstance(m, GroupedExperts) for m in targets.values()):
         raise ValueError(f"[lora] rank must be a multiple of {GROUPED_GEMM_MULTIPLE} to adapt routed experts (the "
                          f"grouped GEMM's rows start on 16-byte boundaries, 8 BF16 values), got {config.rank}")
@@ -201,6 +207,25 @@ def apply_lora(model: nn.Module, config: LoraConfig, seed: int = 0) -> list[str]
     # parallel.init_weights asks the model for each parameter's initial value: the adapters' come from here.
     model.initial_value = MethodType(initial_value_of_adapted, model)
     return list(targets)
+
+
+def map_sides(module: nn.Module) -> tuple[int, int]:
+    """(in, out) of the narrowest map a target holds: a Linear's; routed experts' down_proj
+    [E, Im, H] (their gate_up_proj [E, H, 2*Im] is wider on both sides)."""
+    if isinstance(module, GroupedExperts):
+        return tuple(module.down_proj.shape[1:])
+    return module.in_features, module.out_features
+
+
+def check_rank(rank: int, targets: dict[str, nn.Module]) -> None:
+    """Refuse a rank above min(in, out) of the narrowest adapted map: B A has rank min(in, out) at
+    most, so a wider one adds parameters and memory, not reach (2**40 dies in the allocator)."""
+    name, module = min(targets.items(), key=lambda item: min(map_sides(item[1])))
+    sides = map_sides(module)
+    if rank > min(sides):
+        raise ValueError(f"[lora] rank must be at most {min(sides)}, the smaller side of the "
+                         f"narrowest adapted map ({name}: in {sides[0]}, out {sides[1]}), "
+                         f"got {rank}")
 
 
 def resolve_targets(model: nn.Module, patterns: list[str]) -> dict[str, nn.Module]:
@@ -288,96 +313,6 @@ def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: value for key, value in state.items() if is_adapter_key(key)}
 
 
-# ============================================================================= export
-
-def merge_lora(state: dict[str, torch.Tensor], config: LoraConfig) -> dict[str, torch.Tensor]:
-    """An adapted model's state dict -> the base's keys only, each adapted weight plus its scaled
-    update (added in FP32, cast back to the weight's dtype): the published model again."""
-    adapters = adapter_state(state)
-    merged = {key: value for key, value in state.items() if key not in adapters}
-    for a_key in (key for key in adapters if key.endswith(".A")):
-        weight_key = base_key(a_key)
-        weight = merged[weight_key]
-        update = delta_weight(adapters[a_key], adapters[a_key[:-1] + "B"], config.scale)
-        merged[weight_key] = (weight.float() + update.to(weight.device)).to(weight.dtype)
-    return merged
-
-
-def peft_state(adapters: dict[str, torch.Tensor], published: dict[str, list[Part]]) -> dict[str, torch.Tensor]:
-    """Adapter tensors (native keys) -> PEFT's keys and layouts. `published`: the model's published
-    table (native key -> its published parts, as convert.published_table gives it). Keys are named
-    after the published module, as the published checkpoint names its weights (transformers renames
-    both alike on loading).
-
-    A Linear's adapter keeps its layout: X.weight -> base_model.model.X.lora_A.weight [r, in] and
-    lora_B.weight [out, r]. Grouped experts, published one weight per expert (M.{e}.{proj}.weight) or
-    fused (M.gate_up_proj), follow peft's ParamWrapper (target_parameters) on transformers' fused
-    [E, out, in] weights: it wraps the experts module M once per parameter, gate_up_proj innermost, so
-    gate_up_proj -> M.base_layer.lora_{A,B}.weight and down_proj -> M.lora_{A,B}.weight, with
-    lora_A.weight [E * r, in] (expert e's A^T in rows e*r..(e+1)*r) and lora_B.weight [out, r * E]
-    (column j*E + e: rank j of expert e's B^T)."""
-    tensors = {}
-    for a_key in sorted(key for key in adapters if key.endswith(".A")):
-        A, B = adapters[a_key], adapters[a_key[:-1] + "B"]
-        stem = "base_model.model." + published_module(base_key(a_key), published[base_key(a_key)], A.dim() == 3)
-        if A.dim() == 2:
-            tensors[f"{stem}.lora_A.weight"], tensors[f"{stem}.lora_B.weight"] = A, B
-            continue
-        num_experts, _, rank = A.shape
-        stem += ".base_layer" if a_key.endswith("gate_up_lora.A") else ""
-        tensors[f"{stem}.lora_A.weight"] = A.transpose(1, 2).reshape(num_experts * rank, -1)  # [E, in, r] -> [E*r, in]
-        # [E, r, out] -> [out, r, E] -> [out, r*E]
-        tensors[f"{stem}.lora_B.weight"] = B.permute(2, 1, 0).reshape(-1, rank * num_experts)
-    return {key: value.detach().to("cpu").contiguous() for key, value in tensors.items()}
-
-
-def published_module(native_key: str, parts: list[Part], grouped: bool) -> str:
-    """The published name of the module holding native weight `native_key`: X.weight -> X; the
-    experts' per-expert M.{e}.{proj}.weight or fused M.gate_up_proj -> M."""
-    if not grouped:
-        if len(parts) != 1 or parts[0].index:
-            raise ValueError(f"{native_key}: published as {len(parts)} parts; a Linear's adapter needs one")
-        return parts[0].key.removesuffix(".weight")
-    if not all(part.transposed for part in parts):
-        raise ValueError(f"{native_key}: PEFT's expert adapters need the published [out, in] layout of each expert")
-    modules = {part.key.rsplit(".", 3 if part.index else 1)[0] for part in parts}
-    if len(modules) != 1:
-        raise ValueError(f"{native_key}: its published parts lie in {len(modules)} modules, expected one")
-    return modules.pop()
-
-
-def peft_config(config: LoraConfig, adapters: dict[str, torch.Tensor], module_name: Callable[[str], str],
-                base_model: str | None = None) -> dict:
-    """adapter_config.json for `adapters`. module_name: a native module name -> the name transformers'
-    model gives that module (peft matches its targets against those names when it wraps the model,
-    before the weights' names are converted). The adapted Linear maps go to target_modules, the
-    experts' weights to target_parameters. Dropout is written as 0 when experts are adapted: peft
-    refuses dropout on a target parameter (it only acts in training, so no output changes)."""
-    modules, parameters = set(), set()
-    for a_key in (key for key in adapters if key.endswith(".A")):
-        owner, _, weight = base_key(a_key).rpartition(".")
-        if adapters[a_key].dim() == 2:
-            modules.add(module_name(owner))
-        else:
-            parameters.add(f"{module_name(owner)}.{weight}")
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": config.rank, "lora_alpha": config.alpha, "lora_dropout": 0.0 if parameters else config.dropout,
-            "target_modules": sorted(modules), "target_parameters": sorted(parameters),
-            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-            "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
-
-
-def write_peft_adapter(directory: str | Path, adapters: dict[str, torch.Tensor], config: LoraConfig,
-                       published: dict[str, list[Part]], module_name: Callable[[str], str],
-                       base_model: str | None = None) -> None:
-    """Write `directory` (whole or not at all): adapter_config.json and adapter_model.safetensors."""
-    from safetensors.torch import save_file
-    with atomic_directory(directory) as tmp:
-        save_file(peft_state(adapters, published), str(tmp / "adapter_model.safetensors"), {"format": "pt"})
-        text = json.dumps(peft_config(config, adapters, module_name, base_model), indent=2)
-        (tmp / "adapter_config.json").write_text(text + "\n")
-
-
 # ============================================================================= training runs and their checkpoints
 
 RUN_FILE = "lora.json"  # in each checkpoint of a LoRA run: its [lora] settings and the base's identity
@@ -397,11 +332,70 @@ def without_adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def base_identity(init_from: str | Path) -> dict:
-    """The base a LoRA run adapts: its path and the SHA-256 of its config.json (read as JSON, so
-    formatting does not count). Its weights are not hashed: reading hundreds of GB at each save would."""
+    """The base a LoRA run adapts: its path, the SHA-256 of its config.json (read as JSON, so
+    formatting does not count) and that of its weight files' checksums (`weights_sha256`)."""
     path = Path(init_from).resolve()
     text = json.dumps(read_json(path / "config.json"), sort_keys=True)
-    return {"path": str(path), "config_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    return {"path": str(path), "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "weights_sha256": weights_sha256(path)}
+
+
+def weight_files(base: Path) -> list[Path]:
+    """The files that hold a base's tensors: a native checkpoint's .metadata and *.distcp, a
+    published one's *.safetensors."""
+    if (base / ".metadata").is_file():
+        return sorted([base / ".metadata", *base.glob("*.distcp")])
+    return sorted(base.glob("*.safetensors"))
+
+
+# (path, its weight files' names, sizes, inodes, mtimes) -> weights_sha256
+_WEIGHT_DIGESTS: dict[tuple, str] = {}
+
+
+def weights_sha256(base: Path) -> str:
+    """SHA-256 over each weight file's name, size and CRC-32. The CRC-32 is the one the base's
+    checksums.json lists (no weight is read: cheap for a base of hundreds of GB), or, for a file it
+    does not list (a published base has no checksums.json), computed from the file's bytes, once
+    per process while the file stays where it is. What this sees: weight files added, removed,
+    resized, or replaced together with their checksums.json, or content changed where no
+    checksums.json lists it. That a listed file's bytes still match checksums.json is checked when
+    the base is loaded (checkpoint_files.verify)."""
+    files = weight_files(base)
+    stats = {file.name: file.stat() for file in files}
+    key = (str(base), tuple((name, st.st_size, st.st_ino, st.st_mtime_ns)
+                            for name, st in stats.items()))
+    if key not in _WEIGHT_DIGESTS:
+        listed = listed_checksums(base)
+        sums = [[f.name, stats[f.name].st_size, listed[f.name] if f.name in listed else crc32_of(f)]
+                for f in files]
+        _WEIGHT_DIGESTS[key] = hashlib.sha256(json.dumps(sums).encode()).hexdigest()
+    return _WEIGHT_DIGESTS[key]
+
+
+def listed_checksums(directory: Path) -> dict[str, int]:
+    """{file name: CRC-32} from a checkpoint's checksums.json; {} where it has none or it is
+    unreadable (then the weights' checksums are computed; loading the base reports the damage)."""
+    try:
+        listed = json.loads((directory / CHECKSUMS).read_text())
+        return {name: int(entry["crc32"]) for name, entry in listed.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {}
+
+
+def base_changes(saved: dict, now: dict) -> str | None:
+    """What differs, in words, between the base identity a run recorded and that at its path now."""
+    changed = [f"{what} (SHA-256 {saved[key][:12]} then, {now[key][:12]} now)"
+               for key, what in (("config_sha256", "config.json"), ("weights_sha256", "weights"))
+               if key in saved and saved[key] != now[key]]
+    return " and its ".join(changed) or None
+
+
+def warn_unrecorded_weights(checkpoint: Path, base: str) -> None:
+    """A checkpoint written before the base's weights were recorded is used, not refused (its base
+    may be intact), with one line saying what could not be checked."""
+    print(f"warning: {checkpoint / RUN_FILE} records no checksum of its base's weights (written "
+          f"before they were recorded): the base {base} is checked by its config.json only",
+          file=sys.stderr)
 
 
 def run_record(config: LoraConfig, init_from: str | Path) -> dict:
@@ -409,119 +403,82 @@ def run_record(config: LoraConfig, init_from: str | Path) -> dict:
     return {"lora": dataclasses.asdict(config), "base": base_identity(init_from)}
 
 
-def read_run_record(checkpoint: Path) -> dict | None:
-    """A checkpoint's RUN_FILE, or None for the checkpoint of a run without [lora]."""
+@dataclass
+class RunRecord:
+    """A LoRA checkpoint's RUN_FILE, checked: the run's [lora] settings and its base's identity."""
+
+    lora: LoraConfig
+    base: dict  # base_identity's keys; weights_sha256 only in records written since it is recorded
+
+
+BASE_KEYS = {"path": str, "config_sha256": str}
+JSON_KINDS = {dict: "a JSON object", str: "a string"}
+
+
+def read_run_record(checkpoint: Path) -> RunRecord | None:
+    """A checkpoint's RUN_FILE, checked before anything in the checkpoint is read, or None for the
+    checkpoint of a run without [lora]. A damaged one: one line naming the file and the key."""
     path = checkpoint / RUN_FILE
-    return read_json(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        record = read_json(path)  # names the file: invalid JSON, an empty file, not an object
+        return RunRecord(record_settings(record), record_base(record))
+    except ValueError as error:
+        problem = str(error).removeprefix(f"{path}: ")
+        raise CheckpointError(f"{path}: {problem} (train.py writes this file with each checkpoint "
+                              f"of a LoRA run; restore it from a copy)") from None
+
+
+def record_entry(table: dict, key: str, kind: type, name: str) -> object:
+    """table[key], which must be a `kind` (a bool is no number): its name in the file is `name`."""
+    if key not in table:
+        raise ValueError(f"{name} is missing")
+    if not isinstance(table[key], kind) or isinstance(table[key], bool):
+        raise ValueError(f"{name} must be {JSON_KINDS[kind]}, got {table[key]!r:.60}")
+    return table[key]
+
+
+def record_settings(record: dict) -> LoraConfig:
+    settings = record_entry(record, "lora", dict, "lora")
+    for field_ in dataclasses.fields(LoraConfig):
+        if field_.name not in settings:
+            raise ValueError(f"lora.{field_.name} is missing")
+    return LoraConfig.from_dict(settings, where="lora:")
+
+
+def record_base(record: dict) -> dict:
+    base = record_entry(record, "base", dict, "base")
+    kinds = {**BASE_KEYS, "weights_sha256": str} if "weights_sha256" in base else BASE_KEYS
+    for key, kind in kinds.items():
+        record_entry(base, key, kind, f"base.{key}")
+    return base
 
 
 def resume_refusal(checkpoint: Path, config: LoraConfig, init_from: str) -> str | None:
-    """Why this run cannot resume `checkpoint`, in one line, or None: a LoRA checkpoint resumes only in a
-    LoRA run with adapters of the same shapes, on the same base."""
+    """Why this run cannot resume `checkpoint`, in one line, or None: a LoRA checkpoint resumes only
+    in a LoRA run with adapters of the same shapes, on the same base (path, config, weights)."""
     saved = read_run_record(checkpoint)
     if saved is None:
         return None if not config.enabled else (
             f"checkpoint {checkpoint} holds a whole model, not LoRA adapters; to adapt it, set [model].init_from "
             f"= \"{checkpoint}\" and checkpoint.resume = \"never\"")
+    base = saved.base["path"]
     if not config.enabled:
-        return (f"checkpoint {checkpoint} holds LoRA adapters only (of the base {saved['base']['path']}): resume it "
+        return (f"checkpoint {checkpoint} holds LoRA adapters only (of the base {base}): resume it "
                 f"with its [lora] section, or export it merged (python convert.py to-hf) and train from that")
     now = base_identity(init_from)
-    if saved["base"] != now:
-        return (f"checkpoint {checkpoint} adapts the base {saved['base']['path']} (config.json SHA-256 "
-                f"{saved['base']['config_sha256'][:12]}), not [model].init_from {now['path']} (config.json SHA-256 "
-                f"{now['config_sha256'][:12]}): resume it on its own base")
-    shape = {key: saved["lora"].get(key) for key in ("rank", "targets")}
-    if shape != {"rank": config.rank, "targets": list(config.targets)}:
-        return (f"checkpoint {checkpoint} holds adapters of [lora] rank {shape['rank']}, targets {shape['targets']}; "
-                f"this run asks for rank {config.rank}, targets {list(config.targets)}")
+    if base != now["path"]:
+        return (f"checkpoint {checkpoint} adapts the base {base}, not [model].init_from "
+                f"{now['path']}: resume it on its own base")
+    changes = base_changes(saved.base, now)
+    if changes:
+        return (f"checkpoint {checkpoint} adapts the base {base}, whose {changes} changed since "
+                f"the run started: resume it on the base it was trained on")
+    if "weights_sha256" not in saved.base:
+        warn_unrecorded_weights(checkpoint, base)
+    if (saved.lora.rank, saved.lora.targets) != (config.rank, list(config.targets)):
+        return (f"checkpoint {checkpoint} holds adapters of [lora] rank {saved.lora.rank}, "
+                f"targets {saved.lora.targets}; this run asks for rank {config.rank}, "
+                f"targets {list(config.targets)}")
     return None
-
-
-# ============================================================================= export of a run's checkpoint
-
-class PublishedAsNative(Source):
-    """A published checkpoint read under native keys and layouts, one native tensor at a time."""
-
-    def __init__(self, path: str | Path):
-        from convert import check_source, native_meta, open_published
-        config, self.source = open_published(path)
-        self.layout, dtypes = check_source(self.source, config, published=True)
-        shapes = native_meta(config)
-        self.name = self.source.name
-        self.meta = {key: (tuple(shapes[key].shape), dtypes[key]) for key in self.layout}
-
-    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        from convert import build_native
-        return {key: build_native(self.source, self.layout[key], torch.empty(self.meta[key][0], dtype=self.meta[key][1]))
-                for key in keys}
-
-
-def base_source(checkpoint: Path) -> tuple[Source, LoraConfig, str]:
-    """A LoRA checkpoint's base (native or published), checked against the identity the run recorded ->
-    (its tensors under native keys, the run's [lora] settings, its path)."""
-    saved = read_run_record(checkpoint)
-    if saved is None:
-        raise ValueError(f"{checkpoint}: not the checkpoint of a LoRA run (it has no {RUN_FILE})")
-    path = saved["base"]["path"]
-    if not (Path(path) / "config.json").is_file():
-        raise ValueError(f"{checkpoint / RUN_FILE}: its base {path} is not there any more; the adapters need it")
-    if base_identity(path) != saved["base"]:
-        raise ValueError(f"{checkpoint / RUN_FILE}: the config.json of its base {path} changed since the run "
-                         f"(SHA-256 {saved['base']['config_sha256'][:12]} then, {base_identity(path)['config_sha256'][:12]} now)")
-    source = NativeDir(path) if (Path(path) / ".metadata").exists() else PublishedAsNative(path)
-    return source, LoraConfig(**saved["lora"]), path
-
-
-class MergedSource(Source):
-    """A LoRA checkpoint's model merged, under native keys: each base tensor, plus its scaled update where
-    adapted (in FP32, cast back to the base's dtype), read one at a time, so that convert.export_published
-    streams the merged model as it streams any native checkpoint."""
-
-    def __init__(self, checkpoint: Path):
-        self.base, self.config, self.base_path = base_source(checkpoint)
-        self.adapters = NativeDir(checkpoint)
-        self.name, self.meta = self.base.name, self.base.meta
-        # the adapted weight -> its adapter's prefix: q_proj.weight -> q_proj.lora.
-        self.adapted = {base_key(key): key[:-1] for key in self.adapters.meta if key.endswith(".A")}
-
-    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        tensors = self.base.read(keys)
-        for key in (key for key in keys if key in self.adapted):
-            prefix = self.adapted[key]
-            pair = self.adapters.read([prefix + "A", prefix + "B"])
-            update = delta_weight(pair[prefix + "A"], pair[prefix + "B"], self.config.scale)
-            tensors[key] = (tensors[key].float() + update).to(tensors[key].dtype)
-        return tensors
-
-
-@torch.no_grad()
-def load_merged(checkpoint: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> nn.Module:
-    """A LoRA checkpoint's model merged, in one process (sampling), read a tensor at a time. dtype None: FP32."""
-    from convert import _empty_model, read_config
-    source = MergedSource(Path(checkpoint))
-    model = _empty_model(read_config(checkpoint)[0], dtype or torch.float32, device)
-    for key, value in model.state_dict().items():
-        value.copy_(source.read([key])[key])
-    return model
-
-
-def transformers_module_name(config: ModelConfig, native: str) -> str:
-    """The name transformers' model gives the native module `native` (the family's Layout declares it)."""
-    layout = family_of(config).layout
-    name = layout.transformers_prefix + native
-    for old, new in layout.transformers_renames.items():
-        name = name.replace(old, new)
-    return name
-
-
-def export_peft(checkpoint: Path, out: str | Path) -> int:
-    """A LoRA checkpoint's adapters as a PEFT adapter directory `out` -> the tensors written."""
-    from convert import published_table, read_config
-    _, config, base_path = base_source(checkpoint)
-    adapters = NativeDir(checkpoint)
-    tensors = adapters.read(list(adapters.meta))
-    model_config = read_config(checkpoint)[0]
-    write_peft_adapter(out, tensors, config, published_table(model_config),
-                       lambda native: transformers_module_name(model_config, native), base_path)
-    return len(tensors)

@@ -115,8 +115,8 @@ def device(text: str) -> str:
 def load_model(checkpoint: Path, device: str = "cpu") -> torch.nn.Module:
     """FP32 weights on `device`, from a native or a Hugging Face checkpoint (a LoRA run's: merged into its
     base), in eval mode."""
-    from convert import load_hf, load_native
-    from lora import load_merged, read_run_record
+    from convert import load_hf, load_merged, load_native
+    from lora import read_run_record
     load = load_native if is_native_checkpoint(checkpoint) else load_hf
     if read_run_record(checkpoint) is not None:
         load = load_merged

@@ -47,7 +47,7 @@ from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, sp
 from files import read_json_object
 from fp8 import fp8_device_refusal
 from layers import token_ids_checked_at_load
-from lora import MergedSource, apply_lora, is_adapter_key, without_adapters
+from lora import apply_lora, is_adapter_key, without_adapters
 from metrics import MetricsLogger
 from registry import config_from_hf, model_class
 from moe import set_balanced_routing
@@ -684,7 +684,7 @@ def finish(checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Proces
     t, export = cfg.training, cfg.checkpoint.export_hf
     with main_rank_works(run):
         if run.is_main and export:
-            from convert import NativeDir, export_published, published_extras
+            from convert import MergedSource, NativeDir, export_published, published_extras
             dtype = getattr(torch, cfg.checkpoint.export_dtype) if cfg.checkpoint.export_dtype else None
             config = config_from_hf(checkpoint / "config.json")
             # Training keeps no vision tower or draft head: the export copies them from the init_from source.

@@ -8,15 +8,19 @@ import copy
 import hashlib
 import json
 import math
+import os
+import shutil
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import convert
 import lora
 from helpers import FAMILY_NAMES, assert_close_to_scale, build, only, tiny_config
-from lora import LoraConfig, apply_lora, grouped_lora, merge_lora
+from lora import LoraConfig, apply_lora, grouped_lora
 from moe import GroupedExperts
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "lora_peft"
@@ -60,8 +64,11 @@ def batch(vocab, seed=0, shape=(2, 12)):
 @pytest.mark.parametrize("section, message", [
     ({"rank": 0}, r"\[lora\] rank must be an integer > 0, got 0"),
     ({"rank": 2.5}, r"\[lora\] rank must be an integer > 0, got 2.5"),
-    ({"alpha": math.inf}, r"\[lora\] alpha must be a finite number, got inf"),
-    ({"alpha": math.nan}, r"\[lora\] alpha must be a finite number, got nan"),
+    ({"alpha": math.inf}, r"\[lora\] alpha must be a finite number other than 0, got inf"),
+    ({"alpha": math.nan}, r"\[lora\] alpha must be a finite number other than 0, got nan"),
+    ({"alpha": 0}, r"\[lora\] alpha must be a finite number other than 0, got 0"),
+    ({"alpha": 0.0}, r"\[lora\] alpha must be a finite number other than 0, got 0.0"),
+    ({"alpha": True}, r"\[lora\] alpha must be a finite number other than 0, got True"),
     ({"dropout": 1.0}, r"\[lora\] dropout must be a number in \[0, 1\), got 1.0"),
     ({"dropout": -0.1}, r"\[lora\] dropout must be a number in \[0, 1\), got -0.1"),
     ({"targets": []}, r"\[lora\] targets must be a non-empty list"),
@@ -70,6 +77,15 @@ def batch(vocab, seed=0, shape=(2, 12)):
 def test_config_errors_name_the_key(section, message):
     with pytest.raises(ValueError, match=message):
         LoraConfig.from_dict({"targets": ["q_proj"], **section})
+
+
+@pytest.mark.parametrize("alpha, scale", [(1e-3, 1e-3 / 4), (-2.0, -0.5), (3, 0.75)])
+def test_the_alpha_next_to_zero_is_accepted_and_reaches_the_scale(alpha, scale):
+    """The boundary of the alpha = 0 refusal: any other finite alpha trains (a negative one flips
+    the update's sign), and the adapter multiplies its update by alpha / rank (rank 4)."""
+    model = tiny("flint")
+    apply_lora(model, LoraConfig.from_dict({"rank": 4, "alpha": alpha, "targets": ["q_proj"]}))
+    assert model.layers["0"].self_attn.q_proj.lora.scale == scale
 
 
 REFUSED_TARGETS = [
@@ -125,6 +141,62 @@ def test_expert_adapters_need_a_rank_the_grouped_gemm_takes(family):
     with pytest.raises(ValueError, match=r"\[lora\] rank must be a multiple of 8 to adapt routed experts.*got 4"):
         apply_lora(tiny(family), LoraConfig(rank=4, targets=["q_proj", "experts"]))
     assert apply_lora(tiny(family), LoraConfig(rank=4, targets=["q_proj"]))  # Linear maps take any rank
+
+
+# Flint's tiny layout model (hidden 64, 4 query heads and 2 key-value heads of 16, dense MLP 128,
+# experts of intermediate 32): k_proj is [64 -> 32], an expert's down_proj [32 -> 64], q_proj
+# [64 -> 64].
+@pytest.mark.parametrize("targets, largest, narrowest", [
+    (["k_proj"], 32, r"layers\.0\.self_attn\.k_proj: in 64, out 32"),
+    (["q_proj", "experts"], 32, r"layers\.2\.mlp\.experts: in 32, out 64"),
+    (["q_proj"], 64, r"layers\.0\.self_attn\.q_proj: in 64, out 64"),
+])
+@only("flint")
+def test_a_rank_above_the_narrowest_map_is_refused(targets, largest, narrowest):
+    """rank <= min(in, out) of the narrowest adapted map, checked before any adapter is allocated
+    (2**40 is refused, not attempted); the largest rank the grouped GEMM takes there is accepted,
+    and shapes the adapters (the refusal's boundary)."""
+    above = largest + 8 if "experts" in targets else largest + 1
+    for rank in (above, 2 ** 40):
+        refusal = (rf"^\[lora\] rank must be at most {largest}, the smaller side of the narrowest "
+                   rf"adapted map \({narrowest}\), got {rank}$")
+        with pytest.raises(ValueError, match=refusal):
+            apply_lora(tiny("flint"), LoraConfig(rank=rank, targets=targets))
+    model = tiny("flint")
+    apply_lora(model, LoraConfig(rank=largest, targets=targets))
+    shapes = {name: tuple(p.shape) for name, p in adapter_params(model).items()}
+    if "k_proj" in targets:
+        assert shapes["layers.0.self_attn.k_proj.lora.A"] == (32, 64)
+        assert shapes["layers.0.self_attn.k_proj.lora.B"] == (32, 32)
+    if "experts" in targets:
+        assert shapes["layers.2.mlp.experts.down_lora.A"] == (8, 32, 32)  # [E, Im, r]
+        assert shapes["layers.2.mlp.experts.gate_up_lora.B"] == (8, 32, 64)  # [E, r, 2*Im]
+
+
+@only("flint")
+def test_each_setting_reaches_the_adapters():
+    """rank 8, alpha 6 (scale 0.75), targets q_proj, v_proj and the experts on Flint's tiny model
+    (4 layers, experts in layers 2-3): adapters on exactly those 10 modules, shaped by the rank, and
+    each update with A and B all ones equal to 0.75 * rank * in: 0.75 * 8 * 64 = 384 (q, v,
+    gate_up), 0.75 * 8 * 32 = 192 (an expert's down_proj, in = 32)."""
+    model = tiny("flint")
+    config = LoraConfig(rank=8, alpha=6.0, targets=["q_proj", "v_proj", "experts"])
+    names = apply_lora(model, config)
+    expected = {f"layers.{i}.self_attn.{proj}" for i in range(4) for proj in ("q_proj", "v_proj")}
+    expected |= {"layers.2.mlp.experts", "layers.3.mlp.experts"}
+    assert set(names) == expected
+    owners = {key.rsplit(".", 2)[0] for key in adapter_params(model)}
+    assert owners == expected
+    assert tuple(model.layers["1"].self_attn.v_proj.lora.B.shape) == (32, 8)  # [out, r]
+    with torch.no_grad():
+        for param in adapter_params(model).values():
+            param.fill_(1.0)
+    update = model.layers["1"].self_attn.v_proj.lora(torch.ones(1, 64))
+    assert torch.equal(update, torch.full((1, 32), 384.0))
+    experts = model.layers["3"].mlp.experts
+    offsets = torch.tensor([2, 2, 2, 2, 2, 2, 2, 2], dtype=torch.int32)  # both rows to expert 0
+    assert torch.equal(experts.gate_up_lora(torch.ones(2, 64), offsets), torch.full((2, 64), 384.0))
+    assert torch.equal(experts.down_lora(torch.ones(2, 32), offsets), torch.full((2, 64), 192.0))
 
 
 @only("large4")
@@ -292,7 +364,7 @@ def test_merged_weights_give_the_adapted_logits(family):
     ids, _ = batch(model.config.vocab_size)
     base = tiny(family)
     before = base(ids)
-    merged = merge_lora(model.state_dict(), LoraConfig(rank=RANK, alpha=ALPHA, targets=["all"]))
+    merged = convert.merge_lora(model.state_dict(), LoraConfig(rank=RANK, alpha=ALPHA, targets=["all"]))
     assert set(merged) == set(base.state_dict())
     base.load_state_dict(merged)
     after, expected = base(ids), model(ids)
@@ -392,6 +464,44 @@ def test_layouts_match_one_process(family, layout):
     spawn(2, check_layout, family, layout)
 
 
+# ============================================================================= the base's identity
+
+def test_a_native_base_is_identified_by_its_listed_checksums(tmp_path, trained_once, monkeypatch):
+    """A native base with checksums.json: its weight files' CRC-32s are read from the list, no
+    byte of the weights is read (crc32_of is never called)."""
+    base = tmp_path / "base"  # a path this process has not identified yet
+    shutil.copytree(trained_once, base)
+    listed = json.loads((base / "checksums.json").read_text())
+    names = sorted(name for name in listed if name == ".metadata" or name.endswith(".distcp"))
+    expected = json.dumps([[name, listed[name]["bytes"], listed[name]["crc32"]] for name in names])
+
+    def no_reading(file):
+        raise AssertionError(f"read {file}")
+    monkeypatch.setattr(lora, "crc32_of", no_reading)
+    assert lora.weights_sha256(base) == hashlib.sha256(expected.encode()).hexdigest()
+
+
+def test_a_published_base_is_identified_by_its_content(tmp_path, trained_once):
+    """A Hugging Face base (no checksums.json): the CRC-32 of each safetensors file's bytes; a file
+    replaced by one of the same size with one byte changed gives another digest."""
+    base = tmp_path / "hf"
+    convert.main(["to-hf", str(trained_once), str(base)])
+    assert not (base / "checksums.json").exists()
+
+    def digest():
+        files = sorted(base.glob("*.safetensors"))
+        sums = [[f.name, f.stat().st_size, zlib.crc32(f.read_bytes())] for f in files]
+        return hashlib.sha256(json.dumps(sums).encode()).hexdigest()
+    before = lora.weights_sha256(base)
+    assert before == digest()
+    shard = sorted(base.glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # the last byte of the last tensor
+    (tmp_path / "changed").write_bytes(data)
+    os.replace(tmp_path / "changed", shard)
+    assert lora.weights_sha256(base) == digest() != before
+
+
 # ============================================================================= export
 
 def peft_delta(lora_a, lora_b, num_experts, scale):
@@ -408,7 +518,7 @@ def test_peft_tensors_hold_the_same_updates():
     from convert import published_table
     model = adapted(tiny("flint"))
     adapters = lora.adapter_state(model.state_dict())
-    tensors = lora.peft_state(adapters, published_table(model.config))
+    tensors = convert.peft_state(adapters, published_table(model.config))
     assert len(tensors) == len(adapters)
     prefix = "base_model.model.model.layers.2"
     gate_up = peft_delta(tensors[f"{prefix}.mlp.experts.base_layer.lora_A.weight"],
@@ -427,33 +537,77 @@ def test_peft_tensors_hold_the_same_updates():
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_convert_names_modules_as_the_fixture_checked_them(family):
-    """convert.py to-peft's module names (lora.transformers_module_name) are those the fixture's check gave
+    """convert.py to-peft's module names (convert.transformers_module_name) are those the fixture's check gave
     peft, under which it found every target in transformers' model."""
     from make_lora_peft_fixture import transformers_module_name
     model = tiny(family)
     names = [name for name, _ in model.named_modules() if name]
-    assert [lora.transformers_module_name(model.config, name) for name in names] == \
+    assert [convert.transformers_module_name(model.config, name) for name in names] == \
         [transformers_module_name(family, name) for name in names]
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_the_peft_directory_is_the_one_peft_loaded(family, tmp_path):
-    """tests/make_lora_peft_fixture.py loaded this adapter directory with peft onto transformers' model (and the
-    merged export with transformers) and got the adapted model's logits: the same directory is still written,
-    byte for byte, and the native model still computes those logits."""
+# The cases of tests/make_lora_peft_fixture.py (family, [lora] settings, base_model_name_or_path).
+PEFT_CASES = ["flint", "large4", "flint_linear", "large4_experts"]
+# What peft read back from each case's adapter_config.json, from the case's settings by hand: r,
+# lora_alpha, lora_dropout (flint_linear's 0.1 on Linear maps; large4_experts' 0.2 written as 0, as
+# peft refuses a dropout on target parameters) and the scaling lora_alpha / r: 16 / 8, 3 / 4, 4 / 8.
+PEFT_READ = {"flint": (8, 16.0, 0.0, [2.0]), "large4": (8, 16.0, 0.0, [2.0]),
+             "flint_linear": (4, 3.0, 0.1, [0.75]), "large4_experts": (8, 4.0, 0.0, [0.5])}
+
+
+def peft_case(case: str):
+    from make_lora_peft_fixture import CASES
+    return pytest.param(case, marks=only(CASES[case][0]))
+
+
+@pytest.mark.parametrize("case", [peft_case(case) for case in PEFT_CASES])
+def test_the_peft_directory_is_the_one_peft_loaded(case, tmp_path):
+    """tests/make_lora_peft_fixture.py loaded this adapter directory with peft onto transformers'
+    model (and the merged export with transformers) and got the adapted model's logits: the same
+    directory is still written, byte for byte, and the native model still computes those logits.
+    Each option the directory carries reached peft: r, lora_alpha, lora_dropout and the scaling as
+    peft read them, base_model_name_or_path where set, and as many adapted Linear maps and expert
+    weights in peft's model as in the native one."""
     from safetensors.torch import load_file
-    from make_lora_peft_fixture import adapted_model, adapter_directory, inputs
-    result = json.loads((FIXTURE / family / "result.json").read_text())
+    from make_lora_peft_fixture import CASES, adapted_model, adapter_directory, inputs
+    family, settings, base_model = CASES[case]
+    result = json.loads((FIXTURE / case / "result.json").read_text())
     assert result["peft_loads"] and result["merged_loads"] and not result["peft_key_warnings"]
-    model = adapted_model(family)
-    adapter_directory(family, model, tmp_path / "adapter")
+    read = result["peft_read"]
+    options = (read["r"], read["lora_alpha"], read["lora_dropout"], read["scalings"])
+    assert options == PEFT_READ[case]
+    assert not read["use_rslora"]
+    if base_model is not None:
+        assert read["base_model_name_or_path"] == base_model
+    model = adapted_model(family, settings)
+    linear = [m for m in model.modules() if isinstance(m, lora.LinearAdapter)]
+    grouped = [m for m in model.modules() if isinstance(m, lora.GroupedAdapter)]  # 2 per experts
+    assert len(linear) == result["adapted_linear_maps"]
+    assert len(grouped) == result["adapted_expert_weights"]
+    adapter_directory(family, model, tmp_path / "adapter", settings, base_model)
     written = (tmp_path / "adapter" / "adapter_config.json").read_text()
-    assert written == (FIXTURE / family / "adapter_config.json").read_text()
+    assert written == (FIXTURE / case / "adapter_config.json").read_text()
     assert hashlib.sha256((tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()).hexdigest() == \
         result["adapter_sha256"]
-    expected = load_file(FIXTURE / family / "expected.safetensors")
+    expected = load_file(FIXTURE / case / "expected.safetensors")
     assert torch.equal(expected["input_ids"], inputs(family))
     with torch.no_grad():
         logits = model(expected["input_ids"])
     assert_close_to_scale(logits, expected["peft_logits"], rtol=1e-4, what="peft's logits")
     assert_close_to_scale(logits, expected["merged_logits"], rtol=1e-4, what="the merged export's logits")
+
+
+@only("flint")
+def test_the_linear_case_adapts_the_maps_its_targets_name():
+    """flint_linear's targets q_proj and down_proj on the fixture's 3-layer Flint (layers 0-1
+    dense, 2 MoE): q_proj in each layer, the dense MLPs' down_proj and the shared expert's, not the
+    routed experts (their down_proj is a parameter, not a module): 6 maps, as peft adapted."""
+    from make_lora_peft_fixture import CASES, adapted_model
+    family, settings, _ = CASES["flint_linear"]
+    model = adapted_model(family, settings)
+    adapted = {name for name, m in model.named_modules() if hasattr(m, "lora")}
+    assert adapted == {"layers.0.self_attn.q_proj", "layers.1.self_attn.q_proj",
+                       "layers.2.self_attn.q_proj", "layers.0.mlp.down_proj",
+                       "layers.1.mlp.down_proj", "layers.2.mlp.shared_expert.down_proj"}
+    result = json.loads((FIXTURE / "flint_linear" / "result.json").read_text())
+    assert result["adapted_linear_maps"] == 6

@@ -3,7 +3,9 @@ loss, checkpoints hold the adapters, their optimizer states and the base's ident
 only on that base; convert.py exports the run merged or as a PEFT adapter directory. Bad [lora] input stops
 the run before any work, in one line naming the key."""
 
+import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import convert
 import lora
 import sample
 import train
-from checkpoint_files import CheckpointError, read_metadata
+from checkpoint_files import CheckpointError, read_metadata, write_checksums
 from config import ConfigError
 from helpers import (DEFAULT_FAMILY, assert_close_to_scale, debug_args, exported_tensors, only, run_debug,
                      run_two_processes, tiny_preset, train_losses)
@@ -87,8 +89,9 @@ def test_resume_is_bit_exact_and_only_on_the_same_base(tmp_path, trained_once):
 
     other = tmp_path / "other_base"
     shutil.copytree(trained_once, other)
-    with pytest.raises(CheckpointError, match=rf"command line --checkpoint.resume: checkpoint {middle} adapts the "
-                                              rf"base {trained_once.resolve()} .*not \[model\].init_from {other}"):
+    elsewhere = (rf"command line --checkpoint.resume: checkpoint {middle} adapts the base "
+                 rf"{trained_once.resolve()}, not \[model\].init_from {other}")
+    with pytest.raises(CheckpointError, match=elsewhere):
         lora_run(tmp_path / "refused", other, "--training.steps=4", f"--checkpoint.resume={middle}")
     with pytest.raises(CheckpointError, match=rf"checkpoint {middle} holds LoRA adapters only"):
         run_debug(tmp_path / "full", f"--model.init_from={trained_once}", "--model.preset=",
@@ -117,7 +120,7 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_in_one(tmp_path
 @pytest.mark.parametrize("published_base", [False, True], ids=["native_base", "hugging_face_base"])
 def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
     """convert.py to-hf on a LoRA checkpoint writes the merged model (its logits are the adapted model's) and
-    to-peft the adapter directory (its tensors are lora.peft_state of the checkpoint's adapters); the run's
+    to-peft the adapter directory (its tensors are convert.peft_state of the checkpoint's adapters); the run's
     own export_hf is the merged one. The base is read where the run read it: native, or Hugging Face
     (converted tensor by tensor, as train.py converted it)."""
     base = trained_once
@@ -142,7 +145,7 @@ def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
         unadapted = convert.load_native(trained_once, torch.float32)
         assert not torch.allclose(unadapted(ids), model(ids), atol=1e-4)  # the adapters changed the model
     written = exported_tensors(tmp_path / "peft")
-    expected = lora.peft_state(adapters, convert.published_table(model.config))
+    expected = convert.peft_state(adapters, convert.published_table(model.config))
     assert sorted(written) == sorted(expected)
     assert all(torch.equal(written[key], value) for key, value in expected.items())
     peft_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
@@ -153,7 +156,17 @@ def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
 
 BAD_LORA = [
     (["--lora.rank=0"], r"command line --lora.rank: \[lora\] rank must be an integer > 0, got 0"),
-    (["--lora.alpha=nan"], r"command line --lora.alpha: \[lora\] alpha must be a finite number, got nan"),
+    (["--lora.alpha=nan"],
+     r"command line --lora.alpha: \[lora\] alpha must be a finite number other than 0, got nan"),
+    (["--lora.alpha=0"],
+     r"command line --lora.alpha: \[lora\] alpha must be a finite number other than 0, got 0"),
+    ([f"--lora.rank={2 ** 40}"],
+     r"command line --lora.rank.*: \[lora\] rank must be at most \d+, the smaller side of the "
+     rf"narrowest adapted map \(.*\), got {2 ** 40}$"),
+    (["--lora.dropout=-0.5"],
+     r"command line --lora.dropout.*: \[lora\] dropout must be a number in \[0, 1\)"),
+    (['--lora.targets=[]'],
+     r"command line --lora.targets.*: \[lora\] targets must be a non-empty list"),
     (['--lora.targets=["qproj"]'], r"command line --lora.targets.*: \[lora\] targets: 'qproj' matches no module"),
     (["--model.init_from=", f"--model.preset={tiny_preset(DEFAULT_FAMILY)}"],
      r"\[lora\] trains adapters on a frozen base: set \[model\].init_from"),
@@ -190,3 +203,148 @@ def test_the_large4_indexer_is_refused_as_a_target(tmp_path):
                                           r"layers.0.self_attn.indexer, which is frozen"):
         load_config(debug_configs()["large4"], [f"--model.init_from={base}", "--model.preset=",
                                                 '--lora.targets=["indexer"]'])
+
+
+# ========================================================== the base's identity, damaged lora.json
+
+def model_only_copy(source: Path, out: Path, change: float = 1.0) -> Path:
+    """A model-only native checkpoint of `source`'s weights, the embedding scaled by `change`: with
+    1 and with 2, two models of the same shapes whose weight files have the same names and sizes."""
+    model = convert.load_native(source)
+    with torch.no_grad():
+        model.embed_tokens.weight.mul_(change)
+    convert.save_native(model, model.config, out)
+    return out
+
+
+def test_a_base_replaced_in_place_is_refused_everywhere(tmp_path, trained_once, capsys):
+    """lora.json records the SHA-256 over the base's weight files' names, sizes and CRC-32s (read
+    from its checksums.json); a base whose weights were replaced in place by another model of the
+    same shapes is refused on resume, on to-hf and to-peft, and by sample.py, in one line naming the
+    base and what changed. The same base, put back, is accepted (the refusal's boundary)."""
+    base = model_only_copy(trained_once, tmp_path / "base").resolve()
+    lora_run(tmp_path / "lora", base, "--training.steps=1")
+    checkpoint = checkpoint_of(tmp_path / "lora", 1)
+    listed = json.loads((base / "checksums.json").read_text())
+    weights = sorted(name for name in listed if name == ".metadata" or name.endswith(".distcp"))
+    sums = [[name, listed[name]["bytes"], listed[name]["crc32"]] for name in weights]
+    recorded = json.loads((checkpoint / lora.RUN_FILE).read_text())["base"]["weights_sha256"]
+    assert recorded == hashlib.sha256(json.dumps(sums).encode()).hexdigest()
+
+    shutil.move(base, tmp_path / "kept")
+    other = model_only_copy(trained_once, tmp_path / "other", change=2.0)
+    assert sorted((f.name, f.stat().st_size) for f in other.glob("*.distcp")) == \
+        sorted((f.name, f.stat().st_size) for f in (tmp_path / "kept").glob("*.distcp"))
+    shutil.copytree(other, base)
+    changed = (rf"weights \(SHA-256 {recorded[:12]} then, [0-9a-f]{{12}} now\) changed since the "
+               rf"run started")
+    refusal = (rf"{re.escape(str(checkpoint / lora.RUN_FILE))}: the base {re.escape(str(base))} is "
+               rf"not the one the adapters were trained on: its {changed}")
+    for command in ("to-hf", "to-peft"):
+        with pytest.raises(SystemExit, match=rf"^error: {refusal}$"):
+            convert.main([command, str(checkpoint), str(tmp_path / command)])
+        assert not (tmp_path / command).exists()
+    with pytest.raises(SystemExit, match=rf"^error: {refusal}$"):
+        sample.main(["--checkpoint", str(checkpoint), "--device", "cpu", "--max-new-tokens", "2"])
+    resume = ("--training.steps=2", f"--checkpoint.resume={checkpoint}")
+    refused = (rf"checkpoint {re.escape(str(checkpoint))} adapts the base {re.escape(str(base))}, "
+               rf"whose {changed}: resume")
+    with pytest.raises(CheckpointError, match=refused):
+        lora_run(tmp_path / "resumed", base, *resume)
+
+    shutil.rmtree(base)
+    shutil.move(tmp_path / "kept", base)
+    convert.main(["to-peft", str(checkpoint), str(tmp_path / "to-peft")])
+    lora_run(tmp_path / "resumed", base, *resume)
+    assert sorted(train_losses(tmp_path / "resumed")) == [2]
+
+
+def test_a_record_without_the_weights_checksum_warns_and_is_used(tmp_path, trained_once, capfd):
+    """lora.json written before the base's weights were recorded: used (its base may well be
+    intact), with one warning line saying the weights could not be checked."""
+    lora_run(tmp_path / "lora", trained_once, "--training.steps=1")
+    checkpoint = checkpoint_of(tmp_path / "lora", 1)
+    record = json.loads((checkpoint / lora.RUN_FILE).read_text())
+    del record["base"]["weights_sha256"]
+    (checkpoint / lora.RUN_FILE).write_text(json.dumps(record))
+    write_checksums(checkpoint)  # as such a checkpoint was saved
+    capfd.readouterr()
+    convert.main(["to-peft", str(checkpoint), str(tmp_path / "peft")])
+    warning = (f"warning: {checkpoint / lora.RUN_FILE} records no checksum of its base's weights "
+               f"(written before they were recorded): the base {trained_once.resolve()} is checked "
+               f"by its config.json only")
+    assert capfd.readouterr().err.splitlines() == [warning]
+    settings = lora.LoraConfig(rank=8, targets=["all"])
+    assert lora.resume_refusal(checkpoint, settings, str(trained_once)) is None
+    assert capfd.readouterr().err.splitlines() == [warning]
+
+
+@pytest.fixture(scope="module")
+def lora_checkpoint(tmp_path_factory, trained_once) -> Path:
+    """One step of a LoRA run on trained_once, for the tests that copy it to damage it."""
+    tmp_path = tmp_path_factory.mktemp("lora_once")
+    lora_run(tmp_path, trained_once, "--training.steps=1")
+    return checkpoint_of(tmp_path, 1)
+
+
+def edited(change):
+    def edit(record: dict) -> str:
+        change(record)
+        return json.dumps(record)
+    return edit
+
+
+DAMAGED_RECORDS = {
+    "empty": (lambda record: "", r"cannot read JSON: Expecting value"),
+    "invalid_json": (lambda record: "{", r"cannot read JSON"),
+    "a_list": (lambda record: "[]", r"expected a JSON object, got a list"),
+    "no_lora": (edited(lambda r: r.pop("lora")), r"lora is missing"),
+    "no_rank": (edited(lambda r: r["lora"].pop("rank")), r"lora\.rank is missing"),
+    "rank_a_string": (edited(lambda r: r["lora"].update(rank="8")),
+                      r"lora: rank must be an integer > 0, got '8'"),
+    "targets_a_string": (edited(lambda r: r["lora"].update(targets="all")),
+                         r"lora: targets must be a non-empty list of module names"),
+    "alpha_zero": (edited(lambda r: r["lora"].update(alpha=0)),
+                   r"lora: alpha must be a finite number other than 0"),
+    "base_a_list": (edited(lambda r: r.update(base=[1])), r"base must be a JSON object, got \[1\]"),
+    "no_base_path": (edited(lambda r: r["base"].pop("path")), r"base\.path is missing"),
+    "config_sha_null": (edited(lambda r: r["base"].update(config_sha256=None)),
+                        r"base\.config_sha256 must be a string, got None"),
+    "weights_sha_number": (edited(lambda r: r["base"].update(weights_sha256=7)),
+                           r"base\.weights_sha256 must be a string, got 7"),
+}
+
+
+def damaged_copy(tmp_path: Path, lora_checkpoint: Path, damage) -> tuple[Path, str]:
+    """A copy of the LoRA checkpoint, its lora.json damaged -> (the copy, the line refusing it)."""
+    write, problem = damage
+    checkpoint = tmp_path / "step_00000001"
+    shutil.copytree(lora_checkpoint, checkpoint)
+    record = json.loads((checkpoint / lora.RUN_FILE).read_text())
+    (checkpoint / lora.RUN_FILE).write_text(write(record))
+    write_checksums(checkpoint)  # written so at save time: the checksums do not catch it first
+    line = (rf"{re.escape(str(checkpoint / lora.RUN_FILE))}: {problem}.*\(train.py writes this "
+            rf"file with each checkpoint of a LoRA run; restore it from a copy\)$")
+    return checkpoint, line
+
+
+@pytest.mark.parametrize("damage", DAMAGED_RECORDS.values(), ids=DAMAGED_RECORDS.keys())
+def test_a_damaged_lora_json_is_one_line_everywhere(tmp_path, lora_checkpoint, damage):
+    """to-hf, to-peft and sample.py refuse a damaged lora.json in one line naming the file and the
+    key (one changed after the save is caught by the checksums too)."""
+    checkpoint, line = damaged_copy(tmp_path, lora_checkpoint, damage)
+    for command in ("to-hf", "to-peft"):
+        with pytest.raises(SystemExit, match=rf"^error: {line}"):
+            convert.main([command, str(checkpoint), str(tmp_path / command)])
+    with pytest.raises(SystemExit, match=rf"^error: {line}"):
+        sample.main(["--checkpoint", str(checkpoint), "--device", "cpu", "--max-new-tokens", "2"])
+
+
+@pytest.mark.parametrize("damage", ["empty", "no_rank", "weights_sha_number"])
+def test_an_explicit_resume_refuses_a_damaged_lora_json(tmp_path, trained_once, lora_checkpoint,
+                                                        damage):
+    """A resume reads lora.json through the same check (read_run_record): a few of the damages above
+    (each resume starts train.py)."""
+    checkpoint, line = damaged_copy(tmp_path, lora_checkpoint, DAMAGED_RECORDS[damage])
+    with pytest.raises(CheckpointError, match=rf"^{line}"):
+        lora_run(tmp_path / "resumed", trained_once, f"--checkpoint.resume={checkpoint}")
