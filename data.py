@@ -52,84 +52,167 @@ class DataError(ValueError):
 # ============================================================================= reading text
 
 # Files read from a directory: text-like suffixes (any file named explicitly is read whatever its suffix).
+# Suffixes are compared in lower case: chats.JSONL is a JSONL file.
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".html", ".htm", ".xml", ".csv", ".tsv",
-                 ".json", ".jsonl", ".py", ".c", ".h", ".cc", ".cpp", ".hpp", ".java", ".js", ".ts", ".go", ".rs",
-                 ".rb", ".sh", ".toml", ".yaml", ".yml", ".ini", ".cfg", ".sql", ".css")
+                 ".json", ".jsonl", ".ndjson", ".jsonlines", ".py", ".c", ".h", ".cc", ".cpp", ".hpp", ".java",
+                 ".js", ".ts", ".go", ".rs", ".rb", ".sh", ".toml", ".yaml", ".yml", ".ini", ".cfg", ".sql", ".css")
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")  # one record per line
+# How files become documents; part of the cache key, so that data cached by other rules is prepared again.
+READING_RULES = "records-v2: JSONL suffixes in any case, .json lists of records"
 
 
-def source_files(paths: Path | list[Path], suffixes: tuple[str, ...] | None = TEXT_SUFFIXES) -> tuple[list[Path], int]:
+def source_files(paths: Path | list[Path], suffixes: tuple[str, ...] | None = TEXT_SUFFIXES,
+                 setting: str = "data.path") -> tuple[list[Path], int]:
     """Named files, and every non-hidden file with one of `suffixes` (None: any) under named
-    directories, in sorted order -> (files, how many other files the directories held)."""
+    directories, in sorted order -> (files, how many other files the directories held). `setting`
+    names where the paths were given (data.path, or data.py's INPUT) in errors."""
     files, ignored = [], 0
     for path in [paths] if isinstance(paths, Path) else paths:
         if path.is_symlink() and not path.exists():
-            raise DataError(f"data.path {path} is a symbolic link that leads nowhere (a loop, or its target "
+            raise DataError(f"{setting} {path} is a symbolic link that leads nowhere (a loop, or its target "
                             f"{os.readlink(path)} is missing)")
         if not path.exists():
-            raise DataError(f"data.path {path} does not exist (relative paths start at {Path.cwd()})")
+            raise DataError(f"{setting} {path} does not exist (relative paths start at {Path.cwd()})")
         if path.is_file():
             files.append(path)
             continue
         if not path.is_dir():
-            raise DataError(f"data.path {path} is neither a file nor a directory (a device such as /dev/null, a "
+            raise DataError(f"{setting} {path} is neither a file nor a directory (a device such as /dev/null, a "
                             f"pipe or a socket); name text or JSONL files, a directory of them, or prepared shards")
         found = sorted(p for p in path.rglob("*") if p.is_file() and not any(
             part.startswith(".") for part in p.relative_to(path).parts))
         chosen = [p for p in found if suffixes is None or p.suffix.lower() in suffixes]
         if not chosen:
-            raise DataError(f"data.path {path} holds no text or JSONL files" + (
+            raise DataError(f"{setting} {path} holds no text or JSONL files" + (
                 f" ({len(found)} file(s) with other extensions; read them with --extensions all)" if found else
                 " (an empty directory)"))
         files += chosen
         ignored += len(found) - len(chosen)
+    named: dict[Path, Path] = {}
+    for file in files:
+        first = named.setdefault(file.resolve(), file)
+        if first is not file:
+            raise DataError(f"{setting} names {file} twice (also as {first}): its documents would be read twice")
     return files, ignored
 
 
+def path_names(paths: Path | list[Path]) -> str:
+    """Paths as a user wrote them, for messages: "a.txt, corpus/" rather than a list's repr."""
+    return ", ".join(map(str, [paths] if isinstance(paths, Path) else paths))
+
+
 def iter_documents(files: list[Path], text_key: str, binary: list[Path]) -> Iterator[str | Conversation | Pair]:
-    """A .jsonl file holds one document per line: a conversation ("messages"), a prompt/completion pair
-    (chat.read_example), or text in field `text_key`; any other file is one document. Binary files (a
+    """A JSONL file (JSONL_SUFFIXES, any case) holds one record per line; a .json file holding a list
+    of records (or one record) is read the same way when they are conversations, pairs or objects
+    with field `text_key`. A record is a conversation ("messages"), a prompt/completion pair
+    (chat.read_example), or text in field `text_key`; any other file is one document, and one that
+    holds JSON lines of conversations is refused rather than trained on as text. Binary files (a
     NUL byte, or not UTF-8) are appended to `binary` and skipped."""
     for path in files:
-        if path.suffix != ".jsonl":
-            text = _read_text(path)
-            if text is None:
-                binary.append(path)
-            else:
-                yield text
+        if path.suffix.lower() in JSONL_SUFFIXES:
+            yield from _jsonl_records(path, text_key)
             continue
+        text = _read_text(path)
+        if text is None:
+            binary.append(path)
+            continue
+        records = _json_records(text, path, text_key) if path.suffix.lower() == ".json" else None
+        if records is not None:
+            yield from (_record(value, where, text_key) for value, where in records)
+            continue
+        _refuse_hidden_conversations(text, path)
+        yield text
+
+
+def _jsonl_records(path: Path, text_key: str) -> Iterator[str | Conversation | Pair]:
+    try:
         with open(path, "rb") as lines:
             for number, line in enumerate(lines, 1):
-                yield from _jsonl_record(line, path, number, text_key)
+                if line.strip():
+                    yield _record(_json_line(line, path, number, text_key), f"{path}:{number}", text_key)
+    except OSError as error:
+        raise DataError(f"{path}: cannot read ({error.strerror or error})") from None
 
 
-def _jsonl_record(line: bytes, path: Path, number: int, text_key: str) -> Iterator[str | Conversation | Pair]:
-    if not line.strip():
-        return
+def _json_line(line: bytes, path: Path, number: int, text_key: str) -> object:
     try:
-        record = json.loads(line.decode("utf-8"))
-        example = read_example(record, f"{path}:{number}") if isinstance(record, dict) else None
-        if example is not None:
-            yield example
-            return
-        text = record[text_key]
-    except ChatError as error:
-        raise DataError(str(error)) from None
+        return json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as error:
-        raise DataError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start} of the line)") from error
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise DataError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start} of the line)") from None
+    except json.JSONDecodeError as error:
         raise DataError(f"{path}:{number}: expected a JSON object with a string field {text_key!r} (data.text_key), "
-                        f"'messages' (a conversation), or 'prompt' and 'completion': {error!r}") from error
+                        f"'messages' (a conversation), or 'prompt' and 'completion': {error!r}") from None
     except RecursionError:  # json's decoder recurses once per level of nesting
         raise DataError(f"{path}:{number}: expected a JSON object with a string field {text_key!r} "
                         f"(data.text_key): the line nests arrays or objects too deeply to read") from None
-    if not isinstance(text, str):
-        raise DataError(f"{path}:{number}: field {text_key!r} must be a string, got {type(text).__name__}")
-    yield text
+
+
+def _record(record: object, where: str, text_key: str) -> str | Conversation | Pair:
+    """One JSON record (a JSONL line, an element of a .json list) as a conversation, pair or text."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object with a string field {text_key!r} (data.text_key), "
+                        f"'messages' (a conversation), or 'prompt' and 'completion', got a {type(record).__name__}")
+    try:
+        example = read_example(record, where)
+    except ChatError as error:
+        raise DataError(str(error)) from None
+    if example is not None:
+        return example
+    if text_key not in record:
+        raise DataError(f"{where}: expected a JSON object with a string field {text_key!r} (data.text_key), "
+                        f"'messages' (a conversation), or 'prompt' and 'completion'; it has "
+                        f"{', '.join(map(repr, list(record)[:6])) or 'no fields'}")
+    if not isinstance(record[text_key], str):
+        raise DataError(f"{where}: field {text_key!r} must be a string, got {type(record[text_key]).__name__}")
+    return record[text_key]
+
+
+def _is_example(value: object) -> bool:
+    """Whether a JSON value is written as a conversation or a prompt/completion pair."""
+    return isinstance(value, dict) and ("messages" in value or ("prompt" in value and "completion" in value))
+
+
+def _json_records(text: str, path: Path, text_key: str) -> list[tuple[object, str]] | None:
+    """A .json file's records with where each is, when the file holds a list of conversations, pairs
+    or text records (or one conversation or pair); None when it is a text document (a package.json)."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if _is_example(value):
+        return [(value, str(path))]
+    if not isinstance(value, list) or not value:
+        return None
+    texts = all(isinstance(v, dict) and isinstance(v.get(text_key), str) for v in value)
+    if not texts and not any(_is_example(v) for v in value):
+        return None
+    return [(record, f"{path}: record {index + 1} of the list") for index, record in enumerate(value)]
+
+
+def _refuse_hidden_conversations(text: str, path: Path) -> None:
+    """A file read as one text document whose first line is a conversation or a pair in JSON: JSON
+    lines under another suffix, which would train as text with every token a target."""
+    start = len(text) - len(text.lstrip())
+    end = text.find("\n", start)
+    first = text[start:end if end >= 0 else len(text)]
+    try:
+        record = json.loads(first) if first.startswith("{") else None
+    except (json.JSONDecodeError, RecursionError):
+        return
+    if _is_example(record):
+        kind = "a conversation ('messages')" if "messages" in record else "a prompt/completion pair"
+        read_as = ("must hold one JSON value (a list of records)" if path.suffix.lower() == ".json" else
+                   "is read as one text document")
+        raise DataError(f"{path}: its first line is {kind} in JSON, but a {path.suffix or 'suffix-less'} file "
+                        f"{read_as}; name it .jsonl to train on its lines as records")
 
 
 def _read_text(path: Path) -> str | None:
     """The file's text, or None for a binary file."""
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise DataError(f"{path}: cannot read ({error.strerror or error})") from None
     if b"\0" in data:
         return None
     try:
@@ -141,7 +224,8 @@ def _read_text(path: Path) -> str | None:
 # ============================================================================= prepare: text -> shards
 
 def prepare(source: Path | list[Path], tokenizer: Tokenizer, out_dir: Path, text_key: str = "text",
-            shard_tokens: int = 1 << 28, suffixes: tuple[str, ...] | None = TEXT_SUFFIXES) -> Path:
+            shard_tokens: int = 1 << 28, suffixes: tuple[str, ...] | None = TEXT_SUFFIXES,
+            setting: str = "data.path") -> Path:
     """Tokenize every document of `source` (paths: see `source_files`) into `out_dir`, atomically
     (temp dir, then rename). Binary files are skipped; meta.json lists them.
 
@@ -151,7 +235,11 @@ def prepare(source: Path | list[Path], tokenizer: Tokenizer, out_dir: Path, text
     out_dir/mask_00000.bin     with conversations or pairs only: uint8 per token, 1 where it is a target
     out_dir/meta.json          written last: format, tokenizer fingerprint, counts, shard names
     """
-    files, ignored = source_files(source, suffixes)
+    files, ignored = source_files(source, suffixes, setting)
+    missing = tokenizer.missing_bytes()
+    if missing:  # tiktoken panics on text with a byte that has no token
+        raise DataError(f"{setting} {path_names(source)}: the tokenizer has no token for byte 0x{missing[0]:02x} "
+                        f"({len(missing)} bytes lack one); preparing data needs a tokenizer that writes every byte")
     binary: list[Path] = []
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +264,7 @@ def prepare(source: Path | list[Path], tokenizer: Tokenizer, out_dir: Path, text
                 batch = []
         writer.add(tokenizer.encode_documents(batch))
         if writer.num_docs == 0:
-            raise DataError(f"data.path {source}: no documents with text in {len(files)} file(s)"
+            raise DataError(f"{setting} {path_names(source)}: no documents with text in {len(files)} file(s)"
                             + (f"; {len(binary)} binary file(s) skipped: {', '.join(map(str, binary[:3]))}"
                                if binary else ""))
         chat_meta = {"chat_template": chat.template.origin, "chat_template_digest": chat.template.digest,
@@ -313,8 +401,9 @@ def prepared_dir(source: Path, tokenizer: Tokenizer, cache_dir: Path, text_key: 
     directory, else a cache entry keyed by the files (path, size, mtime) and the tokenizer."""
     if (source / "meta.json").is_file():
         return source
-    key = hashlib.sha256(json.dumps([SHARDS_FORMAT, tokenizer.fingerprint, text_key, template_of(tokenizer).digest] + [
-        (str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in source_files(source)[0]]).encode())
+    files = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in source_files(source)[0]]
+    rules = [SHARDS_FORMAT, READING_RULES, tokenizer.fingerprint, text_key, template_of(tokenizer).digest]
+    key = hashlib.sha256(json.dumps(rules + files).encode())
     return cache_dir / f"{source.stem}-{key.hexdigest()[:16]}"
 
 
@@ -559,26 +648,92 @@ def row_arrays(tokens: np.ndarray, docs: np.ndarray, mask: np.ndarray | None) ->
 
 # ============================================================================= command line
 
+# --seq-len's bound: 16 times the longest context of the models here (Large 4's 1,048,576 positions).
+MAX_SEQ_LEN = 1 << 24
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag stops with one line that names it, not the usage text."""
+
+    def error(self, message: str):
+        raise SystemExit(f"error: {message}")
+
+
+def seq_len_flag(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
+    if not 1 <= value <= MAX_SEQ_LEN:
+        raise argparse.ArgumentTypeError(f"must be 1 <= N <= {MAX_SEQ_LEN:,} tokens, got {value}")
+    return value
+
+
+def text_flag(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def extensions_flag(text: str) -> tuple[str, ...] | None:
+    """"txt,md,jsonl" -> (".txt", ".md", ".jsonl"); "all" -> None (every file)."""
+    if text.strip().lower() == "all":
+        return None
+    names = [name.strip().lstrip(".").lower() for name in text.split(",")]
+    if any(not name or name == "all" or "/" in name or any(c.isspace() for c in name) for name in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated file extensions such as txt,md,jsonl, or "
+                                         f"'all' alone, got {text!r}")
+    return tuple("." + name for name in names)
+
+
+def check_inputs(inputs: list[Path], out: Path) -> None:
+    """INPUT... are not prepared already; --out names a new directory where one can be made."""
+    for path in inputs:
+        if (path / "meta.json").is_file():
+            raise DataError(f"input {path} is a prepared directory already (it holds meta.json); train on it "
+                            f"with data.path = \"{path}\"")
+    if out.exists() or out.is_symlink():
+        found = "is a file" if out.is_file() else "already exists"
+        raise DataError(f"--out {out} {found}; name a new directory (prepare never overwrites)")
+    existing = next(parent for parent in out.absolute().parents if parent.exists())
+    if not existing.is_dir():
+        raise DataError(f"--out {out} lies under {existing}, which is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise DataError(f"--out {out}: {existing} is not writable")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Turn text files, directories or JSONL into token shards.")
+    """`data.py prepare`; any bad flag or input stops with one line (SystemExit)."""
+    parser = OneLineParser(description="Turn text files, directories or JSONL into token shards.")
     commands = parser.add_subparsers(dest="command", required=True)
     prep = commands.add_parser("prepare", help="tokenize INPUT... into shards under --out")
     prep.add_argument("input", type=Path, nargs="+", help="text files, .jsonl files or directories of them")
     prep.add_argument("--out", type=Path, required=True, help="output directory (must not exist)")
-    prep.add_argument("--tokenizer", default="byte", help="byte | a .tiktoken file | a tokenizer.json dir | a name")
-    prep.add_argument("--eos-token", default=END_OF_TEXT)
-    prep.add_argument("--text-key", default="text", help="the JSONL field that holds the text")
-    prep.add_argument("--extensions", default=",".join(s[1:] for s in TEXT_SUFFIXES),
+    prep.add_argument("--tokenizer", type=text_flag, default="byte",
+                      help="byte | a .tiktoken file | a tokenizer.json dir | a name")
+    prep.add_argument("--eos-token", type=text_flag, default=END_OF_TEXT)
+    prep.add_argument("--text-key", type=text_flag, default="text", help="the JSONL field that holds the text")
+    prep.add_argument("--extensions", type=extensions_flag, default=",".join(s[1:] for s in TEXT_SUFFIXES),
                       help="file extensions read from directories, comma-separated, or 'all' (named files are "
                            "always read)")
-    prep.add_argument("--seq-len", type=int, help="with conversations: report how rows of this length hold them")
-    prep.add_argument("--overlong", choices=OVERLONG, default="truncate", help="with --seq-len: as data.overlong")
+    prep.add_argument("--seq-len", type=seq_len_flag,
+                      help="with conversations: report how rows of this length hold them")
+    prep.add_argument("--overlong", choices=OVERLONG, help="with --seq-len: as data.overlong (default truncate)")
     args = parser.parse_args(argv)
-    if args.out.exists():
-        raise DataError(f"--out {args.out} already exists; choose a new directory")
-    suffixes = None if args.extensions == "all" else tuple("." + e.strip(". ").lower() for e in args.extensions.split(","))
-    tokenizer = load_tokenizer(args.tokenizer, args.eos_token)
-    shards = TokenShards(prepare(args.input, tokenizer, args.out, args.text_key, suffixes=suffixes))
+    if args.overlong and not args.seq_len:
+        parser.error("argument --overlong: only says how rows of --seq-len tokens fit conversations; give "
+                     "--seq-len too")
+    try:
+        prepare_command(args)
+    except (DataError, TokenizerError) as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+def prepare_command(args: argparse.Namespace) -> None:
+    check_inputs(args.input, args.out)
+    tokenizer = load_tokenizer(args.tokenizer, args.eos_token, setting="--tokenizer", eos_setting="--eos-token")
+    directory = prepare(args.input, tokenizer, args.out, args.text_key, suffixes=args.extensions, setting="input")
+    shards = TokenShards(directory)
     meta, binary = shards.meta, shards.meta["skipped_binary"]
     named = f" ({', '.join(binary[:3])}{', ...' if len(binary) > 3 else ''})" if binary else ""
     print(f"{args.out}: {shards.num_docs} documents, {int(shards.doc_len.sum()):,} tokens from "
@@ -587,12 +742,13 @@ def main(argv: list[str] | None = None) -> None:
     if shards.masked:
         print(chat_summary(meta))
     if shards.masked and args.seq_len:
-        rows = PackedLoader(shards, np.arange(shards.num_docs), args.seq_len, 1, 0, name="all", overlong=args.overlong)
+        rows = PackedLoader(shards, np.arange(shards.num_docs), args.seq_len, 1, 0, name="all",
+                            overlong=args.overlong or "truncate")
         print(f"with --seq-len {args.seq_len}: {rows.describe()}")
+    elif args.seq_len:
+        print(f"with --seq-len {args.seq_len}: nothing to report; the data holds no conversations or pairs, and "
+              f"plain text is cut into rows wherever they end")
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (DataError, TokenizerError) as error:
-        raise SystemExit(f"error: {error}")
+    main()
