@@ -742,12 +742,20 @@ def prepare_command(args: argparse.Namespace) -> None:
     if shards.masked:
         print(chat_summary(meta))
     if shards.masked and args.seq_len:
-        rows = PackedLoader(shards, np.arange(shards.num_docs), args.seq_len, 1, 0, name="all",
-                            overlong=args.overlong or "truncate")
-        print(f"with --seq-len {args.seq_len}: {rows.describe()}")
+        print(f"with --seq-len {args.seq_len}: {rows_report(shards, args.seq_len, args.overlong or 'truncate')}")
     elif args.seq_len:
         print(f"with --seq-len {args.seq_len}: nothing to report; the data holds no conversations or pairs, and "
               f"plain text is cut into rows wherever they end")
+
+
+
+def rows_report(shards: TokenShards, seq_len: int, overlong: str) -> str:
+    """How rows of seq_len tokens would hold the prepared documents (what a run with them prints)."""
+    whole = WholeRows(shards.doc_len, seq_len, overlong, lambda i: bool(shards.loss_mask(i)[1:seq_len].any()))
+    if whole.num_tokens == 0:
+        return (f"no document fits: all {shards.num_docs} are longer than {seq_len} tokens and --overlong "
+                f"{overlong} leaves none (or none keeps a target)")
+    return PackedLoader(shards, np.arange(shards.num_docs), seq_len, 1, 0, name="all", overlong=overlong).describe()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import convert
+import data
 import sample
 from checkpoint_files import CheckpointError
 from config import ConfigError, load_config
@@ -165,6 +166,78 @@ def test_a_deeply_nested_jsonl_line_stops_with_one_line(tmp_path):
     (tmp_path / "deep.jsonl").write_text('{"text": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     stops_with_one_line(lambda: prepare(tmp_path / "deep.jsonl", load_tokenizer("byte"), tmp_path / "out"), DataError,
                         f"{tmp_path / 'deep.jsonl'}:1", r"'text' \(data.text_key\): the line nests .* too deeply")
+
+
+def prepare_args(*given: str, inputs=("a.txt",), make=None):
+    """data.py prepare's argv in a directory holding a.txt ("some text") and b.txt (empty); `make(dir)`
+    adds to it first. --out is out/ unless given."""
+    def build(directory: Path) -> list[str]:
+        (directory / "a.txt").write_text("some text")
+        (directory / "b.txt").write_text("")
+        if make:
+            make(directory)
+        out = [] if "--out" in given else ["--out", str(directory / "out")]
+        return ["prepare", *(str(directory / name) for name in inputs), *out, *given]
+    return build
+
+
+def prepared_input(directory: Path) -> None:
+    prepare(directory / "a.txt", load_tokenizer("byte"), directory / "shards")
+
+
+DATA_CLI_CASES = {
+    "seq-len -5": (prepare_args("--seq-len", "-5"), "--seq-len", r"must be 1 <= N <= 16,777,216 tokens, got -5$"),
+    "seq-len 0": (prepare_args("--seq-len", "0"), "--seq-len", r"must be 1 <= N <= 16,777,216 tokens, got 0$"),
+    "seq-len huge": (prepare_args("--seq-len", str(2**24 + 1)), "--seq-len", r"got 16777217$"),
+    "seq-len 1.5": (prepare_args("--seq-len", "1.5"), "--seq-len", r"expected a whole number of tokens, got '1.5'"),
+    "seq-len word": (prepare_args("--seq-len", "many"), "--seq-len", r"whole number of tokens, got 'many'"),
+    "overlong without seq-len": (prepare_args("--overlong", "drop"), "--overlong", r"give --seq-len too"),
+    "overlong bogus": (prepare_args("--seq-len", "8", "--overlong", "cut"), "--overlong", r"invalid choice: 'cut'"),
+    "text-key empty": (prepare_args("--text-key", ""), "--text-key", r"must not be empty"),
+    "eos-token empty": (prepare_args("--eos-token", ""), "--eos-token", r"must not be empty"),
+    "tokenizer empty": (prepare_args("--tokenizer", ""), "--tokenizer", r"must not be empty"),
+    "extensions empty": (prepare_args("--extensions", ",,"), "--extensions", r"comma-separated file extensions"),
+    "extensions all and more": (prepare_args("--extensions", "txt,all"), "--extensions", r"'all' alone"),
+    "tokenizer bogus": (prepare_args("--tokenizer", "bogus"), "--tokenizer 'bogus'", r"is not \"byte\""),
+    "eos-token bogus": (prepare_args("--eos-token", "<eos>"), "--eos-token '<eos>'", r"not a special token"),
+    "out exists": (prepare_args(make=lambda d: (d / "out").mkdir()), "--out {dir}/out",
+                   r"already exists; name a new directory \(prepare never overwrites\)$"),
+    "out a file": (prepare_args(make=lambda d: (d / "out").write_text("")), "--out {dir}/out", r"is a file; name a new"),
+    "out under a file": (prepare_args("--out", "{dir}/a.txt/out"), "--out {dir}/a.txt/out",
+                         r"lies under {dir}/a.txt, which is a file$"),
+    "input missing": (prepare_args(inputs=("a.txt", "missing.txt")), "input {dir}/missing.txt", r"does not exist"),
+    "input empty": (prepare_args(inputs=("b.txt",)), "input {dir}/b.txt:", r"no documents with text in 1 file"),
+    "inputs empty": (prepare_args(inputs=("b.txt", "b.txt")), "input names {dir}/b.txt twice", r"read twice$"),
+    "input prepared": (prepare_args(inputs=("shards",), make=prepared_input), "input {dir}/shards",
+                       r"is a prepared directory already \(it holds meta.json\); train on it with data.path"),
+}
+
+
+@pytest.mark.parametrize("build, named, pattern", DATA_CLI_CASES.values(), ids=DATA_CLI_CASES)
+def test_bad_prepare_flags_and_inputs_stop_with_one_line(tmp_path, build, named, pattern):
+    """Every flag of data.py prepare, and its inputs and output: one line naming it (paths written as
+    paths), and nothing written."""
+    argv = [arg.format(dir=tmp_path) for arg in build(tmp_path)]
+    before = sorted(tmp_path.iterdir())
+    stops_with_one_line(lambda: data.main(argv), SystemExit, named.format(dir=tmp_path),
+                        pattern.format(dir=re.escape(str(tmp_path))))
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_prepare_accepts_the_boundary_values_of_its_flags(tmp_path, capsys):
+    """The refusals' boundaries: --seq-len 1 and 16,777,216 report rows; --extensions all; two inputs, one
+    of them empty; an upper-case extension in --extensions."""
+    (tmp_path / "a.TXT").write_text("some text")
+    (tmp_path / "b.txt").write_text("")
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
+    for seq_len in ("1", str(2**24)):
+        data.main(["prepare", str(tmp_path / "chat.jsonl"), "--out", str(tmp_path / f"out{seq_len}"), "--seq-len",
+                   seq_len, "--overlong", "drop"])
+    printed = capsys.readouterr().out
+    assert "with --seq-len 1: no document fits: all 1 are longer than 1 tokens and --overlong drop" in printed
+    assert f"with --seq-len {2**24}: all 3 tokens (1 rows of {2**24})" in printed
+    data.main(["prepare", str(tmp_path), "--out", str(tmp_path / "all"), "--extensions", "TXT"])
+    assert "1 documents, 10 tokens from 2 file(s)" in capsys.readouterr().out
 
 
 def tokenizer_json(spec):
