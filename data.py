@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from chat import ChatEncoder, ChatError, Conversation, Pair, WholeRows, chat_summary, read_example, template_of
+from chat import (ChatEncoder, ChatError, Conversation, Pair, WholeRows, chat_summary, one_line, read_example,
+                  template_of)
 from files import read_json_object, remove_stale_temporaries, sync_rename
 from tokenizer import END_OF_TEXT, Tokenizer, TokenizerError, load_tokenizer
 
@@ -454,6 +455,7 @@ class TokenShards:
 
 # meta.json's keys that reading shards needs, with the type each must have.
 META_KEYS = {"tokenizer": str, "dtype": str, "vocab_size": int, "shards": list}
+MASKED_META_KEYS = {"chat_template": str, "chat_template_digest": str}  # which template rendered them
 
 
 def read_meta(path: Path) -> dict:
@@ -463,13 +465,15 @@ def read_meta(path: Path) -> dict:
     except ValueError as error:
         raise DataError(f"{error}: not a prepared data directory; prepare the data again") from None
     if meta.get("format") not in (SHARDS_FORMAT, MASKED_FORMAT):
-        raise DataError(f"{path}: format {meta.get('format')!r}, expected {SHARDS_FORMAT!r} or {MASKED_FORMAT!r}")
-    for key, kind in META_KEYS.items():
+        raise DataError(f"{path}: format {meta.get('format')!r}, expected {SHARDS_FORMAT!r} or {MASKED_FORMAT!r}: "
+                        f"prepared by another version of this code, or damaged; prepare the data again")
+    kinds = {**META_KEYS, **(MASKED_META_KEYS if meta["format"] == MASKED_FORMAT else {})}
+    for key, kind in kinds.items():
         if not isinstance(meta.get(key), kind):
             found = f"has {key!r} = {meta[key]!r:.40}" if key in meta else f"lacks key {key!r}"
             raise DataError(f"{path} {found}, expected a {kind.__name__}: the file is damaged, prepare the data again")
     if meta["dtype"] not in ("uint16", "uint32") or not meta["shards"] or not all(
-            isinstance(name, str) for name in meta["shards"]):
+            isinstance(name, str) and name.isdigit() and name.isascii() for name in meta["shards"]):
         raise DataError(f"{path}: expected dtype uint16 or uint32 and a non-empty list of shard names, got "
                         f"dtype {meta['dtype']!r}, shards {meta['shards']!r:.60}; prepare the data again")
     return meta
@@ -485,14 +489,21 @@ def read_shard(directory: Path, name: str, dtype: str) -> tuple[np.ndarray, np.n
     try:
         tokens = np.memmap(tokens_file, dtype=dtype, mode="r")
     except (OSError, ValueError) as error:
-        raise DataError(f"{tokens_file}: not a shard of {dtype} tokens ({error}); prepare the data again") from error
+        raise DataError(f"{tokens_file}: not a shard of {dtype} tokens ({one_line(error)}); prepare the data "
+                        f"again") from error
     try:
         bounds = np.load(docs_file)
     except (OSError, ValueError, EOFError) as error:
-        raise DataError(f"{docs_file}: not a document index ({error}); prepare the data again") from error
-    if bounds.ndim != 1 or len(bounds) < 2 or bounds[-1] != len(tokens):
-        raise DataError(f"{tokens_file} holds {len(tokens)} tokens but {docs_file.name} ends at "
-                        f"{bounds[-1] if bounds.size else 'nothing'}: the shard is damaged, prepare again")
+        raise DataError(f"{docs_file}: not a document index ({one_line(error)}); prepare the data again") from error
+    if bounds.ndim != 1 or len(bounds) < 2 or bounds.dtype.kind not in "iu":
+        raise DataError(f"{docs_file}: expected the integer start of each document then the end, got an array "
+                        f"of {bounds.dtype} {list(bounds.shape)}: the shard is damaged, prepare again")
+    if bounds[0] != 0 or not (np.diff(bounds) > 0).all():  # every document holds its end-of-text at least
+        raise DataError(f"{docs_file}: document starts must rise from 0, got {bounds[:4].tolist()}...: the shard "
+                        f"is damaged, prepare again")
+    if bounds[-1] != len(tokens):
+        raise DataError(f"{tokens_file} holds {len(tokens)} tokens but {docs_file.name} ends at {bounds[-1]}: the "
+                        f"shard is damaged, prepare again")
     return tokens, bounds
 
 

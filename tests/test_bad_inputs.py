@@ -13,6 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -25,7 +26,7 @@ from config import ConfigError, load_config
 from data import DataError, TokenShards, prepare
 from helpers import DEFAULT_FAMILY, debug_args, only, run_debug, stops_with_one_line, tiny_preset
 from registry import family
-from tokenizer import TokenizerError, load_tokenizer
+from tokenizer import TokenizerError, bytes_to_unicode, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -133,7 +134,7 @@ def test_bad_training_configs_stop_with_one_line(tmp_path, monkeypatch, build, n
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
-    """A prepared data directory of 20 small documents (one shard)."""
+    """A prepared data directory of 20 small documents (one shard): 10 of 31 tokens, 10 of 36, 670 in all."""
     directory = tmp_path_factory.mktemp("prepared")
     (directory / "docs.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 5}) + "\n" for i in range(20)))
     return prepare(directory / "docs.jsonl", load_tokenizer("byte"), directory / "shards")
@@ -151,7 +152,32 @@ PREPARED_CASES = {
                               r"lacks key 'dtype', expected a str"),
     "missing shard": (lambda d: (d / "tokens_00000.bin").unlink(), "{dir}/tokens_00000.bin", r"missing; .*prepare"),
     "empty shard": (lambda d: (d / "tokens_00000.bin").write_bytes(b""), "{dir}/tokens_00000.bin", r"empty; .*prepare"),
+    "meta.json of another version": (meta(lambda m: {**m, "format": "flint-token-shards-v9"}), "{dir}/meta.json",
+                                     r"format 'flint-token-shards-v9', .* another version .*prepare the data again$"),
+    "meta.json not UTF-8": (lambda d: (d / "meta.json").write_bytes(b"\xff{}"), "{dir}/meta.json",
+                            r"cannot read JSON: .*not a prepared data directory"),
+    "shard named outside": (meta(lambda m: {**m, "shards": ["../../outside"]}), "{dir}/meta.json",
+                            r"list of shard names, got .* shards \['\.\./\.\./outside'\]"),
+    "masked without its template": (meta(lambda m: {**m, "format": "flint-token-shards-v2"}), "{dir}/meta.json",
+                                    r"lacks key 'chat_template', expected a str: the file is damaged"),
+    "shard cut by a byte": (lambda d: cut(d / "tokens_00000.bin", 1), "{dir}/tokens_00000.bin",
+                            r"not a shard of uint16 tokens \(Size of available data is not a multiple"),
+    "shard cut by a token": (lambda d: cut(d / "tokens_00000.bin", 2), "{dir}/tokens_00000.bin",
+                             r"holds 669 tokens but docs_00000.npy ends at 670"),
+    "document index out of order": (lambda d: index(d, [0, 50, 10, 670]), "{dir}/docs_00000.npy",
+                                    r"document starts must rise from 0, got \[0, 50, 10, 670\]"),
+    "document index not from 0": (lambda d: index(d, [5, 670]), "{dir}/docs_00000.npy", r"rise from 0, got \[5, 670\]"),
+    "document index of floats": (lambda d: index(d, [0.0, 670.0]), "{dir}/docs_00000.npy",
+                                 r"expected the integer start of each document then the end, got an array of float64"),
 }
+
+
+def cut(file: Path, size: int) -> None:
+    file.write_bytes(file.read_bytes()[:-size])
+
+
+def index(directory: Path, bounds: list) -> None:
+    np.save(directory / "docs_00000.npy", np.array(bounds))
 
 
 @pytest.mark.parametrize("damage, named, pattern", PREPARED_CASES.values(), ids=PREPARED_CASES)
@@ -207,7 +233,7 @@ DATA_CLI_CASES = {
                          r"lies under {dir}/a.txt, which is a file$"),
     "input missing": (prepare_args(inputs=("a.txt", "missing.txt")), "input {dir}/missing.txt", r"does not exist"),
     "input empty": (prepare_args(inputs=("b.txt",)), "input {dir}/b.txt:", r"no documents with text in 1 file"),
-    "inputs empty": (prepare_args(inputs=("b.txt", "b.txt")), "input names {dir}/b.txt twice", r"read twice$"),
+    "input named twice": (prepare_args(inputs=("b.txt", "b.txt")), "input names {dir}/b.txt twice", r"read twice$"),
     "input prepared": (prepare_args(inputs=("shards",), make=prepared_input), "input {dir}/shards",
                        r"is a prepared directory already \(it holds meta.json\); train on it with data.path"),
 }
@@ -254,6 +280,17 @@ def tiktoken_bytes(content: bytes):
     return build
 
 
+def byte_level(merges=None, pre_tokenizer=None, vocab_id=None, eos_id=256):
+    """tokenizer.json of a byte-level BPE without merges (and <|endoftext|>), changed as named: the merges,
+    the pre_tokenizer, the id of the byte 0's token, the id of <|endoftext|>."""
+    table = bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)} | ({table[0]: vocab_id} if vocab_id is not None else {})
+    spec = {"model": {"type": "BPE", "vocab": vocab, "merges": [] if merges is None else merges},
+            "normalizer": None, "added_tokens": [{"content": "<|endoftext|>", "id": eos_id}],
+            "pre_tokenizer": pre_tokenizer or {"type": "ByteLevel", "add_prefix_space": False}}
+    return tokenizer_json(spec)
+
+
 BPE = {"type": "BPE", "vocab": {"a": 0}, "merges": []}
 TOKENIZER_CASES = {
     "empty .tiktoken": (tiktoken_bytes(b""), "{dir}/ranks.tiktoken", r"no ranks \(an empty file\)"),
@@ -264,7 +301,29 @@ TOKENIZER_CASES = {
                      r"tokenizer.json: model.vocab must be an object of token -> id"),
     "added token without content": (tokenizer_json({"model": BPE, "normalizer": None, "added_tokens": [{"id": 3}]}),
                                     "added_tokens", r"tokenizer.json: added_tokens must be .* string 'content'"),
+    "merges a number": (byte_level(merges=5), "{dir}/tokenizer.json", r"model.merges must be a list .* got 5$"),
+    "merge a number": (byte_level(merges=[7]), "{dir}/tokenizer.json", r"merge 0 7 must be 'left right'"),
+    "pre_tokenizer a string": (byte_level(pre_tokenizer="ByteLevel"), "{dir}/tokenizer.json",
+                               r"pre_tokenizer step 'ByteLevel' is not supported"),
+    "pretokenizers a number": (byte_level(pre_tokenizer={"type": "Sequence", "pretokenizers": 3}),
+                               "{dir}/tokenizer.json", r"pre_tokenizer.pretokenizers must be a list, got 3$"),
+    "Split pattern a string": (byte_level(pre_tokenizer={"type": "Split", "pattern": "x", "behavior": "Isolated"}),
+                               "{dir}/tokenizer.json", r"pre_tokenizer step .* is not supported"),
+    "Split regex broken": (byte_level(pre_tokenizer={"type": "Split", "pattern": {"Regex": "(("},
+                                                     "behavior": "Isolated"}), "{dir}/tokenizer.json",
+                           r"the pre_tokenizer's regex '\(\(' is not valid: Parsing error"),
+    "two tokens share an id": (byte_level(vocab_id=1), "{dir}/tokenizer.json", r"tokens b'\\x00' and b'\\x01' share the id 1"),
+    "negative id": (byte_level(vocab_id=-1), "{dir}/tokenizer.json", r"token b'\\x00' has id -1; expected 0 <= id"),
+    "id past 2**32": (byte_level(vocab_id=2**40), "{dir}/tokenizer.json", r"has id 1099511627776; expected 0 <= id < "
+                                                                          r"16,777,216$"),
+    "special token on a byte's id": (byte_level(eos_id=5), "{dir}/tokenizer.json",
+                                     r"tokens b'\\x05' and '<\|endoftext\|>' share the id 5"),
+    ".tiktoken rank shared": (tiktoken_bytes(b"YQ== 0\nYg== 0\n"), "{dir}/ranks.tiktoken", r"b'a' and b'b' share the id 0"),
+    ".tiktoken token twice": (tiktoken_bytes(b"YQ== 0\nYQ== 1\n"), "{dir}/ranks.tiktoken:2", r"b'a' is ranked twice"),
+    ".tiktoken rank negative": (tiktoken_bytes(b"YQ== -1\n"), "{dir}/ranks.tiktoken", r"has id -1"),
 }
+
+
 
 
 @pytest.mark.parametrize("build, named, pattern", TOKENIZER_CASES.values(), ids=TOKENIZER_CASES)
