@@ -44,6 +44,10 @@ SHARDS_FORMAT = "flint-token-shards-v1"
 MASKED_FORMAT = "flint-token-shards-v2"  # v1 plus a loss mask per shard (mask_NNNNN.bin, uint8 per token)
 OVERLONG = ("truncate", "drop")  # data.overlong: what a conversation longer than seq_len becomes
 SPLIT_SEED = 1234  # fixed, so the validation documents do not change with the training seed
+# The settings that decide which rows a run reads (with the data's files): a resume continues the
+# checkpoint's row position, which means the same rows only while none of them changed.
+STREAM_KEYS = ("data.path", "data.tokenizer", "data.eos_token", "data.text_key", "data.seq_len",
+               "data.val_fraction", "data.overlong", "training.seed")
 
 
 class DataError(ValueError):
@@ -556,12 +560,15 @@ class PackedLoader:
 
     def __init__(self, shards: TokenShards, doc_indices: np.ndarray, seq_len: int, batch_size: int,
                  seed: int, shuffle: bool = True, epochs: int | None = None, rank: int = 0,
-                 world_size: int = 1, name: str = "train", overlong: str = "truncate"):
+                 world_size: int = 1, name: str = "train", overlong: str = "truncate",
+                 settings: dict[str, object] | None = None):
         if len(doc_indices) == 0:
             raise DataError(f"the {name} split has no documents")
         self.shards, self.docs, self.seq_len, self.batch_size = shards, doc_indices, seq_len, batch_size
         self.seed, self.shuffle, self.epochs, self.name = seed, shuffle, epochs, name
         self.rank, self.world_size = rank, world_size
+        # The run's STREAM_KEYS (train.py passes them all), to name what changed when a resume is refused.
+        self.settings = settings or {"data.seq_len": seq_len, "data.overlong": overlong, "training.seed": seed}
         self.num_tokens = int(shards.doc_len[doc_indices].sum())
         self.rows_per_epoch = math.ceil(self.num_tokens / seq_len)
         self.whole = None
@@ -639,13 +646,49 @@ class PackedLoader:
     def state_dict(self) -> dict[str, int]:
         return {"next_row": self.next_row, "rows_per_epoch": self.rows_per_epoch, "seq_len": self.seq_len}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int], checkpoint: Path | None = None) -> None:
+        """The saved position, refused when this run's rows are not the saved run's; the refusal names
+        each setting that changed since `checkpoint` (its train_config.json)."""
         saved = (int(state["rows_per_epoch"]), int(state["seq_len"]))
         if saved != (self.rows_per_epoch, self.seq_len):
             raise DataError(f"the checkpoint's {self.name} data position was saved for {saved[0]} rows of "
                             f"{saved[1]} tokens per epoch, but this run has {self.rows_per_epoch} rows of "
-                            f"{self.seq_len}: the data or data.seq_len changed since the checkpoint")
+                            f"{self.seq_len}: {self.what_changed(saved[1], checkpoint)}; resume with the "
+                            f"checkpoint's data settings, or start from its weights in a fresh run")
         self.next_row = int(state["next_row"])
+
+    def what_changed(self, saved_seq_len: int, checkpoint: Path | None) -> str:
+        saved = {"data.seq_len": saved_seq_len, **saved_stream_settings(checkpoint)}
+        changed = changed_settings(saved, self.settings)
+        if changed:
+            return f"changed since the checkpoint: {', '.join(changed)}"
+        if len(saved) == 1:  # no train_config.json to compare
+            return "the data or a data setting changed since the checkpoint (it records only data.seq_len)"
+        return "the data's files changed since the checkpoint; its settings did not"
+
+
+def stream_settings(config: dict) -> dict[str, object]:
+    """A run's STREAM_KEYS -> values, from its configuration as a dict (TrainConfig.to_dict(), or a
+    checkpoint's train_config.json); keys the dict lacks are left out."""
+    settings = {}
+    for key in STREAM_KEYS:
+        section, name = key.split(".")
+        if isinstance(config.get(section), dict) and name in config[section]:
+            settings[key] = config[section][name]
+    return settings
+
+
+def changed_settings(saved: dict[str, object], now: dict[str, object]) -> list[str]:
+    """"data.overlong 'truncate' -> 'drop'" for each key whose value differs between the two."""
+    return [f"{key} {saved[key]!r} -> {now[key]!r}" for key in now if key in saved and saved[key] != now[key]]
+
+
+def saved_stream_settings(checkpoint: Path | None) -> dict[str, object]:
+    """The stream settings of the run that wrote `checkpoint` (its train_config.json); {} without one."""
+    try:
+        return stream_settings(read_json_object(checkpoint / "train_config.json")) if checkpoint else {}
+    except ValueError:  # a checkpoint written without a readable one: nothing to compare
+        return {}
 
 
 def row_arrays(tokens: np.ndarray, docs: np.ndarray, mask: np.ndarray | None) -> dict[str, np.ndarray]:

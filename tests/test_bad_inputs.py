@@ -475,3 +475,41 @@ def test_bad_conversion_inputs_stop_with_one_line(trained, tmp_path, build, name
     argv = build(trained, tmp_path / "checkpoint")
     stops_with_one_line(lambda: convert.main(argv), SystemExit, named.format(dir=tmp_path / "checkpoint"), pattern)
     assert not (tmp_path / "out").exists()
+
+
+# ============================================================================= resuming with other data
+
+def chat_data(path: Path) -> Path:
+    """30 conversations of 22 byte tokens ("User: q\\nAssistant: ab" and the end-of-text), two to a row of
+    the debug config's 64 tokens, and 10 of 120: 25 rows when the long ones are truncated, 15 when they
+    are dropped."""
+    short = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}]}
+    long = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "word " * 20}]}
+    path.write_text("".join(json.dumps(short if i % 4 else long) + "\n" for i in range(40)))
+    return path
+
+
+def test_a_resume_names_every_data_setting_that_changed(tmp_path, capsys):
+    """A resume whose rows differ from the checkpoint's is refused naming each data setting that changed
+    (data.overlong and training.seed here; it named data.seq_len alone, unchanged). Its boundary, a resume
+    whose rows hold (the same data under another spelling of its path), goes on with a warning naming
+    the change; and of [logging] profile_steps = "1-2", step 1 trained before the resume is said to be
+    lost to the profile while step 2, the first the resume trains, is profiled."""
+    data_file = chat_data(tmp_path / "chat.jsonl")
+    chat = [f"--data.path={data_file}", "--training.sample_tokens=0", "--data.val_fraction=0"]
+    run_debug(tmp_path, *chat, "--training.steps=1")
+    resume = [*chat, "--training.steps=2", "--checkpoint.resume=auto"]
+    checkpoint = tmp_path / "ckpt" / "run_0001" / "step_00000001"
+    stops_with_one_line(lambda: run_debug(tmp_path, *resume, "--data.overlong=drop", "--training.seed=3"), DataError,
+                        "changed since the checkpoint: data.overlong 'truncate' -> 'drop', training.seed 0 -> 3;",
+                        r"^the checkpoint's train data position was saved for 25 rows of 64 tokens per epoch, but "
+                        r"this run has 15 rows of 64: [^;]*; resume with the checkpoint's data settings")
+    capsys.readouterr()
+    respelled = str(tmp_path / "ckpt" / ".." / data_file.name)
+    run_debug(tmp_path, *resume, f"--data.path={respelled}", "--logging.profile_steps=1-2")
+    printed = capsys.readouterr().out
+    assert (f"WARNING: resumed with data settings changed since {checkpoint}: data.path {str(data_file)!r} -> "
+            f"{respelled!r}; from step 2 the run reads other rows") in printed
+    assert ("WARNING: command line --logging.profile_steps: profile_steps = '1-2' names steps 1-2, of which 1-1 "
+            "were trained before this run resumed at step 1: profiling steps 2-2 only") in printed
+    assert [p.name for p in checkpoint.parent.glob("trace_*")] == ["trace_steps2-2_rank0.json"]

@@ -261,8 +261,38 @@ def test_loader_position_survives_a_restart(tmp_path):
         got = restarted.next_batch()
         assert all(torch.equal(got[k], want[k]) for k in want)
     other = PackedLoader(shards, np.arange(5), seq_len=4, batch_size=2, seed=5)
-    with pytest.raises(DataError, match="data.seq_len changed"):
+    with pytest.raises(DataError, match=r"changed since the checkpoint: data.seq_len 8 -> 4; resume with"):
         other.load_state_dict(state)
+
+
+def saved_run(directory: Path, **data_settings) -> Path:
+    """A checkpoint directory whose train_config.json holds these [data] settings (and training.seed 5)."""
+    directory.mkdir()
+    (directory / "train_config.json").write_text(json.dumps({"data": data_settings, "training": {"seed": 5}}))
+    return directory
+
+
+def test_a_refused_position_names_each_data_setting_that_changed(tmp_path):
+    """The saved position of rows of 8 tokens: data.overlong and data.path changed (the rows differ), each
+    named with both values, the unchanged data.seq_len not; the same settings with other rows: the files
+    changed; a checkpoint without train_config.json: only data.seq_len is known. The boundary: the
+    same rows load whatever the settings say (train.py warns of their change)."""
+    shards = unique_token_shards(tmp_path, [13, 29, 8, 41, 6])
+    settings = {"data.path": "new.jsonl", "data.seq_len": 8, "data.overlong": "drop", "training.seed": 5}
+    state = {"next_row": 2, "rows_per_epoch": 12, "seq_len": 8}  # 12 rows: another data set than these 13
+    loader = PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, settings=settings)
+    changed = saved_run(tmp_path / "changed", path="old.jsonl", seq_len=8, overlong="truncate")
+    with pytest.raises(DataError, match=r"saved for 12 rows of 8 tokens per epoch, but this run has 13 rows of 8: "
+                                        r"changed since the checkpoint: data.path 'old.jsonl' -> 'new.jsonl', "
+                                        r"data.overlong 'truncate' -> 'drop'; resume with"):
+        loader.load_state_dict(state, changed)
+    same = saved_run(tmp_path / "same", path="new.jsonl", seq_len=8, overlong="drop")
+    with pytest.raises(DataError, match=r"of 8: the data's files changed since the checkpoint; its settings did not"):
+        loader.load_state_dict(state, same)
+    with pytest.raises(DataError, match=r"of 8: the data or a data setting changed .*records only data.seq_len"):
+        loader.load_state_dict(state, tmp_path / "no_checkpoint")
+    loader.load_state_dict({**state, "rows_per_epoch": 13}, changed)
+    assert loader.next_row == 2
 
 
 def test_running_out_of_data_says_how_much_there_was(tmp_path):
