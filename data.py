@@ -16,7 +16,8 @@ each row holds whole documents (best-fit, chat.pack_rows, fixed for the data), a
 seq_len is truncated or dropped (data.overlong), and each epoch shuffles the rows.
 
 Command line: `python data.py prepare INPUT... --out DIR [--tokenizer byte] [--extensions txt,md,jsonl]
-[--seq-len N --overlong truncate|drop]` (the last two only report what a run would fit).
+[--seq-len N --overlong truncate|drop]` (the last two only report what a run would fit); a bad flag or
+input stops with one line naming it.
 """
 
 from __future__ import annotations
