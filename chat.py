@@ -206,7 +206,8 @@ class ChatEncoder:
             ids, mask = self.conversation_tokens(example.messages, example.where)
             self.counts["conversations"] += 1
         if not mask[1:].any():  # the first token is never predicted
-            raise ChatError(f"{example.where}: no token of the assistant's is left to train on: {self.why_no_target(example)}")
+            raise ChatError(f"{example.where}: no token of the assistant's is left to train on: "
+                            f"{self.why_no_target(example)}")
         self.counts["target_tokens"] += int(mask[1:].sum())
         self.counts["longest"] = max(self.counts["longest"], len(ids))
         return ids, mask
@@ -218,8 +219,9 @@ class ChatEncoder:
         if not self.render(example.messages, False, example.where)[0].strip():
             return f"the chat template {origin} renders this conversation as empty text"
         if self.marked:
-            return (f"the {{% generation %}} blocks of the chat template {origin} enclose none of the text it "
-                    f"renders for this conversation; put each assistant message's content inside one")
+            return (f"the {{% generation %}} blocks of the chat template {origin} enclose none of "
+                    f"the text it renders for this conversation; put each assistant message's "
+                    f"content inside one")
         return f"the chat template {origin} renders the assistant's turns empty"
 
     def pair_tokens(self, pair: Pair) -> tuple[list[int], np.ndarray]:
@@ -276,21 +278,23 @@ class ChatEncoder:
 
     @property
     def compiled(self) -> jinja2.Template:
-        """The template compiled once, in the sandbox; a syntax error names the template's file and line."""
+        """The template compiled once, in the sandbox; a syntax error names its file and line."""
         if self._compiled is None:
             environment = sandbox()
             try:
                 syntax = environment.parse(self.template.source)
                 self._compiled = environment.from_string(syntax)
             except jinja2.TemplateSyntaxError as error:
-                raise ChatError(f"{self.template.origin}: line {error.lineno} of the chat template: "
+                origin = self.template.origin
+                raise ChatError(f"{origin}: line {error.lineno} of the chat template: "
                                 f"{one_line(error.message)}; it is not a Jinja template") from None
-            self._marked = any(node.name == "_mark" for node in syntax.find_all(jinja2.nodes.ExtensionAttribute))
+            calls = syntax.find_all(jinja2.nodes.ExtensionAttribute)
+            self._marked = any(node.name == "_mark" for node in calls)
         return self._compiled
 
     @property
     def marked(self) -> bool:
-        """Whether the template has {% generation %} blocks (outside comments: parsed, not searched)."""
+        """Whether the template has {% generation %} blocks (parsed, so not in a comment)."""
         self.compiled  # parses the template, finding its blocks
         return self._marked
 

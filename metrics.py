@@ -127,10 +127,10 @@ def steps_to_profile(text: str, start_step: int) -> tuple[range | None, str | No
     left = range(start_step + 1, steps[-1] + 1)
     named = f"profile_steps = {text!r} names steps {steps[0]}-{steps[-1]}"
     if not left:
-        return None, (f"{named}, all trained before this run resumed at step {start_step}: none is profiled; "
-                      f"name steps after {start_step}")
-    return left, (f"{named}, of which {steps[0]}-{start_step} were trained before this run resumed at step "
-                  f"{start_step}: profiling steps {left[0]}-{left[-1]} only")
+        return None, (f"{named}, all trained before this run resumed at step {start_step}: none "
+                      f"is profiled; name steps after {start_step}")
+    return left, (f"{named}, of which {steps[0]}-{start_step} were trained before this run resumed "
+                  f"at step {start_step}: profiling steps {left[0]}-{left[-1]} only")
 
 
 class MetricsLogger:

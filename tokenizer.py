@@ -76,7 +76,8 @@ class Tokenizer:
 
 
 def load_tokenizer(spec: str, eos_token: str = END_OF_TEXT, checkpoint_dir: str = "",
-                   setting: str = "data.tokenizer", eos_setting: str = "data.eos_token") -> Tokenizer:
+                   setting: str = "data.tokenizer", eos_setting: str = "data.eos_token",
+                   ) -> Tokenizer:
     """spec: "byte" | "checkpoint" (the tokenizer.json of [model].init_from) | a directory with
     tokenizer.json | a .tiktoken file | a tiktoken encoding name that is already cached. `setting`
     and `eos_setting` name where spec and eos_token were given (a config key, a flag) in errors."""
@@ -85,7 +86,8 @@ def load_tokenizer(spec: str, eos_token: str = END_OF_TEXT, checkpoint_dir: str 
         encoding, fingerprint = byte_encoding(), "byte-v1"
     elif spec == "checkpoint" or Path(spec).is_dir():
         if spec == "checkpoint" and not checkpoint_dir:
-            raise TokenizerError(f'{setting} = "checkpoint" needs [model].init_from to name a checkpoint directory')
+            raise TokenizerError(f'{setting} = "checkpoint" needs [model].init_from to name a '
+                                 f'checkpoint directory')
         directory = Path(checkpoint_dir if spec == "checkpoint" else spec)
         encoding, fingerprint = checkpoint_encoding(directory, setting)
         template = read_chat_template(directory)
@@ -95,10 +97,12 @@ def load_tokenizer(spec: str, eos_token: str = END_OF_TEXT, checkpoint_dir: str 
         encoding = cached_encoding(spec)
         fingerprint = f"named:{spec}:{encoding.n_vocab}"
     else:
-        raise TokenizerError(f"{setting} {spec!r} is not \"byte\", \"checkpoint\", a directory with "
+        raise TokenizerError(f"{setting} {spec!r} is not \"byte\", \"checkpoint\", a directory "
+                             f"with "
                              f"tokenizer.json, an existing .tiktoken file, or a tiktoken encoding ({', '.join(names)})")
     if eos_token not in encoding.special_tokens_set:
-        raise TokenizerError(f"{eos_setting} {eos_token!r} is not a special token of tokenizer {spec!r}; it has "
+        raise TokenizerError(f"{eos_setting} {eos_token!r} is not a special token of tokenizer "
+                             f"{spec!r}; it has "
                              f"{sorted(encoding.special_tokens_set)[:8]}")
     eos_id = encoding.encode_single_token(eos_token)
     return Tokenizer(encoding, eos_id, f"{fingerprint}|eos={eos_id}", template)
@@ -145,7 +149,8 @@ def tiktoken_file_encoding(path: Path) -> tiktoken.Encoding:
         raise TokenizerError(f"{path}: no ranks (an empty file); expected '<base64 token> <rank>' lines")
     special = {END_OF_TEXT: max(ranks.values()) + 1}
     check_ids(ranks, special, path)
-    return tiktoken.Encoding(name=path.stem, pat_str=CL100K_PATTERN, mergeable_ranks=ranks, special_tokens=special)
+    return tiktoken.Encoding(name=path.stem, pat_str=CL100K_PATTERN, mergeable_ranks=ranks,
+                             special_tokens=special)
 
 
 # Token ids up to 16M: 64 times the largest published vocabularies (262,144); tiktoken stores u32.
@@ -158,7 +163,8 @@ def check_ids(ranks: dict[bytes, int], special: dict[str, int], where: Path) -> 
     owner: dict[int, object] = {}
     for token, token_id in [*ranks.items(), *special.items()]:
         if not 0 <= token_id < MAX_TOKEN_ID:
-            raise TokenizerError(f"{where}: token {token!r} has id {token_id}; expected 0 <= id < {MAX_TOKEN_ID:,}")
+            raise TokenizerError(f"{where}: token {token!r} has id {token_id}; expected "
+                                 f"0 <= id < {MAX_TOKEN_ID:,}")
         first = owner.setdefault(token_id, token)
         if first != token:
             raise TokenizerError(f"{where}: tokens {first!r} and {token!r} share the id {token_id}")
@@ -187,7 +193,8 @@ def cached_encoding(name: str) -> tiktoken.Encoding:
 
 # ============================================================================= a checkpoint's tokenizer.json
 
-def checkpoint_encoding(directory: Path, setting: str = "data.tokenizer") -> tuple[tiktoken.Encoding, str]:
+def checkpoint_encoding(directory: Path, setting: str = "data.tokenizer",
+                        ) -> tuple[tiktoken.Encoding, str]:
     """The checkpoint's own tokenizer.json -> (encoding, fingerprint)."""
     if not (directory / "tokenizer.json").is_file():
         raise TokenizerError(f"{directory}: no tokenizer.json to load the checkpoint's tokenizer from")
@@ -232,18 +239,18 @@ def read_chat_template(directory: Path) -> ChatTemplate | None:
         raise TokenizerError(f"{config_file}: chat_template must be a string (a Jinja template) or a list of "
                              f"{{'name', 'template'}} objects, got {source!r:.60}")
     if not source.strip():
-        raise TokenizerError(f"{config_file}: chat_template is empty; write a Jinja chat template there or "
-                             f"remove the key")
+        raise TokenizerError(f"{config_file}: chat_template is empty; write a Jinja chat template "
+                             f"there or remove the key")
     return ChatTemplate(source, f"{config_file} chat_template", variables)
 
 
 def template_text(file: Path) -> str:
-    """chat_template.jinja's text: UTF-8, and not empty (an empty template renders no conversation)."""
+    """chat_template.jinja's text: UTF-8 and not empty (an empty one renders no conversation)."""
     try:
         text = file.read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
-        raise TokenizerError(f"{file}: not UTF-8 text ({error.reason} at byte {error.start}); a chat template "
-                             f"is a Jinja text file") from None
+        raise TokenizerError(f"{file}: not UTF-8 text ({error.reason} at byte {error.start}); a "
+                             f"chat template is a Jinja text file") from None
     except OSError as error:
         raise TokenizerError(f"{file}: cannot read ({error.strerror or error})") from None
     if not text.strip():
@@ -273,7 +280,8 @@ def _split_pattern(pre_tokenizer: dict | None, where: Path) -> str:
     sequence = isinstance(pre_tokenizer, dict) and pre_tokenizer.get("type") == "Sequence"
     steps = pre_tokenizer.get("pretokenizers") if sequence else [pre_tokenizer]
     if not isinstance(steps, list):
-        raise TokenizerError(f"{where}: pre_tokenizer.pretokenizers must be a list, got {steps!r:.60}")
+        raise TokenizerError(f"{where}: pre_tokenizer.pretokenizers must be a list, got "
+                             f"{steps!r:.60}")
     patterns = []
     for step in steps:
         kind = step.get("type") if isinstance(step, dict) else None
@@ -351,11 +359,12 @@ def hf_tokenizer_encoding(path: str | Path) -> tiktoken.Encoding:
                              f"a byte-level BPE needs all 256")
     merges = bpe.get("merges") or []
     if not isinstance(merges, list):
-        raise TokenizerError(f"{path}: model.merges must be a list of 'left right' strings or [left, right] pairs, "
-                             f"got {merges!r:.40}")
+        raise TokenizerError(f"{path}: model.merges must be a list of 'left right' strings or "
+                             f"[left, right] pairs, got {merges!r:.40}")
     merged, previous = set(), -1
     for number, merge in enumerate(merges):
-        pair = merge.split(" ") if isinstance(merge, str) else merge if isinstance(merge, list) else []
+        pair = merge.split(" ") if isinstance(merge, str) else merge
+        pair = pair if isinstance(pair, list) else []
         if len(pair) != 2 or not all(isinstance(side, str) for side in pair):
             raise TokenizerError(f"{path}: merge {number} {merge!r} must be 'left right' or [left, right]")
         left, right = pair
@@ -371,6 +380,8 @@ def hf_tokenizer_encoding(path: str | Path) -> tiktoken.Encoding:
     check_ids(ranks, special, path)
     pattern = _split_pattern(spec.get("pre_tokenizer"), path)
     try:
-        return tiktoken.Encoding(name=f"flint:{path}", pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
+        return tiktoken.Encoding(name=f"flint:{path}", pat_str=pattern, mergeable_ranks=ranks,
+                                 special_tokens=special)
     except ValueError as error:  # the split regex does not compile
-        raise TokenizerError(f"{path}: the pre_tokenizer's regex {pattern!r:.60} is not valid: {error}") from None
+        raise TokenizerError(f"{path}: the pre_tokenizer's regex {pattern!r:.60} is not valid: "
+                             f"{error}") from None

@@ -43,8 +43,8 @@ from checkpoint import CheckpointError, Checkpointer, check_architecture
 from checkpoint_files import is_native_checkpoint, load_dcp
 from config import (ConfigError, OptimSection, TrainConfig, TrainingSection, help_text, load_config,
                     resolved_summary, resolved_toml)
-from data import (DataError, PackedLoader, TokenShards, changed_settings, prepare, prepared_dir, split_documents,
-                  stream_settings)
+from data import (DataError, PackedLoader, TokenShards, changed_settings, prepare, prepared_dir,
+                  split_documents, stream_settings)
 from files import read_json_object
 from fp8 import fp8_device_refusal
 from layers import token_ids_checked_at_load
@@ -491,8 +491,9 @@ def explain_resumed_settings(cfg: TrainConfig, checkpoint: Path | None, step: in
         return
     data_changes = changed_settings(stream_settings(saved or {}), stream_settings(cfg.to_dict()))
     if data_changes:  # the row count held (Checkpointer.resume refuses otherwise), the rows may not
-        run.print(f"WARNING: resumed with data settings changed since {checkpoint}: {', '.join(data_changes)}; "
-                  f"from step {step + 1} the run reads other rows than the checkpoint's run would have")
+        run.print(f"WARNING: resumed with data settings changed since {checkpoint}: "
+                  f"{', '.join(data_changes)}; from step {step + 1} the run reads other rows than "
+                  f"the checkpoint's run would have")
     if not saved or not isinstance(saved.get("optim"), dict):
         return
     was = {f"optim.{key}": value for key, value in saved["optim"].items()}
