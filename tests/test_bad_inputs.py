@@ -491,7 +491,7 @@ def chat_data(path: Path) -> Path:
 
 def test_a_resume_names_every_data_setting_that_changed(tmp_path, capsys):
     """A resume whose rows differ from the checkpoint's is refused naming each data setting that changed
-    (data.overlong and training.seed here; it named data.seq_len alone, unchanged). Its boundary, a resume
+    (data.overlong, data.text_key and training.seed here; it named data.seq_len alone, unchanged). Its boundary, a resume
     whose rows hold (the same data under another spelling of its path), goes on with a warning naming
     the change; and of [logging] profile_steps = "1-2", step 1 trained before the resume is said to be
     lost to the profile while step 2, the first the resume trains, is profiled."""
@@ -500,8 +500,10 @@ def test_a_resume_names_every_data_setting_that_changed(tmp_path, capsys):
     run_debug(tmp_path, *chat, "--training.steps=1")
     resume = [*chat, "--training.steps=2", "--checkpoint.resume=auto"]
     checkpoint = tmp_path / "ckpt" / "run_0001" / "step_00000001"
-    stops_with_one_line(lambda: run_debug(tmp_path, *resume, "--data.overlong=drop", "--training.seed=3"), DataError,
-                        "changed since the checkpoint: data.overlong 'truncate' -> 'drop', training.seed 0 -> 3;",
+    changed = ["--data.overlong=drop", "--data.text_key=body", "--training.seed=3"]
+    stops_with_one_line(lambda: run_debug(tmp_path, *resume, *changed), DataError,
+                        "changed since the checkpoint: data.text_key 'text' -> 'body', data.overlong "
+                        "'truncate' -> 'drop', training.seed 0 -> 3;",
                         r"^the checkpoint's train data position was saved for 25 rows of 64 tokens per epoch, but "
                         r"this run has 15 rows of 64: [^;]*; resume with the checkpoint's data settings")
     capsys.readouterr()
