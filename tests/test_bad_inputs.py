@@ -180,6 +180,7 @@ def index(directory: Path, bounds: list) -> None:
     np.save(directory / "docs_00000.npy", np.array(bounds))
 
 
+
 @pytest.mark.parametrize("damage, named, pattern", PREPARED_CASES.values(), ids=PREPARED_CASES)
 def test_damaged_prepared_directories_stop_with_one_line(tmp_path, prepared, damage, named, pattern):
     directory = shutil.copytree(prepared, tmp_path / "shards")
@@ -197,6 +198,7 @@ def test_a_deeply_nested_jsonl_line_stops_with_one_line(tmp_path):
 def prepare_args(*given: str, inputs=("a.txt",), make=None):
     """data.py prepare's argv in a directory holding a.txt ("some text") and b.txt (empty); `make(dir)`
     adds to it first. --out is out/ unless given."""
+
     def build(directory: Path) -> list[str]:
         (directory / "a.txt").write_text("some text")
         (directory / "b.txt").write_text("")
@@ -204,6 +206,7 @@ def prepare_args(*given: str, inputs=("a.txt",), make=None):
             make(directory)
         out = [] if "--out" in given else ["--out", str(directory / "out")]
         return ["prepare", *(str(directory / name) for name in inputs), *out, *given]
+
     return build
 
 
@@ -212,30 +215,95 @@ def prepared_input(directory: Path) -> None:
 
 
 DATA_CLI_CASES = {
-    "seq-len -5": (prepare_args("--seq-len", "-5"), "--seq-len", r"must be 1 <= N <= 16,777,216 tokens, got -5$"),
-    "seq-len 0": (prepare_args("--seq-len", "0"), "--seq-len", r"must be 1 <= N <= 16,777,216 tokens, got 0$"),
+    "seq-len -5": (
+        prepare_args("--seq-len", "-5"),
+        "--seq-len",
+        r"must be 1 <= N <= 16,777,216 tokens, got -5$",
+    ),
+    "seq-len 0": (
+        prepare_args("--seq-len", "0"),
+        "--seq-len",
+        r"must be 1 <= N <= 16,777,216 tokens, got 0$",
+    ),
     "seq-len huge": (prepare_args("--seq-len", str(2**24 + 1)), "--seq-len", r"got 16777217$"),
-    "seq-len 1.5": (prepare_args("--seq-len", "1.5"), "--seq-len", r"expected a whole number of tokens, got '1.5'"),
-    "seq-len word": (prepare_args("--seq-len", "many"), "--seq-len", r"whole number of tokens, got 'many'"),
-    "overlong without seq-len": (prepare_args("--overlong", "drop"), "--overlong", r"give --seq-len too"),
-    "overlong bogus": (prepare_args("--seq-len", "8", "--overlong", "cut"), "--overlong", r"invalid choice: 'cut'"),
+    "seq-len 1.5": (
+        prepare_args("--seq-len", "1.5"),
+        "--seq-len",
+        r"expected a whole number of tokens, got '1.5'",
+    ),
+    "seq-len word": (
+        prepare_args("--seq-len", "many"),
+        "--seq-len",
+        r"whole number of tokens, got 'many'",
+    ),
+    "overlong without seq-len": (
+        prepare_args("--overlong", "drop"),
+        "--overlong",
+        r"give --seq-len too",
+    ),
+    "overlong bogus": (
+        prepare_args("--seq-len", "8", "--overlong", "cut"),
+        "--overlong",
+        r"invalid choice: 'cut'",
+    ),
     "text-key empty": (prepare_args("--text-key", ""), "--text-key", r"must not be empty"),
     "eos-token empty": (prepare_args("--eos-token", ""), "--eos-token", r"must not be empty"),
     "tokenizer empty": (prepare_args("--tokenizer", ""), "--tokenizer", r"must not be empty"),
-    "extensions empty": (prepare_args("--extensions", ",,"), "--extensions", r"comma-separated file extensions"),
-    "extensions all and more": (prepare_args("--extensions", "txt,all"), "--extensions", r"'all' alone"),
-    "tokenizer bogus": (prepare_args("--tokenizer", "bogus"), "--tokenizer 'bogus'", r"is not \"byte\""),
-    "eos-token bogus": (prepare_args("--eos-token", "<eos>"), "--eos-token '<eos>'", r"not a special token"),
-    "out exists": (prepare_args(make=lambda d: (d / "out").mkdir()), "--out {dir}/out",
-                   r"already exists; name a new directory \(prepare never overwrites\)$"),
-    "out a file": (prepare_args(make=lambda d: (d / "out").write_text("")), "--out {dir}/out", r"is a file; name a new"),
-    "out under a file": (prepare_args("--out", "{dir}/a.txt/out"), "--out {dir}/a.txt/out",
-                         r"lies under {dir}/a.txt, which is a file$"),
-    "input missing": (prepare_args(inputs=("a.txt", "missing.txt")), "input {dir}/missing.txt", r"does not exist"),
-    "input empty": (prepare_args(inputs=("b.txt",)), "input {dir}/b.txt:", r"no documents with text in 1 file"),
-    "input named twice": (prepare_args(inputs=("b.txt", "b.txt")), "input names {dir}/b.txt twice", r"read twice$"),
-    "input prepared": (prepare_args(inputs=("shards",), make=prepared_input), "input {dir}/shards",
-                       r"is a prepared directory already \(it holds meta.json\); train on it with data.path"),
+    "extensions empty": (
+        prepare_args("--extensions", ",,"),
+        "--extensions",
+        r"comma-separated file extensions",
+    ),
+    "extensions all and more": (
+        prepare_args("--extensions", "txt,all"),
+        "--extensions",
+        r"'all' alone",
+    ),
+    "tokenizer bogus": (
+        prepare_args("--tokenizer", "bogus"),
+        "--tokenizer 'bogus'",
+        r"is not \"byte\"",
+    ),
+    "eos-token bogus": (
+        prepare_args("--eos-token", "<eos>"),
+        "--eos-token '<eos>'",
+        r"not a special token",
+    ),
+    "out exists": (
+        prepare_args(make=lambda d: (d / "out").mkdir()),
+        "--out {dir}/out",
+        r"already exists; name a new directory \(prepare never overwrites\)$",
+    ),
+    "out a file": (
+        prepare_args(make=lambda d: (d / "out").write_text("")),
+        "--out {dir}/out",
+        r"is a file; name a new",
+    ),
+    "out under a file": (
+        prepare_args("--out", "{dir}/a.txt/out"),
+        "--out {dir}/a.txt/out",
+        r"lies under {dir}/a.txt, which is a file$",
+    ),
+    "input missing": (
+        prepare_args(inputs=("a.txt", "missing.txt")),
+        "input {dir}/missing.txt",
+        r"does not exist",
+    ),
+    "input empty": (
+        prepare_args(inputs=("b.txt",)),
+        "input {dir}/b.txt:",
+        r"no documents with text in 1 file",
+    ),
+    "input named twice": (
+        prepare_args(inputs=("b.txt", "b.txt")),
+        "input names {dir}/b.txt twice",
+        r"read twice$",
+    ),
+    "input prepared": (
+        prepare_args(inputs=("shards",), make=prepared_input),
+        "input {dir}/shards",
+        r"is a prepared directory already \(it holds meta.json\); train on it with data.path",
+    ),
 }
 
 
@@ -245,8 +313,12 @@ def test_bad_prepare_flags_and_inputs_stop_with_one_line(tmp_path, build, named,
     paths), and nothing written."""
     argv = [arg.format(dir=tmp_path) for arg in build(tmp_path)]
     before = sorted(tmp_path.iterdir())
-    stops_with_one_line(lambda: data.main(argv), SystemExit, named.format(dir=tmp_path),
-                        pattern.format(dir=re.escape(str(tmp_path))))
+    stops_with_one_line(
+        lambda: data.main(argv),
+        SystemExit,
+        named.format(dir=tmp_path),
+        pattern.format(dir=re.escape(str(tmp_path))),
+    )
     assert sorted(tmp_path.iterdir()) == before
 
 
@@ -257,13 +329,27 @@ def test_prepare_accepts_the_boundary_values_of_its_flags(tmp_path, capsys):
     (tmp_path / "b.txt").write_text("")
     (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
     for seq_len in ("1", str(2**24)):
-        data.main(["prepare", str(tmp_path / "chat.jsonl"), "--out", str(tmp_path / f"out{seq_len}"), "--seq-len",
-                   seq_len, "--overlong", "drop"])
+        data.main(
+            [
+                "prepare",
+                str(tmp_path / "chat.jsonl"),
+                "--out",
+                str(tmp_path / f"out{seq_len}"),
+                "--seq-len",
+                seq_len,
+                "--overlong",
+                "drop",
+            ]
+        )
     printed = capsys.readouterr().out
-    assert "with --seq-len 1: no document fits: all 1 are longer than 1 tokens and --overlong drop" in printed
+    assert (
+        "with --seq-len 1: no document fits: all 1 are longer than 1 tokens and --overlong drop"
+        in printed
+    )
     assert f"with --seq-len {2**24}: all 3 tokens (1 rows of {2**24})" in printed
     data.main(["prepare", str(tmp_path), "--out", str(tmp_path / "all"), "--extensions", "TXT"])
     assert "1 documents, 10 tokens from 2 file(s)" in capsys.readouterr().out
+
 
 
 def tokenizer_json(spec):
@@ -284,11 +370,17 @@ def byte_level(merges=None, pre_tokenizer=None, vocab_id=None, eos_id=256):
     """tokenizer.json of a byte-level BPE without merges (and <|endoftext|>), changed as named: the merges,
     the pre_tokenizer, the id of the byte 0's token, the id of <|endoftext|>."""
     table = bytes_to_unicode()
-    vocab = {table[b]: b for b in range(256)} | ({table[0]: vocab_id} if vocab_id is not None else {})
-    spec = {"model": {"type": "BPE", "vocab": vocab, "merges": [] if merges is None else merges},
-            "normalizer": None, "added_tokens": [{"content": "<|endoftext|>", "id": eos_id}],
-            "pre_tokenizer": pre_tokenizer or {"type": "ByteLevel", "add_prefix_space": False}}
+    vocab = {table[b]: b for b in range(256)} | (
+        {table[0]: vocab_id} if vocab_id is not None else {}
+    )
+    spec = {
+        "model": {"type": "BPE", "vocab": vocab, "merges": [] if merges is None else merges},
+        "normalizer": None,
+        "added_tokens": [{"content": "<|endoftext|>", "id": eos_id}],
+        "pre_tokenizer": pre_tokenizer or {"type": "ByteLevel", "add_prefix_space": False},
+    }
     return tokenizer_json(spec)
+
 
 
 BPE = {"type": "BPE", "vocab": {"a": 0}, "merges": []}
@@ -484,7 +576,12 @@ def chat_data(path: Path) -> Path:
     the debug config's 64 tokens, and 10 of 120: 25 rows when the long ones are truncated, 15 when they
     are dropped."""
     short = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}]}
-    long = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "word " * 20}]}
+    long = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "word " * 20},
+        ]
+    }
     path.write_text("".join(json.dumps(short if i % 4 else long) + "\n" for i in range(40)))
     return path
 
@@ -501,17 +598,24 @@ def test_a_resume_names_every_data_setting_that_changed(tmp_path, capsys):
     resume = [*chat, "--training.steps=2", "--checkpoint.resume=auto"]
     checkpoint = tmp_path / "ckpt" / "run_0001" / "step_00000001"
     changed = ["--data.overlong=drop", "--data.text_key=body", "--training.seed=3"]
-    stops_with_one_line(lambda: run_debug(tmp_path, *resume, *changed), DataError,
-                        "changed since the checkpoint: data.text_key 'text' -> 'body', data.overlong "
-                        "'truncate' -> 'drop', training.seed 0 -> 3;",
-                        r"^the checkpoint's train data position was saved for 25 rows of 64 tokens per epoch, but "
-                        r"this run has 15 rows of 64: [^;]*; resume with the checkpoint's data settings")
+    stops_with_one_line(
+        lambda: run_debug(tmp_path, *resume, *changed),
+        DataError,
+        "changed since the checkpoint: data.text_key 'text' -> 'body', data.overlong "
+        "'truncate' -> 'drop', training.seed 0 -> 3;",
+        r"^the checkpoint's train data position was saved for 25 rows of 64 tokens per epoch, but "
+        r"this run has 15 rows of 64: [^;]*; resume with the checkpoint's data settings",
+    )
     capsys.readouterr()
     respelled = str(tmp_path / "ckpt" / ".." / data_file.name)
     run_debug(tmp_path, *resume, f"--data.path={respelled}", "--logging.profile_steps=1-2")
     printed = capsys.readouterr().out
-    assert (f"WARNING: resumed with data settings changed since {checkpoint}: data.path {str(data_file)!r} -> "
-            f"{respelled!r}; from step 2 the run reads other rows") in printed
-    assert ("WARNING: command line --logging.profile_steps: profile_steps = '1-2' names steps 1-2, of which 1-1 "
-            "were trained before this run resumed at step 1: profiling steps 2-2 only") in printed
+    assert (
+        f"WARNING: resumed with data settings changed since {checkpoint}: data.path {str(data_file)!r} -> "
+        f"{respelled!r}; from step 2 the run reads other rows"
+    ) in printed
+    assert (
+        "WARNING: command line --logging.profile_steps: profile_steps = '1-2' names steps 1-2, of which 1-1 "
+        "were trained before this run resumed at step 1: profiling steps 2-2 only"
+    ) in printed
     assert [p.name for p in checkpoint.parent.glob("trace_*")] == ["trace_steps2-2_rank0.json"]
