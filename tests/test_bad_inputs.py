@@ -134,7 +134,8 @@ def test_bad_training_configs_stop_with_one_line(tmp_path, monkeypatch, build, n
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
-    """A prepared data directory of 20 small documents (one shard): 10 of 31 tokens, 10 of 36, 670 in all."""
+    """A prepared data directory of 20 small documents (one shard): 10 of 31 tokens, 10 of 36, 670
+    in all."""
     directory = tmp_path_factory.mktemp("prepared")
     (directory / "docs.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 5}) + "\n" for i in range(20)))
     return prepare(directory / "docs.jsonl", load_tokenizer("byte"), directory / "shards")
@@ -196,8 +197,8 @@ def test_a_deeply_nested_jsonl_line_stops_with_one_line(tmp_path):
 
 
 def prepare_args(*given: str, inputs=("a.txt",), make=None):
-    """data.py prepare's argv in a directory holding a.txt ("some text") and b.txt (empty); `make(dir)`
-    adds to it first. --out is out/ unless given."""
+    """data.py prepare's argv in a directory holding a.txt ("some text") and b.txt (empty);
+    `make(dir)` adds to it first. --out is out/ unless given."""
 
     def build(directory: Path) -> list[str]:
         (directory / "a.txt").write_text("some text")
@@ -309,8 +310,8 @@ DATA_CLI_CASES = {
 
 @pytest.mark.parametrize("build, named, pattern", DATA_CLI_CASES.values(), ids=DATA_CLI_CASES)
 def test_bad_prepare_flags_and_inputs_stop_with_one_line(tmp_path, build, named, pattern):
-    """Every flag of data.py prepare, and its inputs and output: one line naming it (paths written as
-    paths), and nothing written."""
+    """Every flag of data.py prepare, and its inputs and output: one line naming it (paths written
+    as paths), and nothing written."""
     argv = [arg.format(dir=tmp_path) for arg in build(tmp_path)]
     before = sorted(tmp_path.iterdir())
     stops_with_one_line(
@@ -323,8 +324,8 @@ def test_bad_prepare_flags_and_inputs_stop_with_one_line(tmp_path, build, named,
 
 
 def test_prepare_accepts_the_boundary_values_of_its_flags(tmp_path, capsys):
-    """The refusals' boundaries: --seq-len 1 and 16,777,216 report rows; --extensions all; two inputs, one
-    of them empty; an upper-case extension in --extensions."""
+    """The refusals' boundaries: --seq-len 1 and 16,777,216 report rows; --extensions all; two
+    inputs, one of them empty; an upper-case extension in --extensions."""
     (tmp_path / "a.TXT").write_text("some text")
     (tmp_path / "b.txt").write_text("")
     (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
@@ -367,8 +368,8 @@ def tiktoken_bytes(content: bytes):
 
 
 def byte_level(merges=None, pre_tokenizer=None, vocab_id=None, eos_id=256):
-    """tokenizer.json of a byte-level BPE without merges (and <|endoftext|>), changed as named: the merges,
-    the pre_tokenizer, the id of the byte 0's token, the id of <|endoftext|>."""
+    """tokenizer.json of a byte-level BPE without merges (and <|endoftext|>), changed as named: the
+    merges, the pre_tokenizer, the id of the byte 0's token, the id of <|endoftext|>."""
     table = bytes_to_unicode()
     vocab = {table[b]: b for b in range(256)} | (
         {table[0]: vocab_id} if vocab_id is not None else {}
@@ -572,9 +573,9 @@ def test_bad_conversion_inputs_stop_with_one_line(trained, tmp_path, build, name
 # ============================================================================= resuming with other data
 
 def chat_data(path: Path) -> Path:
-    """30 conversations of 22 byte tokens ("User: q\\nAssistant: ab" and the end-of-text), two to a row of
-    the debug config's 64 tokens, and 10 of 120: 25 rows when the long ones are truncated, 15 when they
-    are dropped."""
+    """30 conversations of 22 byte tokens ("User: q\\nAssistant: ab" and the end-of-text), two to a
+    row of the debug config's 64 tokens, and 10 of 120: 25 rows when the long ones are truncated, 15
+    when they are dropped."""
     short = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}]}
     long = {
         "messages": [
@@ -587,11 +588,12 @@ def chat_data(path: Path) -> Path:
 
 
 def test_a_resume_names_every_data_setting_that_changed(tmp_path, capsys):
-    """A resume whose rows differ from the checkpoint's is refused naming each data setting that changed
-    (data.overlong, data.text_key and training.seed here; it named data.seq_len alone, unchanged). Its boundary, a resume
-    whose rows hold (the same data under another spelling of its path), goes on with a warning naming
-    the change; and of [logging] profile_steps = "1-2", step 1 trained before the resume is said to be
-    lost to the profile while step 2, the first the resume trains, is profiled."""
+    """A resume whose rows differ from the checkpoint's is refused naming each data setting that
+    changed (data.overlong, data.text_key and training.seed here; it named data.seq_len alone,
+    unchanged). Its boundary, a resume whose rows hold (the same data under another spelling of its
+    path), goes on with a warning naming the change; and of [logging] profile_steps = "1-2", step 1
+    trained before the resume is said to be lost to the profile while step 2, the first the resume
+    trains, is profiled."""
     data_file = chat_data(tmp_path / "chat.jsonl")
     chat = [f"--data.path={data_file}", "--training.sample_tokens=0", "--data.val_fraction=0"]
     run_debug(tmp_path, *chat, "--training.steps=1")

@@ -262,9 +262,9 @@ TEMPLATE_CASES = {
 
 @pytest.mark.parametrize("source, named, pattern", TEMPLATE_CASES.values(), ids=TEMPLATE_CASES)
 def test_a_broken_template_stops_prepare_with_one_line(tmp_path, source, named, pattern):
-    """Not Jinja (named by the template's file and line, not wrapped as a render failure of the first
-    conversation), generation markers that enclose nothing, a template that renders nothing, an error
-    message of two lines."""
+    """Not Jinja (named by the template's file and line, not wrapped as a render failure of the
+    first conversation), generation markers that enclose nothing, a template that renders nothing,
+    an error message of two lines."""
     directory = template_dir(tmp_path, source.encode())
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
     where = (
@@ -281,9 +281,9 @@ def test_a_broken_template_stops_prepare_with_one_line(tmp_path, source, named, 
 
 
 def test_a_generation_tag_in_a_comment_is_no_generation_block(tmp_path):
-    """The boundary of the case above: a template whose only {% generation %} is inside a comment has no
-    block, so its answers are found by prefix renders (a search of the text took it for a marked template
-    whose blocks enclosed nothing)."""
+    """The boundary of the case above: a template whose only {% generation %} is inside a comment
+    has no block, so its answers are found by prefix renders (a search of the text took it for a
+    marked template whose blocks enclosed nothing)."""
     source = (
         "{# answers could be marked with {% generation %} #}"
         + ROLE_LINES

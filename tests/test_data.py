@@ -266,7 +266,8 @@ def test_loader_position_survives_a_restart(tmp_path):
 
 
 def saved_run(directory: Path, **data_settings) -> Path:
-    """A checkpoint directory whose train_config.json holds these [data] settings (and training.seed 5)."""
+    """A checkpoint directory whose train_config.json holds these [data] settings (and training.seed
+    5)."""
     directory.mkdir()
     (directory / "train_config.json").write_text(
         json.dumps({"data": data_settings, "training": {"seed": 5}})
@@ -275,10 +276,11 @@ def saved_run(directory: Path, **data_settings) -> Path:
 
 
 def test_a_refused_position_names_each_data_setting_that_changed(tmp_path):
-    """The saved position of rows of 8 tokens: data.overlong and data.path changed (the rows differ), each
-    named with both values, the unchanged data.seq_len not; the same settings with other rows: the files
-    changed; a checkpoint without train_config.json: only data.seq_len is known. The boundary: the
-    same rows load whatever the settings say (train.py warns of their change)."""
+    """The saved position of rows of 8 tokens: data.overlong and data.path changed (the rows
+    differ), each named with both values, the unchanged data.seq_len not; the same settings with
+    other rows: the files changed; a checkpoint without train_config.json: only data.seq_len is
+    known. The boundary: the same rows load whatever the settings say (train.py warns of their
+    change)."""
     shards = unique_token_shards(tmp_path, [13, 29, 8, 41, 6])
     settings = {
         "data.path": "new.jsonl",
@@ -394,9 +396,9 @@ PAIR = {"prompt": "p", "completion": "c"}
     ids=lambda value: value if value.startswith("chats") else "",
 )
 def test_chat_data_is_read_as_records_whatever_the_suffix_case(tmp_path, name, content):
-    """A conversation and a pair, under a careless suffix or in a .json list, are trained as chat data:
-    the answer "ab" and its end-of-text, the completion "c" and its end-of-text; not as one text
-    document with every token a target."""
+    """A conversation and a pair, under a careless suffix or in a .json list, are trained as chat
+    data: the answer "ab" and its end-of-text, the completion "c" and its end-of-text; not as one
+    text document with every token a target."""
     (tmp_path / name).write_text(content)
     shards = TokenShards(prepare(tmp_path / name, load_tokenizer("byte"), tmp_path / "out"))
     assert shards.masked and (shards.meta["conversations"], shards.meta["pairs"]) == (1, 1)
@@ -408,8 +410,8 @@ def test_chat_data_is_read_as_records_whatever_the_suffix_case(tmp_path, name, c
 
 
 def test_json_files_that_hold_no_records_stay_text_documents(tmp_path):
-    """A package.json (an object) and a list of numbers are text, as every .json of a code corpus was;
-    a .json list of objects with the text field is one document per object."""
+    """A package.json (an object) and a list of numbers are text, as every .json of a code corpus
+    was; a .json list of objects with the text field is one document per object."""
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.json").write_text('{"name": "pkg", "version": "1.0"}')
     (tmp_path / "corpus" / "b.json").write_text("[1, 2]")

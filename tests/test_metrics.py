@@ -205,8 +205,9 @@ def test_a_step_out_of_gpu_memory_exits_with_one_line_naming_its_snapshot(tmp_pa
     ],
 )
 def test_profile_steps_before_a_resume_are_said_to_be_lost(text, start_step, steps, said):
-    """[logging] profile_steps naming steps a resumed run does not train: the rest are profiled, and a
-    warning says which were lost (they were silently never profiled); none lost at the boundary."""
+    """[logging] profile_steps naming steps a resumed run does not train: the rest are profiled, and
+    a warning says which were lost (they were silently never profiled); none lost at the
+    boundary."""
     got, message = metrics.steps_to_profile(text, start_step)
     assert got == steps
     assert message == (None if said is None else f"profile_steps = {text!r} {said}")
