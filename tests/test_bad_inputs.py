@@ -153,23 +153,27 @@ PREPARED_CASES = {
                               r"lacks key 'dtype', expected a str"),
     "missing shard": (lambda d: (d / "tokens_00000.bin").unlink(), "{dir}/tokens_00000.bin", r"missing; .*prepare"),
     "empty shard": (lambda d: (d / "tokens_00000.bin").write_bytes(b""), "{dir}/tokens_00000.bin", r"empty; .*prepare"),
-    "meta.json of another version": (meta(lambda m: {**m, "format": "flint-token-shards-v9"}), "{dir}/meta.json",
-                                     r"format 'flint-token-shards-v9', .* another version .*prepare the data again$"),
+    "meta.json of another version": (
+        meta(lambda m: {**m, "format": "flint-token-shards-v9"}), "{dir}/meta.json",
+        r"format 'flint-token-shards-v9', .* another version .*prepare the data again$"),
     "meta.json not UTF-8": (lambda d: (d / "meta.json").write_bytes(b"\xff{}"), "{dir}/meta.json",
                             r"cannot read JSON: .*not a prepared data directory"),
     "shard named outside": (meta(lambda m: {**m, "shards": ["../../outside"]}), "{dir}/meta.json",
                             r"list of shard names, got .* shards \['\.\./\.\./outside'\]"),
-    "masked without its template": (meta(lambda m: {**m, "format": "flint-token-shards-v2"}), "{dir}/meta.json",
-                                    r"lacks key 'chat_template', expected a str: the file is damaged"),
+    "masked without its template": (
+        meta(lambda m: {**m, "format": "flint-token-shards-v2"}), "{dir}/meta.json",
+        r"lacks key 'chat_template', expected a str: the file is damaged"),
     "shard cut by a byte": (lambda d: cut(d / "tokens_00000.bin", 1), "{dir}/tokens_00000.bin",
-                            r"not a shard of uint16 tokens \(Size of available data is not a multiple"),
+                            r"not a shard of uint16 tokens \(Size of available data is not a "),
     "shard cut by a token": (lambda d: cut(d / "tokens_00000.bin", 2), "{dir}/tokens_00000.bin",
                              r"holds 669 tokens but docs_00000.npy ends at 670"),
     "document index out of order": (lambda d: index(d, [0, 50, 10, 670]), "{dir}/docs_00000.npy",
                                     r"document starts must rise from 0, got \[0, 50, 10, 670\]"),
-    "document index not from 0": (lambda d: index(d, [5, 670]), "{dir}/docs_00000.npy", r"rise from 0, got \[5, 670\]"),
+    "document index not from 0": (lambda d: index(d, [5, 670]), "{dir}/docs_00000.npy",
+                                  r"rise from 0, got \[5, 670\]"),
     "document index of floats": (lambda d: index(d, [0.0, 670.0]), "{dir}/docs_00000.npy",
-                                 r"expected the integer start of each document then the end, got an array of float64"),
+                                 r"expected the integer start of each document then the end, got "
+                                 r"an array of float64"),
 }
 
 
@@ -394,25 +398,34 @@ TOKENIZER_CASES = {
                      r"tokenizer.json: model.vocab must be an object of token -> id"),
     "added token without content": (tokenizer_json({"model": BPE, "normalizer": None, "added_tokens": [{"id": 3}]}),
                                     "added_tokens", r"tokenizer.json: added_tokens must be .* string 'content'"),
-    "merges a number": (byte_level(merges=5), "{dir}/tokenizer.json", r"model.merges must be a list .* got 5$"),
-    "merge a number": (byte_level(merges=[7]), "{dir}/tokenizer.json", r"merge 0 7 must be 'left right'"),
+    "merges a number": (byte_level(merges=5), "{dir}/tokenizer.json",
+                        r"model.merges must be a list .* got 5$"),
+    "merge a number": (byte_level(merges=[7]), "{dir}/tokenizer.json",
+                       r"merge 0 7 must be 'left right'"),
     "pre_tokenizer a string": (byte_level(pre_tokenizer="ByteLevel"), "{dir}/tokenizer.json",
                                r"pre_tokenizer step 'ByteLevel' is not supported"),
     "pretokenizers a number": (byte_level(pre_tokenizer={"type": "Sequence", "pretokenizers": 3}),
-                               "{dir}/tokenizer.json", r"pre_tokenizer.pretokenizers must be a list, got 3$"),
-    "Split pattern a string": (byte_level(pre_tokenizer={"type": "Split", "pattern": "x", "behavior": "Isolated"}),
-                               "{dir}/tokenizer.json", r"pre_tokenizer step .* is not supported"),
-    "Split regex broken": (byte_level(pre_tokenizer={"type": "Split", "pattern": {"Regex": "(("},
-                                                     "behavior": "Isolated"}), "{dir}/tokenizer.json",
-                           r"the pre_tokenizer's regex '\(\(' is not valid: Parsing error"),
-    "two tokens share an id": (byte_level(vocab_id=1), "{dir}/tokenizer.json", r"tokens b'\\x00' and b'\\x01' share the id 1"),
-    "negative id": (byte_level(vocab_id=-1), "{dir}/tokenizer.json", r"token b'\\x00' has id -1; expected 0 <= id"),
-    "id past 2**32": (byte_level(vocab_id=2**40), "{dir}/tokenizer.json", r"has id 1099511627776; expected 0 <= id < "
-                                                                          r"16,777,216$"),
+                               "{dir}/tokenizer.json",
+                               r"pre_tokenizer.pretokenizers must be a list, got 3$"),
+    "Split pattern a string": (
+        byte_level(pre_tokenizer={"type": "Split", "pattern": "x", "behavior": "Isolated"}),
+        "{dir}/tokenizer.json", r"pre_tokenizer step .* is not supported"),
+    "Split regex broken": (
+        byte_level(pre_tokenizer={"type": "Split", "pattern": {"Regex": "(("},
+                                  "behavior": "Isolated"}),
+        "{dir}/tokenizer.json", r"the pre_tokenizer's regex '\(\(' is not valid: Parsing error"),
+    "two tokens share an id": (byte_level(vocab_id=1), "{dir}/tokenizer.json",
+                               r"tokens b'\\x00' and b'\\x01' share the id 1"),
+    "negative id": (byte_level(vocab_id=-1), "{dir}/tokenizer.json",
+                    r"token b'\\x00' has id -1; expected 0 <= id"),
+    "id past 2**32": (byte_level(vocab_id=2**40), "{dir}/tokenizer.json",
+                      r"has id 1099511627776; expected 0 <= id < 16,777,216$"),
     "special token on a byte's id": (byte_level(eos_id=5), "{dir}/tokenizer.json",
                                      r"tokens b'\\x05' and '<\|endoftext\|>' share the id 5"),
-    ".tiktoken rank shared": (tiktoken_bytes(b"YQ== 0\nYg== 0\n"), "{dir}/ranks.tiktoken", r"b'a' and b'b' share the id 0"),
-    ".tiktoken token twice": (tiktoken_bytes(b"YQ== 0\nYQ== 1\n"), "{dir}/ranks.tiktoken:2", r"b'a' is ranked twice"),
+    ".tiktoken rank shared": (tiktoken_bytes(b"YQ== 0\nYg== 0\n"), "{dir}/ranks.tiktoken",
+                              r"b'a' and b'b' share the id 0"),
+    ".tiktoken token twice": (tiktoken_bytes(b"YQ== 0\nYQ== 1\n"), "{dir}/ranks.tiktoken:2",
+                              r"b'a' is ranked twice"),
     ".tiktoken rank negative": (tiktoken_bytes(b"YQ== -1\n"), "{dir}/ranks.tiktoken", r"has id -1"),
 }
 
@@ -570,7 +583,7 @@ def test_bad_conversion_inputs_stop_with_one_line(trained, tmp_path, build, name
     assert not (tmp_path / "out").exists()
 
 
-# ============================================================================= resuming with other data
+# ============================================================================= resuming, other data
 
 def chat_data(path: Path) -> Path:
     """30 conversations of 22 byte tokens ("User: q\\nAssistant: ab" and the end-of-text), two to a
@@ -613,11 +626,11 @@ def test_a_resume_names_every_data_setting_that_changed(tmp_path, capsys):
     run_debug(tmp_path, *resume, f"--data.path={respelled}", "--logging.profile_steps=1-2")
     printed = capsys.readouterr().out
     assert (
-        f"WARNING: resumed with data settings changed since {checkpoint}: data.path {str(data_file)!r} -> "
-        f"{respelled!r}; from step 2 the run reads other rows"
+        f"WARNING: resumed with data settings changed since {checkpoint}: data.path "
+        f"{str(data_file)!r} -> {respelled!r}; from step 2 the run reads other rows"
     ) in printed
     assert (
-        "WARNING: command line --logging.profile_steps: profile_steps = '1-2' names steps 1-2, of which 1-1 "
-        "were trained before this run resumed at step 1: profiling steps 2-2 only"
+        "WARNING: command line --logging.profile_steps: profile_steps = '1-2' names steps 1-2, of "
+        "which 1-1 were trained before this run resumed at step 1: profiling steps 2-2 only"
     ) in printed
     assert [p.name for p in checkpoint.parent.glob("trace_*")] == ["trace_steps2-2_rank0.json"]

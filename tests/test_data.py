@@ -261,7 +261,7 @@ def test_loader_position_survives_a_restart(tmp_path):
         got = restarted.next_batch()
         assert all(torch.equal(got[k], want[k]) for k in want)
     other = PackedLoader(shards, np.arange(5), seq_len=4, batch_size=2, seed=5)
-    with pytest.raises(DataError, match=r"changed since the checkpoint: data.seq_len 8 -> 4; resume with"):
+    with pytest.raises(DataError, match=r"since the checkpoint: data.seq_len 8 -> 4; resume"):
         other.load_state_dict(state)
 
 
@@ -431,8 +431,8 @@ def test_json_files_that_hold_no_records_stay_text_documents(tmp_path):
             "chats.txt",
             json.dumps({"messages": CHAT}) + "\n",
             "chats.txt",
-            r"first line is a conversation \('messages'\) in JSON, but a \.txt file is read as one text document; "
-            r"name it \.jsonl",
+            r"first line is a conversation \('messages'\) in JSON, but a \.txt file is read as one "
+            r"text document; name it \.jsonl",
         ),
         (
             "pairs",

@@ -192,15 +192,15 @@ def test_a_step_out_of_gpu_memory_exits_with_one_line_naming_its_snapshot(tmp_pa
             "2-4",
             4,
             None,
-            "names steps 2-4, all trained before this run resumed at step 4: none is profiled; name "
-            "steps after 4",
+            "names steps 2-4, all trained before this run resumed at step 4: none is profiled; "
+            "name steps after 4",
         ),
         (
             "3",
             7,
             None,
-            "names steps 3-3, all trained before this run resumed at step 7: none is profiled; name steps "
-            "after 7",
+            "names steps 3-3, all trained before this run resumed at step 7: none is profiled; "
+            "name steps after 7",
         ),
     ],
 )
