@@ -304,6 +304,15 @@ DATA_CLI_CASES = {
         "input names {dir}/b.txt twice",
         r"read twice$",
     ),
+    "tokenizer lacking bytes": (
+        prepare_args(
+            "--tokenizer",
+            "{dir}/ascii.tiktoken",
+            make=lambda d: ranks_file(d / "ascii.tiktoken", [bytes([b]) for b in range(128)]),
+        ),
+        "input {dir}/a.txt",
+        r"the tokenizer has no token for byte 0x80 \(128 bytes lack one\)",
+    ),
     "input prepared": (
         prepare_args(inputs=("shards",), make=prepared_input),
         "input {dir}/shards",
