@@ -59,13 +59,17 @@ PLAIN_TEMPLATE = ("{% for message in messages %}{{ message.role | capitalize }}:
                   "{{ eos_token if message.role == 'assistant' else '\\n' }}{% endfor %}"
                   "{% if add_generation_prompt %}Assistant: {% endif %}")
 PLAIN_ORIGIN = "the plain template (chat.py PLAIN_TEMPLATE)"
-GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # While rendering, the text of a generation block is wrapped in these two private-use characters.
 OPEN_MARK, CLOSE_MARK = "\ue000", "\ue001"
 
 
 class ChatError(ValueError):
     """A conversation, pair or template that cannot be trained on; the message names the file and line."""
+
+
+def one_line(text: str) -> str:
+    """A message from Jinja or a template (raise_exception) on one line, as every error here is."""
+    return " ".join(str(text).split())
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,6 @@ class ChatEncoder:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer, self.template = tokenizer, template_of(tokenizer)
-        self.marked = GENERATION_TAG.search(self.template.source) is not None
         self.counts = {"conversations": 0, "pairs": 0, "target_tokens": 0, "tokens_across_answer_edges": 0,
                        "longest": 0}
         self._compiled: jinja2.Template | None = None
@@ -203,11 +206,23 @@ class ChatEncoder:
             ids, mask = self.conversation_tokens(example.messages, example.where)
             self.counts["conversations"] += 1
         if not mask[1:].any():  # the first token is never predicted
-            raise ChatError(f"{example.where}: no token of the assistant's is left to train on (the chat template "
-                            f"{self.template.origin} renders its turns empty)")
+            raise ChatError(f"{example.where}: no token of the assistant's is left to train on: "
+                            f"{self.why_no_target(example)}")
         self.counts["target_tokens"] += int(mask[1:].sum())
         self.counts["longest"] = max(self.counts["longest"], len(ids))
         return ids, mask
+
+    def why_no_target(self, example: Conversation | Pair) -> str:
+        if isinstance(example, Pair):
+            return "the completion is empty"
+        origin = self.template.origin
+        if not self.render(example.messages, False, example.where)[0].strip():
+            return f"the chat template {origin} renders this conversation as empty text"
+        if self.marked:
+            return (f"the {{% generation %}} blocks of the chat template {origin} enclose none of "
+                    f"the text it renders for this conversation; put each assistant message's "
+                    f"content inside one")
+        return f"the chat template {origin} renders the assistant's turns empty"
 
     def pair_tokens(self, pair: Pair) -> tuple[list[int], np.ndarray]:
         prompt = self.tokenizer.encoding.encode_ordinary(pair.prompt)
@@ -252,23 +267,36 @@ class ChatEncoder:
 
     def render(self, messages: list[dict], add_generation_prompt: bool, where: str) -> tuple[str, list]:
         """-> (text, generation spans) of the template on `messages`."""
+        compiled = self.compiled
         try:
-            marked = self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            marked = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                           tools=None, documents=None, **dict(self.template.variables))
         except Exception as error:  # a template is a program: whatever it raises, it failed on this input
             raise ChatError(f"{where}: the chat template ({self.template.origin}) failed to render this "
-                            f"conversation: {type(error).__name__}: {error}") from error
+                            f"conversation: {type(error).__name__}: {one_line(error)}") from error
         return split_marks(marked, where) if self.marked else (marked, [])
 
     @property
     def compiled(self) -> jinja2.Template:
+        """The template compiled once, in the sandbox; a syntax error names its file and line."""
         if self._compiled is None:
+            environment = sandbox()
             try:
-                self._compiled = sandbox().from_string(self.template.source)
+                syntax = environment.parse(self.template.source)
+                self._compiled = environment.from_string(syntax)
             except jinja2.TemplateSyntaxError as error:
-                raise ChatError(f"{self.template.origin}: line {error.lineno} of the chat template: {error.message}; "
-                                f"it is not a Jinja template") from error
+                origin = self.template.origin
+                raise ChatError(f"{origin}: line {error.lineno} of the chat template: "
+                                f"{one_line(error.message)}; it is not a Jinja template") from None
+            calls = syntax.find_all(jinja2.nodes.ExtensionAttribute)
+            self._marked = any(node.name == "_mark" for node in calls)
         return self._compiled
+
+    @property
+    def marked(self) -> bool:
+        """Whether the template has {% generation %} blocks (parsed, so not in a comment)."""
+        self.compiled  # parses the template, finding its blocks
+        return self._marked
 
     @property
     def byte_lengths(self) -> np.ndarray:

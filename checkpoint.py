@@ -375,7 +375,7 @@ class Checkpointer:
         set_optimizer_state_dict(model.module, optimizer, state["optimizer"])
         for group, settings in zip(optimizer.param_groups, configured):
             group.update(settings)
-        data.load_state_dict({k: int(v) for k, v in state["train"]["data"].items()})
+        data.load_state_dict({k: int(v) for k, v in state["train"]["data"].items()}, path)
         torch.set_rng_state(state["train"]["cpu_rng"])
         if "cuda_rng" in state["train"]:
             torch.cuda.set_rng_state(state["train"]["cuda_rng"], self.run.device)

@@ -16,7 +16,8 @@ each row holds whole documents (best-fit, chat.pack_rows, fixed for the data), a
 seq_len is truncated or dropped (data.overlong), and each epoch shuffles the rows.
 
 Command line: `python data.py prepare INPUT... --out DIR [--tokenizer byte] [--extensions txt,md,jsonl]
-[--seq-len N --overlong truncate|drop]` (the last two only report what a run would fit).
+[--seq-len N --overlong truncate|drop]` (the last two only report what a run would fit); a bad
+flag or input stops with one line naming it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from chat import ChatEncoder, ChatError, Conversation, Pair, WholeRows, chat_summary, read_example, template_of
+from chat import (ChatEncoder, ChatError, Conversation, Pair, WholeRows, chat_summary, one_line,
+                  read_example, template_of)
 from files import read_json_object, remove_stale_temporaries, sync_rename
 from tokenizer import END_OF_TEXT, Tokenizer, TokenizerError, load_tokenizer
 
@@ -43,6 +45,10 @@ SHARDS_FORMAT = "flint-token-shards-v1"
 MASKED_FORMAT = "flint-token-shards-v2"  # v1 plus a loss mask per shard (mask_NNNNN.bin, uint8 per token)
 OVERLONG = ("truncate", "drop")  # data.overlong: what a conversation longer than seq_len becomes
 SPLIT_SEED = 1234  # fixed, so the validation documents do not change with the training seed
+# The settings that decide which rows a run reads (with the data's files): a resume continues the
+# checkpoint's row position, which means the same rows only while none of them changed.
+STREAM_KEYS = ("data.path", "data.tokenizer", "data.eos_token", "data.text_key", "data.seq_len",
+               "data.val_fraction", "data.overlong", "training.seed")
 
 
 class DataError(ValueError):
@@ -52,84 +58,178 @@ class DataError(ValueError):
 # ============================================================================= reading text
 
 # Files read from a directory: text-like suffixes (any file named explicitly is read whatever its suffix).
-TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".html", ".htm", ".xml", ".csv", ".tsv",
-                 ".json", ".jsonl", ".py", ".c", ".h", ".cc", ".cpp", ".hpp", ".java", ".js", ".ts", ".go", ".rs",
-                 ".rb", ".sh", ".toml", ".yaml", ".yml", ".ini", ".cfg", ".sql", ".css")
+# Suffixes are compared in lower case: chats.JSONL is a JSONL file.
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".html", ".htm", ".xml",
+                 ".csv", ".tsv", ".json", ".jsonl", ".ndjson", ".jsonlines", ".py", ".c", ".h",
+                 ".cc", ".cpp", ".hpp", ".java", ".js", ".ts", ".go", ".rs", ".rb", ".sh", ".toml",
+                 ".yaml", ".yml", ".ini", ".cfg", ".sql", ".css")
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")  # one record per line
+# How files become documents; in the cache key, so data cached under other rules is prepared again.
+READING_RULES = "records-v2: JSONL suffixes in any case, .json lists of records"
 
 
-def source_files(paths: Path | list[Path], suffixes: tuple[str, ...] | None = TEXT_SUFFIXES) -> tuple[list[Path], int]:
+def source_files(paths: Path | list[Path], suffixes: tuple[str, ...] | None = TEXT_SUFFIXES,
+                 setting: str = "data.path") -> tuple[list[Path], int]:
     """Named files, and every non-hidden file with one of `suffixes` (None: any) under named
-    directories, in sorted order -> (files, how many other files the directories held)."""
+    directories, in sorted order -> (files, how many other files the directories held). `setting`
+    names where the paths were given (data.path, or data.py's INPUT) in errors."""
     files, ignored = [], 0
     for path in [paths] if isinstance(paths, Path) else paths:
         if path.is_symlink() and not path.exists():
-            raise DataError(f"data.path {path} is a symbolic link that leads nowhere (a loop, or its target "
-                            f"{os.readlink(path)} is missing)")
+            raise DataError(f"{setting} {path} is a symbolic link that leads nowhere (a loop, or "
+                            f"its target {os.readlink(path)} is missing)")
         if not path.exists():
-            raise DataError(f"data.path {path} does not exist (relative paths start at {Path.cwd()})")
+            raise DataError(f"{setting} {path} does not exist (relative paths start at "
+                            f"{Path.cwd()})")
         if path.is_file():
             files.append(path)
             continue
         if not path.is_dir():
-            raise DataError(f"data.path {path} is neither a file nor a directory (a device such as /dev/null, a "
-                            f"pipe or a socket); name text or JSONL files, a directory of them, or prepared shards")
+            raise DataError(f"{setting} {path} is neither a file nor a directory (a device such as "
+                            f"/dev/null, a pipe or a socket); name text or JSONL files, a "
+                            f"directory of them, or prepared shards")
         found = sorted(p for p in path.rglob("*") if p.is_file() and not any(
             part.startswith(".") for part in p.relative_to(path).parts))
         chosen = [p for p in found if suffixes is None or p.suffix.lower() in suffixes]
         if not chosen:
-            raise DataError(f"data.path {path} holds no text or JSONL files" + (
+            raise DataError(f"{setting} {path} holds no text or JSONL files" + (
                 f" ({len(found)} file(s) with other extensions; read them with --extensions all)" if found else
                 " (an empty directory)"))
         files += chosen
         ignored += len(found) - len(chosen)
+    named: dict[Path, Path] = {}
+    for file in files:
+        first = named.setdefault(file.resolve(), file)
+        if first is not file:
+            raise DataError(f"{setting} names {file} twice (also as {first}): its documents would "
+                            f"be read twice")
     return files, ignored
 
 
+def path_names(paths: Path | list[Path]) -> str:
+    """Paths as a user wrote them, for messages: "a.txt, corpus/" rather than a list's repr."""
+    return ", ".join(map(str, [paths] if isinstance(paths, Path) else paths))
+
+
 def iter_documents(files: list[Path], text_key: str, binary: list[Path]) -> Iterator[str | Conversation | Pair]:
-    """A .jsonl file holds one document per line: a conversation ("messages"), a prompt/completion pair
-    (chat.read_example), or text in field `text_key`; any other file is one document. Binary files (a
+    """A JSONL file (JSONL_SUFFIXES, any case) holds one record per line; a .json file holding a
+    list of records (or one record) is read the same way when they are conversations, pairs or
+    objects with field `text_key`. A record is a conversation ("messages"), a prompt/completion pair
+    (chat.read_example), or text in field `text_key`; any other file is one document, and one that
+    holds JSON lines of conversations is refused rather than trained on as text. Binary files (a
     NUL byte, or not UTF-8) are appended to `binary` and skipped."""
     for path in files:
-        if path.suffix != ".jsonl":
-            text = _read_text(path)
-            if text is None:
-                binary.append(path)
-            else:
-                yield text
+        if path.suffix.lower() in JSONL_SUFFIXES:
+            yield from _jsonl_records(path, text_key)
             continue
+        text = _read_text(path)
+        if text is None:
+            binary.append(path)
+            continue
+        records = _json_records(text, path, text_key) if path.suffix.lower() == ".json" else None
+        if records is not None:
+            yield from (_record(value, where, text_key) for value, where in records)
+            continue
+        _refuse_hidden_conversations(text, path)
+        yield text
+
+
+def _jsonl_records(path: Path, text_key: str) -> Iterator[str | Conversation | Pair]:
+    try:
         with open(path, "rb") as lines:
             for number, line in enumerate(lines, 1):
-                yield from _jsonl_record(line, path, number, text_key)
+                if line.strip():
+                    record = _json_line(line, path, number, text_key)
+                    yield _record(record, f"{path}:{number}", text_key)
+    except OSError as error:
+        raise DataError(f"{path}: cannot read ({error.strerror or error})") from None
 
 
-def _jsonl_record(line: bytes, path: Path, number: int, text_key: str) -> Iterator[str | Conversation | Pair]:
-    if not line.strip():
-        return
+def _json_line(line: bytes, path: Path, number: int, text_key: str) -> object:
     try:
-        record = json.loads(line.decode("utf-8"))
-        example = read_example(record, f"{path}:{number}") if isinstance(record, dict) else None
-        if example is not None:
-            yield example
-            return
-        text = record[text_key]
-    except ChatError as error:
-        raise DataError(str(error)) from None
+        return json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as error:
-        raise DataError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start} of the line)") from error
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise DataError(f"{path}:{number}: expected a JSON object with a string field {text_key!r} (data.text_key), "
-                        f"'messages' (a conversation), or 'prompt' and 'completion': {error!r}") from error
+        raise DataError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start} of "
+                        f"the line)") from None
+    except json.JSONDecodeError as error:
+        raise DataError(f"{path}:{number}: {expected_record(text_key)}: {error!r}") from None
     except RecursionError:  # json's decoder recurses once per level of nesting
         raise DataError(f"{path}:{number}: expected a JSON object with a string field {text_key!r} "
                         f"(data.text_key): the line nests arrays or objects too deeply to read") from None
-    if not isinstance(text, str):
-        raise DataError(f"{path}:{number}: field {text_key!r} must be a string, got {type(text).__name__}")
-    yield text
+
+
+def expected_record(text_key: str) -> str:
+    return (f"expected a JSON object with a string field {text_key!r} (data.text_key), 'messages' "
+            f"(a conversation), or 'prompt' and 'completion'")
+
+
+def _record(record: object, where: str, text_key: str) -> str | Conversation | Pair:
+    """A JSON record (a JSONL line, an element of a .json list) as a conversation, pair or text."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: {expected_record(text_key)}, got a {type(record).__name__}")
+    try:
+        example = read_example(record, where)
+    except ChatError as error:
+        raise DataError(str(error)) from None
+    if example is not None:
+        return example
+    if text_key not in record:
+        fields = ", ".join(map(repr, list(record)[:6])) or "no fields"
+        raise DataError(f"{where}: {expected_record(text_key)}; it has {fields}")
+    if not isinstance(record[text_key], str):
+        raise DataError(f"{where}: field {text_key!r} must be a string, got "
+                        f"{type(record[text_key]).__name__}")
+    return record[text_key]
+
+
+def _is_example(value: object) -> bool:
+    """Whether a JSON value is written as a conversation or a prompt/completion pair."""
+    pair = isinstance(value, dict) and "prompt" in value and "completion" in value
+    return isinstance(value, dict) and ("messages" in value or pair)
+
+
+def _json_records(text: str, path: Path, text_key: str) -> list[tuple[object, str]] | None:
+    """A .json file's records with where each is, when the file holds a list of conversations, pairs
+    or text records (or one conversation or pair); None for a text document (package.json)."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if _is_example(value):
+        return [(value, str(path))]
+    if not isinstance(value, list) or not value:
+        return None
+    texts = all(isinstance(v, dict) and isinstance(v.get(text_key), str) for v in value)
+    if not texts and not any(_is_example(v) for v in value):
+        return None
+    return [(record, f"{path}: record {n + 1} of the list") for n, record in enumerate(value)]
+
+
+def _refuse_hidden_conversations(text: str, path: Path) -> None:
+    """A file read as one text document whose first line is a conversation or a pair in JSON: JSON
+    lines under another suffix, which would train as text with every token a target."""
+    start = len(text) - len(text.lstrip())
+    end = text.find("\n", start)
+    first = text[start:end if end >= 0 else len(text)]
+    try:
+        record = json.loads(first) if first.startswith("{") else None
+    except (json.JSONDecodeError, RecursionError):
+        return
+    if _is_example(record):
+        kind = "a conversation ('messages')" if "messages" in record else "a prompt/completion pair"
+        read_as = ("must hold one JSON value (a list of records)" if path.suffix.lower() == ".json"
+                   else "is read as one text document")
+        raise DataError(f"{path}: its first line is {kind} in JSON, but a "
+                        f"{path.suffix or 'suffix-less'} file {read_as}; name it .jsonl to train "
+                        f"on its lines as records")
 
 
 def _read_text(path: Path) -> str | None:
     """The file's text, or None for a binary file."""
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise DataError(f"{path}: cannot read ({error.strerror or error})") from None
     if b"\0" in data:
         return None
     try:
@@ -141,7 +241,8 @@ def _read_text(path: Path) -> str | None:
 # ============================================================================= prepare: text -> shards
 
 def prepare(source: Path | list[Path], tokenizer: Tokenizer, out_dir: Path, text_key: str = "text",
-            shard_tokens: int = 1 << 28, suffixes: tuple[str, ...] | None = TEXT_SUFFIXES) -> Path:
+            shard_tokens: int = 1 << 28, suffixes: tuple[str, ...] | None = TEXT_SUFFIXES,
+            setting: str = "data.path") -> Path:
     """Tokenize every document of `source` (paths: see `source_files`) into `out_dir`, atomically
     (temp dir, then rename). Binary files are skipped; meta.json lists them.
 
@@ -151,7 +252,12 @@ def prepare(source: Path | list[Path], tokenizer: Tokenizer, out_dir: Path, text
     out_dir/mask_00000.bin     with conversations or pairs only: uint8 per token, 1 where it is a target
     out_dir/meta.json          written last: format, tokenizer fingerprint, counts, shard names
     """
-    files, ignored = source_files(source, suffixes)
+    files, ignored = source_files(source, suffixes, setting)
+    missing = tokenizer.missing_bytes()
+    if missing:  # tiktoken panics on text with a byte that has no token
+        raise DataError(f"{setting} {path_names(source)}: the tokenizer has no token for byte "
+                        f"0x{missing[0]:02x} ({len(missing)} bytes lack one); preparing data "
+                        f"needs a tokenizer that writes every byte")
     binary: list[Path] = []
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +282,8 @@ def prepare(source: Path | list[Path], tokenizer: Tokenizer, out_dir: Path, text
                 batch = []
         writer.add(tokenizer.encode_documents(batch))
         if writer.num_docs == 0:
-            raise DataError(f"data.path {source}: no documents with text in {len(files)} file(s)"
+            raise DataError(f"{setting} {path_names(source)}: no documents with text in "
+                            f"{len(files)} file(s)"
                             + (f"; {len(binary)} binary file(s) skipped: {', '.join(map(str, binary[:3]))}"
                                if binary else ""))
         chat_meta = {"chat_template": chat.template.origin, "chat_template_digest": chat.template.digest,
@@ -313,8 +420,11 @@ def prepared_dir(source: Path, tokenizer: Tokenizer, cache_dir: Path, text_key: 
     directory, else a cache entry keyed by the files (path, size, mtime) and the tokenizer."""
     if (source / "meta.json").is_file():
         return source
-    key = hashlib.sha256(json.dumps([SHARDS_FORMAT, tokenizer.fingerprint, text_key, template_of(tokenizer).digest] + [
-        (str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in source_files(source)[0]]).encode())
+    files = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns)
+             for f in source_files(source)[0]]
+    rules = [SHARDS_FORMAT, READING_RULES, tokenizer.fingerprint, text_key,
+             template_of(tokenizer).digest]
+    key = hashlib.sha256(json.dumps(rules + files).encode())
     return cache_dir / f"{source.stem}-{key.hexdigest()[:16]}"
 
 
@@ -365,6 +475,7 @@ class TokenShards:
 
 # meta.json's keys that reading shards needs, with the type each must have.
 META_KEYS = {"tokenizer": str, "dtype": str, "vocab_size": int, "shards": list}
+MASKED_META_KEYS = {"chat_template": str, "chat_template_digest": str}  # the template used
 
 
 def read_meta(path: Path) -> dict:
@@ -374,13 +485,16 @@ def read_meta(path: Path) -> dict:
     except ValueError as error:
         raise DataError(f"{error}: not a prepared data directory; prepare the data again") from None
     if meta.get("format") not in (SHARDS_FORMAT, MASKED_FORMAT):
-        raise DataError(f"{path}: format {meta.get('format')!r}, expected {SHARDS_FORMAT!r} or {MASKED_FORMAT!r}")
-    for key, kind in META_KEYS.items():
+        raise DataError(f"{path}: format {meta.get('format')!r}, expected {SHARDS_FORMAT!r} or "
+                        f"{MASKED_FORMAT!r}: prepared by another version of this code, or damaged; "
+                        f"prepare the data again")
+    kinds = {**META_KEYS, **(MASKED_META_KEYS if meta["format"] == MASKED_FORMAT else {})}
+    for key, kind in kinds.items():
         if not isinstance(meta.get(key), kind):
             found = f"has {key!r} = {meta[key]!r:.40}" if key in meta else f"lacks key {key!r}"
             raise DataError(f"{path} {found}, expected a {kind.__name__}: the file is damaged, prepare the data again")
     if meta["dtype"] not in ("uint16", "uint32") or not meta["shards"] or not all(
-            isinstance(name, str) for name in meta["shards"]):
+            isinstance(name, str) and name.isdigit() and name.isascii() for name in meta["shards"]):
         raise DataError(f"{path}: expected dtype uint16 or uint32 and a non-empty list of shard names, got "
                         f"dtype {meta['dtype']!r}, shards {meta['shards']!r:.60}; prepare the data again")
     return meta
@@ -396,14 +510,23 @@ def read_shard(directory: Path, name: str, dtype: str) -> tuple[np.ndarray, np.n
     try:
         tokens = np.memmap(tokens_file, dtype=dtype, mode="r")
     except (OSError, ValueError) as error:
-        raise DataError(f"{tokens_file}: not a shard of {dtype} tokens ({error}); prepare the data again") from error
+        raise DataError(f"{tokens_file}: not a shard of {dtype} tokens ({one_line(error)}); "
+                        f"prepare the data again") from error
     try:
         bounds = np.load(docs_file)
     except (OSError, ValueError, EOFError) as error:
-        raise DataError(f"{docs_file}: not a document index ({error}); prepare the data again") from error
-    if bounds.ndim != 1 or len(bounds) < 2 or bounds[-1] != len(tokens):
+        raise DataError(f"{docs_file}: not a document index ({one_line(error)}); prepare the data "
+                        f"again") from error
+    if bounds.ndim != 1 or len(bounds) < 2 or bounds.dtype.kind not in "iu":
+        raise DataError(f"{docs_file}: expected the integer start of each document then the end, "
+                        f"got an array of {bounds.dtype} {list(bounds.shape)}: the shard is "
+                        f"damaged, prepare again")
+    if bounds[0] != 0 or not (np.diff(bounds) > 0).all():  # a document holds its end-of-text
+        raise DataError(f"{docs_file}: document starts must rise from 0, got "
+                        f"{bounds[:4].tolist()}...: the shard is damaged, prepare again")
+    if bounds[-1] != len(tokens):
         raise DataError(f"{tokens_file} holds {len(tokens)} tokens but {docs_file.name} ends at "
-                        f"{bounds[-1] if bounds.size else 'nothing'}: the shard is damaged, prepare again")
+                        f"{bounds[-1]}: the shard is damaged, prepare again")
     return tokens, bounds
 
 
@@ -456,12 +579,16 @@ class PackedLoader:
 
     def __init__(self, shards: TokenShards, doc_indices: np.ndarray, seq_len: int, batch_size: int,
                  seed: int, shuffle: bool = True, epochs: int | None = None, rank: int = 0,
-                 world_size: int = 1, name: str = "train", overlong: str = "truncate"):
+                 world_size: int = 1, name: str = "train", overlong: str = "truncate",
+                 settings: dict[str, object] | None = None):
         if len(doc_indices) == 0:
             raise DataError(f"the {name} split has no documents")
         self.shards, self.docs, self.seq_len, self.batch_size = shards, doc_indices, seq_len, batch_size
         self.seed, self.shuffle, self.epochs, self.name = seed, shuffle, epochs, name
         self.rank, self.world_size = rank, world_size
+        # The run's STREAM_KEYS (train.py passes them all): a refused resume names the changed.
+        self.settings = settings or {"data.seq_len": seq_len, "data.overlong": overlong,
+                                     "training.seed": seed}
         self.num_tokens = int(shards.doc_len[doc_indices].sum())
         self.rows_per_epoch = math.ceil(self.num_tokens / seq_len)
         self.whole = None
@@ -539,13 +666,54 @@ class PackedLoader:
     def state_dict(self) -> dict[str, int]:
         return {"next_row": self.next_row, "rows_per_epoch": self.rows_per_epoch, "seq_len": self.seq_len}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int], checkpoint: Path | None = None) -> None:
+        """The saved position, refused when this run's rows are not the saved run's; the refusal
+        names each setting that changed since `checkpoint` (its train_config.json)."""
         saved = (int(state["rows_per_epoch"]), int(state["seq_len"]))
         if saved != (self.rows_per_epoch, self.seq_len):
             raise DataError(f"the checkpoint's {self.name} data position was saved for {saved[0]} rows of "
                             f"{saved[1]} tokens per epoch, but this run has {self.rows_per_epoch} rows of "
-                            f"{self.seq_len}: the data or data.seq_len changed since the checkpoint")
+                            f"{self.seq_len}: {self.what_changed(saved[1], checkpoint)}; resume "
+                            f"with the checkpoint's data settings, or start from its weights in a "
+                            f"fresh run")
         self.next_row = int(state["next_row"])
+
+    def what_changed(self, saved_seq_len: int, checkpoint: Path | None) -> str:
+        saved = {"data.seq_len": saved_seq_len, **saved_stream_settings(checkpoint)}
+        changed = changed_settings(saved, self.settings)
+        if changed:
+            return f"changed since the checkpoint: {', '.join(changed)}"
+        if len(saved) == 1:  # no train_config.json to compare
+            return ("the data or a data setting changed since the checkpoint (it records only "
+                    "data.seq_len)")
+        return "the data's files changed since the checkpoint; its settings did not"
+
+
+def stream_settings(config: dict) -> dict[str, object]:
+    """A run's STREAM_KEYS -> values, from its configuration as a dict (TrainConfig.to_dict(), or a
+    checkpoint's train_config.json); keys the dict lacks are left out."""
+    settings = {}
+    for key in STREAM_KEYS:
+        section, name = key.split(".")
+        if isinstance(config.get(section), dict) and name in config[section]:
+            settings[key] = config[section][name]
+    return settings
+
+
+def changed_settings(saved: dict[str, object], now: dict[str, object]) -> list[str]:
+    """"data.overlong 'truncate' -> 'drop'" for each key whose value differs between the two."""
+    return [f"{key} {saved[key]!r} -> {now[key]!r}" for key in now
+            if key in saved and saved[key] != now[key]]
+
+
+def saved_stream_settings(checkpoint: Path | None) -> dict[str, object]:
+    """The stream settings of the run that wrote `checkpoint` (its train_config.json), or {}."""
+    if checkpoint is None:
+        return {}
+    try:
+        return stream_settings(read_json_object(checkpoint / "train_config.json"))
+    except ValueError:  # a checkpoint written without a readable one: nothing to compare
+        return {}
 
 
 def row_arrays(tokens: np.ndarray, docs: np.ndarray, mask: np.ndarray | None) -> dict[str, np.ndarray]:
@@ -559,26 +727,102 @@ def row_arrays(tokens: np.ndarray, docs: np.ndarray, mask: np.ndarray | None) ->
 
 # ============================================================================= command line
 
+# --seq-len's bound: 16 times the longest context of the models here (Large 4's 1,048,576).
+MAX_SEQ_LEN = 1 << 24
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag stops with one line that names it, not the usage text."""
+
+    def error(self, message: str):
+        raise SystemExit(f"error: {message}")
+
+
+def seq_len_flag(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        message = f"expected a whole number of tokens, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    if not 1 <= value <= MAX_SEQ_LEN:
+        raise argparse.ArgumentTypeError(f"must be 1 <= N <= {MAX_SEQ_LEN:,} tokens, got {value}")
+    return value
+
+
+def text_flag(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def extensions_flag(text: str) -> tuple[str, ...] | None:
+    """"txt,md,jsonl" -> (".txt", ".md", ".jsonl"); "all" -> None (every file)."""
+    if text.strip().lower() == "all":
+        return None
+    names = [name.strip().lstrip(".").lower() for name in text.split(",")]
+    def usable(name: str) -> bool:
+        spaced = any(c.isspace() for c in name)
+        return bool(name) and name != "all" and "/" not in name and not spaced
+
+    if not all(usable(name) for name in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated file extensions such as "
+                                         f"txt,md,jsonl, or 'all' alone, got {text!r}")
+    return tuple("." + name for name in names)
+
+
+def check_inputs(inputs: list[Path], out: Path) -> None:
+    """INPUT... are not prepared already; --out names a new directory where one can be made."""
+    for path in inputs:
+        if (path / "meta.json").is_file():
+            raise DataError(f"input {path} is a prepared directory already (it holds meta.json); "
+                            f"train on it with data.path = \"{path}\"")
+    if out.exists() or out.is_symlink():
+        found = "is a file" if out.is_file() else "already exists"
+        raise DataError(f"--out {out} {found}; name a new directory (prepare never overwrites)")
+    existing = next(parent for parent in out.absolute().parents if parent.exists())
+    if not existing.is_dir():
+        raise DataError(f"--out {out} lies under {existing}, which is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise DataError(f"--out {out}: {existing} is not writable")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Turn text files, directories or JSONL into token shards.")
+    """`data.py prepare`; any bad flag or input stops with one line (SystemExit)."""
+    parser = OneLineParser(description="Turn text files, directories or JSONL into token shards.")
     commands = parser.add_subparsers(dest="command", required=True)
     prep = commands.add_parser("prepare", help="tokenize INPUT... into shards under --out")
     prep.add_argument("input", type=Path, nargs="+", help="text files, .jsonl files or directories of them")
     prep.add_argument("--out", type=Path, required=True, help="output directory (must not exist)")
-    prep.add_argument("--tokenizer", default="byte", help="byte | a .tiktoken file | a tokenizer.json dir | a name")
-    prep.add_argument("--eos-token", default=END_OF_TEXT)
-    prep.add_argument("--text-key", default="text", help="the JSONL field that holds the text")
-    prep.add_argument("--extensions", default=",".join(s[1:] for s in TEXT_SUFFIXES),
-                      help="file extensions read from directories, comma-separated, or 'all' (named files are "
-                           "always read)")
-    prep.add_argument("--seq-len", type=int, help="with conversations: report how rows of this length hold them")
-    prep.add_argument("--overlong", choices=OVERLONG, default="truncate", help="with --seq-len: as data.overlong")
+    prep.add_argument("--tokenizer", type=text_flag, default="byte",
+                      help="byte | a .tiktoken file | a tokenizer.json dir | a name")
+    prep.add_argument("--eos-token", type=text_flag, default=END_OF_TEXT)
+    prep.add_argument("--text-key", type=text_flag, default="text",
+                      help="the JSONL field that holds the text")
+    prep.add_argument("--extensions", type=extensions_flag,
+                      default=",".join(s[1:] for s in TEXT_SUFFIXES),
+                      help="file extensions read from directories, comma-separated, or 'all' "
+                           "(named files are always read)")
+    prep.add_argument("--seq-len", type=seq_len_flag,
+                      help="with conversations: report how rows of this length hold them")
+    prep.add_argument("--overlong", choices=OVERLONG,
+                      help="with --seq-len: as data.overlong (default truncate)")
     args = parser.parse_args(argv)
-    if args.out.exists():
-        raise DataError(f"--out {args.out} already exists; choose a new directory")
-    suffixes = None if args.extensions == "all" else tuple("." + e.strip(". ").lower() for e in args.extensions.split(","))
-    tokenizer = load_tokenizer(args.tokenizer, args.eos_token)
-    shards = TokenShards(prepare(args.input, tokenizer, args.out, args.text_key, suffixes=suffixes))
+    if args.overlong and not args.seq_len:
+        parser.error("argument --overlong: only says how rows of --seq-len tokens fit "
+                     "conversations; give --seq-len too")
+    try:
+        prepare_command(args)
+    except (DataError, TokenizerError) as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+def prepare_command(args: argparse.Namespace) -> None:
+    check_inputs(args.input, args.out)
+    tokenizer = load_tokenizer(args.tokenizer, args.eos_token, setting="--tokenizer",
+                               eos_setting="--eos-token")
+    directory = prepare(args.input, tokenizer, args.out, args.text_key, suffixes=args.extensions,
+                        setting="input")
+    shards = TokenShards(directory)
     meta, binary = shards.meta, shards.meta["skipped_binary"]
     named = f" ({', '.join(binary[:3])}{', ...' if len(binary) > 3 else ''})" if binary else ""
     print(f"{args.out}: {shards.num_docs} documents, {int(shards.doc_len.sum()):,} tokens from "
@@ -587,12 +831,25 @@ def main(argv: list[str] | None = None) -> None:
     if shards.masked:
         print(chat_summary(meta))
     if shards.masked and args.seq_len:
-        rows = PackedLoader(shards, np.arange(shards.num_docs), args.seq_len, 1, 0, name="all", overlong=args.overlong)
-        print(f"with --seq-len {args.seq_len}: {rows.describe()}")
+        report = rows_report(shards, args.seq_len, args.overlong or "truncate")
+        print(f"with --seq-len {args.seq_len}: {report}")
+    elif args.seq_len:
+        print(f"with --seq-len {args.seq_len}: nothing to report; the data holds no conversations "
+              f"or pairs, and plain text is cut into rows wherever they end")
+
+
+
+def rows_report(shards: TokenShards, seq_len: int, overlong: str) -> str:
+    """How rows of seq_len tokens would hold the prepared documents (what a run would print)."""
+    whole = WholeRows(shards.doc_len, seq_len, overlong,
+                      lambda i: bool(shards.loss_mask(i)[1:seq_len].any()))
+    if whole.num_tokens == 0:
+        return (f"no document fits: all {shards.num_docs} are longer than {seq_len} tokens and "
+                f"--overlong {overlong} leaves none (or none keeps a target)")
+    rows = PackedLoader(shards, np.arange(shards.num_docs), seq_len, 1, 0, name="all",
+                        overlong=overlong)
+    return rows.describe()
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (DataError, TokenizerError) as error:
-        raise SystemExit(f"error: {error}")
+    main()

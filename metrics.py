@@ -118,6 +118,21 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def steps_to_profile(text: str, start_step: int) -> tuple[range | None, str | None]:
+    """[logging] profile_steps of a run that trains from step start_step + 1 -> (the named steps it
+    trains, what it cannot profile: named steps that were trained before a resume, else None)."""
+    steps = profile_step_range(text)
+    if not steps or steps[0] > start_step:
+        return steps, None
+    left = range(start_step + 1, steps[-1] + 1)
+    named = f"profile_steps = {text!r} names steps {steps[0]}-{steps[-1]}"
+    if not left:
+        return None, (f"{named}, all trained before this run resumed at step {start_step}: none "
+                      f"is profiled; name steps after {start_step}")
+    return left, (f"{named}, of which {steps[0]}-{start_step} were trained before this run resumed "
+                  f"at step {start_step}: profiling steps {left[0]}-{left[-1]} only")
+
+
 class MetricsLogger:
     """A plain line per logging step (readable in a log file: no carriage returns), and the same
     numbers as one JSON object per line in logging.jsonl."""
@@ -133,7 +148,10 @@ class MetricsLogger:
         self.first_step = start_step + 1  # always logged: the loss before any learning
         self.summary: dict = {"first_loss": None}
         self.path, self.run_name, self.run_dir = Path(cfg.logging.jsonl), str(run_dir), Path(run_dir)
-        self.profile_steps, self.profiler = profile_step_range(cfg.logging.profile_steps), None
+        self.profile_steps, late = steps_to_profile(cfg.logging.profile_steps, start_step)
+        self.profiler = None
+        if late:
+            run.print(f"WARNING: {cfg.where('logging.profile_steps')}: {late}")
         if run.is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             drop_superseded_records(self.path, self.run_name, start_step)

@@ -64,18 +64,32 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids, errors="replace")
 
+    def missing_bytes(self) -> list[int]:
+        """The byte values that have no single-byte token (text holding one cannot be encoded)."""
+        missing = []
+        for byte in range(256):
+            try:
+                self.encoding.encode_single_token(bytes([byte]))
+            except KeyError:
+                missing.append(byte)
+        return missing
 
-def load_tokenizer(spec: str, eos_token: str = END_OF_TEXT, checkpoint_dir: str = "") -> Tokenizer:
+
+def load_tokenizer(spec: str, eos_token: str = END_OF_TEXT, checkpoint_dir: str = "",
+                   setting: str = "data.tokenizer", eos_setting: str = "data.eos_token",
+                   ) -> Tokenizer:
     """spec: "byte" | "checkpoint" (the tokenizer.json of [model].init_from) | a directory with
-    tokenizer.json | a .tiktoken file | a tiktoken encoding name that is already cached."""
+    tokenizer.json | a .tiktoken file | a tiktoken encoding name that is already cached. `setting`
+    and `eos_setting` name where spec and eos_token were given (a config key, a flag) in errors."""
     names, template = tiktoken.list_encoding_names(), None
     if spec == "byte":
         encoding, fingerprint = byte_encoding(), "byte-v1"
     elif spec == "checkpoint" or Path(spec).is_dir():
         if spec == "checkpoint" and not checkpoint_dir:
-            raise TokenizerError('data.tokenizer = "checkpoint" needs [model].init_from to name a checkpoint directory')
+            raise TokenizerError(f'{setting} = "checkpoint" needs [model].init_from to name a '
+                                 f'checkpoint directory')
         directory = Path(checkpoint_dir if spec == "checkpoint" else spec)
-        encoding, fingerprint = checkpoint_encoding(directory)
+        encoding, fingerprint = checkpoint_encoding(directory, setting)
         template = read_chat_template(directory)
     elif spec.endswith(".tiktoken") and Path(spec).is_file():
         encoding, fingerprint = tiktoken_file_encoding(Path(spec)), "tiktoken:" + _file_digest(Path(spec))
@@ -83,10 +97,12 @@ def load_tokenizer(spec: str, eos_token: str = END_OF_TEXT, checkpoint_dir: str 
         encoding = cached_encoding(spec)
         fingerprint = f"named:{spec}:{encoding.n_vocab}"
     else:
-        raise TokenizerError(f"data.tokenizer {spec!r} is not \"byte\", \"checkpoint\", a directory with "
+        raise TokenizerError(f"{setting} {spec!r} is not \"byte\", \"checkpoint\", a directory "
+                             f"with "
                              f"tokenizer.json, an existing .tiktoken file, or a tiktoken encoding ({', '.join(names)})")
     if eos_token not in encoding.special_tokens_set:
-        raise TokenizerError(f"data.eos_token {eos_token!r} is not a special token of tokenizer {spec!r}; it has "
+        raise TokenizerError(f"{eos_setting} {eos_token!r} is not a special token of tokenizer "
+                             f"{spec!r}; it has "
                              f"{sorted(encoding.special_tokens_set)[:8]}")
     eos_id = encoding.encode_single_token(eos_token)
     return Tokenizer(encoding, eos_id, f"{fingerprint}|eos={eos_id}", template)
@@ -122,13 +138,36 @@ def tiktoken_file_encoding(path: Path) -> tiktoken.Encoding:
             continue
         try:
             token, rank = line.split()
-            ranks[base64.b64decode(token, validate=True)] = int(rank)
+            token = base64.b64decode(token, validate=True)
+            rank = int(rank)
         except ValueError as error:
             raise TokenizerError(f"{path}:{number}: expected '<base64 token> <rank>', got {line[:60]!r}") from error
+        if token in ranks:
+            raise TokenizerError(f"{path}:{number}: token {token!r} is ranked twice")
+        ranks[token] = rank
     if not ranks:
         raise TokenizerError(f"{path}: no ranks (an empty file); expected '<base64 token> <rank>' lines")
+    special = {END_OF_TEXT: max(ranks.values()) + 1}
+    check_ids(ranks, special, path)
     return tiktoken.Encoding(name=path.stem, pat_str=CL100K_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={END_OF_TEXT: max(ranks.values()) + 1})
+                             special_tokens=special)
+
+
+# Token ids up to 16M: 64 times the largest published vocabularies (262,144); tiktoken stores u32.
+MAX_TOKEN_ID = 1 << 24
+
+
+def check_ids(ranks: dict[bytes, int], special: dict[str, int], where: Path) -> None:
+    """Every token's id is its own and in range: tiktoken panics on a shared id (a Rust panic, no
+    Python error) and overflows on a negative one."""
+    owner: dict[int, object] = {}
+    for token, token_id in [*ranks.items(), *special.items()]:
+        if not 0 <= token_id < MAX_TOKEN_ID:
+            raise TokenizerError(f"{where}: token {token!r} has id {token_id}; expected "
+                                 f"0 <= id < {MAX_TOKEN_ID:,}")
+        first = owner.setdefault(token_id, token)
+        if first != token:
+            raise TokenizerError(f"{where}: tokens {first!r} and {token!r} share the id {token_id}")
 
 
 def cached_encoding(name: str) -> tiktoken.Encoding:
@@ -154,14 +193,15 @@ def cached_encoding(name: str) -> tiktoken.Encoding:
 
 # ============================================================================= a checkpoint's tokenizer.json
 
-def checkpoint_encoding(directory: Path) -> tuple[tiktoken.Encoding, str]:
+def checkpoint_encoding(directory: Path, setting: str = "data.tokenizer",
+                        ) -> tuple[tiktoken.Encoding, str]:
     """The checkpoint's own tokenizer.json -> (encoding, fingerprint)."""
     if not (directory / "tokenizer.json").is_file():
         raise TokenizerError(f"{directory}: no tokenizer.json to load the checkpoint's tokenizer from")
     try:
         encoding = hf_tokenizer_encoding(directory)
     except TokenizerError as error:
-        raise TokenizerError(f"data.tokenizer: {error}") from error
+        raise TokenizerError(f"{setting}: {error}") from error
     return encoding, "tokenizer.json:" + _file_digest(directory / "tokenizer.json")
 
 
@@ -185,7 +225,7 @@ def read_chat_template(directory: Path) -> ChatTemplate | None:
     variables = tuple((name, token_text(config[name], config_file, name)) for name in TEMPLATE_TOKEN_NAMES
                       if config.get(name) is not None)
     if jinja_file.is_file():
-        return ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file), variables)
+        return ChatTemplate(template_text(jinja_file), str(jinja_file), variables)
     source = config.get("chat_template")
     if isinstance(source, list):
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
@@ -198,7 +238,24 @@ def read_chat_template(directory: Path) -> ChatTemplate | None:
     if not isinstance(source, str):
         raise TokenizerError(f"{config_file}: chat_template must be a string (a Jinja template) or a list of "
                              f"{{'name', 'template'}} objects, got {source!r:.60}")
+    if not source.strip():
+        raise TokenizerError(f"{config_file}: chat_template is empty; write a Jinja chat template "
+                             f"there or remove the key")
     return ChatTemplate(source, f"{config_file} chat_template", variables)
+
+
+def template_text(file: Path) -> str:
+    """chat_template.jinja's text: UTF-8 and not empty (an empty one renders no conversation)."""
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise TokenizerError(f"{file}: not UTF-8 text ({error.reason} at byte {error.start}); a "
+                             f"chat template is a Jinja text file") from None
+    except OSError as error:
+        raise TokenizerError(f"{file}: cannot read ({error.strerror or error})") from None
+    if not text.strip():
+        raise TokenizerError(f"{file}: empty; write a Jinja chat template there or remove the file")
+    return text
 
 
 def token_text(value: object, where: Path, name: str) -> str:
@@ -220,13 +277,17 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def _split_pattern(pre_tokenizer: dict | None, where: Path) -> str:
     """The one regex a byte-level pre-tokenizer splits with (tiktoken's pat_str)."""
-    steps = pre_tokenizer.get("pretokenizers", []) if pre_tokenizer and pre_tokenizer.get("type") == "Sequence" \
-        else [pre_tokenizer]
+    sequence = isinstance(pre_tokenizer, dict) and pre_tokenizer.get("type") == "Sequence"
+    steps = pre_tokenizer.get("pretokenizers") if sequence else [pre_tokenizer]
+    if not isinstance(steps, list):
+        raise TokenizerError(f"{where}: pre_tokenizer.pretokenizers must be a list, got "
+                             f"{steps!r:.60}")
     patterns = []
     for step in steps:
-        kind = (step or {}).get("type")
-        if kind == "Split" and "Regex" in step.get("pattern", {}) and step.get("behavior") == "Isolated" \
-                and not step.get("invert"):
+        kind = step.get("type") if isinstance(step, dict) else None
+        pattern = step.get("pattern") if kind == "Split" else None
+        if isinstance(pattern, dict) and isinstance(pattern.get("Regex"), str) \
+                and step.get("behavior") == "Isolated" and not step.get("invert"):
             patterns.append(step["pattern"]["Regex"])
         elif kind == "ByteLevel" and not step.get("add_prefix_space"):
             patterns += [GPT2_PATTERN] if step.get("use_regex", True) else []
@@ -241,7 +302,8 @@ def _split_pattern(pre_tokenizer: dict | None, where: Path) -> str:
 def added_tokens(entries: object, where: Path) -> dict[str, int]:
     """tokenizer.json's added_tokens ([{"content": ..., "id": ...}, ...]) -> content -> id."""
     def valid(token: object) -> bool:
-        return isinstance(token, dict) and isinstance(token.get("content"), str) and isinstance(token.get("id"), int)
+        return isinstance(token, dict) and isinstance(token.get("content"), str) and \
+            isinstance(token.get("id"), int) and not isinstance(token.get("id"), bool)
 
     bad = [entries] if not isinstance(entries, list) else [t for t in entries if not valid(t)]
     if bad:
@@ -295,10 +357,15 @@ def hf_tokenizer_encoding(path: str | Path) -> tiktoken.Encoding:
     if missing_bytes:
         raise TokenizerError(f"{path}: vocab lacks the byte token {bytes_to_unicode()[missing_bytes[0]]!r}; "
                              f"a byte-level BPE needs all 256")
+    merges = bpe.get("merges") or []
+    if not isinstance(merges, list):
+        raise TokenizerError(f"{path}: model.merges must be a list of 'left right' strings or "
+                             f"[left, right] pairs, got {merges!r:.40}")
     merged, previous = set(), -1
-    for number, merge in enumerate(bpe.get("merges") or []):
-        pair = merge.split(" ") if isinstance(merge, str) else list(merge)
-        if len(pair) != 2:
+    for number, merge in enumerate(merges):
+        pair = merge.split(" ") if isinstance(merge, str) else merge
+        pair = pair if isinstance(pair, list) else []
+        if len(pair) != 2 or not all(isinstance(side, str) for side in pair):
             raise TokenizerError(f"{path}: merge {number} {merge!r} must be 'left right' or [left, right]")
         left, right = pair
         token_id = vocab.get(left + right)
@@ -310,5 +377,11 @@ def hf_tokenizer_encoding(path: str | Path) -> tiktoken.Encoding:
     unmerged = [t for t in vocab if len(t) > 1 and t not in merged and t not in special]
     if unmerged:
         raise TokenizerError(f"{path}: vocab token {unmerged[0]!r} is made by no merge")
-    return tiktoken.Encoding(name=f"flint:{path}", pat_str=_split_pattern(spec.get("pre_tokenizer"), path),
-                             mergeable_ranks=ranks, special_tokens=special)
+    check_ids(ranks, special, path)
+    pattern = _split_pattern(spec.get("pre_tokenizer"), path)
+    try:
+        return tiktoken.Encoding(name=f"flint:{path}", pat_str=pattern, mergeable_ranks=ranks,
+                                 special_tokens=special)
+    except ValueError as error:  # the split regex does not compile
+        raise TokenizerError(f"{path}: the pre_tokenizer's regex {pattern!r:.60} is not valid: "
+                             f"{error}") from None

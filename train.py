@@ -43,7 +43,8 @@ from checkpoint import CheckpointError, Checkpointer, check_architecture
 from checkpoint_files import is_native_checkpoint, load_dcp
 from config import (ConfigError, OptimSection, TrainConfig, TrainingSection, help_text, load_config,
                     resolved_summary, resolved_toml)
-from data import DataError, PackedLoader, TokenShards, prepare, prepared_dir, split_documents
+from data import (DataError, PackedLoader, TokenShards, changed_settings, prepare, prepared_dir,
+                  split_documents, stream_settings)
 from files import read_json_object
 from fp8 import fp8_device_refusal
 from layers import token_ids_checked_at_load
@@ -290,7 +291,7 @@ def setup_data(cfg: TrainConfig,
     shards = TokenShards(directory, tokenizer)
     train_docs, val_docs = split_documents(shards.num_docs, d.val_fraction, str(source))
     loader = dict(seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed, rank=run.dp_rank, world_size=run.dp_size,
-                  overlong=d.overlong)
+                  overlong=d.overlong, settings=stream_settings(cfg.to_dict()))
     train = PackedLoader(shards, train_docs, shuffle=True, epochs=d.epochs, **loader)
     val = PackedLoader(shards, val_docs, shuffle=False, name="validation", **loader) if len(val_docs) else None
     check_enough_data(cfg, train, val, run)
@@ -495,6 +496,11 @@ def explain_resumed_settings(cfg: TrainConfig, checkpoint: Path | None, step: in
         saved = read_json_object(checkpoint / "train_config.json") if checkpoint else None
     except ValueError:  # a checkpoint written without one: nothing to compare
         return
+    data_changes = changed_settings(stream_settings(saved or {}), stream_settings(cfg.to_dict()))
+    if data_changes:  # the row count held (Checkpointer.resume refuses otherwise), the rows may not
+        run.print(f"WARNING: resumed with data settings changed since {checkpoint}: "
+                  f"{', '.join(data_changes)}; from step {step + 1} the run reads other rows than "
+                  f"the checkpoint's run would have")
     if not saved or not isinstance(saved.get("optim"), dict):
         return
     was = {f"optim.{key}": value for key, value in saved["optim"].items()}

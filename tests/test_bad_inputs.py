@@ -13,18 +13,20 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import convert
+import data
 import sample
 from checkpoint_files import CheckpointError
 from config import ConfigError, load_config
 from data import DataError, TokenShards, prepare
 from helpers import DEFAULT_FAMILY, debug_args, only, run_debug, stops_with_one_line, tiny_preset
 from registry import family
-from tokenizer import TokenizerError, load_tokenizer
+from tokenizer import TokenizerError, bytes_to_unicode, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -132,7 +134,8 @@ def test_bad_training_configs_stop_with_one_line(tmp_path, monkeypatch, build, n
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
-    """A prepared data directory of 20 small documents (one shard)."""
+    """A prepared data directory of 20 small documents (one shard): 10 of 31 tokens, 10 of 36, 670
+    in all."""
     directory = tmp_path_factory.mktemp("prepared")
     (directory / "docs.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 5}) + "\n" for i in range(20)))
     return prepare(directory / "docs.jsonl", load_tokenizer("byte"), directory / "shards")
@@ -150,7 +153,37 @@ PREPARED_CASES = {
                               r"lacks key 'dtype', expected a str"),
     "missing shard": (lambda d: (d / "tokens_00000.bin").unlink(), "{dir}/tokens_00000.bin", r"missing; .*prepare"),
     "empty shard": (lambda d: (d / "tokens_00000.bin").write_bytes(b""), "{dir}/tokens_00000.bin", r"empty; .*prepare"),
+    "meta.json of another version": (
+        meta(lambda m: {**m, "format": "flint-token-shards-v9"}), "{dir}/meta.json",
+        r"format 'flint-token-shards-v9', .* another version .*prepare the data again$"),
+    "meta.json not UTF-8": (lambda d: (d / "meta.json").write_bytes(b"\xff{}"), "{dir}/meta.json",
+                            r"cannot read JSON: .*not a prepared data directory"),
+    "shard named outside": (meta(lambda m: {**m, "shards": ["../../outside"]}), "{dir}/meta.json",
+                            r"list of shard names, got .* shards \['\.\./\.\./outside'\]"),
+    "masked without its template": (
+        meta(lambda m: {**m, "format": "flint-token-shards-v2"}), "{dir}/meta.json",
+        r"lacks key 'chat_template', expected a str: the file is damaged"),
+    "shard cut by a byte": (lambda d: cut(d / "tokens_00000.bin", 1), "{dir}/tokens_00000.bin",
+                            r"not a shard of uint16 tokens \(Size of available data is not a "),
+    "shard cut by a token": (lambda d: cut(d / "tokens_00000.bin", 2), "{dir}/tokens_00000.bin",
+                             r"holds 669 tokens but docs_00000.npy ends at 670"),
+    "document index out of order": (lambda d: index(d, [0, 50, 10, 670]), "{dir}/docs_00000.npy",
+                                    r"document starts must rise from 0, got \[0, 50, 10, 670\]"),
+    "document index not from 0": (lambda d: index(d, [5, 670]), "{dir}/docs_00000.npy",
+                                  r"rise from 0, got \[5, 670\]"),
+    "document index of floats": (lambda d: index(d, [0.0, 670.0]), "{dir}/docs_00000.npy",
+                                 r"expected the integer start of each document then the end, got "
+                                 r"an array of float64"),
 }
+
+
+def cut(file: Path, size: int) -> None:
+    file.write_bytes(file.read_bytes()[:-size])
+
+
+def index(directory: Path, bounds: list) -> None:
+    np.save(directory / "docs_00000.npy", np.array(bounds))
+
 
 
 @pytest.mark.parametrize("damage, named, pattern", PREPARED_CASES.values(), ids=PREPARED_CASES)
@@ -167,6 +200,172 @@ def test_a_deeply_nested_jsonl_line_stops_with_one_line(tmp_path):
                         f"{tmp_path / 'deep.jsonl'}:1", r"'text' \(data.text_key\): the line nests .* too deeply")
 
 
+def prepare_args(*given: str, inputs=("a.txt",), make=None):
+    """data.py prepare's argv in a directory holding a.txt ("some text") and b.txt (empty);
+    `make(dir)` adds to it first. --out is out/ unless given."""
+
+    def build(directory: Path) -> list[str]:
+        (directory / "a.txt").write_text("some text")
+        (directory / "b.txt").write_text("")
+        if make:
+            make(directory)
+        out = [] if "--out" in given else ["--out", str(directory / "out")]
+        return ["prepare", *(str(directory / name) for name in inputs), *out, *given]
+
+    return build
+
+
+def prepared_input(directory: Path) -> None:
+    prepare(directory / "a.txt", load_tokenizer("byte"), directory / "shards")
+
+
+DATA_CLI_CASES = {
+    "seq-len -5": (
+        prepare_args("--seq-len", "-5"),
+        "--seq-len",
+        r"must be 1 <= N <= 16,777,216 tokens, got -5$",
+    ),
+    "seq-len 0": (
+        prepare_args("--seq-len", "0"),
+        "--seq-len",
+        r"must be 1 <= N <= 16,777,216 tokens, got 0$",
+    ),
+    "seq-len huge": (prepare_args("--seq-len", str(2**24 + 1)), "--seq-len", r"got 16777217$"),
+    "seq-len 1.5": (
+        prepare_args("--seq-len", "1.5"),
+        "--seq-len",
+        r"expected a whole number of tokens, got '1.5'",
+    ),
+    "seq-len word": (
+        prepare_args("--seq-len", "many"),
+        "--seq-len",
+        r"whole number of tokens, got 'many'",
+    ),
+    "overlong without seq-len": (
+        prepare_args("--overlong", "drop"),
+        "--overlong",
+        r"give --seq-len too",
+    ),
+    "overlong bogus": (
+        prepare_args("--seq-len", "8", "--overlong", "cut"),
+        "--overlong",
+        r"invalid choice: 'cut'",
+    ),
+    "text-key empty": (prepare_args("--text-key", ""), "--text-key", r"must not be empty"),
+    "eos-token empty": (prepare_args("--eos-token", ""), "--eos-token", r"must not be empty"),
+    "tokenizer empty": (prepare_args("--tokenizer", ""), "--tokenizer", r"must not be empty"),
+    "extensions empty": (
+        prepare_args("--extensions", ",,"),
+        "--extensions",
+        r"comma-separated file extensions",
+    ),
+    "extensions all and more": (
+        prepare_args("--extensions", "txt,all"),
+        "--extensions",
+        r"'all' alone",
+    ),
+    "tokenizer bogus": (
+        prepare_args("--tokenizer", "bogus"),
+        "--tokenizer 'bogus'",
+        r"is not \"byte\"",
+    ),
+    "eos-token bogus": (
+        prepare_args("--eos-token", "<eos>"),
+        "--eos-token '<eos>'",
+        r"not a special token",
+    ),
+    "out exists": (
+        prepare_args(make=lambda d: (d / "out").mkdir()),
+        "--out {dir}/out",
+        r"already exists; name a new directory \(prepare never overwrites\)$",
+    ),
+    "out a file": (
+        prepare_args(make=lambda d: (d / "out").write_text("")),
+        "--out {dir}/out",
+        r"is a file; name a new",
+    ),
+    "out under a file": (
+        prepare_args("--out", "{dir}/a.txt/out"),
+        "--out {dir}/a.txt/out",
+        r"lies under {dir}/a.txt, which is a file$",
+    ),
+    "input missing": (
+        prepare_args(inputs=("a.txt", "missing.txt")),
+        "input {dir}/missing.txt",
+        r"does not exist",
+    ),
+    "input empty": (
+        prepare_args(inputs=("b.txt",)),
+        "input {dir}/b.txt:",
+        r"no documents with text in 1 file",
+    ),
+    "input named twice": (
+        prepare_args(inputs=("b.txt", "b.txt")),
+        "input names {dir}/b.txt twice",
+        r"read twice$",
+    ),
+    "tokenizer lacking bytes": (
+        prepare_args(
+            "--tokenizer",
+            "{dir}/ascii.tiktoken",
+            make=lambda d: ranks_file(d / "ascii.tiktoken", [bytes([b]) for b in range(128)]),
+        ),
+        "input {dir}/a.txt",
+        r"the tokenizer has no token for byte 0x80 \(128 bytes lack one\)",
+    ),
+    "input prepared": (
+        prepare_args(inputs=("shards",), make=prepared_input),
+        "input {dir}/shards",
+        r"is a prepared directory already \(it holds meta.json\); train on it with data.path",
+    ),
+}
+
+
+@pytest.mark.parametrize("build, named, pattern", DATA_CLI_CASES.values(), ids=DATA_CLI_CASES)
+def test_bad_prepare_flags_and_inputs_stop_with_one_line(tmp_path, build, named, pattern):
+    """Every flag of data.py prepare, and its inputs and output: one line naming it (paths written
+    as paths), and nothing written."""
+    argv = [arg.format(dir=tmp_path) for arg in build(tmp_path)]
+    before = sorted(tmp_path.iterdir())
+    stops_with_one_line(
+        lambda: data.main(argv),
+        SystemExit,
+        named.format(dir=tmp_path),
+        pattern.format(dir=re.escape(str(tmp_path))),
+    )
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_prepare_accepts_the_boundary_values_of_its_flags(tmp_path, capsys):
+    """The refusals' boundaries: --seq-len 1 and 16,777,216 report rows; --extensions all; two
+    inputs, one of them empty; an upper-case extension in --extensions."""
+    (tmp_path / "a.TXT").write_text("some text")
+    (tmp_path / "b.txt").write_text("")
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
+    for seq_len in ("1", str(2**24)):
+        data.main(
+            [
+                "prepare",
+                str(tmp_path / "chat.jsonl"),
+                "--out",
+                str(tmp_path / f"out{seq_len}"),
+                "--seq-len",
+                seq_len,
+                "--overlong",
+                "drop",
+            ]
+        )
+    printed = capsys.readouterr().out
+    assert (
+        "with --seq-len 1: no document fits: all 1 are longer than 1 tokens and --overlong drop"
+        in printed
+    )
+    assert f"with --seq-len {2**24}: all 3 tokens (1 rows of {2**24})" in printed
+    data.main(["prepare", str(tmp_path), "--out", str(tmp_path / "all"), "--extensions", "TXT"])
+    assert "1 documents, 10 tokens from 2 file(s)" in capsys.readouterr().out
+
+
+
 def tokenizer_json(spec):
     def build(directory: Path) -> str:
         (directory / "tokenizer.json").write_text(json.dumps(spec))
@@ -181,6 +380,23 @@ def tiktoken_bytes(content: bytes):
     return build
 
 
+def byte_level(merges=None, pre_tokenizer=None, vocab_id=None, eos_id=256):
+    """tokenizer.json of a byte-level BPE without merges (and <|endoftext|>), changed as named: the
+    merges, the pre_tokenizer, the id of the byte 0's token, the id of <|endoftext|>."""
+    table = bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)} | (
+        {table[0]: vocab_id} if vocab_id is not None else {}
+    )
+    spec = {
+        "model": {"type": "BPE", "vocab": vocab, "merges": [] if merges is None else merges},
+        "normalizer": None,
+        "added_tokens": [{"content": "<|endoftext|>", "id": eos_id}],
+        "pre_tokenizer": pre_tokenizer or {"type": "ByteLevel", "add_prefix_space": False},
+    }
+    return tokenizer_json(spec)
+
+
+
 BPE = {"type": "BPE", "vocab": {"a": 0}, "merges": []}
 TOKENIZER_CASES = {
     "empty .tiktoken": (tiktoken_bytes(b""), "{dir}/ranks.tiktoken", r"no ranks \(an empty file\)"),
@@ -191,7 +407,38 @@ TOKENIZER_CASES = {
                      r"tokenizer.json: model.vocab must be an object of token -> id"),
     "added token without content": (tokenizer_json({"model": BPE, "normalizer": None, "added_tokens": [{"id": 3}]}),
                                     "added_tokens", r"tokenizer.json: added_tokens must be .* string 'content'"),
+    "merges a number": (byte_level(merges=5), "{dir}/tokenizer.json",
+                        r"model.merges must be a list .* got 5$"),
+    "merge a number": (byte_level(merges=[7]), "{dir}/tokenizer.json",
+                       r"merge 0 7 must be 'left right'"),
+    "pre_tokenizer a string": (byte_level(pre_tokenizer="ByteLevel"), "{dir}/tokenizer.json",
+                               r"pre_tokenizer step 'ByteLevel' is not supported"),
+    "pretokenizers a number": (byte_level(pre_tokenizer={"type": "Sequence", "pretokenizers": 3}),
+                               "{dir}/tokenizer.json",
+                               r"pre_tokenizer.pretokenizers must be a list, got 3$"),
+    "Split pattern a string": (
+        byte_level(pre_tokenizer={"type": "Split", "pattern": "x", "behavior": "Isolated"}),
+        "{dir}/tokenizer.json", r"pre_tokenizer step .* is not supported"),
+    "Split regex broken": (
+        byte_level(pre_tokenizer={"type": "Split", "pattern": {"Regex": "(("},
+                                  "behavior": "Isolated"}),
+        "{dir}/tokenizer.json", r"the pre_tokenizer's regex '\(\(' is not valid: Parsing error"),
+    "two tokens share an id": (byte_level(vocab_id=1), "{dir}/tokenizer.json",
+                               r"tokens b'\\x00' and b'\\x01' share the id 1"),
+    "negative id": (byte_level(vocab_id=-1), "{dir}/tokenizer.json",
+                    r"token b'\\x00' has id -1; expected 0 <= id"),
+    "id past 2**32": (byte_level(vocab_id=2**40), "{dir}/tokenizer.json",
+                      r"has id 1099511627776; expected 0 <= id < 16,777,216$"),
+    "special token on a byte's id": (byte_level(eos_id=5), "{dir}/tokenizer.json",
+                                     r"tokens b'\\x05' and '<\|endoftext\|>' share the id 5"),
+    ".tiktoken rank shared": (tiktoken_bytes(b"YQ== 0\nYg== 0\n"), "{dir}/ranks.tiktoken",
+                              r"b'a' and b'b' share the id 0"),
+    ".tiktoken token twice": (tiktoken_bytes(b"YQ== 0\nYQ== 1\n"), "{dir}/ranks.tiktoken:2",
+                              r"b'a' is ranked twice"),
+    ".tiktoken rank negative": (tiktoken_bytes(b"YQ== -1\n"), "{dir}/ranks.tiktoken", r"has id -1"),
 }
+
+
 
 
 @pytest.mark.parametrize("build, named, pattern", TOKENIZER_CASES.values(), ids=TOKENIZER_CASES)
@@ -343,3 +590,56 @@ def test_bad_conversion_inputs_stop_with_one_line(trained, tmp_path, build, name
     argv = build(trained, tmp_path / "checkpoint")
     stops_with_one_line(lambda: convert.main(argv), SystemExit, named.format(dir=tmp_path / "checkpoint"), pattern)
     assert not (tmp_path / "out").exists()
+
+
+# ============================================================================= resuming, other data
+
+def chat_data(path: Path) -> Path:
+    """30 conversations of 22 byte tokens ("User: q\\nAssistant: ab" and the end-of-text), two to a
+    row of the debug config's 64 tokens, and 10 of 120: 25 rows when the long ones are truncated, 15
+    when they are dropped."""
+    short = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}]}
+    long = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "word " * 20},
+        ]
+    }
+    path.write_text("".join(json.dumps(short if i % 4 else long) + "\n" for i in range(40)))
+    return path
+
+
+def test_a_resume_names_every_data_setting_that_changed(tmp_path, capsys):
+    """A resume whose rows differ from the checkpoint's is refused naming each data setting that
+    changed (data.overlong, data.text_key and training.seed here; it named data.seq_len alone,
+    unchanged). Its boundary, a resume whose rows hold (the same data under another spelling of its
+    path), goes on with a warning naming the change; and of [logging] profile_steps = "1-2", step 1
+    trained before the resume is said to be lost to the profile while step 2, the first the resume
+    trains, is profiled."""
+    data_file = chat_data(tmp_path / "chat.jsonl")
+    chat = [f"--data.path={data_file}", "--training.sample_tokens=0", "--data.val_fraction=0"]
+    run_debug(tmp_path, *chat, "--training.steps=1")
+    resume = [*chat, "--training.steps=2", "--checkpoint.resume=auto"]
+    checkpoint = tmp_path / "ckpt" / "run_0001" / "step_00000001"
+    changed = ["--data.overlong=drop", "--data.text_key=body", "--training.seed=3"]
+    stops_with_one_line(
+        lambda: run_debug(tmp_path, *resume, *changed),
+        DataError,
+        "changed since the checkpoint: data.text_key 'text' -> 'body', data.overlong "
+        "'truncate' -> 'drop', training.seed 0 -> 3;",
+        r"^the checkpoint's train data position was saved for 25 rows of 64 tokens per epoch, but "
+        r"this run has 15 rows of 64: [^;]*; resume with the checkpoint's data settings",
+    )
+    capsys.readouterr()
+    respelled = str(tmp_path / "ckpt" / ".." / data_file.name)
+    run_debug(tmp_path, *resume, f"--data.path={respelled}", "--logging.profile_steps=1-2")
+    printed = capsys.readouterr().out
+    assert (
+        f"WARNING: resumed with data settings changed since {checkpoint}: data.path "
+        f"{str(data_file)!r} -> {respelled!r}; from step 2 the run reads other rows"
+    ) in printed
+    assert (
+        "WARNING: command line --logging.profile_steps: profile_steps = '1-2' names steps 1-2, of "
+        "which 1-1 were trained before this run resumed at step 1: profiling steps 2-2 only"
+    ) in printed
+    assert [p.name for p in checkpoint.parent.glob("trace_*")] == ["trace_steps2-2_rank0.json"]

@@ -16,6 +16,7 @@ from helpers import stops_with_one_line
 from tokenizer import TokenizerError, load_tokenizer, read_chat_template
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "chat"
+CHAT = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}]
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text(encoding="utf-8"))
 CONFIG = json.loads((FIXTURES / "qwen2_tokenizer_config.json").read_text())
 TEMPLATE_FILES = {"qwen3": "qwen3_chat_template.jinja", "qwen3_marked": "qwen3_marked.jinja",
@@ -192,6 +193,108 @@ def test_a_template_that_fails_stops_with_one_line(tmp_path):
         tokenizer = fixture_tokenizer(tmp_path, name.replace(" ", "_"), template)
         stops_with_one_line(lambda: prepare(tmp_path / "chat.jsonl", tokenizer, tmp_path / "out"), DataError,
                             named, pattern)
+
+
+def template_dir(tmp_path: Path, source: bytes) -> Path:
+    """The fixture's BPE with `source` as its chat_template.jinja."""
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    shutil.copy(FIXTURES / "tokenizer.json", directory)
+    config = {k: v for k, v in CONFIG.items() if k != "chat_template"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").write_bytes(source)
+    return directory
+
+
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        (
+            b"\xff\xfe{{ messages }}\x00",
+            r"chat_template.jinja: not UTF-8 text \(invalid start byte at byte 0\); a chat "
+            r"template is a Jinja text file$",
+        ),
+        (
+            b" \n\t",
+            r"chat_template.jinja: empty; write a Jinja chat template there or remove the file$",
+        ),
+    ],
+    ids=["binary", "blank"],
+)
+def test_an_unreadable_template_file_stops_with_one_line_naming_it(tmp_path, source, pattern):
+    directory = template_dir(tmp_path, source)
+    stops_with_one_line(
+        lambda: load_tokenizer(str(directory)),
+        TokenizerError,
+        str(directory / "chat_template.jinja"),
+        pattern,
+    )
+
+
+ROLE_LINES = "{% for m in messages %}{{ m.role }}:\n{{ m.content }}\n{% endfor %}"
+TEMPLATE_CASES = {
+    "generation never closed": (
+        "{% for m in messages %}{% generation %}{{ m.content }}{% endfor %}",
+        "template",
+        r"^[^ ]*chat_template.jinja: line 1 of the chat template: Encountered unknown tag 'endfor'"
+        r".*'endgeneration'.*; it is not a Jinja template$",
+    ),
+    "generation around nothing": (
+        "{% for m in messages %}{{ m.content }}{% generation %}{% endgeneration %}{% endfor %}",
+        "line",
+        r"no token of the assistant's is left to train on: the "
+        r"\{% generation %\} blocks of the chat template .* enclose "
+        r"none of the text",
+    ),
+    "renders nothing": (
+        "{% if false %}{{ messages }}{% endif %}",
+        "line",
+        r"left to train on: the chat template .*chat_template.jinja renders this conversation as "
+        r"empty text$",
+    ),
+    "error over two lines": (
+        "{{ raise_exception('first line\nsecond line') }}",
+        "line",
+        r"failed to render this conversation: TemplateError: first line second line$",
+    ),
+}
+
+
+@pytest.mark.parametrize("source, named, pattern", TEMPLATE_CASES.values(), ids=TEMPLATE_CASES)
+def test_a_broken_template_stops_prepare_with_one_line(tmp_path, source, named, pattern):
+    """Not Jinja (named by the template's file and line, not wrapped as a render failure of the
+    first conversation), generation markers that enclose nothing, a template that renders nothing,
+    an error message of two lines."""
+    directory = template_dir(tmp_path, source.encode())
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
+    where = (
+        str(directory / "chat_template.jinja")
+        if named == "template"
+        else f"{tmp_path / 'chat.jsonl'}:1"
+    )
+    stops_with_one_line(
+        lambda: prepare(tmp_path / "chat.jsonl", load_tokenizer(str(directory)), tmp_path / "out"),
+        DataError,
+        where,
+        pattern,
+    )
+
+
+def test_a_generation_tag_in_a_comment_is_no_generation_block(tmp_path):
+    """The boundary of the case above: a template whose only {% generation %} is inside a comment
+    has no block, so its answers are found by prefix renders (a search of the text took it for a
+    marked template whose blocks enclosed nothing)."""
+    source = (
+        "{# answers could be marked with {% generation %} #}"
+        + ROLE_LINES
+        + "{% if add_generation_prompt %}assistant:\n{% endif %}"
+    )
+    encoder = ChatEncoder(load_tokenizer(str(template_dir(tmp_path, source.encode()))))
+    ids, mask = encoder.encode(Conversation(CHAT, "case"))
+    assert not encoder.marked
+    assert encoder.tokenizer.decode(ids) == "user:\nq\nassistant:\nab\n"
+    assert encoder.tokenizer.decode([i for i, keep in zip(ids, mask) if keep]) == "ab\n"
+
 
 
 def test_split_marks_returns_the_text_and_the_marked_spans():

@@ -10,7 +10,7 @@ import torch
 
 import data
 from data import DataError, PackedLoader, TokenShards, prepare, split_documents
-from helpers import DEFAULT_FAMILY, FAMILY_NAMES, build, tiny_config
+from helpers import DEFAULT_FAMILY, FAMILY_NAMES, build, stops_with_one_line, tiny_config
 from tokenizer import Tokenizer, byte_encoding, load_tokenizer
 
 
@@ -261,8 +261,60 @@ def test_loader_position_survives_a_restart(tmp_path):
         got = restarted.next_batch()
         assert all(torch.equal(got[k], want[k]) for k in want)
     other = PackedLoader(shards, np.arange(5), seq_len=4, batch_size=2, seed=5)
-    with pytest.raises(DataError, match="data.seq_len changed"):
+    with pytest.raises(DataError, match=r"since the checkpoint: data.seq_len 8 -> 4; resume"):
         other.load_state_dict(state)
+
+
+def saved_run(directory: Path, **data_settings) -> Path:
+    """A checkpoint directory whose train_config.json holds these [data] settings (and training.seed
+    5)."""
+    directory.mkdir()
+    (directory / "train_config.json").write_text(
+        json.dumps({"data": data_settings, "training": {"seed": 5}})
+    )
+    return directory
+
+
+def test_a_refused_position_names_each_data_setting_that_changed(tmp_path):
+    """The saved position of rows of 8 tokens: data.overlong and data.path changed (the rows
+    differ), each named with both values, the unchanged data.seq_len not; the same settings with
+    other rows: the files changed; a checkpoint without train_config.json: only data.seq_len is
+    known. The boundary: the same rows load whatever the settings say (train.py warns of their
+    change)."""
+    shards = unique_token_shards(tmp_path, [13, 29, 8, 41, 6])
+    settings = {
+        "data.path": "new.jsonl",
+        "data.seq_len": 8,
+        "data.overlong": "drop",
+        "training.seed": 5,
+    }
+    state = {
+        "next_row": 2,
+        "rows_per_epoch": 12,
+        "seq_len": 8,
+    }  # 12 rows: another data set than these 13
+    loader = PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, settings=settings)
+    changed = saved_run(tmp_path / "changed", path="old.jsonl", seq_len=8, overlong="truncate")
+    with pytest.raises(
+        DataError,
+        match=r"saved for 12 rows of 8 tokens per epoch, but this run has 13 rows of 8: "
+        r"changed since the checkpoint: data.path 'old.jsonl' -> 'new.jsonl', "
+        r"data.overlong 'truncate' -> 'drop'; resume with",
+    ):
+        loader.load_state_dict(state, changed)
+    same = saved_run(tmp_path / "same", path="new.jsonl", seq_len=8, overlong="drop")
+    with pytest.raises(
+        DataError,
+        match=r"of 8: the data's files changed since the checkpoint; its settings did not",
+    ):
+        loader.load_state_dict(state, same)
+    with pytest.raises(
+        DataError, match=r"of 8: the data or a data setting changed .*records only data.seq_len"
+    ):
+        loader.load_state_dict(state, tmp_path / "no_checkpoint")
+    loader.load_state_dict({**state, "rows_per_epoch": 13}, changed)
+    assert loader.next_row == 2
+
 
 
 def test_running_out_of_data_says_how_much_there_was(tmp_path):
@@ -326,6 +378,114 @@ def test_conversations_are_stored_with_the_mask_of_their_answers_beside_text(tmp
         ids, mask = plain_rendering(messages)
         assert shards.document(i).tolist() == ids and shards.loss_mask(i).tolist() == mask
     assert shards.meta["target_tokens"] == sum(sum(plain_rendering(m)[1][1:]) for m in chats)
+
+
+CHAT = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}]
+PAIR = {"prompt": "p", "completion": "c"}
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("chats.JSONL", json.dumps({"messages": CHAT}) + "\n" + json.dumps(PAIR) + "\n"),
+        ("chats.Jsonl", json.dumps({"messages": CHAT}) + "\n" + json.dumps(PAIR) + "\n"),
+        ("chats.ndjson", json.dumps({"messages": CHAT}) + "\n" + json.dumps(PAIR) + "\n"),
+        ("chats.json", json.dumps([{"messages": CHAT}, PAIR])),
+        ("chats.JSON", json.dumps([{"messages": CHAT}, PAIR])),
+    ],
+    ids=lambda value: value if value.startswith("chats") else "",
+)
+def test_chat_data_is_read_as_records_whatever_the_suffix_case(tmp_path, name, content):
+    """A conversation and a pair, under a careless suffix or in a .json list, are trained as chat
+    data: the answer "ab" and its end-of-text, the completion "c" and its end-of-text; not as one
+    text document with every token a target."""
+    (tmp_path / name).write_text(content)
+    shards = TokenShards(prepare(tmp_path / name, load_tokenizer("byte"), tmp_path / "out"))
+    assert shards.masked and (shards.meta["conversations"], shards.meta["pairs"]) == (1, 1)
+    user, answer = list(b"User: q\nAssistant: "), list(b"ab") + [256]
+    assert shards.document(0).tolist() == user + answer
+    assert shards.loss_mask(0).tolist() == [0] * len(user) + [1] * 3
+    assert shards.document(1).tolist() == [ord("p"), ord("c"), 256]
+    assert shards.loss_mask(1).tolist() == [0, 1, 1]
+
+
+def test_json_files_that_hold_no_records_stay_text_documents(tmp_path):
+    """A package.json (an object) and a list of numbers are text, as every .json of a code corpus
+    was; a .json list of objects with the text field is one document per object."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.json").write_text('{"name": "pkg", "version": "1.0"}')
+    (tmp_path / "corpus" / "b.json").write_text("[1, 2]")
+    (tmp_path / "corpus" / "c.json").write_text(json.dumps([{"text": "one"}, {"text": "two"}]))
+    tokenizer = load_tokenizer("byte")
+    shards = TokenShards(prepare(tmp_path / "corpus", tokenizer, tmp_path / "out"))
+    texts = [tokenizer.decode(shards.document(i)[:-1].tolist()) for i in range(shards.num_docs)]
+    assert (
+        texts == ['{"name": "pkg", "version": "1.0"}', "[1, 2]", "one", "two"] and not shards.masked
+    )
+
+
+@pytest.mark.parametrize(
+    "name, content, named, pattern",
+    [
+        (
+            "chats.txt",
+            json.dumps({"messages": CHAT}) + "\n",
+            "chats.txt",
+            r"first line is a conversation \('messages'\) in JSON, but a \.txt file is read as one "
+            r"text document; name it \.jsonl",
+        ),
+        (
+            "pairs",
+            "\n" + json.dumps(PAIR) + "\n",
+            "pairs",
+            r"a prompt/completion pair in JSON, but a suffix-less file",
+        ),
+        (
+            "chats.json",
+            json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": CHAT}) + "\n",
+            "chats.json",
+            r"but a \.json file must hold one JSON value \(a list of records\); name it \.jsonl",
+        ),
+        (
+            "chats.json",
+            json.dumps([{"messages": CHAT}, {"messages": [{"role": "bot", "content": "x"}]}]),
+            "chats.json: record 2 of the list",
+            r"message 0 has role 'bot'",
+        ),
+        (
+            "chats.json",
+            json.dumps([{"messages": CHAT}, "a string"]),
+            "chats.json: record 2 of the list",
+            r"expected a JSON object .* got a str",
+        ),
+        (
+            "chats.JSONL",
+            json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": []}) + "\n",
+            "chats.JSONL:2",
+            r"'messages' must be a non-empty list",
+        ),
+    ],
+    ids=[
+        "jsonl named .txt",
+        "pairs without suffix",
+        "jsonl named .json",
+        "json list with a bad role",
+        "json list with a string",
+        "upper-case jsonl with an empty conversation",
+    ],
+)
+def test_conversations_never_train_as_plain_text(tmp_path, name, content, named, pattern):
+    """A file that holds conversations but would be read as one text document is refused, and a bad
+    record in a .json list is named by its place in the list, as a JSONL record is by its line."""
+    (tmp_path / name).write_text(content)
+    stops_with_one_line(
+        lambda: prepare(tmp_path / name, load_tokenizer("byte"), tmp_path / "out"),
+        DataError,
+        str(tmp_path / named),
+        pattern,
+    )
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]
+
 
 
 @pytest.mark.parametrize("overlong", ["truncate", "drop"])

@@ -174,3 +174,40 @@ def test_a_step_out_of_gpu_memory_exits_with_one_line_naming_its_snapshot(tmp_pa
     assert snapshot.read_bytes() == b"snapshot"
     assert stop.value.code == (f"step 7: rank 1 ran out of GPU memory (CUDA out of memory. Tried to allocate 2.00 "
                                f"GiB.); the allocator's snapshot is {snapshot} (open it in https://pytorch.org/memory_viz)")
+
+
+@pytest.mark.parametrize(
+    "text, start_step, steps, said",
+    [
+        ("", 4, None, None),
+        ("5-6", 4, range(5, 7), None),  # the boundary: the first step the resumed run trains
+        (
+            "4-6",
+            4,
+            range(5, 7),
+            "names steps 4-6, of which 4-4 were trained before this run resumed at step 4: "
+            "profiling steps 5-6 only",
+        ),
+        (
+            "2-4",
+            4,
+            None,
+            "names steps 2-4, all trained before this run resumed at step 4: none is profiled; "
+            "name steps after 4",
+        ),
+        (
+            "3",
+            7,
+            None,
+            "names steps 3-3, all trained before this run resumed at step 7: none is profiled; "
+            "name steps after 7",
+        ),
+    ],
+)
+def test_profile_steps_before_a_resume_are_said_to_be_lost(text, start_step, steps, said):
+    """[logging] profile_steps naming steps a resumed run does not train: the rest are profiled, and
+    a warning says which were lost (they were silently never profiled); none lost at the
+    boundary."""
+    got, message = metrics.steps_to_profile(text, start_step)
+    assert got == steps
+    assert message == (None if said is None else f"profile_steps = {text!r} {said}")
