@@ -176,10 +176,11 @@ def test_fp8_targets_the_projections_mlps_and_experts_only(family):
 
 
 def scales_of_each_fp8_call(monkeypatch) -> dict[str, list[list[tuple[int, ...]]]]:
-    """Counting wrappers on the bodies of the FP8 ops (the dense matmul, the experts' grouped GEMM and its
-    weight gradient): for each call of each, the shapes of the inverse scales its operands were quantised
-    with; () is one scale for the tensor. The weight gradient's own per-(group, column) scales are recorded
-    by quantize_per_group_column, its tensor-wise ones by the quantize it calls."""
+    """Counting wrappers on the bodies of the FP8 ops (the dense matmul, the experts' grouped GEMM
+    and its weight gradient): for each call of each, the shapes of the inverse scales its operands
+    were quantised with; () is one scale for the tensor. The weight gradient's own per-(group,
+    column) scales are recorded by quantize_per_group_column, its tensor-wise ones by the quantize
+    it calls."""
     import fp8
     calls = {"scaled_matmul": [], "grouped_loop": [], "weight_grad_loop": []}
     current: list[list] = [[]]
@@ -215,18 +216,19 @@ def scales_of_each_fp8_call(monkeypatch) -> dict[str, list[list[tuple[int, ...]]
 @only("flint")
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_recipe_reaches_every_projection_mlp_and_expert_op(recipe, monkeypatch):
-    """[parallel] fp8 through parallelize, one forward and backward: every FP8 op call quantises with the
-    recipe's scales, one per tensor (tensorwise) or one per row, column or (group, column) (rowwise); and
-    the ops ran as often as the targets ask: a linear once forward, twice backward (its input's and its
-    weight's gradients); an expert group's two grouped GEMMs once each forward, and each twice backward
-    (its input's gradient in the grouped GEMM, its weight's in the weight-gradient op)."""
+    """[parallel] fp8 through parallelize, one forward and backward: every FP8 op call quantises
+    with the recipe's scales, one per tensor (tensorwise) or one per row, column or (group, column)
+    (rowwise); and the ops ran as often as the targets ask: a linear once forward, twice backward
+    (its input's and its weight's gradients); an expert group's two grouped GEMMs once each forward,
+    and each twice backward (its input's gradient in the grouped GEMM, its weight's in the
+    weight-gradient op)."""
     from helpers import parallel_block_model
     calls = scales_of_each_fp8_call(monkeypatch)
     in_process_group(parallel_step, "flint", {"fp8": recipe}, False)
     model = parallel_block_model("flint")
     linears = sum(isinstance(m, torch.nn.Linear) for m in fp8_targets(model).values())
     expert_groups = sum(isinstance(m, GroupedExperts) for m in model.modules())
-    assert linears >= 8 and expert_groups == 1  # the projections and the dense MLP, the MoE block's experts
+    assert linears >= 8 and expert_groups == 1  # projections, the dense MLP; the MoE block's experts
     counts = {name: len(each) for name, each in calls.items()}
     assert counts == {"scaled_matmul": 3 * linears, "grouped_loop": 4 * expert_groups,
                       "weight_grad_loop": 2 * expert_groups}, counts
@@ -234,7 +236,7 @@ def test_the_recipe_reaches_every_projection_mlp_and_expert_op(recipe, monkeypat
         for scales in each:
             assert len(scales) == 2, (name, scales)  # both operands quantised
             one_per_tensor = [shape == () for shape in scales]
-            assert one_per_tensor == [recipe == "tensorwise"] * 2, f"{recipe}: {name} scales {scales}"
+            assert one_per_tensor == [recipe == "tensorwise"] * 2, f"{recipe}: {name} {scales}"
 
 
 @pytest.mark.parametrize("override, pattern", [
