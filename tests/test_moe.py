@@ -543,3 +543,25 @@ def check_the_schedule_is_the_documented_one() -> None:
 
 def test_the_overlapped_exchange_runs_the_documented_schedule():
     spawn(2, check_the_schedule_is_the_documented_one)
+
+
+def check_parallelize_exchanges_in_ep_overlap_chunks() -> None:
+    """[parallel] ep_overlap through parallelize: an evaluation forward of the layout model starts
+    3 all-to-alls per chunk in each MoE layer (the rows, their routing weights, the outputs back:
+    the count exchange is not one of them), so n chunks start 3 n."""
+    from helpers import DEFAULT_FAMILY, make_batch, moe_layers, parallel_block_model, rows_of_this_rank
+    from parallel import ParallelConfig, build_mesh, parallelize
+    for chunks in (1, 3):
+        model = parallel_block_model(DEFAULT_FAMILY)
+        layers = len(moe_layers(model.config))
+        cfg = ParallelConfig(ep=2, ep_overlap=chunks, param_dtype="float32")
+        pm = parallelize(model, cfg, build_mesh(cfg, "cpu", model.config.num_experts))
+        batch = rows_of_this_rank(pm.mesh, make_batch(vocab=model.config.vocab_size))
+        with ScheduleLog() as log:
+            pm.loss(*batch)
+        started = sum(event.startswith("S") for event in log.events)
+        assert layers and started == 3 * chunks * layers, (chunks, layers, log.events)
+
+
+def test_parallelize_exchanges_the_experts_rows_in_ep_overlap_chunks():
+    spawn(2, check_parallelize_exchanges_in_ep_overlap_chunks)
