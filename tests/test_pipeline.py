@@ -4,7 +4,7 @@ for every family). The stages here are cut from Flint, whose layer count is free
 import pytest
 import torch
 
-from helpers import only, tiny_config
+from helpers import only, spawn, tiny_config
 from pipeline import SCHEDULES, V_SCHEDULES, merged_view, pipeline_stage
 from registry import model_class
 
@@ -44,3 +44,18 @@ def test_more_stages_than_layers_is_refused():
 
 def test_the_v_schedules_are_schedules():
     assert set(V_SCHEDULES) <= set(SCHEDULES)
+
+
+def check_the_schedule_runs_pp_microbatches(microbatches: int) -> None:
+    """parallel_step's model (2 layers) in 2 stages of one layer, its batch of 4 rows in
+    `microbatches` pieces: each stage's block runs one forward per pipeline micro-batch, none
+    recomputed."""
+    from helpers import parallel_step
+    calls = parallel_step("flint", {"pp": 2, "pp_microbatches": microbatches}, False)[3]
+    assert list(calls.values()) == [[microbatches, 0]], calls
+
+
+@only("flint")
+def test_the_schedule_runs_pp_microbatches_micro_batches():
+    """4, not the default (one per stage: 2)."""
+    spawn(2, check_the_schedule_runs_pp_microbatches, 4)
