@@ -251,6 +251,21 @@ def test_bad_fp8_settings_stop_with_one_line(tmp_path, override, pattern):
     stops_with_one_line(lambda: main(args), ConfigError, "parallel.fp8", pattern)
 
 
+@pytest.mark.parametrize("accepted, refused", [
+    (["--training.batch_size=2", "--data.seq_len=8"], ["--training.batch_size=1", "--data.seq_len=8"]),
+    (["--model.hidden_size=128"], ["--model.hidden_size=120"]),
+])
+def test_fp8_shapes_on_16_value_boundaries_are_accepted(tmp_path, accepted, refused):
+    """The accepted boundary beside a refusal: 16 tokens per micro-batch (8 refused); a hidden size
+    of 128, a multiple of 16 (120 refused)."""
+    from config import load_config
+    args = fp8_debug_args(tmp_path)
+    path = args[args.index("--config") + 1]
+    overrides = [arg for arg in args if arg not in ("--config", path)]
+    assert load_config(path, [*overrides, *accepted]).parallel.fp8 == "rowwise"
+    with pytest.raises(ConfigError, match=r"--parallel.fp8: \[parallel\].fp8 needs"):
+        load_config(path, [*overrides, *refused])
+
 def test_a_gpu_without_fp8_tensor_cores_is_refused_before_the_process_group(tmp_path, monkeypatch):
     import train
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
