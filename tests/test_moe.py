@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moe import MoE, balanced_counts, set_balanced_routing, sort_by_expert
 from parallel import close_distributed
 from reference import reference_moe
-from helpers import assert_close_to_scale, shard_experts, spawn
+from helpers import assert_close_to_scale, only, shard_experts, spawn
 
 HIDDEN, INTER, SHARED, EXPERTS, TOP_K = 16, 8, 12, 6, 2
 
@@ -565,3 +565,25 @@ def check_parallelize_exchanges_in_ep_overlap_chunks() -> None:
 
 def test_parallelize_exchanges_the_experts_rows_in_ep_overlap_chunks():
     spawn(2, check_parallelize_exchanges_in_ep_overlap_chunks)
+
+
+@only("flint")
+def test_the_model_s_routers_take_norm_topk_prob_from_its_config():
+    """[model] norm_topk_prob reaches every router of the model: each token's top-k weights (seen by
+    a forward hook) sum to 1 with it; without it they are the k chosen sigmoid scores, whose sums
+    differ from 1 by up to 0.1 on these tokens."""
+    from helpers import build, make_batch, tiny_config
+    from moe import Router
+    sums = {}
+    for norm in (True, False):
+        config = tiny_config("flint", norm_topk_prob=norm)
+        model = build(config)
+        weights = []
+        for router in filter(lambda m: isinstance(m, Router), model.modules()):
+            router.register_forward_hook(lambda module, args, out: weights.append(out[0].sum(-1)))
+        ids, targets, doc_ids = make_batch(vocab=config.vocab_size)
+        model(ids, targets, doc_ids)
+        sums[norm] = torch.cat(weights)
+    assert len(sums[True]) == len(sums[False]) > 0
+    torch.testing.assert_close(sums[True], torch.ones_like(sums[True]))
+    assert (sums[False] - 1).abs().max() > 0.05, sums[False]
