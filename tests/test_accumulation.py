@@ -28,6 +28,9 @@ from parallel import ParallelConfig, build_mesh, choose_accumulation, paralleliz
 GRAD_ACCUM = 3
 MODES = ("sync_each", "sync_last", "gathered")
 COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+# The counted pipelines (1F1B, pp = 2, pp_microbatches = 0) cut each micro-batch of a data-parallel
+# rank into one pipeline micro-batch per stage, in every mode (sync_last and gathered: in one call).
+PIPELINE_MICROBATCHES = 2
 
 
 @contextmanager
@@ -86,6 +89,17 @@ def expected_collectives(mode: str, pm, pipelined: bool, micro_batches: int = GR
     return {name: count for name, count in counts.items() if count}
 
 
+def counting_block_forwards(pm) -> dict[str, list[int]]:
+    """The rows of each forward of each of this rank's blocks, by layer name (forward pre-hooks)."""
+    rows: dict[str, list[int]] = {}
+    for part in pm.parts:
+        for name, layer in part.layers.items():
+            rows[name] = []
+            record = rows[name].append
+            layer.register_forward_pre_hook(lambda _, args, record=record: record(len(args[0])))
+    return rows
+
+
 def micro_batches(config) -> list[tuple[torch.Tensor, ...]]:
     """GRAD_ACCUM batches of make_batch's pattern, other tokens each; the last has 2 fewer loss tokens per
     row, so that the micro-batches weigh differently."""
@@ -134,9 +148,17 @@ def check_accumulation(layouts: list[dict], family: str, modes=MODES, count: boo
             assert pm.accumulation == mode
             optimizer = torch.optim.AdamW(pm.module.parameters(), lr=LR, foreach=False)
             local = [dict(zip(("input_ids", "targets", "doc_ids"), rows_of_this_rank(mesh, b))) for b in batches]
+            forwards = counting_block_forwards(pm)
             for step in range(2):
+                for each in forwards.values():
+                    each.clear()
                 with fsdp_collectives() as counts:
                     loss = pm.accumulate_gradients(local)
+                if count and cfg.pp > 1:  # each pipeline micro-batch of each micro-batch ran, whole
+                    piece = len(local[0]["input_ids"]) // PIPELINE_MICROBATCHES
+                    runs = GRAD_ACCUM * PIPELINE_MICROBATCHES
+                    expected = {name: [piece] * runs for name in forwards}
+                    assert forwards and forwards == expected, f"{what}: rows per forward {forwards}"
                 gathered = [name for name, param in pm.module.named_parameters() if not isinstance(param, DTensor)]
                 assert not (pm.units and gathered), f"{what}: left gathered after the step: {gathered}"
                 assert_close_to_scale(loss, ref_losses[step], what=f"{what} step {step} loss")

@@ -413,3 +413,23 @@ def test_the_sequence_wise_term_weighs_each_row_by_its_loss_tokens():
     for name, grad in grads.items():
         if grad is not None or expected_grads[name] is not None:
             close(grad, expected_grads[name], f"grad {name}")
+
+
+def test_train_py_passes_on_the_routing_settings_of_its_config(tmp_path, monkeypatch):
+    """One step of the debug config with force_balanced_routing and idle_expert_steps = 7 set: the
+    routing record shows every expert of every MoE layer with the same load (forced balance routes
+    round robin), and the routing monitor is built to warn after the 7 steps asked (recorded)."""
+    import train
+    idle_steps = []
+
+    class Recording(RoutingMonitor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            idle_steps.append(self.idle_steps)
+    monkeypatch.setattr(train, "RoutingMonitor", Recording)
+    run_debug(tmp_path, "--training.steps=1", "--logging.every=1", "--training.sample_tokens=0",
+              "--training.force_balanced_routing=true", "--logging.idle_expert_steps=7")
+    routing = next(r["routing"] for r in records(tmp_path) if "routing" in r)
+    loads = [(layer["max_load"], layer["min_load"]) for layer in routing.values()]
+    assert loads and set(loads) == {(1.0, 1.0)}, routing
+    assert idle_steps == [7]

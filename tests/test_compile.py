@@ -14,11 +14,12 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from attention import FULL, SLIDING, build_masks, flash_sink_attention
-from helpers import (BF16_GRAPHS, FAMILY_NAMES, assert_close_to_scale, block_inputs, build, counting_backend,
-                     in_process_group, only, parallel_block_model, parallel_step, registered, spawn, tiny_config,
-                     values_and_grads)
+from helpers import (BF16_GRAPHS, FAMILY_NAMES, assert_close_to_scale, block_inputs, build,
+                     counting_backend, in_process_group, make_batch, only, parallel_block_model,
+                     parallel_step, registered, spawn, tiny_config, values_and_grads)
 from layers import document_positions
 from moe import _grouped_mm_op, expert_counts, grouped_mm
 
@@ -125,6 +126,31 @@ def test_head_and_chunked_loss_compile_to_one_graph(chunk_size, one_thread):
         results.append((loss, torch.autograd.grad(loss, [h, head.weight])))
     assert_same(*results, f"head, chunks of {chunk_size}")
 
+
+class LogitRows(TorchDispatchMode):
+    """The rows of each matmul that makes logits (an output `vocab` wide): one per loss chunk."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("mm", "addmm") and out.shape[-1] == self.vocab:
+            self.rows.append(out.shape[0])
+        return out
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_the_model_s_loss_runs_loss_chunk_size_rows_at_a_time(family):
+    """[model] loss_chunk_size reaches the head: a training forward of 2 x 16 tokens with chunks of
+    12 makes its logits 12, 12 and 8 rows at a time (the default, 4096: all 32 at once)."""
+    config = tiny_config(family, loss_chunk_size=12)
+    model = build(config)
+    ids, targets, doc_ids = make_batch(vocab=config.vocab_size)
+    with LogitRows(config.vocab_size) as log:
+        model(ids[:2], targets[:2], doc_ids[:2])
+    assert log.rows == [12, 12, 8], log.rows
 
 @pytest.mark.skipif(not SLOW, reason="about a minute of tracing on 2 idle cores: FLINT_SLOW=1")
 @only("large4")

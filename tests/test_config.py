@@ -2,6 +2,7 @@
 
 import json
 import os
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -310,3 +311,77 @@ def test_impossible_and_non_finite_settings_are_refused_in_one_line(tmp_path, ov
     with pytest.raises(ConfigError, match=message) as refused:
         load_config(write(tmp_path, TINY), overrides)
     assert "\n" not in str(refused.value)
+
+
+
+# Each refusal's accepted boundary beside the nearest refused value, on the default family's tiny
+# preset: (key, accepted value, refused value, other overrides both take). The refused value is one
+# step (an integer, or a small number) past the boundary. The refusal names the key where it was
+# set; the boundary loads, with the value set.
+PIPELINE = ["--parallel.pp=2"]
+ZBV = [*PIPELINE, "--parallel.pp_schedule=ZBVZeroBubble"]
+DUALPIPE = [*PIPELINE, "--parallel.pp_schedule=DualPipeV"]
+BOUNDARIES = [
+    ("training.steps", "1", "0"), ("training.batch_size", "1", "0"),
+    ("training.grad_accum", "1", "0"),
+    ("training.seed", "0", "-1"), ("training.seed", str(2**64 - 1), str(2**64)),
+    ("training.eval_every", "0", "-1"), ("training.eval_batches", "1", "0"),
+    ("training.sample_tokens", "0", "-1"), ("training.sample_temperature", "0.001", "0.0009"),
+    ("training.sample_temperature", "0.0", "-0.001"),
+    ("data.seq_len", "1", "0"), ("data.seq_len", "4096", "4097"),
+    ("data.val_fraction", "0.0", "-0.001"), ("data.val_fraction", "0.999", "1.0"),
+    ("data.epochs", "1", "0"),
+    ("optim.lr", "1e-300", "0.0", ["--optim.min_lr=0.0"]), ("optim.muon_lr", "1e-300", "0.0"),
+    ("optim.muon_momentum", "0.0", "-0.001"), ("optim.muon_momentum", "0.999", "1.0"),
+    ("optim.min_lr", "0.0", "-1e-9"), ("optim.min_lr", "1e-3", "0.0011", ["--optim.lr=1e-3"]),
+    ("optim.warmup_steps", "0", "-1"),
+    ("optim.decay_fraction", "1.0", "1.001"), ("optim.decay_fraction", "0.001", "0.0"),
+    ("optim.weight_decay", "0.0", "-1e-9"),
+    ("optim.beta1", "0.0", "-0.001"), ("optim.beta1", "0.999", "1.0"),
+    ("optim.beta2", "0.0", "-0.001"), ("optim.beta2", "0.999", "1.0"),
+    ("optim.eps", "1e-300", "0.0"), ("optim.grad_clip", "0.0", "-1e-9"),
+    ("checkpoint.every", "0", "-1"), ("checkpoint.keep_last", "1", "0"),
+    ("logging.every", "1", "0"), ("logging.peak_tflops", "0.0", "-0.001"),
+    ("logging.idle_expert_steps", "0", "-1"),
+    ("logging.profile_steps", '"1"', '"0"'), ("logging.profile_steps", '"1-100"', '"1-101"'),
+    ("parallel.dp_replicate", "1", "0"), ("parallel.dp_shard", "1", "0"), ("parallel.ep", "1", "0"),
+    ("parallel.pp", "1", "0"), ("parallel.cp", "1", "0"), ("parallel.ep_overlap", "1", "0"),
+    ("parallel.collective_timeout_minutes", "525600", "525600.001"),
+    ("parallel.pp_microbatches", "0", "-1"), ("parallel.pp_microbatches", "8", "3", PIPELINE),
+    ("parallel.pp_microbatches", "2", "1", ZBV), ("parallel.pp_microbatches", "4", "2", DUALPIPE),
+    ("parallel.activation_checkpointing", '"none"', '"selective"', ZBV),
+    ("model.capacity_factor", "1e-9", "0.0"),
+    ("model.router_z_loss_coef", "0.0", "-1e-9"),
+    ("model.router_sequence_loss_coef", "0.0", "-1e-9"),
+]
+# Of Flint's tiny preset: 8 experts, 6 layers, widths in multiples of 8.
+INTERLEAVED = ["--parallel.pp_schedule=Interleaved1F1B", "--parallel.pp_microbatches=2"]
+FLINT_BOUNDARIES = [
+    ("parallel.ep", "8", "3"), ("model.num_experts_per_tok", "8", "9"),
+    ("model.moe_intermediate_size", "40", "36"), ("model.router_aux_loss_coef", "0.0", "-1e-9"),
+    ("parallel.pp", "3", "4", INTERLEAVED),  # 2 stages per rank: 6 stages fit 6 layers, 8 do not
+]
+
+
+def loaded_value(cfg, key: str):
+    """A dotted key's value as the run reads it ([model] keys from the model's config)."""
+    section, name = key.split(".")
+    return getattr(cfg.model_config if section == "model" else getattr(cfg, section), name)
+
+
+def boundary_rows(rows: list[tuple], marks=()) -> list:
+    return [pytest.param(key, accepted, refused, *others, id=f"{key}={accepted}", marks=marks)
+            for key, accepted, refused, *others in rows]
+
+
+@pytest.mark.parametrize("key, accepted, refused, others",
+                         boundary_rows([(*row, [])[:4] for row in BOUNDARIES]) +
+                         boundary_rows([(*row, [])[:4] for row in FLINT_BOUNDARIES], only("flint")))
+def test_each_refusal_accepts_its_boundary(tmp_path, key, accepted, refused, others):
+    path = write(tmp_path, TINY)
+    cfg = load_config(path, [*others, f"--{key}={accepted}"])
+    assert loaded_value(cfg, key) == tomllib.loads(f"v = {accepted}")["v"]
+    with pytest.raises(ConfigError) as refusal:
+        load_config(path, [*others, f"--{key}={refused}"])
+    message = str(refusal.value)
+    assert "\n" not in message and f"command line --{key}" in message, message

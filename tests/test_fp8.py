@@ -175,6 +175,70 @@ def test_fp8_targets_the_projections_mlps_and_experts_only(family):
     assert experts and all(m.swiglu.keywords["mm"].func is fp8_grouped_mm for m in experts)
 
 
+def scales_of_each_fp8_call(monkeypatch) -> dict[str, list[list[tuple[int, ...]]]]:
+    """Counting wrappers on the bodies of the FP8 ops (the dense matmul, the experts' grouped GEMM
+    and its weight gradient): for each call of each, the shapes of the inverse scales its operands
+    were quantised with; () is one scale for the tensor. The weight gradient's own per-(group,
+    column) scales are recorded by quantize_per_group_column, its tensor-wise ones by the quantize
+    it calls."""
+    import fp8
+    calls = {"scaled_matmul": [], "grouped_loop": [], "weight_grad_loop": []}
+    current: list[list] = [[]]
+
+    def recording(name):
+        body = getattr(fp8, name)
+
+        def run(*args, **kwargs):
+            current[0] = []
+            calls[name].append(current[0])
+            return body(*args, **kwargs)
+        monkeypatch.setattr(fp8, name, run)
+    for name in calls:
+        recording(name)
+    quantize, per_group_column = fp8.quantize, fp8.quantize_per_group_column
+
+    def recorded_quantize(*args, **kwargs):
+        values, inverse = quantize(*args, **kwargs)
+        current[0].append(tuple(inverse.shape))
+        return values, inverse
+
+    def recorded_per_group_column(*args, **kwargs):
+        before = len(current[0])
+        values, inverse = per_group_column(*args, **kwargs)
+        if len(current[0]) == before:  # its own scales, not quantize's
+            current[0].append(tuple(inverse.shape))
+        return values, inverse
+    monkeypatch.setattr(fp8, "quantize", recorded_quantize)
+    monkeypatch.setattr(fp8, "quantize_per_group_column", recorded_per_group_column)
+    return calls
+
+
+@only("flint")
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_recipe_reaches_every_projection_mlp_and_expert_op(recipe, monkeypatch):
+    """[parallel] fp8 through parallelize, one forward and backward: every FP8 op call quantises
+    with the recipe's scales, one per tensor (tensorwise) or one per row, column or (group, column)
+    (rowwise); and the ops ran as often as the targets ask: a linear once forward, twice backward
+    (its input's and its weight's gradients); an expert group's two grouped GEMMs once each forward,
+    and each twice backward (its input's gradient in the grouped GEMM, its weight's in the
+    weight-gradient op)."""
+    from helpers import parallel_block_model
+    calls = scales_of_each_fp8_call(monkeypatch)
+    in_process_group(parallel_step, "flint", {"fp8": recipe}, False)
+    model = parallel_block_model("flint")
+    linears = sum(isinstance(m, torch.nn.Linear) for m in fp8_targets(model).values())
+    expert_groups = sum(isinstance(m, GroupedExperts) for m in model.modules())
+    assert linears >= 8 and expert_groups == 1  # projections, the dense MLP; the MoE block's experts
+    counts = {name: len(each) for name, each in calls.items()}
+    assert counts == {"scaled_matmul": 3 * linears, "grouped_loop": 4 * expert_groups,
+                      "weight_grad_loop": 2 * expert_groups}, counts
+    for name, each in calls.items():
+        for scales in each:
+            assert len(scales) == 2, (name, scales)  # both operands quantised
+            one_per_tensor = [shape == () for shape in scales]
+            assert one_per_tensor == [recipe == "tensorwise"] * 2, f"{recipe}: {name} {scales}"
+
+
 @pytest.mark.parametrize("override, pattern", [
     ("--parallel.fp8=fp16", r"fp8 must be one of \['none', 'rowwise', 'tensorwise'\], got 'fp16'"),
     ("--model.hidden_size=120", r"multiple of 16 .*q_proj has widths 120"),
@@ -186,6 +250,21 @@ def test_bad_fp8_settings_stop_with_one_line(tmp_path, override, pattern):
     args = fp8_debug_args(tmp_path, override)
     stops_with_one_line(lambda: main(args), ConfigError, "parallel.fp8", pattern)
 
+
+@pytest.mark.parametrize("accepted, refused", [
+    (["--training.batch_size=2", "--data.seq_len=8"], ["--training.batch_size=1", "--data.seq_len=8"]),
+    (["--model.hidden_size=128"], ["--model.hidden_size=120"]),
+])
+def test_fp8_shapes_on_16_value_boundaries_are_accepted(tmp_path, accepted, refused):
+    """The accepted boundary beside a refusal: 16 tokens per micro-batch (8 refused); a hidden size
+    of 128, a multiple of 16 (120 refused)."""
+    from config import load_config
+    args = fp8_debug_args(tmp_path)
+    path = args[args.index("--config") + 1]
+    overrides = [arg for arg in args if arg not in ("--config", path)]
+    assert load_config(path, [*overrides, *accepted]).parallel.fp8 == "rowwise"
+    with pytest.raises(ConfigError, match=r"--parallel.fp8: \[parallel\].fp8 needs"):
+        load_config(path, [*overrides, *refused])
 
 def test_a_gpu_without_fp8_tensor_cores_is_refused_before_the_process_group(tmp_path, monkeypatch):
     import train

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moe import MoE, balanced_counts, set_balanced_routing, sort_by_expert
 from parallel import close_distributed
 from reference import reference_moe
-from helpers import assert_close_to_scale, shard_experts, spawn
+from helpers import assert_close_to_scale, only, shard_experts, spawn
 
 HIDDEN, INTER, SHARED, EXPERTS, TOP_K = 16, 8, 12, 6, 2
 
@@ -543,3 +543,47 @@ def check_the_schedule_is_the_documented_one() -> None:
 
 def test_the_overlapped_exchange_runs_the_documented_schedule():
     spawn(2, check_the_schedule_is_the_documented_one)
+
+
+def check_parallelize_exchanges_in_ep_overlap_chunks() -> None:
+    """[parallel] ep_overlap through parallelize: an evaluation forward of the layout model starts
+    3 all-to-alls per chunk in each MoE layer (the rows, their routing weights, the outputs back:
+    the count exchange is not one of them), so n chunks start 3 n."""
+    from helpers import DEFAULT_FAMILY, make_batch, moe_layers, parallel_block_model, rows_of_this_rank
+    from parallel import ParallelConfig, build_mesh, parallelize
+    for chunks in (1, 3):
+        model = parallel_block_model(DEFAULT_FAMILY)
+        layers = len(moe_layers(model.config))
+        cfg = ParallelConfig(ep=2, ep_overlap=chunks, param_dtype="float32")
+        pm = parallelize(model, cfg, build_mesh(cfg, "cpu", model.config.num_experts))
+        batch = rows_of_this_rank(pm.mesh, make_batch(vocab=model.config.vocab_size))
+        with ScheduleLog() as log:
+            pm.loss(*batch)
+        started = sum(event.startswith("S") for event in log.events)
+        assert layers and started == 3 * chunks * layers, (chunks, layers, log.events)
+
+
+def test_parallelize_exchanges_the_experts_rows_in_ep_overlap_chunks():
+    spawn(2, check_parallelize_exchanges_in_ep_overlap_chunks)
+
+
+@only("flint")
+def test_the_model_s_routers_take_norm_topk_prob_from_its_config():
+    """[model] norm_topk_prob reaches every router of the model: each token's top-k weights (seen by
+    a forward hook) sum to 1 with it; without it they are the k chosen sigmoid scores, whose sums
+    differ from 1 by up to 0.1 on these tokens."""
+    from helpers import build, make_batch, tiny_config
+    from moe import Router
+    sums = {}
+    for norm in (True, False):
+        config = tiny_config("flint", norm_topk_prob=norm)
+        model = build(config)
+        weights = []
+        for router in filter(lambda m: isinstance(m, Router), model.modules()):
+            router.register_forward_hook(lambda module, args, out: weights.append(out[0].sum(-1)))
+        ids, targets, doc_ids = make_batch(vocab=config.vocab_size)
+        model(ids, targets, doc_ids)
+        sums[norm] = torch.cat(weights)
+    assert len(sums[True]) == len(sums[False]) > 0
+    torch.testing.assert_close(sums[True], torch.ones_like(sums[True]))
+    assert (sums[False] - 1).abs().max() > 0.05, sums[False]

@@ -4,7 +4,7 @@ for every family). The stages here are cut from Flint, whose layer count is free
 import pytest
 import torch
 
-from helpers import only, tiny_config
+from helpers import only, spawn, tiny_config
 from pipeline import SCHEDULES, V_SCHEDULES, merged_view, pipeline_stage
 from registry import model_class
 
@@ -44,3 +44,41 @@ def test_more_stages_than_layers_is_refused():
 
 def test_the_v_schedules_are_schedules():
     assert set(V_SCHEDULES) <= set(SCHEDULES)
+
+
+def stage_order(schedule: str) -> str:
+    """This rank's block of parallel_step's model in a 2-stage pipeline of 4 micro-batches under
+    `schedule`: F for each forward, B for each backward through it, in the order they ran."""
+    from helpers import make_batch, parallel_block_model, rows_of_this_rank
+    from parallel import ParallelConfig, build_mesh, parallelize
+    model = parallel_block_model("flint")
+    cfg = ParallelConfig(pp=2, pp_microbatches=4, pp_schedule=schedule, param_dtype="float32")
+    pm = parallelize(model, cfg, build_mesh(cfg, "cpu", model.config.num_experts))
+    events = []
+
+    def forward_then_backward(module, args, out):
+        events.append("F")
+        out.register_hook(lambda grad: events.append("B"))
+    for part in pm.parts:
+        for layer in part.layers.values():
+            layer.register_forward_hook(forward_then_backward)
+    pm.forward_backward(*rows_of_this_rank(pm.mesh, make_batch(vocab=model.config.vocab_size)))
+    return "".join(events)
+
+
+def check_the_schedule_runs_pp_microbatches(microbatches: int) -> None:
+    """[parallel] pp_microbatches and pp_schedule reach the pipeline: `microbatches` forwards per
+    stage; GPipe runs every forward before any backward, 1F1B starts backwards before its last
+    forward."""
+    from helpers import parallel_step
+    calls = parallel_step("flint", {"pp": 2, "pp_microbatches": microbatches}, False)[3]
+    assert list(calls.values()) == [[microbatches, 0]], calls
+    assert stage_order("GPipe") == "FFFFBBBB"
+    order = stage_order("1F1B")
+    assert sorted(order) == sorted("FFFFBBBB") and order.index("B") < order.rindex("F"), order
+
+
+@only("flint")
+def test_the_schedule_runs_pp_microbatches_micro_batches_in_its_order():
+    """4 micro-batches, not the default (one per stage: 2)."""
+    spawn(2, check_the_schedule_runs_pp_microbatches, 4)
