@@ -78,7 +78,9 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeyp
     monkeypatch.setattr(model, "forward", nan_on_third_call)
     with pytest.raises(TrainingError, match=r"step 3: the training loss is nan.*step_00000002"):
         run_debug(tmp_path, "--training.steps=5", "--checkpoint.every=2")
-    assert sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir()) == [".lock", "run.json", "step_00000002"]
+    # the steps logged before it diverged get their report, as a finished run's do
+    kept = sorted(p.name for p in (tmp_path / "ckpt" / "run_0001").iterdir())
+    assert kept == [".lock", "report.html", "run.json", "step_00000002"]
 
 
 def compile_with_backend_raising(monkeypatch, error: Exception) -> None:
