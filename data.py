@@ -37,6 +37,7 @@ import torch
 from chat import (ChatEncoder, ChatError, Conversation, Pair, WholeRows, chat_summary, one_line,
                   read_example, template_of)
 from files import read_json_object, remove_stale_temporaries, sync_rename
+from flags import OneLineParser
 from tokenizer import END_OF_TEXT, Tokenizer, TokenizerError, load_tokenizer
 
 # The Python Language Reference topics that CPython ships as pydoc_data/topics.py (see data/README.md).
@@ -730,12 +731,6 @@ def row_arrays(tokens: np.ndarray, docs: np.ndarray, mask: np.ndarray | None) ->
 # --seq-len's bound: 16 times the longest context of the models here (Large 4's 1,048,576).
 MAX_SEQ_LEN = 1 << 24
 
-
-class OneLineParser(argparse.ArgumentParser):
-    """A bad flag stops with one line that names it, not the usage text."""
-
-    def error(self, message: str):
-        raise SystemExit(f"error: {message}")
 
 
 def seq_len_flag(text: str) -> int:

@@ -22,6 +22,7 @@ import torch
 from checkpoint_files import is_native_checkpoint, resolve_checkpoint
 from generate import MIN_TEMPERATURE, stream, usable_temperature
 from files import read_config_json
+from flags import OneLineParser, positive
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 
@@ -51,12 +52,6 @@ def main(argv: list[str] | None = None) -> None:
         print(flush=True)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """A bad flag stops with one line that names it, not the usage text."""
-
-    def error(self, message: str):
-        raise SystemExit(f"error: {message}")
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = OneLineParser(description=__doc__.split("\n\n")[0],
@@ -75,13 +70,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda")
     return parser.parse_args(argv)
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def temperature(text: str) -> float:

@@ -1,10 +1,10 @@
-"""tools/flags.py: a bad flag stops with one line naming the flag; the bounds and names it checks."""
+"""flags.py: a bad flag stops with one line naming the flag; the bounds and names it checks."""
 
 import argparse
 
 import pytest
 
-from tools.flags import OneLineParser, at_least, names_from
+from flags import OneLineParser, at_least, names_from
 
 
 def parser() -> OneLineParser:

@@ -61,9 +61,10 @@ def repository_modules_loaded_by(module: str) -> set[str]:
 
 LEAVES = [
     ("files", set()),
+    ("flags", set()),
     ("tokenizer", set()),
     ("chat", {"tokenizer"}),
-    ("data", {"files", "tokenizer", "chat"}),
+    ("data", {"files", "flags", "tokenizer", "chat"}),
     ("checkpoint_files", set()),
     ("hf_io", {"files", "checkpoint_files"}),
     ("layers", set()),

@@ -44,7 +44,7 @@ from attention import FULL, SLIDING, resolve_backend
 from config import (ConfigError, ModelSection, OptimSection, TrainConfig, config_from_tables, model_family,
                     parse_override, read_tables)
 from files import write_atomically
-from tools.flags import OneLineParser, non_negative, positive
+from flags import OneLineParser, non_negative, positive
 from metrics import CPU_PEAK_CACHE, model_flops_per_token, run_peak_flops
 from layers import build
 from registry import FAMILIES, ModelConfig, family, model_class

@@ -16,7 +16,7 @@ import time
 import checkpoint
 import train
 from config import ConfigError, load_config
-from tools.flags import OneLineParser, positive
+from flags import OneLineParser, positive
 
 MODES = {"at the end only": ("0", "false"), "sync": (None, "false"), "async": (None, "true")}
 

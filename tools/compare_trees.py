@@ -23,7 +23,7 @@ import tempfile
 import tomllib
 from pathlib import Path
 
-from tools.flags import OneLineParser, names_from, positive
+from flags import OneLineParser, names_from, positive
 
 ROOT = Path(__file__).resolve().parent.parent
 

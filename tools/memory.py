@@ -21,7 +21,7 @@ import torch
 
 from config import ConfigError, load_config
 from lora import LoraConfig, apply_lora
-from tools.flags import OneLineParser, positive
+from flags import OneLineParser, positive
 from registry import ModelConfig, model_class
 from parallel import MESH_DIMS, ParallelConfig, choose_accumulation, unsupported_layout
 from pipeline import pipeline_stage

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from moe import MoE
-from tools.flags import OneLineParser, non_negative, positive
+from flags import OneLineParser, non_negative, positive
 
 HIDDEN, EXPERTS, TOP_K, INTERMEDIATE, SHARED = 256, 32, 4, 128, 256
 AGREE = 1e-4  # FP32 sums in another order differ by far less

@@ -74,7 +74,7 @@ from pathlib import Path
 import torch
 
 from config import ConfigError, TrainConfig, load_config
-from tools.flags import OneLineParser, positive
+from flags import OneLineParser, positive
 from tools.memory import GPU_GIB, accumulation_of, meta_model, stage_param_counts
 from registry import FAMILIES, ModelConfig
 from tools.op_trace import OpCost, trace_step

@@ -15,7 +15,6 @@ stays under the GPU's usable memory. Ranked by calibrated tokens/s per GPU; each
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 from config import ConfigError, TrainConfig
 from parallel import AC_MODES, ParallelConfig, unsupported_layout
 from registry import model_class
-from tools.flags import OneLineParser, names_from, positive
+from flags import OneLineParser, names_from, positive
 from tools.memory import OVERHEAD_GIB, memory_per_gpu
 from tools.planner import Device, Plan, add_shape_arguments, describe_layout, plan_step, read_shape
 
