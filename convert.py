@@ -5,6 +5,9 @@ checkpoint, one tensor at a time.
     python convert.py to-hf IN HF_DIR           # native (model-only or a training checkpoint) -> published
     python convert.py to-peft IN ADAPTER_DIR    # a LoRA run's checkpoint -> PEFT's adapter directory
 
+IN is a checkpoint directory or, as for sample.py's --checkpoint, a run's checkpoint directory (its
+newest intact step_*).
+
 to-hf on a LoRA run's checkpoint (adapters only, lora.py) writes the merged model: the base it names,
 each adapted weight plus its scaled update; to-peft writes its adapters in PEFT's format. Both exports
 and the in-memory merge (sample.py) are here, below; lora.py holds the adapters and the run's record.
@@ -44,7 +47,7 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from checkpoint_files import load_dcp, write_checksums
+from checkpoint_files import is_hf_checkpoint, load_dcp, resolve_checkpoint, write_checksums
 from hf_io import (SAFETENSORS_DTYPES, Entry, Layout, NativeDir, Part, SafetensorsDir, Source, StateSource,
                    atomic_directory, dcp_call, parse_size, published_view, read_json, write_safetensors)
 from lora import (RUN_FILE, LoraConfig, adapter_state, base_changes, base_identity, base_key, delta_weight,
@@ -220,16 +223,21 @@ def _write_config(directory: Path, config: Config, dtype: torch.dtype | None = N
 
 # ============================================================================= writing published checkpoints
 
+def refuse_selection_bias(config: Config, name: str) -> None:
+    """A ValueError for a model whose experts are chosen with the aux-loss-free selection bias."""
+    bias_rate = config.router_bias_update_rate
+    if bias_rate:
+        raise ValueError(f"{name}: this model chooses experts with a per-expert selection bias "
+                         f"(router_bias_update_rate = {bias_rate}), which the published format has no place "
+                         f"for: the export would route differently from the trained model")
+
+
 def export_published(source: Source, config: Config, out: str | Path, dtype: torch.dtype | None = None,
                      max_shard_size: int | str = "5GB", log: Log = lambda line: None,
                      extras: Source | None = None) -> tuple[int, int]:
     """Write a native source, and `extras` (published tensors outside the model) as they are or cast to
     `dtype`, as a published checkpoint directory -> (tensors, bytes)."""
-    bias_rate = config.router_bias_update_rate
-    if bias_rate:
-        raise ValueError(f"{source.name}: this model chooses experts with a per-expert selection bias "
-                         f"(router_bias_update_rate = {bias_rate}), which the published format has no place "
-                         f"for: the export would route differently from the trained model")
+    refuse_selection_bias(config, source.name)
     spec, dtypes = layout_of(config), check_source(source, config, published=False)[1]
     meta, limit = native_meta(config), parse_size(max_shard_size)
     entries = []
@@ -579,14 +587,37 @@ def transformers_module_name(config: ModelConfig, native: str) -> str:
     return name
 
 
-def export_peft(checkpoint: Path, out: str | Path) -> int:
-    """A LoRA checkpoint's adapters as a PEFT adapter directory `out` -> the tensors written."""
+def peft_base(base_path: str, base_hf: str | None, config: ModelConfig) -> str:
+    """The base_model_name_or_path a PEFT adapter names: a published directory transformers loads (absolute,
+    so the adapter loads from any working directory). A published base is named as it is; a native one
+    needs `base_hf`, its to-hf export (checked by family and tensor shapes; its weights are not read)."""
+    refuse_selection_bias(config, base_path)
+    if base_hf is None:
+        if is_hf_checkpoint(Path(base_path)):
+            return str(Path(base_path).resolve())
+        raise ValueError(f"{base_path}: the adapters' base is a native checkpoint, which transformers cannot "
+                         f"load; export it (python3 convert.py to-hf {base_path} BASE_HF) and pass --base-hf BASE_HF")
+    if not is_hf_checkpoint(Path(base_hf)):
+        raise ValueError(f"--base-hf {base_hf}: not a published checkpoint (config.json and *.safetensors)")
+    published, native = PublishedAsNative(base_hf), NativeDir(base_path)
+    shapes = {key: shape for key, (shape, _) in native.meta.items()}
+    if family_of(read_config(base_hf)[0]) is not family_of(config) or \
+            {key: shape for key, (shape, _) in published.meta.items()} != shapes:
+        raise ValueError(f"--base-hf {base_hf}: not an export of the adapters' base {base_path} "
+                         f"(another family or other tensor shapes)")
+    return str(Path(base_hf).resolve())
+
+
+def export_peft(checkpoint: Path, out: str | Path, base_hf: str | None = None) -> int:
+    """A LoRA checkpoint's adapters as a PEFT adapter directory `out` -> the tensors written. Its base is
+    the run's, or `base_hf`, that base's to-hf export, when the run's is native (peft_base)."""
     _, config, base_path = base_source(checkpoint)
+    model_config = read_config(checkpoint)[0]
+    base_model = peft_base(base_path, base_hf, model_config)
     adapters = NativeDir(checkpoint)
     tensors = adapters.read(list(adapters.meta))
-    model_config = read_config(checkpoint)[0]
     write_peft_adapter(out, tensors, config, published_table(model_config),
-                       lambda native: transformers_module_name(model_config, native), base_path)
+                       lambda native: transformers_module_name(model_config, native), base_model)
     return len(tensors)
 
 
@@ -600,6 +631,16 @@ def report_defaults(path: Path, config: ModelConfig, log: Callable[[str], None])
     if missing:
         values = ", ".join(f"{k} = {str(getattr(config, k))[:40]}" for k in missing)
         log(f"{path}: {len(missing)} field(s) missing, using the defaults: {values}")
+
+
+def checkpoint_of(path: Path, command: str) -> Path:
+    """A checkpoint directory as it is (a bad one is named by the reader's own checks), or, as sample.py's
+    --checkpoint takes it, a run's checkpoint directory -> its newest intact step_* (named when chosen)."""
+    if (path / ".metadata").exists() or (path / "config.json").exists():
+        return path
+    step = resolve_checkpoint(path, command)
+    print(f"{command}: {path} is a run's checkpoint directory; converting its newest intact step {step}")
+    return step
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -622,11 +663,19 @@ def main(argv: list[str] | None = None) -> None:
     to_peft = commands.add_parser("to-peft", help="a LoRA run's checkpoint IN -> PEFT adapter directory ADAPTER_DIR")
     to_peft.add_argument("native_dir")
     to_peft.add_argument("adapter_dir")
+    to_peft.add_argument("--base-hf", metavar="HF_DIR",
+                         help="the base's to-hf export, named in adapter_config.json for transformers to load; "
+                              "needed when the run's base is native (default: the run's base, when published)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
+    if args.command in ("to-hf", "to-peft"):
+        try:
+            args.native_dir = str(checkpoint_of(Path(args.native_dir), args.command))
+        except ValueError as error:
+            sys.exit(f"error: {error}")
     if args.command == "to-peft":
         try:
-            tensors = export_peft(Path(args.native_dir), args.adapter_dir)
+            tensors = export_peft(Path(args.native_dir), args.adapter_dir, args.base_hf)
         except (ValueError, OSError) as error:
             sys.exit(f"error: {error}")
         print(f"wrote {tensors} adapter tensors to {args.adapter_dir} in {time.perf_counter() - started:.1f} s")

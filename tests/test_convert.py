@@ -375,3 +375,21 @@ def test_output_directories_get_the_permissions_of_a_plain_mkdir(tmp_path):
     with atomic_directory(tmp_path / "out") as tmp:
         (tmp / "x").write_text("x")
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~current_umask()
+
+
+def test_to_hf_takes_a_runs_checkpoint_directory_as_its_newest_step(tmp_path, capsys):
+    """`to-hf runs/x/checkpoints` converts the newest intact step_* of its run_* directories, as sample.py's
+    --checkpoint and init_from take it, and names the step; a directory with no checkpoint inside says so."""
+    older, newer = (build_model(CONFIG, dtype=torch.float32, seed=seed) for seed in (0, 1))
+    run = tmp_path / "checkpoints" / "run_0001"
+    save_native(older, CONFIG, run / "step_00000001")
+    save_native(newer, CONFIG, run / "step_00000002")
+    main(["to-hf", str(tmp_path / "checkpoints"), str(tmp_path / "hf")])
+    assert f"converting its newest intact step {run / 'step_00000002'}" in capsys.readouterr().out
+    exported = read_published(tmp_path / "hf")
+    assert all(torch.equal(exported[key], value) for key, value in published_from_model(newer).items())
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match=r"^error: to-hf .*empty: not a checkpoint .* no complete step_\* "
+                                         r"checkpoint inside$"):
+        main(["to-hf", str(tmp_path / "empty"), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

@@ -132,7 +132,17 @@ def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
     assert "sample" in summary  # drawn from the checkpoint, merged in memory (sample.load_model)
     checkpoint = checkpoint_of(tmp_path, 3)
     convert.main(["to-hf", str(checkpoint), str(tmp_path / "merged")])
-    convert.main(["to-peft", str(checkpoint), str(tmp_path / "peft")])
+    base_hf = base if published_base else tmp_path / "base_hf"
+    if not published_base:  # transformers cannot load a native base: to-peft names its to-hf export
+        with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(base.resolve()))}: the adapters' base is "
+                                             rf"a native checkpoint.* pass --base-hf BASE_HF$"):
+            convert.main(["to-peft", str(checkpoint), str(tmp_path / "peft")])
+        assert not (tmp_path / "peft").exists()
+        convert.main(["to-hf", str(trained_once), str(base_hf)])
+        with pytest.raises(SystemExit, match=r"^error: --base-hf .*/x: not a published checkpoint"):
+            convert.main(["to-peft", str(checkpoint), str(tmp_path / "peft"), "--base-hf", str(tmp_path / "x")])
+    extra = [] if published_base else ["--base-hf", str(base_hf)]
+    convert.main(["to-peft", str(tmp_path / "ckpt"), str(tmp_path / "peft"), *extra])  # the run's newest step
     model = convert.load_native(trained_once, torch.float32)
     lora.apply_lora(model, lora.LoraConfig(rank=8, targets=["all"]))
     adapters = convert.NativeDir(checkpoint).read(list(lora.adapter_state(model.state_dict())))
@@ -149,7 +159,7 @@ def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
     assert sorted(written) == sorted(expected)
     assert all(torch.equal(written[key], value) for key, value in expected.items())
     peft_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-    assert peft_config["r"] == 8 and peft_config["base_model_name_or_path"] == str(base.resolve())
+    assert peft_config["r"] == 8 and peft_config["base_model_name_or_path"] == str(base_hf.resolve())
     run_export = exported_tensors(tmp_path / "run_export")
     assert all(torch.equal(run_export[key], value) for key, value in exported_tensors(tmp_path / "merged").items())
 
@@ -254,9 +264,24 @@ def test_a_base_replaced_in_place_is_refused_everywhere(tmp_path, trained_once, 
 
     shutil.rmtree(base)
     shutil.move(tmp_path / "kept", base)
-    convert.main(["to-peft", str(checkpoint), str(tmp_path / "to-peft")])
+    convert.main(["to-hf", str(checkpoint), str(tmp_path / "to-hf")])
     lora_run(tmp_path / "resumed", base, *resume)
     assert sorted(train_losses(tmp_path / "resumed")) == [2]
+
+
+def test_to_peft_refuses_a_base_with_the_selection_bias(tmp_path):
+    """A base that chooses experts with the aux-loss-free selection bias routes differently in
+    transformers' model: to-peft refuses it in one line, as to-hf does (the accepted boundary, a base
+    without it: test_export_merged_and_as_peft)."""
+    run_debug(tmp_path / "base", "--training.steps=1", "--training.sample_tokens=0",
+              "--model.router_bias_update_rate=0.01")
+    base = tmp_path / "base" / "ckpt" / "run_0001" / "step_00000001"
+    lora_run(tmp_path / "lora", base, "--training.steps=1")
+    refusal = r"per-expert selection bias \(router_bias_update_rate = 0.01\), which the published format"
+    for command in ("to-peft", "to-hf"):
+        with pytest.raises(SystemExit, match=rf"^error: .*{refusal}"):
+            convert.main([command, str(tmp_path / "lora" / "ckpt"), str(tmp_path / command)])
+        assert not (tmp_path / command).exists()
 
 
 def test_a_record_without_the_weights_checksum_warns_and_is_used(tmp_path, trained_once, capfd):
@@ -269,7 +294,7 @@ def test_a_record_without_the_weights_checksum_warns_and_is_used(tmp_path, train
     (checkpoint / lora.RUN_FILE).write_text(json.dumps(record))
     write_checksums(checkpoint)  # as such a checkpoint was saved
     capfd.readouterr()
-    convert.main(["to-peft", str(checkpoint), str(tmp_path / "peft")])
+    convert.main(["to-hf", str(checkpoint), str(tmp_path / "merged")])
     warning = (f"warning: {checkpoint / lora.RUN_FILE} records no checksum of its base's weights "
                f"(written before they were recorded): the base {trained_once.resolve()} is checked "
                f"by its config.json only")
