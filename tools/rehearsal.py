@@ -239,11 +239,13 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
         raise ConfigError(f"--rank must be in [0, {world}), got {rank}")
     job = gpu_config(cfg)
     say = Phases(f"rank {rank} of {world}")
+    say.start(f"joining a fake world of {world}")
     with fake_world(world, rank), targeting("cuda"), flex_on_fake_tensors(), block_masks_on_real_tensors(), \
             pipeline_votes_on_fake_tensors():
         run = start_fake_run(job, say)
         batches = rehearsal_batches(job, run, say)
         tracker = PeakMemory()
+        say.start("building the model on meta and sharding it")
         with failing_as_the_job(job, rank, world, lambda: "while laying out the model"), \
                 mock.patch.object(parallel, "device_memory_bytes", lambda device_type: GPU_GIB[gpu] * GIB):
             model = train.build_model(job, run)  # on meta; [parallel] accumulation "auto" for the GPU's memory
@@ -258,9 +260,11 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
             if not job.parallel.offload:
                 check_fits(job, world, rank, gpu, tracker.peak / GIB, "for its FP32 weights alone")
             for step in range(1, steps + 1):
+                say.start(f"step {step}: tracing the forward, backward and {job.optim.name} on fake tensors")
                 with failing_as_the_job(job, rank, world, lambda: f"at step {step}, in the {tracker.phase}"):
                     fake_step(model, optimizer, batches(), job, tracker)
                 say(f"step {step}: forward, backward, clipping and {job.optim.name} passed")
+            say.start("evaluation: tracing on fake tensors")
             with failing_as_the_job(job, rank, world, lambda: "in the evaluation"):
                 fake_evaluation(model, batches()[0], tracker)
             say("evaluation (train.py's, after the last step and every eval_every steps) passed")
@@ -269,8 +273,9 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
             host = offloaded_bytes(model, optimizer) if job.parallel.offload else 0
     picture = write_memory_timeline(Path(cfg.logging.jsonl).parent / f"rehearsal_rank{rank}_of_{world}_memory.svg",
                                     tracker.timeline, f"{cfg.source}: rank {rank} of {world}, live memory (fake tensors)")
-    say(f"live memory over the steps, by phase and by what holds it: {picture}")
-    return report(job, world, rank, gpu, tracker, say, host)
+    measured = report(job, world, rank, gpu, tracker, say, host)
+    say(f"live memory over the steps, by phase and by what holds it: {picture} (beside [logging] jsonl)")
+    return measured
 
 
 @contextmanager
@@ -296,14 +301,21 @@ def where_in_repository(error: BaseException) -> str:
 
 
 class Phases:
-    """Prints each phase with the seconds it took."""
+    """Prints each phase as it starts (a large job's phases take minutes on a busy CPU: the user sees
+    which one runs) and as it ends, with the seconds it took and those since the rehearsal began."""
 
     def __init__(self, who: str):
-        self.who, self.last = who, time.perf_counter()
+        self.who = who
+        self.began = self.last = time.perf_counter()
+
+    def start(self, message: str) -> None:
+        self.last = time.perf_counter()
+        print(f"rehearsal {self.who}: {message} ... (at {self.last - self.began:.1f} s)", flush=True)
 
     def __call__(self, message: str) -> None:
         now = time.perf_counter()
-        print(f"rehearsal {self.who}: {message} ({now - self.last:.1f} s)", flush=True)
+        print(f"rehearsal {self.who}: {message} ({now - self.last:.1f} s, at {now - self.began:.1f} s)",
+              flush=True)
         self.last = now
 
 
@@ -321,6 +333,7 @@ def rehearsal_batches(cfg: TrainConfig, run: Process, say: Phases):
     if missing:
         say(f"data: not checked: {missing}")
     else:  # as rank 0 for the preparation the real job's rank 0 does while this rank waits
+        say.start(f"data: checking {cfg.data.path} (preparing it as rank 0 would)")
         train.setup_data(cfg, dataclasses.replace(run, rank=0))
         say(f"data: {cfg.data.path} has enough rows for {cfg.training.steps} steps on {run.dp_size} "
             f"data-parallel ranks")
