@@ -53,6 +53,7 @@ from hf_io import (SAFETENSORS_DTYPES, Entry, Layout, NativeDir, Part, Safetenso
 from lora import (RUN_FILE, LoraConfig, adapter_state, base_changes, base_identity, base_key, delta_weight,
                   read_run_record, warn_unrecorded_weights)
 from registry import ModelConfig, config_from_hf, family_of, model_class
+from tokenizer import Tokenizer, write_hf_tokenizer
 
 Log = Callable[[str], None]
 Config = ModelConfig
@@ -234,9 +235,10 @@ def refuse_selection_bias(config: Config, name: str) -> None:
 
 def export_published(source: Source, config: Config, out: str | Path, dtype: torch.dtype | None = None,
                      max_shard_size: int | str = "5GB", log: Log = lambda line: None,
-                     extras: Source | None = None) -> tuple[int, int]:
+                     extras: Source | None = None, tokenizer: Tokenizer | None = None) -> tuple[int, int]:
     """Write a native source, and `extras` (published tensors outside the model) as they are or cast to
-    `dtype`, as a published checkpoint directory -> (tensors, bytes)."""
+    `dtype`, as a published checkpoint directory -> (tensors, bytes); with `tokenizer`, its files in
+    transformers' format beside them (tokenizer.hf_tokenizer_files)."""
     refuse_selection_bias(config, source.name)
     spec, dtypes = layout_of(config), check_source(source, config, published=False)[1]
     meta, limit = native_meta(config), parse_size(max_shard_size)
@@ -279,6 +281,8 @@ def export_published(source: Source, config: Config, out: str | Path, dtype: tor
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         _write_config(tmp, config, dtype or dtypes["embed_tokens.weight"], published=True)
+        if tokenizer is not None:
+            write_hf_tokenizer(tokenizer, tmp)
     written = sorted({str(e.dtype).removeprefix("torch.") for e in entries})
     log(f"wrote {' and '.join(written)} tensors, {len(extras.meta) if extras else 0} of them extras "
         f"(nothing is FP8: an FP8 source was dequantized on import and is not re-quantized)")
@@ -633,6 +637,19 @@ def report_defaults(path: Path, config: ModelConfig, log: Callable[[str], None])
         log(f"{path}: {len(missing)} field(s) missing, using the defaults: {values}")
 
 
+def recorded_tokenizer(checkpoint: Path, log: Log) -> Tokenizer | None:
+    """The tokenizer the run trained with, as sample.py picks it (its train_config.json, else the
+    directory's tokenizer.json), or None, said in one line, when the checkpoint records neither."""
+    if not any((checkpoint / name).is_file() for name in ("train_config.json", "tokenizer.json")):
+        log(f"no tokenizer written: {checkpoint} records none (no train_config.json or tokenizer.json)")
+        return None
+    from sample import sampling_tokenizer  # sample.py imports this module's loaders
+    tokenizer = sampling_tokenizer(checkpoint)
+    log(f"tokenizer: the run's, {tokenizer.vocab_size} tokens, end-of-text id {tokenizer.eos_id} "
+        f"(tokenizer.json, tokenizer_config.json)")
+    return tokenizer
+
+
 def checkpoint_of(path: Path, command: str) -> Path:
     """A checkpoint directory as it is (a bad one is named by the reader's own checks), or, as sample.py's
     --checkpoint takes it, a run's checkpoint directory -> its newest intact step_* (named when chosen)."""
@@ -694,7 +711,9 @@ def main(argv: list[str] | None = None) -> None:
             config = read_config(args.native_dir)[0]
             report_defaults(Path(args.native_dir) / "config.json", config, print)
             extras = published_extras(args.extras_from or args.native_dir, config)
-            tensors, size = export_published(source, config, args.hf_dir, dtype, args.max_shard_size, print, extras)
+            tokenizer = recorded_tokenizer(Path(args.native_dir), print)
+            tensors, size = export_published(source, config, args.hf_dir, dtype, args.max_shard_size, print, extras,
+                                             tokenizer)
     except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")
     out = args.out if args.command == "to-native" else args.hf_dir

@@ -385,7 +385,10 @@ def test_to_hf_takes_a_runs_checkpoint_directory_as_its_newest_step(tmp_path, ca
     save_native(older, CONFIG, run / "step_00000001")
     save_native(newer, CONFIG, run / "step_00000002")
     main(["to-hf", str(tmp_path / "checkpoints"), str(tmp_path / "hf")])
-    assert f"converting its newest intact step {run / 'step_00000002'}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"converting its newest intact step {run / 'step_00000002'}" in printed
+    assert f"no tokenizer written: {run / 'step_00000002'} records none" in printed  # model-only: no record
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
     exported = read_published(tmp_path / "hf")
     assert all(torch.equal(exported[key], value) for key, value in published_from_model(newer).items())
     (tmp_path / "empty").mkdir()

@@ -18,6 +18,7 @@ import sample
 import train
 from checkpoint_files import CheckpointError, read_metadata, write_checksums
 from config import ConfigError
+from tokenizer import hf_tokenizer_files, load_tokenizer
 from helpers import (DEFAULT_FAMILY, assert_close_to_scale, debug_args, exported_tensors, only, run_debug,
                      run_two_processes, tiny_preset, train_losses)
 
@@ -160,6 +161,9 @@ def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
     assert all(torch.equal(written[key], value) for key, value in expected.items())
     peft_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert peft_config["r"] == 8 and peft_config["base_model_name_or_path"] == str(base_hf.resolve())
+    written = {name: json.loads((tmp_path / "merged" / name).read_text(encoding="utf-8"))
+               for name in ("tokenizer.json", "tokenizer_config.json")}  # the run's (the debug config's: byte)
+    assert written == hf_tokenizer_files(load_tokenizer("byte"))
     run_export = exported_tensors(tmp_path / "run_export")
     assert all(torch.equal(run_export[key], value) for key, value in exported_tensors(tmp_path / "merged").items())
 
