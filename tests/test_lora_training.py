@@ -3,10 +3,14 @@ loss, checkpoints hold the adapters, their optimizer states and the base's ident
 only on that base; convert.py exports the run merged or as a PEFT adapter directory. Bad [lora] input stops
 the run before any work, in one line naming the key."""
 
+import codecs
 import hashlib
 import json
+import os
 import re
+import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +23,7 @@ import train
 from checkpoint_files import CheckpointError, read_metadata, write_checksums
 from config import ConfigError
 from tokenizer import hf_tokenizer_files, load_tokenizer
-from helpers import (DEFAULT_FAMILY, assert_close_to_scale, debug_args, exported_tensors, only, run_debug,
+from helpers import (DEFAULT_FAMILY, ROOT, assert_close_to_scale, debug_args, exported_tensors, only, run_debug,
                      run_two_processes, tiny_preset, train_losses)
 
 LORA = ["--model.preset=", '--lora.targets=["all"]', "--lora.rank=8", "--training.sample_tokens=0",
@@ -377,3 +381,57 @@ def test_an_explicit_resume_refuses_a_damaged_lora_json(tmp_path, trained_once, 
     checkpoint, line = damaged_copy(tmp_path, lora_checkpoint, DAMAGED_RECORDS[damage])
     with pytest.raises(CheckpointError, match=rf"^{line}"):
         lora_run(tmp_path / "resumed", trained_once, f"--checkpoint.resume={checkpoint}")
+
+
+# ============================================================================= README, Fine-tuning, in order
+
+REFERENCE_PYTHON = Path(os.environ.get("FLINT_HF_VENV", Path.home() / ".cache" / "flint" / "hfvenv")) / "bin" / "python"
+TINY = {"train.py": ["--training.steps=2", "--training.sample_tokens=0", "--training.eval_every=0",
+                     "--data.seq_len=64", "--training.batch_size=1", "--logging.peak_tflops=0.1"],
+        "sample.py": ["--max-new-tokens", "4", "--device", "cpu"], "convert.py": []}
+
+
+def readme_commands(section: str) -> list[list[str]]:
+    """The python3 commands of the first bash block of a README section, continuation lines joined and
+    bash's $'...' quoting applied (shlex does not know it)."""
+    text = (ROOT / "README.md").read_text().split(f"## {section}\n")[1]
+    block = text.split("```bash\n")[1].split("```")[0].replace("\\\n", " ")
+
+    def ansi_c(match: re.Match) -> str:
+        return shlex.quote(codecs.decode(match.group(1), "unicode_escape"))
+    return [shlex.split(re.sub(r"\$'((?:[^'\\]|\\.)*)'", ansi_c, line))
+            for line in block.splitlines() if line.startswith("python3 ")]
+
+
+@pytest.mark.skipif("flint" != DEFAULT_FAMILY, reason="configs/smoke.toml and sft-smoke.toml are Flint's")
+def test_the_readmes_fine_tuning_commands_work_in_order(tmp_path, monkeypatch, capsys):
+    """README, Fine-tuning, on a fresh clone (a directory holding only configs/ and data/), each command at
+    2 steps of 64 tokens: the exportable base, full SFT, LoRA SFT, a sample of the prompt with its newline,
+    the merged export and the PEFT adapter directory, whose base transformers loads. With the reference
+    venv, peft's AutoPeftModelForCausalLM loads the adapter directory from elsewhere and generates text."""
+    for name in ("configs", "data"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    monkeypatch.chdir(tmp_path)
+    commands = readme_commands("Fine-tuning: SFT, LoRA, export")
+    assert [command[1] for command in commands] == ["train.py"] * 3 + ["sample.py", "convert.py", "convert.py"]
+    modules = {"train.py": train, "sample.py": sample, "convert.py": convert}
+    for command in commands:
+        extra = [f"--data.cache_dir={tmp_path / 'cache'}"] if command[1] == "train.py" else []
+        modules[command[1]].main(command[2:] + TINY[command[1]] + extra)
+    assert "User: What is a list?\nAssistant: " in capsys.readouterr().out  # a newline, not backslash-n
+    adapter = tmp_path / "runs" / "sft-lora" / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "runs" / "smoke" / "hf")
+    if not REFERENCE_PYTHON.exists():
+        pytest.skip(f"the reference venv {REFERENCE_PYTHON} is absent: the adapter is not loaded by peft")
+    script = ("import sys, torch; from transformers import AutoTokenizer; from peft import AutoPeftModelForCausalLM\n"
+              "model = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1])\n"
+              "tokenizer = AutoTokenizer.from_pretrained(sys.argv[2])\n"
+              "ids = tokenizer('User: What is a list?', return_tensors='pt')['input_ids']\n"
+              "out = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)\n"
+              "print(type(model).__name__, out.shape[1] - ids.shape[1], repr(tokenizer.decode(out[0])))")
+    result = subprocess.run([str(REFERENCE_PYTHON), "-c", script, str(adapter), str(adapter.parent / "merged")],
+                            cwd=ROOT.parent, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    kind, new_tokens, text = result.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert kind.startswith("Peft") and 1 <= int(new_tokens) <= 6 and text.startswith("'User: What is a list?")
