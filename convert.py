@@ -637,6 +637,26 @@ def report_defaults(path: Path, config: ModelConfig, log: Callable[[str], None])
         log(f"{path}: {len(missing)} field(s) missing, using the defaults: {values}")
 
 
+def transformers_note(directory: Path, extras: Source | None) -> str | None:
+    """One line on what transformers will report, harmlessly, when it loads the export `directory`
+    (its load report and rope validation print them with no explanation), or None."""
+    written = read_json(directory / "config.json")
+    text, notes = written.get("text_config", written), []
+    has_vision = extras is not None and any("vision_tower" in key for key in extras.meta)
+    if "vision_config" in written and not has_vision:  # Large 4's composite: a placeholder vision config
+        notes.append("its load report lists the vision tower and projector as MISSING: this export is the text "
+                     "model only, so it initializes them fresh, and text generation never runs them "
+                     "(--extras-from a release checkpoint writes real ones)")
+    rope = text.get("rope_parameters") or {}
+    if rope.get("rope_type") == "yarn" and rope.get("original_max_position_embeddings"):
+        implicit = text["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        if implicit != rope["factor"]:  # a preset shorter than the release's 512 x 2048 positions
+            notes.append(f"it warns that the YaRN factor {rope['factor']:g} is not max_position_embeddings / "
+                         f"original_max_position_embeddings = {implicit:g} and uses the explicit factor, "
+                         f"as flint does: the same rotary frequencies")
+    return f"note, transformers loading {directory}: " + "; ".join(notes) if notes else None
+
+
 def recorded_tokenizer(checkpoint: Path, log: Log) -> Tokenizer | None:
     """The tokenizer the run trained with, as sample.py picks it (its train_config.json, else the
     directory's tokenizer.json), or None, said in one line, when the checkpoint records neither."""
@@ -717,6 +737,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")
     out = args.out if args.command == "to-native" else args.hf_dir
+    note = transformers_note(Path(out), extras) if args.command == "to-hf" else None
+    if note:
+        print(note)
     print(f"wrote {tensors} tensors, {size / 1e9:.3f} GB to {out} in {time.perf_counter() - started:.1f} s")
 
 

@@ -396,3 +396,26 @@ def test_to_hf_takes_a_runs_checkpoint_directory_as_its_newest_step(tmp_path, ca
                                          r"checkpoint inside$"):
         main(["to-hf", str(tmp_path / "empty"), str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif("large4" not in FAMILIES, reason="Mistral Large 4 is not registered")
+def test_to_hf_explains_what_transformers_reports_on_loading_a_large4_export(tmp_path, capsys):
+    """transformers lists a text-only Large 4 export's vision tower as MISSING and warns that a tiny preset's
+    YaRN factor (2048) is not its 4096 / 512 = 8 positions ratio: to-hf says why in one line. A Flint export
+    gets none (the boundary)."""
+    from large4 import Large4Config, MistralLarge4
+    from layers import build
+    config = Large4Config.from_name("large4-tiny")
+    save_native(build(MistralLarge4, config, seed=0), config, tmp_path / "native")
+    capsys.readouterr()
+    main(["to-hf", str(tmp_path / "native"), str(tmp_path / "hf")])
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note")]
+    assert notes == [f"note, transformers loading {tmp_path / 'hf'}: its load report lists the vision tower and "
+                     f"projector as MISSING: this export is the text model only, so it initializes them fresh, and "
+                     f"text generation never runs them (--extras-from a release checkpoint writes real ones); it "
+                     f"warns that the YaRN factor 2048 is not max_position_embeddings / "
+                     f"original_max_position_embeddings = 8 and uses the explicit factor, as flint does: the same "
+                     f"rotary frequencies"]
+    save_native(build_model(CONFIG, dtype=torch.float32, seed=0), CONFIG, tmp_path / "flint")
+    main(["to-hf", str(tmp_path / "flint"), str(tmp_path / "flint_hf")])
+    assert "note" not in capsys.readouterr().out
