@@ -235,7 +235,8 @@ def refuse_selection_bias(config: Config, name: str) -> None:
 
 def export_published(source: Source, config: Config, out: str | Path, dtype: torch.dtype | None = None,
                      max_shard_size: int | str = "5GB", log: Log = lambda line: None,
-                     extras: Source | None = None, tokenizer: Tokenizer | None = None) -> tuple[int, int]:
+                     extras: Source | None = None,
+                     tokenizer: Tokenizer | None = None) -> tuple[int, int]:
     """Write a native source, and `extras` (published tensors outside the model) as they are or cast to
     `dtype`, as a published checkpoint directory -> (tensors, bytes); with `tokenizer`, its files in
     transformers' format beside them (tokenizer.hf_tokenizer_files)."""
@@ -592,17 +593,20 @@ def transformers_module_name(config: ModelConfig, native: str) -> str:
 
 
 def peft_base(base_path: str, base_hf: str | None, config: ModelConfig) -> str:
-    """The base_model_name_or_path a PEFT adapter names: a published directory transformers loads (absolute,
-    so the adapter loads from any working directory). A published base is named as it is; a native one
-    needs `base_hf`, its to-hf export (checked by family and tensor shapes; its weights are not read)."""
+    """The base_model_name_or_path a PEFT adapter names: a published directory transformers
+    loads (absolute, so the adapter loads from any working directory). A published base is named
+    as it is; a native one needs `base_hf`, its to-hf export (checked by family and tensor
+    shapes; its weights are not read)."""
     refuse_selection_bias(config, base_path)
     if base_hf is None:
         if is_hf_checkpoint(Path(base_path)):
             return str(Path(base_path).resolve())
-        raise ValueError(f"{base_path}: the adapters' base is a native checkpoint, which transformers cannot "
-                         f"load; export it (python3 convert.py to-hf {base_path} BASE_HF) and pass --base-hf BASE_HF")
+        raise ValueError(f"{base_path}: the adapters' base is a native checkpoint, which "
+                         f"transformers cannot load; export it (python3 convert.py to-hf "
+                         f"{base_path} BASE_HF) and pass --base-hf BASE_HF")
     if not is_hf_checkpoint(Path(base_hf)):
-        raise ValueError(f"--base-hf {base_hf}: not a published checkpoint (config.json and *.safetensors)")
+        raise ValueError(f"--base-hf {base_hf}: not a published checkpoint "
+                         f"(config.json and *.safetensors)")
     published, native = PublishedAsNative(base_hf), NativeDir(base_path)
     shapes = {key: shape for key, (shape, _) in native.meta.items()}
     if family_of(read_config(base_hf)[0]) is not family_of(config) or \
@@ -613,8 +617,9 @@ def peft_base(base_path: str, base_hf: str | None, config: ModelConfig) -> str:
 
 
 def export_peft(checkpoint: Path, out: str | Path, base_hf: str | None = None) -> int:
-    """A LoRA checkpoint's adapters as a PEFT adapter directory `out` -> the tensors written. Its base is
-    the run's, or `base_hf`, that base's to-hf export, when the run's is native (peft_base)."""
+    """A LoRA checkpoint's adapters as a PEFT adapter directory `out` -> the tensors written. Its
+    base is the run's, or `base_hf`, that base's to-hf export, when the run's is native
+    (peft_base)."""
     _, config, base_path = base_source(checkpoint)
     model_config = read_config(checkpoint)[0]
     base_model = peft_base(base_path, base_hf, model_config)
@@ -643,17 +648,19 @@ def transformers_note(directory: Path, extras: Source | None) -> str | None:
     written = read_json(directory / "config.json")
     text, notes = written.get("text_config", written), []
     has_vision = extras is not None and any("vision_tower" in key for key in extras.meta)
-    if "vision_config" in written and not has_vision:  # Large 4's composite: a placeholder vision config
-        notes.append("its load report lists the vision tower and projector as MISSING: this export is the text "
-                     "model only, so it initializes them fresh, and text generation never runs them "
-                     "(--extras-from a release checkpoint writes real ones)")
+    if "vision_config" in written and not has_vision:  # Large 4: a placeholder vision config
+        notes.append("its load report lists the vision tower and projector as MISSING: this "
+                     "export is the text model only, so it initializes them fresh, and text "
+                     "generation never runs them (--extras-from a release checkpoint writes "
+                     "real ones)")
     rope = text.get("rope_parameters") or {}
     if rope.get("rope_type") == "yarn" and rope.get("original_max_position_embeddings"):
         implicit = text["max_position_embeddings"] / rope["original_max_position_embeddings"]
         if implicit != rope["factor"]:  # a preset shorter than the release's 512 x 2048 positions
-            notes.append(f"it warns that the YaRN factor {rope['factor']:g} is not max_position_embeddings / "
-                         f"original_max_position_embeddings = {implicit:g} and uses the explicit factor, "
-                         f"as flint does: the same rotary frequencies")
+            notes.append(f"it warns that the YaRN factor {rope['factor']:g} is not "
+                         f"max_position_embeddings / original_max_position_embeddings = "
+                         f"{implicit:g} and uses the explicit factor, as flint does: the same "
+                         f"rotary frequencies")
     return f"note, transformers loading {directory}: " + "; ".join(notes) if notes else None
 
 
@@ -661,7 +668,8 @@ def recorded_tokenizer(checkpoint: Path, log: Log) -> Tokenizer | None:
     """The tokenizer the run trained with, as sample.py picks it (its train_config.json, else the
     directory's tokenizer.json), or None, said in one line, when the checkpoint records neither."""
     if not any((checkpoint / name).is_file() for name in ("train_config.json", "tokenizer.json")):
-        log(f"no tokenizer written: {checkpoint} records none (no train_config.json or tokenizer.json)")
+        log(f"no tokenizer written: {checkpoint} records none "
+            f"(no train_config.json or tokenizer.json)")
         return None
     from sample import sampling_tokenizer  # sample.py imports this module's loaders
     tokenizer = sampling_tokenizer(checkpoint)
@@ -671,12 +679,14 @@ def recorded_tokenizer(checkpoint: Path, log: Log) -> Tokenizer | None:
 
 
 def checkpoint_of(path: Path, command: str) -> Path:
-    """A checkpoint directory as it is (a bad one is named by the reader's own checks), or, as sample.py's
-    --checkpoint takes it, a run's checkpoint directory -> its newest intact step_* (named when chosen)."""
+    """A checkpoint directory as it is (a bad one is named by the reader's own checks), or, as
+    sample.py's --checkpoint takes it, a run's checkpoint directory -> its newest intact step_*
+    (named when chosen)."""
     if (path / ".metadata").exists() or (path / "config.json").exists():
         return path
     step = resolve_checkpoint(path, command)
-    print(f"{command}: {path} is a run's checkpoint directory; converting its newest intact step {step}")
+    print(f"{command}: {path} is a run's checkpoint directory; converting its newest intact "
+          f"step {step}")
     return step
 
 
@@ -701,8 +711,9 @@ def main(argv: list[str] | None = None) -> None:
     to_peft.add_argument("native_dir")
     to_peft.add_argument("adapter_dir")
     to_peft.add_argument("--base-hf", metavar="HF_DIR",
-                         help="the base's to-hf export, named in adapter_config.json for transformers to load; "
-                              "needed when the run's base is native (default: the run's base, when published)")
+                         help="the base's to-hf export, named in adapter_config.json for "
+                              "transformers to load; needed when the run's base is native "
+                              "(default: the run's base, when published)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     if args.command in ("to-hf", "to-peft"):
@@ -732,8 +743,8 @@ def main(argv: list[str] | None = None) -> None:
             report_defaults(Path(args.native_dir) / "config.json", config, print)
             extras = published_extras(args.extras_from or args.native_dir, config)
             tokenizer = recorded_tokenizer(Path(args.native_dir), print)
-            tensors, size = export_published(source, config, args.hf_dir, dtype, args.max_shard_size, print, extras,
-                                             tokenizer)
+            tensors, size = export_published(source, config, args.hf_dir, dtype,
+                                             args.max_shard_size, print, extras, tokenizer)
     except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")
     out = args.out if args.command == "to-native" else args.hf_dir

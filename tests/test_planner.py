@@ -559,9 +559,10 @@ def test_flex_kernel_seconds_by_hand():
 
 @FLINT
 def test_the_memory_line_says_when_the_layout_does_not_fit(monkeypatch):
-    """The planner judges its layout as search.py does: flint-8gpu (full checkpointing: 6 % margin, plus
-    10 GiB of buffers) needs 75.0 * 1.06 + 10 = 89.5 GiB for an estimate of 75.0, over an H100's 79.6
-    usable; 65.66 * 1.06 + 10 = 79.5996 fits it exactly (the boundary), 65.67 does not."""
+    """The planner judges its layout as search.py does: flint-8gpu (full checkpointing: 6 % margin,
+    plus 10 GiB of buffers) needs 75.0 * 1.06 + 10 = 89.5 GiB for an estimate of 75.0, over an
+    H100's 79.6 usable; 65.66 * 1.06 + 10 = 79.5996 fits it exactly (the boundary), 65.67 does
+    not."""
     monkeypatch.chdir(ROOT)
     cfg = load_config("configs/flint-8gpu.toml", [])
     layout = cfg.parallel.resolve(8, cfg.model_config.num_experts)

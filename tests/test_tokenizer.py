@@ -198,9 +198,10 @@ def test_unsupported_tokenizers_are_refused(tmp_path, edit, message):
         hf_tokenizer_encoding(tmp_path)
 
 
-# ============================================================================= export in transformers' format
+# ================================================================ export in transformers' format
 
-REFERENCE_PYTHON = Path(os.environ.get("FLINT_HF_VENV", Path.home() / ".cache" / "flint" / "hfvenv")) / "bin" / "python"
+REFERENCE_VENV = Path(os.environ.get("FLINT_HF_VENV", Path.home() / ".cache" / "flint" / "hfvenv"))
+REFERENCE_PYTHON = REFERENCE_VENV / "bin" / "python"  # tests/hf_venv.py's, with transformers
 TEXTS = ["héllo   wörld\n\t€ 12345 — ok", "abcab x", "User: What is a list?\nAssistant: "]
 
 
@@ -213,19 +214,20 @@ def small_bpe(tmp_path: Path):
 
 
 def test_the_byte_tokenizer_exports_each_byte_at_its_id_and_end_of_text():
-    """GPT-2's byte chars, by hand: printable bytes stand for themselves, bytes 0-32 are U+0100-U+0120,
-    127-160 are U+0121-U+0142, 173 (soft hyphen) is U+0143."""
+    """GPT-2's byte chars, by hand: printable bytes stand for themselves, bytes 0-32 are
+    U+0100-U+0120, 127-160 are U+0121-U+0142, 173 (soft hyphen) is U+0143."""
     files = hf_tokenizer_files(load_tokenizer("byte"))
     spec, config = files["tokenizer.json"], files["tokenizer_config.json"]
     vocab = spec["model"]["vocab"]
     assert len(vocab) == 256 and spec["model"]["merges"] == []
-    expected = {"A": 65, "~": 126, "\u0100": 0, "\u010a": 10, "\u0120": 32, "\u0121": 127, "\u0142": 160,
-                "\u0143": 173, "\u00ae": 174, "\u00ff": 255}
+    expected = {"A": 65, "~": 126, "\u0100": 0, "\u010a": 10, "\u0120": 32, "\u0121": 127,
+                "\u0142": 160, "\u0143": 173, "\u00ae": 174, "\u00ff": 255}
     assert {token: vocab[token] for token in expected} == expected
-    assert spec["added_tokens"][0]["content"] == "<|endoftext|>" and spec["added_tokens"][0]["id"] == 256
-    assert len(spec["added_tokens"]) == 1 and spec["added_tokens"][0]["special"] is True
+    (added,) = spec["added_tokens"]
+    assert added["content"] == "<|endoftext|>" and added["id"] == 256 and added["special"] is True
     assert config["eos_token"] == config["bos_token"] == "<|endoftext|>"
-    assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["add_bos_token"] is False
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["add_bos_token"] is False
 
 
 def test_a_bpe_exports_the_merges_that_rebuild_its_tokens(tmp_path):
@@ -237,10 +239,11 @@ def test_a_bpe_exports_the_merges_that_rebuild_its_tokens(tmp_path):
     assert spec["model"]["merges"] == [["a", "b"], ["ab", "c"]]
     assert spec["model"]["vocab"]["abc"] == 257 and spec["added_tokens"][0]["id"] == 258
     back = hf_tokenizer_encoding(tmp_path)
-    assert all(back.encode_ordinary(text) == tokenizer.encoding.encode_ordinary(text) for text in TEXTS)
+    for text in TEXTS:
+        assert back.encode_ordinary(text) == tokenizer.encoding.encode_ordinary(text)
 
 
-@pytest.mark.skipif(not REFERENCE_PYTHON.exists(), reason=f"the reference venv {REFERENCE_PYTHON} is absent")
+@pytest.mark.skipif(not REFERENCE_PYTHON.exists(), reason=f"no reference venv {REFERENCE_PYTHON}")
 @pytest.mark.parametrize("kind", ["byte", "bpe"])
 def test_transformers_autotokenizer_reads_the_export_to_the_same_ids(tmp_path, kind):
     tokenizer = load_tokenizer("byte") if kind == "byte" else small_bpe(tmp_path)

@@ -75,7 +75,8 @@ import torch
 
 from config import ConfigError, TrainConfig, load_config
 from flags import OneLineParser, positive
-from tools.memory import GPU_GIB, OVERHEAD_GIB, accumulation_of, memory_per_gpu, meta_model, stage_param_counts
+from tools.memory import (GPU_GIB, OVERHEAD_GIB, accumulation_of, memory_per_gpu, meta_model,
+                          stage_param_counts)
 from registry import FAMILIES, ModelConfig
 from tools.op_trace import OpCost, trace_step
 from parallel import MESH_DIMS, ParallelConfig
@@ -755,15 +756,17 @@ def read_shape(args: argparse.Namespace,
 
 
 def memory_line(cfg: TrainConfig, layout: ParallelConfig, device: Device) -> str:
-    """Whether the layout fits one GPU, judged as search.py judges every layout: memory.py's estimate, plus
-    its margin for the checkpointing mode and OVERHEAD_GIB of slack and buffers, against the usable GiB."""
+    """Whether the layout fits one GPU, judged as search.py judges every layout: memory.py's
+    estimate, plus its margin for the checkpointing mode and OVERHEAD_GIB of slack and buffers,
+    against the usable GiB."""
     from tools.search import MEMORY_MARGIN  # search.py imports this module: read at call time
     estimate = memory_per_gpu(cfg.model_config, layout, cfg.data.seq_len, cfg.training.batch_size,
                               cfg.training.grad_accum, device.memory_gib)["total"]
     margin = MEMORY_MARGIN[layout.activation_checkpointing]
     needed = estimate * (1 + margin) + OVERHEAD_GIB
     how = (f"{needed:.1f} GiB needed per GPU (memory.py's {estimate:.1f} + {100 * margin:.0f} % + "
-           f"{OVERHEAD_GIB:.0f} GiB of buffers) of the {device.name}'s {device.memory_gib:.1f} GiB usable")
+           f"{OVERHEAD_GIB:.0f} GiB of buffers) of the {device.name}'s "
+           f"{device.memory_gib:.1f} GiB usable")
     if needed <= device.memory_gib:
         return f"memory: fits, {how}"
     return (f"memory: DOES NOT FIT, {how}: the times above are for a step this GPU cannot hold "

@@ -260,7 +260,8 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
             if not job.parallel.offload:
                 check_fits(job, world, rank, gpu, tracker.peak / GIB, "for its FP32 weights alone")
             for step in range(1, steps + 1):
-                say.start(f"step {step}: tracing the forward, backward and {job.optim.name} on fake tensors")
+                say.start(f"step {step}: tracing the forward, backward and {job.optim.name} "
+                          f"on fake tensors")
                 with failing_as_the_job(job, rank, world, lambda: f"at step {step}, in the {tracker.phase}"):
                     fake_step(model, optimizer, batches(), job, tracker)
                 say(f"step {step}: forward, backward, clipping and {job.optim.name} passed")
@@ -274,7 +275,8 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
     picture = write_memory_timeline(Path(cfg.logging.jsonl).parent / f"rehearsal_rank{rank}_of_{world}_memory.svg",
                                     tracker.timeline, f"{cfg.source}: rank {rank} of {world}, live memory (fake tensors)")
     measured = report(job, world, rank, gpu, tracker, say, host)
-    say(f"live memory over the steps, by phase and by what holds it: {picture} (beside [logging] jsonl)")
+    say(f"live memory over the steps, by phase and by what holds it: {picture} "
+        f"(beside [logging] jsonl)")
     return measured
 
 
@@ -301,8 +303,9 @@ def where_in_repository(error: BaseException) -> str:
 
 
 class Phases:
-    """Prints each phase as it starts (a large job's phases take minutes on a busy CPU: the user sees
-    which one runs) and as it ends, with the seconds it took and those since the rehearsal began."""
+    """Prints each phase as it starts (a large job's phases take minutes on a busy CPU: the user
+    sees which one runs) and as it ends, with the seconds it took and those since the rehearsal
+    began."""
 
     def __init__(self, who: str):
         self.who = who
@@ -310,12 +313,13 @@ class Phases:
 
     def start(self, message: str) -> None:
         self.last = time.perf_counter()
-        print(f"rehearsal {self.who}: {message} ... (at {self.last - self.began:.1f} s)", flush=True)
+        print(f"rehearsal {self.who}: {message} ... (at {self.last - self.began:.1f} s)",
+              flush=True)
 
     def __call__(self, message: str) -> None:
         now = time.perf_counter()
-        print(f"rehearsal {self.who}: {message} ({now - self.last:.1f} s, at {now - self.began:.1f} s)",
-              flush=True)
+        took, since = now - self.last, now - self.began
+        print(f"rehearsal {self.who}: {message} ({took:.1f} s, at {since:.1f} s)", flush=True)
         self.last = now
 
 
