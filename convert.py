@@ -607,7 +607,8 @@ def peft_base(base_path: str, base_hf: str | None, config: ModelConfig) -> str:
     if not is_hf_checkpoint(Path(base_hf)):
         raise ValueError(f"--base-hf {base_hf}: not a published checkpoint "
                          f"(config.json and *.safetensors)")
-    published, native = PublishedAsNative(base_hf), NativeDir(base_path)
+    published = PublishedAsNative(base_hf)
+    native = PublishedAsNative(base_path) if is_hf_checkpoint(Path(base_path)) else NativeDir(base_path)
     shapes = {key: shape for key, (shape, _) in native.meta.items()}
     if family_of(read_config(base_hf)[0]) is not family_of(config) or \
             {key: shape for key, (shape, _) in published.meta.items()} != shapes:

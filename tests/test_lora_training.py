@@ -148,6 +148,7 @@ def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
             convert.main(["to-peft", str(checkpoint), str(tmp_path / "peft"),
                           "--base-hf", str(tmp_path / "x")])
     extra = [] if published_base else ["--base-hf", str(base_hf)]
+    convert.main(["to-peft", str(checkpoint), str(tmp_path / "named"), "--base-hf", str(base_hf)])
     # the run's checkpoint directory: its newest step
     convert.main(["to-peft", str(tmp_path / "ckpt"), str(tmp_path / "peft"), *extra])
     model = convert.load_native(trained_once, torch.float32)
