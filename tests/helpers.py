@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 from registry import FAMILIES, model_class
 
 ROOT = Path(__file__).resolve().parent.parent
-SLOW = os.environ.get("FLINT_SLOW") == "1"
-slow = pytest.mark.skipif(not SLOW, reason="larger layouts: run with FLINT_SLOW=1")
+# Larger layouts: in the second tier, beyond what CI runs (FLINT_SLOW=1 python -m pytest -q -m slow).
+slow = pytest.mark.slow(beyond_ci=True)
 
 
 # ============================================================================= the registered families
