@@ -176,6 +176,7 @@ def test_every_mode_matches_one_process_under_expert_parallel_and_a_pipeline():
     spawn(2, check_accumulation, [{"ep": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}], DEFAULT_FAMILY)
 
 
+@pytest.mark.slow
 def test_every_mode_matches_one_process_under_hsdp_and_a_sharded_pipeline():
     """HSDP (replicate 2 x shard 2: the all-reduces counted) and a 1F1B pipeline of 2 stages over 2 FSDP ranks
     each (its units gathered once per schedule call, reduce-scattered once per call)."""

@@ -310,6 +310,7 @@ def test_checkpointed_blocks_under_a_bf16_policy(family, monkeypatch):
                      {"param_dtype": "bfloat16", "activation_checkpointing": "full"}, BF16_GRAPHS[family], 1e-2, 1e-3)
 
 
+@pytest.mark.slow
 @FLINT
 def test_checkpointed_blocks_under_bf16_expert_parallel():
     """ep = 2 over 2 gloo ranks, BF16 policy, every block checkpointed: an MoE block runs 7 graphs:
@@ -331,6 +332,7 @@ def test_checkpointed_blocks_under_bf16_pipeline_stages():
           {"param_dtype": "bfloat16", "pp": 2, "activation_checkpointing": "full"}, BF16_GRAPHS["flint"], 1e-2, 1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=slow)
                                     for name in FAMILY_NAMES])
 def test_checkpointed_blocks_under_fp32_expert_parallel_in_three_chunks(family):

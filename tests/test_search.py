@@ -61,6 +61,7 @@ def test_search_keeps_the_step_and_ranks_what_fits(small_space, capsys, monkeypa
     assert best.tokens_per_second == found[0].plan.tokens_per_second
 
 
+@pytest.mark.slow
 @FLINT
 def test_search_tries_only_the_checkpointing_modes_asked(small_space):
     found = search.search(tiny_config(), 8, planner.GPUS["H100"], 2 * 64 * 8, ("full", "selective"))
