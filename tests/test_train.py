@@ -199,6 +199,7 @@ def assert_same_losses(actual: dict[int, float], expected: dict[int, float], wha
         assert actual[step] == pytest.approx(expected[step], rel=1e-5), f"{what}, step {step}"
 
 
+@pytest.mark.slow  # five runs, three of two processes
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SLOW)
 def test_two_processes_match_one_resume_in_one_and_export(tmp_path, family):
     """Global batch of 8 rows: one process with 2 micro-batches of 4, FSDP 2 and EP 2 with 4 rows
