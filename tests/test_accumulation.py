@@ -171,6 +171,7 @@ def test_every_mode_matches_one_process_under_fsdp(family):
     spawn(2, check_accumulation, [{"dp_shard": 2}], family)
 
 
+@pytest.mark.slow
 def test_every_mode_matches_one_process_under_expert_parallel_and_a_pipeline():
     """ep 2 (the experts' own FSDP units over one rank each: no collective of theirs), and a 1F1B pipeline of
     2 stages (no FSDP on one data-parallel rank: the schedule's gradient reductions are counted)."""

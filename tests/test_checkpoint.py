@@ -391,6 +391,7 @@ def _rank_of_train(rank: int, world: int, port: int, argv: list[str], killed_at_
     train.main(argv)
 
 
+@pytest.mark.slow
 def test_kill_9_of_two_ranks_during_an_async_save_keeps_the_last_checkpoint(tmp_path):
     """FSDP on 2 gloo ranks with async_save, both killed with SIGKILL while step 2's checkpoint is
     being written (after step 2 trained and was logged): step 1's checkpoint is intact, auto-resume

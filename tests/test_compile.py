@@ -18,6 +18,7 @@ from attention import FULL, SLIDING, build_masks, flash_sink_attention
 from helpers import (BF16_GRAPHS, FAMILY_NAMES, assert_close_to_scale, block_inputs, build, counting_backend,
                      in_process_group, only, parallel_block_model, parallel_step, registered, slow, spawn,
                      tiny_config, values_and_grads)
+from helpers import FIRST_FAMILY_THEN_SECOND_TIER
 from layers import document_positions
 from moe import _grouped_mm_op, expert_counts, grouped_mm
 
@@ -289,7 +290,7 @@ def spawned(check, *args) -> None:
     check(*args)
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_checkpointed_blocks_compile_whole_and_match_eager(family, monkeypatch):
     """FP32 in a group of one, selective checkpointing (block 0 recomputed in backward, block 1 not):
     every block compiles with fullgraph=True (a break raises) to one graph; loss and gradients equal
