@@ -80,13 +80,14 @@ def test_a_tiny_job_is_rehearsed_on_a_fake_world_of_its_size(tmp_path, capsys, c
 def test_one_step_after_the_states_measures_the_peak_of_two_steps_without(tmp_path, capsys, monkeypatch, layout):
     """The rehearsal makes the optimizer's states before step 1 and runs one step: its peak is that of the two
     steps it ran before (step 1 making the states at its end, step 2 the steady step), in the same phase, to
-    within a few scalars (a step's loss and norms live into the next: 80 bytes measured)."""
+    within a step's scalars (its loss, norms and token counts live into the next: 80 bytes measured under
+    ep 2, 372 with 2 micro-batches; nothing that grows with the model)."""
     one_step = rehearse_tiny(tmp_path / "one", capsys, *layout)
     monkeypatch.setattr(rehearsal, "make_optimizer_states", lambda optimizer, tracker: None)
     before = rehearse_tiny(tmp_path / "before", capsys, *layout, steps=2)
     assert "step 2: forward" in before["printed"] and "step 2:" not in one_step["printed"]
     assert one_step["phase"] == before["phase"] == "forward and backward"
-    assert abs(one_step["peak_gib"] - before["peak_gib"]) * GIB <= 128, (one_step, before)
+    assert abs(one_step["peak_gib"] - before["peak_gib"]) * GIB <= 1024, (one_step, before)
     assert one_step["host_gib"] == before["host_gib"]
 
 
