@@ -43,8 +43,8 @@ from checkpoint import CheckpointError, Checkpointer, check_architecture
 from checkpoint_files import is_native_checkpoint, load_dcp
 from config import (ConfigError, OptimSection, TrainConfig, TrainingSection, help_text, load_config,
                     resolved_summary, resolved_toml)
-from data import (DataError, PackedLoader, TokenShards, changed_settings, prepare, prepared_dir,
-                  split_documents, stream_settings)
+from data import (DataError, PackedLoader, TokenShards, changed_settings, split_documents,
+                  stream_settings)
 from files import read_json_object
 from fp8 import fp8_device_refusal
 from layers import token_ids_checked_at_load
@@ -55,6 +55,7 @@ from moe import set_balanced_routing
 from muon import Muon, takes_muon
 from parallel import (ParallelModel, Process, barrier, build_mesh, close_distributed, init_distributed, init_weights,
                       parallelize, set_initial_values, uncompile, waiting_for_main_rank)
+from prepare import prepare, prepared_dir
 from balance import COEFFICIENTS, RoutingMonitor
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
@@ -264,7 +265,7 @@ def missing_inputs(cfg: TrainConfig) -> str | None:
     if not Path(d.path).exists():
         return (f"{cfg.where('data.path')}: data.path {d.path} does not exist. Put your corpus there (text files, "
                 f"a directory of them, or JSONL with a {d.text_key!r} field), or tokenize it once with "
-                f"`python3 data.py prepare CORPUS... --out {d.path} --tokenizer TOKENIZER` (GUIDE.md, Data)")
+                f"`python3 prepare.py prepare CORPUS... --out {d.path} --tokenizer TOKENIZER` (GUIDE.md, Data)")
     if ("/" in d.tokenizer or d.tokenizer.endswith(".tiktoken")) and not Path(d.tokenizer).exists():
         return (f"{cfg.where('data.tokenizer')}: data.tokenizer {d.tokenizer} does not exist: name a directory "
                 f"holding tokenizer.json (the released one comes with its checkpoint) or a .tiktoken file")

@@ -19,12 +19,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import convert
-import data
+import prepare as preparation
 import sample
 from checkpoint_files import CheckpointError
 from config import ConfigError, load_config
-from data import DataError, TokenShards, prepare
+from data import DataError, TokenShards
 from helpers import DEFAULT_FAMILY, debug_args, only, run_debug, stops_with_one_line, tiny_preset
+from prepare import prepare
 from registry import family
 from tokenizer import TokenizerError, bytes_to_unicode, load_tokenizer
 
@@ -201,7 +202,7 @@ def test_a_deeply_nested_jsonl_line_stops_with_one_line(tmp_path):
 
 
 def prepare_args(*given: str, inputs=("a.txt",), make=None):
-    """data.py prepare's argv in a directory holding a.txt ("some text") and b.txt (empty);
+    """prepare.py prepare's argv in a directory holding a.txt ("some text") and b.txt (empty);
     `make(dir)` adds to it first. --out is out/ unless given."""
 
     def build(directory: Path) -> list[str]:
@@ -323,12 +324,12 @@ DATA_CLI_CASES = {
 
 @pytest.mark.parametrize("build, named, pattern", DATA_CLI_CASES.values(), ids=DATA_CLI_CASES)
 def test_bad_prepare_flags_and_inputs_stop_with_one_line(tmp_path, build, named, pattern):
-    """Every flag of data.py prepare, and its inputs and output: one line naming it (paths written
+    """Every flag of prepare.py prepare, and its inputs and output: one line naming it (paths written
     as paths), and nothing written."""
     argv = [arg.format(dir=tmp_path) for arg in build(tmp_path)]
     before = sorted(tmp_path.iterdir())
     stops_with_one_line(
-        lambda: data.main(argv),
+        lambda: preparation.main(argv),
         SystemExit,
         named.format(dir=tmp_path),
         pattern.format(dir=re.escape(str(tmp_path))),
@@ -343,7 +344,7 @@ def test_prepare_accepts_the_boundary_values_of_its_flags(tmp_path, capsys):
     (tmp_path / "b.txt").write_text("")
     (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
     for seq_len in ("1", str(2**24)):
-        data.main(
+        preparation.main(
             [
                 "prepare",
                 str(tmp_path / "chat.jsonl"),
@@ -361,7 +362,7 @@ def test_prepare_accepts_the_boundary_values_of_its_flags(tmp_path, capsys):
         in printed
     )
     assert f"with --seq-len {2**24}: all 3 tokens (1 rows of {2**24})" in printed
-    data.main(["prepare", str(tmp_path), "--out", str(tmp_path / "all"), "--extensions", "TXT"])
+    preparation.main(["prepare", str(tmp_path), "--out", str(tmp_path / "all"), "--extensions", "TXT"])
     assert "1 documents, 10 tokens from 2 file(s)" in capsys.readouterr().out
 
 

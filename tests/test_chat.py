@@ -11,7 +11,8 @@ import pytest
 
 from chat import (PLAIN_TEMPLATE, ChatEncoder, ChatError, Conversation, Pair, WholeRows, pack_rows, read_example,
                   split_marks, OPEN_MARK, CLOSE_MARK)
-from data import DataError, prepare
+from data import DataError
+from prepare import prepare
 from helpers import stops_with_one_line
 from tokenizer import TokenizerError, load_tokenizer, read_chat_template
 

@@ -297,7 +297,7 @@ def test_killed_conversions_and_preparations_leave_no_temporaries_for_good(tmp_p
     for name in (f".hf.tmp-{dead}-abc", f".hf.tmp-{live}-abc", f"prepared.tmp-{dead}", f"prepared.tmp-{live}"):
         (tmp_path / name).mkdir()
     convert.main(["to-hf", str(trained_once), str(tmp_path / "hf")])
-    from data import prepare
+    from prepare import prepare
     from tokenizer import load_tokenizer
     (tmp_path / "text.txt").write_text("a document\n")
     prepare(tmp_path / "text.txt", load_tokenizer("byte", "<|endoftext|>"), tmp_path / "prepared")
