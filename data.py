@@ -1,7 +1,7 @@
 """Data for train.py: the token shards' format and the packed, resumable loader (prepare.py writes
 the shards; tokenizers: tokenizer.py).
 
-    text files, directories, JSONL  --prepare (prepare.py)-->  token shards (numpy memmaps + document index)
+    text files, JSONL, parquet  --prepare (prepare.py)-->  token shards (memmaps + document index)
     token shards  --PackedLoader-->  batches of input_ids, targets, doc_ids, each [B, T]
 
 Each epoch, the loader concatenates the training documents in a seeded order and cuts that stream into
@@ -33,6 +33,9 @@ from tokenizer import Tokenizer
 EMBEDDED_CORPUS = Path(__file__).resolve().parent / "data" / "python_reference.jsonl"
 SHARDS_FORMAT = "flint-token-shards-v1"
 MASKED_FORMAT = "flint-token-shards-v2"  # v1 plus a loss mask per shard (mask_NNNNN.bin, uint8 per token)
+# meta.json's "format_version" (absent: 1). Version 2 adds each shard's largest token id and the
+# sha256 of its tokens file ("shard_max_token", "shard_sha256"), checked once at prepare time.
+FORMAT_VERSION = 2
 OVERLONG = ("truncate", "drop")  # data.overlong: what a conversation longer than seq_len becomes
 SPLIT_SEED = 1234  # fixed, so the validation documents do not change with the training seed
 # The settings that decide which rows a run reads (with the data's files): a resume continues the
@@ -104,6 +107,10 @@ def read_meta(path: Path) -> dict:
     if meta.get("format") not in (SHARDS_FORMAT, MASKED_FORMAT):
         raise DataError(f"{path}: format {meta.get('format')!r}, expected {SHARDS_FORMAT!r} or "
                         f"{MASKED_FORMAT!r}: prepared by another version of this code, or damaged; "
+                        f"prepare the data again")
+    if meta.get("format_version", 1) not in range(1, FORMAT_VERSION + 1):
+        raise DataError(f"{path}: format_version {meta['format_version']!r}, expected 1 to "
+                        f"{FORMAT_VERSION}: prepared by a newer version of this code, or damaged; "
                         f"prepare the data again")
     kinds = {**META_KEYS, **(MASKED_META_KEYS if meta["format"] == MASKED_FORMAT else {})}
     for key, kind in kinds.items():

@@ -13,20 +13,27 @@ a bad flag or input stops with one line naming it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gzip
 import hashlib
 import json
+import math
+import multiprocessing
 import os
 import shutil
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from chat import (ChatEncoder, ChatError, Conversation, Pair, WholeRows, chat_summary, read_example,
-                  template_of)
-from data import MASKED_FORMAT, OVERLONG, SHARDS_FORMAT, DataError, PackedLoader, TokenShards
+from chat import (ChatEncoder, ChatError, Conversation, Pair, WholeRows, chat_summary, one_line,
+                  read_example, template_of)
+from data import (FORMAT_VERSION, MASKED_FORMAT, OVERLONG, SHARDS_FORMAT, DataError, PackedLoader,
+                  TokenShards)
 from files import remove_stale_temporaries, sync_rename
-from flags import OneLineParser
+from flags import OneLineParser, positive
 from tokenizer import END_OF_TEXT, Tokenizer, TokenizerError, load_tokenizer
 
 
@@ -37,10 +44,10 @@ from tokenizer import END_OF_TEXT, Tokenizer, TokenizerError, load_tokenizer
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".html", ".htm", ".xml",
                  ".csv", ".tsv", ".json", ".jsonl", ".ndjson", ".jsonlines", ".py", ".c", ".h",
                  ".cc", ".cpp", ".hpp", ".java", ".js", ".ts", ".go", ".rs", ".rb", ".sh", ".toml",
-                 ".yaml", ".yml", ".ini", ".cfg", ".sql", ".css")
+                 ".yaml", ".yml", ".ini", ".cfg", ".sql", ".css", ".parquet")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")  # one record per line
 # How files become documents; in the cache key, so data cached under other rules is prepared again.
-READING_RULES = "records-v2: JSONL suffixes in any case, .json lists of records"
+READING_RULES = "records-v3: JSONL suffixes in any case, .json lists of records, .gz, parquet"
 
 
 def source_files(paths: Path | list[Path], suffixes: tuple[str, ...] | None = TEXT_SUFFIXES,
@@ -65,7 +72,7 @@ def source_files(paths: Path | list[Path], suffixes: tuple[str, ...] | None = TE
                             f"directory of them, or prepared shards")
         found = sorted(p for p in path.rglob("*") if p.is_file() and not any(
             part.startswith(".") for part in p.relative_to(path).parts))
-        chosen = [p for p in found if suffixes is None or p.suffix.lower() in suffixes]
+        chosen = [p for p in found if suffixes is None or reading_suffix(p) in suffixes]
         if not chosen:
             raise DataError(f"{setting} {path} holds no text or JSONL files" + (
                 f" ({len(found)} file(s) with other extensions; read them with --extensions all)" if found else
@@ -86,22 +93,42 @@ def path_names(paths: Path | list[Path]) -> str:
     return ", ".join(map(str, [paths] if isinstance(paths, Path) else paths))
 
 
-def iter_documents(files: list[Path], text_key: str, binary: list[Path]) -> Iterator[str | Conversation | Pair]:
+def reading_suffix(path: Path) -> str:
+    """The suffix that says how a file is read, in lower case: a.jsonl.gz reads as .jsonl."""
+    inner = Path(path.stem) if path.suffix.lower() == ".gz" else path
+    return inner.suffix.lower()
+
+
+# A piece of input: (file, first byte, end byte). A large JSONL file is read in several pieces,
+# each holding the lines that begin in its byte range; any other file is one piece, read whole.
+Piece = tuple[Path, int, int]
+
+
+def iter_documents(pieces: list[Piece], text_key: str,
+                   binary: list[Path]) -> Iterator[str | Conversation | Pair]:
     """A JSONL file (JSONL_SUFFIXES, any case) holds one record per line; a .json file holding a
     list of records (or one record) is read the same way when they are conversations, pairs or
     objects with field `text_key`. A record is a conversation ("messages"), a prompt/completion pair
-    (chat.read_example), or text in field `text_key`; any other file is one document, and one that
-    holds JSON lines of conversations is refused rather than trained on as text. Binary files (a
-    NUL byte, or not UTF-8) are appended to `binary` and skipped."""
-    for path in files:
-        if path.suffix.lower() in JSONL_SUFFIXES:
-            yield from _jsonl_records(path, text_key)
+    (chat.read_example), or text in field `text_key`; a parquet file's rows are texts in column
+    `text_key`; any other file is one document, and one that holds JSON lines of conversations is
+    refused rather than trained on as text. A .gz file reads as its content. Binary files (a NUL
+    byte, or not UTF-8) are appended to `binary` and skipped."""
+    for path, start, end in pieces:
+        suffix = reading_suffix(path)
+        if path.suffix.lower() == ".zst":
+            raise DataError(f"{path}: .zst files are not read (no zstandard library is installed); "
+                            f"decompress it first (zstd -d) or use .gz")
+        if suffix in JSONL_SUFFIXES:
+            yield from _jsonl_records(path, text_key, start, end)
+            continue
+        if suffix == ".parquet":
+            yield from _parquet_texts(path, text_key)
             continue
         text = _read_text(path)
         if text is None:
             binary.append(path)
             continue
-        records = _json_records(text, path, text_key) if path.suffix.lower() == ".json" else None
+        records = _json_records(text, path, text_key) if suffix == ".json" else None
         if records is not None:
             yield from (_record(value, where, text_key) for value, where in records)
             continue
@@ -109,28 +136,69 @@ def iter_documents(files: list[Path], text_key: str, binary: list[Path]) -> Iter
         yield text
 
 
-def _jsonl_records(path: Path, text_key: str) -> Iterator[str | Conversation | Pair]:
+def _jsonl_records(path: Path, text_key: str, start: int = 0,
+                   end: int = -1) -> Iterator[str | Conversation | Pair]:
+    """The records of the lines that begin in bytes [start, end) (end -1: the whole file), named
+    path:line from the start of the file, or by their byte offset in a later piece."""
     try:
-        with open(path, "rb") as lines:
-            for number, line in enumerate(lines, 1):
+        with _open_binary(path) as lines:
+            if start > 0:  # the line that holds byte start - 1 belongs to the piece before
+                lines.seek(start - 1)
+                lines.readline()
+            position = lines.tell()
+            for number, line in enumerate(iter(lines.readline, b""), 1):
+                if end >= 0 and position >= end:
+                    break
+                where = f"{path}:{number}" if start == 0 else f"{path}: the line at byte {position}"
+                position += len(line)
                 if line.strip():
-                    record = _json_line(line, path, number, text_key)
-                    yield _record(record, f"{path}:{number}", text_key)
-    except OSError as error:
+                    yield _record(_json_line(line, where, text_key), where, text_key)
+    except OSError as error:  # gzip.BadGzipFile is one
         raise DataError(f"{path}: cannot read ({error.strerror or error})") from None
+    except EOFError:
+        raise DataError(f"{path}: the gzip stream ends early (a truncated file)") from None
 
 
-def _json_line(line: bytes, path: Path, number: int, text_key: str) -> object:
+def _open_binary(path: Path):
+    """A file's bytes, decompressed when it is a .gz file."""
+    return gzip.open(path, "rb") if path.suffix.lower() == ".gz" else open(path, "rb")
+
+
+def _json_line(line: bytes, where: str, text_key: str) -> object:
     try:
         return json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as error:
-        raise DataError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start} of "
+        raise DataError(f"{where}: not UTF-8 text ({error.reason} at byte {error.start} of "
                         f"the line)") from None
     except json.JSONDecodeError as error:
-        raise DataError(f"{path}:{number}: {expected_record(text_key)}: {error!r}") from None
+        raise DataError(f"{where}: {expected_record(text_key)}: {error!r}") from None
     except RecursionError:  # json's decoder recurses once per level of nesting
-        raise DataError(f"{path}:{number}: expected a JSON object with a string field {text_key!r} "
+        raise DataError(f"{where}: expected a JSON object with a string field {text_key!r} "
                         f"(data.text_key): the line nests arrays or objects too deeply to read") from None
+
+
+def _parquet_texts(path: Path, text_key: str) -> Iterator[str]:
+    """The texts of a parquet file's column `text_key`, a batch of rows at a time. pyarrow is
+    optional (README, Data): only parquet needs it."""
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError:
+        raise DataError(f"{path}: reading parquet needs pyarrow, which is not installed "
+                        f"(pip install pyarrow)") from None
+    try:
+        table = parquet.ParquetFile(path)
+    except Exception as error:  # pyarrow's errors share no base class of their own
+        raise DataError(f"{path}: not a parquet file ({one_line(error)})") from None
+    columns = table.schema_arrow.names
+    if text_key not in columns:
+        raise DataError(f"{path}: no column {text_key!r} (data.text_key, --text-key); it has "
+                        f"{', '.join(map(repr, columns[:6])) or 'no columns'}")
+    for batch in table.iter_batches(batch_size=1024, columns=[text_key]):
+        for value in batch.column(0).to_pylist():
+            if not isinstance(value, str):
+                raise DataError(f"{path}: column {text_key!r} must hold strings, got "
+                                f"{type(value).__name__}")
+            yield value
 
 
 def expected_record(text_key: str) -> str:
@@ -202,9 +270,12 @@ def _refuse_hidden_conversations(text: str, path: Path) -> None:
 def _read_text(path: Path) -> str | None:
     """The file's text, or None for a binary file."""
     try:
-        data = path.read_bytes()
-    except OSError as error:
+        with _open_binary(path) as file:
+            data = file.read()
+    except OSError as error:  # gzip.BadGzipFile is one
         raise DataError(f"{path}: cannot read ({error.strerror or error})") from None
+    except EOFError:
+        raise DataError(f"{path}: the gzip stream ends early (a truncated file)") from None
     if b"\0" in data:
         return None
     try:
@@ -215,17 +286,30 @@ def _read_text(path: Path) -> str | None:
 
 # ============================================================================= prepare: text -> shards
 
+# Inputs are cut into units of about UNIT_BYTES: consecutive small files together, a large JSONL
+# file at line boundaries. A unit is one worker's job and writes its own shards, so the output
+# depends on the inputs alone, never on how many workers or hosts (--part) prepared it.
+UNIT_BYTES = 64 << 20
+
+
 def prepare(source: Path | list[Path], tokenizer: Tokenizer, out_dir: Path, text_key: str = "text",
             shard_tokens: int = 1 << 28, suffixes: tuple[str, ...] | None = TEXT_SUFFIXES,
-            setting: str = "data.path") -> Path:
+            setting: str = "data.path", workers: int = 1, part: tuple[int, int] = (1, 1),
+            progress_every: float | None = None) -> Path:
     """Tokenize every document of `source` (paths: see `source_files`) into `out_dir`, atomically
-    (temp dir, then rename). Binary files are skipped; meta.json lists them.
+    (temp dir, then rename), with `workers` processes. Binary files are skipped; meta.json lists
+    them.
 
     out_dir/tokens_00000.bin   token ids (uint16, or uint32 for vocabularies over 65536), documents
                                back to back, each ending with the eos token
     out_dir/docs_00000.npy     int64 [docs + 1]: where each document of that shard starts, then the end
     out_dir/mask_00000.bin     with conversations or pairs only: uint8 per token, 1 where it is a target
-    out_dir/meta.json          written last: format, tokenizer fingerprint, counts, shard names
+    out_dir/meta.json          written last: format, tokenizer fingerprint, counts, shard names,
+                               each shard's largest token id and checksum
+
+    part (i, N) other than (1, 1) writes part i of N instead: the units of its share, joined with
+    the other parts' by `join` into what one run would have written. progress_every: seconds
+    between progress lines (None: none).
     """
     files, ignored = source_files(source, suffixes, setting)
     missing = tokenizer.missing_bytes()
@@ -233,47 +317,277 @@ def prepare(source: Path | list[Path], tokenizer: Tokenizer, out_dir: Path, text
         raise DataError(f"{setting} {path_names(source)}: the tokenizer has no token for byte "
                         f"0x{missing[0]:02x} ({len(missing)} bytes lack one); preparing data "
                         f"needs a tokenizer that writes every byte")
-    binary: list[Path] = []
+    units = plan_units(files, UNIT_BYTES)
+    plan = {"tokenizer": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id, "files": [str(f) for f in files],
+            "skipped_by_extension": ignored, "chat_template": template_of(tokenizer).origin,
+            "chat_template_digest": template_of(tokenizer).digest, "text_key": text_key,
+            "shard_tokens": shard_tokens, "units": [[list(map(str, p)) for p in u] for u in units]}
+    first, last = part_range(len(units), part)
+    total = sum(input_bytes(unit) for unit in units[first:last])
+    progress = None if progress_every is None else Progress(total, progress_every)
+    with atomic_directory(out_dir) as tmp:
+        job = (tokenizer, text_key, shard_tokens)
+        run_units(job, [(i, units[i], tmp / unit_name(i)) for i in range(first, last)], workers,
+                  progress)
+        if part == (1, 1):
+            assemble(plan, [tmp / unit_name(i) for i in range(len(units))], tmp,
+                     f"{setting} {path_names(source)}")
+        else:
+            write_json(tmp / "part.json", {"part": list(part), "plan": plan_digest(plan),
+                                           "part_units": [first, last], **plan})
+    return out_dir
+
+
+@contextlib.contextmanager
+def atomic_directory(out_dir: Path) -> Iterator[Path]:
+    """A temporary directory beside `out_dir`, renamed to it when the block ends without an
+    error, removed when it raises: nothing half-written stays behind."""
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out_dir.parent, f"{out_dir.name}.tmp-")  # left by a killed preparation
     shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from an earlier failed attempt
     tmp.mkdir()
     try:
-        writer = ShardWriter(tmp, np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32, shard_tokens)
-        batch: list[str] = []
-        chat = ChatEncoder(tokenizer)
-        for text in iter_documents(files, text_key, binary):
-            if not isinstance(text, str):  # a conversation or a pair, in its place among the documents
-                writer.add(tokenizer.encode_documents(batch))
-                batch = []
-                writer.add(*encoded(chat, text))
-            elif len(text) > PIECE_CHARS and text.strip():  # tokens of a long document stream to the shard
-                writer.add_pieces(encode_in_pieces(text, tokenizer))
-            elif text.strip():
-                batch.append(text)
-            if len(batch) == 256:
-                writer.add(tokenizer.encode_documents(batch))
-                batch = []
-        writer.add(tokenizer.encode_documents(batch))
-        if writer.num_docs == 0:
-            raise DataError(f"{setting} {path_names(source)}: no documents with text in "
-                            f"{len(files)} file(s)"
-                            + (f"; {len(binary)} binary file(s) skipped: {', '.join(map(str, binary[:3]))}"
-                               if binary else ""))
-        chat_meta = {"chat_template": chat.template.origin, "chat_template_digest": chat.template.digest,
-                     **chat.counts} if writer.masked else {}
-        writer.finish({"tokenizer": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
-                       "eos_id": tokenizer.eos_id, "sources": [str(f) for f in files if f not in binary],
-                       "skipped_binary": [str(f) for f in binary], "skipped_by_extension": ignored, **chat_meta})
+        yield tmp
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     if out_dir.exists():  # another process prepared the same data meanwhile: keep theirs
         shutil.rmtree(tmp)
     else:
         sync_rename(tmp, out_dir)
+
+
+def write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=1))
+
+
+def unit_name(index: int) -> str:
+    return f"unit_{index:06d}"
+
+
+def plan_units(files: list[Path], unit_bytes: int) -> list[list[Piece]]:
+    """The units of work, in input order, decided by the files' names and sizes alone."""
+    units: list[list[Piece]] = []
+    current: list[Piece] = []
+    size = 0
+    for file in files:
+        length = file.stat().st_size
+        splits = file.suffix.lower() in JSONL_SUFFIXES and length > unit_bytes  # not compressed
+        if splits:
+            units += [current] if current else []
+            current, size = [], 0
+            units += [[(file, start, min(start + unit_bytes, length))]
+                      for start in range(0, length, unit_bytes)]
+            continue
+        current.append((file, 0, -1))
+        size += length
+        if size >= unit_bytes:
+            units.append(current)
+            current, size = [], 0
+    return units + [current] if current else units
+
+
+def part_range(num_units: int, part: tuple[int, int]) -> tuple[int, int]:
+    """Part i of N takes the i-th of N runs of consecutive units, as even as whole units allow."""
+    index, count = part
+    return (index - 1) * num_units // count, index * num_units // count
+
+
+def plan_digest(plan: dict) -> str:
+    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# The job every worker runs (tokenizer, text_key, shard_tokens): set before the workers fork, so a
+# tokenizer that does not pickle reaches them too.
+_JOB: tuple[Tokenizer, str, int] | None = None
+
+
+def run_units(job: tuple[Tokenizer, str, int], todo: list[tuple[int, list[Piece], Path]],
+              workers: int, progress: Progress | None) -> None:
+    """Each unit of `todo` into its own directory, by `workers` processes (in this one for 1)."""
+    global _JOB
+    _JOB = job
+    with contextlib.ExitStack() as stack:
+        if workers == 1 or len(todo) <= 1:
+            done = map(_write_unit, todo)
+        else:
+            pool = multiprocessing.get_context("fork").Pool(min(workers, len(todo)))
+            stack.enter_context(pool)
+            done = pool.imap_unordered(_write_unit, todo)
+        for counts in done:
+            if progress is not None:
+                progress.add(*counts)
+    _JOB = None
+
+
+def _write_unit(todo: tuple[int, list[Piece], Path]) -> tuple[int, int, int]:
+    """One unit's shards and meta.json -> (input bytes, documents, tokens), for the progress."""
+    _, pieces, directory = todo
+    tokenizer, text_key, shard_tokens = _JOB
+    directory.mkdir()
+    binary: list[Path] = []
+    writer = ShardWriter(directory, token_dtype(tokenizer), shard_tokens)
+    chat = ChatEncoder(tokenizer)
+    batch: list[str] = []
+    for text in iter_documents(pieces, text_key, binary):
+        if not isinstance(text, str):  # a conversation or a pair, in its place among the documents
+            writer.add(tokenizer.encode_documents(batch))
+            batch = []
+            writer.add(*encoded(chat, text))
+        elif len(text) > PIECE_CHARS and text.strip():  # a long document streams to the shard
+            writer.add_pieces(encode_in_pieces(text, tokenizer))
+        elif text.strip():
+            batch.append(text)
+        if len(batch) == 256:
+            writer.add(tokenizer.encode_documents(batch))
+            batch = []
+    writer.add(tokenizer.encode_documents(batch))
+    writer.finish({"skipped_binary": [str(f) for f in binary], "chat_counts": chat.counts})
+    return input_bytes(pieces), writer.num_docs, writer.num_tokens
+
+
+def input_bytes(pieces: list[Piece]) -> int:
+    return sum(path.stat().st_size if end < 0 else end - start for path, start, end in pieces)
+
+
+def token_dtype(tokenizer: Tokenizer) -> type:
+    return np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+
+
+def assemble(plan: dict, units: list[Path], out: Path, what: str) -> None:
+    """Every unit's shards moved into `out` under one numbering, in unit order, and meta.json
+    written: the same bytes whichever workers or parts wrote the units."""
+    metas = [json.loads((unit / "meta.json").read_text()) for unit in units]
+    masked = any(meta["format"] == MASKED_FORMAT for meta in metas)
+    shards, largest, checksums = [], [], []
+    for unit, meta in zip(units, metas):
+        for index, name in enumerate(meta["shards"]):
+            new = f"{len(shards):05d}"
+            for kind, suffix in (("tokens", "bin"), ("docs", "npy"), ("mask", "bin")):
+                if (unit / f"{kind}_{name}.{suffix}").exists():
+                    os.replace(unit / f"{kind}_{name}.{suffix}", out / f"{kind}_{new}.{suffix}")
+            if masked and meta["format"] != MASKED_FORMAT:  # text only: every token a target
+                size = (out / f"tokens_{new}.bin").stat().st_size
+                write_ones(out / f"mask_{new}.bin", size // np.dtype(meta["dtype"]).itemsize)
+            shards.append(new)
+            largest.append(meta["shard_max_token"][index])
+            checksums.append(meta["shard_sha256"][index])
+        shutil.rmtree(unit)
+    binary = [name for meta in metas for name in meta["skipped_binary"]]
+    num_docs = sum(meta["num_docs"] for meta in metas)
+    if num_docs == 0:
+        raise DataError(f"{what}: no documents with text in {len(plan['files'])} file(s)"
+                        + (f"; {len(binary)} binary file(s) skipped: {', '.join(binary[:3])}"
+                           if binary else ""))
+    chat_meta = {"chat_template": plan["chat_template"],
+                 "chat_template_digest": plan["chat_template_digest"],
+                 **summed_counts([meta["chat_counts"] for meta in metas])} if masked else {}
+    write_json(out / "meta.json", {
+        "format": MASKED_FORMAT if masked else SHARDS_FORMAT, "dtype": metas[0]["dtype"],
+        "num_docs": num_docs, "num_tokens": sum(meta["num_tokens"] for meta in metas),
+        "shards": shards, "tokenizer": plan["tokenizer"], "vocab_size": plan["vocab_size"],
+        "eos_id": plan["eos_id"], "sources": [f for f in plan["files"] if f not in set(binary)],
+        "skipped_binary": binary, "skipped_by_extension": plan["skipped_by_extension"], **chat_meta,
+        "format_version": FORMAT_VERSION, "shard_max_token": largest, "shard_sha256": checksums})
+
+
+def write_ones(path: Path, tokens: int) -> None:
+    with open(path, "wb") as file:
+        for start in range(0, tokens, 1 << 24):
+            file.write(np.ones(min(1 << 24, tokens - start), np.uint8).tobytes())
+
+
+def summed_counts(counts: list[dict[str, int]]) -> dict[str, int]:
+    """The chat counts of several units as one: totals, and the longest of the longest."""
+    return {key: (max if key == "longest" else sum)(c[key] for c in counts) for key in counts[0]}
+
+
+# ============================================================================= join: parts -> one
+
+def join(part_dirs: list[Path], out_dir: Path) -> Path:
+    """The parts of one preparation (`prepare --part i/N`, each i once) as the directory a single
+    run would have written, byte for byte."""
+    parts = [read_part(directory) for directory in part_dirs]
+    first_dir, first = part_dirs[0], parts[0]
+    by_index: dict[int, Path] = {}
+    for directory, part in zip(part_dirs, parts):
+        if part["plan"] != first["plan"] or part["part"][1] != first["part"][1]:
+            raise DataError(f"join: {directory} is part {part['part'][0]}/{part['part'][1]} of "
+                            f"another preparation than {first_dir} (other inputs, tokenizer or "
+                            f"settings)")
+        index = part["part"][0]
+        if index in by_index:
+            raise DataError(f"join: part {index}/{part['part'][1]} given twice ({by_index[index]} "
+                            f"and {directory})")
+        by_index[index] = directory
+    count = first["part"][1]
+    missing = [str(i) for i in range(1, count + 1) if i not in by_index]
+    if missing:
+        raise DataError(f"join: part(s) {', '.join(missing)} of {count} missing (given: "
+                        f"{', '.join(f'{i}/{count}' for i in sorted(by_index))}); prepare each "
+                        f"with --part i/{count}")
+    units = []
+    for index in range(1, count + 1):
+        start, end = parts[part_dirs.index(by_index[index])]["part_units"]
+        units += [by_index[index] / unit_name(u) for u in range(start, end)]
+    with atomic_directory(out_dir) as tmp:
+        for unit in units:  # copied, so the parts stay whole if the join fails
+            shutil.copytree(unit, tmp / unit.name)
+        assemble(first, [tmp / unit.name for unit in units], tmp, f"join {path_names(part_dirs)}")
     return out_dir
+
+
+def read_part(directory: Path) -> dict:
+    """A part directory's part.json, or one line saying the directory is not one."""
+    try:
+        part = json.loads((directory / "part.json").read_text())
+    except (OSError, ValueError):
+        raise DataError(f"join: {directory} is not a part directory (no readable part.json); make "
+                        f"parts with prepare --part i/N") from None
+    for unit in range(*part["part_units"]):
+        if not (directory / unit_name(unit) / "meta.json").is_file():
+            raise DataError(f"join: {directory / unit_name(unit)} is missing or incomplete; "
+                            f"prepare part {part['part'][0]}/{part['part'][1]} again")
+    return part
+
+
+# ============================================================================= progress
+
+class Progress:
+    """A line every `every` seconds on a long preparation: documents, MB, tokens, rates, and the
+    time left at the rate so far (by bytes of input read against the total)."""
+
+    def __init__(self, total_bytes: int, every: float = 5.0, clock=time.monotonic,
+                 write=lambda line: print(line, file=sys.stderr, flush=True)):
+        self.total, self.every, self.clock, self.write = total_bytes, every, clock, write
+        self.start = self.last = clock()
+        self.bytes = self.docs = self.tokens = 0
+
+    def add(self, size: int, docs: int, tokens: int) -> None:
+        self.bytes, self.docs = self.bytes + size, self.docs + docs
+        self.tokens += tokens
+        now = self.clock()
+        if now - self.last >= self.every:
+            self.last = now
+            self.write(self.line(now - self.start))
+
+    def line(self, elapsed: float) -> str:
+        elapsed = max(elapsed, 1e-9)
+        rate = self.bytes / elapsed
+        left = (self.total - self.bytes) / rate if rate > 0 else float("inf")
+        return (f"prepare: {self.docs:,} documents, {self.bytes / 1e6:,.1f} of "
+                f"{self.total / 1e6:,.1f} MB, {self.tokens:,} tokens; {rate / 1e6:,.2f} MB/s, "
+                f"{self.tokens / elapsed:,.0f} tokens/s; ETA {clock_time(left)}")
+
+
+def clock_time(seconds: float) -> str:
+    """Seconds as h:mm:ss ("?" when unknown)."""
+    if not math.isfinite(seconds):
+        return "?"
+    whole = round(seconds)
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
 
 
 def encoded(chat: ChatEncoder, example: Conversation | Pair) -> tuple[list[list[int]], list[np.ndarray]]:
@@ -323,6 +637,11 @@ class ShardWriter:
         self.masked = False
         self._file = self._mask_file = None
         self._starts: list[int] = []
+        # Each shard's largest token id and the sha256 of its tokens file, for meta.json: the
+        # range is checked once here rather than by a pass over every token at each load.
+        self.largest: list[int] = []
+        self.checksums: list[str] = []
+        self._largest, self._hash = 0, hashlib.sha256()
 
     def add(self, documents: list[list[int]], masks: list[np.ndarray] | None = None) -> None:
         for ids, mask in zip(documents, masks or [None] * len(documents)):
@@ -332,7 +651,7 @@ class ShardWriter:
                 self._open_shard()
             if mask is not None and self._mask_file is None:
                 self._start_masks()
-            self._file.write(np.asarray(ids, dtype=self.dtype).tobytes())
+            self._write_tokens(ids)
             self._write_mask(len(ids), mask)
             self._starts.append(self._starts[-1] + len(ids))
             self.num_docs += 1
@@ -345,7 +664,7 @@ class ShardWriter:
             self._open_shard()
         length = 0
         for ids in pieces:
-            self._file.write(np.asarray(ids, dtype=self.dtype).tobytes())
+            self._write_tokens(ids)
             self._write_mask(len(ids), None)
             length += len(ids)
         self._starts.append(self._starts[-1] + length)
@@ -361,8 +680,16 @@ class ShardWriter:
                     for start in range(0, tokens, 1 << 24):
                         file.write(np.ones(min(1 << 24, tokens - start), np.uint8).tobytes())
         meta = {"format": MASKED_FORMAT if self.masked else SHARDS_FORMAT, "dtype": self.dtype.name,
-                "num_docs": self.num_docs, "num_tokens": self.num_tokens, "shards": self.shards, **meta}
+                "num_docs": self.num_docs, "num_tokens": self.num_tokens, "shards": self.shards,
+                **meta, "format_version": FORMAT_VERSION, "shard_max_token": self.largest,
+                "shard_sha256": self.checksums}
         (self.directory / "meta.json").write_text(json.dumps(meta, indent=1))
+
+    def _write_tokens(self, ids: list[int]) -> None:
+        tokens = np.asarray(ids, dtype=self.dtype)
+        self._file.write(tokens.tobytes())
+        self._hash.update(tokens.tobytes())
+        self._largest = max(self._largest, int(tokens.max()) if len(tokens) else 0)
 
     def _start_masks(self) -> None:
         """The first masked document: this shard's earlier (text) documents get masks of ones."""
@@ -388,6 +715,9 @@ class ShardWriter:
                 self._mask_file.close()
             np.save(self.directory / f"docs_{self.shards[-1]}.npy", np.asarray(self._starts, dtype=np.int64))
             self._file = self._mask_file = None
+            self.largest.append(self._largest)
+            self.checksums.append(self._hash.hexdigest())
+            self._largest, self._hash = 0, hashlib.sha256()
 
 
 def prepared_dir(source: Path, tokenizer: Tokenizer, cache_dir: Path, text_key: str) -> Path:
@@ -478,14 +808,35 @@ def main(argv: list[str] | None = None) -> None:
                       help="with conversations: report how rows of this length hold them")
     prep.add_argument("--overlong", choices=OVERLONG,
                       help="with --seq-len: as data.overlong (default truncate)")
+    prep.add_argument("--workers", type=positive, default=os.cpu_count() or 1,
+                      help="processes that tokenize (default: one per core)")
+    prep.add_argument("--part", type=part_flag, default=(1, 1),
+                      help="i/N: write part i of N (one per host), then join them")
+    together = commands.add_parser("join", help="join the parts of --part i/N into one directory")
+    together.add_argument("parts", type=Path, nargs="+", help="the part directories, each once")
+    together.add_argument("--out", type=Path, required=True,
+                          help="output directory (must not exist)")
     args = parser.parse_args(argv)
-    if args.overlong and not args.seq_len:
+    if args.command == "prepare" and args.overlong and not args.seq_len:
         parser.error("argument --overlong: only says how rows of --seq-len tokens fit "
                      "conversations; give --seq-len too")
     try:
-        prepare_command(args)
+        if args.command == "join":
+            check_inputs([], args.out)
+            summarize(join(args.parts, args.out), args.out, "the parts'", None)
+        else:
+            prepare_command(args)
     except (DataError, TokenizerError) as error:
         raise SystemExit(f"error: {error}") from None
+
+
+def part_flag(text: str) -> tuple[int, int]:
+    """"2/8" -> (2, 8): part 2 of 8, 1 <= i <= N."""
+    index, _, count = text.partition("/")
+    if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+        raise argparse.ArgumentTypeError(f"expected i/N with 1 <= i <= N (part 2 of 8: 2/8), "
+                                         f"got {text!r}")
+    return int(index), int(count)
 
 
 def prepare_command(args: argparse.Namespace) -> None:
@@ -493,15 +844,29 @@ def prepare_command(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(args.tokenizer, args.eos_token, setting="--tokenizer",
                                eos_setting="--eos-token")
     directory = prepare(args.input, tokenizer, args.out, args.text_key, suffixes=args.extensions,
-                        setting="input")
+                        setting="input", workers=args.workers, part=args.part, progress_every=5.0)
+    if args.part != (1, 1):
+        first, last = json.loads((directory / "part.json").read_text())["part_units"]
+        print(f"{args.out}: part {args.part[0]}/{args.part[1]}, {last - first} unit(s) of input; "
+              f"when every part is written: python3 prepare.py join PART_DIRS... --out DIR")
+        return
+    summarize(directory, args.out, args.tokenizer, args)
+
+
+def summarize(directory: Path, out: Path, tokenizer_name: str,
+              args: argparse.Namespace | None) -> None:
+    """What a prepared directory holds, printed; with --seq-len, how rows would hold it."""
     shards = TokenShards(directory)
     meta, binary = shards.meta, shards.meta["skipped_binary"]
     named = f" ({', '.join(binary[:3])}{', ...' if len(binary) > 3 else ''})" if binary else ""
-    print(f"{args.out}: {shards.num_docs} documents, {int(shards.doc_len.sum()):,} tokens from "
-          f"{len(meta['sources'])} file(s) ({args.tokenizer} tokenizer, vocabulary {tokenizer.vocab_size}); skipped "
+    print(f"{out}: {shards.num_docs} documents, {int(shards.doc_len.sum()):,} tokens from "
+          f"{len(meta['sources'])} file(s) ({tokenizer_name} tokenizer, vocabulary "
+          f"{shards.vocab_size}); skipped "
           f"{len(binary)} binary file(s){named} and {meta['skipped_by_extension']} file(s) by extension")
     if shards.masked:
         print(chat_summary(meta))
+    if args is None:
+        return
     if shards.masked and args.seq_len:
         report = rows_report(shards, args.seq_len, args.overlong or "truncate")
         print(f"with --seq-len {args.seq_len}: {report}")

@@ -216,6 +216,25 @@ def prepare_args(*given: str, inputs=("a.txt",), make=None):
     return build
 
 
+def join_args(parts: list[str], given: list[str] | None = None):
+    """prepare.py join's argv over parts i/N of a.txt and b.txt (other2: part 2/2 of a.txt alone),
+    and shards/, a prepared directory; `given` names the directories joined (default part1...)."""
+
+    def build(directory: Path) -> list[str]:
+        for name, text in (("a.txt", "some text"), ("b.txt", "more text")):
+            (directory / name).write_text(text)
+        prepared_input(directory)
+        for part in parts:
+            preparation.main(["prepare", str(directory / "a.txt"), str(directory / "b.txt"),
+                              "--out", str(directory / f"part{part[0]}"), "--part", part])
+        preparation.main(["prepare", str(directory / "a.txt"), "--out", str(directory / "other2"),
+                          "--part", "2/2"])
+        names = given or [f"part{part[0]}" for part in parts]
+        return ["join", *(str(directory / name) for name in names), "--out", str(directory / "out")]
+
+    return build
+
+
 def prepared_input(directory: Path) -> None:
     prepare(directory / "a.txt", load_tokenizer("byte"), directory / "shards")
 
@@ -313,6 +332,35 @@ DATA_CLI_CASES = {
         ),
         "input {dir}/a.txt",
         r"the tokenizer has no token for byte 0x80 \(128 bytes lack one\)",
+    ),
+    "workers 0": (prepare_args("--workers", "0"), "--workers", r"must be >= 1, got 0$"),
+    "part 0 of 2": (prepare_args("--part", "0/2"), "--part", r"1 <= i <= N .*got '0/2'$"),
+    "part 3 of 2": (prepare_args("--part", "3/2"), "--part", r"1 <= i <= N .*got '3/2'$"),
+    "part a word": (prepare_args("--part", "half"), "--part", r"expected i/N .*got 'half'$"),
+    "input zst": (
+        prepare_args(inputs=("a.txt.zst",), make=lambda d: (d / "a.txt.zst").write_bytes(b"(")),
+        "{dir}/a.txt.zst",
+        r"\.zst files are not read .*decompress it first \(zstd -d\)",
+    ),
+    "join a part missing": (
+        join_args(["1/3", "3/3"]),
+        "join: part(s) 2 of 3 missing",
+        r"\(given: 1/3, 3/3\); prepare each with --part i/3$",
+    ),
+    "join a part twice": (
+        join_args(["1/2", "2/2"], given=["part1", "part2", "part1"]),
+        "join: part 1/2 given twice ({dir}/part1 and {dir}/part1)",
+        r"twice",
+    ),
+    "join not a part": (
+        join_args(["1/2", "2/2"], given=["part1", "shards"]),
+        "join: {dir}/shards is not a part directory",
+        r"make parts with prepare --part i/N$",
+    ),
+    "join parts of other inputs": (
+        join_args(["1/2", "2/2"], given=["part1", "other2"]),
+        "join: {dir}/other2 is part 2/2 of another preparation than {dir}/part1",
+        r"other inputs, tokenizer or settings",
     ),
     "input prepared": (
         prepare_args(inputs=("shards",), make=prepared_input),
