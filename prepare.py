@@ -1,12 +1,15 @@
-"""Preparation for data.py's loader: text files, directories and JSONL -> token shards + meta.json.
+"""Preparation for data.py's loader: text files, directories, JSONL, .gz and parquet -> token shards.
 
-    text files, directories, JSONL  --prepare-->  token shards (numpy memmaps + document index)
+    inputs  --units (by name and size)-->  one process a unit  --join-->  shards + meta.json
 
 The shards' format (and reading them back) is data.py's; this file reads the inputs, tokenizes them
-and writes the shards.
+and writes the shards. The inputs are cut into units by their names and sizes alone, each unit
+written to its own shards by one of several worker processes, then the units' shards are numbered in
+input order: the output is the same bytes for any number of workers, or of hosts each writing a part.
 
 Command line: `python prepare.py prepare INPUT... --out DIR [--tokenizer byte] [--extensions
-txt,md,jsonl] [--seq-len N --overlong truncate|drop]` (the last two only report what a run would fit);
+txt,md,jsonl] [--workers N] [--part i/N] [--seq-len N --overlong truncate|drop]` (the last two only
+report what a run would fit), and `python prepare.py join PART_DIRS... --out DIR` after --part runs;
 a bad flag or input stops with one line naming it.
 """
 
@@ -289,7 +292,7 @@ def _read_text(path: Path) -> str | None:
 # Inputs are cut into units of about UNIT_BYTES: consecutive small files together, a large JSONL
 # file at line boundaries. A unit is one worker's job and writes its own shards, so the output
 # depends on the inputs alone, never on how many workers or hosts (--part) prepared it.
-UNIT_BYTES = 64 << 20
+UNIT_BYTES = 32 << 20
 
 
 def prepare(source: Path | list[Path], tokenizer: Tokenizer, out_dir: Path, text_key: str = "text",
