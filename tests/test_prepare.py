@@ -197,13 +197,15 @@ def test_parts_joined_write_what_one_run_writes(tmp_path, monkeypatch, capsys):
     parts = [prepare(source, tokenizer, tmp_path / f"part{i}", part=(i, 3)) for i in (1, 2, 3)]
     held = [sorted(p.name for p in part.glob("unit_*")) for part in parts]
     every = sorted(name for names in held for name in names)
-    assert len(every) == len(set(every)) == len(preparation.plan_units(sorted(source.iterdir()), 400))
+    units = preparation.plan_units(sorted(source.iterdir()), 400)
+    assert len(every) == len(set(every)) == len(units)
     assert all(held)
     preparation.main(["join", str(parts[2]), str(parts[0]), str(parts[1]), "--out",
                       str(tmp_path / "joined")])
-    assert f"{tmp_path / 'joined'}: {TokenShards(one).num_docs} documents" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"{tmp_path / 'joined'}: {TokenShards(one).num_docs} documents" in printed
     assert files_of(one) == files_of(tmp_path / "joined")
-    assert all(part.is_dir() and part.glob("unit_*") for part in parts)  # the parts stay whole
+    assert [sorted(p.name for p in part.glob("unit_*")) for part in parts] == held  # still whole
 
 
 # ----------------------------------------------------------------------------- formats
@@ -243,7 +245,8 @@ def test_parquet_without_pyarrow_is_one_line_naming_the_install(tmp_path, monkey
     (tmp_path / "a.parquet").write_bytes(b"PAR1")
     stops_with_one_line(lambda: prepare(tmp_path / "a.parquet", load_tokenizer("byte"),
                                         tmp_path / "out"),
-                        DataError, "a.parquet: reading parquet needs pyarrow", r"pip install pyarrow")
+                        DataError, "a.parquet: reading parquet needs pyarrow",
+                        r"pip install pyarrow")
 
 
 def test_parquet_texts_and_a_missing_text_column(tmp_path):
@@ -304,3 +307,18 @@ def test_progress_lines_give_rates_and_time_left_every_few_seconds():
     now[0] = 112.0
     progress.add(0, 0, 0)
     assert len(lines) == 1  # 4 s since the last line
+
+
+def test_the_command_line_uses_one_worker_per_core_unless_told(tmp_path, monkeypatch):
+    """--workers defaults to os.cpu_count() (here pretended 7) and reaches run_units; --workers 1,
+    the accepted boundary, too."""
+    seen, run_units = [], preparation.run_units
+    monkeypatch.setattr(preparation.os, "cpu_count", lambda: 7)
+    monkeypatch.setattr(preparation, "run_units",
+                        lambda job, todo, workers, progress: seen.append(workers)
+                        or run_units(job, todo, workers, progress))
+    (tmp_path / "a.txt").write_text("text")
+    preparation.main(["prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "o1")])
+    preparation.main(["prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "o2"),
+                      "--workers", "1"])
+    assert seen == [7, 1]
