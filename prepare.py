@@ -1,11 +1,11 @@
-"""Preparation for data.py's loader: text files, directories, JSONL, .gz and parquet -> token shards.
+"""Preparation for data.py's loader: text files, directories, JSONL, .gz, parquet -> token shards.
 
     inputs  --units (by name and size)-->  one process a unit  --join-->  shards + meta.json
 
 The shards' format (and reading them back) is data.py's; this file reads the inputs, tokenizes them
 and writes the shards. The inputs are cut into units by their names and sizes alone, each unit
-written to its own shards by one of several worker processes, then the units' shards are numbered in
-input order: the output is the same bytes for any number of workers, or of hosts each writing a part.
+written to its own shards by one of several worker processes, then the units' shards are numbered
+in input order: the output is the same bytes for any number of workers, or of hosts writing parts.
 
 Command line: `python prepare.py prepare INPUT... --out DIR [--tokenizer byte] [--extensions
 txt,md,jsonl] [--workers N] [--part i/N] [--seq-len N --overlong truncate|drop]` (the last two only
