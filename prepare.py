@@ -547,12 +547,15 @@ def read_part(directory: Path) -> dict:
     try:
         part = json.loads((directory / "part.json").read_text())
     except (OSError, ValueError):
+        part = None
+    if not isinstance(part, dict) or not {"part", "part_units", "plan", "units"} <= set(part):
         raise DataError(f"join: {directory} is not a part directory (no readable part.json); make "
-                        f"parts with prepare --part i/N") from None
-    for unit in range(*part["part_units"]):
+                        f"parts with prepare --part i/N")
+    (first, last), (index, count) = part["part_units"], part["part"]
+    for unit in range(first, last):
         if not (directory / unit_name(unit) / "meta.json").is_file():
             raise DataError(f"join: {directory / unit_name(unit)} is missing or incomplete; "
-                            f"prepare part {part['part'][0]}/{part['part'][1]} again")
+                            f"prepare part {index}/{count} again")
     return part
 
 

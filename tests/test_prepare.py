@@ -4,6 +4,7 @@ import gzip
 import hashlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -322,3 +323,16 @@ def test_the_command_line_uses_one_worker_per_core_unless_told(tmp_path, monkeyp
     preparation.main(["prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "o2"),
                       "--workers", "1"])
     assert seen == [7, 1]
+
+
+def test_a_damaged_part_is_one_line(tmp_path):
+    """A part.json without its keys, and a part whose unit directory went missing."""
+    (tmp_path / "a.txt").write_text("text")
+    part = prepare(tmp_path / "a.txt", load_tokenizer("byte"), tmp_path / "part2", part=(2, 2))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "part.json").write_text("{}")
+    stops_with_one_line(lambda: preparation.join([tmp_path / "broken"], tmp_path / "out"),
+                        DataError, f"join: {tmp_path / 'broken'} is not a part directory", "--part")
+    shutil.rmtree(part / "unit_000000")
+    stops_with_one_line(lambda: preparation.join([part], tmp_path / "out"), DataError,
+                        f"join: {part / 'unit_000000'} is missing", "prepare part 2/2 again")
