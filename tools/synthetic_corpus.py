@@ -4,10 +4,10 @@
         [--words 200] [--seed 0]
 
 Writes --files JSONL files (corpus_00000.jsonl, ...), one {"text": ...} record per line, documents
-spread over the files in order. Each document has between half and one and a half times --words words,
-drawn from a vocabulary of 5,000 made-up lower-case words (Zipf-like frequencies, as in real text, so
-a BPE tokenizer merges the frequent ones). Used by BENCHMARKS.md's prepare and loader sections.
-"""
+spread over the files in order. Each document has between half and one and a half times --words
+words, drawn from a vocabulary of 5,000 made-up lower-case words (Zipf-like frequencies, as in real
+text, so a BPE tokenizer merges the frequent ones). Used by BENCHMARKS.md's prepare and loader
+sections."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def write_corpus(out: Path, count: int, files: int, words: int, seed: int) -> li
     paths = []
     for index in range(files):
         path = out / f"corpus_{index:05d}.jsonl"
-        share = texts[index * count // files:(index + 1) * count // files]
+        share = texts[index * count // files : (index + 1) * count // files]
         path.write_text("".join(json.dumps({"text": text}) + "\n" for text in share))
         paths.append(path)
     return paths
