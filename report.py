@@ -768,7 +768,7 @@ def described(run: RunLog, differing: list[str]) -> str:
                                          f"{per_step:,.0f} tokens/step" if per_step else "") if part)
     mine = flattened(run.settings)
     rest = ", ".join(f"{key} = {shown_setting(mine[key]) if key in mine else '(unset)'}"
-                     for key in differing if key not in GLANCED)
+                     for key in differing if key not in GLANCED and run.settings)
     return "; ".join(part for part in (glance, rest) if part)
 
 
@@ -1027,7 +1027,7 @@ def main(argv: list[str] | None = None) -> Path | None:
                         help="with --watch: seconds between looks at the files (default 2)")
     args = parser.parse_args(argv)
     if not 0 < args.interval <= 3600:
-        parser.error(f"--interval: expected seconds above 0 and at most 3600, got {args.interval}")
+        raise ReportError(f"--interval: expected seconds above 0 and at most 3600, got {args.interval:g}")
     if args.watch:
         try:
             watch(args.sources, args.out, args.interval)
