@@ -673,6 +673,7 @@ function smooth(weight) {
         var points = smoothed(stretch, weight).map(function (p) { return pixel(f, p).join(","); });
         var line = element("polyline", {"class": "smoothed", stroke: s.colour, points: points.join(" ")});
         line.setAttribute("data-run", s.run);
+        line.setAttribute("data-what", s.what + " (smoothed)");
         svg.appendChild(line);
       });
     });

@@ -5,6 +5,7 @@ and careless input gives a page or one line; a real browser draws the page."""
 
 import ast
 import copy
+import html
 import json
 import math
 import os
@@ -414,6 +415,64 @@ def test_a_browser_draws_the_report(tmp_path):
         assert (np.abs(pixels - rgb).sum(axis=2) < 40).sum() > 50, colour
 
 
+def browser_dom(page: Path, fragment: str) -> str:
+    """The page's DOM after its script ran in headless Chromium, opened at page.html#fragment."""
+    done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                           f"{page.as_uri()}#{fragment}"], capture_output=True, text=True, timeout=120,
+                          check=True)
+    return done.stdout
+
+
+def hovers(dom: str) -> dict[str, list[tuple[float, float, str]]]:
+    """chart -> its hover markers as the script drew them: (cx, cy, the text shown)."""
+    out = {}
+    for chart, body in re.findall(r'data-chart="([^"]+)"(.*?)</svg>', dom, flags=re.S):
+        found = re.findall(r'<g class="hover"[^>]*><circle cx="([^"]+)" cy="([^"]+)"[^>]*>'
+                           r'</circle><text[^>]*>([^<]*)</text></g>', body)
+        out[chart] = [(float(cx), float(cy), html.unescape(words)) for cx, cy, words in found]
+    return out
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: `apt-get install -y chromium` (Debian) to run it")
+def test_a_browser_shows_the_nearest_points_value_smooths_and_scales(tmp_path):
+    """The page's script, run by Chromium: the hover (placed through the address, as a pointer
+    would be) names the nearest logged point where the static chart put it, later steps to the right
+    and larger losses higher; smoothing 0.5 draws TensorBoard's debiased average; log=1 shows the
+    logarithmic charts."""
+    handwritten_page(tmp_path)
+    fragment = ("smooth=0.5&log=1&hover=loss-step:5.4:3.1,loss-step:10:3.4,loss-elapsed:2.4:3.05,"
+                "loss-step-log:10:3.5")
+    dom = browser_dom(tmp_path / "report.html", fragment)
+    shown, charts = hovers(dom), Page(dom).charts
+    (at5, at10), (timed,), (logged,) = shown["loss-step"], shown["loss-elapsed"], shown["loss-step-log"]
+    assert at5[2] == f"{LABEL}, training loss: 3 at step 5"
+    assert at10[2] == f"{LABEL}, training loss: 3.5 at step 10"
+    assert timed[2] == f"{LABEL}, training loss: 3 at wall-clock seconds 2.5"
+    assert logged[2] == f"{LABEL}, training loss: 3.5 at step 10"
+    assert at10[0] > at5[0] and at10[1] < at5[1]  # step 10 right of step 5; 3.5 above 3.0
+    for (cx, cy, _), chart, x_text in [(at5, "loss-step", "step 5"), (at10, "loss-step", "step 10"),
+                                       (logged, "loss-step-log", "step 10")]:
+        assert (cx, cy) == pytest.approx(point_at(charts[chart], LABEL, "training loss", x_text),
+                                         abs=0.01)
+    # weight 0.5 over 4.0, 3.0, 3.5: (2/0.5, 2.5/0.75, 3/0.875), by hand
+    assert_points(charts["loss-step"], LABEL, "training loss (smoothed)",
+                  [(1, 4.0), (5, 2.5 / 0.75), (10, 3.0 / 0.875)])
+    assert re.search(r'<body class="[^"]*log-scale', dom)
+    assert not re.search(r'<div class="controls" id="controls" hidden', dom)  # the script shows them
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: `apt-get install -y chromium` (Debian) to run it")
+def test_a_browser_hovers_a_long_series_at_its_nearest_point(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    write_log(log, {"a": 512}, steps=range(1, 501))
+    page = write_report([log], tmp_path / "report.html")
+    circles = Page(page.read_text()).charts["loss-step"].circles
+    assert not [title for *_, title in circles if "training loss" in title]  # too long for a point each
+    loss = record("a", 250)["loss"]
+    ((_, _, words),) = hovers(browser_dom(page, f"hover=loss-step:250.3:{loss}"))["loss-step"]
+    assert words == f"a, training loss: {loss:.6g} at step 250"
+
+
 # ----------------------------------------------------------------------------- read back
 
 # A run directory's records, written out by hand: every number below is read back from the page.
@@ -496,7 +555,7 @@ LABEL = "run_0001 (adamw)"  # the runs' optimizers differ: the one with settings
 def point_at(chart: Chart, run: str, what: str, x_text: str) -> tuple[float, float]:
     """The pixel (cx, cy) of the point whose hover title names the run, the series and x."""
     (point,) = [(cx, cy) for cx, cy, title in chart.circles
-                if title.startswith(f"{run}, {what}: ") and title.endswith(f" {x_text}")]
+                if title and title.startswith(f"{run}, {what}: ") and title.endswith(f" {x_text}")]
     return point
 
 
