@@ -296,20 +296,20 @@ def tag(name: str, content: str | None = None, **values) -> str:
 
 
 class Frame:
-    """A plot area (left, top, width, height in pixels) whose axes end at round ticks around the data;
-    with `tight_x` the x axis ends at the data itself (a run's last step, not the next round value);
-    with `log_y` the y axis is logarithmic (ys all positive), its ticks at 1, 2 and 5 times a power of
-    ten where they fit, else at round powers of ten."""
+    """A plot area (left, top, width, height in pixels) whose axes end at round ticks around the
+    data; with `tight_x` the x axis ends at the data itself (a run's last step, not the next round
+    value); with `log_y` the y axis is logarithmic (ys all positive)."""
 
-    def __init__(self, xs: list[float], ys: list[float], left: float, top: float, width: float, height: float,
-                 tight_x: bool = False, log_y: bool = False):
+    def __init__(self, xs: list[float], ys: list[float], left: float, top: float, width: float,
+                 height: float, tight_x: bool = False, log_y: bool = False):
         self.xticks, self.log_y = nice_ticks(min(xs), max(xs)), log_y
         self.xends = [self.xticks[0], self.xticks[-1]]
         if tight_x and max(xs) > min(xs):
             self.xends = [min(xs), max(xs)]
             self.xticks = [t for t in self.xticks if min(xs) <= t <= max(xs)]
         self.yticks = log_ticks(min(ys), max(ys)) if log_y else nice_ticks(min(ys), max(ys))
-        self.yends = [math.log10(self.yticks[0]), math.log10(self.yticks[-1])] if log_y else self.yticks
+        self.yends = ([math.log10(self.yticks[0]), math.log10(self.yticks[-1])] if log_y
+                      else self.yticks)
         self.left, self.top, self.width, self.height = left, top, width, height
 
     def x(self, value: float) -> float:
@@ -320,7 +320,7 @@ class Frame:
         return round(self.top + self.height - along(value, self.yends) * self.height, 2)
 
     def ends(self) -> dict:
-        """The axes' ends in the page's data (report.js maps points and the pointer with them)."""
+        """The axes' ends, in the page's data: its script maps points and the pointer with them."""
         return {"left": self.left, "top": self.top, "width": self.width, "height": self.height,
                 "x": self.xends, "y": [self.yends[0], self.yends[-1]], "log": self.log_y}
 
@@ -354,8 +354,8 @@ def along(value: float, ticks: list[float]) -> float:
 
 
 def svg(chart: str, width: float, height: float, body: list[str], title: str, style: str = "") -> str:
-    """An SVG element; `style` (CSS) makes it stand alone, outside the report's page, at its own size.
-    On the page it takes its column's width (the viewBox keeps its proportions)."""
+    """An SVG element; `style` (CSS) makes it stand alone, outside the report's page, at its own
+    size. On the page it takes its column's width (the viewBox keeps its proportions)."""
     size = f'width="{width}" height="{height}"' if style else 'width="100%"'
     return (f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="{chart}" '
             f'viewBox="0 0 {width} {height}" {size}>'
@@ -387,14 +387,15 @@ def thinned(points: list[tuple[float, float]], limit: int = MAX_POINTS) -> list[
 
 
 def line_chart(chart: str, title: str, x_label: str, y_label: str, series: list[Series],
-               width: int = 540, height: int = 300, log_y: bool = False, data: dict | None = None) -> str:
+               width: int = 540, height: int = 300, log_y: bool = False,
+               data: dict | None = None) -> str:
     """Every series on the same axes, a legend of the runs below (dashed: the style note says what).
     The x axis ends at the data. With `log_y` the y axis is logarithmic: a value that is not
     positive has no place on it and is left out. `data` (when given) gets the chart's axes and every
     finite point of each series under the chart's name, for the page's script (hover, smoothing)."""
     if log_y:
-        series = [Series(s.run, s.what, s.colour, [(x, y) for x, y in s.points if not y <= 0], s.dashed)
-                  for s in series]
+        series = [Series(s.run, s.what, s.colour, [(x, y) for x, y in s.points if not y <= 0],
+                         s.dashed) for s in series]
     drawn = [s for s in series if s.points]
     runs = list(dict.fromkeys((s.run, s.colour) for s in drawn))
     columns = 2 if max((len(run) for run, _ in runs), default=0) <= 36 else 1
@@ -408,7 +409,8 @@ def line_chart(chart: str, title: str, x_label: str, y_label: str, series: list[
     xs = [x for s in drawn for x, _ in s.points]
     ys = [y for s in drawn for _, y in s.points if math.isfinite(y)] or [1.0, 10.0]
     # below the plot: the ticks and the axis title
-    frame = Frame(xs, ys, left=62, top=30, width=width - 80, height=height - 84, tight_x=True, log_y=log_y)
+    frame = Frame(xs, ys, left=62, top=30, width=width - 80, height=height - 84, tight_x=True,
+                  log_y=log_y)
     body = frame.axes(x_label, y_label)
     if data is not None:
         data[chart] = {"frame": frame.ends(), "x_label": x_label,
@@ -540,8 +542,9 @@ def training_charts(runs: list[RunLog], data: dict | None = None) -> list[str]:
 
     charts = []
     for name, x_key, x_label in LOSS_AXES:
-        series = [s for run, colour in coloured for s in (logged(run, colour, "loss", "training loss", x_key),
-                                                          validation(run, colour, x_key))]
+        series = [s for run, colour in coloured
+                  for s in (logged(run, colour, "loss", "training loss", x_key),
+                            validation(run, colour, x_key))]
         for log_y, scale in ((False, ""), (True, "-log")):
             box = "scale-log" if log_y else "scale-linear"
             charts.append(f'<div class="{box}">' + line_chart(
@@ -553,9 +556,9 @@ def training_charts(runs: list[RunLog], data: dict | None = None) -> list[str]:
             ("tokens_per_s", "tokens-per-s", "throughput", "tokens/s (all ranks)"),
             ("mfu_percent", "mfu", "model FLOPs utilisation", "MFU (%)"),
             ("memory_gib", "memory", MEMORY_TITLE, "GiB (rank 0)")]:
-        charts.append("<div>" + line_chart(chart, title, "step", y_label,
-                                           [logged(run, colour, key, title) for run, colour in coloured],
-                                           data=data) + "</div>")
+        series = [logged(run, colour, key, title) for run, colour in coloured]
+        chart_svg = line_chart(chart, title, "step", y_label, series, data=data)
+        charts.append(f"<div>{chart_svg}</div>")
     return charts
 
 
@@ -632,7 +635,8 @@ svg polyline.smoothed{fill:none;stroke-width:2}.controls{margin:8px 0}""" + SVG_
 CONTROLS = ('<div class="controls" id="controls" hidden><label>smoothing <input type="range" '
             'id="smoothing" min="0" max="0.99" step="0.01" value="0"></label> '
             '<output id="smoothing-value">0.00</output> <label><input type="checkbox" '
-            'id="log-scale"> log scale</label> (hover a chart for the nearest point\'s value)</div>')
+            'id="log-scale"> log scale</label> (hover a chart for the nearest point\'s value)'
+            '</div>')
 SCRIPT = r"""(function () {
 "use strict";
 // The report's only script: its numbers come from the JSON block (JSON.parse, never as markup),
@@ -671,7 +675,8 @@ function smooth(weight) {
       if (s.what !== "training loss") return;
       s.stretches.forEach(function (stretch) {
         var points = smoothed(stretch, weight).map(function (p) { return pixel(f, p).join(","); });
-        var line = element("polyline", {"class": "smoothed", stroke: s.colour, points: points.join(" ")});
+        var line = element("polyline",
+                           {"class": "smoothed", stroke: s.colour, points: points.join(" ")});
         line.setAttribute("data-run", s.run);
         line.setAttribute("data-what", s.what + " (smoothed)");
         svg.appendChild(line);
@@ -699,7 +704,8 @@ function show(chart, px, py, keep) {
       + " at " + data[chart].x_label + " " + p[0];
   var g = element("g", {"class": "hover", "data-x": p[0], "data-y": p[1]});
   g.appendChild(element("circle", {cx: best.q[0], cy: best.q[1], r: 4, fill: s.colour}));
-  var label = element("text", {x: data[chart].frame.left + 4, y: data[chart].frame.top - 4, "class": "tick"});
+  var f = data[chart].frame;
+  var label = element("text", {x: f.left + 4, y: f.top - 4, "class": "tick"});
   label.textContent = words;
   g.appendChild(label);
   svg.appendChild(g);
@@ -762,11 +768,12 @@ def summary_row(run: RunLog, colour: str, differing: list[str]) -> str:
 
 
 def described(run: RunLog, differing: list[str]) -> str:
-    """The settings that tell runs apart at a glance: optimizer, peak learning rate, tokens per step,
-    then each of `differing` (dotted names of run.json's settings) as this run has it."""
+    """The settings that tell runs apart at a glance: optimizer, peak learning rate, tokens per
+    step, then each of `differing` (dotted names of run.json's settings) as this run has it."""
     lr, per_step = run.setting("optim", "lr"), run.tokens_per_step()
     glance = ", ".join(part for part in (optimizer_name(run), f"lr {lr:g}" if finite(lr) else "",
-                                         f"{per_step:,.0f} tokens/step" if per_step else "") if part)
+                                         f"{per_step:,.0f} tokens/step" if per_step else "")
+                       if part)
     mine = flattened(run.settings)
     rest = ", ".join(f"{key} = {shown_setting(mine[key]) if key in mine else '(unset)'}"
                      for key in differing if key not in GLANCED and run.settings)
@@ -809,7 +816,8 @@ def render(runs: list[RunLog], logs: list[LogFile], refresh: int | None = None) 
     head = ("<tr><th>run</th><th>last step</th><th>training loss</th><th>best validation loss</th>"
             "<th>tokens/s (median)</th><th>MFU (median)</th><th>peak memory</th><th>settings</th></tr>")
     differing = differing_settings(runs)
-    rows = "".join(summary_row(run, colour, differing) for run, colour in zip(runs, COLOURS * len(runs)))
+    rows = "".join(summary_row(run, colour, differing)
+                   for run, colour in zip(runs, COLOURS * len(runs)))
     parts = [f"<h1>Training report: {text(', '.join(run.label for run in runs))}</h1>",
              f"<table>{head}{rows}</table>",
              f"<p>Records from {text(', '.join(str(log.path) for log in logs))}.</p>"]
@@ -823,8 +831,8 @@ def render(runs: list[RunLog], logs: list[LogFile], refresh: int | None = None) 
                          f'{text(str(log.path))}: {len(log.skipped)} line(s) skipped, not records '
                          f'of a run: {text(where)}{more}</p>')
     data: dict = {}
-    parts += ["<h2>Training</h2>", CONTROLS, '<div class="grid-of-charts">', *training_charts(runs, data),
-              "</div>"]
+    parts += ["<h2>Training</h2>", CONTROLS, '<div class="grid-of-charts">',
+              *training_charts(runs, data), "</div>"]
     for index, run in enumerate(runs):
         experts = expert_charts(run, index)
         if experts:
@@ -1028,7 +1036,8 @@ def main(argv: list[str] | None = None) -> Path | None:
                         help="with --watch: seconds between looks at the files (default 2)")
     args = parser.parse_args(argv)
     if not 0 < args.interval <= 3600:
-        raise ReportError(f"--interval: expected seconds above 0 and at most 3600, got {args.interval:g}")
+        raise ReportError(f"--interval: expected seconds above 0 and at most 3600, "
+                          f"got {args.interval:g}")
     if args.watch:
         try:
             watch(args.sources, args.out, args.interval)

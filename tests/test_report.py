@@ -356,6 +356,8 @@ def test_the_memory_timeline_stacks_the_holders_up_to_the_peak():
 # ----------------------------------------------------------------------------- a real browser
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+NEEDS_CHROMIUM = pytest.mark.skipif(
+    CHROMIUM is None, reason="no Chromium: `apt-get install -y chromium` (Debian) to run it")
 
 
 def png_pixels(data: bytes) -> np.ndarray:
@@ -418,8 +420,8 @@ def test_a_browser_draws_the_report(tmp_path):
 def browser_dom(page: Path, fragment: str) -> str:
     """The page's DOM after its script ran in headless Chromium, opened at page.html#fragment."""
     done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
-                           f"{page.as_uri()}#{fragment}"], capture_output=True, text=True, timeout=120,
-                          check=True)
+                           f"{page.as_uri()}#{fragment}"],
+                          capture_output=True, text=True, timeout=120, check=True)
     return done.stdout
 
 
@@ -433,7 +435,7 @@ def hovers(dom: str) -> dict[str, list[tuple[float, float, str]]]:
     return out
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: `apt-get install -y chromium` (Debian) to run it")
+@NEEDS_CHROMIUM
 def test_a_browser_shows_the_nearest_points_value_smooths_and_scales(tmp_path):
     """The page's script, run by Chromium: the hover (placed through the address, as a pointer
     would be) names the nearest logged point where the static chart put it, later steps to the right
@@ -444,7 +446,8 @@ def test_a_browser_shows_the_nearest_points_value_smooths_and_scales(tmp_path):
                 "loss-step-log:10:3.5")
     dom = browser_dom(tmp_path / "report.html", fragment)
     shown, charts = hovers(dom), Page(dom).charts
-    (at5, at10), (timed,), (logged,) = shown["loss-step"], shown["loss-elapsed"], shown["loss-step-log"]
+    (at5, at10), (timed,) = shown["loss-step"], shown["loss-elapsed"]
+    (logged,) = shown["loss-step-log"]
     assert at5[2] == f"{LABEL}, training loss: 3 at step 5"
     assert at10[2] == f"{LABEL}, training loss: 3.5 at step 10"
     assert timed[2] == f"{LABEL}, training loss: 3 at wall-clock seconds 2.5"
@@ -458,16 +461,16 @@ def test_a_browser_shows_the_nearest_points_value_smooths_and_scales(tmp_path):
     assert_points(charts["loss-step"], LABEL, "training loss (smoothed)",
                   [(1, 4.0), (5, 2.5 / 0.75), (10, 3.0 / 0.875)])
     assert re.search(r'<body class="[^"]*log-scale', dom)
-    assert not re.search(r'<div class="controls" id="controls" hidden', dom)  # the script shows them
+    assert not re.search(r'<div class="controls" id="controls" hidden', dom)  # the script shows it
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: `apt-get install -y chromium` (Debian) to run it")
+@NEEDS_CHROMIUM
 def test_a_browser_hovers_a_long_series_at_its_nearest_point(tmp_path):
     log = tmp_path / "metrics.jsonl"
     write_log(log, {"a": 512}, steps=range(1, 501))
     page = write_report([log], tmp_path / "report.html")
     circles = Page(page.read_text()).charts["loss-step"].circles
-    assert not [title for *_, title in circles if "training loss" in title]  # too long for a point each
+    assert not [title for *_, title in circles if "training loss" in title]  # too long for points
     loss = record("a", 250)["loss"]
     ((_, _, words),) = hovers(browser_dom(page, f"hover=loss-step:250.3:{loss}"))["loss-step"]
     assert words == f"a, training loss: {loss:.6g} at step 250"
@@ -536,8 +539,9 @@ def test_the_settings_column_shows_every_setting_that_differs_between_the_runs(t
         (run_dir / "run.json").write_text(json.dumps({"jsonl": str(log), "run": str(run_dir),
                                                       "settings": settings}))
         sources.append(run_dir)
-    log.write_text("".join(json.dumps({"run": str(run), "step": 2, "loss": 3.0, "tokens": 2048}) + "\n"
-                           for run in [*sources, "no settings"]))
+    records = [{"run": str(run), "step": 2, "loss": 3.0, "tokens": 2048}
+               for run in [*sources, "no settings"]]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
     page = Page(write_report([*sources, log], tmp_path / "report.html").read_text())
     head, *rows = page.rows
     settings = {row[0].lstrip("\u25a0 "): row[head.index("settings")] for row in rows}
@@ -575,8 +579,8 @@ def test_axes_draw_larger_values_higher_and_later_steps_further_right(tmp_path):
                   ("grad-norm", "grad_norm", "gradient norm (global L2, before clipping)", "step"),
                   ("tokens-per-s", "tokens_per_s", "throughput", "step"),
                   ("mfu", "mfu_percent", "model FLOPs utilisation", "step"),
-                  ("memory", "memory_gib", "peak memory so far (GPU allocated; CPU: process max RSS)",
-                   "step")]
+                  ("memory", "memory_gib",
+                   "peak memory so far (GPU allocated; CPU: process max RSS)", "step")]
     axis_titles = {"step": "step", "tokens": "tokens", "elapsed_s": "wall-clock seconds"}
     for chart, key, what, x_key in quantities:
         points = [(r[x_key], r[key],
@@ -619,7 +623,7 @@ def test_a_log_scale_spaces_equal_ratios_equally_and_leaves_out_what_it_cannot_p
          for step in (1, 2, 3, 4)}
     decade = y[3] - y[2]
     assert decade > 0 and y[2] - y[1] == pytest.approx(decade, abs=0.02)  # 100 -> 10 as 10 -> 1
-    assert y[4] - y[3] == pytest.approx(decade * math.log10(2), abs=0.02)  # 1 -> 0.5: log10(2) of it
+    assert y[4] - y[3] == pytest.approx(decade * math.log10(2), abs=0.02)  # 1 -> 0.5: log10(2)
     assert not [title for *_, title in charts["loss-step-log"].circles if "step 5" in title]
     assert point_at(charts["loss-step"], "a", "training loss", "step 5")  # the linear one has it
     linear = {step: point_at(charts["loss-step"], "a", "training loss", f"step {step}")[1]
@@ -795,7 +799,8 @@ def test_no_string_of_a_users_files_is_live_markup(tmp_path):
     titles = [title for chart in page.charts.values() for *_, title, _ in chart.cells]
     assert f"layer {shown}, step 1" in " ".join(titles)  # a layer named with markup: as text
     assert texts.count(shown) >= 5 and PAYLOAD_DIR in texts  # legends, table, headings, paths
-    assert any(label in (value or "") for _, attrs in page.elements for _, value in attrs)  # data-run
+    assert any(label in (value or "")  # data-run
+               for _, attrs in page.elements for _, value in attrs)
 
 
 def test_the_memory_picture_shows_markup_in_its_names_as_text():
@@ -816,7 +821,7 @@ def run_report(*args: object) -> subprocess.CompletedProcess:
 
 
 def test_watch_rewrites_the_page_when_the_run_logs_more(tmp_path, monkeypatch):
-    """Two polls 0.01 s apart; between them the run logs step 20, and the second poll's page has it."""
+    """Two polls 0.01 s apart; between them the run logs step 20; the second poll's page has it."""
     log, out = tmp_path / "metrics.jsonl", tmp_path / "report.html"
     written = write_log(log, {"run_a": 512}, steps=(1, 10))
     first_pages, sleeps = [], []
@@ -852,8 +857,8 @@ def test_watch_stops_on_ctrl_c_and_refuses_an_interval_out_of_range(tmp_path, mo
     assert capsys.readouterr().out.endswith("stopped watching\n") and out.is_file()
     for interval in ("0", "3601", "nan"):
         done = run_report(log, "--watch", "--interval", interval)
-        assert done.returncode == 1 and done.stderr == (f"error: --interval: expected seconds above 0 "
-                                                        f"and at most 3600, got {interval}\n")
+        expected = f"error: --interval: expected seconds above 0 and at most 3600, got {interval}\n"
+        assert done.returncode == 1 and done.stderr == expected
 
 
 def test_the_page_never_overwrites_a_file_it_reads(tmp_path):
