@@ -2,6 +2,7 @@
 
     python3 report.py RUN_DIR [RUN_DIR ...] [--out FILE]    # runs overlaid on the same axes
     python3 report.py runs/smoke/metrics.jsonl              # every run that file holds
+    python3 report.py RUN_DIR --watch [--interval 2]         # rewritten as the run logs, to Ctrl-C
 
 RUN_DIR is a run directory of train.py (checkpoint.dir/run_NNNN): its run.json, written when the run
 starts, names the JSONL file that holds its records and the settings it ran with. train.py writes
@@ -9,13 +10,20 @@ RUN_DIR/report.html at the end of every run, a run stopped by divergence too; a 
 read as far as it has gone. --out names the page's file, or a directory to write report.html into;
 never a file the report reads.
 
-The page is one self-contained file (inline SVG and CSS, no script, nothing fetched): training and
-validation loss against step and tokens, learning rate, gradient norm, tokens/s, MFU and peak memory,
-and for MoE runs a heatmap per run of each layer's busiest and idlest expert's load, the assignments
+The page is one self-contained file (inline SVG, CSS and its own small script, nothing fetched):
+training and validation loss against step, tokens and wall-clock seconds (each also on a log axis),
+learning rate, gradient norm, tokens/s, MFU and memory (the peak so far: metrics.py logs the GPU
+allocator's peak since the start, or on the CPU the process's maximum resident set, not a step's
+own), every setting of run.json that differs between the runs, and for MoE runs a heatmap per run of each layer's busiest and idlest expert's load, the assignments
 dropped past the experts' capacity and the spread of the selection bias, over the steps. A line that
 is not a record (a truncated last line, something else's JSON) is skipped and counted on the page; a
 value that is not a finite number (inf, NaN) is marked where it was logged; every string of a file
 (run and layer names, paths, settings) is escaped, so nothing in a record is markup on the page.
+The script (a smoothing slider, TensorBoard's debiased moving average; a log-scale toggle; the
+nearest point's value under the pointer, at any series length) reads the charts' points from a JSON
+block in which no string can end the block (<, > and & escaped), and the page's content security
+policy runs no other script. The address can set the view: report.html#smooth=0.6&log=1 and
+hover=CHART:X:Y,... (a marker at the point nearest to X, Y of that chart, as the pointer would).
 
 A leaf like files.py: it imports nothing of the model (no torch), so it runs on any copy of a log.
 rehearsal.py draws its memory timeline with the same axes (memory_timeline_svg).
