@@ -713,7 +713,8 @@ function show(chart, px, py, keep) {
   var g = element("g", {"class": "hover", "data-x": p[0], "data-y": p[1]});
   g.appendChild(element("circle", {cx: best.q[0], cy: best.q[1], r: 4, fill: s.colour}));
   var f = data[chart].frame;
-  var label = element("text", {x: f.left + 4, y: f.top - 4, "class": "tick"});
+  var label = element("text", {x: f.left + f.width - 6, y: f.top + 14, "class": "tick",
+                               "text-anchor": "end"});
   label.textContent = words;
   g.appendChild(label);
   svg.appendChild(g);
