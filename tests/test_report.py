@@ -842,7 +842,28 @@ def test_watch_rewrites_the_page_when_the_run_logs_more(tmp_path, monkeypatch):
     assert '<meta http-equiv="refresh" content="2">' in out.read_text()  # the browser reloads it
     watcher = report.Watcher([log], out)
     assert watcher.poll() == out and watcher.poll() is None  # nothing new: not rewritten
-    assert [path.name for path in tmp_path.iterdir()] == ["metrics.jsonl", "report.html"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.jsonl", "report.html"]
+    run_dir = tmp_path / "run_0001"  # a run directory: its run.json and the log it names
+    report.note_run(run_dir, log, "run_a", {})
+    watcher = report.Watcher([run_dir])
+    assert watcher.read_files() == [run_dir / "run.json", log]
+    assert watcher.poll() == run_dir / "report.html" and watcher.poll() is None
+    report.note_run(run_dir, log, "run_a", {"optim": {"name": "muon"}})  # its settings changed
+    assert watcher.poll() == run_dir / "report.html"
+
+
+def test_the_pages_data_holds_every_logged_point_for_the_hover(tmp_path):
+    """The drawn line of a long series is thinned; the points the script hovers over are all there."""
+    log = tmp_path / "metrics.jsonl"
+    written = write_log(log, {"a": 512}, steps=range(1, 2501))
+    page_text = write_report([log], tmp_path / "report.html").read_text()
+    (data, _) = scripts(page_text)
+    charts = json.loads(data)
+    train = [[r["step"], r["loss"]] for r in written["a"] if "loss" in r]
+    (series,) = [s for s in charts["loss-step"]["series"] if s["what"] == "training loss"]
+    assert series["stretches"] == [train] and len(train) > report.MAX_POINTS
+    drawn = [s for s in Page(page_text).charts["loss-step"].series if s["what"] == "training loss"]
+    assert len(drawn[0]["points"]) < len(train)
 
 
 def test_watch_stops_on_ctrl_c_and_refuses_an_interval_out_of_range(tmp_path, monkeypatch, capsys):
