@@ -853,7 +853,7 @@ def test_watch_rewrites_the_page_when_the_run_logs_more(tmp_path, monkeypatch):
 
 
 def test_the_pages_data_holds_every_logged_point_for_the_hover(tmp_path):
-    """The drawn line of a long series is thinned; the points the script hovers over are all there."""
+    """A long series' drawn line is thinned; the points the script hovers over are all there."""
     log = tmp_path / "metrics.jsonl"
     written = write_log(log, {"a": 512}, steps=range(1, 2501))
     page_text = write_report([log], tmp_path / "report.html").read_text()
