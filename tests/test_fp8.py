@@ -505,6 +505,30 @@ def test_the_planner_prices_fp8_matmuls_at_the_fp8_peak_and_counts_their_quantis
     assert not any(fp8_quantisation_bytes(c, ep=1) for c in plain)
 
 
+@only("flint")
+def test_the_planner_prices_rowwise_gw_hp_weight_gradients_at_the_bf16_peak():
+    """By hand, the tiny Flint (hidden 64, 4 layers, 64 tokens): the FP8 maps' forward FLOPs are
+    attention 4 layers x 2 x 64 x 64 x (64 + 32 + 32 + 64) = 6,291,456, dense MLPs 2 x 2 x 64 x 64 x
+    128 x 3 = 6,291,456, MoE layers 2 x (experts 2 x 128 rows x 64 x (64 + 32) + shared 3 x 2 x 64 x
+    64 x 64) = 6,291,456: 18,874,368. With rowwise_gw_hp the backward's FP8 ops are the input
+    gradients only, as many FLOPs, and the weight gradients as many again in BF16 ops (aten.mm,
+    moe's grouped one), which the planner prices at the BF16 peak with no quantisation pass."""
+    from tools.op_trace import trace_step
+    from tools.planner import GPUS, Pricing, fp8_quantisation_bytes
+    config = tiny_config("flint")
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (64, 4, 128)
+    costs = trace_step(config, 1, 64, torch.bfloat16, "none", fp8="rowwise_gw_hp")
+    fp8_flops = {phase: sum(c.flops for c in costs if c.phase == phase and c.op.startswith("flint.fp8"))
+                 for phase in ("forward", "backward")}
+    weight_grads = [c for c in costs if c.phase == "backward" and c.dtype == "bfloat16" and c.flops
+                    and not c.attention_core and not c.op.startswith("flint.fp8")]
+    assert fp8_flops == {"forward": 18_874_368, "backward": 18_874_368}
+    assert {c.op for c in weight_grads} == {"mm", "flint.grouped_mm_weight_grad"}
+    assert sum(c.flops for c in weight_grads) == 18_874_368
+    pricing = Pricing(GPUS["H100"])
+    assert all(pricing.matmul_peak(c) == 989.4e12 and not fp8_quantisation_bytes(c, ep=1) for c in weight_grads)
+
+
 def test_memory_counts_the_fp8_copies():
     from tools.memory import memory_per_gpu
     from parallel import ParallelConfig
