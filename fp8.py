@@ -208,8 +208,8 @@ def grouped_cuda(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rowwis
     # the kernel takes contiguous scales: a tensor-wise scalar expanded is not
     x_scales = x_inverse.expand(rows, 1).reshape(rows).contiguous()
     w_scales = w_inverse.expand(groups, 1, n).reshape(groups, n).contiguous()
-    return torch._scaled_grouped_mm(x8.contiguous(), column_major(w8), x_scales, w_scales, offs=offsets,
-                                    out_dtype=torch.bfloat16)
+    return torch._scaled_grouped_mm(x8.contiguous(), column_major(w8), x_scales, w_scales,
+                                    offs=offsets, out_dtype=torch.bfloat16)
 
 
 def grouped_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rowwise: bool) -> torch.Tensor:
