@@ -21,8 +21,8 @@ fits E4M3's (E5M2's extra exponent buys nothing the scale does not, and costs a 
 Tensor-wise, one scale spans all of a gradient's rows, whose magnitudes differ by orders: a few
 rows 10^4x larger set the scale, and E4M3 (smallest subnormal 2^-9, largest value 448) flushes
 the others' small entries to zero, where E5M2 (2^-16, 57344) keeps them, as torchao's
-tensor-wise recipe does.
-The experts' grouped GEMMs stay E4M3 in every recipe: torch._scaled_grouped_mm takes E4M3 only.
+tensor-wise recipe does. CUDA's torch._scaled_mm takes one E5M2 operand beside an E4M3 one. The
+experts' grouped GEMMs stay E4M3 in every recipe: torch._scaled_grouped_mm takes E4M3 only.
 
 A linear y = x W^T (x [M, K], W [N, K]) is fp8_matmul(x, W^T); its autograd is the same op again:
 
