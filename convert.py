@@ -13,7 +13,7 @@ run's record.
 The native checkpoint is what train.py saves and resumes from: a torch.distributed.checkpoint
 directory whose state dict holds {"model": <native state dict>, optional "optimizer", "train"}, plus
 config.json. config.json's model_type picks the model family; each family declares its published key
-table beside the model (Flint: model.py and SPEC.md; Mistral Large 4: large4_config.py and
+table beside the model (Flint: flint_model.py and SPEC.md; Mistral Large 4: large4_config.py and
 LARGE4.md), reached through registry.py. Published tensors outside the model (Large 4's vision tower
 and draft head) are "extras": to-native keeps them under "extra" in the DCP checkpoint, to-hf and
 save_hf write them back, never dropped. FP8 block-scaled weights (the Large 4 release) are

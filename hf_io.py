@@ -42,7 +42,7 @@ class Part:
 
 @dataclass(frozen=True)
 class Layout:
-    """A model family's published checkpoint layout, declared beside the model (model.py,
+    """A model family's published checkpoint layout, declared beside the model (flint_model.py,
     large4_config.py) and reached through registry.py: everything a conversion needs to know of
     it."""
 

@@ -1,5 +1,5 @@
-"""The layers and helpers both models are built from (model.py: Flint, large4.py: Mistral Large 4),
-so that either model's files can be deleted and the other still stands.
+"""The layers and helpers both models are built from (flint_model.py: Flint, large4.py: Mistral
+Large 4), so that either model's files can be deleted and the other still stands.
 
 - RMSNorm; positions that restart at each packed document; the context-parallel loss share.
 - Building a model: meta device, materialise, `init_weights` from per-name seeded values, so every

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
     from stage import StageContext
 
 FAMILIES: dict[str, str] = {
-    "flint": "model",  # Flint: model.py
+    # Flint: flint_model.py. Not a module named `flint`: sympy, which torch imports, tries
+    # `import flint` for the python-flint library, and would find ours first.
+    "flint": "flint_model",
     "large4": "large4",  # Mistral Large 4: large4.py, large4_config.py
 }
 

@@ -1,9 +1,9 @@
 """The seam between a model's forward and the parallel layouts: what a layout adds to the math.
 
-A model's forward reads as on one device: embedding -> blocks -> norm -> head and loss (model.py,
-large4.py). What a layout changes reaches it through one object, the model's `stage` (a
-StageContext: by default one device; parallel.py gives each context-parallel rank its own), which
-plans each call (a ForwardPlan) and answers the forward's few questions:
+A model's forward reads as on one device: embedding -> blocks -> norm -> head and loss
+(flint_model.py, large4.py). What a layout changes reaches it through one object, the model's
+`stage` (a StageContext: by default one device; parallel.py gives each context-parallel rank its
+own), which plans each call (a ForwardPlan) and answers the forward's few questions:
 - Pipeline parallelism: which layers this rank runs, and whether its embedding and head, is the
   model itself (pipeline.py deletes the rest; the forward passes over what is missing, as
   torchtitan's decoder does). A stage without the embedding starts from what the stage before

@@ -12,7 +12,7 @@ term shows in every gradient, and saves
     <case>.safetensors     for case "masked" (with attention_mask) and "unmasked" (without):
                            loss (cross-entropy + coef * aux), aux_loss, ce_loss, and grad.<name> of
                            every parameter under its Hugging Face name
-tests/test_model.py loads the model with convert.load_hf and compares.
+tests/test_flint_model.py loads the model with convert.load_hf and compares.
 
 Without transformers in this Python, the script creates a virtual environment (default
 .venv-flint-hf) with torch, transformers 5.24.0 and safetensors, and runs itself there.

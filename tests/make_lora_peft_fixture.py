@@ -91,7 +91,7 @@ def transformers_module_name(family: str, native: str) -> str:
 
 def native_config(family: str):
     if family == "flint":
-        from model import FlintConfig
+        from flint_model import FlintConfig
 
         return FlintConfig.from_name("tiny", num_hidden_layers=3)  # layers 0-1 dense, 2 MoE
     from large4 import Large4Config

@@ -2,8 +2,8 @@
 
 The router losses: Flint's published balance term against the formula flint computed before the
 losses moved into the layers (against the reference implementation's own values in
-tests/test_model.py), DeepSeek-V3's sequence-wise term and the z-loss against plain loops, in one
-process and in pipeline, context and expert parallel layouts against one process, for each
+tests/test_flint_model.py), DeepSeek-V3's sequence-wise term and the z-loss against plain loops, in
+one process and in pipeline, context and expert parallel layouts against one process, for each
 registered family.
 
 Routing health: expert loads, idle-expert warnings, and the aux-loss-free selection bias."""

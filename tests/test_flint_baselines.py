@@ -5,8 +5,8 @@ whole runs."""
 import pytest
 import torch
 
+from flint_model import FlintConfig, build_model
 from helpers import assert_close_to_scale
-from model import FlintConfig, build_model
 from tools.flint_baselines import plain_eager_loss, transformers_loss, transformers_reference
 
 

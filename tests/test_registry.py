@@ -164,4 +164,4 @@ def test_importing_the_registry_loads_no_model():
         text=True,
         check=True,
     ).stdout.split()
-    assert not {"model", "large4", "large4_config"} & set(loaded)
+    assert not {"flint_model", "large4", "large4_config"} & set(loaded)

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import FULL, SLIDING, build_masks
-from model import Attention, Flint, FlintConfig, build_model, rope_tables
+from flint_model import Attention, Flint, FlintConfig, build_model, rope_tables
 from moe import MoE, SwiGLU
 
 # ========================================================================= the plain eager baseline

@@ -1,7 +1,7 @@
-"""model.py: Flint's config (the released layer schedule, presets, the config.json round trip, what
-a config refuses, naming the field or the file), its network (the released size, whole-model parity
-with the plain reference, loss, generation) and its published key table (SPEC.md, read both ways by
-tests/test_convert.py)."""
+"""flint_model.py: Flint's config (the released layer schedule, presets, the config.json round trip,
+what a config refuses, naming the field or the file), its network (the released size, whole-model
+parity with the plain reference, loss, generation) and its published key table (SPEC.md, read both
+ways by tests/test_convert.py)."""
 
 import dataclasses
 import json
@@ -14,9 +14,9 @@ import torch.nn.attention.flex_attention as flex_module
 from safetensors.torch import load_file
 
 import convert
+from flint_model import LAYOUT, PRESETS, Flint, FlintConfig, build_model, published_layout
 from helpers import assert_close_to_scale
 from layers import document_positions
-from model import LAYOUT, PRESETS, Flint, FlintConfig, build_model, published_layout
 from reference import reference_positions
 from reference_flint import layer_types_from_schedule, reference_forward, reference_loss
 
