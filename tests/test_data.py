@@ -583,7 +583,10 @@ def test_conversations_are_packed_whole_and_only_answers_are_targets(tmp_path, o
 
 def test_packed_conversations_resume_at_the_exact_row(tmp_path):
     shards = prepared_conversations(tmp_path, conversations(30, seed=2))
-    make = lambda: PackedLoader(shards, np.arange(30), seq_len=96, batch_size=2, seed=5, epochs=4)  # noqa: E731
+
+    def make() -> PackedLoader:
+        return PackedLoader(shards, np.arange(30), seq_len=96, batch_size=2, seed=5, epochs=4)
+
     loader = make()
     for _ in range(3):
         loader.next_batch()
