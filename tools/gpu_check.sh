@@ -46,7 +46,7 @@ verdict() {  # name, exit status, log
 
 timeout 90 python3 - > "$OUT/parity.log" 2>&1 <<'PY'
 import dataclasses, torch
-from model import FlintConfig, build_model
+from flint_model import FlintConfig, build_model
 from parallel import apply_activation_checkpointing, apply_compile
 from tools.profiling import cosine_parity
 
