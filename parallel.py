@@ -117,8 +117,7 @@ class ParallelConfig:
     backend: str = "auto"  # process group: auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
     # the FP32 head's matmuls on GPUs: tf32 | bf16x3 | bf16 | float32 (head.py)
     head_precision: str = "tf32"
-    # none | rowwise | tensorwise: the projections, dense MLPs and experts on FP8 operands (fp8.py)
-    fp8: str = "none"
+    fp8: str = "none"  # none | rowwise | tensorwise | rowwise_gw_hp: FP8 matmuls (fp8.py)
     # how long a rank waits at a collective (for rank 0's data
     collective_timeout_minutes: float = 60.0
     # preparation and checkpoint listing, a slow rank's checkpoint write) before the run stops

@@ -24,7 +24,7 @@ SOURCES = CORE + TOOLS
 CORE_MODULES = {path.stem for path in CORE}
 # Each registered family's own files (registry.FAMILIES names the first of each;
 # tools/flint_baselines.py is Flint's).
-MODEL_FILES = {"flint_model", "large4", "large4_config", "flint_baselines"}
+MODEL_FILES = {"model", "large4", "large4_config", "flint_baselines"}
 
 
 # One interpreter that has imported torch and nothing of the repository forks once per module: each
@@ -198,7 +198,7 @@ def test_only_the_registry_names_a_model_outside_its_own_files():
     registry = (ROOT / "registry.py").read_text()
     assert all(
         f'"{module}"' in registry
-        for module in ("flint_model", "large4")
+        for module in ("model", "large4")
         if (ROOT / f"{module}.py").is_file()
     )
 

@@ -40,14 +40,12 @@ def _grouped_mm_weight_grad_flop(
     return 2 * x_shape[0] * x_shape[1] * grad_shape[1]
 
 
-def _fp8_matmul_flop(a_shape, b_shape, rowwise=None, out_shape=None, **kwargs) -> int:
+def _fp8_matmul_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     """flint::fp8_matmul: a [M, K] @ b [K, N] on FP8 operands (fp8.py)."""
     return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 
 
-def _fp8_grouped_mm_flop(
-    x_shape, w_shape, offsets_shape, rowwise=None, out_shape=None, **kwargs
-) -> int:
+def _fp8_grouped_mm_flop(x_shape, w_shape, offsets_shape, *args, out_shape=None, **kwargs) -> int:
     return _grouped_mm_flop(x_shape, w_shape, offsets_shape)
 
 
