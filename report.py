@@ -930,13 +930,15 @@ def expert_charts(run: RunLog, index: int) -> list[str]:
 
 # ============================================================================= the page
 
-SVG_STYLE = """svg{font-family:system-ui,sans-serif;background:#fff}svg .title{font-weight:600;font-size:13px}
+SVG_STYLE = """svg{font-family:system-ui,sans-serif;background:#fff}
+svg .title{font-weight:600;font-size:13px}
 svg .tick{font-size:11px;fill:#374151}svg .axis{font-size:12px;fill:#111}svg .grid{stroke:#e5e7eb}
 svg .frame{fill:none;stroke:#9ca3af}svg polyline{fill:none;stroke-width:1.8}"""
 STYLE = (
     """body{font:14px system-ui,sans-serif;margin:24px;color:#111;background:#fff}
 h1{font-size:20px}h2{font-size:16px;margin-top:28px}table{border-collapse:collapse}
-td,th{border:1px solid #ddd;padding:3px 8px;text-align:right;white-space:nowrap}th{background:#f3f4f6}
+td,th{border:1px solid #ddd;padding:3px 8px;text-align:right;white-space:nowrap}
+th{background:#f3f4f6}
 td:first-child{text-align:left}td:last-child{text-align:left;white-space:normal}
 .grid-of-charts{gap:12px}
 .warning{background:#fff7ed;border:1px solid #fdba74;padding:8px}

@@ -145,7 +145,10 @@ def axis(ticks: list[tuple[float, str]]):
     """pixel -> value, from the tick labels' positions; every tick must agree with the first and
     last."""
     (p0, v0), (p1, v1) = [(p, tick_value(label)) for p, label in (ticks[0], ticks[-1])]
-    to_value = lambda p: 2 * (v0 / 2 + (p - p0) / (p1 - p0) * (v1 / 2 - v0 / 2))  # halves: +-1e308
+
+    def to_value(p: float) -> float:  # in halves, so that +-1e308 does not overflow
+        return 2 * (v0 / 2 + (p - p0) / (p1 - p0) * (v1 / 2 - v0 / 2))
+
     for p, label in ticks:
         # 0.01-pixel rounding
         assert to_value(p) == pytest.approx(tick_value(label), abs=1e-4 * abs(v1 - v0))
