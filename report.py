@@ -2,6 +2,7 @@
 
     python3 report.py RUN_DIR [RUN_DIR ...] [--out FILE]    # runs overlaid on the same axes
     python3 report.py runs/smoke/metrics.jsonl              # every run that file holds
+    python3 report.py RUN_DIR --watch [--interval 2]         # rewritten as the run logs, to Ctrl-C
 
 RUN_DIR is a run directory of train.py (checkpoint.dir/run_NNNN): its run.json, written when the run
 starts, names the JSONL file that holds its records and the settings it ran with. train.py writes
@@ -9,14 +10,21 @@ RUN_DIR/report.html at the end of every run, a run stopped by divergence too; a 
 read as far as it has gone. --out names the page's file, or a directory to write report.html into;
 never a file the report reads.
 
-The page is one self-contained file (inline SVG and CSS, no script, nothing fetched): training and
-validation loss against step and tokens, learning rate, gradient norm, tokens/s, MFU and peak
-memory, and for MoE runs a heatmap per run of each layer's busiest and idlest expert's load, the
-assignments dropped past the experts' capacity and the spread of the selection bias, over the steps.
-A line that is not a record (a truncated last line, something else's JSON) is skipped and counted on
-the page; a value that is not a finite number (inf, NaN) is marked where it was logged; every string
-of a file (run and layer names, paths, settings) is escaped, so nothing in a record is markup on the
-page.
+The page is one self-contained file (inline SVG, CSS and its own small script, nothing fetched):
+training and validation loss against step, tokens and wall-clock seconds (each also on a log axis),
+learning rate, gradient norm, tokens/s, MFU and memory (the peak so far: metrics.py logs the GPU
+allocator's peak since the start, or on the CPU the process's maximum resident set, not a step's
+own), every setting of run.json that differs between the runs, and for MoE runs a heatmap per run of
+each layer's busiest and idlest expert's load, the assignments dropped past the experts' capacity
+and the spread of the selection bias, over the steps. A line that is not a record (a truncated last
+line, something else's JSON) is skipped and counted on the page; a value that is not a finite number
+(inf, NaN) is marked where it was logged; every string of a file (run and layer names, paths,
+settings) is escaped, so nothing in a record is markup on the page. The script (a smoothing slider,
+TensorBoard's debiased moving average; a log-scale toggle; the nearest point's value under the
+pointer, at any series length) reads the charts' points from a JSON block in which no string can end
+the block (<, > and & escaped), and the page's content security policy runs no other script. The
+address can set the view: report.html#smooth=0.6&log=1 and hover=CHART:X:Y,... (a marker at the
+point nearest to X, Y of that chart, as the pointer would).
 
 A leaf like files.py: it imports nothing of the model (no torch), so it runs on any copy of a log.
 rehearsal.py draws its memory timeline with the same axes (memory_timeline_svg).
@@ -25,12 +33,16 @@ rehearsal.py draws its memory timeline with the same axes (memory_timeline_svg).
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import html
 import json
 import math
+import os
 import re
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -283,6 +295,18 @@ def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
     return [lo] * math.isinf(ticks[0]) + inside + [hi] * math.isinf(ticks[-1])
 
 
+def log_ticks(lo: float, hi: float) -> list[float]:
+    """Ticks of a logarithmic axis from at most lo to at least hi (both positive): the powers of ten
+    around them, with 2 and 5 times each between where the span is under three decades."""
+    first = max(math.floor(math.log10(lo) + 1e-9), -307)  # past these, 10 ** k is no float
+    last = min(max(math.ceil(math.log10(hi) - 1e-9), first + 1), 308)
+    steps = (1, 2, 5) if last - first < 3 else (1,)
+    ticks = [float(f"{m * 10.0**k:.12g}") for k in range(first, last + 1) for m in steps]
+    below = max((t for t in ticks if t <= lo * (1 + 1e-9)), default=ticks[0])
+    above = min((t for t in ticks if t >= hi * (1 - 1e-9) and math.isfinite(t)), default=ticks[-1])
+    return [t for t in ticks if below <= t <= above]
+
+
 def number(value: float) -> str:
     """A tick label: 0, 0.0015, 2.5, 400, 20k, 1.5M, 3G, 1e+20."""
     if abs(value) >= 1e15:
@@ -321,19 +345,49 @@ def tag(name: str, content: str | None = None, **values) -> str:
 
 class Frame:
     """A plot area (left, top, width, height in pixels) whose axes end at round ticks around the
-    data."""
+    data; with `tight_x` the x axis ends at the data itself (a run's last step, not the next round
+    value); with `log_y` the y axis is logarithmic (ys all positive)."""
 
     def __init__(
-        self, xs: list[float], ys: list[float], left: float, top: float, width: float, height: float
+        self,
+        xs: list[float],
+        ys: list[float],
+        left: float,
+        top: float,
+        width: float,
+        height: float,
+        tight_x: bool = False,
+        log_y: bool = False,
     ):
-        self.xticks, self.yticks = nice_ticks(min(xs), max(xs)), nice_ticks(min(ys), max(ys))
+        self.xticks, self.log_y = nice_ticks(min(xs), max(xs)), log_y
+        self.xends = [self.xticks[0], self.xticks[-1]]
+        if tight_x and max(xs) > min(xs):
+            self.xends = [min(xs), max(xs)]
+            self.xticks = [t for t in self.xticks if min(xs) <= t <= max(xs)]
+        self.yticks = log_ticks(min(ys), max(ys)) if log_y else nice_ticks(min(ys), max(ys))
+        self.yends = (
+            [math.log10(self.yticks[0]), math.log10(self.yticks[-1])] if log_y else self.yticks
+        )
         self.left, self.top, self.width, self.height = left, top, width, height
 
     def x(self, value: float) -> float:
-        return round(self.left + along(value, self.xticks) * self.width, 2)
+        return round(self.left + along(value, self.xends) * self.width, 2)
 
     def y(self, value: float) -> float:
-        return round(self.top + self.height - along(value, self.yticks) * self.height, 2)
+        value = math.log10(value) if self.log_y else value
+        return round(self.top + self.height - along(value, self.yends) * self.height, 2)
+
+    def ends(self) -> dict:
+        """The axes' ends, in the page's data: its script maps points and the pointer with them."""
+        return {
+            "left": self.left,
+            "top": self.top,
+            "width": self.width,
+            "height": self.height,
+            "x": self.xends,
+            "y": [self.yends[0], self.yends[-1]],
+            "log": self.log_y,
+        }
 
     def axes(self, x_label: str, y_label: str, grid: bool = True) -> list[str]:
         """Grid lines, tick labels (each <text> at its tick's position) and the axis titles; a
@@ -409,10 +463,12 @@ def along(value: float, ticks: list[float]) -> float:
 def svg(
     chart: str, width: float, height: float, body: list[str], title: str, style: str = ""
 ) -> str:
-    """An SVG element; `style` (CSS) makes it stand alone, outside the report's page."""
+    """An SVG element; `style` (CSS) makes it stand alone, outside the report's page, at its own
+    size. On the page it takes its column's width (the viewBox keeps its proportions)."""
+    size = f'width="{width}" height="{height}"' if style else 'width="100%"'
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="{chart}" '
-        f'viewBox="0 0 {width} {height}" width="{width}" height="{height}">'
+        f'viewBox="0 0 {width} {height}" {size}>'
         + (f"<style>{style}</style>" if style else "")
         + tag("text", text(title), x=8, y=18, class_="title")
         + "".join(body)
@@ -454,9 +510,18 @@ def line_chart(
     series: list[Series],
     width: int = 540,
     height: int = 300,
+    log_y: bool = False,
+    data: dict | None = None,
 ) -> str:
-    """Every series on the same axes, a legend of the runs below (dashed: the style note says
-    what)."""
+    """Every series on the same axes, a legend of the runs below (dashed: the style note says what).
+    The x axis ends at the data. With `log_y` the y axis is logarithmic: a value that is not
+    positive has no place on it and is left out. `data` (when given) gets the chart's axes and every
+    finite point of each series under the chart's name, for the page's script (hover, smoothing)."""
+    if log_y:
+        series = [
+            Series(s.run, s.what, s.colour, [(x, y) for x, y in s.points if not y <= 0], s.dashed)
+            for s in series
+        ]
     drawn = [s for s in series if s.points]
     runs = list(dict.fromkeys((s.run, s.colour) for s in drawn))
     columns = 2 if max((len(run) for run, _ in runs), default=0) <= 36 else 1
@@ -475,10 +540,26 @@ def line_chart(
         )
         return svg(chart, width, total, [nothing], title)
     xs = [x for s in drawn for x, _ in s.points]
-    ys = [y for s in drawn for _, y in s.points if math.isfinite(y)] or [0.0, 1.0]
+    ys = [y for s in drawn for _, y in s.points if math.isfinite(y)] or [1.0, 10.0]
     # below the plot: the ticks and the axis title
-    frame = Frame(xs, ys, left=62, top=30, width=width - 80, height=height - 84)
+    frame = Frame(
+        xs, ys, left=62, top=30, width=width - 80, height=height - 84, tight_x=True, log_y=log_y
+    )
     body = frame.axes(x_label, y_label)
+    if data is not None:
+        data[chart] = {
+            "frame": frame.ends(),
+            "x_label": x_label,
+            "series": [
+                {
+                    "run": s.run,
+                    "what": s.what,
+                    "colour": s.colour,
+                    "stretches": finite_stretches(s.points),
+                }
+                for s in drawn
+            ],
+        }
     for s in drawn:
         for stretch in finite_stretches(s.points):  # a value that is not a number breaks the line
             points = thinned(stretch)
@@ -667,9 +748,20 @@ def colour_bar(
 
 # ============================================================================= the runs' charts
 
+LOSS_AXES = [
+    ("step", "step", "step"),
+    ("tokens", "tokens", "tokens"),
+    ("elapsed", "elapsed_s", "wall-clock seconds"),
+]  # (chart, record's key, axis title)
+# metrics.py logs the GPU allocator's peak since the run started, or on the CPU the process's
+# lifetime maximum resident set (ru_maxrss): neither is the step's own peak, and the title says so.
+MEMORY_TITLE = "peak memory so far (GPU allocated; CPU: process max RSS)"
 
-def training_charts(runs: list[RunLog]) -> list[str]:
-    """Loss against step and tokens, then one chart per logged quantity, every run overlaid."""
+
+def training_charts(runs: list[RunLog], data: dict | None = None) -> list[str]:
+    """Loss against step, tokens and wall-clock time, each on a linear and a logarithmic axis (the
+    page's toggle shows one), then one chart per logged quantity, every run overlaid. `data` gets
+    each chart's points for the page's script."""
     coloured = list(zip(runs, COLOURS * len(runs)))
 
     # A value that is not a finite number (inf, NaN) stays in the series: drawn as a mark, a gap.
@@ -682,50 +774,53 @@ def training_charts(runs: list[RunLog]) -> list[str]:
         return Series(run.label, what, colour, points)
 
     def validation(run: RunLog, colour: str, x_key: str) -> Series:
-        # evaluations hold no token count
-        per_step = 1 if x_key == "step" else run.tokens_per_step()
-        points = [(step * per_step, loss) for step, loss in sorted(run.evals.items()) if per_step]
-        return Series(
-            run.label,
-            "validation loss",
-            colour,
-            [(x, y) for x, y in points if math.isfinite(x)],
-            dashed=True,
-        )
+        # Evaluations hold no token count or time: a step's, from its training record.
+        at_step = {
+            step: 1.0 * step if x_key == "step" else run.train.get(step, {}).get(x_key)
+            for step in run.evals
+        }
+        points = [
+            (float(at_step[step]), loss)
+            for step, loss in sorted(run.evals.items())
+            if finite(at_step[step])
+        ]
+        return Series(run.label, "validation loss", colour, points, dashed=True)
 
-    charts = [
-        line_chart(
-            f"loss-{x_key}",
-            f"loss against {x_key}",
-            x_key,
-            "loss (nats per token)",
-            [
-                s
-                for run, colour in coloured
-                for s in (
-                    logged(run, colour, "loss", "training loss", x_key),
-                    validation(run, colour, x_key),
+    charts = []
+    for name, x_key, x_label in LOSS_AXES:
+        series = [
+            s
+            for run, colour in coloured
+            for s in (
+                logged(run, colour, "loss", "training loss", x_key),
+                validation(run, colour, x_key),
+            )
+        ]
+        for log_y, scale in ((False, ""), (True, "-log")):
+            box = "scale-log" if log_y else "scale-linear"
+            charts.append(
+                f'<div class="{box}">'
+                + line_chart(
+                    f"loss-{name}{scale}",
+                    f"loss against {x_label}" + " (log scale)" * log_y,
+                    x_label,
+                    "loss (nats per token)",
+                    series,
+                    log_y=log_y,
+                    data=data,
                 )
-            ],
-        )
-        for x_key in ("step", "tokens")
-    ]
+                + "</div>"
+            )
     for key, chart, title, y_label in [
         ("lr", "lr", "learning rate", "learning rate (per step)"),
         ("grad_norm", "grad-norm", "gradient norm (global L2, before clipping)", "gradient norm"),
         ("tokens_per_s", "tokens-per-s", "throughput", "tokens/s (all ranks)"),
         ("mfu_percent", "mfu", "model FLOPs utilisation", "MFU (%)"),
-        ("memory_gib", "memory", "peak memory (GPU allocated, or CPU resident)", "GiB (rank 0)"),
+        ("memory_gib", "memory", MEMORY_TITLE, "GiB (rank 0)"),
     ]:
-        charts.append(
-            line_chart(
-                chart,
-                title,
-                "step",
-                y_label,
-                [logged(run, colour, key, title) for run, colour in coloured],
-            )
-        )
+        series = [logged(run, colour, key, title) for run, colour in coloured]
+        chart_svg = line_chart(chart, title, "step", y_label, series, data=data)
+        charts.append(f"<div>{chart_svg}</div>")
     return charts
 
 
@@ -845,13 +940,127 @@ h1{font-size:20px}h2{font-size:16px;margin-top:28px}table{border-collapse:collap
 td,th{border:1px solid #ddd;padding:3px 8px;text-align:right;white-space:nowrap}
 th{background:#f3f4f6}
 td:first-child{text-align:left}td:last-child{text-align:left;white-space:normal}
-.grid-of-charts{display:flex;flex-wrap:wrap;gap:12px}
-.warning{background:#fff7ed;border:1px solid #fdba74;padding:8px}"""
+.grid-of-charts{gap:12px}
+.warning{background:#fff7ed;border:1px solid #fdba74;padding:8px}
+.grid-of-charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(480px,1fr))}
+body.log-scale .scale-linear,body:not(.log-scale) .scale-log{display:none}
+svg.smoothing polyline.series[data-what="training loss"]{stroke-opacity:.3}
+svg polyline.smoothed{fill:none;stroke-width:2}.controls{margin:8px 0}"""
     + SVG_STYLE
 )
+CONTROLS = (
+    '<div class="controls" id="controls" hidden><label>smoothing <input type="range" '
+    'id="smoothing" min="0" max="0.99" step="0.01" value="0"></label> '
+    '<output id="smoothing-value">0.00</output> <label><input type="checkbox" '
+    'id="log-scale"> log scale</label> (hover a chart for the nearest point\'s value)'
+    "</div>"
+)
+SCRIPT = r"""(function () {
+"use strict";
+// The report's only script: its numbers come from the JSON block (JSON.parse, never as markup),
+// and every text it writes is textContent. Hash: smooth=0.6, log=1, hover=CHART:X:Y,CHART:X:Y.
+var data = JSON.parse(document.getElementById("report-data").textContent);
+var hash = new URLSearchParams(location.hash.slice(1));
+var NS = "http://www.w3.org/2000/svg";
+var slider = document.getElementById("smoothing"), logBox = document.getElementById("log-scale");
+function along(v, ends) { return (v / 2 - ends[0] / 2) / (ends[1] / 2 - ends[0] / 2); }
+function pixel(f, p) {
+  var y = f.log ? Math.log10(p[1]) : p[1];
+  return [f.left + along(p[0], f.x) * f.width, f.top + f.height - along(y, f.y) * f.height];
+}
+function smoothed(points, weight) {  // TensorBoard's debiased exponential moving average
+  var last = 0, out = [];
+  points.forEach(function (p, i) {
+    last = last * weight + (1 - weight) * p[1];
+    out.push([p[0], weight > 0 ? last / (1 - Math.pow(weight, i + 1)) : p[1]]);
+  });
+  return out;
+}
+function element(name, attributes) {
+  var e = document.createElementNS(NS, name);
+  Object.keys(attributes).forEach(function (k) { e.setAttribute(k, attributes[k]); });
+  return e;
+}
+function svgOf(chart) { return document.querySelector('svg[data-chart="' + chart + '"]'); }
+function smooth(weight) {
+  document.getElementById("smoothing-value").textContent = weight.toFixed(2);
+  Object.keys(data).forEach(function (chart) {
+    var svg = svgOf(chart), f = data[chart].frame;
+    svg.querySelectorAll("polyline.smoothed").forEach(function (e) { e.remove(); });
+    svg.classList.toggle("smoothing", weight > 0);
+    if (weight <= 0 || chart.indexOf("loss-") !== 0) return;
+    data[chart].series.forEach(function (s) {
+      if (s.what !== "training loss") return;
+      s.stretches.forEach(function (stretch) {
+        var points = smoothed(stretch, weight).map(function (p) { return pixel(f, p).join(","); });
+        var line = element("polyline",
+                           {"class": "smoothed", stroke: s.colour, points: points.join(" ")});
+        line.setAttribute("data-run", s.run);
+        line.setAttribute("data-what", s.what + " (smoothed)");
+        svg.appendChild(line);
+      });
+    });
+  });
+}
+function nearest(chart, px, py) {  // the logged point closest to the pixel, over every series
+  var f = data[chart].frame, best = null;
+  data[chart].series.forEach(function (s) {
+    s.stretches.forEach(function (stretch) {
+      stretch.forEach(function (p) {
+        var q = pixel(f, p), d = (q[0] - px) * (q[0] - px) + (q[1] - py) * (q[1] - py);
+        if (best === null || d < best.d) best = {d: d, s: s, p: p, q: q};
+      });
+    });
+  });
+  return best;
+}
+function show(chart, px, py, keep) {
+  var svg = svgOf(chart), best = nearest(chart, px, py);
+  if (!keep) svg.querySelectorAll("g.hover").forEach(function (e) { e.remove(); });
+  if (best === null) return;
+  var s = best.s, p = best.p, words = s.run + ", " + s.what + ": " + Number(p[1].toPrecision(6))
+      + " at " + data[chart].x_label + " " + p[0];
+  var g = element("g", {"class": "hover", "data-x": p[0], "data-y": p[1]});
+  g.appendChild(element("circle", {cx: best.q[0], cy: best.q[1], r: 4, fill: s.colour}));
+  var f = data[chart].frame;
+  var label = element("text", {x: f.left + f.width - 6, y: f.top + 14, "class": "tick",
+                               "text-anchor": "end"});
+  label.textContent = words;
+  g.appendChild(label);
+  svg.appendChild(g);
+}
+Object.keys(data).forEach(function (chart) {
+  svgOf(chart).addEventListener("mousemove", function (event) {
+    var svg = svgOf(chart), point = svg.createSVGPoint();
+    point.x = event.clientX; point.y = event.clientY;
+    point = point.matrixTransform(svg.getScreenCTM().inverse());
+    show(chart, point.x, point.y, false);
+  });
+});
+document.getElementById("controls").hidden = false;
+function remember() {  // in the address, so that a reload (report.py --watch) keeps the view
+  history.replaceState(null, "", "#smooth=" + slider.value + "&log=" + (logBox.checked ? 1 : 0));
+}
+slider.addEventListener("input", function () { smooth(Number(slider.value)); remember(); });
+logBox.addEventListener("change", function () {
+  document.body.classList.toggle("log-scale", logBox.checked);
+  remember();
+});
+slider.value = hash.get("smooth") || "0";
+logBox.checked = hash.get("log") === "1";
+document.body.classList.toggle("log-scale", logBox.checked);
+smooth(Number(slider.value));
+(hash.get("hover") || "").split(",").filter(Boolean).forEach(function (wanted) {
+  var parts = wanted.split(":"), chart = parts[0];
+  if (!data[chart]) return;
+  var q = pixel(data[chart].frame, [Number(parts[1]), Number(parts[2])]);
+  show(chart, q[0], q[1], true);
+});
+})();
+"""
 
 
-def summary_row(run: RunLog, colour: str) -> str:
+def summary_row(run: RunLog, colour: str, differing: list[str]) -> str:
     """The run's row: its first and last training loss as logged (inf and NaN shown as such: a
     diverged run); medians, the best and the peak over the finite values."""
     train = [r for _, r in sorted(run.train.items())]
@@ -876,16 +1085,16 @@ def summary_row(run: RunLog, colour: str) -> str:
         median("tokens_per_s", "", 0),
         median("mfu_percent", " %", 2),
         f"{max(finite_values('memory_gib')):.2f} GiB" if finite_values("memory_gib") else "-",
-        text(described(run)),
+        text(described(run, differing)),
     ]
     return "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
 
 
-def described(run: RunLog) -> str:
+def described(run: RunLog, differing: list[str]) -> str:
     """The settings that tell runs apart at a glance: optimizer, peak learning rate, tokens per
-    step."""
+    step, then each of `differing` (dotted names of run.json's settings) as this run has it."""
     lr, per_step = run.setting("optim", "lr"), run.tokens_per_step()
-    return ", ".join(
+    glance = ", ".join(
         part
         for part in (
             optimizer_name(run),
@@ -894,16 +1103,66 @@ def described(run: RunLog) -> str:
         )
         if part
     )
+    mine = flattened(run.settings)
+    rest = ", ".join(
+        f"{key} = {shown_setting(mine[key]) if key in mine else '(unset)'}"
+        for key in differing
+        if key not in GLANCED and run.settings
+    )
+    return "; ".join(part for part in (glance, rest) if part)
 
 
-def render(runs: list[RunLog], logs: list[LogFile]) -> str:
-    """The page: which runs, what was skipped, the training charts, then each MoE run's heatmaps."""
+GLANCED = {"optim.name", "optim.lr"}  # shown at a glance by described()
+SETTING_CHARACTERS = 60  # a longer value (a list of layers) is cut, with an ellipsis
+
+
+def flattened(settings: dict, prefix: str = "") -> dict[str, object]:
+    """{"fp8": {"recipe": "rowwise"}} -> {"fp8.recipe": "rowwise"}: a table's keys, dotted."""
+    out = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            out.update(flattened(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def shown_setting(value: object) -> str:
+    shown = value if isinstance(value, str) else json.dumps(value)
+    return shown if len(shown) <= SETTING_CHARACTERS else shown[: SETTING_CHARACTERS - 1] + "\u2026"
+
+
+def differing_settings(runs: list[RunLog]) -> list[str]:
+    """The dotted names of the settings whose values differ between the runs that have settings (a
+    run without run.json has none to compare), in the order of the first run that sets each."""
+    tables = [flattened(run.settings) for run in runs if run.settings]
+    names = list(dict.fromkeys(key for table in tables for key in table))
+    return [
+        key
+        for key in names
+        if len(tables) > 1
+        and len(
+            {
+                (key in table, json.dumps(table.get(key), sort_keys=True, default=repr))
+                for table in tables
+            }
+        )
+        > 1
+    ]
+
+
+def render(runs: list[RunLog], logs: list[LogFile], refresh: int | None = None) -> str:
+    """The page: which runs, what was skipped, the training charts, then each MoE run's heatmaps;
+    `refresh` (seconds) makes a browser reload it that often (report.py --watch rewrites it)."""
     head = (
         "<tr><th>run</th><th>last step</th><th>training loss</th><th>best validation loss</th>"
         "<th>tokens/s (median)</th><th>MFU (median)</th><th>peak "
         "memory</th><th>settings</th></tr>"
     )
-    rows = "".join(summary_row(run, colour) for run, colour in zip(runs, COLOURS * len(runs)))
+    differing = differing_settings(runs)
+    rows = "".join(
+        summary_row(run, colour, differing) for run, colour in zip(runs, COLOURS * len(runs))
+    )
     parts = [
         f"<h1>Training report: {text(', '.join(run.label for run in runs))}</h1>",
         f"<table>{head}{rows}</table>",
@@ -920,7 +1179,14 @@ def render(runs: list[RunLog], logs: list[LogFile]) -> str:
                 f"{text(str(log.path))}: {len(log.skipped)} line(s) skipped, not records "
                 f"of a run: {text(where)}{more}</p>"
             )
-    parts += ["<h2>Training</h2>", '<div class="grid-of-charts">', *training_charts(runs), "</div>"]
+    data: dict = {}
+    parts += [
+        "<h2>Training</h2>",
+        CONTROLS,
+        '<div class="grid-of-charts">',
+        *training_charts(runs, data),
+        "</div>",
+    ]
     for index, run in enumerate(runs):
         experts = expert_charts(run, index)
         if experts:
@@ -930,20 +1196,95 @@ def render(runs: list[RunLog], logs: list[LogFile]) -> str:
                 *experts,
                 "</div>",
             ]
+    # The policy lets no script run but the report's own (by its hash) and nothing be fetched.
+    digest = base64.b64encode(hashlib.sha256(SCRIPT.encode()).digest()).decode()
+    policy = f"default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-{digest}'"
     return (
-        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>flint '
-        "report</title>"
-        f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>\n"
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{policy}">'
+        + (f'<meta http-equiv="refresh" content="{int(refresh)}">' if refresh else "")
+        + "<title>flint report</title>"
+        f"<style>{STYLE}</style></head><body>{''.join(parts)}"
+        f'<script type="application/json" id="report-data">{script_json(data)}</script>'
+        f"<script>{SCRIPT}</script></body></html>\n"
     )
 
 
-def write_report(sources: list[Path], out: Path | None = None) -> Path:
+def script_json(value: object) -> str:
+    """`value` as JSON that no string in it can end or alter the <script> element holding it: every
+    <, > and & (and U+2028, U+2029, beyond ASCII) written as a \\u escape, which JSON.parse reads
+    back; characters no page may hold are U+FFFD, as text() shows them."""
+
+    def clean(item: object) -> object:
+        if isinstance(item, str):
+            return UNPRINTABLE.sub("\ufffd", item)
+        if isinstance(item, dict):
+            return {clean(key): clean(v) for key, v in item.items()}
+        return [clean(v) for v in item] if isinstance(item, (list, tuple)) else item
+
+    encoded = json.dumps(clean(value), ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    return encoded.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def write_report(sources: list[Path], out: Path | None = None, refresh: int | None = None) -> Path:
     """The report of the runs `sources` names (run directories, JSONL files), written to `out`
     (default: the one run directory's report.html, else ./report.html) -> its path."""
     runs, logs = load_runs(sources)
     out = page_path(sources, out, [log.path for log in logs])
-    write_page(out, render(runs, logs))
+    write_page(out, render(runs, logs, refresh))
     return out
+
+
+class Watcher:
+    """The page of `sources`, rewritten (atomically) at a poll when a file it reads has changed."""
+
+    def __init__(self, sources: list[Path], out: Path | None = None, refresh: int | None = None):
+        self.sources, self.out, self.refresh = [Path(source) for source in sources], out, refresh
+        self.seen: list[tuple[str, int, int]] | None = None
+
+    def read_files(self) -> list[Path]:
+        """The JSONL files and run.json notes the page is made of."""
+        files = []
+        for source in self.sources:
+            note = source / RUN_NOTE
+            files += [note, Path(read_note(note)["jsonl"])] if note.is_file() else [source]
+        return files
+
+    def poll(self) -> Path | None:
+        """The page's path when this poll rewrote it: a file's size or modification time changed
+        since the last poll (the first poll always writes it); else None."""
+        stamps = [
+            (str(path), info.st_size, info.st_mtime_ns)
+            for path in self.read_files()
+            if (info := stat_or_none(path))
+        ]
+        if stamps == self.seen:
+            return None
+        self.seen = stamps
+        return write_report(self.sources, self.out, self.refresh)
+
+
+def stat_or_none(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except OSError:  # not there yet, or gone: write_report says which
+        return None
+
+
+def watch(
+    sources: list[Path], out: Path | None = None, interval: float = 2.0, polls: int | None = None
+) -> None:
+    """Rewrites the page as the runs log, polling every `interval` seconds (`polls` times; None:
+    until Ctrl-C); the page reloads itself in a browser about as often."""
+    watcher = Watcher(sources, out, refresh=max(2, math.ceil(interval)))
+    done = 0
+    while polls is None or done < polls:
+        path = watcher.poll()
+        if path:
+            print(f"report: {path} ({time.strftime('%H:%M:%S')})", flush=True)
+        done += 1
+        if polls is None or done < polls:
+            time.sleep(interval)
 
 
 def page_path(sources: list[Path], out: Path | None, logs: list[Path]) -> Path:
@@ -1112,7 +1453,7 @@ def write_memory_timeline(path: Path, events: list[tuple[str, str, int]], title:
     return Path(path)
 
 
-def main(argv: list[str] | None = None) -> Path:
+def main(argv: list[str] | None = None) -> Path | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "sources",
@@ -1127,7 +1468,29 @@ def main(argv: list[str] | None = None) -> Path:
         "RUN_DIR/report.html for one run directory, else ./report.html); "
         "never one of the files it reads",
     )
+    parser.add_argument(
+        "--watch",
+        action="store_true",
+        help="rewrite the page whenever the runs log more (until Ctrl-C); the page "
+        "reloads itself in the browser",
+    )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=2.0,
+        help="with --watch: seconds between looks at the files (default 2)",
+    )
     args = parser.parse_args(argv)
+    if not 0 < args.interval <= 3600:
+        raise ReportError(
+            f"--interval: expected seconds above 0 and at most 3600, got {args.interval:g}"
+        )
+    if args.watch:
+        try:
+            watch(args.sources, args.out, args.interval)
+        except KeyboardInterrupt:
+            print("stopped watching", flush=True)
+        return None
     path = write_report(args.sources, args.out)
     print(f"report: {path}")
     return path

@@ -706,6 +706,7 @@ def block_inputs(config, backend: str = "sdpa"):
     from attention import build_masks
     from flint_model import rope_tables
     from layers import document_positions
+    from model import rope_tables
 
     batch, seq = 2, 32
     g = torch.Generator().manual_seed(0)

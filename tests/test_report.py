@@ -5,8 +5,10 @@ and careless input gives a page or one line; a real browser draws the page."""
 
 import ast
 import copy
+import html
 import json
 import math
+import re
 import shutil
 import struct
 import subprocess
@@ -44,6 +46,7 @@ class Chart:
         self.legend = []
         self.circles = []  # (cx, cy, title): a plotted point each
         self.marks = []  # (x, title): a value that is not a finite number, marked at the top
+        self.frame = None  # the plot area's rect: (x, y, width, height)
 
 
 class Page(HTMLParser):
@@ -52,6 +55,7 @@ class Page(HTMLParser):
 
     def __init__(self, text: str):
         super().__init__()
+        self.rawdata_text = text
         self.charts, self.skipped, self.texts = {}, [], []
         self.elements = []  # (tag, attributes) of every element, in order
         self.rows = []  # the table's rows: each a list of its cells' text
@@ -90,6 +94,8 @@ class Page(HTMLParser):
             self.chart.areas[a["data-holder"]] = [
                 tuple(map(float, p.split(","))) for p in a["points"].split()
             ]
+        elif tag == "rect" and a.get("class") == "frame":
+            self.chart.frame = tuple(float(a[key]) for key in ("x", "y", "width", "height"))
         elif tag == "rect" and "fill" in a and self.group is None:
             self.cell = [float(a["x"]), float(a["width"]), a["fill"], None, float(a["y"])]
         elif tag == "p" and "data-skipped" in a:
@@ -325,8 +331,7 @@ def test_a_source_that_is_no_run_is_one_clear_line(tmp_path):
 
 
 def test_report_is_a_leaf_without_torch():
-    heavy = "('torch', 'numpy', 'metrics', 'moe')"
-    code = f"import sys, report; print(sorted(m for m in sys.modules if m in {heavy}))"
+    code = "import sys, report; print(sorted(m for m in sys.modules if m in ('torch', 'numpy', 'metrics', 'moe')))"
     loaded = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
@@ -485,6 +490,9 @@ def test_the_memory_timeline_stacks_the_holders_up_to_the_peak():
 # ----------------------------------------------------------------------------- a real browser
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+NEEDS_CHROMIUM = pytest.mark.skipif(
+    CHROMIUM is None, reason="no Chromium: `apt-get install -y chromium` (Debian) to run it"
+)
 
 
 def png_pixels(data: bytes) -> np.ndarray:
@@ -561,21 +569,104 @@ def test_a_browser_draws_the_report(tmp_path):
         assert (np.abs(pixels - rgb).sum(axis=2) < 40).sum() > 50, colour
 
 
+def browser_dom(page: Path, fragment: str) -> str:
+    """The page's DOM after its script ran in headless Chromium, opened at page.html#fragment."""
+    done = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--dump-dom",
+            f"{page.as_uri()}#{fragment}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout
+
+
+def hovers(dom: str) -> dict[str, list[tuple[float, float, str]]]:
+    """chart -> its hover markers as the script drew them: (cx, cy, the text shown)."""
+    out = {}
+    for chart, body in re.findall(r'data-chart="([^"]+)"(.*?)</svg>', dom, flags=re.S):
+        found = re.findall(
+            r'<g class="hover"[^>]*><circle cx="([^"]+)" cy="([^"]+)"[^>]*>'
+            r"</circle><text[^>]*>([^<]*)</text></g>",
+            body,
+        )
+        out[chart] = [(float(cx), float(cy), html.unescape(words)) for cx, cy, words in found]
+    return out
+
+
+@NEEDS_CHROMIUM
+def test_a_browser_shows_the_nearest_points_value_smooths_and_scales(tmp_path):
+    """The page's script, run by Chromium: the hover (placed through the address, as a pointer
+    would be) names the nearest logged point where the static chart put it, later steps to the right
+    and larger losses higher; smoothing 0.5 draws TensorBoard's debiased average; log=1 shows the
+    logarithmic charts."""
+    handwritten_page(tmp_path)
+    fragment = (
+        "smooth=0.5&log=1&hover=loss-step:5.4:3.1,loss-step:10:3.4,loss-elapsed:2.4:3.05,"
+        "loss-step-log:10:3.5"
+    )
+    dom = browser_dom(tmp_path / "report.html", fragment)
+    shown, charts = hovers(dom), Page(dom).charts
+    (at5, at10), (timed,) = shown["loss-step"], shown["loss-elapsed"]
+    (logged,) = shown["loss-step-log"]
+    assert at5[2] == f"{LABEL}, training loss: 3 at step 5"
+    assert at10[2] == f"{LABEL}, training loss: 3.5 at step 10"
+    assert timed[2] == f"{LABEL}, training loss: 3 at wall-clock seconds 2.5"
+    assert logged[2] == f"{LABEL}, training loss: 3.5 at step 10"
+    assert at10[0] > at5[0] and at10[1] < at5[1]  # step 10 right of step 5; 3.5 above 3.0
+    for (cx, cy, _), chart, x_text in [
+        (at5, "loss-step", "step 5"),
+        (at10, "loss-step", "step 10"),
+        (logged, "loss-step-log", "step 10"),
+    ]:
+        assert (cx, cy) == pytest.approx(
+            point_at(charts[chart], LABEL, "training loss", x_text), abs=0.01
+        )
+    # weight 0.5 over 4.0, 3.0, 3.5: (2/0.5, 2.5/0.75, 3/0.875), by hand
+    assert_points(
+        charts["loss-step"],
+        LABEL,
+        "training loss (smoothed)",
+        [(1, 4.0), (5, 2.5 / 0.75), (10, 3.0 / 0.875)],
+    )
+    assert re.search(r'<body class="[^"]*log-scale', dom)
+    assert not re.search(r'<div class="controls" id="controls" hidden', dom)  # the script shows it
+
+
+@NEEDS_CHROMIUM
+def test_a_browser_hovers_a_long_series_at_its_nearest_point(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    write_log(log, {"a": 512}, steps=range(1, 501))
+    page = write_report([log], tmp_path / "report.html")
+    circles = Page(page.read_text()).charts["loss-step"].circles
+    assert not [title for *_, title in circles if "training loss" in title]  # too long for points
+    loss = record("a", 250)["loss"]
+    ((_, _, words),) = hovers(browser_dom(page, f"hover=loss-step:250.3:{loss}"))["loss-step"]
+    assert words == f"a, training loss: {loss:.6g} at step 250"
+
+
 # ----------------------------------------------------------------------------- read back
 
 # A run directory's records, written out by hand: every number below is read back from the page.
 HANDWRITTEN = [
     '{"run": "RUN", "step": 1, "loss": 4.0, "lr": 0.001, "grad_norm": 2.0, "tokens_per_s": 100.0, '
-    '"mfu_percent": 1.0, "memory_gib": 0.5, "tokens": 1024, '
+    '"mfu_percent": 1.0, "memory_gib": 0.5, "tokens": 1024, "elapsed_s": 0.5, '
     '"routing": {"2": {"max_load": 1.5, "min_load": 0.5}, '
     '"10": {"max_load": 2.0, "min_load": 0.25}}}',
     '{"run": "RUN", "step": 5, "loss": 3.0, "lr": 0.003, "grad_norm": 1.0, "tokens_per_s": 400.0, '
-    '"mfu_percent": 4.0, "memory_gib": 1.25, "tokens": 5120, '
+    '"mfu_percent": 4.0, "memory_gib": 1.25, "tokens": 5120, "elapsed_s": 2.5, '
     '"routing": {"2": {"max_load": 1.25, "min_load": 0.75}, '
     '"10": {"max_load": 3.0, "min_load": 0.0}}}',
     '{"run": "RUN", "step": 5, "val_loss": 3.6}',
     '{"run": "RUN", "step": 10, "loss": 3.5, "lr": 0.002, "grad_norm": 1.5, "tokens_per_s": 200.0, '
-    '"mfu_percent": 2.0, "memory_gib": 1.0, "tokens": 10240}',
+    '"mfu_percent": 2.0, "memory_gib": 1.0, "tokens": 10240, "elapsed_s": 6.0}',
     '{"run": "RUN", "step": 10, "val_loss": 3.7}',
     # a second run that diverged: no memory, no MFU, no settings; its loss ends at inf
     '{"run": "other", "step": 1, "loss": 5.0, "tokens_per_s": 50.0, "mfu_percent": null}',
@@ -625,6 +716,40 @@ def test_the_summary_table_reads_back_hand_computed_values(tmp_path):
     ]
 
 
+def test_the_settings_column_shows_every_setting_that_differs_between_the_runs(tmp_path):
+    """An FP8 run and its FP32 twin (same optimizer, lr and batch) are told apart; the settings all
+    runs share are not repeated; a run without run.json is left out of the comparison."""
+    log = tmp_path / "metrics.jsonl"
+    shared = {"optim": {"name": "adamw", "lr": 0.003}, "training": {"steps": 20}}
+    twins = {
+        "fp8": {**shared, "parallel": {"fp8": "rowwise", "tp": 1}},
+        "fp32": {**shared, "parallel": {"tp": 1}, "model": {"layers": [1, 2]}},
+    }
+    sources = []
+    for name, settings in twins.items():
+        run_dir = tmp_path / name / "run_0001"
+        run_dir.mkdir(parents=True)
+        (run_dir / "run.json").write_text(
+            json.dumps({"jsonl": str(log), "run": str(run_dir), "settings": settings})
+        )
+        sources.append(run_dir)
+    records = [
+        {"run": str(run), "step": 2, "loss": 3.0, "tokens": 2048}
+        for run in [*sources, "no settings"]
+    ]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    page = Page(write_report([*sources, log], tmp_path / "report.html").read_text())
+    head, *rows = page.rows
+    settings = {row[0].lstrip("\u25a0 "): row[head.index("settings")] for row in rows}
+    assert settings == {
+        "fp8/run_0001 (adamw)": "adamw, lr 0.003, 1,024 tokens/step; parallel.fp8 = rowwise, "
+        "model.layers = (unset)",
+        "fp32/run_0001 (adamw)": "adamw, lr 0.003, 1,024 tokens/step; parallel.fp8 = (unset), "
+        "model.layers = [1, 2]",
+        "no settings": "1,024 tokens/step",
+    }
+
+
 LABEL = "run_0001 (adamw)"  # the runs' optimizers differ: the one with settings names its own
 
 
@@ -633,7 +758,7 @@ def point_at(chart: Chart, run: str, what: str, x_text: str) -> tuple[float, flo
     (point,) = [
         (cx, cy)
         for cx, cy, title in chart.circles
-        if title.startswith(f"{run}, {what}: ") and title.endswith(f" {x_text}")
+        if title and title.startswith(f"{run}, {what}: ") and title.endswith(f" {x_text}")
     ]
     return point
 
@@ -647,15 +772,29 @@ def test_axes_draw_larger_values_higher_and_later_steps_further_right(tmp_path):
     quantities = [
         ("loss-step", "loss", "training loss", "step"),
         ("loss-tokens", "loss", "training loss", "tokens"),
+        ("loss-elapsed", "loss", "training loss", "elapsed_s"),
+        ("loss-step-log", "loss", "training loss", "step"),
+        ("loss-tokens-log", "loss", "training loss", "tokens"),
+        ("loss-elapsed-log", "loss", "training loss", "elapsed_s"),
         ("lr", "lr", "learning rate", "step"),
         ("grad-norm", "grad_norm", "gradient norm (global L2, before clipping)", "step"),
         ("tokens-per-s", "tokens_per_s", "throughput", "step"),
         ("mfu", "mfu_percent", "model FLOPs utilisation", "step"),
-        ("memory", "memory_gib", "peak memory (GPU allocated, or CPU resident)", "step"),
+        (
+            "memory",
+            "memory_gib",
+            "peak memory so far (GPU allocated; CPU: process max RSS)",
+            "step",
+        ),
     ]
+    axis_titles = {"step": "step", "tokens": "tokens", "elapsed_s": "wall-clock seconds"}
     for chart, key, what, x_key in quantities:
         points = [
-            (r[x_key], r[key], point_at(charts[chart], LABEL, what, f"{x_key} {r[x_key]}"))
+            (
+                r[x_key],
+                r[key],
+                point_at(charts[chart], LABEL, what, f"{axis_titles[x_key]} {r[x_key]:g}"),
+            )
             for r in train
         ]
         by_x = [px for _, _, (px, _) in sorted(points)]
@@ -665,6 +804,19 @@ def test_axes_draw_larger_values_higher_and_later_steps_further_right(tmp_path):
         assert len(set(by_value)) == 3, chart
     evals = [point_at(charts["loss-step"], LABEL, "validation loss", f"step {s}") for s in (5, 10)]
     assert evals[0][0] < evals[1][0] and evals[0][1] > evals[1][1]  # 3.6 at step 5 below 3.7 at 10
+    # An evaluation has no time of its own: it is placed at its step's training record's.
+    timed = [
+        point_at(charts["loss-elapsed"], LABEL, "validation loss", f"wall-clock seconds {t}")
+        for t in (2.5, 6)
+    ]
+    assert timed[0][0] < timed[1][0] and timed[0][1] > timed[1][1]
+    for chart, x_key in [("loss-elapsed", "elapsed_s"), ("loss-tokens", "tokens")]:
+        # The x axis ends at the last logged value (6 s, 10,240 tokens), not at the next round tick.
+        x, _, width, _ = charts[chart].frame
+        last = point_at(
+            charts[chart], LABEL, "training loss", f"{axis_titles[x_key]} {train[-1][x_key]:g}"
+        )
+        assert last[0] == pytest.approx(x + width, abs=0.01)
     for chart in charts.values():  # the tick labels agree: values grow rightwards and upwards
         for ticks, grows in ((chart.x_ticks, 1), (chart.y_ticks, -1)):
             values = [tick_value(label) for _, label in sorted(ticks)]
@@ -675,6 +827,37 @@ def test_axes_draw_larger_values_higher_and_later_steps_further_right(tmp_path):
     }
     assert cells[("layer 2", "step 1")][0] < cells[("layer 2", "step 5")][0]  # steps rightwards
     assert cells[("layer 2", "step 1")][1] < cells[("layer 10", "step 1")][1]  # layers downwards
+
+
+def test_a_log_scale_spaces_equal_ratios_equally_and_leaves_out_what_it_cannot_place(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    losses = {1: 100.0, 2: 10.0, 3: 1.0, 4: 0.5, 5: 0.0}  # 0 has no place on a log axis
+    log.write_text(
+        "".join(
+            json.dumps({"run": "a", "step": step, "loss": loss}) + "\n"
+            for step, loss in losses.items()
+        )
+    )
+    charts = Page(write_report([log], tmp_path / "report.html").read_text()).charts
+    y = {
+        step: point_at(charts["loss-step-log"], "a", "training loss", f"step {step}")[1]
+        for step in (1, 2, 3, 4)
+    }
+    decade = y[3] - y[2]
+    assert decade > 0 and y[2] - y[1] == pytest.approx(decade, abs=0.02)  # 100 -> 10 as 10 -> 1
+    assert y[4] - y[3] == pytest.approx(decade * math.log10(2), abs=0.02)  # 1 -> 0.5: log10(2)
+    assert not [title for *_, title in charts["loss-step-log"].circles if "step 5" in title]
+    assert point_at(charts["loss-step"], "a", "training loss", "step 5")  # the linear one has it
+    linear = {
+        step: point_at(charts["loss-step"], "a", "training loss", f"step {step}")[1]
+        for step in (1, 2, 3)
+    }
+    assert linear[2] - linear[1] == pytest.approx(10 * (linear[3] - linear[2]), abs=0.05)
+    ticks = [(p, math.log10(tick_value(label))) for p, label in charts["loss-step-log"].y_ticks]
+    (p0, v0), (p1, v1) = ticks[0], ticks[-1]
+    for p, v in ticks:  # each tick sits where its value's logarithm puts it
+        assert p == pytest.approx(p0 + (v - v0) / (v1 - v0) * (p1 - p0), abs=0.02)
+    assert min(v for _, v in ticks) <= math.log10(0.5) and max(v for _, v in ticks) >= 2
 
 
 def test_a_value_that_is_not_finite_is_marked_and_breaks_the_line(tmp_path):
@@ -820,16 +1003,35 @@ def hostile_run(tmp_path: Path) -> tuple[list[Path], int]:
 
 
 def live_markup(page: Page, clean: Page) -> list:
-    """The elements and attributes of `page` that a page without markup in its data never has, and
-    every event handler and script."""
+    """The elements and attributes of `page` that a page without markup in its data never has,
+    every event handler, and any script or policy other than the clean page's own."""
     allowed = {(tag, name) for tag, attrs in clean.elements for name, _ in attrs}
     tags = {tag for tag, _ in clean.elements}
-    return [tag for tag, _ in page.elements if tag not in tags or tag == "script"] + [
-        (tag, name)
-        for tag, attrs in page.elements
-        for name, _ in attrs
-        if (tag, name) not in allowed or name.startswith("on")
-    ]
+    own = [(tag, attrs) for tag, attrs in clean.elements if tag in ("script", "meta")]
+    theirs = [(tag, attrs) for tag, attrs in page.elements if tag in ("script", "meta")]
+    return (
+        [tag for tag, _ in page.elements if tag not in tags]
+        + [
+            (tag, name)
+            for tag, attrs in page.elements
+            for name, _ in attrs
+            if (tag, name) not in allowed or name.startswith("on")
+        ]
+        + ([theirs] if theirs != own else [])
+    )
+
+
+def scripts(page_text: str) -> list[str]:
+    """The contents of the page's <script> elements, as the browser's parser ends them."""
+    return re.findall(r"<script[^>]*>(.*?)</script", page_text, flags=re.S | re.I)
+
+
+def strings_in(value) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for key, v in value.items() for s in [key, *strings_in(v)]]
+    return [s for v in value for s in strings_in(v)] if isinstance(value, list) else []
 
 
 def test_no_string_of_a_users_files_is_live_markup(tmp_path):
@@ -845,15 +1047,25 @@ def test_no_string_of_a_users_files_is_live_markup(tmp_path):
     clean = Page(write_report([clean_log], tmp_path / "clean.html").read_text())
     page = Page(page_text)
     assert copies > 60 and not live_markup(page, clean)
-    assert [tag for tag, _ in page.elements].count("script") == 0  # the report runs no script
-    assert "<script" not in page_text and "<img" not in page_text  # only escaped text holds them
+    # The only scripts are the report's own, byte for byte those of a page without markup in its
+    # data: its data (a JSON block that the browser never runs) and its code; no <, > or & in the
+    # data can end the block, and the data parses back to the strings of the files.
     shown = PAYLOAD.replace("\x00", "\ufffd").replace("\ud800", "\ufffd")
+    (data, code), (_, clean_code) = scripts(page_text), scripts(clean.rawdata_text)
+    assert page_text.lower().count("<script") == 2 and code == clean_code
+    assert not {"<", ">", "&", "\u2028", "\u2029"} & set(data)
+    label = shown.rsplit("/", 1)[-1]  # a run's label: the last part of its name as a path
+    assert any(label in string for string in strings_in(json.loads(data)))
+    assert "<img" not in page_text  # only escaped text holds it
     texts = "".join(page.texts)
     titles = [title for chart in page.charts.values() for *_, title, _ in chart.cells]
     assert f"layer {shown}, step 1" in " ".join(titles)  # a layer named with markup: as text
     assert texts.count(shown) >= 5 and PAYLOAD_DIR in texts  # legends, table, headings, paths
-    label = shown.rsplit("/", 1)[-1]  # a run's label: the last part of its name as a path
-    assert any(label in value for _, attrs in page.elements for _, value in attrs)  # data-run
+    assert any(
+        label in (value or "")  # data-run
+        for _, attrs in page.elements
+        for _, value in attrs
+    )
 
 
 def test_the_memory_picture_shows_markup_in_its_names_as_text():
@@ -876,6 +1088,72 @@ def run_report(*args: object) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "report.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True
     )
+
+
+def test_watch_rewrites_the_page_when_the_run_logs_more(tmp_path, monkeypatch):
+    """Two polls 0.01 s apart; between them the run logs step 20; the second poll's page has it."""
+    log, out = tmp_path / "metrics.jsonl", tmp_path / "report.html"
+    written = write_log(log, {"run_a": 512}, steps=(1, 10))
+    first_pages, sleeps = [], []
+
+    def log_between_polls(seconds: float) -> None:
+        sleeps.append(seconds)
+        first_pages.append(Page(out.read_text()))
+        with open(log, "a") as f:
+            f.write(json.dumps(record("run_a", 20)) + "\n")
+
+    monkeypatch.setattr(report.time, "sleep", log_between_polls)
+    report.watch([log], out, interval=0.01, polls=2)
+    assert sleeps == [0.01]
+    train = [(r["step"], r["loss"]) for r in written["run_a"] if "loss" in r]
+    assert_points(first_pages[0].charts["loss-step"], "run_a", "training loss", train)
+    assert_points(
+        Page(out.read_text()).charts["loss-step"],
+        "run_a",
+        "training loss",
+        train + [(20, record("run_a", 20)["loss"])],
+    )
+    assert '<meta http-equiv="refresh" content="2">' in out.read_text()  # the browser reloads it
+    watcher = report.Watcher([log], out)
+    assert watcher.poll() == out and watcher.poll() is None  # nothing new: not rewritten
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.jsonl", "report.html"]
+    run_dir = tmp_path / "run_0001"  # a run directory: its run.json and the log it names
+    report.note_run(run_dir, log, "run_a", {})
+    watcher = report.Watcher([run_dir])
+    assert watcher.read_files() == [run_dir / "run.json", log]
+    assert watcher.poll() == run_dir / "report.html" and watcher.poll() is None
+    report.note_run(run_dir, log, "run_a", {"optim": {"name": "muon"}})  # its settings changed
+    assert watcher.poll() == run_dir / "report.html"
+
+
+def test_the_pages_data_holds_every_logged_point_for_the_hover(tmp_path):
+    """A long series' drawn line is thinned; the points the script hovers over are all there."""
+    log = tmp_path / "metrics.jsonl"
+    written = write_log(log, {"a": 512}, steps=range(1, 2501))
+    page_text = write_report([log], tmp_path / "report.html").read_text()
+    (data, _) = scripts(page_text)
+    charts = json.loads(data)
+    train = [[r["step"], r["loss"]] for r in written["a"] if "loss" in r]
+    (series,) = [s for s in charts["loss-step"]["series"] if s["what"] == "training loss"]
+    assert series["stretches"] == [train] and len(train) > report.MAX_POINTS
+    drawn = [s for s in Page(page_text).charts["loss-step"].series if s["what"] == "training loss"]
+    assert len(drawn[0]["points"]) < len(train)
+
+
+def test_watch_stops_on_ctrl_c_and_refuses_an_interval_out_of_range(tmp_path, monkeypatch, capsys):
+    log, out = tmp_path / "metrics.jsonl", tmp_path / "report.html"
+    write_log(log, {"run_a": 512}, steps=(1, 10))
+
+    def ctrl_c(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report.time, "sleep", ctrl_c)
+    assert report.main([str(log), "--out", str(out), "--watch", "--interval", "3600"]) is None
+    assert capsys.readouterr().out.endswith("stopped watching\n") and out.is_file()
+    for interval in ("0", "3601", "nan"):
+        done = run_report(log, "--watch", "--interval", interval)
+        expected = f"error: --interval: expected seconds above 0 and at most 3600, got {interval}\n"
+        assert done.returncode == 1 and done.stderr == expected
 
 
 def test_the_page_never_overwrites_a_file_it_reads(tmp_path):
