@@ -18,6 +18,7 @@ Every error names the key and where it was set: the file, or the command line.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import json
 import math
@@ -121,6 +122,8 @@ class LoggingSection:
     peak_tflops: float = 0.0  # per device, for MFU; 0: measured on the CPU, looked up on GPUs
     idle_expert_steps: int = 100  # warn when an expert gets no token for this many steps in a row; 0: never
     profile_steps: str = ""  # "5-6" or "5": torch.profiler traces of those steps, one per rank, in the run directory
+    tensorboard: bool = False  # true: event files in run_dir/tensorboard (pip install tensorboard)
+    wandb: dict = field(default_factory=dict)  # {project = "..."}: log to W&B (pip install wandb)
 
 
 SECTIONS = {"model": ModelSection, "data": DataSection, "training": TrainingSection, "optim": OptimSection,
@@ -295,7 +298,8 @@ def build_section(name: str, table: Any, origins: dict[str, str], path: Path):
     for key, value in table.items():
         where = origins.get(f"{name}.{key}", str(path))
         if key in known:
-            default = known[key].default  # None only for [parallel].reshard_after_forward: a bool when set
+            # None only for [parallel].reshard_after_forward: a bool when set
+            default = field_default(known[key])
             check_type(f"[{name}].{key}", value, bool if default is None else type(default), where)
             values[key] = float(value) if known[key].type == "float" else value
         elif name == "model":
@@ -306,6 +310,10 @@ def build_section(name: str, table: Any, origins: dict[str, str], path: Path):
     if name == "model":
         section.overrides = extra
     return section
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
 def build_lora_section(table: Any, origins: dict[str, str], path: Path) -> LoraConfig:
@@ -408,6 +416,32 @@ def model_family(cfg: TrainConfig) -> str:
 
 # ============================================================================= checks
 
+# [logging] wandb's keys: wandb.init's arguments of those names (flint sets id and resume).
+WANDB_KEYS = ("project", "name", "entity", "mode", "dir")
+
+
+def check_trackers(cfg: TrainConfig) -> None:
+    """[logging] tensorboard and wandb: well formed, and their optional packages importable, before
+    anything trains (flint itself needs torch, safetensors, tiktoken and numpy only)."""
+    log, where = cfg.logging, cfg.where("logging.wandb")
+    for key, value in log.wandb.items():
+        if key not in WANDB_KEYS or not isinstance(value, str):
+            raise ConfigError(f"{where}: [logging].wandb.{key} = {value!r}: the keys are text "
+                              f"values of {', '.join(WANDB_KEYS)}")
+    if log.wandb and not log.wandb.get("project"):
+        raise ConfigError(f"{where}: [logging].wandb needs a project, "
+                          f"e.g. wandb = {{project = \"flint\"}}")
+    if log.wandb.get("mode", "online") not in ("online", "offline"):
+        raise ConfigError(f"{where}: [logging].wandb.mode must be \"online\" or \"offline\", "
+                          f"got {log.wandb['mode']!r}")
+    for package, asked, key in (("tensorboard", log.tensorboard, "tensorboard = true"),
+                                ("wandb", log.wandb, "wandb")):
+        if asked and importlib.util.find_spec(package) is None:
+            where = cfg.where(f"logging.{package}")
+            raise ConfigError(f"{where}: [logging].{key} needs the {package} package, which flint "
+                              f"does not require: pip install {package}")
+
+
 def validate(cfg: TrainConfig) -> None:
     t, d, o, c, log = cfg.training, cfg.data, cfg.optim, cfg.checkpoint, cfg.logging
     rules = [
@@ -457,6 +491,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"{cfg.where('training.eval_every')}: [training].eval_every = {t.eval_every} needs a "
                           f"validation split, but data.val_fraction = 0")
     check_profile_steps(cfg)
+    check_trackers(cfg)
     check_router_aux_loss(cfg)
     check_lora(cfg)
     refusal = cfg.model_config.training_error(d.seq_len, fresh_weights=not cfg.model.init_from)

@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 import zlib
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -94,15 +94,19 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
         # A LoRA run keeps its base frozen, the routers' selection bias (aux-loss-free balancing) included.
         frozen = dataclasses.replace(model.config, router_bias_update_rate=0.0) if cfg.lora.enabled else model.config
         routing = RoutingMonitor(model.module, frozen, run.device, cfg.logging.idle_expert_steps, run.is_main)
-        with Interruption(run) as interruption, explain_stop(checkpoints, run, argv, logger):
+        # closing(logger): TensorBoard and W&B are closed however the loop ends (divergence, a stop)
+        stops = explain_stop(checkpoints, run, argv, logger)
+        with Interruption(run) as interruption, stops, closing(logger):
             while step < cfg.training.steps:
                 step += 1
                 lr = set_learning_rate(optimizer, learning_rate(step, cfg.optim, cfg.training.steps))
                 with logger.traced(step, model, optimizer):  # [logging] profile_steps; a CUDA OOM's snapshot
-                    loss, grad_norm, stop = train_step(model, optimizer, train_data, cfg, run, routing, interruption,
-                                                       step, checkpoints)
+                    loss, grad_norm, targets, stop = train_step(
+                        model, optimizer, train_data, cfg, run, routing, interruption, step,
+                        checkpoints)
+                logger.add_loss(loss, targets)  # logged: the mean since the last logged step
                 if due(step, cfg.logging.every, cfg.training.steps) or step == logger.first_step:
-                    logger.log_train(step, loss, lr, grad_norm, routing.stats())
+                    logger.log_train(step, lr, grad_norm, routing.stats())
                 stopping = interruption.requested(stop)
                 with logger.untimed():  # tokens/s counts training only
                     if val_data and due(step, cfg.training.eval_every, cfg.training.steps):
@@ -579,9 +583,10 @@ EXPLODED = 2.0
 
 def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: PackedLoader, cfg: TrainConfig,
                run: Process, routing: RoutingMonitor, interruption: Interruption, step: int,
-               checkpoints: "Checkpointer") -> tuple[float, float, bool]:
+               checkpoints: "Checkpointer") -> tuple[float, float, float, bool]:
     """One optimizer step over grad_accum micro-batches -> (mean loss per target token, grad norm,
-    whether any rank was asked to stop).
+    the step's target tokens summed over all ranks (a fixed multiple of the step's own: the loss's
+    weight in the logged interval mean), whether any rank was asked to stop).
 
     Every target token weighs the same, whichever micro-batch or rank holds it: each micro-batch
     is weighted by its tokens over those of the whole step (see parallel.ParallelModel).
@@ -600,15 +605,18 @@ def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: Pac
     optimizer.zero_grad(set_to_none=True)
     routing.after_step(step)  # expert loads, idle streaks, the selection bias: on the device
     squares = torch.stack([before, weight_squares(model)]).to(model.collective_device)
-    shared = torch.cat([squares, interruption.flag(squares.device)])  # [before^2, after^2, stop requests]
+    targets = sum((batch["targets"] != -100).sum() for batch in batches).float().reshape(1)
+    # [before^2, after^2, target tokens, stop requests]
+    shared = torch.cat([squares, targets.to(squares.device), interruption.flag(squares.device)])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(shared)  # squares: replicas counted on each rank that holds them, the same way every step
     norms = torch.cat([shared[:2].sqrt(), shared[2:]])
     checked = torch.cat([torch.stack([loss.float(), grad_norm.float()]).to(norms.device), norms])
-    loss, grad_norm, before, after, stop = checked.tolist()  # the step's one copy to the host
+    # the step's one copy to the host
+    loss, grad_norm, before, after, targets, stop = checked.tolist()
     check_loss(loss, grad_norm, step, model, cfg, checkpoints)
     check_update(before, after, step, cfg, checkpoints)
-    return loss, grad_norm, stop > 0
+    return loss, grad_norm, targets, stop > 0
 
 
 def check_loss(loss: float, grad_norm: float, step: int, model: ParallelModel, cfg: TrainConfig,

@@ -3,6 +3,7 @@ keeps or drops in a shared log, the model's FLOPs per token, the cached CPU peak
 chosen steps and the report at the end."""
 
 import dataclasses
+import sys
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ import metrics
 import moe
 import train
 from helpers import (DEFAULT_FAMILY, FAMILY_NAMES, ROOT, debug_args, debug_configs, only, run_debug,
-                     run_two_processes, tiny_config)
+                     run_two_processes, tiny_config, train_losses)
 from metrics import drop_superseded_records, duration, model_flops_per_token
 from registry import model_class
 
@@ -78,7 +79,8 @@ def test_a_logged_step_is_one_line_with_units_and_the_same_numbers_in_the_log(tm
     logger = metrics.MetricsLogger(cfg, train.Process(0, 1, 0, 1, torch.device("cpu")), cfg.model_config,
                                    start_step=0, run_dir=tmp_path / "run_0001")
     routing = {"2": {"max_load": 1.75, "min_load": 0.25}, "3": {"max_load": 3.5, "min_load": 0.0}}
-    logger.log_train(5, loss=2.5, lr=1e-3, grad_norm=0.5, routing=routing)
+    logger.add_loss(2.5, target_tokens=256)
+    logger.log_train(5, lr=1e-3, grad_norm=0.5, routing=routing)
     line = capsys.readouterr().out.splitlines()[-1]
     (record,) = [json.loads(text) for text in log.read_text().splitlines()]
     assert record["run"] == str(tmp_path / "run_0001") and record["tokens"] == 5 * 4 * 64  # steps x batch x seq
@@ -211,3 +213,146 @@ def test_profile_steps_before_a_resume_are_said_to_be_lost(text, start_step, ste
     got, message = metrics.steps_to_profile(text, start_step)
     assert got == steps
     assert message == (None if said is None else f"profile_steps = {text!r} {said}")
+
+
+# ----------------------------------------------------------------------------- the interval's loss, the trackers
+
+def logger_at(tmp_path: Path, rank: int, start_step: int, *overrides: str) -> metrics.MetricsLogger:
+    """A MetricsLogger of rank `rank` of 2 on the debug config, its records in tmp_path/metrics.jsonl."""
+    cfg = train.load_config(DEBUG, [f"--logging.jsonl={tmp_path / 'metrics.jsonl'}", "--logging.peak_tflops=0.1",
+                                    *overrides])
+    return metrics.MetricsLogger(cfg, train.Process(rank, 2, rank, 2, torch.device("cpu")), cfg.model_config,
+                                 start_step=start_step, run_dir=tmp_path / "run_0001")
+
+
+def test_the_logged_loss_is_the_mean_per_target_token_since_the_last_logged_step(tmp_path):
+    logger = logger_at(tmp_path, 0, 0)
+    logger.add_loss(2.0, target_tokens=100)
+    logger.add_loss(4.0, target_tokens=300)
+    logger.log_train(2, lr=1e-3, grad_norm=0.5, routing={})
+    logger.add_loss(1.0, target_tokens=50)  # a new interval: nothing of the last one is left
+    logger.log_train(3, lr=1e-3, grad_norm=0.5, routing={})
+    losses = [record["loss"] for record in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
+    assert losses == [pytest.approx((2.0 * 100 + 4.0 * 300) / 400), 1.0]  # 3.5, not 3.0 (unweighted) or 4.0
+    assert logger.summary["first_loss"] == pytest.approx(3.5) and logger.summary["loss"] == 1.0
+
+
+class FakeTrackers:
+    """Stand-ins for torch.utils.tensorboard and wandb, recording every call in `calls`: the wiring is
+    tested with neither package installed."""
+
+    def __init__(self):
+        self.calls, self.ids = [], iter(["first-id", "second-id"])
+        fake = self
+
+        class SummaryWriter:
+            def __init__(self, log_dir, purge_step=None):
+                fake.calls.append(("open", log_dir, purge_step))
+
+            def add_scalar(self, name, value, step):
+                fake.calls.append(("scalar", step, name, value))
+
+            def flush(self):
+                fake.calls.append(("flush",))
+
+            def close(self):
+                fake.calls.append(("close",))
+
+        class WandbRun:
+            def log(self, scalars, step):
+                fake.calls.append(("wandb log", step, scalars))
+
+            def finish(self):
+                fake.calls.append(("wandb finish",))
+
+        self.tensorboard = SimpleNamespace(SummaryWriter=SummaryWriter)
+        self.wandb = SimpleNamespace(util=SimpleNamespace(generate_id=lambda: next(self.ids)),
+                                     init=lambda **settings: fake.calls.append(("wandb init", settings)) or WandbRun())
+
+    def scalars(self, step: int) -> dict[str, float]:
+        """TensorBoard's scalars at `step`."""
+        return {name: value for kind, *rest in self.calls if kind == "scalar" for at, name, value in [rest]
+                if at == step}
+
+
+@pytest.fixture
+def fake_trackers(monkeypatch) -> FakeTrackers:
+    from importlib.machinery import ModuleSpec
+    fake = FakeTrackers()
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake.tensorboard)
+    monkeypatch.setitem(sys.modules, "wandb", fake.wandb)
+    for name in ("tensorboard", "wandb"):  # what config.py asks importlib for, before anything trains
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name, SimpleNamespace()))
+        monkeypatch.setattr(sys.modules[name], "__spec__", ModuleSpec(name, None), raising=False)
+    return fake
+
+
+TRACKERS = ["--logging.tensorboard=true", '--logging.wandb={project = "flint-test", mode = "offline"}']
+
+
+def test_the_trackers_get_each_records_scalars_from_rank_0_flushed_at_each_logged_step(tmp_path, fake_trackers):
+    routing = {"2": {"max_load": 1.5, "min_load": 0.5, "tokens": [3, 1], "bias": [0.1, -0.1]}}
+    for rank in (1, 0):
+        logger = logger_at(tmp_path, rank, 0, *TRACKERS)
+        logger.add_loss(3.0, target_tokens=10)
+        logger.log_train(1, lr=1e-3, grad_norm=0.5, routing=routing)
+        logger.log_eval(1, val_loss=2.75)
+        logger.add_loss(2.0, target_tokens=10)
+        logger.log_train(2, lr=2e-3, grad_norm=0.25, routing=routing)
+        logger.close()
+    calls, run_dir = fake_trackers.calls, tmp_path / "run_0001"
+    assert calls[0] == ("open", str(run_dir / "tensorboard"), 1)  # rank 1 opened nothing
+    assert [call for call in calls if call[0] == "open"] == [calls[0]]
+    step_1 = fake_trackers.scalars(1)
+    assert set(step_1) == {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu_percent",
+                           "perf/memory_gib", "experts/layer 2/max_load", "experts/layer 2/min_load", "val/loss"}
+    assert (step_1["train/loss"], step_1["train/lr"], step_1["train/grad_norm"], step_1["val/loss"]) == (
+        3.0, 1e-3, 0.5, 2.75)
+    assert (step_1["experts/layer 2/max_load"], step_1["experts/layer 2/min_load"]) == (1.5, 0.5)
+    assert fake_trackers.scalars(2)["train/loss"] == 2.0 and fake_trackers.scalars(2)["train/lr"] == 2e-3
+    kinds = [call[0] for call in calls if call[0] in ("scalar", "flush", "close")]
+    groups = "".join("s" if kind == "scalar" else kind[0] for kind in kinds)
+    assert groups == "s" * 8 + "f" + "s" + "f" + "s" * 8 + "f" + "c"  # train, validation, train: each flushed
+    (init,) = [call[1] for call in calls if call[0] == "wandb init"]
+    assert init["project"] == "flint-test" and init["mode"] == "offline" and init["dir"] == str(run_dir)
+    assert init["id"] == "first-id" and init["resume"] == "allow"
+    assert init["config"]["logging"]["wandb"]["project"] == "flint-test"
+    logged = [(call[1], call[2]) for call in calls if call[0] == "wandb log"]
+    assert [step for step, _ in logged] == [1, 1, 2] and logged[1][1] == {"val/loss": 2.75}
+    assert {name: value for name, value in step_1.items() if name != "val/loss"} == logged[0][1]
+    assert calls[-1] == ("wandb finish",)
+
+
+def test_a_resumed_run_continues_the_same_tensorboard_directory_and_wandb_run(tmp_path, fake_trackers):
+    logger_at(tmp_path, 0, 0, *TRACKERS).close()
+    logger_at(tmp_path, 0, 4, *TRACKERS).close()  # resumed from its step-4 checkpoint
+    opened = [call for call in fake_trackers.calls if call[0] == "open"]
+    tensorboard = str(tmp_path / "run_0001" / "tensorboard")
+    assert opened == [("open", tensorboard, 1), ("open", tensorboard, 5)]  # steps from 5 on are trained again
+    inits = [call[1] for call in fake_trackers.calls if call[0] == "wandb init"]
+    assert [init["id"] for init in inits] == ["first-id", "first-id"]  # not a second id
+    assert (tmp_path / "run_0001" / metrics.WANDB_ID_FILE).read_text() == "first-id"
+
+
+def test_train_logs_the_interval_mean_to_the_trackers_and_closes_them(tmp_path, fake_trackers, monkeypatch):
+    """A run of 4 steps logged every 3: step 3's loss is steps 2 and 3's mean per target token,
+    counted here from the batches themselves; the trackers get each record and are closed."""
+    batches, steps = [], []
+    next_batch = train.PackedLoader.next_batch
+    monkeypatch.setattr(train.PackedLoader, "next_batch",
+                        lambda self: batches.append((self, next_batch(self))) or batches[-1][1])
+    check_loss = train.check_loss
+    monkeypatch.setattr(train, "check_loss", lambda loss, *args: steps.append(loss) or check_loss(loss, *args))
+    corpus = tmp_path / "short_documents.jsonl"  # documents of 7 to 97 bytes: rows hold uneven targets
+    corpus.write_text("".join(json.dumps({"text": "flint " * (1 + n % 16)}) + "\n" for n in range(300)))
+    run_debug(tmp_path, "--training.steps=4", "--logging.every=3", "--training.sample_tokens=0",
+              "--training.grad_accum=1", f"--data.path={corpus}", *TRACKERS)
+    loader = batches[0][0]  # the training data's: validation reads its own after step 4
+    targets = [int((batch["targets"] != -100).sum()) for read_by, batch in batches if read_by is loader]
+    assert len(targets) == 4
+    assert len(set(targets)) > 1  # the weights matter: the steps' target counts differ
+    logged = train_losses(tmp_path)
+    assert logged[3] == pytest.approx((steps[1] * targets[1] + steps[2] * targets[2]) / (targets[1] + targets[2]))
+    assert logged[1] == pytest.approx(steps[0]) and logged[4] == pytest.approx(steps[3])
+    assert {step: fake_trackers.scalars(step)["train/loss"] for step in logged} == logged
+    assert fake_trackers.calls[-2:] == [("close",), ("wandb finish",)]
