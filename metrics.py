@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import resource
+import secrets
 import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext, suppress
@@ -339,7 +340,7 @@ def start_wandb(cfg: TrainConfig, run_dir: Path):
     the run's resolved config, and the run directory's W&B id, made on first use."""
     import wandb
     id_file = run_dir / WANDB_ID_FILE
-    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(8)
     write_atomically(id_file, run_id)
     settings = {"dir": str(run_dir), **cfg.logging.wandb}
     Path(settings["dir"]).mkdir(parents=True, exist_ok=True)

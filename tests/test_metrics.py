@@ -3,8 +3,11 @@ keeps or drops in a shared log, the model's FLOPs per token, the cached CPU peak
 chosen steps and the report at the end."""
 
 import dataclasses
-import sys
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +18,7 @@ import metrics
 import moe
 import train
 from helpers import (DEFAULT_FAMILY, FAMILY_NAMES, ROOT, debug_args, debug_configs, only, run_debug,
-                     run_two_processes, tiny_config, train_losses)
+                     records, run_two_processes, tiny_config, train_losses)
 from metrics import drop_superseded_records, duration, model_flops_per_token
 from registry import model_class
 
@@ -242,7 +245,7 @@ class FakeTrackers:
     tested with neither package installed."""
 
     def __init__(self):
-        self.calls, self.ids = [], iter(["first-id", "second-id"])
+        self.calls = []
         fake = self
 
         class SummaryWriter:
@@ -266,8 +269,8 @@ class FakeTrackers:
                 fake.calls.append(("wandb finish",))
 
         self.tensorboard = SimpleNamespace(SummaryWriter=SummaryWriter)
-        self.wandb = SimpleNamespace(util=SimpleNamespace(generate_id=lambda: next(self.ids)),
-                                     init=lambda **settings: fake.calls.append(("wandb init", settings)) or WandbRun())
+        self.wandb = SimpleNamespace(init=lambda **settings: fake.calls.append(("wandb init", settings))
+                                     or WandbRun())
 
     def scalars(self, step: int) -> dict[str, float]:
         """TensorBoard's scalars at `step`."""
@@ -315,7 +318,7 @@ def test_the_trackers_get_each_records_scalars_from_rank_0_flushed_at_each_logge
     assert groups == "s" * 8 + "f" + "s" + "f" + "s" * 8 + "f" + "c"  # train, validation, train: each flushed
     (init,) = [call[1] for call in calls if call[0] == "wandb init"]
     assert init["project"] == "flint-test" and init["mode"] == "offline" and init["dir"] == str(run_dir)
-    assert init["id"] == "first-id" and init["resume"] == "allow"
+    assert init["id"] == (run_dir / metrics.WANDB_ID_FILE).read_text() and init["resume"] == "allow"
     assert init["config"]["logging"]["wandb"]["project"] == "flint-test"
     logged = [(call[1], call[2]) for call in calls if call[0] == "wandb log"]
     assert [step for step, _ in logged] == [1, 1, 2] and logged[1][1] == {"val/loss": 2.75}
@@ -330,8 +333,8 @@ def test_a_resumed_run_continues_the_same_tensorboard_directory_and_wandb_run(tm
     tensorboard = str(tmp_path / "run_0001" / "tensorboard")
     assert opened == [("open", tensorboard, 1), ("open", tensorboard, 5)]  # steps from 5 on are trained again
     inits = [call[1] for call in fake_trackers.calls if call[0] == "wandb init"]
-    assert [init["id"] for init in inits] == ["first-id", "first-id"]  # not a second id
-    assert (tmp_path / "run_0001" / metrics.WANDB_ID_FILE).read_text() == "first-id"
+    run_id = (tmp_path / "run_0001" / metrics.WANDB_ID_FILE).read_text()
+    assert [init["id"] for init in inits] == [run_id, run_id] and len(run_id) == 16  # not a second id
 
 
 def test_train_logs_the_interval_mean_to_the_trackers_and_closes_them(tmp_path, fake_trackers, monkeypatch):
@@ -356,3 +359,84 @@ def test_train_logs_the_interval_mean_to_the_trackers_and_closes_them(tmp_path, 
     assert logged[1] == pytest.approx(steps[0]) and logged[4] == pytest.approx(steps[3])
     assert {step: fake_trackers.scalars(step)["train/loss"] for step in logged} == logged
     assert fake_trackers.calls[-2:] == [("close",), ("wandb finish",)]
+
+
+# ----------------------------------------------------------------------------- the real TensorBoard and W&B
+
+# tests/hf_venv.py's reference venv (REQUIREMENTS: tensorboard and wandb too), with main's torch.
+REFERENCE_PYTHON = Path(os.environ.get("FLINT_HF_VENV", Path.home() / ".cache" / "flint" / "hfvenv")) / "bin" / "python"
+
+# Run by the reference venv's python on a run directory: prints TensorBoard's scalars (tag -> [[step, value]])
+# as EventAccumulator reads them, and each W&B offline run file's run id and history rows, read as
+# W&B's own LevelDB-style log (7-byte header, 32 KiB blocks of records: crc, length, type, data).
+READ_BACK = """
+import json, struct, sys
+from pathlib import Path
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb.proto import wandb_internal_pb2
+run_dir = Path(sys.argv[1])
+events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+events.Reload()
+tensorboard = {tag: [[e.step, e.value] for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+runs = []
+for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+    data, pos, pending, run = path.read_bytes(), 7, b"", {"rows": []}
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:
+            pos += left
+            continue
+        pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wandb_internal_pb2.Record.FromString(pending)
+            pending, what = b"", record.WhichOneof("record_type")
+            if what == "run":
+                run["id"] = record.run.run_id
+            if what == "history":
+                items = record.history.item  # a name with "/" is kept as its parts
+                run["rows"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                    for item in items})
+    runs.append(run)
+print(json.dumps({"tensorboard": tensorboard, "wandb": runs}))
+"""
+
+
+def reference_python() -> str:
+    """The reference venv's python, where tensorboard and wandb import; else the test is skipped."""
+    imports = [str(REFERENCE_PYTHON), "-c", "import tensorboard, wandb"]
+    if not REFERENCE_PYTHON.exists() or subprocess.run(imports, capture_output=True).returncode:
+        pytest.skip(f"tensorboard and wandb do not import in {REFERENCE_PYTHON} (tests/hf_venv.py's "
+                    f"REQUIREMENTS list them: pip install them there)")
+    return str(REFERENCE_PYTHON)
+
+
+def test_real_tensorboard_and_wandb_offline_read_back_the_records_and_a_resume_continues_them(tmp_path):
+    """train.py in the reference venv: 4 steps, then the step-4 checkpoint lost (as if the run had
+    stopped after logging step 4, before saving it) and the run resumed from step 2. TensorBoard
+    holds each step once, with the records' values; W&B's two offline files are one run."""
+    python = reference_python()
+    args = debug_args(tmp_path, "--training.steps=4", "--logging.every=1", "--checkpoint.every=2",
+                      "--training.sample_tokens=0", "--checkpoint.resume=auto", *TRACKERS)
+    train_py = [python, str(ROOT / "train.py"), *args]
+    subprocess.run(train_py, cwd=tmp_path, check=True, capture_output=True, timeout=600)
+    run_dir = tmp_path / "ckpt" / "run_0001"
+    shutil.rmtree(run_dir / "step_00000004")
+    resumed = subprocess.run(train_py, cwd=tmp_path, check=True, capture_output=True, text=True, timeout=600)
+    assert "training steps 3..4" in resumed.stdout
+    read = subprocess.run([python, "-c", READ_BACK, str(run_dir)], check=True, capture_output=True, text=True)
+    tensorboard, wandb_runs = json.loads(read.stdout).values()
+    losses = train_losses(tmp_path)  # the records: one per step, the resumed run's for steps 3 and 4
+    (val,) = [(r["step"], r["val_loss"]) for r in records(tmp_path) if "val_loss" in r]
+    assert [step for step, _ in tensorboard["train/loss"]] == [1, 2, 3, 4]  # 3 and 4 not twice
+    assert [value for _, value in tensorboard["train/loss"]] == pytest.approx(list(losses.values()), rel=1e-6)
+    assert tensorboard["val/loss"] == [[val[0], pytest.approx(val[1], rel=1e-6)]]
+    assert {"train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu_percent", "perf/memory_gib",
+            "experts/layer 2/max_load", "experts/layer 3/min_load"} <= set(tensorboard)
+    run_id = (run_dir / metrics.WANDB_ID_FILE).read_text()
+    assert [run["id"] for run in wandb_runs] == [run_id, run_id]
+    steps = [[row["_step"] for row in run["rows"]] for run in wandb_runs]
+    assert steps == [[1, 2, 3, 4], [3, 4]]
+    last = wandb_runs[1]["rows"]
+    assert [row["train/loss"] for row in last] == pytest.approx([losses[3], losses[4]], rel=1e-12)
+    assert last[-1]["val/loss"] == pytest.approx(val[1], rel=1e-12) and val[0] == 4
