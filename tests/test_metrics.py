@@ -3,6 +3,7 @@ keeps or drops in a shared log, the model's FLOPs per token, the cached CPU peak
 chosen steps and the report at the end."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -440,3 +441,33 @@ def test_real_tensorboard_and_wandb_offline_read_back_the_records_and_a_resume_c
     last = wandb_runs[1]["rows"]
     assert [row["train/loss"] for row in last] == pytest.approx([losses[3], losses[4]], rel=1e-12)
     assert last[-1]["val/loss"] == pytest.approx(val[1], rel=1e-12) and val[0] == 4
+
+
+@pytest.mark.parametrize("override, said", [
+    ("--logging.tensorboard=true", "[logging].tensorboard = true needs the tensorboard package, which flint "
+                                   "does not require: pip install tensorboard"),
+    ('--logging.wandb={project = "p"}', "[logging].wandb needs the wandb package, which flint does not "
+                                        "require: pip install wandb"),
+    ('--logging.wandb={name = "a"}', '[logging].wandb needs a project, e.g. wandb = {project = "flint"}'),
+    ('--logging.wandb={project = "p", mode = "disabled"}',
+     '[logging].wandb.mode must be "online" or "offline", got \'disabled\''),
+    ('--logging.wandb={project = "p", group = "g"}',
+     "[logging].wandb.group = 'g': the keys are text values of project, name, entity, mode, dir"),
+    ("--logging.wandb=true", "[logging].wandb must be dict, got bool True"),
+])
+def test_trackers_asked_for_without_their_package_or_set_wrong_stop_at_load(override, said, monkeypatch):
+    """One line naming the key and the pip command, at load: before any process group or model."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name in ("tensorboard", "wandb") else find_spec(name, *args))
+    with pytest.raises(train.ConfigError) as stop:
+        train.load_config(DEBUG, [override])
+    assert str(stop.value) == f"command line --logging.{override[10:].split('=')[0]}: {said}"
+
+
+def test_trackers_load_when_their_packages_import_and_the_settings_are_whole(fake_trackers):
+    cfg = train.load_config(DEBUG, ["--logging.tensorboard=true", '--logging.wandb={project = "p", name = "n", '
+                                    'entity = "e", mode = "offline", dir = "d"}'])
+    assert cfg.logging.tensorboard and cfg.logging.wandb == {"project": "p", "name": "n", "entity": "e",
+                                                             "mode": "offline", "dir": "d"}
+    assert not train.load_config(DEBUG).logging.tensorboard and train.load_config(DEBUG).logging.wandb == {}
