@@ -1,5 +1,5 @@
-"""The published reference for the fixture scripts: transformers, in a virtual environment of its own
-(with tensorboard and wandb, whose real files test_metrics.py reads back there).
+"""The published reference for the fixture scripts: transformers, in a virtual environment of its
+own (with tensorboard and wandb, whose real files test_metrics.py reads back there).
 
 The test suite never needs transformers; the scripts that write its fixtures once (make_*_fixture.py)
 run themselves again under a venv that has it.

@@ -219,14 +219,17 @@ def test_profile_steps_before_a_resume_are_said_to_be_lost(text, start_step, ste
     assert message == (None if said is None else f"profile_steps = {text!r} {said}")
 
 
-# ----------------------------------------------------------------------------- the interval's loss, the trackers
+# ------------------------------------------------------------ the interval's loss, the trackers
+
 
 def logger_at(tmp_path: Path, rank: int, start_step: int, *overrides: str) -> metrics.MetricsLogger:
-    """A MetricsLogger of rank `rank` of 2 on the debug config, its records in tmp_path/metrics.jsonl."""
-    cfg = train.load_config(DEBUG, [f"--logging.jsonl={tmp_path / 'metrics.jsonl'}", "--logging.peak_tflops=0.1",
-                                    *overrides])
-    return metrics.MetricsLogger(cfg, train.Process(rank, 2, rank, 2, torch.device("cpu")), cfg.model_config,
-                                 start_step=start_step, run_dir=tmp_path / "run_0001")
+    """A MetricsLogger of rank `rank` of 2 on the debug config, writing tmp_path/metrics.jsonl."""
+    jsonl = f"--logging.jsonl={tmp_path / 'metrics.jsonl'}"
+    cfg = train.load_config(DEBUG, [jsonl, "--logging.peak_tflops=0.1", *overrides])
+    process = train.Process(rank, 2, rank, 2, torch.device("cpu"))
+    return metrics.MetricsLogger(
+        cfg, process, cfg.model_config, start_step=start_step, run_dir=tmp_path / "run_0001"
+    )
 
 
 def test_the_logged_loss_is_the_mean_per_target_token_since_the_last_logged_step(tmp_path):
@@ -236,14 +239,15 @@ def test_the_logged_loss_is_the_mean_per_target_token_since_the_last_logged_step
     logger.log_train(2, lr=1e-3, grad_norm=0.5, routing={})
     logger.add_loss(1.0, target_tokens=50)  # a new interval: nothing of the last one is left
     logger.log_train(3, lr=1e-3, grad_norm=0.5, routing={})
-    losses = [record["loss"] for record in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
-    assert losses == [pytest.approx((2.0 * 100 + 4.0 * 300) / 400), 1.0]  # 3.5, not 3.0 (unweighted) or 4.0
+    losses = [record["loss"] for record in records(tmp_path)]
+    # 3.5: not 3.0 (unweighted) or 4.0 (the logged step's own)
+    assert losses == [pytest.approx((2.0 * 100 + 4.0 * 300) / 400), 1.0]
     assert logger.summary["first_loss"] == pytest.approx(3.5) and logger.summary["loss"] == 1.0
 
 
 class FakeTrackers:
-    """Stand-ins for torch.utils.tensorboard and wandb, recording every call in `calls`: the wiring is
-    tested with neither package installed."""
+    """Stand-ins for torch.utils.tensorboard and wandb, recording every call in `calls`: the wiring
+    is tested with neither package installed."""
 
     def __init__(self):
         self.calls = []
@@ -270,31 +274,49 @@ class FakeTrackers:
                 fake.calls.append(("wandb finish",))
 
         self.tensorboard = SimpleNamespace(SummaryWriter=SummaryWriter)
-        self.wandb = SimpleNamespace(init=lambda **settings: fake.calls.append(("wandb init", settings))
-                                     or WandbRun())
+
+        def init(**settings):
+            fake.calls.append(("wandb init", settings))
+            return WandbRun()
+
+        self.wandb = SimpleNamespace(init=init)
 
     def scalars(self, step: int) -> dict[str, float]:
         """TensorBoard's scalars at `step`."""
-        return {name: value for kind, *rest in self.calls if kind == "scalar" for at, name, value in [rest]
-                if at == step}
+        return {
+            name: value
+            for kind, *rest in self.calls
+            if kind == "scalar"
+            for at, name, value in [rest]
+            if at == step
+        }
 
 
 @pytest.fixture
 def fake_trackers(monkeypatch) -> FakeTrackers:
     from importlib.machinery import ModuleSpec
+
     fake = FakeTrackers()
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake.tensorboard)
     monkeypatch.setitem(sys.modules, "wandb", fake.wandb)
-    for name in ("tensorboard", "wandb"):  # what config.py asks importlib for, before anything trains
+    for name in (
+        "tensorboard",
+        "wandb",
+    ):  # what config.py asks importlib for, before anything trains
         monkeypatch.setitem(sys.modules, name, sys.modules.get(name, SimpleNamespace()))
         monkeypatch.setattr(sys.modules[name], "__spec__", ModuleSpec(name, None), raising=False)
     return fake
 
 
-TRACKERS = ["--logging.tensorboard=true", '--logging.wandb={project = "flint-test", mode = "offline"}']
+TRACKERS = [
+    "--logging.tensorboard=true",
+    '--logging.wandb={project = "flint-test", mode = "offline"}',
+]
 
 
-def test_the_trackers_get_each_records_scalars_from_rank_0_flushed_at_each_logged_step(tmp_path, fake_trackers):
+def test_the_trackers_get_each_records_scalars_from_rank_0_flushed_at_each_logged_step(
+    tmp_path, fake_trackers
+):
     routing = {"2": {"max_load": 1.5, "min_load": 0.5, "tokens": [3, 1], "bias": [0.1, -0.1]}}
     for rank in (1, 0):
         logger = logger_at(tmp_path, rank, 0, *TRACKERS)
@@ -308,17 +330,39 @@ def test_the_trackers_get_each_records_scalars_from_rank_0_flushed_at_each_logge
     assert calls[0] == ("open", str(run_dir / "tensorboard"), 1)  # rank 1 opened nothing
     assert [call for call in calls if call[0] == "open"] == [calls[0]]
     step_1 = fake_trackers.scalars(1)
-    assert set(step_1) == {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu_percent",
-                           "perf/memory_gib", "experts/layer 2/max_load", "experts/layer 2/min_load", "val/loss"}
-    assert (step_1["train/loss"], step_1["train/lr"], step_1["train/grad_norm"], step_1["val/loss"]) == (
-        3.0, 1e-3, 0.5, 2.75)
+    assert set(step_1) == {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "perf/tokens_per_s",
+        "perf/mfu_percent",
+        "perf/memory_gib",
+        "experts/layer 2/max_load",
+        "experts/layer 2/min_load",
+        "val/loss",
+    }
+    assert (
+        step_1["train/loss"],
+        step_1["train/lr"],
+        step_1["train/grad_norm"],
+        step_1["val/loss"],
+    ) == (3.0, 1e-3, 0.5, 2.75)
     assert (step_1["experts/layer 2/max_load"], step_1["experts/layer 2/min_load"]) == (1.5, 0.5)
-    assert fake_trackers.scalars(2)["train/loss"] == 2.0 and fake_trackers.scalars(2)["train/lr"] == 2e-3
+    assert (
+        fake_trackers.scalars(2)["train/loss"] == 2.0
+        and fake_trackers.scalars(2)["train/lr"] == 2e-3
+    )
     kinds = [call[0] for call in calls if call[0] in ("scalar", "flush", "close")]
     groups = "".join("s" if kind == "scalar" else kind[0] for kind in kinds)
-    assert groups == "s" * 8 + "f" + "s" + "f" + "s" * 8 + "f" + "c"  # train, validation, train: each flushed
+    assert (
+        groups == "s" * 8 + "f" + "s" + "f" + "s" * 8 + "f" + "c"
+    )  # train, validation, train: each flushed
     (init,) = [call[1] for call in calls if call[0] == "wandb init"]
-    assert init["project"] == "flint-test" and init["mode"] == "offline" and init["dir"] == str(run_dir)
+    assert (
+        init["project"] == "flint-test"
+        and init["mode"] == "offline"
+        and init["dir"] == str(run_dir)
+    )
     assert init["id"] == (run_dir / metrics.WANDB_ID_FILE).read_text() and init["resume"] == "allow"
     assert init["config"]["logging"]["wandb"]["project"] == "flint-test"
     logged = [(call[1], call[2]) for call in calls if call[0] == "wandb log"]
@@ -327,49 +371,80 @@ def test_the_trackers_get_each_records_scalars_from_rank_0_flushed_at_each_logge
     assert calls[-1] == ("wandb finish",)
 
 
-def test_a_resumed_run_continues_the_same_tensorboard_directory_and_wandb_run(tmp_path, fake_trackers):
+def test_a_resumed_run_continues_the_same_tensorboard_directory_and_wandb_run(
+    tmp_path, fake_trackers
+):
     logger_at(tmp_path, 0, 0, *TRACKERS).close()
     logger_at(tmp_path, 0, 4, *TRACKERS).close()  # resumed from its step-4 checkpoint
     opened = [call for call in fake_trackers.calls if call[0] == "open"]
     tensorboard = str(tmp_path / "run_0001" / "tensorboard")
-    assert opened == [("open", tensorboard, 1), ("open", tensorboard, 5)]  # steps from 5 on are trained again
+    assert opened == [
+        ("open", tensorboard, 1),
+        ("open", tensorboard, 5),
+    ]  # steps from 5 on are trained again
     inits = [call[1] for call in fake_trackers.calls if call[0] == "wandb init"]
     run_id = (tmp_path / "run_0001" / metrics.WANDB_ID_FILE).read_text()
-    assert [init["id"] for init in inits] == [run_id, run_id] and len(run_id) == 16  # not a second id
+    assert [init["id"] for init in inits] == [run_id, run_id] and len(
+        run_id
+    ) == 16  # not a second id
 
 
-def test_train_logs_the_interval_mean_to_the_trackers_and_closes_them(tmp_path, fake_trackers, monkeypatch):
+def test_train_logs_the_interval_mean_to_the_trackers_and_closes_them(
+    tmp_path, fake_trackers, monkeypatch
+):
     """A run of 4 steps logged every 3: step 3's loss is steps 2 and 3's mean per target token,
     counted here from the batches themselves; the trackers get each record and are closed."""
     batches, steps = [], []
     next_batch = train.PackedLoader.next_batch
-    monkeypatch.setattr(train.PackedLoader, "next_batch",
-                        lambda self: batches.append((self, next_batch(self))) or batches[-1][1])
+    monkeypatch.setattr(
+        train.PackedLoader,
+        "next_batch",
+        lambda self: batches.append((self, next_batch(self))) or batches[-1][1],
+    )
     check_loss = train.check_loss
-    monkeypatch.setattr(train, "check_loss", lambda loss, *args: steps.append(loss) or check_loss(loss, *args))
-    corpus = tmp_path / "short_documents.jsonl"  # documents of 7 to 97 bytes: rows hold uneven targets
-    corpus.write_text("".join(json.dumps({"text": "flint " * (1 + n % 16)}) + "\n" for n in range(300)))
-    run_debug(tmp_path, "--training.steps=4", "--logging.every=3", "--training.sample_tokens=0",
-              "--training.grad_accum=1", f"--data.path={corpus}", *TRACKERS)
+    monkeypatch.setattr(
+        train, "check_loss", lambda loss, *args: steps.append(loss) or check_loss(loss, *args)
+    )
+    corpus = (
+        tmp_path / "short_documents.jsonl"
+    )  # documents of 7 to 97 bytes: rows hold uneven targets
+    corpus.write_text(
+        "".join(json.dumps({"text": "flint " * (1 + n % 16)}) + "\n" for n in range(300))
+    )
+    run_debug(
+        tmp_path,
+        "--training.steps=4",
+        "--logging.every=3",
+        "--training.sample_tokens=0",
+        "--training.grad_accum=1",
+        f"--data.path={corpus}",
+        *TRACKERS,
+    )
     loader = batches[0][0]  # the training data's: validation reads its own after step 4
-    targets = [int((batch["targets"] != -100).sum()) for read_by, batch in batches if read_by is loader]
+    targets = [
+        int((batch["targets"] != -100).sum()) for read_by, batch in batches if read_by is loader
+    ]
     assert len(targets) == 4
     assert len(set(targets)) > 1  # the weights matter: the steps' target counts differ
     logged = train_losses(tmp_path)
-    assert logged[3] == pytest.approx((steps[1] * targets[1] + steps[2] * targets[2]) / (targets[1] + targets[2]))
+    assert logged[3] == pytest.approx(
+        (steps[1] * targets[1] + steps[2] * targets[2]) / (targets[1] + targets[2])
+    )
     assert logged[1] == pytest.approx(steps[0]) and logged[4] == pytest.approx(steps[3])
     assert {step: fake_trackers.scalars(step)["train/loss"] for step in logged} == logged
     assert fake_trackers.calls[-2:] == [("close",), ("wandb finish",)]
 
 
-# ----------------------------------------------------------------------------- the real TensorBoard and W&B
+# ------------------------------------------------------------ the real TensorBoard and W&B
 
 # tests/hf_venv.py's reference venv (REQUIREMENTS: tensorboard and wandb too), with main's torch.
-REFERENCE_PYTHON = Path(os.environ.get("FLINT_HF_VENV", Path.home() / ".cache" / "flint" / "hfvenv")) / "bin" / "python"
+REFERENCE_VENV = Path(os.environ.get("FLINT_HF_VENV", Path.home() / ".cache" / "flint" / "hfvenv"))
+REFERENCE_PYTHON = REFERENCE_VENV / "bin" / "python"
 
-# Run by the reference venv's python on a run directory: prints TensorBoard's scalars (tag -> [[step, value]])
-# as EventAccumulator reads them, and each W&B offline run file's run id and history rows, read as
-# W&B's own LevelDB-style log (7-byte header, 32 KiB blocks of records: crc, length, type, data).
+# Run by the reference venv's python on a run directory: prints TensorBoard's scalars (tag ->
+# [[step, value]]) as EventAccumulator reads them, and each W&B offline run file's run id and
+# history rows, read as W&B's own LevelDB-style log (7-byte header, 32 KiB blocks of records:
+# crc, length, type, data).
 READ_BACK = """
 import json, struct, sys
 from pathlib import Path
@@ -378,7 +453,8 @@ from wandb.proto import wandb_internal_pb2
 run_dir = Path(sys.argv[1])
 events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
 events.Reload()
-tensorboard = {tag: [[e.step, e.value] for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+tags = events.Tags()["scalars"]
+tensorboard = {tag: [[e.step, e.value] for e in events.Scalars(tag)] for tag in tags}
 runs = []
 for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
     data, pos, pending, run = path.read_bytes(), 7, b"", {"rows": []}
@@ -396,8 +472,8 @@ for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
                 run["id"] = record.run.run_id
             if what == "history":
                 items = record.history.item  # a name with "/" is kept as its parts
-                run["rows"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                                    for item in items})
+                run["rows"].append({item.key or "/".join(item.nested_key):
+                                    json.loads(item.value_json) for item in items})
     runs.append(run)
 print(json.dumps({"tensorboard": tensorboard, "wandb": runs}))
 """
@@ -407,33 +483,59 @@ def reference_python() -> str:
     """The reference venv's python, where tensorboard and wandb import; else the test is skipped."""
     imports = [str(REFERENCE_PYTHON), "-c", "import tensorboard, wandb"]
     if not REFERENCE_PYTHON.exists() or subprocess.run(imports, capture_output=True).returncode:
-        pytest.skip(f"tensorboard and wandb do not import in {REFERENCE_PYTHON} (tests/hf_venv.py's "
-                    f"REQUIREMENTS list them: pip install them there)")
+        pytest.skip(
+            f"tensorboard and wandb do not import in {REFERENCE_PYTHON} (tests/hf_venv.py's "
+            f"REQUIREMENTS list them: pip install them there)"
+        )
     return str(REFERENCE_PYTHON)
 
 
-def test_real_tensorboard_and_wandb_offline_read_back_the_records_and_a_resume_continues_them(tmp_path):
+def test_real_tensorboard_and_wandb_offline_read_back_the_records_and_a_resume_continues_them(
+    tmp_path,
+):
     """train.py in the reference venv: 4 steps, then the step-4 checkpoint lost (as if the run had
     stopped after logging step 4, before saving it) and the run resumed from step 2. TensorBoard
     holds each step once, with the records' values; W&B's two offline files are one run."""
     python = reference_python()
-    args = debug_args(tmp_path, "--training.steps=4", "--logging.every=1", "--checkpoint.every=2",
-                      "--training.sample_tokens=0", "--checkpoint.resume=auto", *TRACKERS)
+    args = debug_args(
+        tmp_path,
+        "--training.steps=4",
+        "--logging.every=1",
+        "--checkpoint.every=2",
+        "--training.sample_tokens=0",
+        "--checkpoint.resume=auto",
+        *TRACKERS,
+    )
     train_py = [python, str(ROOT / "train.py"), *args]
     subprocess.run(train_py, cwd=tmp_path, check=True, capture_output=True, timeout=600)
     run_dir = tmp_path / "ckpt" / "run_0001"
     shutil.rmtree(run_dir / "step_00000004")
-    resumed = subprocess.run(train_py, cwd=tmp_path, check=True, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        train_py, cwd=tmp_path, check=True, capture_output=True, text=True, timeout=600
+    )
     assert "training steps 3..4" in resumed.stdout
-    read = subprocess.run([python, "-c", READ_BACK, str(run_dir)], check=True, capture_output=True, text=True)
+    read = subprocess.run(
+        [python, "-c", READ_BACK, str(run_dir)], check=True, capture_output=True, text=True
+    )
     tensorboard, wandb_runs = json.loads(read.stdout).values()
-    losses = train_losses(tmp_path)  # the records: one per step, the resumed run's for steps 3 and 4
+    losses = train_losses(
+        tmp_path
+    )  # the records: one per step, the resumed run's for steps 3 and 4
     (val,) = [(r["step"], r["val_loss"]) for r in records(tmp_path) if "val_loss" in r]
     assert [step for step, _ in tensorboard["train/loss"]] == [1, 2, 3, 4]  # 3 and 4 not twice
-    assert [value for _, value in tensorboard["train/loss"]] == pytest.approx(list(losses.values()), rel=1e-6)
+    assert [value for _, value in tensorboard["train/loss"]] == pytest.approx(
+        list(losses.values()), rel=1e-6
+    )
     assert tensorboard["val/loss"] == [[val[0], pytest.approx(val[1], rel=1e-6)]]
-    assert {"train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu_percent", "perf/memory_gib",
-            "experts/layer 2/max_load", "experts/layer 3/min_load"} <= set(tensorboard)
+    assert {
+        "train/lr",
+        "train/grad_norm",
+        "perf/tokens_per_s",
+        "perf/mfu_percent",
+        "perf/memory_gib",
+        "experts/layer 2/max_load",
+        "experts/layer 3/min_load",
+    } <= set(tensorboard)
     run_id = (run_dir / metrics.WANDB_ID_FILE).read_text()
     assert [run["id"] for run in wandb_runs] == [run_id, run_id]
     steps = [[row["_step"] for row in run["rows"]] for run in wandb_runs]
@@ -443,31 +545,67 @@ def test_real_tensorboard_and_wandb_offline_read_back_the_records_and_a_resume_c
     assert last[-1]["val/loss"] == pytest.approx(val[1], rel=1e-12) and val[0] == 4
 
 
-@pytest.mark.parametrize("override, said", [
-    ("--logging.tensorboard=true", "[logging].tensorboard = true needs the tensorboard package, which flint "
-                                   "does not require: pip install tensorboard"),
-    ('--logging.wandb={project = "p"}', "[logging].wandb needs the wandb package, which flint does not "
-                                        "require: pip install wandb"),
-    ('--logging.wandb={name = "a"}', '[logging].wandb needs a project, e.g. wandb = {project = "flint"}'),
-    ('--logging.wandb={project = "p", mode = "disabled"}',
-     '[logging].wandb.mode must be "online" or "offline", got \'disabled\''),
-    ('--logging.wandb={project = "p", group = "g"}',
-     "[logging].wandb.group = 'g': the keys are text values of project, name, entity, mode, dir"),
-    ("--logging.wandb=true", "[logging].wandb must be dict, got bool True"),
-])
-def test_trackers_asked_for_without_their_package_or_set_wrong_stop_at_load(override, said, monkeypatch):
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        (
+            "--logging.tensorboard=true",
+            "[logging].tensorboard = true needs the tensorboard package, which flint "
+            "does not require: pip install tensorboard",
+        ),
+        (
+            '--logging.wandb={project = "p"}',
+            "[logging].wandb needs the wandb package, which flint does not "
+            "require: pip install wandb",
+        ),
+        (
+            '--logging.wandb={name = "a"}',
+            '[logging].wandb needs a project, e.g. wandb = {project = "flint"}',
+        ),
+        (
+            '--logging.wandb={project = "p", mode = "disabled"}',
+            '[logging].wandb.mode must be "online" or "offline", got \'disabled\'',
+        ),
+        (
+            '--logging.wandb={project = "p", group = "g"}',
+            "[logging].wandb.group = 'g': the keys are text values of project, name, entity, "
+            "mode, dir",
+        ),
+        ("--logging.wandb=true", "[logging].wandb must be dict, got bool True"),
+    ],
+)
+def test_trackers_asked_for_without_their_package_or_set_wrong_stop_at_load(
+    override, said, monkeypatch
+):
     """One line naming the key and the pip command, at load: before any process group or model."""
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *args: None if name in ("tensorboard", "wandb") else find_spec(name, *args))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name in ("tensorboard", "wandb") else find_spec(name, *args),
+    )
     with pytest.raises(train.ConfigError) as stop:
         train.load_config(DEBUG, [override])
     assert str(stop.value) == f"command line --logging.{override[10:].split('=')[0]}: {said}"
 
 
 def test_trackers_load_when_their_packages_import_and_the_settings_are_whole(fake_trackers):
-    cfg = train.load_config(DEBUG, ["--logging.tensorboard=true", '--logging.wandb={project = "p", name = "n", '
-                                    'entity = "e", mode = "offline", dir = "d"}'])
-    assert cfg.logging.tensorboard and cfg.logging.wandb == {"project": "p", "name": "n", "entity": "e",
-                                                             "mode": "offline", "dir": "d"}
-    assert not train.load_config(DEBUG).logging.tensorboard and train.load_config(DEBUG).logging.wandb == {}
+    cfg = train.load_config(
+        DEBUG,
+        [
+            "--logging.tensorboard=true",
+            '--logging.wandb={project = "p", name = "n", '
+            'entity = "e", mode = "offline", dir = "d"}',
+        ],
+    )
+    assert cfg.logging.tensorboard and cfg.logging.wandb == {
+        "project": "p",
+        "name": "n",
+        "entity": "e",
+        "mode": "offline",
+        "dir": "d",
+    }
+    assert (
+        not train.load_config(DEBUG).logging.tensorboard
+        and train.load_config(DEBUG).logging.wandb == {}
+    )
