@@ -22,6 +22,7 @@ line."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import json
 import math
@@ -143,6 +144,8 @@ class LoggingSection:
     idle_expert_steps: int = 100
     # "5-6" or "5": torch.profiler traces of those steps, one per rank, in the run directory
     profile_steps: str = ""
+    tensorboard: bool = False  # true: event files in run_dir/tensorboard (pip install tensorboard)
+    wandb: dict = field(default_factory=dict)  # {project = "..."}: log to W&B (pip install wandb)
 
 
 SECTIONS = {
@@ -365,7 +368,7 @@ def build_section(name: str, table: Any, origins: dict[str, str], path: Path):
         where = origins.get(f"{name}.{key}", str(path))
         if key in known:
             # None only for [parallel].reshard_after_forward: a bool when set
-            default = known[key].default
+            default = field_default(known[key])
             check_type(f"[{name}].{key}", value, bool if default is None else type(default), where)
             values[key] = float(value) if known[key].type == "float" else value
         elif name == "model":
@@ -378,6 +381,10 @@ def build_section(name: str, table: Any, origins: dict[str, str], path: Path):
     if name == "model":
         section.overrides = extra
     return section
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
 def build_lora_section(table: Any, origins: dict[str, str], path: Path) -> LoraConfig:
@@ -509,6 +516,40 @@ def model_family(cfg: TrainConfig) -> str:
 
 # ============================================================================= checks
 
+# [logging] wandb's keys: wandb.init's arguments of those names (flint sets id and resume).
+WANDB_KEYS = ("project", "name", "entity", "mode", "dir")
+
+
+def check_trackers(cfg: TrainConfig) -> None:
+    """[logging] tensorboard and wandb: well formed, and their optional packages importable, before
+    anything trains (flint itself needs torch, safetensors, tiktoken and numpy only)."""
+    log, where = cfg.logging, cfg.where("logging.wandb")
+    for key, value in log.wandb.items():
+        if key not in WANDB_KEYS or not isinstance(value, str):
+            raise ConfigError(
+                f"{where}: [logging].wandb.{key} = {value!r}: the keys are text "
+                f"values of {', '.join(WANDB_KEYS)}"
+            )
+    if log.wandb and not log.wandb.get("project"):
+        raise ConfigError(
+            f'{where}: [logging].wandb needs a project, e.g. wandb = {{project = "flint"}}'
+        )
+    if log.wandb.get("mode", "online") not in ("online", "offline"):
+        raise ConfigError(
+            f'{where}: [logging].wandb.mode must be "online" or "offline", '
+            f"got {log.wandb['mode']!r}"
+        )
+    for package, asked, key in (
+        ("tensorboard", log.tensorboard, "tensorboard = true"),
+        ("wandb", log.wandb, "wandb"),
+    ):
+        if asked and importlib.util.find_spec(package) is None:
+            where = cfg.where(f"logging.{package}")
+            raise ConfigError(
+                f"{where}: [logging].{key} needs the {package} package, which flint "
+                f"does not require: pip install {package}"
+            )
+
 
 def validate(cfg: TrainConfig) -> None:
     t, d, o, c, log = cfg.training, cfg.data, cfg.optim, cfg.checkpoint, cfg.logging
@@ -582,6 +623,7 @@ def validate(cfg: TrainConfig) -> None:
             f"validation split, but data.val_fraction = 0"
         )
     check_profile_steps(cfg)
+    check_trackers(cfg)
     check_router_aux_loss(cfg)
     check_lora(cfg)
     refusal = cfg.model_config.training_error(d.seq_len, fresh_weights=not cfg.model.init_from)

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import resource
+import secrets
 import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext, suppress
@@ -178,6 +179,8 @@ class MetricsLogger:
         )
         self.profile_steps, late = steps_to_profile(cfg.logging.profile_steps, start_step)
         self.profiler = None
+        self.interval_loss = self.interval_tokens = 0.0  # add_loss's sums since the last log
+        self.trackers = Trackers(cfg, self.run_dir, start_step) if run.is_main else None
         if late:
             run.print(f"WARNING: {cfg.where('logging.profile_steps')}: {late}")
         if run.is_main:
@@ -189,14 +192,20 @@ class MetricsLogger:
                 f"training steps {start_step + 1}..{t.steps}: {self.tokens_per_step:,} tokens "
                 "per step, "
                 f"{self.flops_per_token / 1e6:.2f} MFLOPs per token, peak "
-                + (
-                    f"{self.peak / 1e12:.2f} TFLOP/s"
-                    if self.peak
-                    else "unknown (set logging.peak_tflops)"
-                )
+                f"{f'{self.peak / 1e12:.2f} TFLOP/s' if self.peak else 'unknown (set logging.peak_tflops)'}"
             )
 
-    def log_train(self, step: int, loss: float, lr: float, grad_norm: float, routing: dict) -> None:
+    def add_loss(self, loss: float, target_tokens: float) -> None:
+        """A step's mean loss per target token and its target tokens (or a fixed multiple)."""
+        self.interval_loss += loss * target_tokens
+        self.interval_tokens += target_tokens
+
+    def log_train(self, step: int, lr: float, grad_norm: float, routing: dict) -> None:
+        """The record's loss is the mean per target token over the steps since the last logged one
+        (add_loss), so a curve of few points is as smooth as the run; the other numbers are the
+        logged step's own, tokens/s and MFU over the interval."""
+        loss = self.interval_loss / max(self.interval_tokens, 1e-9)
+        self.interval_loss = self.interval_tokens = 0.0
         now = time.perf_counter()
         tokens_per_s = (
             (step - self.last_step) * self.tokens_per_step / max(now - self.last_time, 1e-9)
@@ -242,6 +251,12 @@ class MetricsLogger:
         if self.run.is_main:
             with open(self.path, "a") as log:
                 log.write(json.dumps({"run": self.run_name, **record}) + "\n")
+            self.trackers.log(record["step"], tracker_scalars(record))
+
+    def close(self) -> None:
+        """Closes TensorBoard's and W&B's files (train.py, however the run ends)."""
+        if self.trackers:
+            self.trackers.close()
 
     @contextmanager
     def untimed(self):
@@ -311,8 +326,7 @@ class MetricsLogger:
                 str(self.run_dir / f"memory_{name}_rank{self.run.rank}.pickle")
             )
             torch.cuda.memory._record_memory_history(enabled=None)
-            snapshots = f"{self.run_dir}/memory_{name}_rank*.pickle"
-            memory = f"; memory snapshots {snapshots} (https://pytorch.org/memory_viz)"
+            memory = f"; memory snapshots {self.run_dir}/memory_{name}_rank*.pickle (https://pytorch.org/memory_viz)"
         self.run.print(
             f"profiled steps {steps[0]}-{steps[-1]}: traces "
             f"{self.run_dir}/trace_{name}_rank*.json, one "
@@ -332,6 +346,83 @@ class MetricsLogger:
             "allocator's "
             f"snapshot is {path} (open it in https://pytorch.org/memory_viz)"
         ) from error
+
+
+# metrics.jsonl's fields -> the trackers' scalar names, grouped as TensorBoard and W&B show them.
+TRACKED = {
+    "loss": "train/loss",
+    "val_loss": "val/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s",
+    "mfu_percent": "perf/mfu_percent",
+    "memory_gib": "perf/memory_gib",
+}
+EXPERT_LOADS = ("max_load", "min_load", "dropped")  # per MoE layer, of balance.RoutingMonitor.stats
+
+
+def tracker_scalars(record: dict) -> dict[str, float]:
+    """One metrics.jsonl record -> its scalars under TRACKED's names, and each MoE layer's busiest
+    and idlest expert's load over the mean (and the assignments dropped) as experts/layer N/..."""
+    scalars = {
+        TRACKED[key]: value for key, value in record.items() if key in TRACKED and value is not None
+    }
+    for layer, stats in record.get("routing", {}).items():
+        loads = {key: stats[key] for key in EXPERT_LOADS if key in stats}
+        scalars.update({f"experts/layer {layer}/{key}": value for key, value in loads.items()})
+    return scalars
+
+
+class Trackers:
+    """TensorBoard and W&B ([logging] tensorboard, wandb), written by rank 0 with metrics.jsonl:
+    the same scalars at the same steps. Their packages are optional extras, imported only here and
+    only when asked for (config.py checks at load that they import). A resumed run continues the
+    same curves: TensorBoard's directory is the run's, its events past the resumed step dropped
+    (purge_step); W&B's run id is kept in the run directory and the run resumed."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, start_step: int):
+        self.tensorboard = self.wandb = None
+        if cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            directory = str(run_dir / "tensorboard")
+            self.tensorboard = SummaryWriter(directory, purge_step=start_step + 1)
+        if cfg.logging.wandb:
+            self.wandb = start_wandb(cfg, run_dir)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        """A logged step's scalars, on disk when this returns (TensorBoard; W&B writes a step's
+        row once the next step or the end comes, so that a validation loss joins its step's row)."""
+        if self.tensorboard:
+            for name, value in scalars.items():
+                self.tensorboard.add_scalar(name, value, step)
+            self.tensorboard.flush()
+        if self.wandb:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
+        self.tensorboard = self.wandb = None
+
+
+# The W&B run id of a run directory: a resumed run logs to the same W&B run.
+WANDB_ID_FILE = "wandb_id"
+
+
+def start_wandb(cfg: TrainConfig, run_dir: Path):
+    """wandb.init with [logging] wandb's settings (files under `dir`, default the run directory),
+    the run's resolved config, and the run directory's W&B id, made on first use."""
+    import wandb
+
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(8)
+    write_atomically(id_file, run_id)
+    settings = {"dir": str(run_dir), **cfg.logging.wandb}
+    Path(settings["dir"]).mkdir(parents=True, exist_ok=True)
+    return wandb.init(**settings, id=run_id, resume="allow", config=cfg.to_dict())
 
 
 # Allocations and frees the CUDA allocator remembers while profiling: a few steps of a large model.

@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 import zlib
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -133,7 +133,9 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
         routing = RoutingMonitor(
             model.module, frozen, run.device, cfg.logging.idle_expert_steps, run.is_main
         )
-        with Interruption(run) as interruption, explain_stop(checkpoints, run, argv, logger):
+        # closing(logger): TensorBoard and W&B are closed however the loop ends (divergence, a stop)
+        stops = explain_stop(checkpoints, run, argv, logger)
+        with Interruption(run) as interruption, stops, closing(logger):
             while step < cfg.training.steps:
                 step += 1
                 lr = set_learning_rate(
@@ -141,7 +143,7 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
                 )
                 # [logging] profile_steps; a CUDA OOM's snapshot
                 with logger.traced(step, model, optimizer):
-                    loss, grad_norm, stop = train_step(
+                    loss, grad_norm, targets, stop = train_step(
                         model,
                         optimizer,
                         train_data,
@@ -152,8 +154,9 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
                         step,
                         checkpoints,
                     )
+                logger.add_loss(loss, targets)  # logged: the mean since the last logged step
                 if due(step, cfg.logging.every, cfg.training.steps) or step == logger.first_step:
-                    logger.log_train(step, loss, lr, grad_norm, routing.stats())
+                    logger.log_train(step, lr, grad_norm, routing.stats())
                 stopping = interruption.requested(stop)
                 with logger.untimed():  # tokens/s counts training only
                     if val_data and due(step, cfg.training.eval_every, cfg.training.steps):
@@ -500,7 +503,8 @@ def build_model(cfg: TrainConfig, run: Process) -> ParallelModel:
         adapted = apply_lora(model, cfg.lora, cfg.training.seed)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         run.print(
-            f"LoRA: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on {len(adapted)} modules, "
+            f"LoRA: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on {len(adapted)} "
+            "modules, "
             f"{trainable / 1e6:.2f}M trainable parameters; the rest frozen"
         )
     # a lookup: no matmul, not in flops_per_token
@@ -603,7 +607,8 @@ def check_compiled(
             ) from error
         uncompile(model)
         print(
-            "WARNING: torch.compile of the decoder blocks failed, training in eager mode instead "
+            "WARNING: torch.compile of the decoder blocks failed, training in eager mode "
+            "instead "
             f"([parallel].compile_fallback = true): {type(error).__name__}: {str(error)[:2000]}",
             file=sys.stderr,
             flush=True,
@@ -818,9 +823,10 @@ def train_step(
     interruption: Interruption,
     step: int,
     checkpoints: Checkpointer,
-) -> tuple[float, float, bool]:
+) -> tuple[float, float, float, bool]:
     """One optimizer step over grad_accum micro-batches -> (mean loss per target token, grad norm,
-    whether any rank was asked to stop).
+    the step's target tokens summed over all ranks (a fixed multiple of the step's own: the loss's
+    weight in the logged interval mean), whether any rank was asked to stop).
 
     Every target token weighs the same, whichever micro-batch or rank holds it: each micro-batch
     is weighted by its tokens over those of the whole step (see parallel.ParallelModel).
@@ -843,17 +849,19 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     routing.after_step(step)  # expert loads, idle streaks, the selection bias: on the device
     squares = torch.stack([before, weight_squares(model)]).to(model.collective_device)
-    # [before^2, after^2, stop requests]
-    shared = torch.cat([squares, interruption.flag(squares.device)])
+    targets = sum((batch["targets"] != -100).sum() for batch in batches).float().reshape(1)
+    # [before^2, after^2, target tokens, stop requests]
+    shared = torch.cat([squares, targets.to(squares.device), interruption.flag(squares.device)])
     if dist.is_initialized() and dist.get_world_size() > 1:
         # squares: replicas counted on each rank that holds them, the same way every step
         dist.all_reduce(shared)
     norms = torch.cat([shared[:2].sqrt(), shared[2:]])
     checked = torch.cat([torch.stack([loss.float(), grad_norm.float()]).to(norms.device), norms])
-    loss, grad_norm, before, after, stop = checked.tolist()  # the step's one copy to the host
+    # the step's one copy to the host
+    loss, grad_norm, before, after, targets, stop = checked.tolist()
     check_loss(loss, grad_norm, step, model, cfg, checkpoints)
     check_update(before, after, step, cfg, checkpoints)
-    return loss, grad_norm, stop > 0
+    return loss, grad_norm, targets, stop > 0
 
 
 def check_loss(
@@ -930,10 +938,7 @@ def divergence_remedy(cfg: TrainConfig) -> str:
         f"{name} = {getattr(config, name):g} ({cfg.where('model.' + name)})"
         for name in coefficients
     )
-    return (
-        f"the loss holds the router losses of [model] {listed}: try a lower coefficient, or "
-        f"{remedy}{fp8_suspect(cfg)}"
-    )
+    return f"the loss holds the router losses of [model] {listed}: try a lower coefficient, or {remedy}{fp8_suspect(cfg)}"
 
 
 def fp8_suspect(cfg: TrainConfig) -> str:

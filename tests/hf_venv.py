@@ -1,5 +1,5 @@
 """The published reference for the fixture scripts: transformers, in a virtual environment of its
-own.
+own (with tensorboard and wandb, whose real files test_metrics.py reads back there).
 
 The test suite never needs transformers; the scripts that write its fixtures once
 (make_*_fixture.py) run themselves again under a venv that has it."""
@@ -13,8 +13,15 @@ import sys
 import venv
 from pathlib import Path
 
-# the suite's torch (a bare "torch" takes a CUDA build)
-REQUIREMENTS = ["torch==2.13.0", "safetensors==0.8.0", "transformers==5.24.0"]
+# The suite's torch (a bare "torch" takes a CUDA build); tensorboard and wandb for test_metrics.py's
+# read-back of [logging] tensorboard and wandb (optional extras of flint, never of the suite).
+REQUIREMENTS = [
+    "torch==2.13.0",
+    "safetensors==0.8.0",
+    "transformers==5.24.0",
+    "tensorboard==2.21.0",
+    "wandb==0.31.0",
+]
 # set in the re-executed script: a second failure stops instead of looping
 _REEXECUTED = "FLINT_FIXTURE_REEXEC"
 
