@@ -69,6 +69,8 @@ class DataSection:
     val_fraction: float = 0.05  # of the documents, held out for validation
     epochs: int = 1  # passes over the training documents that a run may take
     overlong: str = "truncate"  # a conversation longer than seq_len: truncate (keep its first seq_len tokens) | drop
+    sources: list = field(default_factory=list)  # a mixture: [{path = "web/", weight = 0.7}, ...]
+    exhausted: str = "stop"  # a source of the mixture read data.epochs times: stop | repeat (a new epoch)
 
 
 @dataclass
@@ -296,6 +298,8 @@ def build_section(name: str, table: Any, origins: dict[str, str], path: Path):
         where = origins.get(f"{name}.{key}", str(path))
         if key in known:
             default = known[key].default  # None only for [parallel].reshard_after_forward: a bool when set
+            if default is dataclasses.MISSING:  # [data].sources: a list
+                default = known[key].default_factory()
             check_type(f"[{name}].{key}", value, bool if default is None else type(default), where)
             values[key] = float(value) if known[key].type == "float" else value
         elif name == "model":
@@ -427,6 +431,7 @@ def validate(cfg: TrainConfig) -> None:
         ("data.val_fraction", 0 <= d.val_fraction < 1, "be in [0, 1)"),
         ("data.epochs", d.epochs >= 1, "be >= 1"),
         ("data.overlong", d.overlong in ("truncate", "drop"), 'be "truncate" or "drop"'),
+        ("data.exhausted", d.exhausted in ("stop", "repeat"), 'be "stop" or "repeat"'),
         ("optim.name", o.name in ("adamw", "muon"), "be adamw or muon"),
         ("optim.lr", 0 < o.lr < math.inf, "be a finite number > 0"),
         ("optim.muon_lr", 0 < o.muon_lr < math.inf, "be a finite number > 0"),
@@ -456,6 +461,7 @@ def validate(cfg: TrainConfig) -> None:
     if d.val_fraction == 0 and t.eval_every > 0:
         raise ConfigError(f"{cfg.where('training.eval_every')}: [training].eval_every = {t.eval_every} needs a "
                           f"validation split, but data.val_fraction = 0")
+    check_sources(cfg)
     check_profile_steps(cfg)
     check_router_aux_loss(cfg)
     check_lora(cfg)
@@ -509,6 +515,47 @@ def check_paths(cfg: TrainConfig) -> None:
             raise ConfigError(f"{cfg.where(key)}: {key} {path} lies under {existing}, which is a file")
         if not os.access(existing, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
             raise ConfigError(f"{cfg.where(key)}: {key} {path} is not writable")
+
+
+SOURCE_KEYS = ("path", "weight")  # one source of [data].sources
+
+
+def check_sources(cfg: TrainConfig) -> None:
+    """[data].sources: a non-empty list of {path, weight}, each weight a finite number > 0, each
+    path named once, and not given together with [data].path (one of the two names the data)."""
+    if "data.sources" not in cfg.origins:
+        return
+    where, sources = cfg.where("data.sources"), cfg.data.sources
+    if "data.path" in cfg.origins:
+        raise ConfigError(f"{where}: [data].sources and [data].path are both given ({cfg.where('data.path')}); "
+                          f"name the data once: sources for a mixture, path for one source")
+    if not sources:
+        raise ConfigError(f"{where}: [data].sources is an empty list; name at least one "
+                          f'{{path = "...", weight = 1.0}}, or remove it and set [data].path')
+    seen: dict[Path, int] = {}
+    for index, source in enumerate(sources):
+        check_source(source, f"{where}: [data].sources[{index}]")
+        first = seen.setdefault(Path(source["path"]).resolve(), index)
+        if first != index:
+            raise ConfigError(f"{where}: [data].sources[{index}] names {source['path']!r} again (also "
+                              f"sources[{first}]); give each source once, with its whole weight")
+
+
+def check_source(source: Any, name: str) -> None:
+    if not isinstance(source, dict):
+        raise ConfigError(f'{name} must be a table {{path = "...", weight = 0.5}}, got {source!r}')
+    extra = [key for key in source if key not in SOURCE_KEYS]
+    if extra:
+        raise ConfigError(f"{name} has key {extra[0]!r}; a source has only path and weight (every "
+                          f"source shares data.tokenizer, data.seq_len and the other [data] keys)")
+    path, weight = source.get("path"), source.get("weight")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{name}.path must name a prepared directory or text, got {path!r}")
+    if not Path(path).exists():
+        raise ConfigError(f"{name}.path {path} does not exist (relative paths start at {Path.cwd()})")
+    number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+    if not number or not 0 < weight < math.inf:
+        raise ConfigError(f"{name}.weight must be a finite number > 0, got {weight!r}")
 
 
 def profile_step_range(text: str) -> range | None:

@@ -160,7 +160,9 @@ class MetricsLogger:
                       f"{self.flops_per_token / 1e6:.2f} MFLOPs per token, peak "
                       f"{f'{self.peak / 1e12:.2f} TFLOP/s' if self.peak else 'unknown (set logging.peak_tflops)'}")
 
-    def log_train(self, step: int, loss: float, lr: float, grad_norm: float, routing: dict) -> None:
+    def log_train(self, step: int, loss: float, lr: float, grad_norm: float, routing: dict,
+                  data_tokens: dict[str, int] | None = None) -> None:
+        """One training record and log line; `data_tokens`: a mixture's tokens from each source."""
         now = time.perf_counter()
         tokens_per_s = (step - self.last_step) * self.tokens_per_step / max(now - self.last_time, 1e-9)
         remaining = (self.total - step) * (now - self.last_time) / max(step - self.last_step, 1)
@@ -169,6 +171,8 @@ class MetricsLogger:
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "mfu_percent": mfu, "memory_gib": memory_gib(self.run), "elapsed_s": now - self.start,
                   "remaining_s": remaining, "tokens": step * self.tokens_per_step, "routing": routing}
+        if data_tokens is not None:
+            record["data_tokens"] = data_tokens
         if self.summary["first_loss"] is None:
             self.summary["first_loss"] = loss
         self.summary.update(step=step, loss=loss, tokens_per_s=tokens_per_s, mfu_percent=mfu)
@@ -176,7 +180,8 @@ class MetricsLogger:
         self.run.print(f"step {step:>{len(str(self.total))}}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | "
                        f"grad norm {grad_norm:.3f} | {tokens_per_s:,.0f} tokens/s | MFU "
                        f"{f'{mfu:.2f}%' if mfu is not None else 'n/a'} | mem {record['memory_gib']:.2f} GiB | "
-                       f"{duration(now - self.start)} elapsed | {duration(remaining)} left{worst_layer(routing)}")
+                       f"{duration(now - self.start)} elapsed | {duration(remaining)} left{worst_layer(routing)}"
+                       + drawn_per_source(data_tokens))
 
     def log_eval(self, step: int, val_loss: float) -> None:
         self.summary["val_loss"] = val_loss
@@ -348,3 +353,10 @@ def drop_superseded_records(path: Path, run_name: str, step: int) -> None:
             kept.append(line + "\n")
     if dropped:
         write_atomically(path, "".join(kept))
+
+
+def drawn_per_source(data_tokens: dict[str, int] | None) -> str:
+    """" | drawn: web/ 1.20M tokens, code/ 0.51M tokens" for a mixture's log line; "" for one source."""
+    if not data_tokens:
+        return ""
+    return " | drawn: " + ", ".join(f"{n} {v / 1e6:.2f}M tokens" for n, v in data_tokens.items())

@@ -385,3 +385,46 @@ def test_each_refusal_accepts_its_boundary(tmp_path, key, accepted, refused, oth
         load_config(path, [*others, f"--{key}={refused}"])
     message = str(refusal.value)
     assert "\n" not in message and f"command line --{key}" in message, message
+
+
+# ----------------------------------------------------------------------------- [data].sources
+
+def sources_toml(tmp_path: Path, entries: str, extra: str = "") -> Path:
+    """A config whose [data] names `entries` as its sources; a/ and b/ exist under tmp_path."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir(exist_ok=True)
+    return write(tmp_path, TINY + f"[data]\nsources = [{entries}]\n{extra}")
+
+
+@pytest.mark.parametrize("entries, extra, message", [
+    ('{{path = "{t}/missing", weight = 1}}', "", r"sources\[0\]\.path .*missing does not exist"),
+    ('{{path = "{t}/a", weight = 0}}', "", r"sources\[0\]\.weight must be a finite number > 0, got 0"),
+    ('{{path = "{t}/a", weight = -0.5}}', "", r"sources\[0\]\.weight .*got -0\.5"),
+    ('{{path = "{t}/a", weight = nan}}', "", r"sources\[0\]\.weight .*got nan"),
+    ('{{path = "{t}/a", weight = inf}}', "", r"sources\[0\]\.weight .*got inf"),
+    ('{{path = "{t}/a", weight = "1"}}', "", r"sources\[0\]\.weight .*got '1'"),
+    ('{{path = "{t}/a"}}', "", r"sources\[0\]\.weight .*got None"),
+    ('{{path = "{t}/a", weight = 1}}', 'path = "{t}/b"\n', r"\[data\]\.sources and \[data\]\.path are both"),
+    ("", "", r"\[data\]\.sources is an empty list"),
+    ('{{path = "{t}/a", weight = 1}}, {{path = "{t}/b/../a", weight = 2}}', "",
+     r"sources\[1\] names .*again \(also sources\[0\]\)"),
+    ('{{path = "{t}/a", weight = 1, seq_len = 64}}', "", r"sources\[0\] has key 'seq_len'; .*shares"),
+    ('{{path = "{t}/a", weight = 1, tokenizer = "byte"}}', "", r"has key 'tokenizer'; .*shares"),
+    ('"{t}/a"', "", r"sources\[0\] must be a table"),
+    ('{{path = "{t}/a", weight = 1}}', 'exhausted = "wrap"\n', r"\[data\]\.exhausted must be"),
+])
+def test_bad_sources_are_refused_in_one_line(tmp_path, entries, extra, message):
+    file = sources_toml(tmp_path, entries.format(t=tmp_path), extra.format(t=tmp_path))
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_config(file)
+    assert "\n" not in str(caught.value) and str(file) in str(caught.value)
+
+
+def test_sources_accept_their_boundaries(tmp_path):
+    """The smallest positive weight, two distinct paths, and each exhausted rule load as given."""
+    file = sources_toml(tmp_path, f'{{path = "{tmp_path}/a", weight = 5e-324}}, '
+                                  f'{{path = "{tmp_path}/b", weight = 3}}', 'exhausted = "repeat"\n')
+    cfg = load_config(file)
+    assert [s["weight"] for s in cfg.data.sources] == [5e-324, 3]
+    assert cfg.data.exhausted == "repeat"
+    assert load_config(file, ['--data.exhausted="stop"']).data.exhausted == "stop"
