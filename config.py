@@ -209,6 +209,8 @@ def resolved_values(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
         if name == "model":
             values = {k: v for k, v in values.items() if k != "overrides" and v}
             values.update(dataclasses.asdict(cfg.model_config))
+        if name == "data":  # the data is named once: by its sources, or by its path
+            values.pop("path" if cfg.data.sources else "sources")
         resolved[name] = {k: v for k, v in values.items() if v is not None}
     return resolved
 

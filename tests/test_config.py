@@ -428,3 +428,14 @@ def test_sources_accept_their_boundaries(tmp_path):
     assert [s["weight"] for s in cfg.data.sources] == [5e-324, 3]
     assert cfg.data.exhausted == "repeat"
     assert load_config(file, ['--data.exhausted="stop"']).data.exhausted == "stop"
+
+
+def test_a_printed_mixture_loads_back_to_the_same_sources(tmp_path, capsys):
+    """--print-config names the data once (sources, not also the default path), so it loads back."""
+    import train
+    file = sources_toml(tmp_path, f'{{path = "{tmp_path}/a", weight = 2}}')
+    with pytest.raises(SystemExit):
+        train.main(["--config", str(file), "--print-config", f"--checkpoint.dir={tmp_path / 'ckpt'}"])
+    printed = tmp_path / "printed.toml"
+    printed.write_text(capsys.readouterr().out)
+    assert load_config(printed).data.sources == [{"path": f"{tmp_path}/a", "weight": 2}]
