@@ -70,7 +70,7 @@ class DataSection:
     epochs: int = 1  # passes over the training documents that a run may take
     overlong: str = "truncate"  # a conversation longer than seq_len: truncate (keep its first seq_len tokens) | drop
     sources: list = field(default_factory=list)  # a mixture: [{path = "web/", weight = 0.7}, ...]
-    exhausted: str = "stop"  # a source of the mixture read data.epochs times: stop | repeat (a new epoch)
+    exhausted: str = "stop"  # a mixture's source read data.epochs times: stop | repeat (new epoch)
 
 
 @dataclass
@@ -529,8 +529,9 @@ def check_sources(cfg: TrainConfig) -> None:
         return
     where, sources = cfg.where("data.sources"), cfg.data.sources
     if "data.path" in cfg.origins:
-        raise ConfigError(f"{where}: [data].sources and [data].path are both given ({cfg.where('data.path')}); "
-                          f"name the data once: sources for a mixture, path for one source")
+        raise ConfigError(f"{where}: [data].sources and [data].path are both given "
+                          f"({cfg.where('data.path')}); name the data once: sources for a "
+                          f"mixture, path for one source")
     if not sources:
         raise ConfigError(f"{where}: [data].sources is an empty list; name at least one "
                           f'{{path = "...", weight = 1.0}}, or remove it and set [data].path')
@@ -539,8 +540,9 @@ def check_sources(cfg: TrainConfig) -> None:
         check_source(source, f"{where}: [data].sources[{index}]")
         first = seen.setdefault(Path(source["path"]).resolve(), index)
         if first != index:
-            raise ConfigError(f"{where}: [data].sources[{index}] names {source['path']!r} again (also "
-                              f"sources[{first}]); give each source once, with its whole weight")
+            raise ConfigError(f"{where}: [data].sources[{index}] names {source['path']!r} again "
+                              f"(also sources[{first}]); give each source once, with its whole "
+                              f"weight")
 
 
 def check_source(source: Any, name: str) -> None:
@@ -554,7 +556,8 @@ def check_source(source: Any, name: str) -> None:
     if not isinstance(path, str) or not path:
         raise ConfigError(f"{name}.path must name a prepared directory or text, got {path!r}")
     if not Path(path).exists():
-        raise ConfigError(f"{name}.path {path} does not exist (relative paths start at {Path.cwd()})")
+        raise ConfigError(f"{name}.path {path} does not exist (relative paths start at "
+                          f"{Path.cwd()})")
     number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
     if not number or not 0 < weight < math.inf:
         raise ConfigError(f"{name}.weight must be a finite number > 0, got {weight!r}")

@@ -49,7 +49,8 @@ SPLIT_SEED = 1234  # fixed, so the validation documents do not change with the t
 # The settings that decide which rows a run reads (with the data's files): a resume continues the
 # checkpoint's row position, which means the same rows only while none of them changed.
 STREAM_KEYS = ("data.path", "data.sources", "data.exhausted", "data.tokenizer", "data.eos_token",
-               "data.text_key", "data.seq_len", "data.val_fraction", "data.overlong", "training.seed")
+               "data.text_key", "data.seq_len", "data.val_fraction", "data.overlong",
+               "training.seed")
 
 
 class DataError(ValueError):
@@ -460,7 +461,8 @@ class TokenShards:
         self.files = [directory / f"tokens_{name}.bin" for name in self.meta["shards"]]
         self.vocab_limit = tokenizer.vocab_size if tokenizer else self.vocab_size
         # Ranges recorded at prepare time are checked now; without them each document read is.
-        self.checked_at_open = check_recorded_ranges(directory / "meta.json", self.meta, self.vocab_limit)
+        self.checked_at_open = check_recorded_ranges(directory / "meta.json", self.meta,
+                                                     self.vocab_limit)
 
     @property
     def num_docs(self) -> int:
@@ -548,7 +550,8 @@ def read_mask(file: Path, num_tokens: int) -> np.ndarray:
 
 def check_recorded_ranges(path: Path, meta: dict, vocab_size: int) -> bool:
     """meta.json's largest token id of each shard ("max_token_ids", written at prepare time) against
-    the vocabulary; False when the directory records none (then each document is checked as read)."""
+    the vocabulary; False when the directory records none (then each document is checked as
+    read)."""
     largest = meta.get("max_token_ids")
     if largest is None:
         return False
@@ -558,9 +561,10 @@ def check_recorded_ranges(path: Path, meta: dict, vocab_size: int) -> bool:
                         f"({len(meta['shards'])}), got {largest!r:.60}; prepare the data again")
     for name, value in zip(meta["shards"], largest):
         if value >= vocab_size:
-            raise DataError(f"{path.parent / f'tokens_{name}.bin'} holds token id {value}, outside the "
-                            f"vocabulary of {vocab_size} tokens: it was prepared with another "
-                            f"tokenizer or is damaged; prepare the data again")
+            shard = path.parent / f"tokens_{name}.bin"
+            raise DataError(f"{shard} holds token id {value}, outside the vocabulary of "
+                            f"{vocab_size} tokens: it was prepared with another tokenizer or is "
+                            f"damaged; prepare the data again")
     return True
 
 
@@ -569,8 +573,9 @@ def check_token_range(file: Path, tokens: np.ndarray, vocab_size: int) -> None:
     (or, on a GPU, asserting) inside the model. `tokens` is the part of `file` about to be used."""
     largest = int(tokens.max()) if len(tokens) else 0
     if largest >= vocab_size:
-        raise DataError(f"{file} holds token id {largest}, outside the vocabulary of {vocab_size} tokens: it was "
-                        f"prepared with another tokenizer or is damaged; prepare the data again")
+        raise DataError(f"{file} holds token id {largest}, outside the vocabulary of {vocab_size} "
+                        f"tokens: it was prepared with another tokenizer or is damaged; prepare "
+                        f"the data again")
 
 
 def split_documents(num_docs: int, val_fraction: float, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -682,7 +687,7 @@ class PackedLoader:
         docs = np.full(self.seq_len + 1, -1, dtype=np.int64)
         position = start * self.seq_len
         _, block_ends = self._blocks(epoch)
-        slot = int(np.searchsorted(block_ends, position, side="right"))  # the block holding `position`
+        slot = int(np.searchsorted(block_ends, position, side="right"))  # the block of `position`
         order, ends = self._block(epoch, slot)
         k = int(np.searchsorted(ends, position, side="right"))  # first document ending after `position`
         while position < stop:
@@ -726,7 +731,8 @@ class PackedLoader:
             first = block_ends[slot] - self.block_tokens[block]
             if len(self._block_cache) >= 4:
                 self._block_cache.pop(next(iter(self._block_cache)))
-            self._block_cache[epoch, slot] = (members, first + np.cumsum(self.shards.doc_len[members]))
+            ends = first + np.cumsum(self.shards.doc_len[members])
+            self._block_cache[epoch, slot] = (members, ends)
         return self._block_cache[epoch, slot]
 
     def _row_order(self, epoch: int) -> np.ndarray:
@@ -863,9 +869,9 @@ class MixedLoader:
             late = positions[(drawn == s) & (positions >= (available or math.inf))]
             if len(late):
                 batch = self.next_row // (self.world_size * self.batch_size)
-                raise DataError(f"source {self.names[s]} ran out of data at micro-batch {batch}: its "
-                                f"{source.rows_per_epoch} rows of {self.seq_len} tokens per epoch "
-                                f"were all drawn data.epochs = {source.epochs} time(s) and "
+                raise DataError(f"source {self.names[s]} ran out of data at micro-batch {batch}: "
+                                f"its {source.rows_per_epoch} rows of {self.seq_len} tokens per "
+                                f"epoch were all drawn data.epochs = {source.epochs} time(s) and "
                                 f'data.exhausted = "stop"; set data.exhausted = "repeat", raise '
                                 f"data.epochs, add data, or train fewer steps")
 
@@ -880,8 +886,8 @@ class MixedLoader:
         if saved != ours or int(state["seq_len"]) != self.seq_len:
             changed = self.sources[0].what_changed(int(state["seq_len"]), checkpoint)
             raise DataError(f"the checkpoint's {self.name} data position was saved for sources of "
-                            f"{saved} rows of {int(state['seq_len'])} tokens per epoch, but this run's "
-                            f"have {ours} rows of {self.seq_len}: {changed}; resume with the "
+                            f"{saved} rows of {int(state['seq_len'])} tokens per epoch, but this "
+                            f"run's have {ours} rows of {self.seq_len}: {changed}; resume with the "
                             f"checkpoint's data settings, or start from its weights in a fresh run")
         self.next_row = int(state["next_row"])
         self.positions = [int(p) for p in state["positions"]]

@@ -180,8 +180,8 @@ class MetricsLogger:
         self.run.print(f"step {step:>{len(str(self.total))}}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | "
                        f"grad norm {grad_norm:.3f} | {tokens_per_s:,.0f} tokens/s | MFU "
                        f"{f'{mfu:.2f}%' if mfu is not None else 'n/a'} | mem {record['memory_gib']:.2f} GiB | "
-                       f"{duration(now - self.start)} elapsed | {duration(remaining)} left{worst_layer(routing)}"
-                       + drawn_per_source(data_tokens))
+                       f"{duration(now - self.start)} elapsed | {duration(remaining)} left"
+                       f"{worst_layer(routing)}{drawn_per_source(data_tokens)}")
 
     def log_eval(self, step: int, val_loss: float) -> None:
         self.summary["val_loss"] = val_loss
@@ -356,7 +356,8 @@ def drop_superseded_records(path: Path, run_name: str, step: int) -> None:
 
 
 def drawn_per_source(data_tokens: dict[str, int] | None) -> str:
-    """" | drawn: web/ 1.20M tokens, code/ 0.51M tokens" for a mixture's log line; "" for one source."""
+    """" | drawn: web/ 1.20M tokens, code/ 0.51M tokens" for a mixture's log line; "" for one
+    source."""
     if not data_tokens:
         return ""
     return " | drawn: " + ", ".join(f"{n} {v / 1e6:.2f}M tokens" for n, v in data_tokens.items())

@@ -43,7 +43,8 @@ from checkpoint import CheckpointError, Checkpointer, check_architecture
 from checkpoint_files import is_native_checkpoint, load_dcp
 from config import (ConfigError, OptimSection, TrainConfig, TrainingSection, help_text, load_config,
                     resolved_summary, resolved_toml)
-from data import (DataError, MixedLoader, PackedLoader, TokenShards, changed_settings, prepare, prepared_dir,
+from data import (DataError, MixedLoader, PackedLoader, TokenShards, changed_settings, prepare,
+                  prepared_dir,
                   split_documents, stream_settings)
 from files import read_json_object
 from fp8 import fp8_device_refusal
@@ -102,7 +103,8 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
                     loss, grad_norm, stop = train_step(model, optimizer, train_data, cfg, run, routing, interruption,
                                                        step, checkpoints)
                 if due(step, cfg.logging.every, cfg.training.steps) or step == logger.first_step:
-                    logger.log_train(step, loss, lr, grad_norm, routing.stats(), data_tokens(train_data))
+                    logger.log_train(step, loss, lr, grad_norm, routing.stats(),
+                                     data_tokens(train_data))
                 stopping = interruption.requested(stop)
                 with logger.untimed():  # tokens/s counts training only
                     if val_data and due(step, cfg.training.eval_every, cfg.training.steps):
@@ -280,29 +282,34 @@ def setup_data(cfg: TrainConfig,
         raise ConfigError(f"{cfg.where('data.tokenizer')}: tokenizer {d.tokenizer!r} has {tokenizer.vocab_size} "
                           f"tokens but the model's vocab_size is {cfg.model_config.vocab_size}; use a model with "
                           f"[model].vocab_size >= {tokenizer.vocab_size} or a smaller tokenizer")
-    loader = dict(seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed, rank=run.dp_rank, world_size=run.dp_size,
-                  overlong=d.overlong, settings=stream_settings(cfg.to_dict()))
+    loader = dict(seq_len=d.seq_len, batch_size=t.batch_size, seed=t.seed, rank=run.dp_rank,
+                  world_size=run.dp_size, overlong=d.overlong,
+                  settings=stream_settings(cfg.to_dict()))
     sources = d.sources or [{"path": d.path, "weight": 1.0}]
     trains, vals, described = [], [], []
     for stream, source in enumerate(sources):
         shards = open_source(cfg, Path(source["path"]), tokenizer, run)
         train_docs, val_docs = split_documents(shards.num_docs, d.val_fraction, source["path"])
-        trains.append(PackedLoader(shards, train_docs, shuffle=True, epochs=d.epochs, stream=stream, **loader))
-        vals.append(PackedLoader(shards, val_docs, shuffle=False, name="validation", stream=stream, **loader)
-                    if len(val_docs) else None)
+        trains.append(PackedLoader(shards, train_docs, shuffle=True, epochs=d.epochs,
+                                   stream=stream, **loader))
+        vals.append(PackedLoader(shards, val_docs, shuffle=False, name="validation",
+                                 stream=stream, **loader) if len(val_docs) else None)
         described.append(f"{source['path']}, {shards.num_docs} documents")
     train, val = trains[0], vals[0]
     if d.sources:  # validation draws from each source's held-out documents with the same weights
         names, weights = [s["path"] for s in sources], [s["weight"] for s in sources]
         train = MixedLoader(trains, names, weights, t.seed, d.exhausted)
-        val = MixedLoader(vals, names, weights, t.seed, "repeat", "validation") if all(vals) else None
+        val = (MixedLoader(vals, names, weights, t.seed, "repeat", "validation")
+               if all(vals) else None)
     check_enough_data(cfg, train, val, run)
-    run.print(f"data: {'; '.join(described)}; {train.describe()}; {val.describe() if val else 'no validation'}")
+    validation = val.describe() if val else "no validation"
+    run.print(f"data: {'; '.join(described)}; {train.describe()}; {validation}")
     return tokenizer, train, val
 
 
 def open_source(cfg: TrainConfig, source: Path, tokenizer: Tokenizer, run: Process) -> TokenShards:
-    """One source's shards: prepared once (by rank 0) when it is raw text, then opened on every rank."""
+    """One source's shards: prepared once (by rank 0) when it is raw text, then opened on every
+    rank."""
     d = cfg.data
     directory = prepared_dir(source, tokenizer, Path(d.cache_dir), d.text_key)
     if run.is_main and not (directory / "meta.json").is_file():
@@ -315,14 +322,15 @@ def open_source(cfg: TrainConfig, source: Path, tokenizer: Tokenizer, run: Proce
 
 
 def data_tokens(data: PackedLoader | MixedLoader) -> dict[str, int] | None:
-    """A mixture's tokens drawn from each source so far (the log's and metrics.jsonl's data_tokens)."""
+    """A mixture's tokens drawn from each source so far (data_tokens in the log and the JSONL)."""
     return data.tokens_drawn() if isinstance(data, MixedLoader) else None
 
 
 def check_enough_data(cfg: TrainConfig, train: PackedLoader, val: PackedLoader | None, run: Process) -> None:
     t, global_rows = cfg.training, run.dp_size * cfg.training.batch_size
     needed = t.steps * t.grad_accum * global_rows
-    if train.rows_available() is not None and needed > train.rows_available():  # a mixture: when drawn
+    available = train.rows_available()  # None for a mixture: it stops when a source runs out
+    if available is not None and needed > available:
         raise DataError(f"not enough data: training.steps = {t.steps} needs {needed} rows of {cfg.data.seq_len} "
                         f"tokens, {needed / train.rows_per_epoch:.2f} epochs of the {train.num_tokens:,}-token "
                         f"training split of {cfg.data.path}, but data.epochs = {cfg.data.epochs}; raise "

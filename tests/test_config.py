@@ -398,17 +398,20 @@ def sources_toml(tmp_path: Path, entries: str, extra: str = "") -> Path:
 
 @pytest.mark.parametrize("entries, extra, message", [
     ('{{path = "{t}/missing", weight = 1}}', "", r"sources\[0\]\.path .*missing does not exist"),
-    ('{{path = "{t}/a", weight = 0}}', "", r"sources\[0\]\.weight must be a finite number > 0, got 0"),
+    ('{{path = "{t}/a", weight = 0}}', "",
+     r"sources\[0\]\.weight must be a finite number > 0, got 0"),
     ('{{path = "{t}/a", weight = -0.5}}', "", r"sources\[0\]\.weight .*got -0\.5"),
     ('{{path = "{t}/a", weight = nan}}', "", r"sources\[0\]\.weight .*got nan"),
     ('{{path = "{t}/a", weight = inf}}', "", r"sources\[0\]\.weight .*got inf"),
     ('{{path = "{t}/a", weight = "1"}}', "", r"sources\[0\]\.weight .*got '1'"),
     ('{{path = "{t}/a"}}', "", r"sources\[0\]\.weight .*got None"),
-    ('{{path = "{t}/a", weight = 1}}', 'path = "{t}/b"\n', r"\[data\]\.sources and \[data\]\.path are both"),
+    ('{{path = "{t}/a", weight = 1}}', 'path = "{t}/b"\n',
+     r"\[data\]\.sources and \[data\]\.path are both"),
     ("", "", r"\[data\]\.sources is an empty list"),
     ('{{path = "{t}/a", weight = 1}}, {{path = "{t}/b/../a", weight = 2}}', "",
      r"sources\[1\] names .*again \(also sources\[0\]\)"),
-    ('{{path = "{t}/a", weight = 1, seq_len = 64}}', "", r"sources\[0\] has key 'seq_len'; .*shares"),
+    ('{{path = "{t}/a", weight = 1, seq_len = 64}}', "",
+     r"sources\[0\] has key 'seq_len'; .*shares"),
     ('{{path = "{t}/a", weight = 1, tokenizer = "byte"}}', "", r"has key 'tokenizer'; .*shares"),
     ('"{t}/a"', "", r"sources\[0\] must be a table"),
     ('{{path = "{t}/a", weight = 1}}', 'exhausted = "wrap"\n', r"\[data\]\.exhausted must be"),
@@ -422,8 +425,8 @@ def test_bad_sources_are_refused_in_one_line(tmp_path, entries, extra, message):
 
 def test_sources_accept_their_boundaries(tmp_path):
     """The smallest positive weight, two distinct paths, and each exhausted rule load as given."""
-    file = sources_toml(tmp_path, f'{{path = "{tmp_path}/a", weight = 5e-324}}, '
-                                  f'{{path = "{tmp_path}/b", weight = 3}}', 'exhausted = "repeat"\n')
+    entries = f'{{path = "{tmp_path}/a", weight = 5e-324}}, {{path = "{tmp_path}/b", weight = 3}}'
+    file = sources_toml(tmp_path, entries, 'exhausted = "repeat"\n')
     cfg = load_config(file)
     assert [s["weight"] for s in cfg.data.sources] == [5e-324, 3]
     assert cfg.data.exhausted == "repeat"
@@ -435,7 +438,8 @@ def test_a_printed_mixture_loads_back_to_the_same_sources(tmp_path, capsys):
     import train
     file = sources_toml(tmp_path, f'{{path = "{tmp_path}/a", weight = 2}}')
     with pytest.raises(SystemExit):
-        train.main(["--config", str(file), "--print-config", f"--checkpoint.dir={tmp_path / 'ckpt'}"])
+        train.main(["--config", str(file), "--print-config",
+                    f"--checkpoint.dir={tmp_path / 'ckpt'}"])
     printed = tmp_path / "printed.toml"
     printed.write_text(capsys.readouterr().out)
     assert load_config(printed).data.sources == [{"path": f"{tmp_path}/a", "weight": 2}]

@@ -3,13 +3,13 @@ r"""The loader's start-up cost and memory against the number of documents (issue
     python -m tools.loader_bench --docs 10000000            # from the repository root
     python -m tools.loader_bench --docs 1000000 --docs 10000000 --dir /tmp/loader_bench
 
-Each size gets a synthetic prepared directory, written directly with numpy (no tokenizing): documents
-of 8 to 23 tokens (15.5 on average) in shards of 2**28 tokens, a docs_NNNNN.npy per shard and
-meta.json. The token files are sparse (all id 0): opening must not read them, and a row reads only
-its own tokens. Each size is then measured in a fresh process, so each peak is its own: the seconds
-(wall and CPU) to open the directory (TokenShards), split it (split_documents) and build the training
-loader, the seconds to its first batch, and the process's peak resident memory (ru_maxrss) above that
-of the process before it opened anything, in MiB and in bytes a document.
+Each size gets a synthetic prepared directory, written directly with numpy (no tokenizing):
+documents of 8 to 23 tokens (15.5 on average) in shards of 2**28 tokens, a docs_NNNNN.npy per
+shard and meta.json. The token files are sparse (all id 0): opening must not read them, and a row
+reads only its own tokens. Each size is then measured in a fresh process, so each peak is its own:
+the seconds (wall and CPU) to open the directory (TokenShards), split it (split_documents) and
+build the training loader, the seconds to its first batch, and the process's peak resident memory
+(ru_maxrss) above that of the process before it opened anything, in MiB and bytes a document.
 """
 
 from __future__ import annotations
@@ -89,13 +89,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.measure:
         print(json.dumps(measure(args.measure)))
         return
-    print("| documents | open s (CPU s) | first batch s (CPU s) | peak RSS MiB | bytes a document |")
+    print("| documents | open s (CPU s) | first batch s (CPU s) | peak RSS MiB | "
+          "bytes a document |")
     print("|---|---|---|---|---|")
     for num_docs in args.docs or [1_000_000]:
         directory = args.dir / f"docs_{num_docs}"
         write_corpus(directory, num_docs)
-        child = subprocess.run([sys.executable, "-m", "tools.loader_bench", "--measure", str(directory)],
-                               capture_output=True, text=True, check=True)
+        command = [sys.executable, "-m", "tools.loader_bench", "--measure", str(directory)]
+        child = subprocess.run(command, capture_output=True, text=True, check=True)
         print(row(json.loads(child.stdout.splitlines()[-1])), flush=True)
 
 
