@@ -875,13 +875,18 @@ class MixedLoader:
                                 f'data.exhausted = "stop"; set data.exhausted = "repeat", raise '
                                 f"data.epochs, add data, or train fewer steps")
 
-    def state_dict(self) -> dict[str, int | list[int]]:
-        return {"next_row": self.next_row, "positions": list(self.positions),
-                "rows_per_epoch": [s.rows_per_epoch for s in self.sources], "seq_len": self.seq_len}
+    def state_dict(self) -> dict[str, int]:
+        """Whole numbers under flat keys, as checkpoint.py stores a loader's state: the next global
+        row, and each source's position and rows per epoch (source_S_position, source_S_rows)."""
+        state = {"next_row": self.next_row, "seq_len": self.seq_len}
+        for s, (source, position) in enumerate(zip(self.sources, self.positions)):
+            state |= {f"source_{s}_position": position, f"source_{s}_rows": source.rows_per_epoch}
+        return state
 
-    def load_state_dict(self, state: dict, checkpoint: Path | None = None) -> None:
+    def load_state_dict(self, state: dict[str, int], checkpoint: Path | None = None) -> None:
         """The saved position, refused when a source's rows are not the saved run's."""
-        saved = [int(rows) for rows in state["rows_per_epoch"]]
+        count = sum(key.endswith("_rows") for key in state)
+        saved = [int(state[f"source_{s}_rows"]) for s in range(count)]
         ours = [s.rows_per_epoch for s in self.sources]
         if saved != ours or int(state["seq_len"]) != self.seq_len:
             changed = self.sources[0].what_changed(int(state["seq_len"]), checkpoint)
@@ -890,7 +895,7 @@ class MixedLoader:
                             f"run's have {ours} rows of {self.seq_len}: {changed}; resume with the "
                             f"checkpoint's data settings, or start from its weights in a fresh run")
         self.next_row = int(state["next_row"])
-        self.positions = [int(p) for p in state["positions"]]
+        self.positions = [int(state[f"source_{s}_position"]) for s in range(count)]
 
 
 def stream_settings(config: dict) -> dict[str, object]:

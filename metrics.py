@@ -356,8 +356,8 @@ def drop_superseded_records(path: Path, run_name: str, step: int) -> None:
 
 
 def drawn_per_source(data_tokens: dict[str, int] | None) -> str:
-    """" | drawn: web/ 1.20M tokens, code/ 0.51M tokens" for a mixture's log line; "" for one
+    """" | drawn: web/ 3,328 tokens, code/ 768 tokens" for a mixture's log line; "" for one
     source."""
     if not data_tokens:
         return ""
-    return " | drawn: " + ", ".join(f"{n} {v / 1e6:.2f}M tokens" for n, v in data_tokens.items())
+    return " | drawn: " + ", ".join(f"{n} {v:,} tokens" for n, v in data_tokens.items())

@@ -785,9 +785,12 @@ def test_an_exhausted_source_stops_the_run_or_repeats(tmp_path):
 
 def test_a_mixture_position_from_other_sources_is_refused(tmp_path):
     loader = mixture(tmp_path, [0.5, 0.3, 0.2])
-    state = {**loader.state_dict(), "rows_per_epoch": [1, 2, 3]}
-    with pytest.raises(DataError, match=r"saved for sources of \[1, 2, 3\] rows of 8 tokens"):
+    state = {**loader.state_dict(), "source_1_rows": 2}
+    rows = [source.rows_per_epoch for source in loader.sources]
+    with pytest.raises(DataError, match=rf"saved for sources of \[{rows[0]}, 2, {rows[2]}\] rows"):
         loader.load_state_dict(state)
+    loader.load_state_dict({**state, "source_1_rows": rows[1], "source_1_position": 3})
+    assert loader.positions == [0, 3, 0]
 
 
 def test_train_reads_the_sources_of_the_config_as_a_mixture(tmp_path):
