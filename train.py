@@ -617,7 +617,7 @@ def train_step(model: ParallelModel, optimizer: torch.optim.Optimizer, data: Pac
     The host waits for the device once per step: what the step's checks need (loss, grad norm, the
     weights' norm before and after the update, the stop request) comes back in one copy, after the
     update. A diverged step has then updated the weights in memory, never on disk: its error stops
-    the run before anything is saved. The batches' token ids were checked by data.py as it read each.
+    the run before anything is saved. The batches' token ids were checked by data.py when read.
     """
     batches = [{k: v.to(run.device) for k, v in data.next_batch().items()} for _ in range(cfg.training.grad_accum)]
     with token_ids_checked_at_load():
