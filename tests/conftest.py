@@ -17,6 +17,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
+SLOW = os.environ.get("FLINT_SLOW") == "1"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: a test's marks are complete when it looks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The second tier's tests beyond what CI runs (`slow(beyond_ci=True)`: larger layouts, every GPU
+    config at its real size, the forks' whole suites; tens of minutes) are skipped without FLINT_SLOW=1."""
+    if SLOW:
+        return
+    beyond = pytest.mark.skip(reason="beyond CI's tiers: FLINT_SLOW=1 python -m pytest -q -m slow")
+    for item in items:
+        if any(mark.kwargs.get("beyond_ci") for mark in item.iter_markers("slow")):
+            item.add_marker(beyond)
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models run as fast on one thread, and stay fast while other processes use the other core."""
@@ -62,9 +77,9 @@ def check_rows_stop_at_their_eos():
     return check
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def trained_once(tmp_path_factory) -> Path:
-    """One checkpoint of one training step of the debug config per test file, for the tests that only
+    """One checkpoint of one training step of the debug config per test run, for the tests that only
     read it (or copy it to damage it)."""
     from helpers import trained_checkpoint
     return trained_checkpoint(tmp_path_factory.mktemp("trained"))

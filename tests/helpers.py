@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 from registry import FAMILIES, model_class
 
 ROOT = Path(__file__).resolve().parent.parent
-SLOW = os.environ.get("FLINT_SLOW") == "1"
-slow = pytest.mark.skipif(not SLOW, reason="larger layouts: run with FLINT_SLOW=1")
+# Larger layouts: in the second tier, beyond what CI runs (FLINT_SLOW=1 python -m pytest -q -m slow).
+slow = pytest.mark.slow(beyond_ci=True)
 
 
 # ============================================================================= the registered families
@@ -38,6 +38,10 @@ DEFAULT_FAMILY = FAMILY_NAMES[0]  # what a test of machinery independent of the 
 # of shared machinery that take tens of seconds per family.
 FIRST_FAMILY_THEN_SLOW = [name if name == DEFAULT_FAMILY else pytest.param(name, marks=slow)
                           for name in FAMILY_NAMES]
+# Each registered family, the others than DEFAULT_FAMILY in the second tier (`-m slow`, CI runs it): for
+# multi-process tests of shared machinery that the first family's run already exercises.
+FIRST_FAMILY_THEN_SECOND_TIER = [name if name == DEFAULT_FAMILY else pytest.param(name, marks=pytest.mark.slow)
+                                 for name in FAMILY_NAMES]
 
 
 def registered(per_family: dict) -> dict:

@@ -21,8 +21,9 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from helpers import (DEFAULT_FAMILY, FAMILY_NAMES, LR, assert_close_to_scale, build, full, in_process_group, make_batch,
+from helpers import (DEFAULT_FAMILY, LR, assert_close_to_scale, build, full, in_process_group, make_batch,
                      moe_layers, only, rows_of_this_rank, slow, spawn, tiny_config)
+from helpers import FIRST_FAMILY_THEN_SECOND_TIER
 from parallel import ParallelConfig, build_mesh, choose_accumulation, parallelize
 
 GRAD_ACCUM = 3
@@ -186,18 +187,20 @@ def check_accumulation(layouts: list[dict], family: str, modes=MODES, count: boo
                     assert dict(counts) == expected, f"{what}: one micro-batch issued {dict(counts)}, not {expected}"
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_every_mode_matches_one_process_under_fsdp(family):
     """FSDP over 2 ranks, every registered family (Large 4: its frozen indexer gets no gradient in any mode)."""
     spawn(2, check_accumulation, [{"dp_shard": 2}], family)
 
 
+@pytest.mark.slow
 def test_every_mode_matches_one_process_under_expert_parallel_and_a_pipeline():
     """ep 2 (the experts' own FSDP units over one rank each: no collective of theirs), and a 1F1B pipeline of
     2 stages (no FSDP on one data-parallel rank: the schedule's gradient reductions are counted)."""
     spawn(2, check_accumulation, [{"ep": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}], DEFAULT_FAMILY)
 
 
+@pytest.mark.slow
 def test_every_mode_matches_one_process_under_hsdp_and_a_sharded_pipeline():
     """HSDP (replicate 2 x shard 2: the all-reduces counted) and a 1F1B pipeline of 2 stages over 2 FSDP ranks
     each (its units gathered once per schedule call, reduce-scattered once per call)."""

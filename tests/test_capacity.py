@@ -18,6 +18,7 @@ from moe import GroupedExperts, MoE
 from parallel import close_distributed
 from helpers import (FAMILY_NAMES, assert_close_to_scale, build, check_layouts, closing, debug_args, only, registered,
                      run_two_processes, shard_experts, spawn, step_host_syncs, tiny_config, values_and_grads)
+from helpers import FIRST_FAMILY_THEN_SECOND_TIER
 
 HIDDEN, INTER, SHARED, EXPERTS, TOP_K = 16, 8, 12, 6, 2
 NO_DROP = EXPERTS / TOP_K  # C = ceil(N * k / E * E / k) = N: an expert takes every token
@@ -269,7 +270,7 @@ def test_an_expert_parallel_training_step_under_capacity_copies_to_the_host_once
                                  "--training.batch_size=2", "--model.capacity_factor=1.25"), check_capacity_step_syncs)
 
 
-@pytest.mark.parametrize("name", FAMILY_NAMES)
+@pytest.mark.parametrize("name", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_expert_parallel_training_under_capacity_matches_one_process(name):
     """parallel.py's expert-parallel model (DTensor expert shards, ep 2) under a capacity that drops
     nothing at either batch size (factor 4 >= E / k: C >= the tokens of a forward): three AdamW

@@ -23,6 +23,7 @@ import train
 from checkpoint import CheckpointError
 from helpers import (DEFAULT_FAMILY, FAMILY_NAMES, debug_args, debug_configs, free_port, records, run_debug, start,
                      train_losses)
+from helpers import FIRST_FAMILY_THEN_SECOND_TIER
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,7 +46,7 @@ def test_resume_gives_exactly_the_uninterrupted_losses(family, tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".lock", "run_0001"]  # continued there
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_a_crash_while_saving_keeps_the_last_good_checkpoint(family, tmp_path, monkeypatch):
     real_save = checkpoint.save_dcp
 
@@ -86,7 +87,7 @@ def test_an_explicit_resume_of_a_checkpoint_with_a_bad_config_says_so_in_one_lin
     assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_auto_resume_that_can_read_no_checkpoint_stops(family, tmp_path):
     """Checkpoints found, none intact: the run stops and says so, and never starts over from step 1."""
     run_debug(tmp_path, "--training.steps=2", "--checkpoint.every=1", "--training.sample_tokens=0", family=family)
@@ -228,7 +229,7 @@ def test_sigterm_saves_a_checkpoint_and_prints_the_resume_command(tmp_path, monk
     assert train_losses(tmp_path) == uninterrupted
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_a_damaged_newest_checkpoint_is_reported_and_the_one_before_used(family, tmp_path, capsys):
     run_debug(tmp_path, "--training.steps=4", "--checkpoint.every=2", "--training.sample_tokens=0", family=family)
     run_dir = tmp_path / "ckpt" / "run_0001"
@@ -244,7 +245,7 @@ def test_a_damaged_newest_checkpoint_is_reported_and_the_one_before_used(family,
     assert f"resumed from {run_dir / 'step_00000002'} at step 2" in out
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_a_diverging_run_stops_at_the_step_it_diverges(family, tmp_path):
     """lr 3e-2 trains for a step (step_1 saved); a step at lr 1e3 then blows the weights up, and
     the run stops at that step, before saving it, naming step_1 as the last good checkpoint."""
@@ -390,6 +391,7 @@ def _rank_of_train(rank: int, world: int, port: int, argv: list[str], killed_at_
     train.main(argv)
 
 
+@pytest.mark.slow
 def test_kill_9_of_two_ranks_during_an_async_save_keeps_the_last_checkpoint(tmp_path):
     """FSDP on 2 gloo ranks with async_save, both killed with SIGKILL while step 2's checkpoint is
     being written (after step 2 trained and was logged): step 1's checkpoint is intact, auto-resume

@@ -5,10 +5,9 @@ runs pinned, all against the eager blocks.
 
 Dynamo and AOT autograd (backend aot_eager: the graph, its fake shapes and its backward formula,
 as inductor receives them) run in the suite in seconds; inductor's code generation, about a
-minute per block on 2 busy cores with a cold cache, runs with FLINT_SLOW=1.
+minute per block on 2 busy cores with a cold cache, runs with FLINT_SLOW=1 (`helpers.slow`).
 """
 
-import os
 from functools import partial
 
 import pytest
@@ -17,18 +16,17 @@ import torch.nn.attention.flex_attention as flex_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attention import FULL, SLIDING, build_masks, flash_sink_attention
-from helpers import (BF16_GRAPHS, FAMILY_NAMES, assert_close_to_scale, block_inputs, build,
-                     counting_backend, in_process_group, make_batch, only, parallel_block_model,
-                     parallel_step, registered, spawn, tiny_config, values_and_grads)
+from helpers import (BF16_GRAPHS, FAMILY_NAMES, FIRST_FAMILY_THEN_SECOND_TIER, assert_close_to_scale,
+                     block_inputs, build, counting_backend, in_process_group, make_batch, only,
+                     parallel_block_model, parallel_step, registered, slow, spawn, tiny_config,
+                     values_and_grads)
 from layers import document_positions
 from moe import _grouped_mm_op, expert_counts, grouped_mm
 
-SLOW = os.environ.get("FLINT_SLOW") == "1"
 # FP32 under ep = 2 (FSDP over the ep ranks, no FP32 units of their own): a dense block is one graph; an MoE
 # block 4: the experts' FSDP unit breaks the block before and after it, and their count exchange in between.
 EP_FP32_GRAPHS = registered({"flint": {"0": 1, "1": 4}, "large4": {"0": 1, "1": 4, "2": 4}})
-SLOW_ONLY = pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1")
-BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1"))]
+BACKENDS = ["aot_eager", pytest.param("inductor", marks=slow)]
 BATCH, SEQ = 2, 32  # 32 > 2 * (window 9 - 1): sliding layers take the banded path
 
 # Every block kind of Flint: (attention, MLP). Layers 0-1 are dense by mlp_only_layers.
@@ -152,7 +150,8 @@ def test_the_model_s_loss_runs_loss_chunk_size_rows_at_a_time(family):
         model(ids[:2], targets[:2], doc_ids[:2])
     assert log.rows == [12, 12, 8], log.rows
 
-@pytest.mark.skipif(not SLOW, reason="about a minute of tracing on 2 idle cores: FLINT_SLOW=1")
+
+@slow  # about a minute of tracing on 2 idle cores
 @only("large4")
 @pytest.mark.parametrize("attention_backend", ["sdpa", "flex"])
 def test_large4_blocks_compile_to_one_graph_each(attention_backend, monkeypatch, one_thread):
@@ -276,7 +275,7 @@ def test_dynamo_config_is_intact_after_a_patched_test():
     assert "recompile_limit" in torch._dynamo.config.get_config_copy()
 
 
-@pytest.mark.skipif(not SLOW, reason="FLINT_SLOW=1")
+@slow
 @only("large4")
 def test_large4_compiled_trains_and_evaluates(monkeypatch, one_thread):
     """Mistral Large 4's parity preset: 8 blocks that all differ, 16 graphs, past dynamo's default
@@ -318,7 +317,7 @@ def spawned(check, *args) -> None:
     check(*args)
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_checkpointed_blocks_compile_whole_and_match_eager(family, monkeypatch):
     """FP32 in a group of one, selective checkpointing (block 0 recomputed in backward, block 1 not):
     every block compiles with fullgraph=True (a break raises) to one graph; loss and gradients equal
@@ -329,7 +328,7 @@ def test_checkpointed_blocks_compile_whole_and_match_eager(family, monkeypatch):
                      {str(i): 1 for i in range(layers)}, 1e-5, 1e-6)
 
 
-@pytest.mark.parametrize("family", [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=SLOW_ONLY)
+@pytest.mark.parametrize("family", [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=slow)
                                     for name in FAMILY_NAMES])
 def test_checkpointed_blocks_under_a_bf16_policy(family, monkeypatch):
     """A BF16 FSDP policy in a group of one, every block checkpointed: the graphs per block kind are
@@ -339,6 +338,7 @@ def test_checkpointed_blocks_under_a_bf16_policy(family, monkeypatch):
                      {"param_dtype": "bfloat16", "activation_checkpointing": "full"}, BF16_GRAPHS[family], 1e-2, 1e-3)
 
 
+@pytest.mark.slow
 @FLINT
 def test_checkpointed_blocks_under_bf16_expert_parallel():
     """ep = 2 over 2 gloo ranks, BF16 policy, every block checkpointed: an MoE block runs 7 graphs:
@@ -352,7 +352,7 @@ def test_checkpointed_blocks_under_bf16_expert_parallel():
           {"param_dtype": "bfloat16", "ep": 2, "activation_checkpointing": "full"}, {"0": 3, "1": 7}, 1e-2, 1e-3, 2)
 
 
-@SLOW_ONLY
+@slow
 @FLINT
 def test_checkpointed_blocks_under_bf16_pipeline_stages():
     """pp = 2 over 2 gloo ranks, BF16 policy: each stage's blocks run the graphs of the FSDP layout."""
@@ -360,7 +360,8 @@ def test_checkpointed_blocks_under_bf16_pipeline_stages():
           {"param_dtype": "bfloat16", "pp": 2, "activation_checkpointing": "full"}, BF16_GRAPHS["flint"], 1e-2, 1e-3)
 
 
-@pytest.mark.parametrize("family", [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=SLOW_ONLY)
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=slow)
                                     for name in FAMILY_NAMES])
 def test_checkpointed_blocks_under_fp32_expert_parallel_in_three_chunks(family):
     """ep = 2 over 2 gloo ranks in FP32, every block checkpointed, the exchange in 3 chunks: the

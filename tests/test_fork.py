@@ -3,7 +3,8 @@ that model's files and its line of registry.FAMILIES, exactly as the README's Fo
 the README, so the two never drift). In the copy: every remaining module of the core and the tools imports
 in a fresh interpreter; no remaining core or tool file imports a deleted module or names a deleted file in
 its code; the remaining tests collect; and a few steps of the remaining model's debug config train through
-train.py. With FLINT_FORK_SUITE=1, the remaining model's whole test suite runs in the copy as well (minutes).
+train.py (the second tier: `-m slow`). With FLINT_SLOW=1, the remaining model's whole test suite, both tiers,
+runs in the copy as well (tens of minutes).
 
 Tests of one family's own behaviour that live beside shared ones (helpers.only) are skipped in the copy, and
 tables keyed by family keep only the registered entries (helpers.registered): the remaining tests pass.
@@ -20,8 +21,6 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT
-
-FORK_SUITE = os.environ.get("FLINT_FORK_SUITE") == "1"
 
 
 def fork_table() -> dict[str, tuple[list[str], str]]:
@@ -81,9 +80,10 @@ train.main(sys.argv[2 + count:])
 
 
 def run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    """A fresh interpreter in the copy, which must not see this checkout's modules."""
+    """A fresh interpreter in the copy, which must not see this checkout's modules (nor run its tests
+    beyond CI's tiers)."""
     env = {**os.environ, "PYTHONPATH": ""}
-    env.pop("FLINT_FORK_SUITE", None)
+    env.pop("FLINT_SLOW", None)
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -119,6 +119,7 @@ def what_names_the_deleted(path: Path, modules: set[str], files: set[str]) -> li
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropped", list(FORKS))
 def test_a_fork_without_one_model_imports_trains_and_collects_its_tests(tmp_path, dropped):
     copy, deleted = make_fork(tmp_path / "fork", dropped)
@@ -144,10 +145,11 @@ def test_a_fork_without_one_model_imports_trains_and_collects_its_tests(tmp_path
     assert collected.returncode == 0, f"without {dropped}, the tests do not collect:\n{collected.stdout[-3000:]}"
 
 
-@pytest.mark.skipif(not FORK_SUITE, reason="each remaining model's whole suite, minutes: FLINT_FORK_SUITE=1")
+@pytest.mark.slow(beyond_ci=True)  # each remaining model's whole suite: tens of minutes
 @pytest.mark.parametrize("dropped", list(FORKS))
 def test_the_remaining_models_whole_suite_passes_in_the_fork(tmp_path, dropped):
     copy, _ = make_fork(tmp_path / "fork", dropped)
-    suite = run(["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests", "--ignore=tests/test_fork.py"], copy,
+    suite = run(["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "", "tests",
+                 "--ignore=tests/test_fork.py"], copy,
                 timeout=3600)
     assert suite.returncode == 0, f"without {dropped}:\n{suite.stdout[-6000:]}"

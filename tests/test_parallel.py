@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from helpers import (FAMILY_NAMES, LR, MAX_NORM, PLAIN_INIT_OVERRIDES, SEQ, STEPS, adamw_matches_plain,
                      build, check_layouts, close, full, in_process_group, make_batch, only,
                      reference_run, rows_of_this_rank, slow, spawn, stops_with_one_line, tiny_config)
+from helpers import FIRST_FAMILY_THEN_SECOND_TIER
 from registry import FAMILIES, family, model_class
 from parallel import (LayoutError, ParallelConfig, build_mesh, close_distributed, cp_token_index, init_weights,
                       parallelize)
@@ -42,6 +43,7 @@ def test_config_errors_name_the_key():
 
 # ----------------------------------------------------------------------------- every layout vs one process
 
+@pytest.mark.slow
 @only("flint")
 def test_data_parallel_layouts_match_single_process():
     """FSDP, HSDP, full activation checkpointing, context parallel (the window of 9 crosses the cp
@@ -52,6 +54,7 @@ def test_data_parallel_layouts_match_single_process():
                              {"dp_shard": 2, "offload": True}, {"ep": 2, "dp_shard": 1, "offload": True}], {}, "flint")
 
 
+@pytest.mark.slow
 @only("flint")
 def test_experts_fewer_than_their_shards_split_along_dim_1_and_match_single_process():
     """Two experts over 4 FSDP ranks, and one local expert over 2 expert-data-parallel ranks: dim 0 is
@@ -73,7 +76,7 @@ def check_overlapped_expert_layouts(family: str, four: bool) -> None:
     check_layouts([{**layout, "ep_overlap": chunks} for layout in layouts for chunks in (1, 3)], {}, family)
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_overlapped_expert_exchange_matches_one_process(family):
     """ep 2 with every block recomputed (activation checkpointing full: the recompute runs the
     chunks' exchanges again, with the forward's split sizes) in 1 and 3 chunks (the default 2 runs
@@ -88,6 +91,7 @@ def test_overlapped_expert_exchange_matches_one_process_on_four_ranks(family):
     spawn(4, check_overlapped_expert_layouts, family, True)
 
 
+@pytest.mark.slow
 @only("flint")
 def test_expert_and_pipeline_layouts_match_single_process():
     """Expert parallel (with selective checkpointing) and each pipeline schedule (4 stages of
@@ -96,7 +100,7 @@ def test_expert_and_pipeline_layouts_match_single_process():
           + [{"pp": 2, "dp_shard": 1, "pp_schedule": s} for s in ("GPipe", "1F1B", "Interleaved1F1B")], {}, "flint")
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_zero_bubble_pipelines_match_single_process(family):
     """ZB-V and DualPipeV: two stages per rank in a V (rank 0 holds stages 0 and 3, rank 1 stages 1
     and 2), the backward split into input and weight gradients; Large 4's stages carry latents,
@@ -131,6 +135,7 @@ def check_large4_layouts(layouts: list[dict]) -> None:
         assert (grad is None and grads[1][name] is None) or torch.equal(grad, grads[1][name]), f"AC changed {name}"
 
 
+@pytest.mark.slow
 @only("large4")
 def test_large4_layouts_match_single_process():
     """FSDP, FSDP with full activation checkpointing (bit-exact), expert parallel, a pipeline of 2
@@ -519,6 +524,7 @@ def check_checkpoint_across_layouts(path: str, family: str) -> None:
         close(step(pm, optimizer, local), ref_losses[index], f"resumed with FSDP 4, step {index} loss")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=slow)
                                     for name in FAMILY_NAMES])
 def test_checkpoint_resumes_across_layouts(tmp_path, family):
@@ -614,6 +620,7 @@ def assert_compiled_matches_eager(results, rtol: float = 1e-5, atol: float = 1e-
                                    msg=lambda m: f"compiled grad {name}: {m}")
 
 
+@pytest.mark.slow
 @only("flint")
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=slow)])
 def test_compiled_blocks_match_eager(backend, monkeypatch):

@@ -2,7 +2,6 @@
 
 import dataclasses
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,6 @@ from tools.planner import (ALL_TO_ALL_NVLINK_EFFICIENCY, GEMM_EFFICIENCY, GPUS, 
                            fsdp_items, fsdp_passes, group_span, overlapped_exchange, tiled_pairs, unit_bytes)
 
 ROOT = Path(__file__).resolve().parent.parent
-SLOW = os.environ.get("FLINT_SLOW") == "1"
 
 
 # Counted by hand for Flint (its fields and configs); Large 4's attention core below.
@@ -229,7 +227,7 @@ def test_bad_gpu_and_missing_config_are_one_line_errors(monkeypatch):
     assert result.returncode == 1 and result.stderr.startswith("error: --gpu") and "Traceback" not in result.stderr
 
 
-@pytest.mark.skipif(not SLOW, reason="the released Flint's traces: about two minutes on 2 busy cores; FLINT_SLOW=1")
+@pytest.mark.slow(beyond_ci=True)  # the released Flint's traces: about two minutes on 2 busy cores
 @FLINT
 def test_released_flint_step_is_its_model_flops_plus_at_most_one_recomputed_forward():
     """configs/flint-8gpu.toml in BF16 at 1,024 tokens: without checkpointing, the traced matmuls outside
@@ -265,7 +263,7 @@ def test_large4_dense_scores_are_the_attention_core_a_gpu_replaces():
     assert attention_flops_per_token(c, seq_len) == pytest.approx(expected)
 
 
-@pytest.mark.skipif(not SLOW, reason="three published runs' traces at full size: minutes on 2 cores; FLINT_SLOW=1")
+@pytest.mark.slow(beyond_ci=True)  # three published runs' traces at full size: minutes on 2 cores
 @FLINT
 def test_published_runs_within_15_percent():
     """The published runs (flint_baselines.PUBLISHED_RUNS, NeMo AutoModel on H100s): measured / predicted

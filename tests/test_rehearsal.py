@@ -39,7 +39,8 @@ def test_peak_memory_counts_each_storage_once_and_follows_frees_and_resizes():
     assert tracker.largest_at_peak(1)[0][0] == "start: aten.zeros.default"
 
 
-def rehearse_tiny(tmp_path, capsys, *overrides: str, world: int = 4, steps: int = 1, config: str = "") -> dict:
+def rehearse_tiny(tmp_path, capsys, *overrides: str, world: int = 4, steps: int = 1,
+                  config: str = "") -> dict:
     """A rehearsal of configs/{config}.toml (by default the debug config of the first registered family)."""
     path = f"configs/{config}.toml" if config else debug_configs()[DEFAULT_FAMILY]
     cfg = load_config(path, [f"--checkpoint.dir={tmp_path}/ck", f"--logging.jsonl={tmp_path}/m.jsonl",
@@ -55,10 +56,10 @@ def rehearse_tiny(tmp_path, capsys, *overrides: str, world: int = 4, steps: int 
     pytest.param("debug", ["--parallel.cp=2", "--parallel.ep=2"], 4, "ep 2 x cp 2", marks=FLINT),
     pytest.param("large4-smoke", ["--parallel.pp=2", "--training.steps=10"], 2, "pp 2", marks=LARGE4)])
 def test_a_tiny_job_is_rehearsed_on_a_fake_world_of_its_size(tmp_path, capsys, config, layout, world, mesh):
-    result = rehearse_tiny(tmp_path, capsys, *layout, world=world, steps=2, config=config)
+    result = rehearse_tiny(tmp_path, capsys, *layout, world=world, config=config)
     printed = result["printed"]
     for phase in (f"fake world of {world} ({mesh})", "data: data/python_reference.jsonl has enough rows",
-                  "step 1: forward, backward, clipping and adamw passed", "step 2:", "checkpoint:",
+                  "step 1: forward, backward, clipping and adamw passed", "checkpoint:",
                   f"rank {world - 1} of {world}: peak"):
         assert phase in printed, printed
     assert 0 < result["peak_gib"] < 0.1 and result["estimate_gib"] > 0
@@ -66,6 +67,28 @@ def test_a_tiny_job_is_rehearsed_on_a_fake_world_of_its_size(tmp_path, capsys, c
     picture = tmp_path / f"rehearsal_rank{world - 1}_of_{world}_memory.svg"
     assert f"by what holds it: {picture}" in printed
     assert drawn_peak_gib(picture) == pytest.approx(result["peak_gib"], rel=1e-3)
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(["--parallel.ep=2"], id="fsdp-ep"),
+    pytest.param(["--parallel.pp=2"], id="pipeline", marks=pytest.mark.slow),
+    pytest.param(["--parallel.cp=2", "--training.grad_accum=2"], id="cp-accumulation", marks=pytest.mark.slow),
+    pytest.param(["--optim.name=muon"], id="muon", marks=pytest.mark.slow),
+    pytest.param(["--parallel.offload=true"], id="offload", marks=pytest.mark.slow),
+    pytest.param(["--parallel.activation_checkpointing=none", "--parallel.dp_replicate=2"], id="hsdp",
+                 marks=pytest.mark.slow)])
+def test_one_step_after_the_states_measures_the_peak_of_two_steps_without(tmp_path, capsys, monkeypatch, layout):
+    """The rehearsal makes the optimizer's states before step 1 and runs one step: its peak is that of the two
+    steps it ran before (step 1 making the states at its end, step 2 the steady step), in the same phase, to
+    within a step's scalars (its loss, norms and token counts live into the next: 80 bytes measured under
+    ep 2, 372 with 2 micro-batches; nothing that grows with the model)."""
+    one_step = rehearse_tiny(tmp_path / "one", capsys, *layout)
+    monkeypatch.setattr(rehearsal, "make_optimizer_states", lambda optimizer, tracker: None)
+    before = rehearse_tiny(tmp_path / "before", capsys, *layout, steps=2)
+    assert "step 2: forward" in before["printed"] and "step 2:" not in one_step["printed"]
+    assert one_step["phase"] == before["phase"] == "forward and backward"
+    assert abs(one_step["peak_gib"] - before["peak_gib"]) * GIB <= 1024, (one_step, before)
+    assert one_step["host_gib"] == before["host_gib"]
 
 
 def drawn_peak_gib(picture) -> float:
@@ -129,8 +152,6 @@ def test_too_little_data_for_the_world_fails_the_rehearsal(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- every GPU config, at its real size
 
-SLOW = os.environ.get("FLINT_SLOW") == "1"
-slow = pytest.mark.skipif(not SLOW, reason="released-size rehearsals of minutes each: FLINT_SLOW=1")
 
 
 def released_checkpoint(tmp_path, name: str) -> str:
@@ -148,13 +169,14 @@ def rehearse_config(tmp_path, capsys, name: str, world: int, *overrides: str) ->
                                                *overrides])
     result = rehearsal.rehearse(cfg, world, gpu="H200")
     printed = capsys.readouterr().out
-    assert f"rehearsal rank 0 of {world}: step 2: forward, backward, clipping and adamw passed" in printed, printed
+    assert f"rehearsal rank 0 of {world}: step 1: forward, backward, clipping and adamw passed" in printed, printed
     assert f"rehearsal rank 0 of {world}: peak" in printed
     # tools/memory.py's estimate agrees with the measured peak (the balanced routing both assume)
     assert abs(result["estimate_gib"] - result["peak_gib"]) <= 0.1 * result["peak_gib"], result
     return result
 
 
+@pytest.mark.slow
 @FLINT
 def test_flint_8gpu_is_rehearsed_at_its_real_size(tmp_path, capsys):
     """The released Flint, 8 ranks as dp_shard 2 x ep 4 (experts split 64 per rank), full checkpointing: what
@@ -163,7 +185,7 @@ def test_flint_8gpu_is_rehearsed_at_its_real_size(tmp_path, capsys):
     assert result["peak_gib"] < rehearsal.GPU_GIB["H200"]
 
 
-@slow
+@pytest.mark.slow(beyond_ci=True)  # released-size rehearsals of minutes each
 @pytest.mark.parametrize("name, world, overrides", [
     pytest.param("flint-multinode", 32, (), marks=FLINT), pytest.param("flint", 64, (), marks=FLINT),
     pytest.param("large4-256gpu", 256, (), marks=LARGE4),

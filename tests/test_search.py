@@ -65,6 +65,7 @@ def test_search_keeps_the_step_and_ranks_what_fits(small_space, capsys, monkeypa
     assert best.tokens_per_second == found[0].plan.tokens_per_second
 
 
+@pytest.mark.slow
 @FLINT
 def test_search_tries_only_the_checkpointing_modes_asked(small_space, monkeypatch):
     """Each layout the search prices has one of the modes asked, and each mode asked is priced (the

@@ -18,9 +18,10 @@ import convert
 import train
 from config import ConfigError, OptimSection
 from data import EMBEDDED_CORPUS, DataError
-from helpers import (DEFAULT_FAMILY, FAMILY_NAMES, FIRST_FAMILY_THEN_SLOW, ROOT, adamw_matches_plain, closing,
+from helpers import (DEFAULT_FAMILY, FIRST_FAMILY_THEN_SLOW, ROOT, adamw_matches_plain, closing,
                      debug_args, debug_configs, exported_tensors, moe_layers, only, records, run_debug,
                      run_two_processes, step_host_syncs, train_losses)
+from helpers import FIRST_FAMILY_THEN_SECOND_TIER
 from registry import config_from_hf, family
 from train import TrainingError
 
@@ -39,7 +40,7 @@ def debug_schedule(step: int) -> float:
     return 3e-4 + (3e-3 - 3e-4) * (1 + math.cos(math.pi * (step - 2) / 18)) / 2
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_debug_config_trains_and_reports(tmp_path, capsys, family):
     summary = run_debug(tmp_path, "--training.eval_every=10", family=family)
     losses = train_losses(tmp_path)
@@ -159,6 +160,7 @@ def test_init_from_a_native_checkpoint_loads_its_weights(tmp_path, monkeypatch, 
     assert "sample" not in summary
 
 
+@pytest.mark.slow
 @only("flint")  # Large 4's: tests/test_large4.py, with the extras its export carries
 def test_finetune_from_hugging_face_converts_once_and_exports(tmp_path):
     """Two processes (FSDP): rank 0 converts the Hugging Face weights to a native checkpoint in
@@ -199,6 +201,7 @@ def assert_same_losses(actual: dict[int, float], expected: dict[int, float], wha
         assert actual[step] == pytest.approx(expected[step], rel=1e-5), f"{what}, step {step}"
 
 
+@pytest.mark.slow  # five runs, three of two processes
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SLOW)
 def test_two_processes_match_one_resume_in_one_and_export(tmp_path, family):
     """Global batch of 8 rows: one process with 2 micro-batches of 4, FSDP 2 and EP 2 with 4 rows

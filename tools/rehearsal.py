@@ -1,5 +1,5 @@
 """Rehearse a GPU job on this CPU: `python3 train.py --config configs/X.toml --dry-run [--world-size N]
-[--rank R] [--gpu H200]` runs, in one process, what rank R of the real job runs in its first steps, on a
+[--rank R] [--gpu H200]` runs, in one process, what rank R of the real job runs in its first step, on a
 fake world of the job's size, and says what would fail before any GPU hour is spent.
 
 - The world: a fake process group of N ranks (torch.testing's `fake_pg`: every collective returns at
@@ -9,9 +9,11 @@ fake world of the job's size, and says what would fail before any GPU hour is sp
   The kernels are chosen as on a GPU (devices.targeting): the grouped GEMM with its 16-row groups,
   whose CUDA shape and dtype checks run on fake tensors too, and FlexAttention for "auto".
 - The job: the real-size model built on meta and laid out by the real `parallelize` (FSDP2 or HSDP,
-  expert parallel, this rank's pipeline stages, context parallel, activation checkpointing), then a few
-  optimizer steps (forward, backward, clipping, the optimizer) and the checkpoint's state dicts, with
-  the data check on the real data the config names when it is there.
+  expert parallel, this rank's pipeline stages, context parallel, activation checkpointing), its
+  optimizer's states, then one step (forward, backward, clipping, the optimizer; the job's own step 1
+  makes the states at its end, so its step 2 holds the most: this step holds the same), an evaluation
+  and the checkpoint's state dicts, with the data check on the real data the config names when it is
+  there.
 - Measured: the peak of live tensor memory of this rank (every fake allocation, FSDP's storage resizes
   included), beside memory.py's estimate and the GPU's capacity. A peak above the capacity fails the
   rehearsal, as it would fail the job.
@@ -229,7 +231,7 @@ def gpu_config(cfg: TrainConfig) -> TrainConfig:
 # ============================================================================= the rehearsal
 
 def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu: str = "H200",
-             steps: int = 2) -> dict:
+             steps: int = 1) -> dict:
     """Rank `rank`'s first `steps` steps of `cfg` on a fake world; prints each phase as it passes and
     returns the measurements. Raises RehearsalError (or the error the real run would raise)."""
     if gpu not in GPU_GIB:
@@ -257,6 +259,8 @@ def rehearse(cfg: TrainConfig, world_size: int | None = None, rank: int = 0, gpu
                 f"accumulation {model.accumulation}")
             if not job.parallel.offload:
                 check_fits(job, world, rank, gpu, tracker.peak / GIB, "for its FP32 weights alone")
+            with failing_as_the_job(job, rank, world, lambda: "while making the optimizer's states"):
+                make_optimizer_states(optimizer, tracker)
             for step in range(1, steps + 1):
                 with failing_as_the_job(job, rank, world, lambda: f"at step {step}, in the {tracker.phase}"):
                     fake_step(model, optimizer, batches(), job, tracker)
@@ -344,6 +348,19 @@ def block_masks_on_real_tensors() -> Iterator[None]:
             return build(*args, **kwargs)
     with mock.patch.object(attention, "new_block_mask", build_for_real):
         yield
+
+
+def make_optimizer_states(optimizer: torch.optim.Optimizer, tracker: PeakMemory) -> None:
+    """The optimizer's states, made before step 1 by a step on zero gradients (fake tensors: no
+    value changes). A job's step 1 makes them at its end, so its peak, a forward and backward with
+    the states alive, comes in step 2; with them made first, step 1 is that step, and one step
+    measures the job's peak (tests/test_rehearsal.py checks it against two steps without)."""
+    tracker.phase = "optimizer states"
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def fake_step(model, optimizer, batches: list[dict], cfg: TrainConfig, tracker: PeakMemory) -> None:
