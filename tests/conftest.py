@@ -12,7 +12,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Tests import the flat top-level modules (model.py, attention.py, ...), tests/helpers.py and the references.
+# Tests import the flat top-level modules (model.py, attention.py, ...), tests/helpers.py and the
+# references.
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
@@ -22,8 +23,9 @@ SLOW = os.environ.get("FLINT_SLOW") == "1"
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: a test's marks are complete when it looks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The second tier's tests beyond what CI runs (`slow(beyond_ci=True)`: larger layouts, every GPU
-    config at its real size, the forks' whole suites; tens of minutes) are skipped without FLINT_SLOW=1."""
+    """The second tier's tests beyond what CI runs (`slow(beyond_ci=True)`: larger layouts, every
+    GPU config at its real size, the forks' whole suites; tens of minutes) are skipped without
+    FLINT_SLOW=1."""
     if SLOW:
         return
     beyond = pytest.mark.skip(reason="beyond CI's tiers: FLINT_SLOW=1 python -m pytest -q -m slow")
@@ -34,7 +36,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def one_thread():
-    """Tiny models run as fast on one thread, and stay fast while other processes use the other core."""
+    """Tiny models run as fast on one thread, and stay fast while other processes use the other
+    core."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -50,8 +53,13 @@ def fresh_dynamo():
     run needs) are put back through torch's own config patch: setting them back by hand, or with
     monkeypatch, can delete a key from torch's config module."""
     dynamo = torch._dynamo.config
-    settings = ("recompile_limit", "suppress_errors", "nested_graph_breaks", "capture_scalar_outputs",
-                "capture_dynamic_output_shape_ops")
+    settings = (
+        "recompile_limit",
+        "suppress_errors",
+        "nested_graph_breaks",
+        "capture_scalar_outputs",
+        "capture_dynamic_output_shape_ops",
+    )
     with dynamo.patch(**{name: getattr(dynamo, name) for name in settings}):
         yield
     torch._dynamo.reset()
@@ -61,19 +69,25 @@ def fresh_dynamo():
 def check_rows_stop_at_their_eos():
     """A check for any model's generate: greedy rows that reach EOS at different steps each stop
     there (EOS after it), the others go on unchanged, and the batch stops when every row has."""
+
     def check(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> None:
         free = model.generate(prompt, steps)  # [B, T + steps], no EOS
-        new = free[:, prompt.shape[1]:]
+        new = free[:, prompt.shape[1] :]
         eos = int(new[0, 2])  # row 0 reaches it at its third new token
         firsts = [row.tolist().index(eos) if eos in row.tolist() else None for row in new]
-        assert firsts[0] <= 2 and any(first != firsts[0] for first in firsts), "the rows must finish apart"
+        assert firsts[0] <= 2 and any(first != firsts[0] for first in firsts), (
+            "the rows must finish apart"
+        )
         stopped = model.generate(prompt, steps, eos_token_id=eos)
         length = steps if None in firsts else max(firsts) + 1
         assert stopped.shape == (prompt.shape[0], prompt.shape[1] + length)
         for row, first in enumerate(firsts):
             end = length if first is None else first + 1
-            assert torch.equal(stopped[row, :prompt.shape[1] + end], free[row, :prompt.shape[1] + end])
-            assert (stopped[row, prompt.shape[1] + end:] == eos).all()
+            assert torch.equal(
+                stopped[row, : prompt.shape[1] + end], free[row, : prompt.shape[1] + end]
+            )
+            assert (stopped[row, prompt.shape[1] + end :] == eos).all()
+
     return check
 
 
@@ -82,4 +96,5 @@ def trained_once(tmp_path_factory) -> Path:
     """One checkpoint of one training step of the debug config per test run, for the tests that only
     read it (or copy it to damage it)."""
     from helpers import trained_checkpoint
+
     return trained_checkpoint(tmp_path_factory.mktemp("trained"))

@@ -1,9 +1,11 @@
-"""[parallel] accumulation (parallel.ParallelModel.accumulate_gradients) on gloo: every mode gives the losses,
-gradients and AdamW steps of one process accumulating the same micro-batches, and issues the collectives
-it promises, counted as FSDP2 calls them.
+"""[parallel] accumulation (parallel.ParallelModel.accumulate_gradients) on gloo: every mode gives
+the losses, gradients and AdamW steps of one process accumulating the same micro-batches, and issues
+the collectives it promises, counted as FSDP2 calls them.
 
-Per FSDP unit that shards over more than one rank, in one optimizer step of GRAD_ACCUM micro-batches:
-  sync_each: GRAD_ACCUM reduce-scatters, and GRAD_ACCUM all-gathers in forward plus GRAD_ACCUM in backward
+Per FSDP unit that shards over more than one rank, in one optimizer step of GRAD_ACCUM
+micro-batches:
+  sync_each: GRAD_ACCUM reduce-scatters, and GRAD_ACCUM all-gathers in forward plus GRAD_ACCUM in
+  backward
              for the units resharded after forward (all but the head);
   sync_last: one reduce-scatter, the all-gathers of sync_each;
   gathered:  one reduce-scatter and one all-gather.
@@ -21,9 +23,22 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from helpers import (DEFAULT_FAMILY, LR, assert_close_to_scale, build, full, in_process_group, make_batch,
-                     moe_layers, only, rows_of_this_rank, slow, spawn, tiny_config)
-from helpers import FIRST_FAMILY_THEN_SECOND_TIER
+from helpers import (
+    DEFAULT_FAMILY,
+    FIRST_FAMILY_THEN_SECOND_TIER,
+    LR,
+    assert_close_to_scale,
+    build,
+    full,
+    in_process_group,
+    make_batch,
+    moe_layers,
+    only,
+    rows_of_this_rank,
+    slow,
+    spawn,
+    tiny_config,
+)
 from parallel import ParallelConfig, build_mesh, choose_accumulation, parallelize
 
 GRAD_ACCUM = 3
@@ -36,8 +51,8 @@ PIPELINE_MICROBATCHES = 2
 
 @contextmanager
 def fsdp_collectives():
-    """Counts the collectives FSDP2 issues (torch/distributed/fsdp calls torch.distributed's, by name),
-    and the pipeline's gradient reductions (one per stage per REDUCE_GRAD action)."""
+    """Counts the collectives FSDP2 issues (torch/distributed/fsdp calls torch.distributed's, by
+    name), and the pipeline's gradient reductions (one per stage per REDUCE_GRAD action)."""
     counts: Counter[str] = Counter()
     originals = {name: getattr(dist, name) for name in COLLECTIVES}
     reduce_grad = PipelineStage.perform_reduce_grad
@@ -47,11 +62,13 @@ def fsdp_collectives():
             if sys._getframe(1).f_globals["__name__"].startswith("torch.distributed.fsdp"):
                 counts[name] += 1
             return originals[name](*args, **kwargs)
+
         return call
 
     def counted_reduce_grad(stage, *args, **kwargs):
         counts["REDUCE_GRAD"] += 1
         return reduce_grad(stage, *args, **kwargs)
+
     for name in COLLECTIVES:
         setattr(dist, name, counted(name))
     PipelineStage.perform_reduce_grad = counted_reduce_grad
@@ -64,11 +81,12 @@ def fsdp_collectives():
 
 
 def units_of(pm) -> tuple[int, int, int]:
-    """(FSDP units of this rank that shard over more than one rank, those of them resharded after forward,
-    units that all-reduce over HSDP replicas), read from FSDP2's own state."""
+    """(FSDP units of this rank that shard over more than one rank, those of them resharded after
+    forward, units that all-reduce over HSDP replicas), read from FSDP2's own state."""
     sharded = resharded = replicated = 0
     for unit in pm.units:
-        groups = unit.module._get_fsdp_state()._fsdp_param_groups  # none for a unit without parameters of its own
+        # none for a unit without parameters of its own
+        groups = unit.module._get_fsdp_state()._fsdp_param_groups
         if not groups:
             continue
         info = groups[0].mesh_info
@@ -79,14 +97,21 @@ def units_of(pm) -> tuple[int, int, int]:
     return sharded, resharded, replicated
 
 
-def expected_collectives(mode: str, pm, pipelined: bool, micro_batches: int = GRAD_ACCUM) -> dict[str, int]:
+def expected_collectives(
+    mode: str, pm, pipelined: bool, micro_batches: int = GRAD_ACCUM
+) -> dict[str, int]:
     sharded, resharded, replicated = units_of(pm)
     syncs = micro_batches if mode == "sync_each" else 1
     gathers = sharded if mode == "gathered" else micro_batches * (sharded + resharded)
-    if pipelined:  # weights gathered through each schedule call (reshard_after_forward false), one call per sync
+    # weights gathered through each schedule call (reshard_after_forward false), one call per sync
+    if pipelined:
         gathers = syncs * sharded
-    counts = {"all_gather_single": gathers, "reduce_scatter_single": syncs * sharded, "all_reduce": syncs * replicated,
-              "REDUCE_GRAD": syncs * len(pm.parts) if pipelined else 0}
+    counts = {
+        "all_gather_single": gathers,
+        "reduce_scatter_single": syncs * sharded,
+        "all_reduce": syncs * replicated,
+        "REDUCE_GRAD": syncs * len(pm.parts) if pipelined else 0,
+    }
     return {name: count for name, count in counts.items() if count}
 
 
@@ -102,16 +127,16 @@ def counting_block_forwards(pm) -> dict[str, list[int]]:
 
 
 def micro_batches(config) -> list[tuple[torch.Tensor, ...]]:
-    """GRAD_ACCUM batches of make_batch's pattern, other tokens each; the last has 2 fewer loss tokens per
-    row, so that the micro-batches weigh differently."""
+    """GRAD_ACCUM batches of make_batch's pattern, other tokens each; the last has 2 fewer loss
+    tokens per row, so that the micro-batches weigh differently."""
     batches = [make_batch(seed, vocab=min(256, config.vocab_size)) for seed in range(GRAD_ACCUM)]
     batches[-1][1][:, :2] = -100
     return batches
 
 
 def reference_steps(config, batches, steps: int = 2):
-    """One process: `steps` AdamW steps, each accumulating every micro-batch, each weighted by its loss tokens
-    over the step's -> (losses, step 0's gradients by name, gradient norms)."""
+    """One process: `steps` AdamW steps, each accumulating every micro-batch, each weighted by its
+    loss tokens over the step's -> (losses, step 0's gradients by name, gradient norms)."""
     model = build(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     total = sum(int((targets != -100).sum()) for _, targets, _ in batches)
@@ -132,23 +157,28 @@ def reference_steps(config, batches, steps: int = 2):
 
 
 def check_accumulation(layouts: list[dict], family: str, modes=MODES, count: bool = True) -> None:
-    """For each layout and mode: both steps' losses, step 0's every gradient and both gradient norms equal
-    one process's (two AdamW steps: the second forward reads the weights the first step updated), as does an
-    evaluation between them; after each step every parameter is its shard again (what the optimizer updates
-    and a checkpoint saves: nothing left gathered), and the collectives issued in step 0 are those the mode
-    promises (`count`)."""
+    """For each layout and mode: both steps' losses, step 0's every gradient and both gradient norms
+    equal one process's (two AdamW steps: the second forward reads the weights the first step
+    updated), as does an evaluation between them; after each step every parameter is its shard again
+    (what the optimizer updates and a checkpoint saves: nothing left gathered), and the collectives
+    issued in step 0 are those the mode promises (`count`)."""
     config = tiny_config(family)
     batches = micro_batches(config)
     ref_losses, ref_grads, ref_norms = reference_steps(config, batches)
     for layout in layouts:
         for mode in modes:
             what = f"{family} {layout} {mode}"
-            cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout, "accumulation": mode})
+            cfg = ParallelConfig.from_dict(
+                {"param_dtype": "float32", **layout, "accumulation": mode}
+            )
             mesh = build_mesh(cfg, "cpu", config.num_experts)
             pm = parallelize(build(config), cfg, mesh)
             assert pm.accumulation == mode
             optimizer = torch.optim.AdamW(pm.module.parameters(), lr=LR, foreach=False)
-            local = [dict(zip(("input_ids", "targets", "doc_ids"), rows_of_this_rank(mesh, b))) for b in batches]
+            local = [
+                dict(zip(("input_ids", "targets", "doc_ids"), rows_of_this_rank(mesh, b)))
+                for b in batches
+            ]
             forwards = counting_block_forwards(pm)
             for step in range(2):
                 for each in forwards.values():
@@ -160,66 +190,108 @@ def check_accumulation(layouts: list[dict], family: str, modes=MODES, count: boo
                     runs = GRAD_ACCUM * PIPELINE_MICROBATCHES
                     expected = {name: [piece] * runs for name in forwards}
                     assert forwards and forwards == expected, f"{what}: rows per forward {forwards}"
-                gathered = [name for name, param in pm.module.named_parameters() if not isinstance(param, DTensor)]
-                assert not (pm.units and gathered), f"{what}: left gathered after the step: {gathered}"
+                gathered = [
+                    name
+                    for name, param in pm.module.named_parameters()
+                    if not isinstance(param, DTensor)
+                ]
+                assert not (pm.units and gathered), (
+                    f"{what}: left gathered after the step: {gathered}"
+                )
                 assert_close_to_scale(loss, ref_losses[step], what=f"{what} step {step} loss")
                 if step == 0:
                     if count:
                         expected = expected_collectives(mode, pm, cfg.pp > 1)
-                        assert dict(counts) == expected, f"{what}: collectives {dict(counts)}, expected {expected}"
+                        assert dict(counts) == expected, (
+                            f"{what}: collectives {dict(counts)}, expected {expected}"
+                        )
                     for name, param in pm.module.named_parameters():
                         if name not in ref_grads:  # frozen (Large 4's indexer)
                             assert param.grad is None, f"{what}: frozen {name} got a gradient"
                         else:
-                            assert_close_to_scale(full(param.grad), ref_grads[name], what=f"{what} grad {name}")
-                assert_close_to_scale(pm.clip_grad_norm_(float("inf")), ref_norms[step], what=f"{what} step {step} norm")
+                            assert_close_to_scale(
+                                full(param.grad), ref_grads[name], what=f"{what} grad {name}"
+                            )
+                assert_close_to_scale(
+                    pm.clip_grad_norm_(float("inf")),
+                    ref_norms[step],
+                    what=f"{what} step {step} norm",
+                )
                 optimizer.step()
                 optimizer.zero_grad()
                 if step == 0:  # train.evaluate's forward, on the weights the step updated
                     num_tokens = pm.global_tokens(torch.stack([b["targets"] for b in local]))
                     evaluated = sum(pm.loss(**batch, num_tokens=num_tokens) for batch in local)
-                    assert_close_to_scale(evaluated, ref_losses[1], what=f"{what} evaluation after step 0")
-            if count:  # then FSDP2's settings are back: a lone forward_backward, and a step of one micro-batch in
-                for run in (lambda: pm.forward_backward(**local[0]), lambda: pm.accumulate_gradients(local[:1])):
+                    assert_close_to_scale(
+                        evaluated, ref_losses[1], what=f"{what} evaluation after step 0"
+                    )
+            # then FSDP2's settings are back: a lone forward_backward, and a step of one micro-batch
+            # in
+            if count:
+                for run in (
+                    lambda: pm.forward_backward(**local[0]),
+                    lambda: pm.accumulate_gradients(local[:1]),
+                ):
                     with fsdp_collectives() as counts:  # every mode, communicate as sync_each does
                         run()
                     expected = expected_collectives("sync_each", pm, cfg.pp > 1, micro_batches=1)
-                    assert dict(counts) == expected, f"{what}: one micro-batch issued {dict(counts)}, not {expected}"
+                    assert dict(counts) == expected, (
+                        f"{what}: one micro-batch issued {dict(counts)}, not {expected}"
+                    )
 
 
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_every_mode_matches_one_process_under_fsdp(family):
-    """FSDP over 2 ranks, every registered family (Large 4: its frozen indexer gets no gradient in any mode)."""
+    """FSDP over 2 ranks, every registered family (Large 4: its frozen indexer gets no gradient in
+    any mode)."""
     spawn(2, check_accumulation, [{"dp_shard": 2}], family)
 
 
 @pytest.mark.slow
 def test_every_mode_matches_one_process_under_expert_parallel_and_a_pipeline():
-    """ep 2 (the experts' own FSDP units over one rank each: no collective of theirs), and a 1F1B pipeline of
-    2 stages (no FSDP on one data-parallel rank: the schedule's gradient reductions are counted)."""
-    spawn(2, check_accumulation, [{"ep": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}], DEFAULT_FAMILY)
+    """ep 2 (the experts' own FSDP units over one rank each: no collective of theirs), and a 1F1B
+    pipeline of 2 stages (no FSDP on one data-parallel rank: the schedule's gradient reductions are
+    counted)."""
+    spawn(
+        2, check_accumulation, [{"ep": 2, "dp_shard": 1}, {"pp": 2, "dp_shard": 1}], DEFAULT_FAMILY
+    )
 
 
 @pytest.mark.slow
 def test_every_mode_matches_one_process_under_hsdp_and_a_sharded_pipeline():
-    """HSDP (replicate 2 x shard 2: the all-reduces counted) and a 1F1B pipeline of 2 stages over 2 FSDP ranks
-    each (its units gathered once per schedule call, reduce-scattered once per call)."""
-    spawn(4, check_accumulation, [{"dp_replicate": 2, "dp_shard": 2}, {"pp": 2, "dp_shard": 2}], DEFAULT_FAMILY)
+    """HSDP (replicate 2 x shard 2: the all-reduces counted) and a 1F1B pipeline of 2 stages over 2
+    FSDP ranks each (its units gathered once per schedule call, reduce-scattered once per call)."""
+    spawn(
+        4,
+        check_accumulation,
+        [{"dp_replicate": 2, "dp_shard": 2}, {"pp": 2, "dp_shard": 2}],
+        DEFAULT_FAMILY,
+    )
 
 
 @slow
 def test_every_mode_matches_one_process_under_other_schedules_offload_and_checkpointing():
-    """The V and interleaved schedules (two stages per rank, torch's UNSHARD and RESHARD actions), CPU offload
-    and full activation checkpointing (whose recompute gathers again): values only."""
-    spawn(2, check_accumulation, [{"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble"},
-                                  {"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B"},
-                                  {"dp_shard": 2, "offload": True}, {"dp_shard": 2, "activation_checkpointing": "full"}],
-          DEFAULT_FAMILY, MODES, False)
+    """The V and interleaved schedules (two stages per rank, torch's UNSHARD and RESHARD actions),
+    CPU offload and full activation checkpointing (whose recompute gathers again): values only."""
+    spawn(
+        2,
+        check_accumulation,
+        [
+            {"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble"},
+            {"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B"},
+            {"dp_shard": 2, "offload": True},
+            {"dp_shard": 2, "activation_checkpointing": "full"},
+        ],
+        DEFAULT_FAMILY,
+        MODES,
+        False,
+    )
 
 
 def test_auto_takes_the_most_that_fits_a_quarter_of_the_device():
-    """gathered if the unsharded gradients and the gathered weights fit 25 % of the device, sync_last if the
-    gradients do, else sync_each; sync_each with offload; under a pipeline sync_last, but sync_each for GPipe."""
+    """gathered if the unsharded gradients and the gathered weights fit 25 % of the device,
+    sync_last if the gradients do, else sync_each; sync_each with offload; under a pipeline
+    sync_last, but sync_each for GPipe."""
     auto, gb = ParallelConfig(), 1e9
     assert choose_accumulation(auto, 10 * gb, 15 * gb, 100 * gb) == "gathered"
     assert choose_accumulation(auto, 10 * gb, 15.1 * gb, 100 * gb) == "sync_last"
@@ -227,24 +299,31 @@ def test_auto_takes_the_most_that_fits_a_quarter_of_the_device():
     assert choose_accumulation(auto, 25.1 * gb, 0, 100 * gb) == "sync_each"
     assert choose_accumulation(ParallelConfig(offload=True), 1, 1, 100 * gb) == "sync_each"
     assert choose_accumulation(ParallelConfig(pp=2), 90 * gb, 90 * gb, 100 * gb) == "sync_last"
-    assert choose_accumulation(ParallelConfig(pp=2, pp_schedule="GPipe"), 1, 1, 100 * gb) == "sync_each"
+    assert (
+        choose_accumulation(ParallelConfig(pp=2, pp_schedule="GPipe"), 1, 1, 100 * gb)
+        == "sync_each"
+    )
     for mode in MODES:
         assert choose_accumulation(ParallelConfig(accumulation=mode), 90 * gb, 90 * gb, gb) == mode
 
 
 @only("flint")
 def test_what_accumulation_holds_counted_by_hand():
-    """One process under the BF16 policy: 4 B of FP32 gradient per parameter (all trainable), and the weights
-    gathered in 2 B, but the head, the sinks and the routers (the FP32 units) in 4; on the CPU the host's
-    memory takes both (the tiny model): auto resolves to gathered."""
+    """One process under the BF16 policy: 4 B of FP32 gradient per parameter (all trainable), and
+    the weights gathered in 2 B, but the head, the sinks and the routers (the FP32 units) in 4; on
+    the CPU the host's memory takes both (the tiny model): auto resolves to gathered."""
     config = tiny_config("flint")
 
     def laid_out():
         cfg = ParallelConfig(param_dtype="bfloat16")
         pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
         return pm.accumulation_bytes(), pm.accumulation
+
     (gradients, weights), mode = in_process_group(laid_out)
     total = build(config).num_params()
-    fp32 = (config.vocab_size * config.hidden_size + config.num_hidden_layers * config.num_attention_heads
-            + len(moe_layers(config)) * config.num_experts * config.hidden_size)
+    fp32 = (
+        config.vocab_size * config.hidden_size
+        + config.num_hidden_layers * config.num_attention_heads
+        + len(moe_layers(config)) * config.num_experts * config.hidden_size
+    )
     assert (gradients, weights, mode) == (4 * total, 2 * (total - fp32) + 4 * fp32, "gathered")

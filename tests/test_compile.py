@@ -15,27 +15,45 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from attention import FULL, SLIDING, build_masks, flash_sink_attention
-from helpers import (BF16_GRAPHS, FAMILY_NAMES, FIRST_FAMILY_THEN_SECOND_TIER, assert_close_to_scale,
-                     block_inputs, build, counting_backend, in_process_group, make_batch, only,
-                     parallel_block_model, parallel_step, registered, slow, spawn, tiny_config,
-                     values_and_grads)
-from layers import document_positions
+from attention import FULL, SLIDING, flash_sink_attention
+from helpers import (
+    BF16_GRAPHS,
+    FAMILY_NAMES,
+    FIRST_FAMILY_THEN_SECOND_TIER,
+    assert_close_to_scale,
+    block_inputs,
+    build,
+    counting_backend,
+    in_process_group,
+    make_batch,
+    only,
+    parallel_block_model,
+    parallel_step,
+    registered,
+    slow,
+    spawn,
+    tiny_config,
+    values_and_grads,
+)
 from moe import _grouped_mm_op, expert_counts, grouped_mm
 
-# FP32 under ep = 2 (FSDP over the ep ranks, no FP32 units of their own): a dense block is one graph; an MoE
-# block 4: the experts' FSDP unit breaks the block before and after it, and their count exchange in between.
+# FP32 under ep = 2 (FSDP over the ep ranks, no FP32 units of their own): a dense block is one
+# graph; an MoE block 4: the experts' FSDP unit breaks the block before and after it, and their
+# count exchange in between.
 EP_FP32_GRAPHS = registered({"flint": {"0": 1, "1": 4}, "large4": {"0": 1, "1": 4, "2": 4}})
 BACKENDS = ["aot_eager", pytest.param("inductor", marks=slow)]
 BATCH, SEQ = 2, 32  # 32 > 2 * (window 9 - 1): sliding layers take the banded path
 
 # Every block kind of Flint: (attention, MLP). Layers 0-1 are dense by mlp_only_layers.
 BLOCK_KINDS = {"dense full": "0", "dense sliding": "1", "moe sliding": "2", "moe full": "3"}
-FLINT = only("flint")  # the tests of Flint's blocks, one at a time (Large 4's compile whole in its model below)
+# the tests of Flint's blocks, one at a time (Large 4's compile whole in its model below)
+FLINT = only("flint")
 
 
 def block_model(**overrides):
-    config = tiny_config("flint", num_hidden_layers=4, layer_types=[FULL, SLIDING, SLIDING, FULL], **overrides)
+    config = tiny_config(
+        "flint", num_hidden_layers=4, layer_types=[FULL, SLIDING, SLIDING, FULL], **overrides
+    )
     model = build(config)
     with torch.no_grad():  # sinks away from their initial ~0, so that they matter
         for name, param in model.named_parameters():
@@ -78,7 +96,9 @@ def test_flex_blocks_trace_to_one_graph(kind, monkeypatch, one_thread):
     inputs = block_inputs(model.config, backend="flex")
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
-    assert_same(values_and_grads(block, *inputs), values_and_grads(compiled, *inputs), f"flex {kind}")
+    assert_same(
+        values_and_grads(block, *inputs), values_and_grads(compiled, *inputs), f"flex {kind}"
+    )
 
 
 @FLINT
@@ -87,6 +107,7 @@ def test_bf16_block_tracks_fp32(one_thread):
     input gradient stay within 3% (relative RMS) of the FP32 block's on the same weights; about
     0.5% is measured, a few BF16 roundings deep. The BF16 block also traces to one graph."""
     from model import build_model
+
     fp32_model = block_model()
     bf16_model = build_model(fp32_model.config, dtype=torch.bfloat16, seed=0)
     bf16_model.load_state_dict(fp32_model.state_dict())
@@ -98,6 +119,7 @@ def test_bf16_block_tracks_fp32(one_thread):
 
     def relative_rms(a, b):
         return ((a.float() - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
     assert relative_rms(out16, out) < 3e-2 and relative_rms(grads16[0], grads[0]) < 3e-2
     torch._dynamo.reset()
     compiled = torch.compile(bf16_model.layers["2"], fullgraph=True, backend="aot_eager")
@@ -112,9 +134,16 @@ def test_head_and_chunked_loss_compile_to_one_graph(chunk_size, one_thread):
     inside the graph), with ignored targets: one graph, equal values and gradients."""
     model = block_model(loss_chunk_size=chunk_size)
     head = model.lm_head
-    h = torch.randn(BATCH, SEQ, model.config.hidden_size, generator=torch.Generator().manual_seed(0),
-                    requires_grad=True)
-    targets = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    h = torch.randn(
+        BATCH,
+        SEQ,
+        model.config.hidden_size,
+        generator=torch.Generator().manual_seed(0),
+        requires_grad=True,
+    )
+    targets = torch.randint(
+        0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)
+    )
     targets[:, -5:] = -100
     torch._dynamo.reset()
     compiled = torch.compile(head, fullgraph=True, backend="aot_eager")
@@ -160,9 +189,14 @@ def test_large4_blocks_compile_to_one_graph_each(attention_backend, monkeypatch,
     model, with a sparse selection (index_topk 8 < 32 tokens): loss and gradients equal eager. With
     flex, a full-indexer block builds its group's BlockMask inside its graph and returns it."""
     from large4 import Large4Config, build_large4
+
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
-    model = build_large4(Large4Config.from_name("large4-parity", attention_backend=attention_backend), seed=0)
-    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    model = build_large4(
+        Large4Config.from_name("large4-parity", attention_backend=attention_backend), seed=0
+    )
+    ids = torch.randint(
+        0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0)
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     results = []
     for compiled in (False, True):
@@ -202,6 +236,7 @@ def test_expert_counts_match_bincount():
 
 
 # ----------------------------------------------------------------------------- custom operators
+
 
 def test_grouped_mm_operator_matches_per_group_matmuls():
     """The op and its backward against a plain loop over groups, with an empty group; opcheck
@@ -246,9 +281,13 @@ def test_flash_sink_operator_passes_opcheck():
 def train_then_evaluate_compiled(model, monkeypatch) -> None:
     """parallel.apply_compile, one training step, then a no_grad loss equal to eager's."""
     from functools import partial
+
     from parallel import apply_compile
+
     monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="aot_eager"))
-    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         eager = model(ids, ids.roll(-1, 1))
     torch._dynamo.reset()
@@ -263,15 +302,22 @@ def test_compiled_blocks_train_and_evaluate_past_the_recompile_limit(monkeypatch
     """All blocks share one code object; dynamo keeps a graph per distinct block and grad mode
     (training, evaluation under no_grad). Two block kinds make 4 graphs: past a limit of 2,
     apply_compile raises the limit for the model, so the first evaluation does not stop the run."""
-    config = tiny_config("flint", num_hidden_layers=2, mlp_only_layers=[0], layer_types=[FULL, SLIDING])
-    with torch._dynamo.config.patch(recompile_limit=2):  # torch's own means: monkeypatch would delete the key
+    config = tiny_config(
+        "flint", num_hidden_layers=2, mlp_only_layers=[0], layer_types=[FULL, SLIDING]
+    )
+    # torch's own means: monkeypatch would delete the key
+    with torch._dynamo.config.patch(recompile_limit=2):
         train_then_evaluate_compiled(build(config), monkeypatch)
 
 
 def test_dynamo_config_is_intact_after_a_patched_test():
     """Runs after the test above: the key it patched is still there, at its default (conftest's
-    fresh_dynamo also undoes what apply_compile set), so later compiles in the process still work."""
-    assert torch._dynamo.config.recompile_limit == torch._dynamo.config._config["recompile_limit"].default
+    fresh_dynamo also undoes what apply_compile set), so later compiles in the process still
+    work."""
+    assert (
+        torch._dynamo.config.recompile_limit
+        == torch._dynamo.config._config["recompile_limit"].default
+    )
     assert "recompile_limit" in torch._dynamo.config.get_config_copy()
 
 
@@ -279,35 +325,52 @@ def test_dynamo_config_is_intact_after_a_patched_test():
 @only("large4")
 def test_large4_compiled_trains_and_evaluates(monkeypatch, one_thread):
     """Mistral Large 4's parity preset: 8 blocks that all differ, 16 graphs, past dynamo's default
-    limit of 8 (which stopped configs/large4-smoke.toml with compile = true at its first evaluation)."""
+    limit of 8 (which stopped configs/large4-smoke.toml with compile = true at its first
+    evaluation)."""
     from large4 import Large4Config, build_large4
-    train_then_evaluate_compiled(build_large4(Large4Config.from_name("large4-parity"), seed=0), monkeypatch)
+
+    train_then_evaluate_compiled(
+        build_large4(Large4Config.from_name("large4-parity"), seed=0), monkeypatch
+    )
 
 
-# ----------------------------------------------------------------------------- parallelize: checkpointed, compiled blocks
+# ------------------------------------------------------- parallelize: checkpointed, compiled blocks
 
-def check_checkpointed_compiled_matches_eager(family: str, layout: dict, expected_graphs: dict, rtol: float,
-                                              atol: float, batches: int = 1) -> None:
+
+def check_checkpointed_compiled_matches_eager(
+    family: str, layout: dict, expected_graphs: dict, rtol: float, atol: float, batches: int = 1
+) -> None:
     """The compiled step against the eager one of the same layout: loss and gradients within
-    rtol/atol, every block recomputed as the checkpointing mode says, and the graphs each block
-    ran in its forward as `expected_graphs` (by layer name, this rank's), every break at an FSDP hook."""
-    eager_loss, eager_grads, _, eager_calls, _ = parallel_step(family, layout, False, batches=batches)
+    rtol/atol, every block recomputed as the checkpointing mode says, and the graphs each block ran
+    in its forward as `expected_graphs` (by layer name, this rank's), every break at an FSDP
+    hook."""
+    eager_loss, eager_grads, _, eager_calls, _ = parallel_step(
+        family, layout, False, batches=batches
+    )
     loss, grads, graphs, calls, breaks = parallel_step(family, layout, True, batches=batches)
     torch.testing.assert_close(loss, eager_loss, rtol=rtol, atol=atol)
     assert grads.keys() == eager_grads.keys()
     for name, grad in eager_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=rtol, atol=atol, msg=lambda m: f"gradient {name}: {m}")
+        torch.testing.assert_close(
+            grads[name], grad, rtol=rtol, atol=atol, msg=lambda m: f"gradient {name}: {m}"
+        )
     mode = layout.get("activation_checkpointing", "none")
     for name, (forwards, recomputes) in calls.items():
         checkpointed = mode == "full" or (mode == "selective" and int(name) % 2 == 0)
         # a pipeline stage's shape inference is one more forward, with no backward
-        assert 1 <= forwards and (recomputes > 0) == checkpointed and recomputes <= forwards, (name, calls[name])
+        assert 1 <= forwards and (recomputes > 0) == checkpointed and recomputes <= forwards, (
+            name,
+            calls[name],
+        )
     assert calls == eager_calls, (calls, eager_calls)
     expected_graphs = {name: expected_graphs[name] for name in calls}  # this pipeline rank's blocks
     assert graphs == expected_graphs, f"graphs per block {graphs}, expected {expected_graphs}"
-    # FSDP's hooks, and under expert parallelism the count exchange moe.py keeps eager (torch.compiler.disable)
+    # FSDP's hooks, and under expert parallelism the count exchange moe.py keeps eager
+    # (torch.compiler.disable)
     known = ("_fsdp_common.py", "exchange_counts")
-    unknown = [reason.splitlines()[0] for reason in breaks if not any(mark in reason for mark in known)]
+    unknown = [
+        reason.splitlines()[0] for reason in breaks if not any(mark in reason for mark in known)
+    ]
     assert not unknown, unknown
 
 
@@ -319,23 +382,37 @@ def spawned(check, *args) -> None:
 
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_checkpointed_blocks_compile_whole_and_match_eager(family, monkeypatch):
-    """FP32 in a group of one, selective checkpointing (block 0 recomputed in backward, block 1 not):
-    every block compiles with fullgraph=True (a break raises) to one graph; loss and gradients equal
-    the eager blocks'; the parameter names are the model's own."""
+    """FP32 in a group of one, selective checkpointing (block 0 recomputed in backward, block 1
+    not): every block compiles with fullgraph=True (a break raises) to one graph; loss and gradients
+    equal the eager blocks'; the parameter names are the model's own."""
     monkeypatch.setattr(torch, "compile", partial(torch.compile, backend=counting_backend))
     layers = parallel_block_model(family).config.num_hidden_layers
-    in_process_group(check_checkpointed_compiled_matches_eager, family, {"activation_checkpointing": "selective"},
-                     {str(i): 1 for i in range(layers)}, 1e-5, 1e-6)
+    in_process_group(
+        check_checkpointed_compiled_matches_eager,
+        family,
+        {"activation_checkpointing": "selective"},
+        {str(i): 1 for i in range(layers)},
+        1e-5,
+        1e-6,
+    )
 
 
-@pytest.mark.parametrize("family", [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=slow)
-                                    for name in FAMILY_NAMES])
+@pytest.mark.parametrize(
+    "family",
+    [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=slow) for name in FAMILY_NAMES],
+)
 def test_checkpointed_blocks_under_a_bf16_policy(family, monkeypatch):
     """A BF16 FSDP policy in a group of one, every block checkpointed: the graphs per block kind are
     pinned (BF16_GRAPHS), each break is at an FSDP hook, and the values are the eager blocks'."""
     monkeypatch.setattr(torch, "compile", partial(torch.compile, backend=counting_backend))
-    in_process_group(check_checkpointed_compiled_matches_eager, family,
-                     {"param_dtype": "bfloat16", "activation_checkpointing": "full"}, BF16_GRAPHS[family], 1e-2, 1e-3)
+    in_process_group(
+        check_checkpointed_compiled_matches_eager,
+        family,
+        {"param_dtype": "bfloat16", "activation_checkpointing": "full"},
+        BF16_GRAPHS[family],
+        1e-2,
+        1e-3,
+    )
 
 
 @pytest.mark.slow
@@ -348,24 +425,53 @@ def test_checkpointed_blocks_under_bf16_expert_parallel():
     by the recompute. The graph after it exchanges the chunks' rows, runs the experts and the
     shared expert, and reads the split sizes as unbacked integers, so a second batch, routed
     otherwise, runs the same graphs."""
-    spawn(2, spawned, check_checkpointed_compiled_matches_eager, "flint",
-          {"param_dtype": "bfloat16", "ep": 2, "activation_checkpointing": "full"}, {"0": 3, "1": 7}, 1e-2, 1e-3, 2)
+    spawn(
+        2,
+        spawned,
+        check_checkpointed_compiled_matches_eager,
+        "flint",
+        {"param_dtype": "bfloat16", "ep": 2, "activation_checkpointing": "full"},
+        {"0": 3, "1": 7},
+        1e-2,
+        1e-3,
+        2,
+    )
 
 
 @slow
 @FLINT
 def test_checkpointed_blocks_under_bf16_pipeline_stages():
-    """pp = 2 over 2 gloo ranks, BF16 policy: each stage's blocks run the graphs of the FSDP layout."""
-    spawn(2, spawned, check_checkpointed_compiled_matches_eager, "flint",
-          {"param_dtype": "bfloat16", "pp": 2, "activation_checkpointing": "full"}, BF16_GRAPHS["flint"], 1e-2, 1e-3)
+    """pp = 2 over 2 gloo ranks, BF16 policy: each stage's blocks run the graphs of the FSDP
+    layout."""
+    spawn(
+        2,
+        spawned,
+        check_checkpointed_compiled_matches_eager,
+        "flint",
+        {"param_dtype": "bfloat16", "pp": 2, "activation_checkpointing": "full"},
+        BF16_GRAPHS["flint"],
+        1e-2,
+        1e-3,
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=slow)
-                                    for name in FAMILY_NAMES])
+@pytest.mark.parametrize(
+    "family",
+    [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=slow) for name in FAMILY_NAMES],
+)
 def test_checkpointed_blocks_under_fp32_expert_parallel_in_three_chunks(family):
     """ep = 2 over 2 gloo ranks in FP32, every block checkpointed, the exchange in 3 chunks: the
     compiled step equals the eager one to FP32 rounding over two batches routed differently (no
     recompile), and the graphs are pinned (EP_FP32_GRAPHS)."""
-    spawn(2, spawned, check_checkpointed_compiled_matches_eager, family,
-          {"ep": 2, "activation_checkpointing": "full", "ep_overlap": 3}, EP_FP32_GRAPHS[family], 1e-5, 1e-6, 2)
+    spawn(
+        2,
+        spawned,
+        check_checkpointed_compiled_matches_eager,
+        family,
+        {"ep": 2, "activation_checkpointing": "full", "ep_overlap": 3},
+        EP_FP32_GRAPHS[family],
+        1e-5,
+        1e-6,
+        2,
+    )

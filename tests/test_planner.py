@@ -1,4 +1,5 @@
-"""tools/planner.py: the traced FLOPs, the layout's collectives and the command, against counts made by hand."""
+"""tools/planner.py: the traced FLOPs, the layout's collectives and the command, against counts made
+by hand."""
 
 import dataclasses
 import math
@@ -13,12 +14,27 @@ import torch
 import tools.planner as planner
 from config import ConfigError, load_config
 from helpers import only, stops_with_one_line
+from parallel import ParallelConfig
 from registry import family
 from tools.op_trace import OpCost, trace_step
-from parallel import ParallelConfig
-from tools.planner import (ALL_TO_ALL_NVLINK_EFFICIENCY, GEMM_EFFICIENCY, GPUS, NETWORK_EFFICIENCY, NVLINK_RING_EFFICIENCY,
-                           Pass, Pricing, all_to_all_seconds, attention_flops_per_token, expert_parallel_item,
-                           fsdp_items, fsdp_passes, group_span, overlapped_exchange, tiled_pairs, unit_bytes)
+from tools.planner import (
+    ALL_TO_ALL_NVLINK_EFFICIENCY,
+    GEMM_EFFICIENCY,
+    GPUS,
+    NETWORK_EFFICIENCY,
+    NVLINK_RING_EFFICIENCY,
+    Pass,
+    Pricing,
+    all_to_all_seconds,
+    attention_flops_per_token,
+    expert_parallel_item,
+    fsdp_items,
+    fsdp_passes,
+    group_span,
+    overlapped_exchange,
+    tiled_pairs,
+    unit_bytes,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +44,8 @@ FLINT = only("flint")
 
 
 def tiny():
-    return family("flint").config.from_name("tiny")  # 6 layers (0, 1 dense), 8 experts top 2, window 9
+    # 6 layers (0, 1 dense), 8 experts top 2, window 9
+    return family("flint").config.from_name("tiny")
 
 
 def matrices_per_token(c) -> int:
@@ -36,8 +53,11 @@ def matrices_per_token(c) -> int:
     router + top-k experts + shared expert, and the head (the embedding is a lookup, no FLOPs)."""
     attention = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
     dense = 3 * c.hidden_size * c.intermediate_size
-    moe = c.hidden_size * (c.num_experts + 3 * c.num_experts_per_tok * c.moe_intermediate_size
-                           + 3 * c.shared_expert_intermediate_size)
+    moe = c.hidden_size * (
+        c.num_experts
+        + 3 * c.num_experts_per_tok * c.moe_intermediate_size
+        + 3 * c.shared_expert_intermediate_size
+    )
     layers = sum(moe if i not in c.mlp_only_layers else dense for i in range(c.num_hidden_layers))
     return c.num_hidden_layers * attention + layers + c.vocab_size * c.hidden_size
 
@@ -47,8 +67,8 @@ def test_traced_flops_of_a_tiny_flint_equal_the_hand_formula():
     """One FP32 step, no recompute, no padding: the matmuls outside attention are 6 FLOPs per active
     weight per token (2 forward, 4 backward; the head's three in its fused loss); the CPU attention
     kernel computes 4 * Hq * D per query per key it is given in forward and 10 in backward (torch's
-    count: the flash backward recomputes the scores): every key on full layers (a dense mask), and on
-    sliding layers blocks of window - 1 queries against two blocks of keys. Both are exact counts
+    count: the flash backward recomputes the scores): every key on full layers (a dense mask), and
+    on sliding layers blocks of window - 1 queries against two blocks of keys. Both are exact counts
     (tolerance 1e-9)."""
     c, batch, seq_len = tiny(), 2, 64
     costs = trace_step(c, batch, seq_len, torch.float32, "none")
@@ -56,8 +76,13 @@ def test_traced_flops_of_a_tiny_flint_equal_the_hand_formula():
     matmuls = sum(cost.flops for cost in costs if not cost.attention_core)
     assert matmuls == pytest.approx(6 * matrices_per_token(c) * tokens, rel=1e-9)
     block = c.sliding_window - 1
-    keys = sum(seq_len if kind == "full_attention" else math.ceil(seq_len / block) * block * 2 * block / seq_len
-               for kind in c.layer_types)  # keys per query the kernel computes, summed over the layers
+    keys = sum(
+        seq_len
+        if kind == "full_attention"
+        else math.ceil(seq_len / block) * block * 2 * block / seq_len
+        # keys per query the kernel computes, summed over the layers
+        for kind in c.layer_types
+    )
     core = sum(cost.flops for cost in costs if cost.attention_core)
     assert core == pytest.approx(14 * c.num_attention_heads * c.head_dim * keys * tokens, rel=1e-9)
 
@@ -67,20 +92,33 @@ def test_model_attention_flops_are_the_keys_each_query_attends():
     """What a GPU's flex kernel computes per token: 12 * Hq * D per attended key, (i + 1) keys at
     position i on full layers, min(i + 1, window) on sliding ones."""
     c, seq_len = tiny(), 64
-    attended = sum(sum(i + 1 if kind == "full_attention" else min(i + 1, c.sliding_window) for i in range(seq_len))
-                   for kind in c.layer_types) / seq_len
-    assert attention_flops_per_token(c, seq_len) == pytest.approx(12 * c.num_attention_heads * c.head_dim * attended)
+    attended = (
+        sum(
+            sum(
+                i + 1 if kind == "full_attention" else min(i + 1, c.sliding_window)
+                for i in range(seq_len)
+            )
+            for kind in c.layer_types
+        )
+        / seq_len
+    )
+    assert attention_flops_per_token(c, seq_len) == pytest.approx(
+        12 * c.num_attention_heads * c.head_dim * attended
+    )
 
 
 @FLINT
 def test_collectives_of_a_stated_layout_equal_the_hand_count():
     """4 GPUs of one H100 node, dp_shard = 2 x ep = 2, BF16. Per MoE block, FSDP gathers the
     non-expert weights (BF16; sinks and router FP32) over all 4 GPUs and this rank's half of the
-    experts over its dp_shard group of 2; gradients are FP32, reduce-scattered once per micro-batch. The
-    all-to-all sends each token's k rows of H BF16 values, half of them to the other rank, 6 times per
-    MoE layer with full recompute. Rings at NCCL's measured 80 % of NVLink, the all-to-all at DeepEP's 77 %."""
+    experts over its dp_shard group of 2; gradients are FP32, reduce-scattered once per micro-batch.
+    The all-to-all sends each token's k rows of H BF16 values, half of them to the other rank, 6
+    times per MoE layer with full recompute. Rings at NCCL's measured 80 % of NVLink, the all-to-all
+    at DeepEP's 77 %."""
     c = tiny()
-    layout = ParallelConfig(dp_shard=2, ep=2, activation_checkpointing="full", ep_overlap=1).resolve(4, c.num_experts)
+    layout = ParallelConfig(
+        dp_shard=2, ep=2, activation_checkpointing="full", ep_overlap=1
+    ).resolve(4, c.num_experts)
     h, hq, hkv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     attention = h * d * (2 * hq + 2 * hkv) + 2 * d  # projections, q/k norms
     bulk = attention + 2 * h + 3 * h * c.shared_expert_intermediate_size  # and the two block norms
@@ -90,26 +128,37 @@ def test_collectives_of_a_stated_layout_equal_the_hand_count():
     assert block == (2 * bulk + 4 * fp32, 2 * experts, 4 * (bulk + fp32), 4 * experts)
     h100 = GPUS["H100"]
     ring = h100.nvlink * NVLINK_RING_EFFICIENCY
-    items = fsdp_items(c, layout, Pricing(h100), 2, layer_compute=0.0)  # no compute: nothing overlaps
+    # no compute: nothing overlaps
+    items = fsdp_items(c, layout, Pricing(h100), 2, layer_compute=0.0)
     units = unit_bytes(c, layout, 2)
-    times = [2] * (len(units) - 1) + [1]  # blocks again in backward, the root units (embedding, head) once
-    gathers = sum(n * (other * 3 / 4 + expert / 2) for n, (other, expert, _, _) in zip(times, units)) / ring
+    # blocks again in backward, the root units (embedding, head) once
+    times = [2] * (len(units) - 1) + [1]
+    gathers = (
+        sum(n * (other * 3 / 4 + expert / 2) for n, (other, expert, _, _) in zip(times, units))
+        / ring
+    )
     scatters = sum(other * 3 / 4 + expert / 2 for _, _, other, expert in units) / ring
-    assert items[0].seconds == pytest.approx(gathers) and items[1].seconds == pytest.approx(scatters)
+    assert items[0].seconds == pytest.approx(gathers) and items[1].seconds == pytest.approx(
+        scatters
+    )
     assert items[0].exposed + items[1].exposed == pytest.approx(gathers + scatters)
     tokens = 8 * 64
     a2a = expert_parallel_item(c, layout, Pricing(h100), tokens, 2, recomputed=1.0)
     moe_layers = c.num_hidden_layers - len(c.mlp_only_layers)
-    one_way = tokens * c.num_experts_per_tok * h * 2 / 2 / (h100.nvlink * ALL_TO_ALL_NVLINK_EFFICIENCY)
-    assert a2a.seconds == pytest.approx(moe_layers * 6 * one_way) == pytest.approx(a2a.exposed)  # nothing to hide behind
+    one_way = (
+        tokens * c.num_experts_per_tok * h * 2 / 2 / (h100.nvlink * ALL_TO_ALL_NVLINK_EFFICIENCY)
+    )
+    # nothing to hide behind
+    assert a2a.seconds == pytest.approx(moe_layers * 6 * one_way) == pytest.approx(a2a.exposed)
 
 
 @FLINT
 def test_groups_across_nodes_ride_the_network():
-    """32 H100s, dp_shard 4 x ep 8 (mesh pp, dp_replicate, dp_shard, ep, cp; 8 consecutive ranks a node):
-    the ep group is one node (NVLink); the experts' FSDP group (dp_shard) has one member per node, so its
-    ring crosses nodes through one 50 GB/s NIC per GPU at 90 %; the FSDP group of 32 has 8 members a node,
-    8 NICs, min(NVLink, 8 x NIC). An all-to-all over 2 nodes sends half its rows through the NIC."""
+    """32 H100s, dp_shard 4 x ep 8 (mesh pp, dp_replicate, dp_shard, ep, cp; 8 consecutive ranks a
+    node): the ep group is one node (NVLink); the experts' FSDP group (dp_shard) has one member per
+    node, so its ring crosses nodes through one 50 GB/s NIC per GPU at 90 %; the FSDP group of 32
+    has 8 members a node, 8 NICs, min(NVLink, 8 x NIC). An all-to-all over 2 nodes sends half its
+    rows through the NIC."""
     c = tiny()
     layout = ParallelConfig(dp_shard=4, ep=8).resolve(32, c.num_experts)
     h100 = GPUS["H100"]
@@ -120,21 +169,26 @@ def test_groups_across_nodes_ride_the_network():
     items = fsdp_items(c, layout, Pricing(h100), 2, layer_compute=0.0)
     units = unit_bytes(c, layout, 2)
     times = [2] * (len(units) - 1) + [1]
-    gathers = sum(n * (other * 31 / 32 / min(ring, 8 * nic) + expert * 3 / 4 / nic)
-                  for n, (other, expert, _, _) in zip(times, units))
+    gathers = sum(
+        n * (other * 31 / 32 / min(ring, 8 * nic) + expert * 3 / 4 / nic)
+        for n, (other, expert, _, _) in zip(times, units)
+    )
     assert items[0].seconds == pytest.approx(gathers)
     sent = 1e9
     assert all_to_all_seconds(sent, 16, 8, Pricing(h100)) == pytest.approx(sent * 8 / 16 / nic)
-    assert all_to_all_seconds(sent, 8, 8, Pricing(h100)) == pytest.approx(sent * 7 / 8 / (h100.nvlink * ALL_TO_ALL_NVLINK_EFFICIENCY))
+    assert all_to_all_seconds(sent, 8, 8, Pricing(h100)) == pytest.approx(
+        sent * 7 / 8 / (h100.nvlink * ALL_TO_ALL_NVLINK_EFFICIENCY)
+    )
 
 
 @FLINT
 @pytest.mark.parametrize("mode", ["sync_each", "sync_last", "gathered"])
 def test_fsdp_collectives_per_accumulation_mode(mode):
-    """4 micro-batches on 4 FSDP ranks of one node: sync_each gathers each block twice and the root units
-    once per micro-batch and reduce-scatters every micro-batch; sync_last reduce-scatters once; gathered
-    also gathers once, in the first forward (parallel.ParallelModel.accumulate_gradients). Under pp one
-    schedule call per micro-batch (sync_each) or per step, each gathering and reduce-scattering once."""
+    """4 micro-batches on 4 FSDP ranks of one node: sync_each gathers each block twice and the root
+    units once per micro-batch and reduce-scatters every micro-batch; sync_last reduce-scatters
+    once; gathered also gathers once, in the first forward
+    (parallel.ParallelModel.accumulate_gradients). Under pp one schedule call per micro-batch
+    (sync_each) or per step, each gathering and reduce-scattering once."""
     c, h100 = tiny(), GPUS["H100"]
     layout = ParallelConfig(dp_shard=4, accumulation=mode).resolve(4, c.num_experts)
     units = unit_bytes(c, layout, 2)
@@ -142,75 +196,125 @@ def test_fsdp_collectives_per_accumulation_mode(mode):
     block = sum(o + e for o, e, _, _ in units[:-1]) * 3 / 4 / ring
     root = (units[-1][0] + units[-1][1]) * 3 / 4 / ring
     scatter = sum(o + e for _, _, o, e in units) * 3 / 4 / ring
-    block_gathers, root_gathers, scatters = {"sync_each": (8, 4, 4), "sync_last": (8, 4, 1), "gathered": (1, 1, 1)}[mode]
-    items = fsdp_items(c, layout, Pricing(h100), 2, layer_compute=0.0, microbatches=4, accumulation=mode)
+    block_gathers, root_gathers, scatters = {
+        "sync_each": (8, 4, 4),
+        "sync_last": (8, 4, 1),
+        "gathered": (1, 1, 1),
+    }[mode]
+    items = fsdp_items(
+        c, layout, Pricing(h100), 2, layer_compute=0.0, microbatches=4, accumulation=mode
+    )
     assert items[0].seconds == pytest.approx(block_gathers * block + root_gathers * root)
     assert items[1].seconds == pytest.approx(scatters * scatter)
     piped = ParallelConfig(pp=2, dp_shard=2).resolve(4, c.num_experts)
-    assert fsdp_passes(piped, 4, mode) == ([Pass(1, 1, 1, 1)] * 4 if mode == "sync_each" else [Pass(1, 1, 1, 4)])
+    assert fsdp_passes(piped, 4, mode) == (
+        [Pass(1, 1, 1, 1)] * 4 if mode == "sync_each" else [Pass(1, 1, 1, 4)]
+    )
 
 
 def test_overlapped_exchange_by_hand():
-    """moe.ExpertParallelExperts' schedule, one chunk's all-to-all taking 1 s one way: dispatch 0 past the
-    shared expert (0.25 s) is exposed, 0.75 s; with 3 chunks of 0.5 s of experts each, chunk 0 hides
-    dispatch 1 but 0.5 s, chunk 1 combine 0 and dispatch 2 but 1.5 s, chunk 2 combine 1 but 0.5 s; the
-    last combine is waited for, 1 s. One chunk: its dispatch past the shared expert, then its combine."""
+    """moe.ExpertParallelExperts' schedule, one chunk's all-to-all taking 1 s one way: dispatch 0
+    past the shared expert (0.25 s) is exposed, 0.75 s; with 3 chunks of 0.5 s of experts each,
+    chunk 0 hides dispatch 1 but 0.5 s, chunk 1 combine 0 and dispatch 2 but 1.5 s, chunk 2 combine
+    1 but 0.5 s; the last combine is waited for, 1 s. One chunk: its dispatch past the shared
+    expert, then its combine."""
     assert overlapped_exchange(1.0, 3, 0.5, 0.25) == pytest.approx(0.75 + 0.5 + 1.5 + 0.5 + 1.0)
     assert overlapped_exchange(1.0, 1, 5.0, 0.25) == pytest.approx(0.75 + 1.0)
-    assert overlapped_exchange(1.0, 3, 5.0, 5.0) == pytest.approx(1.0)  # the experts hide every middle transfer
+    # the experts hide every middle transfer
+    assert overlapped_exchange(1.0, 3, 5.0, 5.0) == pytest.approx(1.0)
 
 
 def test_flex_tiles_by_hand():
-    """256 tokens in 128-token tiles. Window 128: query tile 0 computes key tile 0, query tile 1 (queries
-    128..255 see keys from 1 on) tiles 0 and 1: 3 tiles of 128 x 128 against sum(min(i + 1, 128)) attended
-    pairs; causal: the same 3 tiles against 256 x 257 / 2."""
+    """256 tokens in 128-token tiles. Window 128: query tile 0 computes key tile 0, query tile 1
+    (queries 128..255 see keys from 1 on) tiles 0 and 1: 3 tiles of 128 x 128 against sum(min(i + 1,
+    128)) attended pairs; causal: the same 3 tiles against 256 x 257 / 2."""
     assert tiled_pairs(256, 128) == (3 * 128 * 128, 128 * 129 // 2 + 128 * 128)
     assert tiled_pairs(256, None) == (3 * 128 * 128, 256 * 257 // 2)
 
 
 def test_head_matmuls_run_at_the_head_precision():
     """An FP32 matmul of the head costs FLOPs / the peak [parallel] head_precision names; an FP32
-    router matmul runs at torch's default, the CUDA cores' FP32 peak; calibrated, each at the GEMM's fraction."""
+    router matmul runs at torch's default, the CUDA cores' FP32 peak; calibrated, each at the GEMM's
+    fraction."""
     h100 = GPUS["H100"]
     head = OpCost("forward", "lm_head", "mm", "float32", "", False, flops=1e12)
     router = OpCost("forward", "layers.*.mlp.router", "mm", "float32", "", False, flops=1e12)
-    assert Pricing(h100, "tf32", calibrated=False).seconds(head)[0] == pytest.approx(1e12 / h100.tf32)
-    assert Pricing(h100, "bf16x3", calibrated=False).seconds(head)[0] == pytest.approx(3e12 / h100.bf16)
-    assert Pricing(h100, "tf32", calibrated=False).seconds(router)[0] == pytest.approx(1e12 / h100.fp32)
-    assert Pricing(h100, "bf16").seconds(head)[0] == pytest.approx(1e12 / h100.bf16 / GEMM_EFFICIENCY)
+    assert Pricing(h100, "tf32", calibrated=False).seconds(head)[0] == pytest.approx(
+        1e12 / h100.tf32
+    )
+    assert Pricing(h100, "bf16x3", calibrated=False).seconds(head)[0] == pytest.approx(
+        3e12 / h100.bf16
+    )
+    assert Pricing(h100, "tf32", calibrated=False).seconds(router)[0] == pytest.approx(
+        1e12 / h100.fp32
+    )
+    assert Pricing(h100, "bf16").seconds(head)[0] == pytest.approx(
+        1e12 / h100.bf16 / GEMM_EFFICIENCY
+    )
     with pytest.raises(ConfigError, match=r"\[parallel\] head_precision = 'fp64'"):
         planner.head_precision(SimpleNamespace(head_precision="fp64"))
 
 
 @FLINT
 def test_plan_prices_the_head_at_the_layouts_head_precision():
-    """The same step with [parallel] head_precision bf16 and float32 on a device whose memory and links cost
-    nothing: the step differs by the head's three FP32 matmuls of the fused loss (6 x vocab x hidden FLOPs per
-    token) at the two peaks, each at the GEMM's calibrated fraction."""
+    """The same step with [parallel] head_precision bf16 and float32 on a device whose memory and
+    links cost nothing: the step differs by the head's three FP32 matmuls of the fused loss (6 x
+    vocab x hidden FLOPs per token) at the two peaks, each at the GEMM's calibrated fraction."""
     from config import load_config
-    cfg = load_config(ROOT / "configs" / "flint-8gpu.toml", ["--model.preset=tiny", "--data.seq_len=64"])
+
+    cfg = load_config(
+        ROOT / "configs" / "flint-8gpu.toml", ["--model.preset=tiny", "--data.seq_len=64"]
+    )
     free = planner.Device("H100 free bytes", 989e12, 495e12, 67e12, 1e30, 1e30, 1e30)
     c = cfg.model_config
 
     def step(precision):
-        layout = dataclasses.replace(cfg.parallel, head_precision=precision).resolve(8, c.num_experts)
+        layout = dataclasses.replace(cfg.parallel, head_precision=precision).resolve(
+            8, c.num_experts
+        )
         return planner.plan_step(cfg, layout, free).step_seconds
+
     head = 6 * c.vocab_size * c.hidden_size * 64 / GEMM_EFFICIENCY
-    assert step("float32") - step("bf16") == pytest.approx(head / free.fp32 - head / free.bf16, rel=1e-6)
+    assert step("float32") - step("bf16") == pytest.approx(
+        head / free.fp32 - head / free.bf16, rel=1e-6
+    )
 
 
 @FLINT
 def test_command_prints_tokens_mfu_and_the_ten_costliest(capsys, monkeypatch):
-    """A released config (4 layers, short sequences, to stay fast), then the CPU device on a tiny preset."""
+    """A released config (4 layers, short sequences, to stay fast), then the CPU device on a tiny
+    preset."""
     monkeypatch.chdir(ROOT)
-    plan = planner.main(["--config", "configs/flint-8gpu.toml", "--gpu", "h200", "--model.num_hidden_layers=4",
-                         "--data.seq_len=1024"])
+    plan = planner.main(
+        [
+            "--config",
+            "configs/flint-8gpu.toml",
+            "--gpu",
+            "h200",
+            "--model.num_hidden_layers=4",
+            "--data.seq_len=1024",
+        ]
+    )
     out = capsys.readouterr().out
-    assert "H200 SXM, dp_shard=2 ep=4 ac=full ep_overlap=4" in out and "tokens/s per GPU, MFU" in out
-    assert any("expert-parallel all-to-all" in item.label for item in plan.items) and "100 % of peak (the bound)" in out
-    assert len([line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]) == 10
-    assert 0 < plan.mfu < 1 and plan.step_seconds == pytest.approx(sum(item.exposed for item in plan.items))
-    monkeypatch.setattr(planner, "measure_cpu", lambda: planner.Device("cpu (test)", 1e11, 1e11, 1e11, 1e10, 0, 0, 1))
+    assert (
+        "H200 SXM, dp_shard=2 ep=4 ac=full ep_overlap=4" in out and "tokens/s per GPU, MFU" in out
+    )
+    assert (
+        any("expert-parallel all-to-all" in item.label for item in plan.items)
+        and "100 % of peak (the bound)" in out
+    )
+    assert (
+        len([line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()])
+        == 10
+    )
+    assert 0 < plan.mfu < 1 and plan.step_seconds == pytest.approx(
+        sum(item.exposed for item in plan.items)
+    )
+    monkeypatch.setattr(
+        planner,
+        "measure_cpu",
+        lambda: planner.Device("cpu (test)", 1e11, 1e11, 1e11, 1e10, 0, 0, 1),
+    )
     cpu = planner.main(["--gpu", "cpu", "--preset", "tiny", "--data.seq_len=64"])
     assert "cpu (test), one GPU ac=none" in capsys.readouterr().out and cpu.step_seconds > 0
 
@@ -218,56 +322,84 @@ def test_command_prints_tokens_mfu_and_the_ten_costliest(capsys, monkeypatch):
 @FLINT
 def test_bad_gpu_and_missing_config_are_one_line_errors(monkeypatch):
     monkeypatch.chdir(ROOT)
-    with pytest.raises(ConfigError, match=r"--gpu: unknown GPU 'A100'; choose one of H100, H200, B200 or cpu"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--gpu: unknown GPU 'A100'; choose one of H100, H200, "
+        r"B200 or cpu",
+    ):
         planner.main(["--config", "configs/flint-8gpu.toml", "--gpu", "A100"])
     with pytest.raises(ConfigError, match="give --config or --preset"):
         planner.main(["--gpu", "H100"])
-    result = subprocess.run([sys.executable, "-m", "tools.planner", "--config", "configs/flint-8gpu.toml", "--gpu", "A100"],
-                            cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 1 and result.stderr.startswith("error: --gpu") and "Traceback" not in result.stderr
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.planner",
+            "--config",
+            "configs/flint-8gpu.toml",
+            "--gpu",
+            "A100",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        result.returncode == 1
+        and result.stderr.startswith("error: --gpu")
+        and "Traceback" not in result.stderr
+    )
 
 
 @pytest.mark.slow(beyond_ci=True)  # the released Flint's traces: about two minutes on 2 busy cores
 @FLINT
 def test_released_flint_step_is_its_model_flops_plus_at_most_one_recomputed_forward():
-    """configs/flint-8gpu.toml in BF16 at 1,024 tokens: without checkpointing, the traced matmuls outside
-    attention are 6 FLOPs per weight that model.flops_per_token counts beside attention; full
-    checkpointing adds at most one forward of the blocks (2 per block weight) and at least 90 % of it
-    (torch's checkpoint stops recomputing once the last tensor backward needs is back)."""
+    """configs/flint-8gpu.toml in BF16 at 1,024 tokens: without checkpointing, the traced matmuls
+    outside attention are 6 FLOPs per weight that model.flops_per_token counts beside attention;
+    full checkpointing adds at most one forward of the blocks (2 per block weight) and at least 90 %
+    of it (torch's checkpoint stops recomputing once the last tensor backward needs is back)."""
     from config import load_config
+
     config, seq_len = load_config(ROOT / "configs" / "flint-8gpu.toml").model_config, 1024
-    weights = (planner.meta_model(config).flops_per_token(seq_len) - attention_flops_per_token(config, seq_len)) / 6
+    weights = (
+        planner.meta_model(config).flops_per_token(seq_len)
+        - attention_flops_per_token(config, seq_len)
+    ) / 6
     block_weights = weights - config.vocab_size * config.hidden_size  # the head is not checkpointed
 
     def traced(checkpointing):
         costs = trace_step(config, 1, seq_len, torch.bfloat16, checkpointing)
         return sum(cost.flops for cost in costs if not cost.attention_core) / seq_len
+
     assert traced("none") == pytest.approx(6 * weights, rel=1e-9)
     assert 0.9 * 2 * block_weights <= traced("full") - traced("none") <= 2 * block_weights
 
 
 @only("large4")
 def test_large4_dense_scores_are_the_attention_core_a_gpu_replaces():
-    """Mistral Large 4's CPU path materialises [B, H, T, S] scores: on a GPU those ops give way to the
-    flex kernel, whose FLOPs (LARGE4.md section 6.3) are 6 * heads * (qk + v) per attended key per layer,
-    plus the indexers' 2 * Hi * Di per scored key (T + 1) / 2 on full-indexer layers."""
+    """Mistral Large 4's CPU path materialises [B, H, T, S] scores: on a GPU those ops give way to
+    the flex kernel, whose FLOPs (LARGE4.md section 6.3) are 6 * heads * (qk + v) per attended key
+    per layer, plus the indexers' 2 * Hi * Di per scored key (T + 1) / 2 on full-indexer layers."""
     c, seq_len = family("large4").config.from_name("large4-tiny"), 48
     costs = trace_step(c, 2, seq_len, torch.bfloat16, "none")
     score_ops = {cost.op for cost in costs if cost.attention_core}
     assert {"bmm", "_softmax"} <= score_ops
     kept = [cost for cost in costs if not cost.attention_core and cost.op == "_softmax"]
-    assert all(f"{seq_len}, {seq_len}]" not in cost.shapes for cost in kept)  # every score softmax is in the core
+    # every score softmax is in the core
+    assert all(f"{seq_len}, {seq_len}]" not in cost.shapes for cost in kept)
     attended = sum(min(i + 1, c.index_topk) for i in range(seq_len)) / seq_len
-    expected = (c.num_hidden_layers * 6 * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * attended
-                + c.indexer_types.count("full") * 2 * c.index_n_heads * c.index_head_dim * (seq_len + 1) / 2)
+    expected = (
+        c.num_hidden_layers * 6 * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * attended
+        + c.indexer_types.count("full") * 2 * c.index_n_heads * c.index_head_dim * (seq_len + 1) / 2
+    )
     assert attention_flops_per_token(c, seq_len) == pytest.approx(expected)
 
 
 @pytest.mark.slow(beyond_ci=True)  # three published runs' traces at full size: minutes on 2 cores
 @FLINT
 def test_published_runs_within_15_percent():
-    """The published runs (flint_baselines.PUBLISHED_RUNS, NeMo AutoModel on H100s): measured / predicted
-    tokens/s within 0.85-1.15 each."""
+    """The published runs (flint_baselines.PUBLISHED_RUNS, NeMo AutoModel on H100s): measured /
+    predicted tokens/s within 0.85-1.15 each."""
     rows = [line.split(" | ") for line in planner.validation_table().splitlines()[2:]]
     assert len(rows) == len(planner.published_runs()) == 3
     for row in rows:
@@ -276,9 +408,9 @@ def test_published_runs_within_15_percent():
 
 @only("large4")
 def test_large4_context_parallel_gathers_its_latent():
-    """Mistral Large 4 under cp 2 on one node: each layer all-gathers the whole sequence's latent and rotated
-    key (kv_lora_rank + qk_rope_head_dim BF16 values a token) in forward and recompute, and reduce-scatters their
-    gradients: 3 rings of (n - 1) / n of it at NCCL's 80 % of NVLink."""
+    """Mistral Large 4 under cp 2 on one node: each layer all-gathers the whole sequence's latent
+    and rotated key (kv_lora_rank + qk_rope_head_dim BF16 values a token) in forward and recompute,
+    and reduce-scatters their gradients: 3 rings of (n - 1) / n of it at NCCL's 80 % of NVLink."""
     c = family("large4").config.from_name("large4-tiny")
     layout = ParallelConfig(cp=2, activation_checkpointing="full").resolve(2, c.num_experts)
     h100, tokens = GPUS["H100"], 64  # this rank's

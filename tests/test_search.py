@@ -1,5 +1,5 @@
-"""tools/search.py: the layouts it enumerates keep the step's tokens, fit memory.py's estimate with the margin,
-and come ranked by the calibrated planner."""
+"""tools/search.py: the layouts it enumerates keep the step's tokens, fit memory.py's estimate with
+the margin, and come ranked by the calibrated planner."""
 
 import dataclasses
 from pathlib import Path
@@ -19,22 +19,28 @@ FLINT = only("flint")
 
 @pytest.fixture
 def small_space(monkeypatch):
-    """One checkpointing mode and overlap, two micro-batch shapes: a few traces of the tiny model."""
+    """One checkpointing mode and overlap, two micro-batch shapes: a few traces of the tiny
+    model."""
     monkeypatch.setattr(search, "ROWS", (1, 2))
     monkeypatch.setattr(search, "CHECKPOINTING", ("none",))
     monkeypatch.setattr(search, "OVERLAPS", (1,))
 
 
 def tiny_config():
-    return load_config(ROOT / "configs" / "flint-8gpu.toml", ["--model.preset=tiny", "--data.seq_len=64"])
+    return load_config(
+        ROOT / "configs" / "flint-8gpu.toml", ["--model.preset=tiny", "--data.seq_len=64"]
+    )
 
 
 def test_fits_leaves_the_slack_and_the_margin():
-    """total x (1 + 6 %) + 10 GiB <= the GPU's usable memory with full checkpointing; 27 % without."""
+    """total x (1 + 6 %) + 10 GiB <= the GPU's usable memory with full checkpointing; 27 %
+    without."""
     h100 = planner.GPUS["H100"]
     for checkpointing, margin in (("full", 0.06), ("none", 0.27)):
         limit = (h100.memory_gib - OVERHEAD_GIB) / (1 + margin)
-        assert search.fits(limit * 0.999, h100, checkpointing) and not search.fits(limit * 1.001, h100, checkpointing)
+        assert search.fits(limit * 0.999, h100, checkpointing) and not search.fits(
+            limit * 1.001, h100, checkpointing
+        )
 
 
 @FLINT
@@ -42,8 +48,9 @@ def test_search_keeps_the_step_and_ranks_what_fits(small_space, capsys, monkeypa
     cfg, h100 = tiny_config(), planner.GPUS["H100"]
     tokens = 2 * 64 * 8  # two rows of 64 tokens on each of 8 data-parallel ranks
     found = search.search(cfg, 8, h100, tokens)
-    assert found and [c.plan.tokens_per_second for c in found] == sorted((c.plan.tokens_per_second for c in found),
-                                                                          reverse=True)
+    assert found and [c.plan.tokens_per_second for c in found] == sorted(
+        (c.plan.tokens_per_second for c in found), reverse=True
+    )
     for candidate in found:
         layout = candidate.layout
         assert layout.pp * layout.dp_replicate * layout.dp_shard * layout.ep * layout.cp == 8
@@ -51,15 +58,29 @@ def test_search_keeps_the_step_and_ranks_what_fits(small_space, capsys, monkeypa
         readers = layout.dp_replicate * layout.dp_shard * layout.ep
         assert candidate.rows * 64 * candidate.grad_accum * readers == tokens
         assert candidate.plan.tokens_per_gpu * 8 == tokens  # the GPUs' shares add up to the step
-        row = memory_per_gpu(cfg.model_config, layout, 64, candidate.rows, candidate.grad_accum, h100.memory_gib)
-        assert candidate.memory_gib == row["total"] and search.fits(row["total"], h100, layout.activation_checkpointing)
+        row = memory_per_gpu(
+            cfg.model_config, layout, 64, candidate.rows, candidate.grad_accum, h100.memory_gib
+        )
+        assert candidate.memory_gib == row["total"] and search.fits(
+            row["total"], h100, layout.activation_checkpointing
+        )
     modes = {c.layout.accumulation for c in found if c.grad_accum > 1}
     assert modes == {"sync_each", "sync_last", "gathered"}
     cramped = dataclasses.replace(h100, memory_gib=OVERHEAD_GIB)  # nothing fits beside the slack
     assert search.search(cfg, 8, cramped, tokens) == []
     monkeypatch.chdir(ROOT)
-    best = search.main(["--config", "configs/flint-8gpu.toml", "--gpus", "8", "--model.preset=tiny",
-                        "--data.seq_len=64", "--tokens-per-step", str(tokens)])
+    best = search.main(
+        [
+            "--config",
+            "configs/flint-8gpu.toml",
+            "--gpus",
+            "8",
+            "--model.preset=tiny",
+            "--data.seq_len=64",
+            "--tokens-per-step",
+            str(tokens),
+        ]
+    )
     out = capsys.readouterr().out
     assert f"{tokens:,} tokens per step, {len(found)} layouts fit" in out and "| 1 | " in out
     assert best.tokens_per_second == found[0].plan.tokens_per_second
@@ -75,6 +96,7 @@ def test_search_tries_only_the_checkpointing_modes_asked(small_space, monkeypatc
     def plan_step(cfg, layout, device):
         priced.append(layout.activation_checkpointing)
         return SimpleNamespace(tokens_per_second=1.0)
+
     monkeypatch.setattr(search, "plan_step", plan_step)
     found = search.search(tiny_config(), 8, planner.GPUS["H100"], 2 * 64 * 8, ("full", "selective"))
     assert len(found) == len(priced) and set(priced) == {"full", "selective"}

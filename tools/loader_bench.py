@@ -48,10 +48,19 @@ def write_corpus(directory: Path, num_docs: int, seed: int = 0) -> int:
             file.truncate(int(bounds[-1]) * 2)  # uint16 zeros, sparse on disk
         shards.append(name)
         first = last
-    meta = {"format": "flint-token-shards-v1", "dtype": "uint16", "num_docs": num_docs,
-            "num_tokens": int(ends[-1]), "shards": shards, "tokenizer": "synthetic",
-            "vocab_size": 257, "eos_id": 256, "sources": [], "skipped_binary": [],
-            "skipped_by_extension": 0}
+    meta = {
+        "format": "flint-token-shards-v1",
+        "dtype": "uint16",
+        "num_docs": num_docs,
+        "num_tokens": int(ends[-1]),
+        "shards": shards,
+        "tokenizer": "synthetic",
+        "vocab_size": 257,
+        "eos_id": 256,
+        "sources": [],
+        "skipped_binary": [],
+        "skipped_by_extension": 0,
+    }
     meta_file.write_text(json.dumps(meta))
     return int(ends[-1])
 
@@ -59,6 +68,7 @@ def write_corpus(directory: Path, num_docs: int, seed: int = 0) -> int:
 def measure(directory: Path) -> dict[str, float]:
     """Open `directory` as train.py does and read the first batch, in this process."""
     import data  # imported before the baseline: its import (torch) is no part of the loader's cost
+
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     wall, cpu = time.perf_counter(), time.process_time()
     shards = data.TokenShards(directory)
@@ -68,29 +78,42 @@ def measure(directory: Path) -> dict[str, float]:
     loader.next_batch()
     first = time.perf_counter() - wall, time.process_time() - cpu
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss  # Linux: KiB
-    return {"docs": shards.num_docs, "open_s": opened[0], "open_cpu_s": opened[1],
-            "first_batch_s": first[0], "first_batch_cpu_s": first[1],
-            "peak_mib": peak_kib / 1024, "bytes_per_doc": peak_kib * 1024 / shards.num_docs}
+    return {
+        "docs": shards.num_docs,
+        "open_s": opened[0],
+        "open_cpu_s": opened[1],
+        "first_batch_s": first[0],
+        "first_batch_cpu_s": first[1],
+        "peak_mib": peak_kib / 1024,
+        "bytes_per_doc": peak_kib * 1024 / shards.num_docs,
+    }
 
 
 def row(result: dict[str, float]) -> str:
-    return (f"| {result['docs']:,} | {result['open_s']:.2f} ({result['open_cpu_s']:.2f}) | "
-            f"{result['first_batch_s']:.2f} ({result['first_batch_cpu_s']:.2f}) | "
-            f"{result['peak_mib']:,.0f} | {result['bytes_per_doc']:.1f} |")
+    return (
+        f"| {result['docs']:,} | {result['open_s']:.2f} ({result['open_cpu_s']:.2f}) | "
+        f"{result['first_batch_s']:.2f} ({result['first_batch_cpu_s']:.2f}) | "
+        f"{result['peak_mib']:,.0f} | {result['bytes_per_doc']:.1f} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, action="append", help="documents (repeatable)")
-    parser.add_argument("--dir", type=Path, default=Path("/tmp/loader_bench"),
-                        help="where the synthetic directories are written (kept for reruns)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("/tmp/loader_bench"),
+        help="where the synthetic directories are written (kept for reruns)",
+    )
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
     if args.measure:
         print(json.dumps(measure(args.measure)))
         return
-    print("| documents | open s (CPU s) | first batch s (CPU s) | peak RSS MiB | "
-          "bytes a document |")
+    print(
+        "| documents | open s (CPU s) | first batch s (CPU s) | peak RSS MiB | bytes a document |"
+    )
     print("|---|---|---|---|---|")
     for num_docs in args.docs or [1_000_000]:
         directory = args.dir / f"docs_{num_docs}"
