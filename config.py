@@ -1,15 +1,18 @@
 """Training configuration: a TOML file, dotted command-line overrides, and every check before any
 work.
 
-    [model]       family = "flint" | "large4", then preset = "tiny" | hf_config = "path" | init_from =
-                  "checkpoint dir", plus fields of that family's config (FlintConfig, Large4Config)
+    [model]       family = "flint" | "large4", then preset = "tiny" | hf_config = "path" |
+                  init_from = "checkpoint dir", plus fields of that family's config (FlintConfig,
+                  Large4Config)
     [data]        what to read and how to tokenize and pack it
     [training]    steps, batch, device, evaluation, the sample at the end
     [optim]       AdamW and the learning-rate schedule
     [checkpoint]  where, how often, how many to keep, resume, Hugging Face export
     [logging]     how often, the JSONL file, the peak FLOP/s used for MFU
-    [parallel]    the layout across processes, compute dtype, checkpointing and compile: parallel.ParallelConfig
-    [lora]        optional: train low-rank adapters on the frozen init_from model instead of every weight (lora.py)
+    [parallel]    the layout across processes, compute dtype, checkpointing and compile:
+                  parallel.ParallelConfig
+    [lora]        optional: train low-rank adapters on the frozen init_from model instead of every
+                  weight (lora.py)
 
 An override `--training.steps=200` replaces one key; its value is read as TOML
 (`--parallel.compile=true`, `--optim.lr=1e-3`), and as a plain string when it is not valid TOML

@@ -341,10 +341,9 @@ def prepare(
 
     out_dir/tokens_00000.bin   token ids (uint16, or uint32 for vocabularies over 65536), documents
                                back to back, each ending with the eos token
-    out_dir/docs_00000.npy     int64 [docs + 1]: where each document of that shard starts, then the end
-    out_dir/mask_00000.bin     with conversations or pairs only: uint8 per token, 1 where it is a target
-    out_dir/meta.json          written last: format, tokenizer fingerprint, counts, shard names
-    """
+    out_dir/docs_00000.npy int64 [docs + 1]: where each document of that shard starts, then the end
+    out_dir/mask_00000.bin with conversations or pairs only: uint8 per token, 1 where it is a target
+    out_dir/meta.json written last: format, tokenizer fingerprint, counts, shard names"""
     files, ignored = source_files(source, suffixes, setting)
     missing = tokenizer.missing_bytes()
     if missing:  # tiktoken panics on text with a byte that has no token

@@ -704,6 +704,7 @@ def block_inputs(config, backend: str = "sdpa"):
     Flint block (T = 32 > 2 * (window 9 - 1): the tiny preset's sliding layers take the banded
     path)."""
     from attention import build_masks
+    from flint_model import rope_tables
     from layers import document_positions
     from model import rope_tables
 

@@ -291,7 +291,10 @@ def test_order_depends_on_seed_and_epoch(tmp_path):
 
 def test_loader_position_survives_a_restart(tmp_path):
     shards = unique_token_shards(tmp_path, [13, 29, 8, 41, 6])
-    make = lambda: PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=3)
+
+    def make() -> PackedLoader:
+        return PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=3)
+
     loader = make()
     for _ in range(4):
         loader.next_batch()
@@ -589,7 +592,10 @@ def test_conversations_are_packed_whole_and_only_answers_are_targets(tmp_path, o
 
 def test_packed_conversations_resume_at_the_exact_row(tmp_path):
     shards = prepared_conversations(tmp_path, conversations(30, seed=2))
-    make = lambda: PackedLoader(shards, np.arange(30), seq_len=96, batch_size=2, seed=5, epochs=4)  # noqa: E731
+
+    def make() -> PackedLoader:
+        return PackedLoader(shards, np.arange(30), seq_len=96, batch_size=2, seed=5, epochs=4)
+
     loader = make()
     for _ in range(3):
         loader.next_batch()

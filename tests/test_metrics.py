@@ -13,8 +13,16 @@ import torch
 import metrics
 import moe
 import train
-from helpers import (DEFAULT_FAMILY, FAMILY_NAMES, ROOT, debug_args, debug_configs, only, run_debug,
-                     run_two_processes, tiny_config)
+from helpers import (
+    DEFAULT_FAMILY,
+    FAMILY_NAMES,
+    debug_args,
+    debug_configs,
+    only,
+    run_debug,
+    run_two_processes,
+    tiny_config,
+)
 from metrics import drop_superseded_records, duration, model_flops_per_token
 from registry import model_class
 
@@ -22,16 +30,27 @@ DEBUG = str(debug_configs()[DEFAULT_FAMILY])  # the metrics machinery is the sam
 
 
 def test_durations_read_as_minutes_and_seconds_then_hours_and_minutes():
-    assert [duration(s) for s in (0, 59.9, 61, 3599, 3600, 7325)] == ["0m00s", "0m59s", "1m01s", "59m59s",
-                                                                       "1h00m", "2h02m"]
+    assert [duration(s) for s in (0, 59.9, 61, 3599, 3600, 7325)] == [
+        "0m00s",
+        "0m59s",
+        "1m01s",
+        "59m59s",
+        "1h00m",
+        "2h02m",
+    ]
 
 
 def test_a_run_drops_only_its_own_records_past_its_resume_step(tmp_path):
     log = tmp_path / "metrics.jsonl"
     lines = [{"run": "a", "step": 1}, {"run": "b", "step": 5}, {"run": "a", "step": 3}, {"step": 9}]
-    log.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"run": "a", "ste')  # a crash mid-line
+    # a crash mid-line
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"run": "a", "ste')
     drop_superseded_records(log, "a", 2)
-    assert [json.loads(line) for line in log.read_text().splitlines()] == [lines[0], lines[1], lines[3]]
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [
+        lines[0],
+        lines[1],
+        lines[3],
+    ]
     before = log.read_text()
     drop_superseded_records(log, "c", 0)  # nothing of run c: the file is left as it is
     assert log.read_text() == before
@@ -67,7 +86,8 @@ def test_cpu_peak_is_measured_once_per_machine_and_shared_by_its_processes(tmp_p
     four_on_two_machines = train.Process(0, 4, 0, 4, torch.device("cpu"))
     assert metrics.run_peak_flops(cfg, four_on_two_machines) == 4e11
     given = train.load_config(DEBUG, ["--logging.peak_tflops=0.5"])
-    assert metrics.run_peak_flops(given, two_on_one_machine) == pytest.approx(1e12)  # per device, as the key says
+    # per device, as the key says
+    assert metrics.run_peak_flops(given, two_on_one_machine) == pytest.approx(1e12)
 
 
 def test_a_logged_step_is_one_line_with_units_and_the_same_numbers_in_the_log(tmp_path, capsys):
@@ -75,28 +95,54 @@ def test_a_logged_step_is_one_line_with_units_and_the_same_numbers_in_the_log(tm
     FLOPs per token and the given peak, and the busiest layer's expert loads at the end."""
     log = tmp_path / "metrics.jsonl"
     cfg = train.load_config(DEBUG, [f"--logging.jsonl={log}", "--logging.peak_tflops=0.1"])
-    logger = metrics.MetricsLogger(cfg, train.Process(0, 1, 0, 1, torch.device("cpu")), cfg.model_config,
-                                   start_step=0, run_dir=tmp_path / "run_0001")
+    logger = metrics.MetricsLogger(
+        cfg,
+        train.Process(0, 1, 0, 1, torch.device("cpu")),
+        cfg.model_config,
+        start_step=0,
+        run_dir=tmp_path / "run_0001",
+    )
     routing = {"2": {"max_load": 1.75, "min_load": 0.25}, "3": {"max_load": 3.5, "min_load": 0.0}}
     logger.log_train(5, loss=2.5, lr=1e-3, grad_norm=0.5, routing=routing)
     line = capsys.readouterr().out.splitlines()[-1]
     (record,) = [json.loads(text) for text in log.read_text().splitlines()]
-    assert record["run"] == str(tmp_path / "run_0001") and record["tokens"] == 5 * 4 * 64  # steps x batch x seq
-    assert record["mfu_percent"] == pytest.approx(100 * record["tokens_per_s"] * logger.flops_per_token / 1e11)
-    assert line.startswith("step  5/20 | loss 2.5000 | lr 1.00e-03 | grad norm 0.500 | ")  # steps padded to 20's width
-    assert f"{record['tokens_per_s']:,.0f} tokens/s | MFU {record['mfu_percent']:.2f}% | mem " in line
+    # steps x batch x seq
+    assert record["run"] == str(tmp_path / "run_0001") and record["tokens"] == 5 * 4 * 64
+    assert record["mfu_percent"] == pytest.approx(
+        100 * record["tokens_per_s"] * logger.flops_per_token / 1e11
+    )
+    # steps padded to 20's width
+    assert line.startswith("step  5/20 | loss 2.5000 | lr 1.00e-03 | grad norm 0.500 | ")
+    assert (
+        f"{record['tokens_per_s']:,.0f} tokens/s | MFU {record['mfu_percent']:.2f}% | mem " in line
+    )
     assert " GiB | " in line and " elapsed | " in line
-    assert line.endswith(" left | experts max/min load 3.50/0.00 (layer 3)")  # the busiest layer, its own min
+    # the busiest layer, its own min
+    assert line.endswith(" left | experts max/min load 3.50/0.00 (layer 3)")
     assert logger.summary["first_loss"] == 2.5
 
 
-# ----------------------------------------------------------------------------- traces of chosen steps, the report
+# --------------------------------------------------------------- traces of chosen steps, the report
 
-# The ranges named_ranges places in an eager dropless Flint's profiled step (and moe.py's functions it wraps):
-# the two tests that read them are about Flint's module kinds (its family's timed_modules).
-NAMED = {"forward and backward", "layer 0", "layer 3", "attention core", "attention proj/norm/rope", "router",
-         "routed experts", "expert dispatch", "expert combine", "grouped GEMM", "dense MLP or shared expert",
-         "head and loss", "gradient clipping", "optimizer"}
+# The ranges named_ranges places in an eager dropless Flint's profiled step (and moe.py's functions
+# it wraps): the two tests that read them are about Flint's module kinds (its family's
+# timed_modules).
+NAMED = {
+    "forward and backward",
+    "layer 0",
+    "layer 3",
+    "attention core",
+    "attention proj/norm/rope",
+    "router",
+    "routed experts",
+    "expert dispatch",
+    "expert combine",
+    "grouped GEMM",
+    "dense MLP or shared expert",
+    "head and loss",
+    "gradient clipping",
+    "optimizer",
+}
 
 
 def trace_names(path: Path) -> set[str]:
@@ -105,42 +151,66 @@ def trace_names(path: Path) -> set[str]:
 
 @only("flint")
 def test_profiled_steps_write_a_trace_with_named_ranges_and_the_run_its_report(tmp_path, capsys):
-    summary = run_debug(tmp_path, "--training.steps=3", "--logging.profile_steps=2-3", "--training.sample_tokens=0",
-                        family="flint")
+    summary = run_debug(
+        tmp_path,
+        "--training.steps=3",
+        "--logging.profile_steps=2-3",
+        "--training.sample_tokens=0",
+        family="flint",
+    )
     run_dir = tmp_path / "ckpt" / "run_0001"
     names = trace_names(run_dir / "trace_steps2-3_rank0.json")
     assert NAMED | {"step 2", "step 3", "gloo:all_reduce"} <= names and "step 1" not in names
     printed = capsys.readouterr().out
-    assert f"profiled steps 2-3: traces {run_dir}/trace_steps2-3_rank*.json, one per rank" in printed
+    assert (
+        f"profiled steps 2-3: traces {run_dir}/trace_steps2-3_rank*.json, one per rank" in printed
+    )
     assert printed.rstrip().endswith(f"report: {run_dir / 'report.html'}")
-    assert json.loads((run_dir / "run.json").read_text())["jsonl"] == str(tmp_path / "metrics.jsonl")
+    assert json.loads((run_dir / "run.json").read_text())["jsonl"] == str(
+        tmp_path / "metrics.jsonl"
+    )
     assert f"{summary['loss']:.4f}" in (run_dir / "report.html").read_text()
-
 
 
 @only("flint")
 def test_two_processes_write_one_trace_per_rank(tmp_path):
-    """Each rank of a gloo run records its own profiled step, with its collectives among the named ranges."""
-    run_two_processes(debug_args(tmp_path, "--training.steps=2", "--logging.profile_steps=2",
-                                 "--training.sample_tokens=0", "--parallel.dp_shard=2", family="flint"))
+    """Each rank of a gloo run records its own profiled step, with its collectives among the named
+    ranges."""
+    run_two_processes(
+        debug_args(
+            tmp_path,
+            "--training.steps=2",
+            "--logging.profile_steps=2",
+            "--training.sample_tokens=0",
+            "--parallel.dp_shard=2",
+            family="flint",
+        )
+    )
     run_dir = tmp_path / "ckpt" / "run_0001"
-    assert sorted(p.name for p in run_dir.glob("trace_*.json")) == ["trace_steps2-2_rank0.json",
-                                                                   "trace_steps2-2_rank1.json"]
+    assert sorted(p.name for p in run_dir.glob("trace_*.json")) == [
+        "trace_steps2-2_rank0.json",
+        "trace_steps2-2_rank1.json",
+    ]
     for rank in (0, 1):
         names = trace_names(run_dir / f"trace_steps2-2_rank{rank}.json")
         assert {"step 2", "optimizer"} <= names and "step 1" not in names
         assert any(name.startswith("gloo:") for name in names)
 
+
 @only("flint")
 def test_named_ranges_are_placed_while_profiling_and_all_taken_away_after():
     """Around a forward and backward and an optimizer step, from outside a model: every range named,
     and afterwards no hook, wrapper or patched function left."""
-    from model import FlintConfig, build_model
+    from flint_model import FlintConfig, build_model
+
     module = build_model(FlintConfig.from_name("tiny", num_hidden_layers=4, vocab_size=64))
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    model = SimpleNamespace(module=module, config=module.config,
-                            forward_backward=lambda ids: module(ids, targets=ids).backward(),
-                            clip_grad_norm_=lambda limit: torch.nn.utils.clip_grad_norm_(module.parameters(), limit))
+    model = SimpleNamespace(
+        module=module,
+        config=module.config,
+        forward_backward=lambda ids: module(ids, targets=ids).backward(),
+        clip_grad_norm_=lambda limit: torch.nn.utils.clip_grad_norm_(module.parameters(), limit),
+    )
     before = (model.forward_backward, model.clip_grad_norm_, moe.dispatch, moe.grouped_mm)
     with torch.profiler.profile() as profiler, metrics.named_ranges(model, optimizer):
         model.forward_backward(torch.randint(0, 64, (2, 16)))
@@ -148,32 +218,59 @@ def test_named_ranges_are_placed_while_profiling_and_all_taken_away_after():
         optimizer.step()
     assert NAMED <= {event.name for event in profiler.events()}
     assert (model.forward_backward, model.clip_grad_norm_, moe.dispatch, moe.grouped_mm) == before
+
     def hooked() -> list[str]:
-        return [name for name, m in module.named_modules() if m._forward_hooks or m._forward_pre_hooks]
-    assert not hooked() and not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
-    module.layers["2"].forward = module.layers["2"].forward  # as parallel.apply_compile leaves a compiled block
-    with metrics.named_ranges(model, optimizer):  # a compiled block: a range around it, none inside, no wrappers
-        assert "layers.2" in hooked() and not [name for name in hooked() if name.startswith("layers.2.")]
+        return [
+            name for name, m in module.named_modules() if m._forward_hooks or m._forward_pre_hooks
+        ]
+
+    assert (
+        not hooked()
+        and not optimizer._optimizer_step_pre_hooks
+        and not optimizer._optimizer_step_post_hooks
+    )
+    # as parallel.apply_compile leaves a compiled block
+    module.layers["2"].forward = module.layers["2"].forward
+    # a compiled block: a range around it, none inside, no wrappers
+    with metrics.named_ranges(model, optimizer):
+        assert "layers.2" in hooked() and not [
+            name for name in hooked() if name.startswith("layers.2.")
+        ]
         assert "layers.3.mlp.router" in hooked() and moe.dispatch is before[2]
 
 
 def test_a_step_out_of_gpu_memory_exits_with_one_line_naming_its_snapshot(tmp_path, monkeypatch):
-    cfg = train.load_config(DEBUG, [f"--logging.jsonl={tmp_path / 'm.jsonl'}", "--logging.peak_tflops=0.1"])
-    logger = metrics.MetricsLogger(cfg, train.Process(0, 1, 0, 1, torch.device("cpu")), cfg.model_config, start_step=0,
-                                   run_dir=tmp_path / "run_0001")
-    out_of_memory = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has ...")
+    cfg = train.load_config(
+        DEBUG, [f"--logging.jsonl={tmp_path / 'm.jsonl'}", "--logging.peak_tflops=0.1"]
+    )
+    logger = metrics.MetricsLogger(
+        cfg,
+        train.Process(0, 1, 0, 1, torch.device("cpu")),
+        cfg.model_config,
+        start_step=0,
+        run_dir=tmp_path / "run_0001",
+    )
+    out_of_memory = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has ..."
+    )
     with pytest.raises(torch.OutOfMemoryError):  # on the CPU: as it came
         with logger.traced(7, None, None):
             raise out_of_memory
     logger.run = dataclasses.replace(logger.run, rank=1, device=torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: Path(path).write_bytes(b"snapshot"))
+    monkeypatch.setattr(
+        torch.cuda.memory, "_dump_snapshot", lambda path: Path(path).write_bytes(b"snapshot")
+    )
     with pytest.raises(SystemExit) as stop:
         with logger.traced(7, None, None):
             raise out_of_memory
     snapshot = tmp_path / "run_0001" / "memory_oom_step7_rank1.pickle"
     assert snapshot.read_bytes() == b"snapshot"
-    assert stop.value.code == (f"step 7: rank 1 ran out of GPU memory (CUDA out of memory. Tried to allocate 2.00 "
-                               f"GiB.); the allocator's snapshot is {snapshot} (open it in https://pytorch.org/memory_viz)")
+    assert stop.value.code == (
+        "step 7: rank 1 ran out of GPU memory (CUDA out of memory. Tried to "
+        "allocate 2.00 "
+        f"GiB.); the allocator's snapshot is {snapshot} (open it in "
+        "https://pytorch.org/memory_viz)"
+    )
 
 
 @pytest.mark.parametrize(
