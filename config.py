@@ -85,6 +85,8 @@ class DataSection:
     epochs: int = 1  # passes over the training documents that a run may take
     # a conversation longer than seq_len: truncate (keep its first seq_len tokens) | drop
     overlong: str = "truncate"
+    sources: list = field(default_factory=list)  # a mixture: [{path = "web/", weight = 0.7}, ...]
+    exhausted: str = "stop"  # a mixture's source read data.epochs times: stop | repeat (new epoch)
 
 
 @dataclass
@@ -250,6 +252,8 @@ def resolved_values(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
         if name == "model":
             values = {k: v for k, v in values.items() if k != "overrides" and v}
             values.update(dataclasses.asdict(cfg.model_config))
+        if name == "data":  # the data is named once: by its sources, or by its path
+            values.pop("path" if cfg.data.sources else "sources")
         resolved[name] = {k: v for k, v in values.items() if v is not None}
     return resolved
 
@@ -576,6 +580,7 @@ def validate(cfg: TrainConfig) -> None:
         ("data.val_fraction", 0 <= d.val_fraction < 1, "be in [0, 1)"),
         ("data.epochs", d.epochs >= 1, "be >= 1"),
         ("data.overlong", d.overlong in ("truncate", "drop"), 'be "truncate" or "drop"'),
+        ("data.exhausted", d.exhausted in ("stop", "repeat"), 'be "stop" or "repeat"'),
         ("optim.name", o.name in ("adamw", "muon"), "be adamw or muon"),
         ("optim.lr", 0 < o.lr < math.inf, "be a finite number > 0"),
         ("optim.muon_lr", 0 < o.muon_lr < math.inf, "be a finite number > 0"),
@@ -622,6 +627,7 @@ def validate(cfg: TrainConfig) -> None:
             f"{t.eval_every} needs a "
             f"validation split, but data.val_fraction = 0"
         )
+    check_sources(cfg)
     check_profile_steps(cfg)
     check_trackers(cfg)
     check_router_aux_loss(cfg)
@@ -695,6 +701,59 @@ def check_paths(cfg: TrainConfig) -> None:
             path.exists() and not os.access(path, os.W_OK)
         ):
             raise ConfigError(f"{cfg.where(key)}: {key} {path} is not writable")
+
+
+SOURCE_KEYS = ("path", "weight")  # one source of [data].sources
+
+
+def check_sources(cfg: TrainConfig) -> None:
+    """[data].sources: a non-empty list of {path, weight}, each weight a finite number > 0, each
+    path named once, and not given together with [data].path (one of the two names the data)."""
+    if "data.sources" not in cfg.origins:
+        return
+    where, sources = cfg.where("data.sources"), cfg.data.sources
+    if "data.path" in cfg.origins:
+        raise ConfigError(
+            f"{where}: [data].sources and [data].path are both given "
+            f"({cfg.where('data.path')}); name the data once: sources for a "
+            f"mixture, path for one source"
+        )
+    if not sources:
+        raise ConfigError(
+            f"{where}: [data].sources is an empty list; name at least one "
+            f'{{path = "...", weight = 1.0}}, or remove it and set [data].path'
+        )
+    seen: dict[Path, int] = {}
+    for index, source in enumerate(sources):
+        check_source(source, f"{where}: [data].sources[{index}]")
+        first = seen.setdefault(Path(source["path"]).resolve(), index)
+        if first != index:
+            raise ConfigError(
+                f"{where}: [data].sources[{index}] names {source['path']!r} again "
+                f"(also sources[{first}]); give each source once, with its whole "
+                f"weight"
+            )
+
+
+def check_source(source: Any, name: str) -> None:
+    if not isinstance(source, dict):
+        raise ConfigError(f'{name} must be a table {{path = "...", weight = 0.5}}, got {source!r}')
+    extra = [key for key in source if key not in SOURCE_KEYS]
+    if extra:
+        raise ConfigError(
+            f"{name} has key {extra[0]!r}; a source has only path and weight (every "
+            f"source shares data.tokenizer, data.seq_len and the other [data] keys)"
+        )
+    path, weight = source.get("path"), source.get("weight")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{name}.path must name a prepared directory or text, got {path!r}")
+    if not Path(path).exists():
+        raise ConfigError(
+            f"{name}.path {path} does not exist (relative paths start at {Path.cwd()})"
+        )
+    number = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+    if not number or not 0 < weight < math.inf:
+        raise ConfigError(f"{name}.weight must be a finite number > 0, got {weight!r}")
 
 
 def profile_step_range(text: str) -> range | None:

@@ -200,10 +200,18 @@ class MetricsLogger:
         self.interval_loss += loss * target_tokens
         self.interval_tokens += target_tokens
 
-    def log_train(self, step: int, lr: float, grad_norm: float, routing: dict) -> None:
+    def log_train(
+        self,
+        step: int,
+        lr: float,
+        grad_norm: float,
+        routing: dict,
+        data_tokens: dict[str, int] | None = None,
+    ) -> None:
         """The record's loss is the mean per target token over the steps since the last logged one
         (add_loss), so a curve of few points is as smooth as the run; the other numbers are the
-        logged step's own, tokens/s and MFU over the interval."""
+        logged step's own, tokens/s and MFU over the interval. `data_tokens`: a mixture's tokens
+        from each source."""
         loss = self.interval_loss / max(self.interval_tokens, 1e-9)
         self.interval_loss = self.interval_tokens = 0.0
         now = time.perf_counter()
@@ -226,6 +234,8 @@ class MetricsLogger:
             "tokens": step * self.tokens_per_step,
             "routing": routing,
         }
+        if data_tokens is not None:
+            record["data_tokens"] = data_tokens
         if self.summary["first_loss"] is None:
             self.summary["first_loss"] = loss
         self.summary.update(step=step, loss=loss, tokens_per_s=tokens_per_s, mfu_percent=mfu)
@@ -236,8 +246,8 @@ class MetricsLogger:
             f"grad norm {grad_norm:.3f} | {tokens_per_s:,.0f} tokens/s | MFU "
             f"{f'{mfu:.2f}%' if mfu is not None else 'n/a'} | mem "
             f"{record['memory_gib']:.2f} GiB | "
-            f"{duration(now - self.start)} elapsed | {duration(remaining)} "
-            f"left{worst_layer(routing)}"
+            f"{duration(now - self.start)} elapsed | {duration(remaining)} left"
+            f"{worst_layer(routing)}{drawn_per_source(data_tokens)}"
         )
 
     def log_eval(self, step: int, val_loss: float) -> None:
@@ -544,3 +554,11 @@ def drop_superseded_records(path: Path, run_name: str, step: int) -> None:
             kept.append(line + "\n")
     if dropped:
         write_atomically(path, "".join(kept))
+
+
+def drawn_per_source(data_tokens: dict[str, int] | None) -> str:
+    """ " | drawn: web/ 3,328 tokens, code/ 768 tokens" for a mixture's log line; "" for one
+    source."""
+    if not data_tokens:
+        return ""
+    return " | drawn: " + ", ".join(f"{n} {v:,} tokens" for n, v in data_tokens.items())

@@ -71,7 +71,7 @@ def test_every_config_file_loads_and_its_layout_fits(tmp_path):
 
 @only("flint")
 def test_repository_configs_load():
-    from flint_model import FlintConfig
+    from model import FlintConfig
 
     smoke = load_config(CONFIGS / "smoke.toml")
     assert smoke.model_config.vocab_size >= 257
@@ -84,7 +84,7 @@ def test_repository_configs_load():
 
 @only("flint")
 def test_finetune_config_takes_its_architecture_from_the_checkpoint(tmp_path):
-    from flint_model import FlintConfig
+    from model import FlintConfig
 
     (tmp_path / "config.json").write_text(
         json.dumps(FlintConfig.from_name("tiny", router_aux_loss_coef=0.0005).to_hf_config())
@@ -371,7 +371,7 @@ def test_a_read_only_checkpoint_dir_is_refused(tmp_path):
 
 @only("flint")  # head_dim: Flint's field
 def test_errors_of_command_line_overrides_name_the_command_line(tmp_path):
-    from flint_model import FlintConfig
+    from model import FlintConfig
 
     debug = debug_configs()["flint"]
     with pytest.raises(
@@ -547,8 +547,8 @@ REFUSED = {
     ),
     "collective timeout 1e300": (
         ["--parallel.collective_timeout_minutes=1e300"],
-        r"command line --parallel.collective_timeout_minutes: \[parallel\] "
-        r""
+        r"command line --parallel.collective_timeout_minutes: "
+        r"\[parallel\] "
         r"collective_timeout_minutes must be a number of minutes in \(0, "
         r"525600\] \(a year\), "
         r"got 1e\+300",
@@ -675,3 +675,87 @@ def test_each_refusal_accepts_its_boundary(tmp_path, key, accepted, refused, oth
         load_config(path, [*others, f"--{key}={refused}"])
     message = str(refusal.value)
     assert "\n" not in message and f"command line --{key}" in message, message
+
+
+# ----------------------------------------------------------------------------- [data].sources
+
+
+def sources_toml(tmp_path: Path, entries: str, extra: str = "") -> Path:
+    """A config whose [data] names `entries` as its sources; a/ and b/ exist under tmp_path."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir(exist_ok=True)
+    return write(tmp_path, TINY + f"[data]\nsources = [{entries}]\n{extra}")
+
+
+@pytest.mark.parametrize(
+    "entries, extra, message",
+    [
+        (
+            '{{path = "{t}/missing", weight = 1}}',
+            "",
+            r"sources\[0\]\.path .*missing does not exist",
+        ),
+        (
+            '{{path = "{t}/a", weight = 0}}',
+            "",
+            r"sources\[0\]\.weight must be a finite number > 0, got 0",
+        ),
+        ('{{path = "{t}/a", weight = -0.5}}', "", r"sources\[0\]\.weight .*got -0\.5"),
+        ('{{path = "{t}/a", weight = nan}}', "", r"sources\[0\]\.weight .*got nan"),
+        ('{{path = "{t}/a", weight = inf}}', "", r"sources\[0\]\.weight .*got inf"),
+        ('{{path = "{t}/a", weight = "1"}}', "", r"sources\[0\]\.weight .*got '1'"),
+        ('{{path = "{t}/a"}}', "", r"sources\[0\]\.weight .*got None"),
+        (
+            '{{path = "{t}/a", weight = 1}}',
+            'path = "{t}/b"\n',
+            r"\[data\]\.sources and \[data\]\.path are both",
+        ),
+        ("", "", r"\[data\]\.sources is an empty list"),
+        (
+            '{{path = "{t}/a", weight = 1}}, {{path = "{t}/b/../a", weight = 2}}',
+            "",
+            r"sources\[1\] names .*again \(also sources\[0\]\)",
+        ),
+        (
+            '{{path = "{t}/a", weight = 1, seq_len = 64}}',
+            "",
+            r"sources\[0\] has key 'seq_len'; .*shares",
+        ),
+        (
+            '{{path = "{t}/a", weight = 1, tokenizer = "byte"}}',
+            "",
+            r"has key 'tokenizer'; .*shares",
+        ),
+        ('"{t}/a"', "", r"sources\[0\] must be a table"),
+        ('{{path = "{t}/a", weight = 1}}', 'exhausted = "wrap"\n', r"\[data\]\.exhausted must be"),
+    ],
+)
+def test_bad_sources_are_refused_in_one_line(tmp_path, entries, extra, message):
+    file = sources_toml(tmp_path, entries.format(t=tmp_path), extra.format(t=tmp_path))
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_config(file)
+    assert "\n" not in str(caught.value) and str(file) in str(caught.value)
+
+
+def test_sources_accept_their_boundaries(tmp_path):
+    """The smallest positive weight, two distinct paths, and each exhausted rule load as given."""
+    entries = f'{{path = "{tmp_path}/a", weight = 5e-324}}, {{path = "{tmp_path}/b", weight = 3}}'
+    file = sources_toml(tmp_path, entries, 'exhausted = "repeat"\n')
+    cfg = load_config(file)
+    assert [s["weight"] for s in cfg.data.sources] == [5e-324, 3]
+    assert cfg.data.exhausted == "repeat"
+    assert load_config(file, ['--data.exhausted="stop"']).data.exhausted == "stop"
+
+
+def test_a_printed_mixture_loads_back_to_the_same_sources(tmp_path, capsys):
+    """--print-config names the data once (sources, not also the default path), so it loads back."""
+    import train
+
+    file = sources_toml(tmp_path, f'{{path = "{tmp_path}/a", weight = 2}}')
+    with pytest.raises(SystemExit):
+        train.main(
+            ["--config", str(file), "--print-config", f"--checkpoint.dir={tmp_path / 'ckpt'}"]
+        )
+    printed = tmp_path / "printed.toml"
+    printed.write_text(capsys.readouterr().out)
+    assert load_config(printed).data.sources == [{"path": f"{tmp_path}/a", "weight": 2}]
