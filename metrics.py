@@ -192,7 +192,11 @@ class MetricsLogger:
                 f"training steps {start_step + 1}..{t.steps}: {self.tokens_per_step:,} tokens "
                 "per step, "
                 f"{self.flops_per_token / 1e6:.2f} MFLOPs per token, peak "
-                f"{f'{self.peak / 1e12:.2f} TFLOP/s' if self.peak else 'unknown (set logging.peak_tflops)'}"
+                + (
+                    f"{self.peak / 1e12:.2f} TFLOP/s"
+                    if self.peak
+                    else "unknown (set logging.peak_tflops)"
+                )
             )
 
     def add_loss(self, loss: float, target_tokens: float) -> None:

@@ -964,7 +964,10 @@ def divergence_remedy(cfg: TrainConfig) -> str:
         f"{name} = {getattr(config, name):g} ({cfg.where('model.' + name)})"
         for name in coefficients
     )
-    return f"the loss holds the router losses of [model] {listed}: try a lower coefficient, or {remedy}{fp8_suspect(cfg)}"
+    return (
+        f"the loss holds the router losses of [model] {listed}: try a lower coefficient, or "
+        f"{remedy}{fp8_suspect(cfg)}"
+    )
 
 
 def fp8_suspect(cfg: TrainConfig) -> str:

@@ -703,8 +703,6 @@ def block_inputs(config, backend: str = "sdpa"):
     """Hidden states [B, T, H], RoPE tables and the masks of a packed batch with padding, for a
     Flint block (T = 32 > 2 * (window 9 - 1): the tiny preset's sliding layers take the banded
     path)."""
-    from model import rope_tables
-
     from attention import build_masks
     from flint_model import rope_tables
     from layers import document_positions

@@ -71,7 +71,7 @@ def test_every_config_file_loads_and_its_layout_fits(tmp_path):
 
 @only("flint")
 def test_repository_configs_load():
-    from model import FlintConfig
+    from flint_model import FlintConfig
 
     smoke = load_config(CONFIGS / "smoke.toml")
     assert smoke.model_config.vocab_size >= 257
@@ -84,7 +84,7 @@ def test_repository_configs_load():
 
 @only("flint")
 def test_finetune_config_takes_its_architecture_from_the_checkpoint(tmp_path):
-    from model import FlintConfig
+    from flint_model import FlintConfig
 
     (tmp_path / "config.json").write_text(
         json.dumps(FlintConfig.from_name("tiny", router_aux_loss_coef=0.0005).to_hf_config())
@@ -371,7 +371,7 @@ def test_a_read_only_checkpoint_dir_is_refused(tmp_path):
 
 @only("flint")  # head_dim: Flint's field
 def test_errors_of_command_line_overrides_name_the_command_line(tmp_path):
-    from model import FlintConfig
+    from flint_model import FlintConfig
 
     debug = debug_configs()["flint"]
     with pytest.raises(

@@ -210,7 +210,7 @@ def test_two_processes_write_one_trace_per_rank(tmp_path):
 def test_named_ranges_are_placed_while_profiling_and_all_taken_away_after():
     """Around a forward and backward and an optimizer step, from outside a model: every range named,
     and afterwards no hook, wrapper or patched function left."""
-    from model import FlintConfig, build_model
+    from flint_model import FlintConfig, build_model
 
     module = build_model(FlintConfig.from_name("tiny", num_hidden_layers=4, vocab_size=64))
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)

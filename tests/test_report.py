@@ -331,7 +331,8 @@ def test_a_source_that_is_no_run_is_one_clear_line(tmp_path):
 
 
 def test_report_is_a_leaf_without_torch():
-    code = "import sys, report; print(sorted(m for m in sys.modules if m in ('torch', 'numpy', 'metrics', 'moe')))"
+    heavy = "('torch', 'numpy', 'metrics', 'moe')"
+    code = f"import sys, report; print(sorted(m for m in sys.modules if m in {heavy}))"
     loaded = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
