@@ -4,18 +4,18 @@ the shards; tokenizers: tokenizer.py).
     text files, JSONL, parquet  --prepare (prepare.py)-->  token shards (memmaps + document index)
     token shards  --PackedLoader-->  batches of input_ids, targets, doc_ids, each [B, T]
 
-Each epoch, the loader concatenates the training documents in a seeded order and cuts that stream
-into rows of seq_len tokens, so every training token is an input exactly once per epoch (the last
-row is padded). A document cut by a row boundary continues in the next row. doc_ids tell the model
-where documents begin, so attention never crosses them, and a target that belongs to the next
-document is -100: no token is predicted from another document's context.
+Each epoch, the loader concatenates the training documents in a seeded order and cuts that stream into
+rows of seq_len tokens, so every training token is an input exactly once per epoch (the last row is
+padded). A document cut by a row boundary continues in the next row. doc_ids tell the model where
+documents begin, so attention never crosses them, and a target that belongs to the next document is
+-100: no token is predicted from another document's context.
 
-Conversations and prompt/completion pairs (JSONL lines with "messages", or "prompt" and
-"completion": chat.py) are stored with a loss mask beside their tokens, and only the assistant's
-tokens are targets (-100 elsewhere, so they are neither trained on nor counted). Data with
-conversations is packed whole: each row holds whole documents (best-fit, chat.pack_rows, fixed for
-the data), a document longer than seq_len is truncated or dropped (data.overlong), and each epoch
-shuffles the rows."""
+Conversations and prompt/completion pairs (JSONL lines with "messages", or "prompt" and "completion":
+chat.py) are stored with a loss mask beside their tokens, and only the assistant's tokens are targets
+(-100 elsewhere, so they are neither trained on nor counted). Data with conversations is packed whole:
+each row holds whole documents (best-fit, chat.pack_rows, fixed for the data), a document longer than
+seq_len is truncated or dropped (data.overlong), and each epoch shuffles the rows.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from chat import WholeRows, one_line, template_of
+from chat import (
+    WholeRows,
+    one_line,
+    template_of,
+)
 from files import read_json_object
 from tokenizer import Tokenizer
 
@@ -35,15 +39,14 @@ EMBEDDED_CORPUS = Path(__file__).resolve().parent / "data" / "python_reference.j
 SHARDS_FORMAT = "flint-token-shards-v1"
 # v1 plus a loss mask per shard (mask_NNNNN.bin, uint8 per token)
 MASKED_FORMAT = "flint-token-shards-v2"
-# meta.json's "format_version" (absent: 1). Version 2 adds each shard's largest token id and the
-# sha256 of its tokens file ("shard_max_token", "shard_sha256"), checked once at prepare time.
-FORMAT_VERSION = 2
 OVERLONG = ("truncate", "drop")  # data.overlong: what a conversation longer than seq_len becomes
 SPLIT_SEED = 1234  # fixed, so the validation documents do not change with the training seed
 # The settings that decide which rows a run reads (with the data's files): a resume continues the
 # checkpoint's row position, which means the same rows only while none of them changed.
 STREAM_KEYS = (
     "data.path",
+    "data.sources",
+    "data.exhausted",
     "data.tokenizer",
     "data.eos_token",
     "data.text_key",
@@ -52,6 +55,11 @@ STREAM_KEYS = (
     "data.overlong",
     "training.seed",
 )
+
+
+# meta.json's "format_version" (absent: 1). Version 2 adds each shard's largest token id and the
+# sha256 of its tokens file ("shard_max_token", "shard_sha256"), checked once at prepare time.
+FORMAT_VERSION = 2
 
 
 class DataError(ValueError):
@@ -95,22 +103,27 @@ class TokenShards:
             shard_of.append(np.full(len(bounds) - 1, index, dtype=np.int32))
             starts.append(bounds[:-1])
             ends.append(bounds[1:])
-            check_token_range(
-                directory / f"tokens_{name}.bin",
-                tokens,
-                tokenizer.vocab_size if tokenizer else int(self.meta["vocab_size"]),
-            )
         self.doc_shard, self.doc_start = np.concatenate(shard_of), np.concatenate(starts)
         self.doc_len = np.concatenate(ends) - self.doc_start
         self.vocab_size = int(self.meta["vocab_size"])
+        self.files = [directory / f"tokens_{name}.bin" for name in self.meta["shards"]]
+        self.vocab_limit = tokenizer.vocab_size if tokenizer else self.vocab_size
+        # Ranges recorded at prepare time are checked now; without them each document read is.
+        self.checked_at_open = check_recorded_ranges(
+            directory / "meta.json", self.meta, self.vocab_limit
+        )
 
     @property
     def num_docs(self) -> int:
         return len(self.doc_start)
 
-    def document(self, i: int) -> np.ndarray:
-        start = self.doc_start[i]
-        return self.tokens[self.doc_shard[i]][start : start + self.doc_len[i]]
+    def document(self, i: int, part: slice = slice(None)) -> np.ndarray:
+        """Document i's tokens (a memmap view), or `part` of them: only those are read."""
+        start, shard = self.doc_start[i], self.doc_shard[i]
+        tokens = self.tokens[shard][start : start + self.doc_len[i]][part]
+        if not self.checked_at_open:
+            check_token_range(self.files[shard], tokens, self.vocab_limit)
+        return tokens
 
     def loss_mask(self, i: int) -> np.ndarray:
         """uint8 [doc_len[i]]: 1 where the token is a target (the assistant's); masked shards
@@ -141,7 +154,7 @@ def read_meta(path: Path) -> dict:
         raise DataError(
             f"{path}: format_version {meta['format_version']!r}, expected 1 to "
             f"{FORMAT_VERSION}: prepared by a newer version of this code, or damaged; "
-            f"prepare the data again"
+            "prepare the data again"
         )
     kinds = {**META_KEYS, **(MASKED_META_KEYS if meta["format"] == MASKED_FORMAT else {})}
     for key, kind in kinds.items():
@@ -220,17 +233,43 @@ def read_mask(file: Path, num_tokens: int) -> np.ndarray:
     return np.memmap(file, dtype=np.uint8, mode="r")
 
 
-def check_token_range(file: Path, tokens: np.ndarray, vocab_size: int) -> None:
-    """Every id of a shard must index the vocabulary: refused at load rather than failing (or, on
-    a GPU, asserting) in the middle of a run. One pass over the shard, in chunks."""
-    for start in range(0, len(tokens), 1 << 26):
-        largest = int(tokens[start : start + (1 << 26)].max())
-        if largest >= vocab_size:
+def check_recorded_ranges(path: Path, meta: dict, vocab_size: int) -> bool:
+    """meta.json's largest token id of each shard ("shard_max_token", written at prepare time) against
+    the vocabulary; False when the directory records none (then each document is checked as
+    read)."""
+    largest = meta.get("shard_max_token")
+    if largest is None:
+        return False
+    if (
+        not isinstance(largest, list)
+        or len(largest) != len(meta["shards"])
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in largest)
+    ):
+        raise DataError(
+            f"{path}: shard_max_token must list one whole number per shard "
+            f"({len(meta['shards'])}), got {largest!r:.60}; prepare the data again"
+        )
+    for name, value in zip(meta["shards"], largest):
+        if value >= vocab_size:
+            shard = path.parent / f"tokens_{name}.bin"
             raise DataError(
-                f"{file} holds token id {largest}, outside the vocabulary of "
-                f"{vocab_size} tokens: it was "
-                f"prepared with another tokenizer or is damaged; prepare the data again"
+                f"{shard} holds token id {value}, outside the vocabulary of "
+                f"{vocab_size} tokens: it was prepared with another tokenizer or is "
+                f"damaged; prepare the data again"
             )
+    return True
+
+
+def check_token_range(file: Path, tokens: np.ndarray, vocab_size: int) -> None:
+    """Every id read from a shard must index the vocabulary: refused when read rather than failing
+    (or, on a GPU, asserting) inside the model. `tokens` is the part of `file` about to be used."""
+    largest = int(tokens.max()) if len(tokens) else 0
+    if largest >= vocab_size:
+        raise DataError(
+            f"{file} holds token id {largest}, outside the vocabulary of {vocab_size} "
+            f"tokens: it was prepared with another tokenizer or is damaged; prepare "
+            f"the data again"
+        )
 
 
 def split_documents(
@@ -254,6 +293,10 @@ def split_documents(
 
 # ============================================================================= the packed loader
 
+# Documents per block of the shuffled order: an epoch permutes the blocks, then the documents within
+# each block it reaches, so a rank holds one block's order, not the epoch's (O(rows read)).
+BLOCK_DOCS = 1 << 12
+
 
 class PackedLoader:
     """Fixed-length rows of packed documents for one data-parallel rank; deterministic and
@@ -262,12 +305,15 @@ class PackedLoader:
     Rows are numbered globally: micro-batch m is rows [m*W*B, (m+1)*W*B) of the global row sequence
     and rank r takes the B rows starting at m*W*B + r*B, so the data order does not depend on the
     layout and a position saved by one world size is valid for another. Row g is row g % R of
-    epoch g // R (R = rows_per_epoch); an epoch shuffles the document order with (seed, epoch).
+    epoch g // R (R = rows_per_epoch). An epoch's document order is computed block-wise from
+    (seed, stream, epoch): the blocks of `block_docs` documents are permuted, then the documents
+    within each block, so no rank stores or recomputes a permutation of every document.
     The state is one integer, the next global row, so a restart resumes at the exact token.
 
     Shards with conversations (masked) are packed whole instead (chat.WholeRows: rows packed once, a
     document longer than seq_len truncated or dropped by `overlong`), and an epoch shuffles the rows
-    with (seed, epoch); a target is -100 where the loss mask says the token is not one.
+    with (seed, stream, epoch); a target is -100 where the loss mask says the token is not one.
+    `stream` tells the sources of a mixture apart (MixedLoader): each shuffles its own way.
     """
 
     def __init__(
@@ -284,6 +330,8 @@ class PackedLoader:
         name: str = "train",
         overlong: str = "truncate",
         settings: dict[str, object] | None = None,
+        stream: int = 0,
+        block_docs: int = BLOCK_DOCS,
     ):
         if len(doc_indices) == 0:
             raise DataError(f"the {name} split has no documents")
@@ -294,14 +342,17 @@ class PackedLoader:
             batch_size,
         )
         self.seed, self.shuffle, self.epochs, self.name = seed, shuffle, epochs, name
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.stream = rank, world_size, stream
         # The run's STREAM_KEYS (train.py passes them all): a refused resume names the changed.
         self.settings = settings or {
             "data.seq_len": seq_len,
             "data.overlong": overlong,
             "training.seed": seed,
         }
-        self.num_tokens = int(shards.doc_len[doc_indices].sum())
+        self.block_docs = block_docs
+        block_starts = np.arange(0, len(doc_indices), block_docs)
+        self.block_tokens = np.add.reduceat(shards.doc_len[doc_indices], block_starts)  # [blocks]
+        self.num_tokens = int(self.block_tokens.sum())
         self.rows_per_epoch = math.ceil(self.num_tokens / seq_len)
         self.whole = None
         if shards.masked:
@@ -319,7 +370,8 @@ class PackedLoader:
                 )
             self.num_tokens, self.rows_per_epoch = self.whole.num_tokens, self.whole.num_rows
         self.next_row = 0
-        self._epoch_cache: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+        self._epoch_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._block_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def describe(self) -> str:
         """The split in a few words, for the run's log."""
@@ -330,6 +382,10 @@ class PackedLoader:
 
     def rows_available(self) -> int | None:
         return None if self.epochs is None else self.epochs * self.rows_per_epoch
+
+    def rewind(self) -> None:
+        """Back to the first row (evaluation reads the same validation rows each time)."""
+        self.next_row = 0
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """-> input_ids, targets, doc_ids: int64 [B, T]; doc_ids -1 and targets -100 on padding."""
@@ -350,16 +406,15 @@ class PackedLoader:
     def peek(self) -> dict[str, torch.Tensor]:
         """This rank's batch at the current position, without moving on."""
         first = self.next_row + self.rank * self.batch_size
-        rows = [self.row(g) for g in range(first, first + self.batch_size)]
-        return {key: torch.from_numpy(np.stack([row[key] for row in rows])) for key in rows[0]}
+        return stack_rows([self.row(g) for g in range(first, first + self.batch_size)])
 
     def row(self, g: int) -> dict[str, np.ndarray]:
         """Global row g: tokens at stream positions [s, s + T] of its epoch (s = (g % R) * T); the
         extra token only serves as the last target. Packed whole: row order[g % R] of the
         packing."""
         epoch, start = divmod(g, self.rows_per_epoch)
-        order, ends = self._epoch(epoch)
         if self.whole is not None:  # document i of the row is self.docs[i]
+            order = self._row_order(epoch)
             tokens, docs, mask = self.whole.fill(
                 int(order[start]),
                 lambda i: self.shards.document(self.docs[i]),
@@ -370,35 +425,64 @@ class PackedLoader:
         tokens = np.zeros(self.seq_len + 1, dtype=np.int64)
         docs = np.full(self.seq_len + 1, -1, dtype=np.int64)
         position = start * self.seq_len
+        _, block_ends = self._blocks(epoch)
+        slot = int(np.searchsorted(block_ends, position, side="right"))  # the block of `position`
+        order, ends = self._block(epoch, slot)
         # first document ending after `position`
         k = int(np.searchsorted(ends, position, side="right"))
-        while position < stop and k < len(order):
+        while position < stop:
+            if k == len(order):  # the row goes on in the next block, or the epoch ends (padding)
+                slot, k = slot + 1, 0
+                if slot == len(block_ends):
+                    break
+                order, ends = self._block(epoch, slot)
             doc = int(order[k])
             doc_start = ends[k] - self.shards.doc_len[doc]
             take = slice(position - doc_start, min(ends[k], stop) - doc_start)
             n = take.stop - take.start
             offset = position - start * self.seq_len
-            tokens[offset : offset + n] = self.shards.document(doc)[take]
+            tokens[offset : offset + n] = self.shards.document(doc, take)
             docs[offset : offset + n] = doc
             position, k = position + n, k + 1
         return row_arrays(tokens, docs, None)
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """(document order [D], cumulative end of each in the epoch's stream [D]), two epochs
-        cached; packed whole: (row order [R], None)."""
+    def _rng(self, *key: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, self.stream, *key])
+
+    def _blocks(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(block order [blocks], cumulative end of each in the epoch's stream [blocks]), two epochs
+        cached: O(documents / block_docs) each."""
         if epoch not in self._epoch_cache:
-            items = self.docs if self.whole is None else np.arange(self.rows_per_epoch)
-            order = (
-                np.random.default_rng([self.seed, epoch]).permutation(items)
-                if self.shuffle
-                else items
-            )
+            count = len(self.block_tokens)
+            order = self._rng(epoch, 0).permutation(count) if self.shuffle else np.arange(count)
             self._epoch_cache = {e: v for e, v in self._epoch_cache.items() if e == epoch - 1}
-            self._epoch_cache[epoch] = (
-                order,
-                np.cumsum(self.shards.doc_len[order]) if self.whole is None else None,
-            )
+            self._epoch_cache[epoch] = (order, np.cumsum(self.block_tokens[order]))
         return self._epoch_cache[epoch]
+
+    def _block(self, epoch: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """The documents of the epoch's `slot`-th block in their order, and where each ends in the
+        epoch's stream; the last few blocks read are cached."""
+        if (epoch, slot) not in self._block_cache:
+            order, block_ends = self._blocks(epoch)
+            block = int(order[slot])
+            members = self.docs[block * self.block_docs : (block + 1) * self.block_docs]
+            if self.shuffle:
+                members = members[self._rng(epoch, 1, block).permutation(len(members))]
+            first = block_ends[slot] - self.block_tokens[block]
+            if len(self._block_cache) >= 4:
+                self._block_cache.pop(next(iter(self._block_cache)))
+            ends = first + np.cumsum(self.shards.doc_len[members])
+            self._block_cache[epoch, slot] = (members, ends)
+        return self._block_cache[epoch, slot]
+
+    def _row_order(self, epoch: int) -> np.ndarray:
+        """Packed whole: the epoch's order of the packing's rows [R], two epochs cached."""
+        if epoch not in self._epoch_cache:
+            rows = np.arange(self.rows_per_epoch)
+            order = self._rng(epoch).permutation(rows) if self.shuffle else rows
+            self._epoch_cache = {e: v for e, v in self._epoch_cache.items() if e == epoch - 1}
+            self._epoch_cache[epoch] = (order, order)
+        return self._epoch_cache[epoch][0]
 
     def state_dict(self) -> dict[str, int]:
         return {
@@ -434,6 +518,147 @@ class PackedLoader:
                 "data.seq_len)"
             )
         return "the data's files changed since the checkpoint; its settings did not"
+
+
+def stack_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Rows of equal length -> one batch, [len(rows), T] per key."""
+    return {key: torch.from_numpy(np.stack([row[key] for row in rows])) for key in rows[0]}
+
+
+GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio: splitmix64's step
+
+
+def splitmix64(values: np.ndarray) -> np.ndarray:
+    """A bijective 64-bit hash (Steele et al.'s splitmix64 finalizer), elementwise on uint64."""
+    z = values.astype(np.uint64)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def row_sources(seed: int, rows: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The source of each global row: a uniform draw hashed from (seed, row), so the schedule is
+    computed from the row index and never stored; source s is drawn with probability
+    weights[s] / sum(weights). [rows] int -> [rows] int."""
+    key = splitmix64(np.array([seed % 2**64], dtype=np.uint64))
+    counter = key + (rows.astype(np.uint64) + np.uint64(1)) * np.uint64(GOLDEN)  # wraps mod 2**64
+    uniform = (splitmix64(counter) >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
+    bounds = np.cumsum(weights) / np.sum(weights)
+    bounds[-1] = 1.0  # rounding must not leave a draw past the last source
+    return np.searchsorted(bounds, uniform, side="right")
+
+
+class MixedLoader:
+    """A weighted mixture of PackedLoaders (one per source, sharing seq_len, batch size and layout).
+
+    Global row g comes from the source that row_sources draws for (seed, g); a source's rows are
+    its own loader's rows 0, 1, 2, ... in the order the mixture draws them. The state is the next
+    global row and how many rows each source has given (S + 1 integers), so the rows are those of
+    any other layout, as PackedLoader's are: each rank draws the whole global batch's sources and
+    takes its own B rows. A source read data.epochs times stops the run (exhausted "stop") or goes
+    on with a new epoch, shuffled from the seed (exhausted "repeat").
+    """
+
+    def __init__(
+        self,
+        sources: list[PackedLoader],
+        names: list[str],
+        weights: list[float],
+        seed: int,
+        exhausted: str = "stop",
+        name: str = "train",
+    ):
+        first = sources[0]
+        self.sources, self.names, self.seed, self.exhausted = sources, names, seed, exhausted
+        self.weights = np.asarray(weights, dtype=np.float64)
+        self.seq_len, self.batch_size, self.name = first.seq_len, first.batch_size, name
+        self.rank, self.world_size = first.rank, first.world_size
+        self.num_tokens = sum(source.num_tokens for source in sources)
+        self.rows_per_epoch = sum(source.rows_per_epoch for source in sources)
+        self.next_row = 0
+        self.positions = [0] * len(sources)
+
+    def describe(self) -> str:
+        share = self.weights / self.weights.sum()
+        parts = [
+            f"{n} ({100 * w:.1f} %): {s.describe()}"
+            for n, w, s in zip(self.names, share, self.sources)
+        ]
+        return f"{self.name} mixture of {len(parts)} sources, {'; '.join(parts)}"
+
+    def rows_available(self) -> None:
+        return None  # the draws decide when a source runs out: next_batch says so at that step
+
+    def tokens_drawn(self) -> dict[str, int]:
+        """Tokens (rows * seq_len) each source has given the run so far, over every rank."""
+        return {n: p * self.seq_len for n, p in zip(self.names, self.positions)}
+
+    def rewind(self) -> None:
+        self.next_row, self.positions = 0, [0] * len(self.sources)
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """-> input_ids, targets, doc_ids: int64 [B, T], as PackedLoader's."""
+        drawn, _ = self._plan()
+        batch = self.peek()
+        self.positions = [p + int((drawn == s).sum()) for s, p in enumerate(self.positions)]
+        self.next_row += self.world_size * self.batch_size
+        return batch
+
+    def peek(self) -> dict[str, torch.Tensor]:
+        drawn, positions = self._plan()
+        self._check_exhausted(drawn, positions)
+        mine = range(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        return stack_rows([self.sources[drawn[i]].row(int(positions[i])) for i in mine])
+
+    def _plan(self) -> tuple[np.ndarray, np.ndarray]:
+        """The global batch's source of each row and the row's index within that source, [W * B]."""
+        rows = np.arange(self.next_row, self.next_row + self.world_size * self.batch_size)
+        drawn = row_sources(self.seed, rows, self.weights)
+        positions = np.empty(len(rows), dtype=np.int64)
+        for s, start in enumerate(self.positions):
+            mask = drawn == s
+            positions[mask] = start + np.arange(int(mask.sum()))
+        return drawn, positions
+
+    def _check_exhausted(self, drawn: np.ndarray, positions: np.ndarray) -> None:
+        if self.exhausted == "repeat":
+            return
+        for s, source in enumerate(self.sources):
+            available = source.rows_available()
+            late = positions[(drawn == s) & (positions >= (available or math.inf))]
+            if len(late):
+                batch = self.next_row // (self.world_size * self.batch_size)
+                raise DataError(
+                    f"source {self.names[s]} ran out of data at micro-batch {batch}: "
+                    f"its {source.rows_per_epoch} rows of {self.seq_len} tokens per "
+                    f"epoch were all drawn data.epochs = {source.epochs} time(s) and "
+                    f'data.exhausted = "stop"; set data.exhausted = "repeat", raise '
+                    f"data.epochs, add data, or train fewer steps"
+                )
+
+    def state_dict(self) -> dict[str, int]:
+        """Whole numbers under flat keys, as checkpoint.py stores a loader's state: the next global
+        row, and each source's position and rows per epoch (source_S_position, source_S_rows)."""
+        state = {"next_row": self.next_row, "seq_len": self.seq_len}
+        for s, (source, position) in enumerate(zip(self.sources, self.positions)):
+            state |= {f"source_{s}_position": position, f"source_{s}_rows": source.rows_per_epoch}
+        return state
+
+    def load_state_dict(self, state: dict[str, int], checkpoint: Path | None = None) -> None:
+        """The saved position, refused when a source's rows are not the saved run's."""
+        count = sum(key.endswith("_rows") for key in state)
+        saved = [int(state[f"source_{s}_rows"]) for s in range(count)]
+        ours = [s.rows_per_epoch for s in self.sources]
+        if saved != ours or int(state["seq_len"]) != self.seq_len:
+            changed = self.sources[0].what_changed(int(state["seq_len"]), checkpoint)
+            raise DataError(
+                f"the checkpoint's {self.name} data position was saved for sources of "
+                f"{saved} rows of {int(state['seq_len'])} tokens per epoch, but this "
+                f"run's have {ours} rows of {self.seq_len}: {changed}; resume with the "
+                f"checkpoint's data settings, or start from its weights in a fresh run"
+            )
+        self.next_row = int(state["next_row"])
+        self.positions = [int(state[f"source_{s}_position"]) for s in range(count)]
 
 
 def stream_settings(config: dict) -> dict[str, object]:

@@ -3,8 +3,8 @@
     "byte"                        256 byte tokens + <|endoftext|>
     a .tiktoken file              ranks only, split with the cl100k pattern
     a tiktoken encoding name      only if it is already in tiktoken's cache
-    "checkpoint" or a directory   the checkpoint's byte-level BPE tokenizer.json, converted to ranks,
-                                  with the chat template its tokenizer files carry, if any
+    "checkpoint" or a directory   the checkpoint's byte-level BPE tokenizer.json, as ranks, with
+                                  the chat template its tokenizer files carry, if any
 
 `load_tokenizer(spec, eos_token, checkpoint_dir)` picks one and returns a `Tokenizer`: the encoding,
 the id appended to every document, a fingerprint that prepared shards record, and the chat template
@@ -25,22 +25,27 @@ import tiktoken.load
 
 END_OF_TEXT = "<|endoftext|>"
 # The split pattern of the cl100k family, for .tiktoken rank files (which store ranks only).
-CL100K_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++"""
-                  r"""[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
+CL100K_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++"""
+    r"""[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
 # GPT-2's pre-tokenizer split, what a ByteLevel pre-tokenizer with use_regex applies.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 class TokenizerError(ValueError):
-    """A tokenizer that cannot be loaded: the message names the setting or file and what was expected."""
+    """A tokenizer that cannot be loaded: the message names the setting or file and what was
+    expected."""
 
 
 @dataclass(frozen=True)
 class ChatTemplate:
     """A Jinja chat template as Hugging Face tokenizer files carry it (chat.py renders it)."""
+
     source: str  # the Jinja text
     origin: str  # the file it was read from, or what else made it
-    variables: tuple[tuple[str, str], ...] = ()  # bos_token, eos_token, ...: what the template sees by name
+    # bos_token, eos_token, ...: what the template sees by name
+    variables: tuple[tuple[str, str], ...] = ()
 
     @property
     def digest(self) -> str:
@@ -52,14 +57,17 @@ class Tokenizer:
     encoding: tiktoken.Encoding
     eos_id: int  # appended to every document
     fingerprint: str  # identifies the vocabulary; prepared shards record it
-    chat_template: ChatTemplate | None = None  # the tokenizer files' own; None: chat.py's plain template
+    # the tokenizer files' own; None: chat.py's plain template
+    chat_template: ChatTemplate | None = None
 
     @property
     def vocab_size(self) -> int:
         return self.encoding.n_vocab
 
     def encode_documents(self, texts: list[str]) -> list[list[int]]:
-        return [ids + [self.eos_id] for ids in self.encoding.encode_ordinary_batch(texts, num_threads=4)]
+        return [
+            ids + [self.eos_id] for ids in self.encoding.encode_ordinary_batch(texts, num_threads=4)
+        ]
 
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids, errors="replace")
@@ -75,9 +83,13 @@ class Tokenizer:
         return missing
 
 
-def load_tokenizer(spec: str, eos_token: str = END_OF_TEXT, checkpoint_dir: str = "",
-                   setting: str = "data.tokenizer", eos_setting: str = "data.eos_token",
-                   ) -> Tokenizer:
+def load_tokenizer(
+    spec: str,
+    eos_token: str = END_OF_TEXT,
+    checkpoint_dir: str = "",
+    setting: str = "data.tokenizer",
+    eos_setting: str = "data.eos_token",
+) -> Tokenizer:
     """spec: "byte" | "checkpoint" (the tokenizer.json of [model].init_from) | a directory with
     tokenizer.json | a .tiktoken file | a tiktoken encoding name that is already cached. `setting`
     and `eos_setting` name where spec and eos_token were given (a config key, a flag) in errors."""
@@ -86,24 +98,33 @@ def load_tokenizer(spec: str, eos_token: str = END_OF_TEXT, checkpoint_dir: str 
         encoding, fingerprint = byte_encoding(), "byte-v1"
     elif spec == "checkpoint" or Path(spec).is_dir():
         if spec == "checkpoint" and not checkpoint_dir:
-            raise TokenizerError(f'{setting} = "checkpoint" needs [model].init_from to name a '
-                                 f'checkpoint directory')
+            raise TokenizerError(
+                f'{setting} = "checkpoint" needs [model].init_from to name a checkpoint directory'
+            )
         directory = Path(checkpoint_dir if spec == "checkpoint" else spec)
         encoding, fingerprint = checkpoint_encoding(directory, setting)
         template = read_chat_template(directory)
     elif spec.endswith(".tiktoken") and Path(spec).is_file():
-        encoding, fingerprint = tiktoken_file_encoding(Path(spec)), "tiktoken:" + _file_digest(Path(spec))
+        encoding, fingerprint = (
+            tiktoken_file_encoding(Path(spec)),
+            "tiktoken:" + _file_digest(Path(spec)),
+        )
     elif spec in names:
         encoding = cached_encoding(spec)
         fingerprint = f"named:{spec}:{encoding.n_vocab}"
     else:
-        raise TokenizerError(f"{setting} {spec!r} is not \"byte\", \"checkpoint\", a directory "
-                             f"with "
-                             f"tokenizer.json, an existing .tiktoken file, or a tiktoken encoding ({', '.join(names)})")
+        raise TokenizerError(
+            f'{setting} {spec!r} is not "byte", "checkpoint", a directory '
+            f"with "
+            "tokenizer.json, an existing .tiktoken file, or a tiktoken encoding "
+            f"({', '.join(names)})"
+        )
     if eos_token not in encoding.special_tokens_set:
-        raise TokenizerError(f"{eos_setting} {eos_token!r} is not a special token of tokenizer "
-                             f"{spec!r}; it has "
-                             f"{sorted(encoding.special_tokens_set)[:8]}")
+        raise TokenizerError(
+            f"{eos_setting} {eos_token!r} is not a special token of tokenizer "
+            f"{spec!r}; it has "
+            f"{sorted(encoding.special_tokens_set)[:8]}"
+        )
     eos_id = encoding.encode_single_token(eos_token)
     return Tokenizer(encoding, eos_id, f"{fingerprint}|eos={eos_id}", template)
 
@@ -112,7 +133,8 @@ def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-# ============================================================================= byte, .tiktoken file, named
+# ====================================================================== byte, .tiktoken file, named
+
 
 def byte_encoding() -> tiktoken.Encoding:
     """256 single-byte tokens plus <|endoftext|> (id 256): any UTF-8 text, nothing to download.
@@ -120,8 +142,9 @@ def byte_encoding() -> tiktoken.Encoding:
     With no merges, the split pattern does not change the result; \\S+|\\s+ keeps pieces short.
     """
     ranks = {bytes([b]): b for b in range(256)}
-    return tiktoken.Encoding(name="byte", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
-                             special_tokens={END_OF_TEXT: 256})
+    return tiktoken.Encoding(
+        name="byte", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={END_OF_TEXT: 256}
+    )
 
 
 def tiktoken_file_encoding(path: Path) -> tiktoken.Encoding:
@@ -130,8 +153,11 @@ def tiktoken_file_encoding(path: Path) -> tiktoken.Encoding:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as error:
-        raise TokenizerError(f"{path}: not a text file ({error.reason} at byte {error.start}); expected "
-                             f"'<base64 token> <rank>' lines") from error
+        raise TokenizerError(
+            f"{path}: not a text file ({error.reason} at byte {error.start}); "
+            "expected "
+            f"'<base64 token> <rank>' lines"
+        ) from error
     ranks = {}
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -141,16 +167,21 @@ def tiktoken_file_encoding(path: Path) -> tiktoken.Encoding:
             token = base64.b64decode(token, validate=True)
             rank = int(rank)
         except ValueError as error:
-            raise TokenizerError(f"{path}:{number}: expected '<base64 token> <rank>', got {line[:60]!r}") from error
+            raise TokenizerError(
+                f"{path}:{number}: expected '<base64 token> <rank>', got {line[:60]!r}"
+            ) from error
         if token in ranks:
             raise TokenizerError(f"{path}:{number}: token {token!r} is ranked twice")
         ranks[token] = rank
     if not ranks:
-        raise TokenizerError(f"{path}: no ranks (an empty file); expected '<base64 token> <rank>' lines")
+        raise TokenizerError(
+            f"{path}: no ranks (an empty file); expected '<base64 token> <rank>' lines"
+        )
     special = {END_OF_TEXT: max(ranks.values()) + 1}
     check_ids(ranks, special, path)
-    return tiktoken.Encoding(name=path.stem, pat_str=CL100K_PATTERN, mergeable_ranks=ranks,
-                             special_tokens=special)
+    return tiktoken.Encoding(
+        name=path.stem, pat_str=CL100K_PATTERN, mergeable_ranks=ranks, special_tokens=special
+    )
 
 
 # Token ids up to 16M: 64 times the largest published vocabularies (262,144); tiktoken stores u32.
@@ -163,25 +194,33 @@ def check_ids(ranks: dict[bytes, int], special: dict[str, int], where: Path) -> 
     owner: dict[int, object] = {}
     for token, token_id in [*ranks.items(), *special.items()]:
         if not 0 <= token_id < MAX_TOKEN_ID:
-            raise TokenizerError(f"{where}: token {token!r} has id {token_id}; expected "
-                                 f"0 <= id < {MAX_TOKEN_ID:,}")
+            raise TokenizerError(
+                f"{where}: token {token!r} has id {token_id}; expected 0 <= id < {MAX_TOKEN_ID:,}"
+            )
         first = owner.setdefault(token_id, token)
         if first != token:
             raise TokenizerError(f"{where}: tokens {first!r} and {token!r} share the id {token_id}")
 
 
 def cached_encoding(name: str) -> tiktoken.Encoding:
-    """A tiktoken encoding from tiktoken's cache. On a miss tiktoken would fetch the encoding's file;
-    refuse instead of downloading."""
+    """A tiktoken encoding from tiktoken's cache. On a miss tiktoken would fetch the encoding's
+    file; refuse instead of downloading."""
     original = tiktoken.load.read_file
 
     def read_local_only(blobpath: str) -> bytes:
         if "://" in blobpath:
-            cache = (os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
-                     or "<tmp>/data-gym-cache")
-            raise TokenizerError(f"tiktoken encoding {name!r} is not in the tiktoken cache ({cache}) and this "
-                                 f"program never downloads; use data.tokenizer = \"byte\", a .tiktoken file, or "
-                                 f"a checkpoint directory with tokenizer.json")
+            cache = (
+                os.environ.get("TIKTOKEN_CACHE_DIR")
+                or os.environ.get("DATA_GYM_CACHE_DIR")
+                or "<tmp>/data-gym-cache"
+            )
+            raise TokenizerError(
+                f"tiktoken encoding {name!r} is not in the tiktoken cache "
+                f"({cache}) and this "
+                'program never downloads; use data.tokenizer = "byte", a '
+                ".tiktoken file, or "
+                f"a checkpoint directory with tokenizer.json"
+            )
         return original(blobpath)
 
     tiktoken.load.read_file = read_local_only
@@ -191,13 +230,18 @@ def cached_encoding(name: str) -> tiktoken.Encoding:
         tiktoken.load.read_file = original
 
 
-# ============================================================================= a checkpoint's tokenizer.json
+# ==================================================================== a checkpoint's tokenizer.json
 
-def checkpoint_encoding(directory: Path, setting: str = "data.tokenizer",
-                        ) -> tuple[tiktoken.Encoding, str]:
+
+def checkpoint_encoding(
+    directory: Path,
+    setting: str = "data.tokenizer",
+) -> tuple[tiktoken.Encoding, str]:
     """The checkpoint's own tokenizer.json -> (encoding, fingerprint)."""
     if not (directory / "tokenizer.json").is_file():
-        raise TokenizerError(f"{directory}: no tokenizer.json to load the checkpoint's tokenizer from")
+        raise TokenizerError(
+            f"{directory}: no tokenizer.json to load the checkpoint's tokenizer from"
+        )
     try:
         encoding = hf_tokenizer_encoding(directory)
     except TokenizerError as error:
@@ -206,7 +250,15 @@ def checkpoint_encoding(directory: Path, setting: str = "data.tokenizer",
 
 
 # The named special tokens that transformers passes to a chat template (its special_tokens_map).
-TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+TEMPLATE_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 def read_chat_template(directory: Path) -> ChatTemplate | None:
@@ -221,9 +273,14 @@ def read_chat_template(directory: Path) -> ChatTemplate | None:
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise TokenizerError(f"{config_file}: cannot read JSON: {error}") from error
         if not isinstance(config, dict):
-            raise TokenizerError(f"{config_file}: expected a JSON object, got a {type(config).__name__}")
-    variables = tuple((name, token_text(config[name], config_file, name)) for name in TEMPLATE_TOKEN_NAMES
-                      if config.get(name) is not None)
+            raise TokenizerError(
+                f"{config_file}: expected a JSON object, got a {type(config).__name__}"
+            )
+    variables = tuple(
+        (name, token_text(config[name], config_file, name))
+        for name in TEMPLATE_TOKEN_NAMES
+        if config.get(name) is not None
+    )
     if jinja_file.is_file():
         return ChatTemplate(template_text(jinja_file), str(jinja_file), variables)
     source = config.get("chat_template")
@@ -231,16 +288,24 @@ def read_chat_template(directory: Path) -> ChatTemplate | None:
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
         if source is None:
-            raise TokenizerError(f"{config_file}: chat_template lists templates {sorted(map(str, named))} but none "
-                                 f"named 'default'")
+            raise TokenizerError(
+                f"{config_file}: chat_template lists templates "
+                f"{sorted(map(str, named))} but none "
+                f"named 'default'"
+            )
     if source is None:
         return None
     if not isinstance(source, str):
-        raise TokenizerError(f"{config_file}: chat_template must be a string (a Jinja template) or a list of "
-                             f"{{'name', 'template'}} objects, got {source!r:.60}")
+        raise TokenizerError(
+            f"{config_file}: chat_template must be a string (a Jinja template) or "
+            "a list of "
+            f"{{'name', 'template'}} objects, got {source!r:.60}"
+        )
     if not source.strip():
-        raise TokenizerError(f"{config_file}: chat_template is empty; write a Jinja chat template "
-                             f"there or remove the key")
+        raise TokenizerError(
+            f"{config_file}: chat_template is empty; write a Jinja chat template "
+            f"there or remove the key"
+        )
     return ChatTemplate(source, f"{config_file} chat_template", variables)
 
 
@@ -249,8 +314,10 @@ def template_text(file: Path) -> str:
     try:
         text = file.read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
-        raise TokenizerError(f"{file}: not UTF-8 text ({error.reason} at byte {error.start}); a "
-                             f"chat template is a Jinja text file") from None
+        raise TokenizerError(
+            f"{file}: not UTF-8 text ({error.reason} at byte {error.start}); a "
+            f"chat template is a Jinja text file"
+        ) from None
     except OSError as error:
         raise TokenizerError(f"{file}: cannot read ({error.strerror or error})") from None
     if not text.strip():
@@ -263,14 +330,21 @@ def token_text(value: object, where: Path, name: str) -> str:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     if not isinstance(value, str):
-        raise TokenizerError(f"{where}: {name} must be a string or an object with a string 'content', got {value!r:.60}")
+        raise TokenizerError(
+            f"{where}: {name} must be a string or an object with a string "
+            f"'content', got {value!r:.60}"
+        )
     return value
 
 
 def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte table: printable bytes stand for themselves, the others for chars from U+0100 on,
-    so every byte of a byte-level BPE token is one visible character in tokenizer.json."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    """GPT-2's byte table: printable bytes stand for themselves, the others for chars from U+0100
+    on, so every byte of a byte-level BPE token is one visible character in tokenizer.json."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     shifted = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
 
@@ -280,45 +354,65 @@ def _split_pattern(pre_tokenizer: dict | None, where: Path) -> str:
     sequence = isinstance(pre_tokenizer, dict) and pre_tokenizer.get("type") == "Sequence"
     steps = pre_tokenizer.get("pretokenizers") if sequence else [pre_tokenizer]
     if not isinstance(steps, list):
-        raise TokenizerError(f"{where}: pre_tokenizer.pretokenizers must be a list, got "
-                             f"{steps!r:.60}")
+        raise TokenizerError(
+            f"{where}: pre_tokenizer.pretokenizers must be a list, got {steps!r:.60}"
+        )
     patterns = []
     for step in steps:
         kind = step.get("type") if isinstance(step, dict) else None
         pattern = step.get("pattern") if kind == "Split" else None
-        if isinstance(pattern, dict) and isinstance(pattern.get("Regex"), str) \
-                and step.get("behavior") == "Isolated" and not step.get("invert"):
+        if (
+            isinstance(pattern, dict)
+            and isinstance(pattern.get("Regex"), str)
+            and step.get("behavior") == "Isolated"
+            and not step.get("invert")
+        ):
             patterns.append(step["pattern"]["Regex"])
         elif kind == "ByteLevel" and not step.get("add_prefix_space"):
             patterns += [GPT2_PATTERN] if step.get("use_regex", True) else []
         else:
-            raise TokenizerError(f"{where}: pre_tokenizer step {step!r} is not supported; expected Split with a "
-                                 f"Regex pattern and behavior 'Isolated', or ByteLevel without add_prefix_space")
+            raise TokenizerError(
+                f"{where}: pre_tokenizer step {step!r} is not supported; expected "
+                "Split with a "
+                "Regex pattern and behavior 'Isolated', or ByteLevel without "
+                "add_prefix_space"
+            )
     if len(patterns) != 1:
-        raise TokenizerError(f"{where}: pre_tokenizer must split with exactly one regex, found {len(patterns)}")
+        raise TokenizerError(
+            f"{where}: pre_tokenizer must split with exactly one regex, found {len(patterns)}"
+        )
     return patterns[0]
 
 
 def added_tokens(entries: object, where: Path) -> dict[str, int]:
     """tokenizer.json's added_tokens ([{"content": ..., "id": ...}, ...]) -> content -> id."""
+
     def valid(token: object) -> bool:
-        return isinstance(token, dict) and isinstance(token.get("content"), str) and \
-            isinstance(token.get("id"), int) and not isinstance(token.get("id"), bool)
+        return (
+            isinstance(token, dict)
+            and isinstance(token.get("content"), str)
+            and isinstance(token.get("id"), int)
+            and not isinstance(token.get("id"), bool)
+        )
 
     bad = [entries] if not isinstance(entries, list) else [t for t in entries if not valid(t)]
     if bad:
-        raise TokenizerError(f"{where}: added_tokens must be a list of objects with a string 'content' and an "
-                             f"integer 'id', got {bad[0]!r:.60}")
+        raise TokenizerError(
+            f"{where}: added_tokens must be a list of objects with a string "
+            "'content' and an "
+            f"integer 'id', got {bad[0]!r:.60}"
+        )
     return {t["content"]: t["id"] for t in entries}
 
 
 def hf_tokenizer_encoding(path: str | Path) -> tiktoken.Encoding:
-    """A byte-level BPE tokenizer.json (or the directory holding it) as a tiktoken.Encoding with the same ids.
+    """A byte-level BPE tokenizer.json (or the directory holding it) as a tiktoken.Encoding with the
+    same ids.
 
     tiktoken merges by token id, so ids must grow in merge order; added tokens become special tokens
-    (encode with allowed_special to match them in text); tiktoken cannot normalize, so the normalizer
-    must be null; the pre-tokenizer must split with one regex (Split Isolated, or ByteLevel).
-    """
+    (encode with allowed_special to match them in text); tiktoken cannot normalize, so the
+    normalizer must be null; the pre-tokenizer must split with one regex (Split Isolated, or
+    ByteLevel)."""
     path = Path(path)
     path = path / "tokenizer.json" if path.is_dir() else path
     try:
@@ -326,52 +420,83 @@ def hf_tokenizer_encoding(path: str | Path) -> tiktoken.Encoding:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise TokenizerError(f"{path}: cannot read JSON: {error}") from error
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
-        found = f"model = {spec.get('model')!r:.40}" if isinstance(spec, dict) else f"a {type(spec).__name__}"
-        raise TokenizerError(f"{path}: expected a JSON object whose 'model' is an object (the BPE vocab and "
-                             f"merges), got {found}")
+        found = (
+            f"model = {spec.get('model')!r:.40}"
+            if isinstance(spec, dict)
+            else f"a {type(spec).__name__}"
+        )
+        raise TokenizerError(
+            f"{path}: expected a JSON object whose 'model' is an object (the BPE "
+            "vocab and "
+            f"merges), got {found}"
+        )
     bpe = spec["model"]
     if bpe.get("type") != "BPE":
         raise TokenizerError(f"{path}: model.type must be 'BPE', got {bpe.get('type')!r}")
     for field in ("dropout", "byte_fallback", "continuing_subword_prefix", "end_of_word_suffix"):
         if bpe.get(field):
-            raise TokenizerError(f"{path}: model.{field} is {bpe[field]!r}; "
-                                 f"a byte-level BPE for tiktoken needs it unset")
+            raise TokenizerError(
+                f"{path}: model.{field} is {bpe[field]!r}; "
+                f"a byte-level BPE for tiktoken needs it unset"
+            )
     if spec.get("normalizer") is not None:
-        raise TokenizerError(f"{path}: normalizer must be null (tiktoken cannot normalize), got {spec['normalizer']!r}")
+        raise TokenizerError(
+            f"{path}: normalizer must be null (tiktoken cannot normalize), got "
+            f"{spec['normalizer']!r}"
+        )
     special = added_tokens(spec.get("added_tokens", []), path)
     to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
     vocab, ranks = bpe.get("vocab") or {}, {}
-    if not isinstance(vocab, dict) or not all(isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()):
-        raise TokenizerError(f"{path}: model.vocab must be an object of token -> id, got {vocab!r:.40}")
+    if not isinstance(vocab, dict) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()
+    ):
+        raise TokenizerError(
+            f"{path}: model.vocab must be an object of token -> id, got {vocab!r:.40}"
+        )
     for token, token_id in vocab.items():
         if token in special:
             if special[token] != token_id:
-                raise TokenizerError(f"{path}: added token {token!r} has id {special[token]} but vocab id {token_id}")
+                raise TokenizerError(
+                    f"{path}: added token {token!r} has id {special[token]} but vocab id {token_id}"
+                )
             continue
         bad = [c for c in token if c not in to_byte]
         if bad:
-            raise TokenizerError(f"{path}: vocab token {token!r} is not byte-level "
-                                 f"({bad[0]!r} is not a GPT-2 byte char)")
+            raise TokenizerError(
+                f"{path}: vocab token {token!r} is not byte-level "
+                f"({bad[0]!r} is not a GPT-2 byte char)"
+            )
         ranks[bytes(to_byte[c] for c in token)] = token_id
     missing_bytes = [b for b in range(256) if bytes([b]) not in ranks]
     if missing_bytes:
-        raise TokenizerError(f"{path}: vocab lacks the byte token {bytes_to_unicode()[missing_bytes[0]]!r}; "
-                             f"a byte-level BPE needs all 256")
+        raise TokenizerError(
+            f"{path}: vocab lacks the byte token "
+            f"{bytes_to_unicode()[missing_bytes[0]]!r}; "
+            f"a byte-level BPE needs all 256"
+        )
     merges = bpe.get("merges") or []
     if not isinstance(merges, list):
-        raise TokenizerError(f"{path}: model.merges must be a list of 'left right' strings or "
-                             f"[left, right] pairs, got {merges!r:.40}")
+        raise TokenizerError(
+            f"{path}: model.merges must be a list of 'left right' strings or "
+            f"[left, right] pairs, got {merges!r:.40}"
+        )
     merged, previous = set(), -1
     for number, merge in enumerate(merges):
         pair = merge.split(" ") if isinstance(merge, str) else merge
         pair = pair if isinstance(pair, list) else []
         if len(pair) != 2 or not all(isinstance(side, str) for side in pair):
-            raise TokenizerError(f"{path}: merge {number} {merge!r} must be 'left right' or [left, right]")
+            raise TokenizerError(
+                f"{path}: merge {number} {merge!r} must be 'left right' or [left, right]"
+            )
         left, right = pair
         token_id = vocab.get(left + right)
         if left not in vocab or right not in vocab or token_id is None or token_id <= previous:
-            raise TokenizerError(f"{path}: merge {number} {left!r} + {right!r} must join two vocab tokens into one "
-                                 f"whose id is above the previous merge's ({previous}); got id {token_id}")
+            raise TokenizerError(
+                f"{path}: merge {number} {left!r} + {right!r} must join two vocab "
+                "tokens into one "
+                f"whose id is above the previous merge's ({previous}); got id "
+                f"{token_id}"
+            )
         merged.add(left + right)
         previous = token_id
     unmerged = [t for t in vocab if len(t) > 1 and t not in merged and t not in special]
@@ -380,8 +505,10 @@ def hf_tokenizer_encoding(path: str | Path) -> tiktoken.Encoding:
     check_ids(ranks, special, path)
     pattern = _split_pattern(spec.get("pre_tokenizer"), path)
     try:
-        return tiktoken.Encoding(name=f"flint:{path}", pat_str=pattern, mergeable_ranks=ranks,
-                                 special_tokens=special)
+        return tiktoken.Encoding(
+            name=f"flint:{path}", pat_str=pattern, mergeable_ranks=ranks, special_tokens=special
+        )
     except ValueError as error:  # the split regex does not compile
-        raise TokenizerError(f"{path}: the pre_tokenizer's regex {pattern!r:.60} is not valid: "
-                             f"{error}") from None
+        raise TokenizerError(
+            f"{path}: the pre_tokenizer's regex {pattern!r:.60} is not valid: {error}"
+        ) from None

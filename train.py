@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 import zlib
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -58,6 +58,7 @@ from config import (
 )
 from data import (
     DataError,
+    MixedLoader,
     PackedLoader,
     TokenShards,
     changed_settings,
@@ -132,7 +133,9 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
         routing = RoutingMonitor(
             model.module, frozen, run.device, cfg.logging.idle_expert_steps, run.is_main
         )
-        with Interruption(run) as interruption, explain_stop(checkpoints, run, argv, logger):
+        # closing(logger): TensorBoard and W&B are closed however the loop ends (divergence, a stop)
+        stops = explain_stop(checkpoints, run, argv, logger)
+        with Interruption(run) as interruption, stops, closing(logger):
             while step < cfg.training.steps:
                 step += 1
                 lr = set_learning_rate(
@@ -140,7 +143,7 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
                 )
                 # [logging] profile_steps; a CUDA OOM's snapshot
                 with logger.traced(step, model, optimizer):
-                    loss, grad_norm, stop = train_step(
+                    loss, grad_norm, targets, stop = train_step(
                         model,
                         optimizer,
                         train_data,
@@ -151,8 +154,9 @@ def run_training(cfg: TrainConfig, argv: list[str]) -> dict:
                         step,
                         checkpoints,
                     )
+                logger.add_loss(loss, targets)  # logged: the mean since the last logged step
                 if due(step, cfg.logging.every, cfg.training.steps) or step == logger.first_step:
-                    logger.log_train(step, loss, lr, grad_norm, routing.stats())
+                    logger.log_train(step, lr, grad_norm, routing.stats(), data_tokens(train_data))
                 stopping = interruption.requested(stop)
                 with logger.untimed():  # tokens/s counts training only
                     if val_data and due(step, cfg.training.eval_every, cfg.training.steps):
@@ -366,7 +370,7 @@ def missing_inputs(cfg: TrainConfig) -> str | None:
     """What the config names that is not on this machine (the corpus, a tokenizer directory or
     file), said with how to supply it; None when everything is there."""
     d = cfg.data
-    if not Path(d.path).exists():
+    if not d.sources and not Path(d.path).exists():  # config.py checked each of [data].sources
         return (
             f"{cfg.where('data.path')}: data.path {d.path} does not exist. Put your corpus "
             "there (text files, "
@@ -400,7 +404,48 @@ def setup_data(
             "a model with "
             f"[model].vocab_size >= {tokenizer.vocab_size} or a smaller tokenizer"
         )
-    source = Path(d.path)
+    loader = dict(
+        seq_len=d.seq_len,
+        batch_size=t.batch_size,
+        seed=t.seed,
+        rank=run.dp_rank,
+        world_size=run.dp_size,
+        overlong=d.overlong,
+        settings=stream_settings(cfg.to_dict()),
+    )
+    sources = d.sources or [{"path": d.path, "weight": 1.0}]
+    trains, vals, described = [], [], []
+    for stream, source in enumerate(sources):
+        shards = open_source(cfg, Path(source["path"]), tokenizer, run)
+        train_docs, val_docs = split_documents(shards.num_docs, d.val_fraction, source["path"])
+        trains.append(
+            PackedLoader(shards, train_docs, shuffle=True, epochs=d.epochs, stream=stream, **loader)
+        )
+        vals.append(
+            PackedLoader(
+                shards, val_docs, shuffle=False, name="validation", stream=stream, **loader
+            )
+            if len(val_docs)
+            else None
+        )
+        described.append(f"{source['path']}, {shards.num_docs} documents")
+    train, val = trains[0], vals[0]
+    if d.sources:  # validation draws from each source's held-out documents with the same weights
+        names, weights = [s["path"] for s in sources], [s["weight"] for s in sources]
+        train = MixedLoader(trains, names, weights, t.seed, d.exhausted)
+        val = (
+            MixedLoader(vals, names, weights, t.seed, "repeat", "validation") if all(vals) else None
+        )
+    check_enough_data(cfg, train, val, run)
+    validation = val.describe() if val else "no validation"
+    run.print(f"data: {'; '.join(described)}; {train.describe()}; {validation}")
+    return tokenizer, train, val
+
+
+def open_source(cfg: TrainConfig, source: Path, tokenizer: Tokenizer, run: Process) -> TokenShards:
+    """One source's shards: prepared once (by rank 0) when it is raw text, then opened on every
+    rank."""
+    d = cfg.data
     directory = prepared_dir(source, tokenizer, Path(d.cache_dir), d.text_key)
     if run.is_main and not (directory / "meta.json").is_file():
         run.print(f"preparing {source} -> {directory}")
@@ -412,29 +457,12 @@ def setup_data(
         DataError,
     ):
         barrier()
-    shards = TokenShards(directory, tokenizer)
-    train_docs, val_docs = split_documents(shards.num_docs, d.val_fraction, str(source))
-    loader = dict(
-        seq_len=d.seq_len,
-        batch_size=t.batch_size,
-        seed=t.seed,
-        rank=run.dp_rank,
-        world_size=run.dp_size,
-        overlong=d.overlong,
-        settings=stream_settings(cfg.to_dict()),
-    )
-    train = PackedLoader(shards, train_docs, shuffle=True, epochs=d.epochs, **loader)
-    val = (
-        PackedLoader(shards, val_docs, shuffle=False, name="validation", **loader)
-        if len(val_docs)
-        else None
-    )
-    check_enough_data(cfg, train, val, run)
-    run.print(
-        f"data: {source}, {shards.num_docs} documents; {train.describe()}; "
-        f"{val.describe() if val else 'no validation'}"
-    )
-    return tokenizer, train, val
+    return TokenShards(directory, tokenizer)
+
+
+def data_tokens(data: PackedLoader | MixedLoader) -> dict[str, int] | None:
+    """A mixture's tokens drawn from each source so far (data_tokens in the log and the JSONL)."""
+    return data.tokens_drawn() if isinstance(data, MixedLoader) else None
 
 
 def check_enough_data(
@@ -442,7 +470,8 @@ def check_enough_data(
 ) -> None:
     t, global_rows = cfg.training, run.dp_size * cfg.training.batch_size
     needed = t.steps * t.grad_accum * global_rows
-    if needed > train.rows_available():
+    available = train.rows_available()  # None for a mixture: it stops when a source runs out
+    if available is not None and needed > available:
         raise DataError(
             f"not enough data: training.steps = {t.steps} needs {needed} rows of "
             f"{cfg.data.seq_len} "
@@ -819,9 +848,10 @@ def train_step(
     interruption: Interruption,
     step: int,
     checkpoints: Checkpointer,
-) -> tuple[float, float, bool]:
+) -> tuple[float, float, float, bool]:
     """One optimizer step over grad_accum micro-batches -> (mean loss per target token, grad norm,
-    whether any rank was asked to stop).
+    the step's target tokens summed over all ranks (a fixed multiple of the step's own: the loss's
+    weight in the logged interval mean), whether any rank was asked to stop).
 
     Every target token weighs the same, whichever micro-batch or rank holds it: each micro-batch
     is weighted by its tokens over those of the whole step (see parallel.ParallelModel).
@@ -829,7 +859,7 @@ def train_step(
     The host waits for the device once per step: what the step's checks need (loss, grad norm, the
     weights' norm before and after the update, the stop request) comes back in one copy, after the
     update. A diverged step has then updated the weights in memory, never on disk: its error stops
-    the run before anything is saved. The batches' token ids were checked by data.py at load.
+    the run before anything is saved. The batches' token ids were checked by data.py when read.
     """
     batches = [
         {k: v.to(run.device) for k, v in data.next_batch().items()}
@@ -844,17 +874,19 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     routing.after_step(step)  # expert loads, idle streaks, the selection bias: on the device
     squares = torch.stack([before, weight_squares(model)]).to(model.collective_device)
-    # [before^2, after^2, stop requests]
-    shared = torch.cat([squares, interruption.flag(squares.device)])
+    targets = sum((batch["targets"] != -100).sum() for batch in batches).float().reshape(1)
+    # [before^2, after^2, target tokens, stop requests]
+    shared = torch.cat([squares, targets.to(squares.device), interruption.flag(squares.device)])
     if dist.is_initialized() and dist.get_world_size() > 1:
         # squares: replicas counted on each rank that holds them, the same way every step
         dist.all_reduce(shared)
     norms = torch.cat([shared[:2].sqrt(), shared[2:]])
     checked = torch.cat([torch.stack([loss.float(), grad_norm.float()]).to(norms.device), norms])
-    loss, grad_norm, before, after, stop = checked.tolist()  # the step's one copy to the host
+    # the step's one copy to the host
+    loss, grad_norm, before, after, targets, stop = checked.tolist()
     check_loss(loss, grad_norm, step, model, cfg, checkpoints)
     check_update(before, after, step, cfg, checkpoints)
-    return loss, grad_norm, stop > 0
+    return loss, grad_norm, targets, stop > 0
 
 
 def check_loss(
@@ -931,7 +963,10 @@ def divergence_remedy(cfg: TrainConfig) -> str:
         f"{name} = {getattr(config, name):g} ({cfg.where('model.' + name)})"
         for name in coefficients
     )
-    return f"the loss holds the router losses of [model] {listed}: try a lower coefficient, or {remedy}{fp8_suspect(cfg)}"
+    return (
+        f"the loss holds the router losses of [model] {listed}: try a lower coefficient, or "
+        f"{remedy}{fp8_suspect(cfg)}"
+    )
 
 
 def fp8_suspect(cfg: TrainConfig) -> str:
@@ -948,7 +983,7 @@ def fp8_suspect(cfg: TrainConfig) -> str:
 
 def evaluate(model: ParallelModel, data: PackedLoader, cfg: TrainConfig, run: Process) -> float:
     """Mean loss per target token over the same first validation batches every time."""
-    data.next_row = 0
+    data.rewind()
     count = min(
         cfg.training.eval_batches, data.rows_per_epoch // (run.dp_size * cfg.training.batch_size)
     )

@@ -143,7 +143,8 @@ def test_the_plain_template_renders_the_documented_text_and_trains_on_the_answer
     ]
     ids, mask = encoder.encode(Conversation(messages, "case"))
     text = (
-        "System: Be brief.\nUser: What is pass?\nAssistant: A null operation.<|endoftext|>User: And "
+        "System: Be brief.\nUser: What is pass?\nAssistant: A null operation.<|endoftext|>User: "
+        "And "
         "del?\n"
         "Assistant: Deletion: ünï.<|endoftext|>"
     )

@@ -1,5 +1,5 @@
-"""convert.py: published safetensors <-> native DCP checkpoints and bad input, on Flint's layout (Large 4's:
-tests/test_convert_large4.py).
+"""convert.py: published safetensors <-> native DCP checkpoints and bad input, on Flint's layout
+(Large 4's: tests/test_convert_large4.py).
 
 The published checkpoints here are written by hand from SPEC.md's layout (not by convert.py), so
 the converter is checked against the spec rather than against itself.
@@ -22,15 +22,17 @@ import convert
 from convert import hf_to_native, load_hf, load_native, main, native_to_hf, save_hf, save_native
 from registry import FAMILIES
 
-if "flint" not in FAMILIES:  # a fork without Flint: convert.py is tested through tests/test_convert_large4.py
+# a fork without Flint: convert.py is tested through tests/test_convert_large4.py
+if "flint" not in FAMILIES:
     pytest.skip("Flint's published layout: Flint is not registered", allow_module_level=True)
 
-from model import FlintConfig, build_model  # noqa: E402
+from flint_model import FlintConfig, build_model  # noqa: E402
 
 CONFIG = FlintConfig.from_name("tiny", num_hidden_layers=4)  # layers 0, 1 dense; 2, 3 MoE
 
 
 # ============================================================================= helpers
+
 
 def published_from_model(model, fused=False, sinks="softmax_offset", head_dtype=None) -> dict:
     """The published state dict of a model, written out from SPEC.md's table."""
@@ -61,14 +63,16 @@ def published_from_model(model, fused=False, sinks="softmax_offset", head_dtype=
 def write_published(directory: Path, state: dict, config=CONFIG, shards: int = 1) -> Path:
     """model.safetensors, or `shards` files with model.safetensors.index.json, plus config.json."""
     directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps({**config.to_hf_config(), "dtype": "bfloat16"}))
+    (directory / "config.json").write_text(
+        json.dumps({**config.to_hf_config(), "dtype": "bfloat16"})
+    )
     if shards == 1:
         save_file(state, directory / "model.safetensors")
         return directory
     keys, weight_map = list(state), {}
     for i in range(shards):
         name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        chunk = keys[i * len(keys) // shards:(i + 1) * len(keys) // shards]
+        chunk = keys[i * len(keys) // shards : (i + 1) * len(keys) // shards]
         save_file({k: state[k] for k in chunk}, directory / name)
         weight_map.update({k: name for k in chunk})
     index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
@@ -78,15 +82,23 @@ def write_published(directory: Path, state: dict, config=CONFIG, shards: int = 1
 
 def read_published(directory: Path) -> dict:
     index = directory / "model.safetensors.index.json"
-    files = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else {"model.safetensors"}
+    files = (
+        set(json.loads(index.read_text())["weight_map"].values())
+        if index.exists()
+        else {"model.safetensors"}
+    )
     return {k: v for f in sorted(files) for k, v in load_file(directory / f).items()}
 
 
 def read_native(directory: Path) -> dict:
-    """Every tensor entry of a DCP checkpoint, by its flattened key ("model.embed_tokens.weight", ...)."""
+    """Every tensor entry of a DCP checkpoint, by its flattened key ("model.embed_tokens.weight",
+    ...)."""
     metadata = dcp.FileSystemReader(str(directory)).read_metadata()
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
-             if isinstance(m, TensorStorageMetadata)}
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(state, checkpoint_id=str(directory), no_dist=True)
@@ -97,7 +109,9 @@ def assert_bit_exact(got: dict, want: dict) -> None:
     assert list(sorted(got)) == list(sorted(want))
     for key in want:
         assert got[key].dtype == want[key].dtype and got[key].shape == want[key].shape, key
-        assert torch.equal(got[key].contiguous().view(torch.uint8), want[key].contiguous().view(torch.uint8)), key
+        assert torch.equal(
+            got[key].contiguous().view(torch.uint8), want[key].contiguous().view(torch.uint8)
+        ), key
 
 
 def logits(model) -> torch.Tensor:
@@ -106,23 +120,31 @@ def logits(model) -> torch.Tensor:
         return model(ids)
 
 
-# ============================================================================= state dicts and models
+# =========================================================================== state dicts and models
+
 
 def test_state_dict_conversion_follows_the_published_table():
     model = build_model(CONFIG, dtype=torch.float32, seed=0)
     native = model.state_dict()
     assert_bit_exact(native_to_hf(native, CONFIG), published_from_model(model))
     assert_bit_exact(hf_to_native(published_from_model(model), CONFIG), native)
-    assert_bit_exact(hf_to_native(published_from_model(model, fused=True, sinks="sinks"), CONFIG), native)
+    assert_bit_exact(
+        hf_to_native(published_from_model(model, fused=True, sinks="sinks"), CONFIG), native
+    )
 
 
-@pytest.mark.parametrize("dtype, fused, sinks, shards, head_dtype", [
-    (torch.bfloat16, False, "softmax_offset", 3, torch.bfloat16),
-    (torch.bfloat16, True, "sinks", 2, None),
-    (torch.float32, True, "softmax_offset", 1, None),
-    (torch.float32, False, "sinks", 3, None),
-])
-def test_load_hf_matches_the_model_built_directly(tmp_path, dtype, fused, sinks, shards, head_dtype):
+@pytest.mark.parametrize(
+    "dtype, fused, sinks, shards, head_dtype",
+    [
+        (torch.bfloat16, False, "softmax_offset", 3, torch.bfloat16),
+        (torch.bfloat16, True, "sinks", 2, None),
+        (torch.float32, True, "softmax_offset", 1, None),
+        (torch.float32, False, "sinks", 3, None),
+    ],
+)
+def test_load_hf_matches_the_model_built_directly(
+    tmp_path, dtype, fused, sinks, shards, head_dtype
+):
     model = build_model(CONFIG, dtype=dtype, seed=0)
     if head_dtype is not None:  # the release ships a BF16 head; the model upcasts it exactly
         model.lm_head.weight.data = model.lm_head.weight.data.to(head_dtype).float()
@@ -137,14 +159,19 @@ def test_load_hf_matches_the_model_built_directly(tmp_path, dtype, fused, sinks,
 
 def test_load_hf_casts_bulk_weights_when_asked(tmp_path):
     model = build_model(CONFIG, dtype=torch.float32, seed=0)
-    loaded = load_hf(write_published(tmp_path / "hf", published_from_model(model)), dtype=torch.bfloat16)
+    loaded = load_hf(
+        write_published(tmp_path / "hf", published_from_model(model)), dtype=torch.bfloat16
+    )
     assert loaded.embed_tokens.weight.dtype == torch.bfloat16
     assert loaded.layers["0"].self_attn.sinks.weight.dtype == torch.float32
     assert loaded.lm_head.weight.dtype == torch.float32
-    assert torch.equal(loaded.layers["3"].mlp.experts.down_proj, model.layers["3"].mlp.experts.down_proj.bfloat16())
+    assert torch.equal(
+        loaded.layers["3"].mlp.experts.down_proj, model.layers["3"].mlp.experts.down_proj.bfloat16()
+    )
 
 
-# ============================================================================= command line and round trips
+# ===================================================================== command line and round trips
+
 
 def test_round_trip_hf_native_hf_is_bit_exact(tmp_path, capsys):
     model = build_model(CONFIG, dtype=torch.bfloat16, seed=0)
@@ -156,9 +183,12 @@ def test_round_trip_hf_native_hf_is_bit_exact(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.count("read shard") == 3 and "shard 3/" in printed
     assert re.search(rf"wrote {len(original)} tensors, [\d.]+ GB to .*back in [\d.]+ s", printed)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "hf", "native"]  # no temporary leftovers
+    # no temporary leftovers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "hf", "native"]
     # A fused checkpoint comes back in the per-expert form with the same bytes.
-    fused = write_published(tmp_path / "fused", published_from_model(model, fused=True, sinks="sinks"))
+    fused = write_published(
+        tmp_path / "fused", published_from_model(model, fused=True, sinks="sinks")
+    )
     main(["to-native", str(fused), str(tmp_path / "fused-native")])
     main(["to-hf", str(tmp_path / "fused-native"), str(tmp_path / "fused-back")])
     assert_bit_exact(read_published(tmp_path / "fused-back"), published_from_model(model))
@@ -174,13 +204,19 @@ def test_round_trip_native_hf_native_is_bit_exact(tmp_path):
     loaded = load_native(tmp_path / "again")
     assert loaded.embed_tokens.weight.dtype == torch.bfloat16
     assert torch.equal(logits(loaded), logits(model))
-    assert load_native(tmp_path / "again", dtype=torch.float32).embed_tokens.weight.dtype == torch.float32
+    assert (
+        load_native(tmp_path / "again", dtype=torch.float32).embed_tokens.weight.dtype
+        == torch.float32
+    )
 
 
 def test_to_hf_reads_only_the_model_of_a_training_checkpoint(tmp_path):
     model = build_model(CONFIG, dtype=torch.float32, seed=0)
-    state = {"model": model.state_dict(), "optimizer": {"state.embed_tokens.weight.exp_avg": torch.ones(3)},
-             "train": {"step": torch.tensor(7)}}
+    state = {
+        "model": model.state_dict(),
+        "optimizer": {"state.embed_tokens.weight.exp_avg": torch.ones(3)},
+        "train": {"step": torch.tensor(7)},
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(tmp_path / "step-7"), no_dist=True)
@@ -200,7 +236,10 @@ def test_save_hf_writes_loadable_shards(tmp_path):
     save_hf(model, tmp_path / "hf", max_shard_size=100_000)
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
-    assert len(shards) > 2 and sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors")) == shards
+    assert (
+        len(shards) > 2
+        and sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors")) == shards
+    )
     tensors = read_published(tmp_path / "hf")
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
     assert sorted(index["weight_map"]) == sorted(tensors) == sorted(published_from_model(model))
@@ -210,15 +249,19 @@ def test_save_hf_writes_loadable_shards(tmp_path):
 
 
 def test_conversions_hold_at_most_two_native_tensors(tmp_path, monkeypatch):
-    live = []  # weak references to the storage of every native tensor made so far (DCP holds aliases)
+    # weak references to the storage of every native tensor made so far (DCP holds aliases)
+    live = []
 
     def tracked(function):
         def wrapper(*args):
-            assert sum(not ref.expired() for ref in live) <= 1, "an earlier native tensor is still held"
+            assert sum(not ref.expired() for ref in live) <= 1, (
+                "an earlier native tensor is still held"
+            )
             result = function(*args)
             tensors = result.values() if isinstance(result, dict) else [result]
             live.extend(StorageWeakRef(t.untyped_storage()) for t in tensors)
             return result
+
         return wrapper
 
     model = build_model(CONFIG, dtype=torch.bfloat16, seed=0)
@@ -233,6 +276,7 @@ def test_conversions_hold_at_most_two_native_tensors(tmp_path, monkeypatch):
 
 
 # ============================================================================= bad input
+
 
 def _drop(key):
     return lambda state, d: state.pop(key)
@@ -253,6 +297,7 @@ def _edit_index(key, shard):
         index = json.loads(path.read_text())
         index["weight_map"][key] = shard
         path.write_text(json.dumps(index))
+
     return edit
 
 
@@ -260,6 +305,7 @@ def _damage(shard, how):
     def edit(state, d):
         data = (d / shard).read_bytes()
         (d / shard).write_bytes(data[:-100] if how == "truncate" else b"\xff" * 16 + data[16:])
+
     return edit
 
 
@@ -268,25 +314,54 @@ INDEX = "model.safetensors.index.json"
 EXPERT = "model.layers.3.mlp.experts.5.up_proj.weight"
 BAD_INPUT = {  # name: (edit before writing (state) or after (directory), file named, key named)
     "missing expert": (_drop(EXPERT), None, INDEX, EXPERT),
-    "unexpected key": (_set("model.layers.0.self_attn.bias", lambda s: torch.zeros(4)), None, S3,
-                       "model.layers.0.self_attn.bias"),
-    "wrong shape": (_set("model.layers.1.self_attn.k_proj.weight", lambda s: torch.zeros(64, 32)), None, S1,
-                    "model.layers.1.self_attn.k_proj.weight"),
-    "wrong dtype": (_set("model.norm.weight", lambda s: s["model.norm.weight"].half()), None, S3,
-                    "model.norm.weight"),
-    "fused and per-expert": (_set("model.layers.2.mlp.experts.down_proj", lambda s: torch.zeros(8, 64, 32)), None,
-                             S2, "model.layers.2.mlp.experts.0.down_proj.weight"),
+    "unexpected key": (
+        _set("model.layers.0.self_attn.bias", lambda s: torch.zeros(4)),
+        None,
+        S3,
+        "model.layers.0.self_attn.bias",
+    ),
+    "wrong shape": (
+        _set("model.layers.1.self_attn.k_proj.weight", lambda s: torch.zeros(64, 32)),
+        None,
+        S1,
+        "model.layers.1.self_attn.k_proj.weight",
+    ),
+    "wrong dtype": (
+        _set("model.norm.weight", lambda s: s["model.norm.weight"].half()),
+        None,
+        S3,
+        "model.norm.weight",
+    ),
+    "fused and per-expert": (
+        _set("model.layers.2.mlp.experts.down_proj", lambda s: torch.zeros(8, 64, 32)),
+        None,
+        S2,
+        "model.layers.2.mlp.experts.0.down_proj.weight",
+    ),
     "fewer layers in config": (None, _config_layers(3), S2, "model.layers.3."),
     "more layers in config": (None, _config_layers(5), INDEX, "layers.4."),
     "missing shard": (None, lambda s, d: (d / S2).unlink(), S2, "model.layers."),
-    "truncated shard": (None, _damage(S3, "truncate"), S3, "model.norm.weight"),  # the last bytes of S3
+    # the last bytes of S3
+    "truncated shard": (None, _damage(S3, "truncate"), S3, "model.norm.weight"),
     "corrupt shard": (None, _damage(S2, "corrupt"), S2, "model.layers."),
-    "shard outside the directory": (None, _edit_index("model.norm.weight", "../x.safetensors"), INDEX,
-                                    "model.norm.weight"),
-    "shard at an absolute path": (None, _edit_index("model.norm.weight", "/etc/x.safetensors"), INDEX,
-                                  "model.norm.weight"),
-    "pickle shard": (None, _edit_index("model.norm.weight", "pytorch_model-00004.bin"), "pytorch_model-00004.bin",
-                     "model.norm.weight"),
+    "shard outside the directory": (
+        None,
+        _edit_index("model.norm.weight", "../x.safetensors"),
+        INDEX,
+        "model.norm.weight",
+    ),
+    "shard at an absolute path": (
+        None,
+        _edit_index("model.norm.weight", "/etc/x.safetensors"),
+        INDEX,
+        "model.norm.weight",
+    ),
+    "pickle shard": (
+        None,
+        _edit_index("model.norm.weight", "pytorch_model-00004.bin"),
+        "pytorch_model-00004.bin",
+        "model.norm.weight",
+    ),
 }
 
 
@@ -335,8 +410,11 @@ def test_bad_native_checkpoints_stop_with_file_and_key(tmp_path, case):
         warnings.simplefilter("ignore")
         dcp.save({"model": state}, checkpoint_id=str(tmp_path / "native"), no_dist=True)
     (tmp_path / "native" / "config.json").write_text(json.dumps(CONFIG.to_hf_config()))
-    with pytest.raises(SystemExit, match=rf"native/\.metadata.*{case} key '{re.escape(key)}'|"
-                                         rf"native/\.metadata: key '{re.escape(key)}' has {case}"):
+    with pytest.raises(
+        SystemExit,
+        match=rf"native/\.metadata.*{case} key '{re.escape(key)}'|"
+        rf"native/\.metadata: key '{re.escape(key)}' has {case}",
+    ):
         main(["to-hf", str(tmp_path / "native"), str(tmp_path / "hf")])
     assert not (tmp_path / "hf").exists()
     with pytest.raises(ValueError, match=re.escape(key)):
@@ -344,7 +422,9 @@ def test_bad_native_checkpoints_stop_with_file_and_key(tmp_path, case):
 
 
 def test_existing_output_is_never_overwritten(tmp_path):
-    hf = write_published(tmp_path / "hf", published_from_model(build_model(CONFIG, dtype=torch.float32, seed=0)))
+    hf = write_published(
+        tmp_path / "hf", published_from_model(build_model(CONFIG, dtype=torch.float32, seed=0))
+    )
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
     with pytest.raises(SystemExit, match="out: already exists"):
@@ -352,9 +432,14 @@ def test_existing_output_is_never_overwritten(tmp_path):
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
 
 
-def test_index_and_config_of_the_wrong_shape_name_the_file_and_missing_fields_are_reported(tmp_path, capsys):
-    hf = write_published(tmp_path / "hf", published_from_model(build_model(CONFIG, dtype=torch.float32, seed=0)),
-                         shards=2)
+def test_index_and_config_of_the_wrong_shape_name_the_file_and_missing_fields_are_reported(
+    tmp_path, capsys
+):
+    hf = write_published(
+        tmp_path / "hf",
+        published_from_model(build_model(CONFIG, dtype=torch.float32, seed=0)),
+        shards=2,
+    )
     index = hf / "model.safetensors.index.json"
     good_index = index.read_text()
     index.write_text("[]")
@@ -365,13 +450,18 @@ def test_index_and_config_of_the_wrong_shape_name_the_file_and_missing_fields_ar
     del config["rms_norm_eps"], config["initializer_range"]
     (hf / "config.json").write_text(json.dumps(config))
     main(["to-native", str(hf), str(tmp_path / "out")])
-    assert (f"{hf / 'config.json'}: 2 field(s) missing, using the defaults: initializer_range = 0.02, "
-            f"rms_norm_eps = 1e-06") in capsys.readouterr().out
+    assert (
+        f"{hf / 'config.json'}: 2 field(s) missing, using the defaults: initializer_range = "
+        "0.02, "
+        f"rms_norm_eps = 1e-06"
+    ) in capsys.readouterr().out
 
 
 def test_output_directories_get_the_permissions_of_a_plain_mkdir(tmp_path):
-    """mkdtemp makes 0700 directories; a finished output is readable as umask allows (the group too)."""
+    """mkdtemp makes 0700 directories; a finished output is readable as umask allows (the group
+    too)."""
     from hf_io import atomic_directory, current_umask
+
     with atomic_directory(tmp_path / "out") as tmp:
         (tmp / "x").write_text("x")
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~current_umask()

@@ -52,19 +52,28 @@ def test_shards_from_another_tokenizer_are_refused(tmp_path):
         TokenShards(out, Tokenizer(byte_encoding(), 256, "another vocabulary"))
 
 
-def test_shards_with_ids_outside_the_vocabulary_are_refused_at_load(tmp_path):
+def test_ids_outside_the_vocabulary_are_refused_when_read_or_at_open_when_recorded(tmp_path):
+    """Without a recorded range, opening reads no token and the row that holds the bad id is
+    refused, naming the shard; a range recorded in meta.json is refused at open; the boundary (the
+    largest id 256 of the 257-token vocabulary) opens."""
     (tmp_path / "a.txt").write_text("text")
     tokenizer = load_tokenizer("byte")
     out = prepare(tmp_path / "a.txt", tokenizer, tmp_path / "prepared")
     tokens = np.memmap(out / "tokens_00000.bin", dtype=np.uint16, mode="r+")
     tokens[1] = 300  # the byte vocabulary has 257 ids
     tokens.flush()
-    with pytest.raises(
-        DataError,
-        match=r"tokens_00000.bin holds token id 300, outside the "
-        r"vocabulary of 257",
-    ):
+    loader = PackedLoader(
+        TokenShards(out, tokenizer), np.arange(1), seq_len=2, batch_size=1, seed=0
+    )
+    refusal = r"tokens_00000.bin holds token id 300, outside the vocabulary of 257"
+    with pytest.raises(DataError, match=refusal):
+        loader.row(0)
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, "shard_max_token": [300]}))
+    with pytest.raises(DataError, match=refusal):
         TokenShards(out, tokenizer)
+    (out / "meta.json").write_text(json.dumps({**meta, "shard_max_token": [256]}))
+    assert TokenShards(out, tokenizer).checked_at_open
 
 
 def test_embedded_corpus_is_present_and_splits():
@@ -165,7 +174,10 @@ def test_order_depends_on_seed_and_epoch(tmp_path):
 
 def test_loader_position_survives_a_restart(tmp_path):
     shards = unique_token_shards(tmp_path, [13, 29, 8, 41, 6])
-    make = lambda: PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=3)
+
+    def make() -> PackedLoader:
+        return PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=3)
+
     loader = make()
     for _ in range(4):
         loader.next_batch()
@@ -463,7 +475,10 @@ def test_conversations_are_packed_whole_and_only_answers_are_targets(tmp_path, o
 
 def test_packed_conversations_resume_at_the_exact_row(tmp_path):
     shards = prepared_conversations(tmp_path, conversations(30, seed=2))
-    make = lambda: PackedLoader(shards, np.arange(30), seq_len=96, batch_size=2, seed=5, epochs=4)  # noqa: E731
+
+    def make() -> PackedLoader:
+        return PackedLoader(shards, np.arange(30), seq_len=96, batch_size=2, seed=5, epochs=4)
+
     loader = make()
     for _ in range(3):
         loader.next_batch()
@@ -587,3 +602,225 @@ def test_a_missing_or_short_mask_file_is_refused(tmp_path):
     mask.unlink()
     with pytest.raises(DataError, match=r"mask_00000.bin: missing"):
         TokenShards(tmp_path / "prepared")
+
+
+# ------------------------------------------------------------------ block-wise order, mixtures
+
+
+def test_unshuffled_rows_are_the_documents_in_order(tmp_path):
+    """Without shuffling (validation), row g is tokens [g*T, g*T + T] of the documents back to back,
+    across blocks of documents, as before the block-wise order: a hand-built stream."""
+    lengths = [5, 9, 3, 12, 7, 4, 11]
+    shards = unique_token_shards(tmp_path, lengths)  # token id = stream index
+    loader = PackedLoader(
+        shards, np.arange(7), seq_len=8, batch_size=1, seed=0, shuffle=False, block_docs=2
+    )
+    total = sum(lengths)
+    for g in range(loader.rows_per_epoch):
+        want = np.arange(g * 8, min(g * 8 + 8, total))
+        row = loader.row(g)
+        assert row["input_ids"][: len(want)].tolist() == want.tolist()
+        assert (row["doc_ids"][len(want) :] == -1).all()
+
+
+def test_block_wise_order_covers_every_token_and_holds_one_block(tmp_path):
+    """Blocks of 3 documents: each epoch still reads every token once, in an order that depends on
+    the epoch; what the loader keeps is the blocks' order (ceil(10 / 3) = 4 entries) and at most 4
+    blocks of 3 documents, not an order of every document."""
+    lengths = [6, 1, 14, 3, 9, 2, 8, 5, 11, 4]
+    shards = unique_token_shards(tmp_path, lengths)
+    loader = PackedLoader(shards, np.arange(10), seq_len=5, batch_size=1, seed=2, block_docs=3)
+    orders = []
+    for epoch in range(2):
+        rows = [loader.row(epoch * loader.rows_per_epoch + k) for k in range(loader.rows_per_epoch)]
+        inputs = np.concatenate([r["input_ids"][r["doc_ids"] >= 0] for r in rows])
+        assert sorted(inputs.tolist()) == list(range(63))
+        orders.append(inputs.tolist())
+    assert orders[0] != orders[1]
+    assert all(len(order) == 4 for order, _ in loader._epoch_cache.values())
+    assert len(loader._block_cache) <= 4
+    assert all(len(docs) <= 3 for docs, _ in loader._block_cache.values())
+
+
+def test_opening_a_directory_reads_no_token(tmp_path, monkeypatch):
+    """check_token_range runs on nothing at open, and on the rows' own tokens as they are read."""
+    checked = []
+    original = data.check_token_range
+
+    def counted(file, tokens, vocab):
+        checked.append(len(tokens))
+        original(file, tokens, vocab)
+
+    monkeypatch.setattr(data, "check_token_range", counted)
+    shards = unique_token_shards(tmp_path, [40, 50, 60])
+    assert checked == []
+    loader = PackedLoader(shards, np.arange(3), seq_len=8, batch_size=1, seed=0)
+    assert checked == []
+    loader.row(4)
+    assert 0 < sum(checked) <= 9  # the row's 8 tokens and the next one, its last target
+
+
+def source_shards(directory: Path, doc_lengths: list[int], first_id: int) -> TokenShards:
+    """Shards whose token ids are first_id, first_id + 1, ...: each source's ids its own range."""
+    directory.mkdir()
+    writer = data.ShardWriter(directory, np.uint32, 1 << 20)
+    start = first_id
+    for n in doc_lengths:
+        writer.add([list(range(start, start + n))])
+        start += n
+    writer.finish({"tokenizer": "test", "vocab_size": start, "eos_id": 0, "sources": []})
+    return TokenShards(directory)
+
+
+def mixture(
+    tmp_path, weights, exhausted="repeat", batch_size=4, rank=0, world_size=1, seed=7, epochs=1
+):
+    """Three sources whose token ids lie in [0, 1000), [1000, 2000), [2000, 3000)."""
+    loaders = []
+    for s in range(3):
+        directory = tmp_path / f"source{s}"
+        shards = (
+            TokenShards(directory)
+            if directory.exists()
+            else source_shards(directory, [7, 13, 4, 9, 11][s:] + [6] * 5, 1000 * s)
+        )
+        loaders.append(
+            PackedLoader(
+                shards,
+                np.arange(shards.num_docs),
+                seq_len=8,
+                batch_size=batch_size,
+                seed=seed,
+                epochs=epochs,
+                rank=rank,
+                world_size=world_size,
+                stream=s,
+            )
+        )
+    return data.MixedLoader(loaders, ["web", "code", "math"], weights, seed, exhausted)
+
+
+def test_mixture_proportions_are_the_weights_within_sampling_error(tmp_path):
+    """4,000 rows drawn 70/20/10: each source's count within 4 binomial standard deviations
+    (sqrt(n p (1 - p)): 29.0, 25.3, 19.0 rows), told apart by their token ids; tokens_drawn
+    agrees."""
+    loader = mixture(tmp_path, [0.7, 0.2, 0.1], batch_size=40)
+    counts = np.zeros(3, dtype=int)
+    for _ in range(100):
+        first_ids = loader.next_batch()["input_ids"][:, 0]
+        counts += np.bincount(first_ids.numpy() // 1000, minlength=3)
+    assert counts.sum() == 4000
+    for count, expected, deviation in zip(counts, [2800, 800, 400], [29.0, 25.3, 19.0]):
+        assert abs(count - expected) < 4 * deviation, counts
+    assert loader.tokens_drawn() == dict(zip(["web", "code", "math"], (counts * 8).tolist()))
+
+
+def test_a_mixture_resumes_at_the_exact_row_on_another_world_size(tmp_path):
+    """Three global batches of 4 rows on one rank, saved; the next five on two ranks of 2 rows each
+    are the one-rank run's, row for row; a source's repeat epoch is crossed on the way."""
+    single = mixture(tmp_path, [0.5, 0.3, 0.2])
+    for _ in range(3):
+        single.next_batch()
+    state = json.loads(json.dumps(single.state_dict()))  # plain integers, as a checkpoint has
+    expected = [single.next_batch() for _ in range(5)]
+    assert any(p >= s.rows_per_epoch for p, s in zip(single.positions, single.sources))
+    ranks = [
+        mixture(tmp_path, [0.5, 0.3, 0.2], batch_size=2, rank=r, world_size=2) for r in range(2)
+    ]
+    for loader in ranks:
+        loader.load_state_dict(state)
+    for want in expected:
+        got = [loader.next_batch() for loader in ranks]
+        for key in want:
+            assert torch.equal(torch.cat([g[key] for g in got]), want[key])
+    assert ranks[0].state_dict() == ranks[1].state_dict() == single.state_dict()
+
+
+def test_a_one_source_mixture_reads_the_rows_of_data_path(tmp_path):
+    """Weight 1 on one source: the rows of the plain loader of that source, in the same order."""
+    shards = unique_token_shards(tmp_path, [13, 29, 8, 41, 6])
+    plain = PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=2)
+    mixed = data.MixedLoader(
+        [PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=2)],
+        ["only"],
+        [1.0],
+        seed=5,
+    )
+    for _ in range(6):
+        want, got = plain.next_batch(), mixed.next_batch()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_exhausted_source_stops_the_run_or_repeats(tmp_path):
+    """ "stop": the micro-batch that would draw a source's row past data.epochs is refused in one
+    line naming the source, the batches before it pass; "repeat": it goes on into a new epoch of
+    that source, every token of which comes again."""
+    stopping = mixture(tmp_path, [0.2, 0.2, 0.6], exhausted="stop", batch_size=1)
+    math_rows = stopping.sources[2].rows_per_epoch
+    drawn = 0
+    while True:
+        try:
+            stopping.next_batch()
+        except DataError as error:
+            message = str(error)
+            break
+        drawn += 1
+    assert stopping.positions[2] == math_rows  # every row of one epoch of math, none more
+    assert "\n" not in message
+    assert f"source math ran out of data at micro-batch {drawn}: its {math_rows} rows" in message
+    repeating = mixture(tmp_path, [0.2, 0.2, 0.6], exhausted="repeat", batch_size=1)
+    math_ids = []
+    for _ in range(drawn + 60):
+        row = repeating.next_batch()
+        if int(row["input_ids"][0, 0]) >= 2000:
+            math_ids += row["input_ids"][0][row["doc_ids"][0] >= 0].tolist()
+    epoch = list(range(2000, 2000 + 4 + 9 + 11 + 5 * 6))  # math's documents: [4, 9, 11] + [6] * 5
+    assert sorted(math_ids[: len(epoch)]) == epoch
+    assert sorted(math_ids[len(epoch) : 2 * len(epoch)]) == epoch
+
+
+def test_a_mixture_position_from_other_sources_is_refused(tmp_path):
+    loader = mixture(tmp_path, [0.5, 0.3, 0.2])
+    state = {**loader.state_dict(), "source_1_rows": 2}
+    rows = [source.rows_per_epoch for source in loader.sources]
+    with pytest.raises(DataError, match=rf"saved for sources of \[{rows[0]}, 2, {rows[2]}\] rows"):
+        loader.load_state_dict(state)
+    loader.load_state_dict({**state, "source_1_rows": rows[1], "source_1_position": 3})
+    assert loader.positions == [0, 3, 0]
+
+
+def test_train_reads_the_sources_of_the_config_as_a_mixture(tmp_path):
+    """[data].sources of two text corpora reach train.setup_data: a MixedLoader of both, with the
+    config's weights and exhausted rule, each source prepared; data.path alone stays one loader."""
+    import train
+    from helpers import tiny_model_toml
+
+    for name, word in (("a", "alpha"), ("b", "omega")):
+        (tmp_path / name).mkdir()
+        for k in range(12):
+            (tmp_path / name / f"{k}.txt").write_text(f"{word} {k} " * 20)
+    common = f'seq_len = 32\ncache_dir = "{tmp_path}/cache"\n'
+    (tmp_path / "run.toml").write_text(
+        tiny_model_toml()
+        + (
+            f'[data]\nsources = [{{path = "{tmp_path}/a", weight = 3}}, '
+            f'{{path = "{tmp_path}/b", weight = 1}}]\nexhausted = "repeat"\n{common}'
+        )
+    )
+    plain_data = f'[data]\npath = "{tmp_path}/a"\n{common}'
+    (tmp_path / "plain.toml").write_text(tiny_model_toml() + plain_data)
+    ckpt = (
+        f"--checkpoint.dir={tmp_path}/ckpt",
+        "--model.vocab_size=512",
+        "--training.steps=2",
+        "--training.batch_size=2",
+    )
+    run = train.Process(0, 1, 0, 1, torch.device("cpu"))
+    _, loader, val = train.setup_data(train.load_config(tmp_path / "run.toml", list(ckpt)), run)
+    assert isinstance(loader, data.MixedLoader) and isinstance(val, data.MixedLoader)
+    assert loader.names == [f"{tmp_path}/a", f"{tmp_path}/b"] and loader.weights.tolist() == [3, 1]
+    assert loader.exhausted == "repeat" and val.exhausted == "repeat"
+    assert [s.stream for s in loader.sources] == [0, 1]
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+    plain = train.setup_data(train.load_config(tmp_path / "plain.toml", list(ckpt)), run)[1]
+    assert isinstance(plain, PackedLoader)

@@ -1,7 +1,7 @@
-"""train.py with a [lora] section: the adapters train on the frozen init_from base, step 1 scores the base's
-loss, checkpoints hold the adapters, their optimizer states and the base's identity, resume bit-exact and
-only on that base; convert.py exports the run merged or as a PEFT adapter directory. Bad [lora] input stops
-the run before any work, in one line naming the key."""
+"""train.py with a [lora] section: the adapters train on the frozen init_from base, step 1 scores
+the base's loss, checkpoints hold the adapters, their optimizer states and the base's identity,
+resume bit-exact and only on that base; convert.py exports the run merged or as a PEFT adapter
+directory. Bad [lora] input stops the run before any work, in one line naming the key."""
 
 import hashlib
 import json
@@ -18,11 +18,26 @@ import sample
 import train
 from checkpoint_files import CheckpointError, read_metadata, write_checksums
 from config import ConfigError
-from helpers import (DEFAULT_FAMILY, assert_close_to_scale, debug_args, exported_tensors, only, run_debug,
-                     run_two_processes, tiny_preset, train_losses)
+from helpers import (
+    DEFAULT_FAMILY,
+    assert_close_to_scale,
+    debug_args,
+    exported_tensors,
+    only,
+    run_debug,
+    run_two_processes,
+    tiny_preset,
+    train_losses,
+)
 
-LORA = ["--model.preset=", '--lora.targets=["all"]', "--lora.rank=8", "--training.sample_tokens=0",
-        "--optim.lr=1e-2", "--logging.every=1"]
+LORA = [
+    "--model.preset=",
+    '--lora.targets=["all"]',
+    "--lora.rank=8",
+    "--training.sample_tokens=0",
+    "--optim.lr=1e-2",
+    "--logging.every=1",
+]
 
 
 def lora_run(tmp_path: Path, base: Path, *overrides: str) -> dict:
@@ -34,27 +49,42 @@ def checkpoint_of(tmp_path: Path, step: int) -> Path:
 
 
 def test_the_adapters_train_on_the_frozen_base(tmp_path, trained_once, monkeypatch):
-    """Step 1's loss is the base's (B = 0: a full fine-tune from the same base scores the same rows alike), the
-    loss falls, the optimizer holds the adapters alone and every base weight ends bit for bit as loaded."""
+    """Step 1's loss is the base's (B = 0: a full fine-tune from the same base scores the same rows
+    alike), the loss falls, the optimizer holds the adapters alone and every base weight ends bit
+    for bit as loaded."""
     optimizers = []
     build_optimizer = train.build_optimizer
-    monkeypatch.setattr(train, "build_optimizer", lambda *args: optimizers.append(build_optimizer(*args)) or
-                        optimizers[-1])
+    monkeypatch.setattr(
+        train,
+        "build_optimizer",
+        lambda *args: optimizers.append(build_optimizer(*args)) or optimizers[-1],
+    )
     base_state = convert.load_native(trained_once, torch.float32).state_dict()
     lora_run(tmp_path / "lora", trained_once, "--training.steps=8")
     losses = train_losses(tmp_path / "lora")
     assert losses[8] < losses[1] - 0.05, losses
     optimized = {id(p) for group in optimizers[0].param_groups for p in group["params"]}
-    run_debug(tmp_path / "full", f"--model.init_from={trained_once}", "--model.preset=", "--training.steps=1",
-              "--training.sample_tokens=0")
+    run_debug(
+        tmp_path / "full",
+        f"--model.init_from={trained_once}",
+        "--model.preset=",
+        "--training.steps=1",
+        "--training.sample_tokens=0",
+    )
     assert losses[1] == train_losses(tmp_path / "full")[1]
     checkpoint = checkpoint_of(tmp_path / "lora", 8)
-    model = convert.load_native(trained_once, torch.float32)  # the trained model: the base plus the adapters
+    # the trained model: the base plus the adapters
+    model = convert.load_native(trained_once, torch.float32)
     lora.apply_lora(model, lora.LoraConfig(rank=8, targets=["all"]))
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
-    assert trainable == set(lora.adapter_state(model.state_dict())) and len(optimized) == len(trainable)
-    saved = {key.removeprefix("model.") for key in read_metadata(checkpoint).state_dict_metadata
-             if key.startswith("model.")}
+    assert trainable == set(lora.adapter_state(model.state_dict())) and len(optimized) == len(
+        trainable
+    )
+    saved = {
+        key.removeprefix("model.")
+        for key in read_metadata(checkpoint).state_dict_metadata
+        if key.startswith("model.")
+    }
     assert saved == trainable  # the adapters only
     record = json.loads((checkpoint / lora.RUN_FILE).read_text())
     assert record["base"]["path"] == str(trained_once.resolve()) and record["lora"]["rank"] == 8
@@ -62,73 +92,119 @@ def test_the_adapters_train_on_the_frozen_base(tmp_path, trained_once, monkeypat
 
 
 def test_the_base_stays_bit_for_bit(tmp_path, monkeypatch):
-    """The layout's own model after training: every frozen weight and buffer equal to the checkpoint it was
-    loaded from, the routers' selection bias of a base balanced without a loss (aux-loss-free) included."""
-    run_debug(tmp_path / "biased", "--training.steps=2", "--training.sample_tokens=0",
-              "--model.router_bias_update_rate=0.01")
+    """The layout's own model after training: every frozen weight and buffer equal to the checkpoint
+    it was loaded from, the routers' selection bias of a base balanced without a loss
+    (aux-loss-free) included."""
+    run_debug(
+        tmp_path / "biased",
+        "--training.steps=2",
+        "--training.sample_tokens=0",
+        "--model.router_bias_update_rate=0.01",
+    )
     biased = checkpoint_of(tmp_path / "biased", 2)
     models = []
     parallelize = train.parallelize
-    monkeypatch.setattr(train, "parallelize", lambda *args: models.append(parallelize(*args)) or models[-1])
+    monkeypatch.setattr(
+        train, "parallelize", lambda *args: models.append(parallelize(*args)) or models[-1]
+    )
     lora_run(tmp_path / "lora", biased, "--training.steps=3")
     base = convert.load_native(biased, torch.float32).state_dict()
-    assert any(key.endswith("selection_bias") and value.abs().max() > 0 for key, value in base.items())
+    assert any(
+        key.endswith("selection_bias") and value.abs().max() > 0 for key, value in base.items()
+    )
     trained = models[0].module.state_dict()
     for name, value in base.items():
         assert torch.equal(trained[name], value), name
     adapters = lora.adapter_state(trained)
-    assert any(value.abs().max() > 0 for key, value in adapters.items() if key.endswith(".B"))  # they trained
+    # they trained
+    assert any(value.abs().max() > 0 for key, value in adapters.items() if key.endswith(".B"))
 
 
 def test_resume_is_bit_exact_and_only_on_the_same_base(tmp_path, trained_once):
     lora_run(tmp_path / "straight", trained_once, "--training.steps=4", "--checkpoint.every=2")
     middle = checkpoint_of(tmp_path / "straight", 2)
-    lora_run(tmp_path / "resumed", trained_once, "--training.steps=4", f"--checkpoint.resume={middle}")
+    lora_run(
+        tmp_path / "resumed", trained_once, "--training.steps=4", f"--checkpoint.resume={middle}"
+    )
     straight, resumed = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
-    assert sorted(resumed) == [3, 4] and all(resumed[s] == straight[s] for s in (3, 4)), (straight, resumed)
+    assert sorted(resumed) == [3, 4] and all(resumed[s] == straight[s] for s in (3, 4)), (
+        straight,
+        resumed,
+    )
 
     other = tmp_path / "other_base"
     shutil.copytree(trained_once, other)
-    elsewhere = (rf"command line --checkpoint.resume: checkpoint {middle} adapts the base "
-                 rf"{trained_once.resolve()}, not \[model\].init_from {other}")
+    elsewhere = (
+        rf"command line --checkpoint.resume: checkpoint {middle} adapts the base "
+        rf"{trained_once.resolve()}, not \[model\].init_from {other}"
+    )
     with pytest.raises(CheckpointError, match=elsewhere):
         lora_run(tmp_path / "refused", other, "--training.steps=4", f"--checkpoint.resume={middle}")
     with pytest.raises(CheckpointError, match=rf"checkpoint {middle} holds LoRA adapters only"):
-        run_debug(tmp_path / "full", f"--model.init_from={trained_once}", "--model.preset=",
-                  "--training.sample_tokens=0", f"--checkpoint.resume={middle}")
-    with pytest.raises(CheckpointError, match=rf"holds adapters of \[lora\] rank 8.*this run asks for rank 16"):
-        lora_run(tmp_path / "wider", trained_once, "--lora.rank=16", f"--checkpoint.resume={middle}")
+        run_debug(
+            tmp_path / "full",
+            f"--model.init_from={trained_once}",
+            "--model.preset=",
+            "--training.sample_tokens=0",
+            f"--checkpoint.resume={middle}",
+        )
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds adapters of \[lora\] rank 8.*this run asks "
+        r"for rank 16",
+    ):
+        lora_run(
+            tmp_path / "wider", trained_once, "--lora.rank=16", f"--checkpoint.resume={middle}"
+        )
     with pytest.raises(CheckpointError, match=r"holds a whole model, not LoRA adapters"):
         lora_run(tmp_path / "whole", trained_once, f"--checkpoint.resume={trained_once}")
 
 
 def test_two_processes_train_as_one_and_their_checkpoint_resumes_in_one(tmp_path, trained_once):
-    """train.py under EP 2 on gloo (FSDP over the 2 data-parallel ranks too): the base loaded into shards, the
-    adapters initialised in theirs; its losses are one process's (2 micro-batches of the same 8 rows), and its
-    sharded checkpoint resumes in one process as one's does."""
-    common = [f"--model.init_from={trained_once}", *LORA, "--training.steps=3", "--checkpoint.every=2",
-              f"--data.cache_dir={tmp_path / 'cache'}"]
+    """train.py under EP 2 on gloo (FSDP over the 2 data-parallel ranks too): the base loaded into
+    shards, the adapters initialised in theirs; its losses are one process's (2 micro-batches of the
+    same 8 rows), and its sharded checkpoint resumes in one process as one's does."""
+    common = [
+        f"--model.init_from={trained_once}",
+        *LORA,
+        "--training.steps=3",
+        "--checkpoint.every=2",
+        f"--data.cache_dir={tmp_path / 'cache'}",
+    ]
     run_debug(tmp_path / "one", *common, "--training.grad_accum=2")
-    run_two_processes(debug_args(tmp_path / "two", *common, "--parallel.dp_shard=1", "--parallel.ep=2"))
+    run_two_processes(
+        debug_args(tmp_path / "two", *common, "--parallel.dp_shard=1", "--parallel.ep=2")
+    )
     one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
-    assert sorted(two) == [1, 2, 3] and all(two[s] == pytest.approx(one[s], rel=1e-5) for s in one), (one, two)
-    run_debug(tmp_path / "resumed", *common, "--training.grad_accum=2",
-              f"--checkpoint.resume={checkpoint_of(tmp_path / 'two', 2)}")
+    assert sorted(two) == [1, 2, 3] and all(
+        two[s] == pytest.approx(one[s], rel=1e-5) for s in one
+    ), (one, two)
+    run_debug(
+        tmp_path / "resumed",
+        *common,
+        "--training.grad_accum=2",
+        f"--checkpoint.resume={checkpoint_of(tmp_path / 'two', 2)}",
+    )
     assert train_losses(tmp_path / "resumed")[3] == pytest.approx(one[3], rel=1e-5)
 
 
 @pytest.mark.parametrize("published_base", [False, True], ids=["native_base", "hugging_face_base"])
 def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
-    """convert.py to-hf on a LoRA checkpoint writes the merged model (its logits are the adapted model's) and
-    to-peft the adapter directory (its tensors are convert.peft_state of the checkpoint's adapters); the run's
-    own export_hf is the merged one. The base is read where the run read it: native, or Hugging Face
-    (converted tensor by tensor, as train.py converted it)."""
+    """convert.py to-hf on a LoRA checkpoint writes the merged model (its logits are the adapted
+    model's) and to-peft the adapter directory (its tensors are convert.peft_state of the
+    checkpoint's adapters); the run's own export_hf is the merged one. The base is read where the
+    run read it: native, or Hugging Face (converted tensor by tensor, as train.py converted it)."""
     base = trained_once
     if published_base:
         base = tmp_path / "hf_base"
         convert.main(["to-hf", str(trained_once), str(base)])
-    summary = lora_run(tmp_path, base, "--training.steps=3", f"--checkpoint.export_hf={tmp_path / 'run_export'}",
-                       "--training.sample_tokens=8")
+    summary = lora_run(
+        tmp_path,
+        base,
+        "--training.steps=3",
+        f"--checkpoint.export_hf={tmp_path / 'run_export'}",
+        "--training.sample_tokens=8",
+    )
     assert "sample" in summary  # drawn from the checkpoint, merged in memory (sample.load_model)
     checkpoint = checkpoint_of(tmp_path, 3)
     convert.main(["to-hf", str(checkpoint), str(tmp_path / "merged")])
@@ -137,13 +213,18 @@ def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
     lora.apply_lora(model, lora.LoraConfig(rank=8, targets=["all"]))
     adapters = convert.NativeDir(checkpoint).read(list(lora.adapter_state(model.state_dict())))
     model.load_state_dict(adapters, strict=False)
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
     merged = convert.load_hf(tmp_path / "merged", torch.float32)
     with torch.no_grad():
         assert_close_to_scale(merged(ids), model(ids), rtol=1e-5, what="merged logits")
-        assert_close_to_scale(sample.load_model(checkpoint)(ids), model(ids), rtol=1e-5, what="sampled model's logits")
+        assert_close_to_scale(
+            sample.load_model(checkpoint)(ids), model(ids), rtol=1e-5, what="sampled model's logits"
+        )
         unadapted = convert.load_native(trained_once, torch.float32)
-        assert not torch.allclose(unadapted(ids), model(ids), atol=1e-4)  # the adapters changed the model
+        # the adapters changed the model
+        assert not torch.allclose(unadapted(ids), model(ids), atol=1e-4)
     written = exported_tensors(tmp_path / "peft")
     expected = convert.peft_state(adapters, convert.published_table(model.config))
     assert sorted(written) == sorted(expected)
@@ -151,29 +232,56 @@ def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
     peft_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert peft_config["r"] == 8 and peft_config["base_model_name_or_path"] == str(base.resolve())
     run_export = exported_tensors(tmp_path / "run_export")
-    assert all(torch.equal(run_export[key], value) for key, value in exported_tensors(tmp_path / "merged").items())
+    assert all(
+        torch.equal(run_export[key], value)
+        for key, value in exported_tensors(tmp_path / "merged").items()
+    )
 
 
 BAD_LORA = [
     (["--lora.rank=0"], r"command line --lora.rank: \[lora\] rank must be an integer > 0, got 0"),
-    (["--lora.alpha=nan"],
-     r"command line --lora.alpha: \[lora\] alpha must be a finite number other than 0, got nan"),
-    (["--lora.alpha=0"],
-     r"command line --lora.alpha: \[lora\] alpha must be a finite number other than 0, got 0"),
-    ([f"--lora.rank={2 ** 40}"],
-     r"command line --lora.rank.*: \[lora\] rank must be at most \d+, the smaller side of the "
-     rf"narrowest adapted map \(.*\), got {2 ** 40}$"),
-    (["--lora.dropout=-0.5"],
-     r"command line --lora.dropout.*: \[lora\] dropout must be a number in \[0, 1\)"),
-    (['--lora.targets=[]'],
-     r"command line --lora.targets.*: \[lora\] targets must be a non-empty list"),
-    (['--lora.targets=["qproj"]'], r"command line --lora.targets.*: \[lora\] targets: 'qproj' matches no module"),
-    (["--model.init_from=", f"--model.preset={tiny_preset(DEFAULT_FAMILY)}"],
-     r"\[lora\] trains adapters on a frozen base: set \[model\].init_from"),
-    (["--model.capacity_factor=1.25"], r"'all' matches layers\.\d+\.mlp\.experts: routed-expert adapters need "
-                                       r"experts_backend 'grouped' and no capacity_factor"),
-    (["--parallel.fp8=rowwise"], r"command line --lora.targets.*command line --parallel.fp8: \[lora\] with "
-                                 r"\[parallel\] fp8 = 'rowwise' is not supported"),
+    (
+        ["--lora.alpha=nan"],
+        r"command line --lora.alpha: \[lora\] alpha must be a finite number other than 0, got nan",
+    ),
+    (
+        ["--lora.alpha=0"],
+        r"command line --lora.alpha: \[lora\] alpha must be a finite number other than 0, got 0",
+    ),
+    (
+        [f"--lora.rank={2**40}"],
+        r"command line --lora.rank.*: \[lora\] rank must be at most \d+, the smaller side of the "
+        rf"narrowest adapted map \(.*\), got {2**40}$",
+    ),
+    (
+        ["--lora.dropout=-0.5"],
+        r"command line --lora.dropout.*: \[lora\] dropout must be a number in \[0, 1\)",
+    ),
+    (
+        ["--lora.targets=[]"],
+        r"command line --lora.targets.*: \[lora\] targets must be a non-empty list",
+    ),
+    (
+        ['--lora.targets=["qproj"]'],
+        r"command line --lora.targets.*: \[lora\] targets: 'qproj' "
+        r"matches no module",
+    ),
+    (
+        ["--model.init_from=", f"--model.preset={tiny_preset(DEFAULT_FAMILY)}"],
+        r"\[lora\] trains adapters on a frozen base: set \[model\].init_from",
+    ),
+    (
+        ["--model.capacity_factor=1.25"],
+        r"'all' matches layers\.\d+\.mlp\.experts: routed-expert "
+        r"adapters need "
+        r"experts_backend 'grouped' and no capacity_factor",
+    ),
+    (
+        ["--parallel.fp8=rowwise"],
+        r"command line --lora.targets.*command line --parallel.fp8: "
+        r"\[lora\] with "
+        r"\[parallel\] fp8 = 'rowwise' is not supported",
+    ),
 ]
 
 
@@ -188,7 +296,11 @@ def test_bad_lora_settings_stop_before_any_work(tmp_path, trained_once, override
 def test_a_lora_checkpoint_is_no_init_from(tmp_path, trained_once):
     lora_run(tmp_path / "lora", trained_once, "--training.steps=1")
     adapters_only = checkpoint_of(tmp_path / "lora", 1)
-    with pytest.raises(ConfigError, match=rf"\[model\].init_from {adapters_only} is a LoRA run's checkpoint"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"\[model\].init_from {adapters_only} is a LoRA run's "
+        r"checkpoint",
+    ):
         run_debug(tmp_path / "next", f"--model.init_from={adapters_only}", "--model.preset=")
 
 
@@ -196,16 +308,26 @@ def test_a_lora_checkpoint_is_no_init_from(tmp_path, trained_once):
 def test_the_large4_indexer_is_refused_as_a_target(tmp_path):
     from config import load_config
     from helpers import debug_configs
+
     base = tmp_path / "base"
     base.mkdir()
-    (base / "config.json").write_text(json.dumps(load_config(debug_configs()["large4"]).model_config.to_hf_config()))
-    with pytest.raises(ConfigError, match=r"command line --lora.targets: \[lora\] targets: 'indexer' matches "
-                                          r"layers.0.self_attn.indexer, which is frozen"):
-        load_config(debug_configs()["large4"], [f"--model.init_from={base}", "--model.preset=",
-                                                '--lora.targets=["indexer"]'])
+    (base / "config.json").write_text(
+        json.dumps(load_config(debug_configs()["large4"]).model_config.to_hf_config())
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"command line --lora.targets: \[lora\] targets: "
+        r"'indexer' matches "
+        r"layers.0.self_attn.indexer, which is frozen",
+    ):
+        load_config(
+            debug_configs()["large4"],
+            [f"--model.init_from={base}", "--model.preset=", '--lora.targets=["indexer"]'],
+        )
 
 
 # ========================================================== the base's identity, damaged lora.json
+
 
 def model_only_copy(source: Path, out: Path, change: float = 1.0) -> Path:
     """A model-only native checkpoint of `source`'s weights, the embedding scaled by `change`: with
@@ -233,13 +355,18 @@ def test_a_base_replaced_in_place_is_refused_everywhere(tmp_path, trained_once, 
 
     shutil.move(base, tmp_path / "kept")
     other = model_only_copy(trained_once, tmp_path / "other", change=2.0)
-    assert sorted((f.name, f.stat().st_size) for f in other.glob("*.distcp")) == \
-        sorted((f.name, f.stat().st_size) for f in (tmp_path / "kept").glob("*.distcp"))
+    assert sorted((f.name, f.stat().st_size) for f in other.glob("*.distcp")) == sorted(
+        (f.name, f.stat().st_size) for f in (tmp_path / "kept").glob("*.distcp")
+    )
     shutil.copytree(other, base)
-    changed = (rf"weights \(SHA-256 {recorded[:12]} then, [0-9a-f]{{12}} now\) changed since the "
-               rf"run started")
-    refusal = (rf"{re.escape(str(checkpoint / lora.RUN_FILE))}: the base {re.escape(str(base))} is "
-               rf"not the one the adapters were trained on: its {changed}")
+    changed = (
+        rf"weights \(SHA-256 {recorded[:12]} then, [0-9a-f]{{12}} now\) changed since the "
+        rf"run started"
+    )
+    refusal = (
+        rf"{re.escape(str(checkpoint / lora.RUN_FILE))}: the base {re.escape(str(base))} is "
+        rf"not the one the adapters were trained on: its {changed}"
+    )
     for command in ("to-hf", "to-peft"):
         with pytest.raises(SystemExit, match=rf"^error: {refusal}$"):
             convert.main([command, str(checkpoint), str(tmp_path / command)])
@@ -247,8 +374,10 @@ def test_a_base_replaced_in_place_is_refused_everywhere(tmp_path, trained_once, 
     with pytest.raises(SystemExit, match=rf"^error: {refusal}$"):
         sample.main(["--checkpoint", str(checkpoint), "--device", "cpu", "--max-new-tokens", "2"])
     resume = ("--training.steps=2", f"--checkpoint.resume={checkpoint}")
-    refused = (rf"checkpoint {re.escape(str(checkpoint))} adapts the base {re.escape(str(base))}, "
-               rf"whose {changed}: resume")
+    refused = (
+        rf"checkpoint {re.escape(str(checkpoint))} adapts the base {re.escape(str(base))}, "
+        rf"whose {changed}: resume"
+    )
     with pytest.raises(CheckpointError, match=refused):
         lora_run(tmp_path / "resumed", base, *resume)
 
@@ -270,9 +399,11 @@ def test_a_record_without_the_weights_checksum_warns_and_is_used(tmp_path, train
     write_checksums(checkpoint)  # as such a checkpoint was saved
     capfd.readouterr()
     convert.main(["to-peft", str(checkpoint), str(tmp_path / "peft")])
-    warning = (f"warning: {checkpoint / lora.RUN_FILE} records no checksum of its base's weights "
-               f"(written before they were recorded): the base {trained_once.resolve()} is checked "
-               f"by its config.json only")
+    warning = (
+        f"warning: {checkpoint / lora.RUN_FILE} records no checksum of its base's weights "
+        f"(written before they were recorded): the base {trained_once.resolve()} is checked "
+        f"by its config.json only"
+    )
     assert capfd.readouterr().err.splitlines() == [warning]
     settings = lora.LoraConfig(rank=8, targets=["all"])
     assert lora.resume_refusal(checkpoint, settings, str(trained_once)) is None
@@ -291,6 +422,7 @@ def edited(change):
     def edit(record: dict) -> str:
         change(record)
         return json.dumps(record)
+
     return edit
 
 
@@ -300,18 +432,28 @@ DAMAGED_RECORDS = {
     "a_list": (lambda record: "[]", r"expected a JSON object, got a list"),
     "no_lora": (edited(lambda r: r.pop("lora")), r"lora is missing"),
     "no_rank": (edited(lambda r: r["lora"].pop("rank")), r"lora\.rank is missing"),
-    "rank_a_string": (edited(lambda r: r["lora"].update(rank="8")),
-                      r"lora: rank must be an integer > 0, got '8'"),
-    "targets_a_string": (edited(lambda r: r["lora"].update(targets="all")),
-                         r"lora: targets must be a non-empty list of module names"),
-    "alpha_zero": (edited(lambda r: r["lora"].update(alpha=0)),
-                   r"lora: alpha must be a finite number other than 0"),
+    "rank_a_string": (
+        edited(lambda r: r["lora"].update(rank="8")),
+        r"lora: rank must be an integer > 0, got '8'",
+    ),
+    "targets_a_string": (
+        edited(lambda r: r["lora"].update(targets="all")),
+        r"lora: targets must be a non-empty list of module names",
+    ),
+    "alpha_zero": (
+        edited(lambda r: r["lora"].update(alpha=0)),
+        r"lora: alpha must be a finite number other than 0",
+    ),
     "base_a_list": (edited(lambda r: r.update(base=[1])), r"base must be a JSON object, got \[1\]"),
     "no_base_path": (edited(lambda r: r["base"].pop("path")), r"base\.path is missing"),
-    "config_sha_null": (edited(lambda r: r["base"].update(config_sha256=None)),
-                        r"base\.config_sha256 must be a string, got None"),
-    "weights_sha_number": (edited(lambda r: r["base"].update(weights_sha256=7)),
-                           r"base\.weights_sha256 must be a string, got 7"),
+    "config_sha_null": (
+        edited(lambda r: r["base"].update(config_sha256=None)),
+        r"base\.config_sha256 must be a string, got None",
+    ),
+    "weights_sha_number": (
+        edited(lambda r: r["base"].update(weights_sha256=7)),
+        r"base\.weights_sha256 must be a string, got 7",
+    ),
 }
 
 
@@ -323,8 +465,10 @@ def damaged_copy(tmp_path: Path, lora_checkpoint: Path, damage) -> tuple[Path, s
     record = json.loads((checkpoint / lora.RUN_FILE).read_text())
     (checkpoint / lora.RUN_FILE).write_text(write(record))
     write_checksums(checkpoint)  # written so at save time: the checksums do not catch it first
-    line = (rf"{re.escape(str(checkpoint / lora.RUN_FILE))}: {problem}.*\(train.py writes this "
-            rf"file with each checkpoint of a LoRA run; restore it from a copy\)$")
+    line = (
+        rf"{re.escape(str(checkpoint / lora.RUN_FILE))}: {problem}.*\(train.py writes this "
+        rf"file with each checkpoint of a LoRA run; restore it from a copy\)$"
+    )
     return checkpoint, line
 
 
@@ -341,8 +485,9 @@ def test_a_damaged_lora_json_is_one_line_everywhere(tmp_path, lora_checkpoint, d
 
 
 @pytest.mark.parametrize("damage", ["empty", "no_rank", "weights_sha_number"])
-def test_an_explicit_resume_refuses_a_damaged_lora_json(tmp_path, trained_once, lora_checkpoint,
-                                                        damage):
+def test_an_explicit_resume_refuses_a_damaged_lora_json(
+    tmp_path, trained_once, lora_checkpoint, damage
+):
     """A resume reads lora.json through the same check (read_run_record): a few of the damages above
     (each resume starts train.py)."""
     checkpoint, line = damaged_copy(tmp_path, lora_checkpoint, DAMAGED_RECORDS[damage])

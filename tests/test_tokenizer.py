@@ -1,5 +1,5 @@
-"""tokenizer.py: every way to load a tokenizer, none of them downloading, and the tokenizer.json conversion
-checked against byte-level BPE written out by hand."""
+"""tokenizer.py: every way to load a tokenizer, none of them downloading, and the tokenizer.json
+conversion checked against byte-level BPE written out by hand."""
 
 import base64
 import json
@@ -13,8 +13,8 @@ import tiktoken.load
 
 from tokenizer import TokenizerError, bytes_to_unicode, hf_tokenizer_encoding, load_tokenizer
 
-
 # ============================================================================= load_tokenizer
+
 
 def test_byte_tokenizer_round_trips_any_text_and_ends_documents():
     tokenizer = load_tokenizer("byte")
@@ -49,12 +49,18 @@ def test_named_encoding_is_never_downloaded(tmp_path, monkeypatch):
 
 def test_checkpoint_tokenizer_loads_its_tokenizer_json(tmp_path):
     vocab = {bytes_to_unicode()[b]: b for b in range(256)} | {"ab": 256, "<|endoftext|>": 257}
-    spec = {"model": {"type": "BPE", "vocab": vocab, "merges": ["a b"]}, "normalizer": None,
-            "added_tokens": [{"id": 257, "content": "<|endoftext|>"}],
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False}}
+    spec = {
+        "model": {"type": "BPE", "vocab": vocab, "merges": ["a b"]},
+        "normalizer": None,
+        "added_tokens": [{"id": 257, "content": "<|endoftext|>"}],
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False},
+    }
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     tokenizer = load_tokenizer("checkpoint", checkpoint_dir=str(tmp_path))
-    assert tokenizer.encode_documents(["abc"]) == [[256, ord("c"), 257]] and tokenizer.vocab_size == 258
+    assert (
+        tokenizer.encode_documents(["abc"]) == [[256, ord("c"), 257]]
+        and tokenizer.vocab_size == 258
+    )
     (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece"}}))
     with pytest.raises(TokenizerError, match="model.type must be 'BPE'"):
         load_tokenizer(str(tmp_path))
@@ -65,17 +71,23 @@ def test_eos_token_must_exist():
         load_tokenizer("byte", eos_token="<|im_end|>")
 
 
-# ============================================================================= a checkpoint's tokenizer.json
+# ==================================================================== a checkpoint's tokenizer.json
 
-# Pre-tokenizer split that Python's re and tiktoken's regex engine read the same way on the test text:
-# contractions, letters (with "_"), up to 3 digits, other symbols, and whitespace runs.
+# Pre-tokenizer split that Python's re and tiktoken's regex engine read the same way on the test
+# text: contractions, letters (with "_"), up to 3 digits, other symbols, and whitespace runs.
 SPLIT = r"""'s|'t| ?[^\W\d]+| ?\d{1,3}| ?[^\s\w]+|\s+(?!\S)|\s+"""
 SPECIALS = ["<|endoftext|>", "<|im_start|>"]
-CORPUS = ("The quick brown fox jumps over the lazy dog. It's 2024 and the dog's 3 friends said 'hello'!\n"
-          "Numbers like 123456 and 7 go in groups; tabs\tand  double  spaces too. Café, naïve, déjà vu.\n"
-          "東京 and 東京タワー are in Tokyo. snake_case_names and CamelCase. ") * 3
-TEXT = ("Hello the lazy fox!!  It's 98765 o'clock\t\tat Café déjà-vu — 東京タワー 🚀🚀 "
-        "snake_case<|endoftext|>  new\n\n  lines <|im_start|>x   ")
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. It's 2024 and the dog's 3 friends said "
+    "'hello'!\n"
+    "Numbers like 123456 and 7 go in groups; tabs\tand  double  spaces too. Café, naïve, déjà "
+    "vu.\n"
+    "東京 and 東京タワー are in Tokyo. snake_case_names and CamelCase. "
+) * 3
+TEXT = (
+    "Hello the lazy fox!!  It's 98765 o'clock\t\tat Café déjà-vu — 東京タワー 🚀🚀 "
+    "snake_case<|endoftext|>  new\n\n  lines <|im_start|>x   "
+)
 
 
 def gpt2_byte_table() -> dict[int, str]:
@@ -86,14 +98,20 @@ def gpt2_byte_table() -> dict[int, str]:
 
 def test_byte_table_is_gpt2s():
     table = gpt2_byte_table()
-    assert (table[ord(" ")], table[ord("\n")], table[0], table[ord("a")], table[173]) == ("Ġ", "Ċ", "Ā", "a", "Ń")
+    assert (table[ord(" ")], table[ord("\n")], table[0], table[ord("a")], table[173]) == (
+        "Ġ",
+        "Ċ",
+        "Ā",
+        "a",
+        "Ń",
+    )
     assert bytes_to_unicode() == table
 
 
 def merge_word(word: list[str], pair: tuple[str, str]) -> list[str]:
     out, i = [], 0
     while i < len(word):
-        if tuple(word[i:i + 2]) == pair:
+        if tuple(word[i : i + 2]) == pair:
             out.append(pair[0] + pair[1])
             i += 2
         else:
@@ -105,7 +123,9 @@ def merge_word(word: list[str], pair: tuple[str, str]) -> list[str]:
 def train_bpe(corpus: str, pattern: str, num_merges: int) -> list[tuple[str, str]]:
     """Plain BPE training: repeatedly merge the most frequent adjacent pair (new tokens only)."""
     table = gpt2_byte_table()
-    words = Counter(tuple(table[b] for b in piece.encode()) for piece in re.findall(pattern, corpus))
+    words = Counter(
+        tuple(table[b] for b in piece.encode()) for piece in re.findall(pattern, corpus)
+    )
     merges, tokens = [], set(table.values())
     for _ in range(num_merges):
         pairs = Counter()
@@ -123,7 +143,8 @@ def train_bpe(corpus: str, pattern: str, num_merges: int) -> list[tuple[str, str
 
 
 def bpe_by_hand(text: str, merges, vocab: dict, pattern: str) -> list[int]:
-    """Hugging Face BPE semantics: specials first, split, bytes -> chars, lowest-ranked listed merge first."""
+    """Hugging Face BPE semantics: specials first, split, bytes -> chars, lowest-ranked listed merge
+    first."""
     table, ranks, ids = gpt2_byte_table(), {pair: i for i, pair in enumerate(merges)}, []
     for chunk in re.split("(" + "|".join(map(re.escape, SPECIALS)) + ")", text):
         if chunk in SPECIALS:
@@ -146,9 +167,20 @@ def write_tokenizer(directory: Path, pre_tokenizer: dict, pattern: str, pair_lis
     random.Random(0).shuffle(byte_tokens)  # byte ids need not follow byte order
     vocab = {token: i for i, token in enumerate(byte_tokens + [a + b for a, b in merges])}
     added = [{"id": len(vocab) + i, "content": t, "special": True} for i, t in enumerate(SPECIALS)]
-    spec = {"version": "1.0", "added_tokens": added, "normalizer": None, "pre_tokenizer": pre_tokenizer,
-            "model": {"type": "BPE", "dropout": None, "unk_token": None, "byte_fallback": False, "vocab": vocab,
-                      "merges": [list(m) if pair_lists else " ".join(m) for m in merges]}}
+    spec = {
+        "version": "1.0",
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": pre_tokenizer,
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "byte_fallback": False,
+            "vocab": vocab,
+            "merges": [list(m) if pair_lists else " ".join(m) for m in merges],
+        },
+    }
     directory.mkdir(exist_ok=True)
     (directory / "tokenizer.json").write_text(json.dumps(spec))
     return merges, {**vocab, **{t["content"]: t["id"] for t in added}}
@@ -160,9 +192,18 @@ def test_tokenizer_matches_bpe_by_hand(tmp_path, monkeypatch, pair_lists):
         raise AssertionError("tiktoken tried to download")
 
     monkeypatch.setattr(tiktoken.load, "read_file", no_downloads)
-    pre = {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": SPLIT}, "behavior": "Isolated", "invert": False},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    pre = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": SPLIT}, "behavior": "Isolated", "invert": False},
+            {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "trim_offsets": False,
+                "use_regex": False,
+            },
+        ],
+    }
     merges, vocab = write_tokenizer(tmp_path, pre, SPLIT, pair_lists)
     encoding = hf_tokenizer_encoding(tmp_path)
     ids = encoding.encode(TEXT, allowed_special="all")
@@ -174,18 +215,23 @@ def test_tokenizer_matches_bpe_by_hand(tmp_path, monkeypatch, pair_lists):
 
 def test_byte_level_pre_tokenizer_uses_the_gpt2_split(tmp_path):
     ascii_gpt2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+"""
-    merges, vocab = write_tokenizer(tmp_path, {"type": "ByteLevel", "add_prefix_space": False}, ascii_gpt2)
+    merges, vocab = write_tokenizer(
+        tmp_path, {"type": "ByteLevel", "add_prefix_space": False}, ascii_gpt2
+    )
     text = "It's the lazy dog's 12345 friends,  they'll jump!!\n\n over  it "
     encoding = hf_tokenizer_encoding(tmp_path / "tokenizer.json")
     assert encoding.encode(text) == bpe_by_hand(text, merges, vocab, ascii_gpt2)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda s: s.__setitem__("normalizer", {"type": "NFC"}), "normalizer must be null"),
-    (lambda s: s["model"]["merges"].reverse(), "merge 1 "),
-    (lambda s: s["model"]["vocab"].__setitem__("∑x", 10_000), "'∑x' is not byte-level"),
-    (lambda s: s.__setitem__("pre_tokenizer", {"type": "Whitespace"}), "pre_tokenizer step"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: s.__setitem__("normalizer", {"type": "NFC"}), "normalizer must be null"),
+        (lambda s: s["model"]["merges"].reverse(), "merge 1 "),
+        (lambda s: s["model"]["vocab"].__setitem__("∑x", 10_000), "'∑x' is not byte-level"),
+        (lambda s: s.__setitem__("pre_tokenizer", {"type": "Whitespace"}), "pre_tokenizer step"),
+    ],
+)
 def test_unsupported_tokenizers_are_refused(tmp_path, edit, message):
     write_tokenizer(tmp_path, {"type": "ByteLevel", "add_prefix_space": False}, SPLIT)
     spec = json.loads((tmp_path / "tokenizer.json").read_text())

@@ -1,64 +1,67 @@
 """Step time per GPU of a training config, predicted op by op without a GPU.
 
-    python3 -m tools.planner --config configs/flint-8gpu.toml                 # H100 SXM, the config's layout
+    python3 -m tools.planner --config configs/flint-8gpu.toml  # H100 SXM, the config's layout
     python3 -m tools.planner --config configs/flint-multinode.toml --gpu H200 --gpus 32
     python3 -m tools.planner --config configs/large4-256gpu.toml --gpu B200
-    python3 -m tools.planner --preset flint-shallow --gpu H200 --gpus 1 --data.seq_len=4096 --training.batch_size=2
-    python3 -m tools.planner --gpu cpu                                        # bench.py's CPU shape, this machine
-    python3 -m tools.planner --validate                                       # published runs, measured / predicted
+    python3 -m tools.planner --preset flint-shallow --gpu H200 --gpus 1 --data.seq_len=4096 \\
+        --training.batch_size=2
+    python3 -m tools.planner --gpu cpu  # bench.py's CPU shape, this machine
+    python3 -m tools.planner --validate  # published runs, measured / predicted
 
-prints tokens/s per GPU, MFU, the step time and the ten ops or collectives that cost most, then the same step at
-100 % of every peak (the bound). Method:
+prints tokens/s per GPU, MFU, the step time and the ten ops or collectives that cost most, then the
+same step at 100 % of every peak (the bound). Method:
 
 1. Compute: one forward and backward (with the recompute forward of activation checkpointing) of the
    whole model at a rank's micro-batch [batch_size, seq_len], in the run's dtypes (BF16 bulk, FP32
-   sinks, routers and head), traced op by op on fake tensors (op_trace.py: FLOPs by FlopCounterMode's
-   formulas, bytes read and written). An expert-parallel rank computes the same (balanced loads),
-   reading 1/ep of the expert weights. Each op costs max(FLOPs / the rate of its dtype, bytes / HBM
-   bandwidth), each rate the calibrated fraction of its peak that a published measurement found (the
-   calibration section; grouped GEMMs lose their part-filled 128-row tiles); at 100 %, the bound.
-   Compiled, the bytes left once elementwise chains fuse within each graph (op_trace.fuse_chains).
-   With [parallel] fp8, fp8.py's matmuls run at the FP8 peak (FP8_PEAKS), plus their quantisation.
+   sinks, routers and head), traced op by op on fake tensors (op_trace.py: FLOPs by
+   FlopCounterMode's formulas, bytes read and written). An expert-parallel rank computes the same
+   (balanced loads), reading 1/ep of the expert weights. Each op costs max(FLOPs / the rate of its
+   dtype, bytes / HBM bandwidth), each rate the calibrated fraction of its peak that a published
+   measurement found (the calibration section; grouped GEMMs lose their part-filled 128-row tiles);
+   at 100 %, the bound. Compiled, the bytes left once elementwise chains fuse within each graph
+   (op_trace.fuse_chains). With [parallel] fp8, fp8.py's matmuls run at the FP8 peak (FP8_PEAKS),
+   plus their quantisation.
 2. The trace runs the CPU's code path (fake CUDA tensors cannot take gradients on a CPU build of
    torch). For a GPU the attention core is replaced: the ops of the CPU kernel (its flash custom op,
    or the dense [B, H, T, S] score matrices of Mistral Large 4's sdpa path) are dropped and one flex
    kernel per step stands in, with the model's own attention FLOPs (model.flops_per_token, its part
    that grows with the keys attended) times (2 forward + 5 backward + 2 per recompute) / 6 for the
-   flash kernels' backward, which recomputes the scores, times the 128 x 128 tiles flex computes where a
-   tile is only partly visible (attention_tile_ratio), at flex's measured forward and backward rates.
-   MoE experts are padded to groups of 16 rows as on CUDA (without expert parallelism).
+   flash kernels' backward, which recomputes the scores, times the 128 x 128 tiles flex computes
+   where a tile is only partly visible (attention_tile_ratio), at flex's measured forward and
+   backward rates. MoE experts are padded to groups of 16 rows as on CUDA (without expert
+   parallelism).
 3. Layout, per micro-batch, from [parallel] and the parameter sizes on the meta device (ring
    collectives: a group of n moves (n - 1) / n of the gathered bytes per GPU at NCCL's measured bus
    bandwidth: NVLink when the group stays inside a node of 8 GPUs, which the mesh order pp,
    dp_replicate, dp_shard, ep, cp decides, else min(NVLink, its members in a node x their NICs)):
    - FSDP: each block all-gathers its parameters in forward and again in backward (BF16, FP32 units
      in FP32; the root units, embedding, norm and head, once) and reduce-scatters FP32 gradients, as
-     [parallel] accumulation runs them (fsdp_passes: sync_each every micro-batch, sync_last gathers each
-     but reduce-scatters once, gathered gathers and reduce-scatters once a step; "auto" resolved for the
-     device's memory as parallel.choose_accumulation does); routed experts over dp_shard x cp, the rest
-     over dp_shard x ep x cp. A block's collectives overlap the compute of its neighbours: exposed are the
-     first block's all-gather and reduce-scatter, and whatever of each block's collectives outlasts
-     that block's compute. HSDP adds an all-reduce over dp_replicate after each reduce-scatter, exposed.
+     [parallel] accumulation runs them (fsdp_passes: sync_each every micro-batch, sync_last gathers
+     each but reduce-scatters once, gathered gathers and reduce-scatters once a step; "auto"
+     resolved for the device's memory as parallel.choose_accumulation does); routed experts over
+     dp_shard x cp, the rest over dp_shard x ep x cp. A block's collectives overlap the compute of
+     its neighbours: exposed are the first block's all-gather and reduce-scatter, and whatever of
+     each block's collectives outlasts that block's compute. HSDP adds an all-reduce over
+     dp_replicate after each reduce-scatter, exposed.
    - Expert parallelism: per MoE layer, 2 all-to-alls in forward (rows to the experts and back,
      tokens x top-k x hidden in BF16 each way), 2 in backward, 2 more per recomputed forward, in
      [parallel] ep_overlap chunks, exposed as moe.ExpertParallelExperts' schedule leaves them
      (overlapped_exchange: dispatch 0 past the shared expert, the last combine, and whatever of the
      transfers outlasts the experts' compute on a chunk). Expert loads are assumed balanced.
-   - Pipeline: each stage computes 1/pp of the rank's trace, sends [B, T, H] BF16 activations forward
-     and gradients back per micro-batch (exposed), and idles a bubble of (pp - 1) / (m x v) of its
-     compute (m micro-batches of a schedule call, v stages per rank; sync_last and gathered run the
-     step's micro-batches in one call).
+   - Pipeline: each stage computes 1/pp of the rank's trace, sends [B, T, H] BF16 activations
+     forward and gradients back per micro-batch (exposed), and idles a bubble of (pp - 1) / (m x v)
+     of its compute (m micro-batches of a schedule call, v stages per rank; sync_last and gathered
+     run the step's micro-batches in one call).
    - Context parallelism: each rank computes 1/cp of the trace and all-gathers the keys and values
      of every layer (forward, recompute) and reduce-scatters their gradients (backward), exposed.
 4. Per step: grad_accum micro-batches, then AdamW over the FP32 shards: 32 bytes per trainable
    parameter (read weight, gradient, 2 moments, write weight, 2 moments, and the norm's read).
-5. `--validate`: published runs (each family's tools/<family>_baselines.py PUBLISHED_RUNS), measured /
-   predicted beside the bound.
+5. `--validate`: published runs (each family's tools/<family>_baselines.py PUBLISHED_RUNS), measured
+   / predicted beside the bound.
 
-MFU divides the model's FLOPs (model.flops_per_token, as train.py counts them) by the step time and the
-dense BF16 peak, with FP8 too. --gpu cpu measures this machine's FP32 matmul rate and copy bandwidth and
-predicts bench.py's CPU shape, to check the method against a measured step.
-"""
+MFU divides the model's FLOPs (model.flops_per_token, as train.py counts them) by the step time and
+the dense BF16 peak, with FP8 too. --gpu cpu measures this machine's FP32 matmul rate and copy
+bandwidth and predicts bench.py's CPU shape, to check the method against a measured step."""
 
 from __future__ import annotations
 
@@ -75,15 +78,16 @@ import torch
 
 from config import ConfigError, TrainConfig, load_config
 from flags import OneLineParser, positive
-from tools.memory import GPU_GIB, accumulation_of, meta_model, stage_param_counts
-from registry import FAMILIES, ModelConfig
-from tools.op_trace import OpCost, trace_step
 from parallel import MESH_DIMS, ParallelConfig
+from registry import FAMILIES, ModelConfig
+from tools.memory import GPU_GIB, accumulation_of, meta_model, stage_param_counts
+from tools.op_trace import OpCost, trace_step
 
 TFLOPS, TBPS, GBPS = 1e12, 1e12, 1e9
 
 
 # ============================================================================= the hardware
+
 
 @dataclasses.dataclass(frozen=True)
 class Device:
@@ -104,79 +108,121 @@ GPUS = {
     # NVIDIA H100 Tensor Core GPU data sheet (SXM column; sparse figures halved to dense): BF16
     # 1,979 TFLOP/s sparse, TF32 989 sparse, FP32 67; HBM3 3.35 TB/s; NVLink 900 GB/s (both ways).
     # Network: DGX H100 user guide, 8 ConnectX-7 at 400 Gb/s InfiniBand, one per GPU.
-    "H100": Device("H100 SXM", 989.4 * TFLOPS, 494.7 * TFLOPS, 67 * TFLOPS, 3.35 * TBPS, 450 * GBPS, 50 * GBPS,
-                   memory_gib=GPU_GIB["80GB"]),
-    # NVIDIA H200 Tensor Core GPU data sheet (SXM): the H100's compute, HBM3e 4.8 TB/s, NVLink 900 GB/s.
-    # Network: HGX H200 reference, 400 Gb/s per GPU (ConnectX-7).
-    "H200": Device("H200 SXM", 989.4 * TFLOPS, 494.7 * TFLOPS, 67 * TFLOPS, 4.8 * TBPS, 450 * GBPS, 50 * GBPS),
+    "H100": Device(
+        "H100 SXM",
+        989.4 * TFLOPS,
+        494.7 * TFLOPS,
+        67 * TFLOPS,
+        3.35 * TBPS,
+        450 * GBPS,
+        50 * GBPS,
+        memory_gib=GPU_GIB["80GB"],
+    ),
+    # NVIDIA H200 Tensor Core GPU data sheet (SXM): the H100's compute, HBM3e 4.8 TB/s, NVLink 900
+    # GB/s. Network: HGX H200 reference, 400 Gb/s per GPU (ConnectX-7).
+    "H200": Device(
+        "H200 SXM", 989.4 * TFLOPS, 494.7 * TFLOPS, 67 * TFLOPS, 4.8 * TBPS, 450 * GBPS, 50 * GBPS
+    ),
     # NVIDIA DGX B200 data sheet, per GPU of 8 (sparse halved): BF16 4.5 PFLOP/s sparse, TF32 2.2
-    # sparse, FP32 75 TFLOP/s (600 for 8 GPUs); HBM3e 8 TB/s (64 for 8); NVLink 5 1.8 TB/s both ways;
-    # 8 ConnectX-7 at 400 Gb/s.
-    "B200": Device("B200", 2250 * TFLOPS, 1100 * TFLOPS, 75 * TFLOPS, 8.0 * TBPS, 900 * GBPS, 50 * GBPS,
-                   memory_gib=179.0),  # 192 GB HBM3e, less what the driver keeps
+    # sparse, FP32 75 TFLOP/s (600 for 8 GPUs); HBM3e 8 TB/s (64 for 8); NVLink 5 1.8 TB/s both
+    # ways; 8 ConnectX-7 at 400 Gb/s.
+    "B200": Device(
+        "B200",
+        2250 * TFLOPS,
+        1100 * TFLOPS,
+        75 * TFLOPS,
+        8.0 * TBPS,
+        900 * GBPS,
+        50 * GBPS,
+        memory_gib=179.0,
+    ),  # 192 GB HBM3e, less what the driver keeps
 }
-# [parallel] fp8's matmuls, by Device name: the same data sheets' dense FP8 (E4M3) peaks (sparse halved:
-# H100 and H200 3,958 TFLOP/s, B200 9 PFLOP/s). The CPU runs them at its measured rate. MFU stays against bf16.
+# [parallel] fp8's matmuls, by Device name: the same data sheets' dense FP8 (E4M3) peaks (sparse
+# halved: H100 and H200 3,958 TFLOP/s, B200 9 PFLOP/s). The CPU runs them at its measured rate. MFU
+# stays against bf16.
 FP8_PEAKS = {"H100 SXM": 1979 * TFLOPS, "H200 SXM": 1979 * TFLOPS, "B200": 4500 * TFLOPS}
 
 # ============================================================================= calibration
 
 # What real kernels and collectives reach, as fractions of the data sheets' peaks above, each from a
-# published measurement (H100 SXM; the same fractions serve H200 and B200). With them a prediction is
-# what the step should take, not a bound: `--peak` prices every op at 100 % again (the bound beside it).
-# Dense BF16 GEMMs (cuBLAS at a transformer layer's shapes, M = tokens, K and N in the thousands):
-# measured at about 650-750 TFLOP/s of the H100 SXM's 989 dense peak under its 700 W cap (NVIDIA's
-# Transformer Engine and Megatron performance material quote 60-75 % for large BF16 GEMMs); 0.70 is
-# their middle. TF32 and FP32 CUDA-core matmuls are taken at the same fraction of their own peaks.
+# published measurement (H100 SXM; the same fractions serve H200 and B200). With them a prediction
+# is what the step should take, not a bound: `--peak` prices every op at 100 % again (the bound
+# beside it). Dense BF16 GEMMs (cuBLAS at a transformer layer's shapes, M = tokens, K and N in the
+# thousands): measured at about 650-750 TFLOP/s of the H100 SXM's 989 dense peak under its 700 W cap
+# (NVIDIA's Transformer Engine and Megatron performance material quote 60-75 % for large BF16
+# GEMMs); 0.70 is their middle. TF32 and FP32 CUDA-core matmuls are taken at the same fraction of
+# their own peaks.
 GEMM_EFFICIENCY = 0.70
-# The MoE grouped GEMM (torch._grouped_mm, CUTLASS) computes each expert's rows in tiles of 128 rows: an
-# expert's last tile is on average half empty, so it reaches GEMM_EFFICIENCY x r / (r + 64) at r rows per
-# expert (tile quantisation; thousands of rows per expert come near the dense rate, a few hundred do not).
+# The MoE grouped GEMM (torch._grouped_mm, CUTLASS) computes each expert's rows in tiles of 128
+# rows: an expert's last tile is on average half empty, so it reaches GEMM_EFFICIENCY x r / (r + 64)
+# at r rows per expert (tile quantisation; thousands of rows per expert come near the dense rate, a
+# few hundred do not).
 GROUPED_GEMM_TILE_ROWS = 128
-# Attention. FlashAttention-3 (Shah et al., 2024) measures FlashAttention-2 at 35 % of the H100's BF16
-# peak (forward, head dim 128, long sequences) and its backward at about 30 %; PyTorch's FlexAttention
-# post (Aug 2024) measures flex at 90 % of FlashAttention-2 forward and 85 % backward. Flint runs flex.
+# Attention. FlashAttention-3 (Shah et al., 2024) measures FlashAttention-2 at 35 % of the H100's
+# BF16 peak (forward, head dim 128, long sequences) and its backward at about 30 %; PyTorch's
+# FlexAttention post (Aug 2024) measures flex at 90 % of FlashAttention-2 forward and 85 % backward.
+# Flint runs flex.
 FLEX_FORWARD_EFFICIENCY = 0.90 * 0.35
 FLEX_BACKWARD_EFFICIENCY = 0.85 * 0.30
 # The fused attention of Transformer Engine (cuDNN), which the published runs without FlexAttn use:
-# FlashAttention-3's paper measures about 600 TFLOP/s forward and 450 backward at head dim 128, causal,
-# 4k tokens (0.60, 0.45), the class cuDNN's Hopper kernels belong to. Used only to price those runs.
+# FlashAttention-3's paper measures about 600 TFLOP/s forward and 450 backward at head dim 128,
+# causal, 4k tokens (0.60, 0.45), the class cuDNN's Hopper kernels belong to. Used only to price
+# those runs.
 FUSED_FORWARD_EFFICIENCY = 0.60
 FUSED_BACKWARD_EFFICIENCY = 0.45
-ATTENTION_EFFICIENCIES = {"flex": (FLEX_FORWARD_EFFICIENCY, FLEX_BACKWARD_EFFICIENCY),
-                          "fused": (FUSED_FORWARD_EFFICIENCY, FUSED_BACKWARD_EFFICIENCY)}
+ATTENTION_EFFICIENCIES = {
+    "flex": (FLEX_FORWARD_EFFICIENCY, FLEX_BACKWARD_EFFICIENCY),
+    "fused": (FUSED_FORWARD_EFFICIENCY, FUSED_BACKWARD_EFFICIENCY),
+}
 # flex computes whole 128 x 128 tiles of scores wherever a tile holds one visible key (block masks):
 # on a 128-key sliding window that is about 2 x the attended pairs (attention_tile_ratio).
 ATTENTION_TILE = 128
-# Memory-bound kernels (copies, fused elementwise chains, AdamW's foreach ops): STREAM-like copies on
-# an H100 SXM (nvbandwidth, BabelStream) reach about 2.9 of the 3.35 TB/s data-sheet figure.
+# Memory-bound kernels (copies, fused elementwise chains, AdamW's foreach ops): STREAM-like copies
+# on an H100 SXM (nvbandwidth, BabelStream) reach about 2.9 of the 3.35 TB/s data-sheet figure.
 HBM_EFFICIENCY = 0.87
 # NCCL ring all-gather and reduce-scatter, large messages (nccl-tests on 8 x H100 SXM, NVLink 4 with
 # NVSwitch: bus bandwidth about 360 GB/s of the 450 each way).
 NVLINK_RING_EFFICIENCY = 0.80
-# Across nodes (400 Gb/s ConnectX-7 InfiniBand per GPU, 50 GB/s): DeepEP's README measures 43-47 GB/s
-# of RDMA bandwidth per GPU (0.9); a ring that crosses nodes runs one channel per NIC of its members.
+# Across nodes (400 Gb/s ConnectX-7 InfiniBand per GPU, 50 GB/s): DeepEP's README measures 43-47
+# GB/s of RDMA bandwidth per GPU (0.9); a ring that crosses nodes runs one channel per NIC of its
+# members.
 NETWORK_EFFICIENCY = 0.90
-# The expert all-to-all on NVLink: DeepEP's README measures 153 GB/s (dispatch) and 158 GB/s (combine)
-# per GPU on H800, whose NVLink carries 200 GB/s each way: 0.77; torch's NCCL all_to_all_single does
-# not do better.
+# The expert all-to-all on NVLink: DeepEP's README measures 153 GB/s (dispatch) and 158 GB/s
+# (combine) per GPU on H800, whose NVLink carries 200 GB/s each way: 0.77; torch's NCCL
+# all_to_all_single does not do better.
 ALL_TO_ALL_NVLINK_EFFICIENCY = 0.77
 
-# What an FP32 matmul of the head runs at on CUDA, by [parallel] head_precision: its peak from a Device.
-HEAD_PRECISION_PEAKS = {"tf32": lambda d: d.tf32, "bf16": lambda d: d.bf16, "bf16x3": lambda d: d.bf16 / 3,
-                        "float32": lambda d: d.fp32}
+# What an FP32 matmul of the head runs at on CUDA, by [parallel] head_precision: its peak from a
+# Device.
+HEAD_PRECISION_PEAKS = {
+    "tf32": lambda d: d.tf32,
+    "bf16": lambda d: d.bf16,
+    "bf16x3": lambda d: d.bf16 / 3,
+    "float32": lambda d: d.fp32,
+}
 
 
 def measure_cpu(matmul_size: int = 1024, copy_mib: int = 512) -> Device:
-    """This machine as a Device: its best FP32 matmul rate and large-copy bandwidth (read + write)."""
+    """This machine as a Device: its best FP32 matmul rate and large-copy bandwidth (read +
+    write)."""
     from tools.profiling import matmul_rate, time_call
+
     rate = matmul_rate(torch.device("cpu"), torch.float32, matmul_size)
-    source = torch.ones(copy_mib * 2 ** 20 // 4)
+    source = torch.ones(copy_mib * 2**20 // 4)
     target = torch.empty_like(source)
     seconds = min(time_call(lambda: target.copy_(source), torch.device("cpu")) for _ in range(5))
     bandwidth = 2 * source.nbytes / seconds
-    return Device(f"cpu ({rate / 1e12:.3f} TFLOP/s FP32 matmul, {bandwidth / 1e9:.1f} GB/s copy, measured now)",
-                  rate, rate, rate, bandwidth, 0.0, 0.0, gpus_per_node=1)
+    return Device(
+        f"cpu ({rate / 1e12:.3f} TFLOP/s FP32 matmul, {bandwidth / 1e9:.1f} GB/s copy, "
+        "measured now)",
+        rate,
+        rate,
+        rate,
+        bandwidth,
+        0.0,
+        0.0,
+        gpus_per_node=1,
+    )
 
 
 def device_named(name: str) -> Device:
@@ -191,9 +237,11 @@ def device_named(name: str) -> Device:
 
 # ============================================================================= costing the ops
 
+
 @dataclasses.dataclass
 class Item:
-    """A line of the cost table: seconds per step on one GPU, what bounds it, and how much is exposed."""
+    """A line of the cost table: seconds per step on one GPU, what bounds it, and how much is
+    exposed."""
 
     label: str
     seconds: float
@@ -203,28 +251,34 @@ class Item:
 
 @dataclasses.dataclass(frozen=True)
 class Pricing:
-    """What an op costs depends on: the device, the head's FP32 matmul precision, the expert-parallel
-    degree (each rank reads 1/ep of the expert weights), and whether the blocks are compiled."""
+    """What an op costs depends on: the device, the head's FP32 matmul precision, the
+    expert-parallel degree (each rank reads 1/ep of the expert weights), and whether the blocks are
+    compiled."""
 
     device: Device
     head_precision: str = "tf32"
     ep: int = 1
     compiled: bool = False
-    calibrated: bool = True  # the kernels at their measured fractions of peak (calibration); False: at 100 %
-    expert_rows: float = 0.0  # rows each local expert computes per micro-batch (balanced): the grouped GEMM's
-    attention: str = "flex"  # the attention kernel: flex (Flint's), or fused (cuDNN: published runs only)
+    # the kernels at their measured fractions of peak (calibration); False: at 100 %
+    calibrated: bool = True
+    # rows each local expert computes per micro-batch (balanced): the grouped GEMM's
+    expert_rows: float = 0.0
+    # the attention kernel: flex (Flint's), or fused (cuDNN: published runs only)
+    attention: str = "flex"
 
     @property
     def gpu(self) -> bool:
         return not self.device.name.startswith("cpu")
 
     def efficiency(self, fraction: float) -> float:
-        """A calibration constant, or 1 for the 100 %-of-peak bound (and the CPU, whose rates are measured)."""
+        """A calibration constant, or 1 for the 100 %-of-peak bound (and the CPU, whose rates are
+        measured)."""
         return fraction if self.calibrated and self.gpu else 1.0
 
     def matmul_peak(self, cost: OpCost) -> float:
-        """FLOP/s for a matmul of this dtype: BF16 tensor cores; FP32 ones in the head at head_precision,
-        elsewhere (routers) at torch's default "highest" precision, on CUDA cores; fp8.py's ops at the FP8 peak."""
+        """FLOP/s for a matmul of this dtype: BF16 tensor cores; FP32 ones in the head at
+        head_precision, elsewhere (routers) at torch's default "highest" precision, on CUDA cores;
+        fp8.py's ops at the FP8 peak."""
         if cost.op.startswith("flint.fp8"):
             return FP8_PEAKS.get(self.device.name, self.device.bf16)
         if cost.dtype != "float32":
@@ -234,19 +288,24 @@ class Pricing:
         return self.device.fp32
 
     def seconds(self, cost: OpCost) -> tuple[float, str]:
-        """The roofline of one OpCost: max(FLOPs / rate, bytes / HBM bandwidth), and which bounds it; the rate
-        and bandwidth at their calibrated fractions (grouped GEMMs at theirs)."""
-        moved = (cost.fused_bytes if self.compiled else cost.bytes) - cost.expert_weight_bytes * (1 - 1 / self.ep)
+        """The roofline of one OpCost: max(FLOPs / rate, bytes / HBM bandwidth), and which bounds
+        it; the rate and bandwidth at their calibrated fractions (grouped GEMMs at theirs)."""
+        moved = (cost.fused_bytes if self.compiled else cost.bytes) - cost.expert_weight_bytes * (
+            1 - 1 / self.ep
+        )
         fraction = self.efficiency(GEMM_EFFICIENCY)
         if "grouped_mm" in cost.op and self.expert_rows:
-            fraction *= self.efficiency(self.expert_rows / (self.expert_rows + GROUPED_GEMM_TILE_ROWS / 2))
+            fraction *= self.efficiency(
+                self.expert_rows / (self.expert_rows + GROUPED_GEMM_TILE_ROWS / 2)
+            )
         compute = cost.flops / (self.matmul_peak(cost) * fraction) if cost.flops else 0.0
         memory = moved / (self.device.hbm * self.efficiency(HBM_EFFICIENCY))
         return max(compute, memory), "compute" if compute >= memory else "memory"
 
 
 def recomputed_share(config: ModelConfig, checkpointing: str) -> float:
-    """The share of blocks whose forward runs again in backward (parallel.apply_activation_checkpointing)."""
+    """The share of blocks whose forward runs again in backward
+    (parallel.apply_activation_checkpointing)."""
     layers = config.num_hidden_layers
     return {"none": 0.0, "full": 1.0, "selective": math.ceil(layers / 2) / layers}[checkpointing]
 
@@ -263,40 +322,56 @@ def attention_flops_per_token(config: ModelConfig, seq_len: int) -> float:
 
 def tiled_pairs(seq_len: int, window: int | None, tile: int = ATTENTION_TILE) -> tuple[int, int]:
     """(query-key pairs a tiled kernel computes, pairs attended) of one causal layer: query tile i
-    computes every key tile holding a key it may see (positions within `window`, None: all before it)."""
+    computes every key tile holding a key it may see (positions within `window`, None: all before
+    it)."""
     computed = attended = 0
     for first in range(0, seq_len, tile):
         last = min(first + tile, seq_len) - 1
         lowest = 0 if window is None else max(0, first - window + 1)
         computed += (last // tile - lowest // tile + 1) * tile * (last - first + 1)
-        attended += sum(i + 1 if window is None else min(i + 1, window) for i in range(first, last + 1))
+        attended += sum(
+            i + 1 if window is None else min(i + 1, window) for i in range(first, last + 1)
+        )
     return computed, attended
 
 
 def attention_tile_ratio(config: ModelConfig, seq_len: int) -> float:
-    """The attention FLOPs flex computes over those the model counts: its partly masked tiles, over the
-    layers (Flint: full and sliding-window layers; a model without layer_types: causal on every layer)."""
+    """The attention FLOPs flex computes over those the model counts: its partly masked tiles, over
+    the layers (Flint: full and sliding-window layers; a model without layer_types: causal on every
+    layer)."""
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    pairs = [tiled_pairs(seq_len, window if kind == "sliding_attention" else None) for kind in kinds]
+    pairs = [
+        tiled_pairs(seq_len, window if kind == "sliding_attention" else None) for kind in kinds
+    ]
     return sum(c for c, _ in pairs) / sum(a for _, a in pairs)
 
 
-def attention_seconds(config: ModelConfig, pricing: Pricing, seq_len: int, tokens: float, checkpointing: str) -> float:
-    """The flex kernels of one micro-batch: per attended key 2 units of the model's 6 in forward (and per
-    recompute), 5 in backward (it recomputes the scores), times the partly masked tiles, at flex's rates."""
+def attention_seconds(
+    config: ModelConfig, pricing: Pricing, seq_len: int, tokens: float, checkpointing: str
+) -> float:
+    """The flex kernels of one micro-batch: per attended key 2 units of the model's 6 in forward
+    (and per recompute), 5 in backward (it recomputes the scores), times the partly masked tiles, at
+    flex's rates."""
     flops = attention_flops_per_token(config, seq_len) * tokens / 6
     if pricing.calibrated:
         flops *= attention_tile_ratio(config, seq_len)
     forward = (2 + 2 * recomputed_share(config, checkpointing)) * flops
     peak = pricing.device.bf16
     forward_fraction, backward_fraction = ATTENTION_EFFICIENCIES[pricing.attention]
-    return (forward / (peak * pricing.efficiency(forward_fraction))
-            + 5 * flops / (peak * pricing.efficiency(backward_fraction)))
+    return forward / (peak * pricing.efficiency(forward_fraction)) + 5 * flops / (
+        peak * pricing.efficiency(backward_fraction)
+    )
 
 
-def compute_items(config: ModelConfig, costs: list[OpCost], pricing: Pricing, seq_len: int, tokens: float,
-                  checkpointing: str) -> list[Item]:
+def compute_items(
+    config: ModelConfig,
+    costs: list[OpCost],
+    pricing: Pricing,
+    seq_len: int,
+    tokens: float,
+    checkpointing: str,
+) -> list[Item]:
     """The traced ops grouped by (op, dtype, shapes), in seconds per micro-batch. On a GPU the
     attention core becomes one flex kernel (the module docstring, point 2)."""
     groups: dict[str, Item] = {}
@@ -311,11 +386,18 @@ def compute_items(config: ModelConfig, costs: list[OpCost], pricing: Pricing, se
         if where and not item.label.endswith(")"):
             item.label += where
     items = list(groups.values())
-    quantisation = (sum(fp8_quantisation_bytes(cost, pricing.ep) for cost in costs)
-                    / (pricing.device.hbm * pricing.efficiency(HBM_EFFICIENCY)))
+    quantisation = sum(fp8_quantisation_bytes(cost, pricing.ep) for cost in costs) / (
+        pricing.device.hbm * pricing.efficiency(HBM_EFFICIENCY)
+    )
     if quantisation:
-        items.append(Item("FP8 quantisation passes (amax, scale and cast of every operand)", quantisation,
-                          quantisation, "memory"))
+        items.append(
+            Item(
+                "FP8 quantisation passes (amax, scale and cast of every operand)",
+                quantisation,
+                quantisation,
+                "memory",
+            )
+        )
     if pricing.gpu:
         seconds = attention_seconds(config, pricing, seq_len, tokens, checkpointing)
         items.append(Item("attention core (flex kernel, BF16)", seconds, seconds, "compute"))
@@ -323,36 +405,43 @@ def compute_items(config: ModelConfig, costs: list[OpCost], pricing: Pricing, se
 
 
 def fp8_quantisation_bytes(cost: OpCost, ep: int) -> float:
-    """What fp8.py's quantisation of an FP8 op's two operands moves: each is read twice (its absolute
-    maximum, then scaled) and written once in FP8; outside the op's GEMM, so never fused into it. An
-    expert-parallel rank quantises 1/ep of the expert weights (a grouped GEMM's second operand)."""
+    """What fp8.py's quantisation of an FP8 op's two operands moves: each is read twice (its
+    absolute maximum, then scaled) and written once in FP8; outside the op's GEMM, so never fused
+    into it. An expert-parallel rank quantises 1/ep of the expert weights (a grouped GEMM's second
+    operand)."""
     if not cost.op.startswith("flint.fp8"):
         return 0.0
     element_bytes = torch.empty((), dtype=getattr(torch, cost.dtype)).element_size()
-    sizes = [math.prod(int(n) for n in dims.split(", ")) for dims in re.findall(r"\[([\d, ]+)\]", cost.shapes)]
+    sizes = [
+        math.prod(int(n) for n in dims.split(", "))
+        for dims in re.findall(r"\[([\d, ]+)\]", cost.shapes)
+    ]
     if cost.op == "flint.fp8_grouped_mm":
         sizes[1] /= ep
     return cost.calls * sum(sizes) * (2 * element_bytes + 1)
 
 
-# ============================================================================= the layout's communication
+# ======================================================================= the layout's communication
+
 
 def group_span(layout: ParallelConfig, dims: tuple[str, ...], device: Device) -> tuple[int, int]:
     """(size, members in one node) of the process group over mesh `dims` (rank = sum of coordinate x
-    stride over MESH_DIMS, the last dim innermost; nodes of device.gpus_per_node consecutive ranks)."""
+    stride over MESH_DIMS, the last dim innermost; nodes of device.gpus_per_node consecutive
+    ranks)."""
     size = per_node = 1
     for index, dim in enumerate(MESH_DIMS):
         degree = getattr(layout, dim)
         if dim in dims and degree > 1:
-            stride = math.prod(getattr(layout, inner) for inner in MESH_DIMS[index + 1:])
+            stride = math.prod(getattr(layout, inner) for inner in MESH_DIMS[index + 1 :])
             size *= degree
             per_node *= max(1, min(degree, device.gpus_per_node // stride))
     return size, per_node
 
 
 def ring_bandwidth(pricing: Pricing, size: int, per_node: int) -> float:
-    """Bus bandwidth per GPU of a ring all-gather or reduce-scatter: NVLink inside a node; a ring across
-    nodes runs one channel through the NIC of each member of a node, so min(NVLink, members x NIC)."""
+    """Bus bandwidth per GPU of a ring all-gather or reduce-scatter: NVLink inside a node; a ring
+    across nodes runs one channel through the NIC of each member of a node, so min(NVLink, members x
+    NIC)."""
     device = pricing.device
     nvlink = device.nvlink * pricing.efficiency(NVLINK_RING_EFFICIENCY)
     if per_node == size:
@@ -360,7 +449,9 @@ def ring_bandwidth(pricing: Pricing, size: int, per_node: int) -> float:
     return min(nvlink, per_node * device.network * pricing.efficiency(NETWORK_EFFICIENCY))
 
 
-def group_link(layout: ParallelConfig, dims: tuple[str, ...], pricing: Pricing) -> tuple[int, float]:
+def group_link(
+    layout: ParallelConfig, dims: tuple[str, ...], pricing: Pricing
+) -> tuple[int, float]:
     """(size, ring bus bandwidth per GPU) of the process group over mesh `dims`."""
     size, per_node = group_span(layout, dims, pricing.device)
     return size, ring_bandwidth(pricing, size, per_node)
@@ -373,17 +464,24 @@ def ring_seconds(gathered_bytes: float, size: int, bandwidth: float) -> float:
 
 
 def all_to_all_seconds(sent_bytes: float, size: int, per_node: int, pricing: Pricing) -> float:
-    """An all-to-all in which each GPU sends `sent_bytes` spread evenly over the group (its own share
-    stays): over NVLink inside a node; across nodes the share for other nodes leaves by the GPU's own
-    NIC while the rest crosses NVLink at the same time."""
+    """An all-to-all in which each GPU sends `sent_bytes` spread evenly over the group (its own
+    share stays): over NVLink inside a node; across nodes the share for other nodes leaves by the
+    GPU's own NIC while the rest crosses NVLink at the same time."""
     device = pricing.device
     nvlink = device.nvlink * pricing.efficiency(ALL_TO_ALL_NVLINK_EFFICIENCY)
     inside = sent_bytes * (per_node - 1) / size / nvlink
-    outside = sent_bytes * (size - per_node) / size / (device.network * pricing.efficiency(NETWORK_EFFICIENCY))
+    outside = (
+        sent_bytes
+        * (size - per_node)
+        / size
+        / (device.network * pricing.efficiency(NETWORK_EFFICIENCY))
+    )
     return max(inside, outside)
 
 
-def unit_bytes(config: ModelConfig, layout: ParallelConfig, bulk_bytes: int) -> list[tuple[float, float, float, float]]:
+def unit_bytes(
+    config: ModelConfig, layout: ParallelConfig, bulk_bytes: int
+) -> list[tuple[float, float, float, float]]:
     """Per FSDP unit (each block of one pipeline stage, then the root modules): the bytes gathered
     over the FSDP group and over the experts' group, and their FP32 gradients, for one rank."""
     key = (repr(config), layout.pp, layout.ep, bulk_bytes)
@@ -395,7 +493,9 @@ def unit_bytes(config: ModelConfig, layout: ParallelConfig, bulk_bytes: int) -> 
 _UNITS: dict[tuple, list[tuple[float, float, float, float]]] = {}
 
 
-def count_unit_bytes(config: ModelConfig, layout: ParallelConfig, bulk_bytes: int) -> list[tuple[float, float, float, float]]:
+def count_unit_bytes(
+    config: ModelConfig, layout: ParallelConfig, bulk_bytes: int
+) -> list[tuple[float, float, float, float]]:
     """unit_bytes, counted on the meta model."""
     model = meta_model(config)
     layers = list(model.layers.values())
@@ -407,19 +507,35 @@ def count_unit_bytes(config: ModelConfig, layout: ParallelConfig, bulk_bytes: in
         others = [p for p in layer.parameters() if id(p) not in expert_ids]
         gathered = sum(p.numel() * (4 if id(p) in fp32 else bulk_bytes) for p in others)
         expert_elements = sum(p.numel() for p in expert) / layout.ep
-        units.append((gathered, expert_elements * bulk_bytes, 4 * sum(p.numel() for p in others), 4 * expert_elements))
+        units.append(
+            (
+                gathered,
+                expert_elements * bulk_bytes,
+                4 * sum(p.numel() for p in others),
+                4 * expert_elements,
+            )
+        )
     block_ids = {id(p) for layer in layers for p in layer.parameters()}
     root = [p for p in model.parameters() if id(p) not in block_ids]  # embedding, final norm, head
-    fp32 = {id(p) for module in (model.lm_head, *model.fp32_root_modules()) for p in module.parameters()}
-    units.append((sum(p.numel() * (4 if id(p) in fp32 else bulk_bytes) for p in root), 0.0,
-                  4 * sum(p.numel() for p in root), 0.0))
+    fp32 = {
+        id(p) for module in (model.lm_head, *model.fp32_root_modules()) for p in module.parameters()
+    }
+    units.append(
+        (
+            sum(p.numel() * (4 if id(p) in fp32 else bulk_bytes) for p in root),
+            0.0,
+            4 * sum(p.numel() for p in root),
+            0.0,
+        )
+    )
     return units
 
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
-    """What FSDP does in one forward and backward (or one pipeline schedule call) of a step: all-gathers of
-    each block and of the root units, whether it reduce-scatters, and the micro-batches of compute it spans."""
+    """What FSDP does in one forward and backward (or one pipeline schedule call) of a step:
+    all-gathers of each block and of the root units, whether it reduce-scatters, and the
+    micro-batches of compute it spans."""
 
     block_gathers: int
     root_gathers: int
@@ -428,13 +544,13 @@ class Pass:
 
 
 def fsdp_passes(layout: ParallelConfig, microbatches: int, accumulation: str) -> list[Pass]:
-    """The passes of a step as parallel.ParallelModel.accumulate_gradients runs them. One micro-batch,
-    or each of sync_each's: every block gathered in forward and again in backward (once if
-    reshard_after_forward is off), the root units once (kept gathered after forward), gradients
-    reduce-scattered. sync_last: the same gathers, gradients reduce-scattered in the last backward only;
-    gathered: the weights gathered once in the first forward, kept until the last backward. Under pp a
-    schedule call keeps its stage gathered and syncs once: one call per micro-batch (sync_each) or one
-    for the step."""
+    """The passes of a step as parallel.ParallelModel.accumulate_gradients runs them. One
+    micro-batch, or each of sync_each's: every block gathered in forward and again in backward (once
+    if reshard_after_forward is off), the root units once (kept gathered after forward), gradients
+    reduce-scattered. sync_last: the same gathers, gradients reduce-scattered in the last backward
+    only; gathered: the weights gathered once in the first forward, kept until the last backward.
+    Under pp a schedule call keeps its stage gathered and syncs once: one call per micro-batch
+    (sync_each) or one for the step."""
     if layout.pp > 1:
         calls = microbatches if accumulation == "sync_each" else 1
         return [Pass(1, 1, 1, microbatches // calls)] * calls
@@ -446,8 +562,15 @@ def fsdp_passes(layout: ParallelConfig, microbatches: int, accumulation: str) ->
     return [Pass(1, 1, 0)] + [Pass(0, 0, 0)] * (microbatches - 2) + [Pass(0, 0, 1)]
 
 
-def fsdp_items(config: ModelConfig, layout: ParallelConfig, pricing: Pricing, bulk_bytes: int,
-               layer_compute: float, microbatches: int = 1, accumulation: str = "sync_each") -> list[Item]:
+def fsdp_items(
+    config: ModelConfig,
+    layout: ParallelConfig,
+    pricing: Pricing,
+    bulk_bytes: int,
+    layer_compute: float,
+    microbatches: int = 1,
+    accumulation: str = "sync_each",
+) -> list[Item]:
     """FSDP's collectives of one step, and the part of them exposed: in each pass the first block's
     all-gather and reduce-scatter, and whatever of each other unit's outlasts a block's compute."""
     fsdp, fsdp_bw = group_link(layout, ("dp_shard", "ep", "cp"), pricing)
@@ -458,29 +581,37 @@ def fsdp_items(config: ModelConfig, layout: ParallelConfig, pricing: Pricing, bu
     for step in passes:
         for index, (other, expert, other_grad, expert_grad) in enumerate(units):
             gather = ring_seconds(other, fsdp, fsdp_bw) + ring_seconds(expert, efsdp, efsdp_bw)
-            scatter = step.scatters * (ring_seconds(other_grad, fsdp, fsdp_bw) + ring_seconds(expert_grad, efsdp, efsdp_bw))
+            scatter = step.scatters * (
+                ring_seconds(other_grad, fsdp, fsdp_bw) + ring_seconds(expert_grad, efsdp, efsdp_bw)
+            )
             gather *= step.root_gathers if index == len(units) - 1 else step.block_gathers
             gathers, scatters = gathers + gather, scatters + scatter
             overlapped = 0.0 if index == 0 else layer_compute * step.microbatches
             exposed += max(0.0, gather + scatter - overlapped)
-    items = [Item(f"FSDP all-gathers (group {fsdp}, experts {efsdp})", gathers, 0.0, "link"),
-             Item(f"FSDP reduce-scatters (group {fsdp}, experts {efsdp})", scatters, 0.0, "link")]
+    items = [
+        Item(f"FSDP all-gathers (group {fsdp}, experts {efsdp})", gathers, 0.0, "link"),
+        Item(f"FSDP reduce-scatters (group {fsdp}, experts {efsdp})", scatters, 0.0, "link"),
+    ]
     total = gathers + scatters
     for item in items:  # the exposed time, shared in proportion
         item.exposed = exposed * item.seconds / total if total else 0.0
     replicas, replica_bw = group_link(layout, ("dp_replicate",), pricing)
-    if replicas > 1:  # HSDP: the sharded gradients all-reduced over the replicas (2 ring passes) after each reduce-scatter
+    # HSDP: the sharded gradients all-reduced over the replicas (2 ring passes) after each
+    # reduce-scatter
+    if replicas > 1:
         shard = sum(o / fsdp + e / efsdp for _, _, o, e in units)
-        seconds = 2 * ring_seconds(shard, replicas, replica_bw) * sum(step.scatters for step in passes)
+        seconds = (
+            2 * ring_seconds(shard, replicas, replica_bw) * sum(step.scatters for step in passes)
+        )
         items.append(Item(f"HSDP all-reduce (group {replicas})", seconds, seconds, "link"))
     return items
 
 
 def overlapped_exchange(chunk: float, chunks: int, experts: float, shared: float) -> float:
-    """Exposed seconds of one pass (forward, or backward) of moe.ExpertParallelExperts' schedule: `chunk`
-    is one chunk's all-to-all one way, `experts` the routed experts' compute on one chunk, `shared` the
-    shared expert's. Dispatch 0 travels while the shared expert computes; while the experts compute
-    chunk c, combine c-1 and dispatch c+1 travel; the last combine is waited for."""
+    """Exposed seconds of one pass (forward, or backward) of moe.ExpertParallelExperts' schedule:
+    `chunk` is one chunk's all-to-all one way, `experts` the routed experts' compute on one chunk,
+    `shared` the shared expert's. Dispatch 0 travels while the shared expert computes; while the
+    experts compute chunk c, combine c-1 and dispatch c+1 travel; the last combine is waited for."""
     exposed = max(0.0, chunk - shared) + chunk
     for index in range(chunks):
         travelling = chunk * ((index >= 1) + (index <= chunks - 2))
@@ -488,50 +619,95 @@ def overlapped_exchange(chunk: float, chunks: int, experts: float, shared: float
     return exposed
 
 
-def expert_parallel_item(config: ModelConfig, layout: ParallelConfig, pricing: Pricing, tokens: float,
-                         bulk_bytes: int, recomputed: float, experts: float = 0.0, shared: float = 0.0) -> Item | None:
-    """The all-to-alls of one micro-batch: per MoE layer, rows to the experts and back in forward, each
-    recomputed forward and backward, in [parallel] ep_overlap chunks (overlapped_exchange). `experts`
-    and `shared`: one MoE layer's forward compute of the routed and the shared experts (backward: twice)."""
+def expert_parallel_item(
+    config: ModelConfig,
+    layout: ParallelConfig,
+    pricing: Pricing,
+    tokens: float,
+    bulk_bytes: int,
+    recomputed: float,
+    experts: float = 0.0,
+    shared: float = 0.0,
+) -> Item | None:
+    """The all-to-alls of one micro-batch: per MoE layer, rows to the experts and back in forward,
+    each recomputed forward and backward, in [parallel] ep_overlap chunks (overlapped_exchange).
+    `experts` and `shared`: one MoE layer's forward compute of the routed and the shared experts
+    (backward: twice)."""
     size, per_node = group_span(layout, ("ep",), pricing.device)
     if size == 1:
         return None
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers)) / layout.pp
-    rows = tokens * config.num_experts_per_tok * config.hidden_size * bulk_bytes  # this rank's, each way
+    # this rank's, each way
+    rows = tokens * config.num_experts_per_tok * config.hidden_size * bulk_bytes
     chunks = layout.ep_overlap
     chunk = all_to_all_seconds(rows, size, per_node, pricing) / chunks
     forward = overlapped_exchange(chunk, chunks, experts / chunks, shared)
     backward = overlapped_exchange(chunk, chunks, 2 * experts / chunks, 2 * shared)
     seconds = moe_layers * (4 + 2 * recomputed) * chunk * chunks
     exposed = moe_layers * ((1 + recomputed) * forward + backward)
-    return Item(f"expert-parallel all-to-all (group {size}, {chunks} chunks)", seconds, exposed, "link")
+    return Item(
+        f"expert-parallel all-to-all (group {size}, {chunks} chunks)", seconds, exposed, "link"
+    )
 
 
-def pipeline_items(config: ModelConfig, layout: ParallelConfig, pricing: Pricing, tokens: float,
-                   bulk_bytes: int, compute: float, joined: int = 1) -> list[Item]:
-    """Sends between stages (activations forward, gradients back) and the schedule's bubble, per micro-batch;
-    `joined`: training micro-batches one schedule call runs (sync_last and gathered join the step's)."""
+def pipeline_items(
+    config: ModelConfig,
+    layout: ParallelConfig,
+    pricing: Pricing,
+    tokens: float,
+    bulk_bytes: int,
+    compute: float,
+    joined: int = 1,
+) -> list[Item]:
+    """Sends between stages (activations forward, gradients back) and the schedule's bubble, per
+    micro-batch; `joined`: training micro-batches one schedule call runs (sync_last and gathered
+    join the step's)."""
     if layout.pp == 1:
         return []
     size, per_node = group_span(layout, ("pp",), pricing.device)
     link = pricing.device.nvlink if per_node == size else pricing.device.network
-    send = 2 * tokens * config.hidden_size * bulk_bytes / (link * pricing.efficiency(NETWORK_EFFICIENCY if per_node < size
-                                                                                      else NVLINK_RING_EFFICIENCY))
+    send = (
+        2
+        * tokens
+        * config.hidden_size
+        * bulk_bytes
+        / (
+            link
+            * pricing.efficiency(NETWORK_EFFICIENCY if per_node < size else NVLINK_RING_EFFICIENCY)
+        )
+    )
     microbatches = (layout.pp_microbatches or layout.pp * layout.stages_per_rank) * joined
     bubble = compute * (layout.pp - 1) / (microbatches * layout.stages_per_rank)
-    return [Item(f"pipeline sends ({layout.pp} stages)", send, send, "link"),
-            Item(f"pipeline bubble ({layout.pp_schedule}, {microbatches} micro-batches a call)", bubble, bubble, "idle")]
+    return [
+        Item(f"pipeline sends ({layout.pp} stages)", send, send, "link"),
+        Item(
+            f"pipeline bubble ({layout.pp_schedule}, {microbatches} micro-batches a call)",
+            bubble,
+            bubble,
+            "idle",
+        ),
+    ]
 
 
-def context_parallel_item(config: ModelConfig, layout: ParallelConfig, pricing: Pricing, tokens: float,
-                          bulk_bytes: int, recomputed: float) -> Item | None:
+def context_parallel_item(
+    config: ModelConfig,
+    layout: ParallelConfig,
+    pricing: Pricing,
+    tokens: float,
+    bulk_bytes: int,
+    recomputed: float,
+) -> Item | None:
     """Each layer all-gathers the keys and values (Flint) or the latent and rotated key (Large 4) of
     the whole sequence in forward and recompute, and reduce-scatters their gradients; exposed."""
     size, bandwidth = group_link(layout, ("cp",), pricing)
     if size == 1:
         return None
-    width = (config.kv_lora_rank + config.qk_rope_head_dim if hasattr(config, "kv_lora_rank")  # MLA's latent
-             else 2 * config.num_key_value_heads * config.head_dim)
+    # MLA's latent
+    width = (
+        config.kv_lora_rank + config.qk_rope_head_dim
+        if hasattr(config, "kv_lora_rank")
+        else 2 * config.num_key_value_heads * config.head_dim
+    )
     gathered = tokens * size * width * bulk_bytes  # the whole sequence's
     layers = config.num_hidden_layers / layout.pp
     seconds = layers * (1 + recomputed + 1) * ring_seconds(gathered, size, bandwidth)
@@ -539,6 +715,7 @@ def context_parallel_item(config: ModelConfig, layout: ParallelConfig, pricing: 
 
 
 # ============================================================================= the step
+
 
 @dataclasses.dataclass
 class Plan:
@@ -564,87 +741,150 @@ class Plan:
 
 def trainable_shard(config: ModelConfig, layout: ParallelConfig) -> float:
     """Trainable parameters one GPU holds a shard of (memory.py's count, busiest stage)."""
-    return max(e / (layout.ep * layout.dp_shard * layout.cp) + o / (layout.dp_shard * layout.ep * layout.cp)
-               for e, o, _ in stage_param_counts(config, layout.pp))
+    return max(
+        e / (layout.ep * layout.dp_shard * layout.cp)
+        + o / (layout.dp_shard * layout.ep * layout.cp)
+        for e, o, _ in stage_param_counts(config, layout.pp)
+    )
 
 
 def head_precision(layout: ParallelConfig) -> str:
-    """[parallel] head_precision where the config has it (tf32 otherwise: what the GPU configs choose)."""
+    """[parallel] head_precision where the config has it (tf32 otherwise: what the GPU configs
+    choose)."""
     precision = getattr(layout, "head_precision", "tf32")
     if precision not in HEAD_PRECISION_PEAKS:
-        raise ConfigError(f"[parallel] head_precision = {precision!r}: the planner knows {sorted(HEAD_PRECISION_PEAKS)}")
+        raise ConfigError(
+            f"[parallel] head_precision = {precision!r}: the planner knows "
+            f"{sorted(HEAD_PRECISION_PEAKS)}"
+        )
     return precision
 
 
-def moe_layer_forward(costs: list[OpCost], pricing: Pricing, config: ModelConfig) -> tuple[float, float]:
-    """(routed experts, shared expert) forward seconds of one MoE layer, from the traced whole model."""
+def moe_layer_forward(
+    costs: list[OpCost], pricing: Pricing, config: ModelConfig
+) -> tuple[float, float]:
+    """(routed experts, shared expert) forward seconds of one MoE layer, from the traced whole
+    model."""
     layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers)) or 1
 
     def seconds(module: str) -> float:
-        return sum(pricing.seconds(c)[0] for c in costs if c.phase == "forward" and c.module.startswith(module))
+        return sum(
+            pricing.seconds(c)[0]
+            for c in costs
+            if c.phase == "forward" and c.module.startswith(module)
+        )
+
     return seconds("layers.*.mlp.experts") / layers, seconds("layers.*.mlp.shared_expert") / layers
 
 
 def step_accumulation(cfg: TrainConfig, layout: ParallelConfig, device: Device) -> str:
-    """[parallel] accumulation as the run resolves it on this device (sync_each for one micro-batch)."""
+    """[parallel] accumulation as the run resolves it on this device (sync_each for one
+    micro-batch)."""
     if cfg.training.grad_accum == 1:
         return "sync_each"
     return accumulation_of(cfg.model_config, layout, device.memory_gib)
 
 
 def expert_rows(config: ModelConfig, layout: ParallelConfig, tokens: float) -> float:
-    """Rows each of a rank's experts computes per micro-batch, loads balanced: its tokens' top-k rows from
-    every expert rank, over the experts (0 for a model without routed experts)."""
+    """Rows each of a rank's experts computes per micro-batch, loads balanced: its tokens' top-k
+    rows from every expert rank, over the experts (0 for a model without routed experts)."""
     experts = getattr(config, "num_experts", 0)
     return tokens * config.num_experts_per_tok * layout.ep / experts if experts else 0.0
 
 
-def plan_step(cfg: TrainConfig, layout: ParallelConfig, device: Device, calibrated: bool = True,
-              attention: str = "flex") -> Plan:
+def plan_step(
+    cfg: TrainConfig,
+    layout: ParallelConfig,
+    device: Device,
+    calibrated: bool = True,
+    attention: str = "flex",
+) -> Plan:
     """Predict one optimizer step of `cfg` on one GPU of the resolved `layout` (module docstring);
-    [parallel] compile chooses the fused bytes of compiled blocks or the eager ones; `calibrated` False
-    prices every kernel and link at 100 % of its peak (the bound)."""
+    [parallel] compile chooses the fused bytes of compiled blocks or the eager ones; `calibrated`
+    False prices every kernel and link at 100 % of its peak (the bound)."""
     config, seq_len, batch = cfg.model_config, cfg.data.seq_len, cfg.training.batch_size
     tokens = batch * seq_len / layout.cp  # this rank's, per micro-batch
-    pricing = Pricing(device, head_precision(layout), layout.ep, layout.compile, calibrated,
-                      expert_rows(config, layout, tokens), attention)
+    pricing = Pricing(
+        device,
+        head_precision(layout),
+        layout.ep,
+        layout.compile,
+        calibrated,
+        expert_rows(config, layout, tokens),
+        attention,
+    )
     gpu = pricing.gpu
     dtype = layout.compute_dtype("cuda" if gpu else "cpu")
     bulk_bytes = torch.empty((), dtype=dtype).element_size()
     checkpointing = layout.activation_checkpointing
-    costs = trace_step(config, batch, seq_len, dtype, checkpointing, 16 if gpu and layout.ep == 1 else 1, layout.fp8)
+    costs = trace_step(
+        config,
+        batch,
+        seq_len,
+        dtype,
+        checkpointing,
+        16 if gpu and layout.ep == 1 else 1,
+        layout.fp8,
+    )
     share = 1 / (layout.cp * layout.pp)  # of the traced whole-model, whole-sequence step
     ops = compute_items(config, costs, pricing, seq_len, batch * seq_len, checkpointing)
     for item in ops:
         item.seconds, item.exposed = item.seconds * share, item.exposed * share
     compute = sum(item.seconds for item in ops)
-    outside_blocks = sum(pricing.seconds(c)[0] for c in costs if c.phase == "forward"  # embedding, head and loss
-                         and not c.module.startswith("layers.")) * share
+    # embedding, head and loss
+    outside_blocks = (
+        sum(
+            pricing.seconds(c)[0]
+            for c in costs
+            if c.phase == "forward" and not c.module.startswith("layers.")
+        )
+        * share
+    )
     layer_compute = (compute - outside_blocks) / math.ceil(config.num_hidden_layers / layout.pp)
     recomputed = recomputed_share(config, checkpointing)
     accum = cfg.training.grad_accum
     accumulation = step_accumulation(cfg, layout, device)
     experts, shared = (seconds / layout.cp for seconds in moe_layer_forward(costs, pricing, config))
     joined = 1 if accumulation == "sync_each" else accum
-    per_microbatch = [item for item in (expert_parallel_item(config, layout, pricing, tokens, bulk_bytes, recomputed,
-                                                             experts, shared),
-                                        context_parallel_item(config, layout, pricing, tokens, bulk_bytes, recomputed))
-                      if item is not None]
+    per_microbatch = [
+        item
+        for item in (
+            expert_parallel_item(
+                config, layout, pricing, tokens, bulk_bytes, recomputed, experts, shared
+            ),
+            context_parallel_item(config, layout, pricing, tokens, bulk_bytes, recomputed),
+        )
+        if item is not None
+    ]
     per_microbatch += pipeline_items(config, layout, pricing, tokens, bulk_bytes, compute, joined)
-    items = [dataclasses.replace(item, seconds=item.seconds * accum, exposed=item.exposed * accum)
-             for item in ops + per_microbatch]
+    items = [
+        dataclasses.replace(item, seconds=item.seconds * accum, exposed=item.exposed * accum)
+        for item in ops + per_microbatch
+    ]
     if gpu:
         items += fsdp_items(config, layout, pricing, bulk_bytes, layer_compute, accum, accumulation)
-    optimizer = 32 * trainable_shard(config, layout) / (device.hbm * pricing.efficiency(HBM_EFFICIENCY))
+    optimizer = (
+        32 * trainable_shard(config, layout) / (device.hbm * pricing.efficiency(HBM_EFFICIENCY))
+    )
     items.append(Item("AdamW + gradient norm (FP32 shards)", optimizer, optimizer, "memory"))
     step = sum(item.exposed for item in items)
     tokens_per_gpu = batch * seq_len * accum / (layout.cp * layout.pp)
-    return Plan(device, layout, step, tokens_per_gpu, meta_model(config).flops_per_token(seq_len), items,
-                accumulation, calibrated)
+    return Plan(
+        device,
+        layout,
+        step,
+        tokens_per_gpu,
+        meta_model(config).flops_per_token(seq_len),
+        items,
+        accumulation,
+        calibrated,
+    )
 
 
 def describe_layout(layout: ParallelConfig) -> str:
-    dims = " ".join(f"{dim}={getattr(layout, dim)}" for dim in MESH_DIMS if getattr(layout, dim) > 1)
+    dims = " ".join(
+        f"{dim}={getattr(layout, dim)}" for dim in MESH_DIMS if getattr(layout, dim) > 1
+    )
     schedule = f" {layout.pp_schedule}" if layout.pp > 1 else ""
     overlap = f" ep_overlap={layout.ep_overlap}" if layout.ep > 1 else ""
     return f"{dims or 'one GPU'}{schedule} ac={layout.activation_checkpointing}{overlap}"
@@ -655,34 +895,53 @@ def summary(plan: Plan) -> str:
     shares: dict[str, float] = defaultdict(float)
     for item in plan.items:
         shares[item.bound] += item.exposed
-    names = {"compute": "compute-bound ops", "memory": "memory-bound ops (AdamW included)",
-             "link": "exposed communication", "idle": "pipeline bubble"}
-    return "step = " + " + ".join(f"{names[bound]} {seconds:.3f} s" for bound, seconds in shares.items())
+    names = {
+        "compute": "compute-bound ops",
+        "memory": "memory-bound ops (AdamW included)",
+        "link": "exposed communication",
+        "idle": "pipeline bubble",
+    }
+    return "step = " + " + ".join(
+        f"{names[bound]} {seconds:.3f} s" for bound, seconds in shares.items()
+    )
 
 
 def plan_table(plan: Plan, top: int = 10) -> str:
     """The summary line and the `top` items that cost the step most (exposed seconds)."""
     pricing = "calibrated" if plan.calibrated else "100 % of peak"
-    lines = [f"{plan.device.name}, {describe_layout(plan.layout)}, head_precision "
-             f"{head_precision(plan.layout)}, accumulation {plan.accumulation}, {pricing}: step {plan.step_seconds:.3f} s, "
-             f"{plan.tokens_per_second:,.0f} tokens/s per GPU, MFU {100 * plan.mfu:.1f} % "
-             f"({plan.model_flops_per_token * plan.tokens_per_second / 1e12:.3g} model TFLOP/s per GPU), "
-             f"{'compiled' if plan.layout.compile else 'eager'}",
-             summary(plan), "| # | op or collective | seconds per step | share of step | bound |", "|---|---|---|---|---|"]
+    lines = [
+        f"{plan.device.name}, {describe_layout(plan.layout)}, head_precision "
+        f"{head_precision(plan.layout)}, accumulation {plan.accumulation}, {pricing}: step "
+        f"{plan.step_seconds:.3f} s, "
+        f"{plan.tokens_per_second:,.0f} tokens/s per GPU, MFU {100 * plan.mfu:.1f} % "
+        f"({plan.model_flops_per_token * plan.tokens_per_second / 1e12:.3g} model TFLOP/s per "
+        "GPU), "
+        f"{'compiled' if plan.layout.compile else 'eager'}",
+        summary(plan),
+        "| # | op or collective | seconds per step | share of step | bound |",
+        "|---|---|---|---|---|",
+    ]
     ranked = sorted(plan.items, key=lambda item: -item.exposed)[:top]
     for rank, item in enumerate(ranked, 1):
-        hidden = f" ({item.seconds:.4f} s, the rest overlapped)" if item.exposed < item.seconds * 0.999 else ""
-        lines.append(f"| {rank} | {item.label} | {item.exposed:.4f}{hidden} | "
-                     f"{100 * item.exposed / plan.step_seconds:.1f} % | {item.bound} |")
+        hidden = (
+            f" ({item.seconds:.4f} s, the rest overlapped)"
+            if item.exposed < item.seconds * 0.999
+            else ""
+        )
+        lines.append(
+            f"| {rank} | {item.label} | {item.exposed:.4f}{hidden} | "
+            f"{100 * item.exposed / plan.step_seconds:.1f} % | {item.bound} |"
+        )
     return "\n".join(lines)
 
 
 # ============================================================================= validation
 
+
 def published_runs() -> list[tuple]:
     """Every registered family's published runs, from its tools/<family>_baselines.py (Flint's: NeMo
-    AutoModel's GPT-OSS and Qwen3 runs): (name, setup, GPUs, measured tokens/s per GPU, attention kernel,
-    the config they override, the overrides)."""
+    AutoModel's GPT-OSS and Qwen3 runs): (name, setup, GPUs, measured tokens/s per GPU, attention
+    kernel, the config they override, the overrides)."""
     runs = []
     for family in FAMILIES:
         module = f"tools.{family}_baselines"
@@ -692,25 +951,43 @@ def published_runs() -> list[tuple]:
 
 
 def validation_table() -> str:
-    """Each published run: measured tokens/s per GPU, the calibrated prediction, their ratio, and the bound."""
-    lines = ["| run | setup | measured tokens/s per GPU | predicted | measured / predicted | 100 %-of-peak bound |",
-             "|---|---|---|---|---|---|"]
+    """Each published run: measured tokens/s per GPU, the calibrated prediction, their ratio, and
+    the bound."""
+    lines = [
+        "| run | setup | measured tokens/s per GPU | predicted | measured / predicted | 100 "
+        "%-of-peak bound |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, setup, gpus, measured, attention, config, overrides in published_runs():
         cfg = load_config(Path(__file__).resolve().parent.parent / config, overrides)
         layout = cfg.parallel.resolve(gpus, cfg.model_config.num_experts)
-        plan, bound = (plan_step(cfg, layout, GPUS["H100"], calibrated, attention) for calibrated in (True, False))
-        lines.append(f"| {name} | {setup} | {measured:,} | {plan.tokens_per_second:,.0f} | "
-                     f"{measured / plan.tokens_per_second:.2f} | {bound.tokens_per_second:,.0f} |")
+        plan, bound = (
+            plan_step(cfg, layout, GPUS["H100"], calibrated, attention)
+            for calibrated in (True, False)
+        )
+        lines.append(
+            f"| {name} | {setup} | {measured:,} | {plan.tokens_per_second:,.0f} | "
+            f"{measured / plan.tokens_per_second:.2f} | {bound.tokens_per_second:,.0f} |"
+        )
     return "\n".join(lines)
 
 
 def load_plan_config(config: str | None, preset: str | None, overrides: list[str]) -> TrainConfig:
-    """A training TOML as train.py reads it, or a preset at bench.py's shape (batch 4 x 512 unless overridden)."""
+    """A training TOML as train.py reads it, or a preset at bench.py's shape (batch 4 x 512 unless
+    overridden)."""
     if config:
         return load_config(config, overrides)
     from tools.bench import load_bench_config
-    args = argparse.Namespace(config=None, preset=preset, batch=None, seq_len=None, device=None, dtype=None,
-                              overrides=overrides)
+
+    args = argparse.Namespace(
+        config=None,
+        preset=preset,
+        batch=None,
+        seq_len=None,
+        device=None,
+        dtype=None,
+        overrides=overrides,
+    )
     return load_bench_config(args)
 
 
@@ -721,28 +998,42 @@ def check_flag_combinations(args: argparse.Namespace, overrides: list[str]) -> N
         given = [f"--{flag}" for flag in ("config", "preset", "gpus") if getattr(args, flag)]
         given += overrides + (["--gpu"] if args.gpu != "H100" else [])
         if given:
-            raise ConfigError("--validate prices the published runs' own configs on H100s; "
-                              f"drop {' '.join(given)}")
+            raise ConfigError(
+                "--validate prices the published runs' own configs on H100s; "
+                f"drop {' '.join(given)}"
+            )
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     """--config or --preset, --gpu and --gpus: the step and machine that the planner and the layout
     search (tools/search.py) both read."""
     shape = parser.add_mutually_exclusive_group()
-    shape.add_argument("--config", help="a training TOML: its [model], [data] seq_len, [training] batch_size "
-                       "and grad_accum, and [parallel] layout")
-    shape.add_argument("--preset", help="a model preset at bench.py's shape (default with --gpu cpu: bench-cpu)")
-    parser.add_argument("--gpu", default="H100", help=f"{', '.join(GPUS)}, or cpu: this machine, measured now")
-    parser.add_argument("--gpus", type=positive,
-                        help="GPUs in all (default: what the config's layout needs)")
+    shape.add_argument(
+        "--config",
+        help="a training TOML: its [model], [data] seq_len, [training] "
+        "batch_size "
+        "and grad_accum, and [parallel] layout",
+    )
+    shape.add_argument(
+        "--preset", help="a model preset at bench.py's shape (default with --gpu cpu: bench-cpu)"
+    )
+    parser.add_argument(
+        "--gpu", default="H100", help=f"{', '.join(GPUS)}, or cpu: this machine, measured now"
+    )
+    parser.add_argument(
+        "--gpus", type=positive, help="GPUs in all (default: what the config's layout needs)"
+    )
 
 
-def read_shape(args: argparse.Namespace,
-               overrides: list[str]) -> tuple[TrainConfig, Device, int, ParallelConfig]:
+def read_shape(
+    args: argparse.Namespace, overrides: list[str]
+) -> tuple[TrainConfig, Device, int, ParallelConfig]:
     """add_shape_arguments' values -> (the config, the device, the GPUs in all, the layout resolved
     on them)."""
     if not args.config and not args.preset and args.gpu.lower() != "cpu":
-        raise ConfigError("give --config or --preset (only --gpu cpu has a default: bench.py's bench-cpu shape)")
+        raise ConfigError(
+            "give --config or --preset (only --gpu cpu has a default: bench.py's bench-cpu shape)"
+        )
     device = device_named(args.gpu)
     cfg = load_plan_config(args.config, args.preset, overrides)
     layout = cfg.parallel
@@ -757,10 +1048,12 @@ def read_shape(args: argparse.Namespace,
 def main(argv: list[str] | None = None) -> Plan | None:
     parser = OneLineParser(
         description="Predicted step time, tokens/s and MFU per GPU (no GPU needed).",
-        epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192")
+        epilog="Override any config key as train.py does: --parallel.ep=8 --data.seq_len=8192",
+    )
     add_shape_arguments(parser)
-    parser.add_argument("--validate", action="store_true",
-                        help="the published runs against their predictions")
+    parser.add_argument(
+        "--validate", action="store_true", help="the published runs against their predictions"
+    )
     args, overrides = parser.parse_known_args(argv)
     check_flag_combinations(args, overrides)
     if args.validate:
@@ -769,12 +1062,19 @@ def main(argv: list[str] | None = None) -> Plan | None:
     cfg, device, gpus, layout = read_shape(args, overrides)
     started = time.perf_counter()
     plan = plan_step(cfg, layout, device)
-    print(f"{Path(cfg.source).name}: seq_len {cfg.data.seq_len}, batch_size {cfg.training.batch_size} x "
-          f"grad_accum {cfg.training.grad_accum} per GPU, {gpus} GPUs (traced in {time.perf_counter() - started:.0f} s)")
+    print(
+        f"{Path(cfg.source).name}: seq_len {cfg.data.seq_len}, batch_size "
+        f"{cfg.training.batch_size} x "
+        f"grad_accum {cfg.training.grad_accum} per GPU, {gpus} GPUs (traced in "
+        f"{time.perf_counter() - started:.0f} s)"
+    )
     print(plan_table(plan))
     bound = plan_step(cfg, layout, device, calibrated=False)
-    print(f"100 % of peak (the bound): step {bound.step_seconds:.3f} s, {bound.tokens_per_second:,.0f} tokens/s "
-          f"per GPU, MFU {100 * bound.mfu:.1f} %")
+    print(
+        f"100 % of peak (the bound): step {bound.step_seconds:.3f} s, "
+        f"{bound.tokens_per_second:,.0f} tokens/s "
+        f"per GPU, MFU {100 * bound.mfu:.1f} %"
+    )
     return plan
 
 
