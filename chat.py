@@ -1,7 +1,7 @@
 """Conversations for supervised fine-tuning: rendered with a chat template, tokenized, and masked so
 that only what the assistant says is trained on (data.py stores the mask next to the tokens).
 
-A JSONL line of either form (data.py reads the files; a line with neither is a text document):
+A JSONL line of either form (prepare.py reads the files; a line with neither is a text document):
 
     {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
         rendered with the tokenizer's own chat template (chat_template.jinja, else

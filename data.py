@@ -1,53 +1,37 @@
-"""Data for train.py: the prepare step and the packed, resumable loader (tokenizers: tokenizer.py).
+"""Data for train.py: the token shards' format and the packed, resumable loader (prepare.py writes
+the shards; tokenizers: tokenizer.py).
 
-    text files, directories, JSONL  --prepare-->  token shards (numpy memmaps + document index)
+    text files, JSONL, parquet  --prepare (prepare.py)-->  token shards (memmaps + document index)
     token shards  --PackedLoader-->  batches of input_ids, targets, doc_ids, each [B, T]
 
-Each epoch, the loader concatenates the training documents in a seeded order and cuts that stream
-into rows of seq_len tokens, so every training token is an input exactly once per epoch (the last
-row is padded). A document cut by a row boundary continues in the next row. doc_ids tell the model
-where documents begin, so attention never crosses them, and a target that belongs to the next
-document is -100: no token is predicted from another document's context.
+Each epoch, the loader concatenates the training documents in a seeded order and cuts that stream into
+rows of seq_len tokens, so every training token is an input exactly once per epoch (the last row is
+padded). A document cut by a row boundary continues in the next row. doc_ids tell the model where
+documents begin, so attention never crosses them, and a target that belongs to the next document is
+-100: no token is predicted from another document's context.
 
-Conversations and prompt/completion pairs (JSONL lines with "messages", or "prompt" and
-"completion": chat.py) are stored with a loss mask beside their tokens, and only the assistant's
-tokens are targets (-100 elsewhere, so they are neither trained on nor counted). Data with
-conversations is packed whole: each row holds whole documents (best-fit, chat.pack_rows, fixed for
-the data), a document longer than seq_len is truncated or dropped (data.overlong), and each epoch
-shuffles the rows.
-
-Command line: `python data.py prepare INPUT... --out DIR [--tokenizer byte] [--extensions
-txt,md,jsonl] [--seq-len N --overlong truncate|drop]` (the last two only report what a run would
-fit); a bad flag or input stops with one line naming it."""
+Conversations and prompt/completion pairs (JSONL lines with "messages", or "prompt" and "completion":
+chat.py) are stored with a loss mask beside their tokens, and only the assistant's tokens are targets
+(-100 elsewhere, so they are neither trained on nor counted). Data with conversations is packed whole:
+each row holds whole documents (best-fit, chat.pack_rows, fixed for the data), a document longer than
+seq_len is truncated or dropped (data.overlong), and each epoch shuffles the rows.
+"""
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import math
-import os
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from chat import (
-    ChatEncoder,
-    ChatError,
-    Conversation,
-    Pair,
     WholeRows,
-    chat_summary,
     one_line,
-    read_example,
     template_of,
 )
-from files import read_json_object, remove_stale_temporaries, sync_rename
-from flags import OneLineParser
-from tokenizer import END_OF_TEXT, Tokenizer, TokenizerError, load_tokenizer
+from files import read_json_object
+from tokenizer import Tokenizer
 
 # The Python Language Reference topics that CPython ships as pydoc_data/topics.py (see
 # data/README.md).
@@ -73,505 +57,13 @@ STREAM_KEYS = (
 )
 
 
+# meta.json's "format_version" (absent: 1). Version 2 adds each shard's largest token id and the
+# sha256 of its tokens file ("shard_max_token", "shard_sha256"), checked once at prepare time.
+FORMAT_VERSION = 2
+
+
 class DataError(ValueError):
     """Bad or missing data: the message names the path and what was expected."""
-
-
-# ============================================================================= reading text
-
-# Files read from a directory: text-like suffixes (any file named explicitly is read whatever its
-# suffix). Suffixes are compared in lower case: chats.JSONL is a JSONL file.
-TEXT_SUFFIXES = (
-    ".txt",
-    ".text",
-    ".md",
-    ".markdown",
-    ".rst",
-    ".tex",
-    ".html",
-    ".htm",
-    ".xml",
-    ".csv",
-    ".tsv",
-    ".json",
-    ".jsonl",
-    ".ndjson",
-    ".jsonlines",
-    ".py",
-    ".c",
-    ".h",
-    ".cc",
-    ".cpp",
-    ".hpp",
-    ".java",
-    ".js",
-    ".ts",
-    ".go",
-    ".rs",
-    ".rb",
-    ".sh",
-    ".toml",
-    ".yaml",
-    ".yml",
-    ".ini",
-    ".cfg",
-    ".sql",
-    ".css",
-)
-JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")  # one record per line
-# How files become documents; in the cache key, so data cached under other rules is prepared again.
-READING_RULES = "records-v2: JSONL suffixes in any case, .json lists of records"
-
-
-def source_files(
-    paths: Path | list[Path],
-    suffixes: tuple[str, ...] | None = TEXT_SUFFIXES,
-    setting: str = "data.path",
-) -> tuple[list[Path], int]:
-    """Named files, and every non-hidden file with one of `suffixes` (None: any) under named
-    directories, in sorted order -> (files, how many other files the directories held). `setting`
-    names where the paths were given (data.path, or data.py's INPUT) in errors."""
-    files, ignored = [], 0
-    for path in [paths] if isinstance(paths, Path) else paths:
-        if path.is_symlink() and not path.exists():
-            raise DataError(
-                f"{setting} {path} is a symbolic link that leads nowhere (a loop, or "
-                f"its target {os.readlink(path)} is missing)"
-            )
-        if not path.exists():
-            raise DataError(
-                f"{setting} {path} does not exist (relative paths start at {Path.cwd()})"
-            )
-        if path.is_file():
-            files.append(path)
-            continue
-        if not path.is_dir():
-            raise DataError(
-                f"{setting} {path} is neither a file nor a directory (a device such as "
-                f"/dev/null, a pipe or a socket); name text or JSONL files, a "
-                f"directory of them, or prepared shards"
-            )
-        found = sorted(
-            p
-            for p in path.rglob("*")
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        )
-        chosen = [p for p in found if suffixes is None or p.suffix.lower() in suffixes]
-        if not chosen:
-            raise DataError(
-                f"{setting} {path} holds no text or JSONL files"
-                + (
-                    f" ({len(found)} file(s) with other extensions; read them with --extensions "
-                    "all)"
-                    if found
-                    else " (an empty directory)"
-                )
-            )
-        files += chosen
-        ignored += len(found) - len(chosen)
-    named: dict[Path, Path] = {}
-    for file in files:
-        first = named.setdefault(file.resolve(), file)
-        if first is not file:
-            raise DataError(
-                f"{setting} names {file} twice (also as {first}): its documents would be read twice"
-            )
-    return files, ignored
-
-
-def path_names(paths: Path | list[Path]) -> str:
-    """Paths as a user wrote them, for messages: "a.txt, corpus/" rather than a list's repr."""
-    return ", ".join(map(str, [paths] if isinstance(paths, Path) else paths))
-
-
-def iter_documents(
-    files: list[Path], text_key: str, binary: list[Path]
-) -> Iterator[str | Conversation | Pair]:
-    """A JSONL file (JSONL_SUFFIXES, any case) holds one record per line; a .json file holding a
-    list of records (or one record) is read the same way when they are conversations, pairs or
-    objects with field `text_key`. A record is a conversation ("messages"), a prompt/completion pair
-    (chat.read_example), or text in field `text_key`; any other file is one document, and one that
-    holds JSON lines of conversations is refused rather than trained on as text. Binary files (a
-    NUL byte, or not UTF-8) are appended to `binary` and skipped."""
-    for path in files:
-        if path.suffix.lower() in JSONL_SUFFIXES:
-            yield from _jsonl_records(path, text_key)
-            continue
-        text = _read_text(path)
-        if text is None:
-            binary.append(path)
-            continue
-        records = _json_records(text, path, text_key) if path.suffix.lower() == ".json" else None
-        if records is not None:
-            yield from (_record(value, where, text_key) for value, where in records)
-            continue
-        _refuse_hidden_conversations(text, path)
-        yield text
-
-
-def _jsonl_records(path: Path, text_key: str) -> Iterator[str | Conversation | Pair]:
-    try:
-        with open(path, "rb") as lines:
-            for number, line in enumerate(lines, 1):
-                if line.strip():
-                    record = _json_line(line, path, number, text_key)
-                    yield _record(record, f"{path}:{number}", text_key)
-    except OSError as error:
-        raise DataError(f"{path}: cannot read ({error.strerror or error})") from None
-
-
-def _json_line(line: bytes, path: Path, number: int, text_key: str) -> object:
-    try:
-        return json.loads(line.decode("utf-8"))
-    except UnicodeDecodeError as error:
-        raise DataError(
-            f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start} of the line)"
-        ) from None
-    except json.JSONDecodeError as error:
-        raise DataError(f"{path}:{number}: {expected_record(text_key)}: {error!r}") from None
-    except RecursionError:  # json's decoder recurses once per level of nesting
-        raise DataError(
-            f"{path}:{number}: expected a JSON object with a string field {text_key!r} "
-            f"(data.text_key): the line nests arrays or objects too deeply to read"
-        ) from None
-
-
-def expected_record(text_key: str) -> str:
-    return (
-        f"expected a JSON object with a string field {text_key!r} (data.text_key), 'messages' "
-        f"(a conversation), or 'prompt' and 'completion'"
-    )
-
-
-def _record(record: object, where: str, text_key: str) -> str | Conversation | Pair:
-    """A JSON record (a JSONL line, an element of a .json list) as a conversation, pair or text."""
-    if not isinstance(record, dict):
-        raise DataError(f"{where}: {expected_record(text_key)}, got a {type(record).__name__}")
-    try:
-        example = read_example(record, where)
-    except ChatError as error:
-        raise DataError(str(error)) from None
-    if example is not None:
-        return example
-    if text_key not in record:
-        fields = ", ".join(map(repr, list(record)[:6])) or "no fields"
-        raise DataError(f"{where}: {expected_record(text_key)}; it has {fields}")
-    if not isinstance(record[text_key], str):
-        raise DataError(
-            f"{where}: field {text_key!r} must be a string, got {type(record[text_key]).__name__}"
-        )
-    return record[text_key]
-
-
-def _is_example(value: object) -> bool:
-    """Whether a JSON value is written as a conversation or a prompt/completion pair."""
-    pair = isinstance(value, dict) and "prompt" in value and "completion" in value
-    return isinstance(value, dict) and ("messages" in value or pair)
-
-
-def _json_records(text: str, path: Path, text_key: str) -> list[tuple[object, str]] | None:
-    """A .json file's records with where each is, when the file holds a list of conversations, pairs
-    or text records (or one conversation or pair); None for a text document (package.json)."""
-    try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return None
-    if _is_example(value):
-        return [(value, str(path))]
-    if not isinstance(value, list) or not value:
-        return None
-    texts = all(isinstance(v, dict) and isinstance(v.get(text_key), str) for v in value)
-    if not texts and not any(_is_example(v) for v in value):
-        return None
-    return [(record, f"{path}: record {n + 1} of the list") for n, record in enumerate(value)]
-
-
-def _refuse_hidden_conversations(text: str, path: Path) -> None:
-    """A file read as one text document whose first line is a conversation or a pair in JSON: JSON
-    lines under another suffix, which would train as text with every token a target."""
-    start = len(text) - len(text.lstrip())
-    end = text.find("\n", start)
-    first = text[start : end if end >= 0 else len(text)]
-    try:
-        record = json.loads(first) if first.startswith("{") else None
-    except (json.JSONDecodeError, RecursionError):
-        return
-    if _is_example(record):
-        kind = "a conversation ('messages')" if "messages" in record else "a prompt/completion pair"
-        read_as = (
-            "must hold one JSON value (a list of records)"
-            if path.suffix.lower() == ".json"
-            else "is read as one text document"
-        )
-        raise DataError(
-            f"{path}: its first line is {kind} in JSON, but a "
-            f"{path.suffix or 'suffix-less'} file {read_as}; name it .jsonl to train "
-            f"on its lines as records"
-        )
-
-
-def _read_text(path: Path) -> str | None:
-    """The file's text, or None for a binary file."""
-    try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise DataError(f"{path}: cannot read ({error.strerror or error})") from None
-    if b"\0" in data:
-        return None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-
-
-# ========================================================================== prepare: text -> shards
-
-
-def prepare(
-    source: Path | list[Path],
-    tokenizer: Tokenizer,
-    out_dir: Path,
-    text_key: str = "text",
-    shard_tokens: int = 1 << 28,
-    suffixes: tuple[str, ...] | None = TEXT_SUFFIXES,
-    setting: str = "data.path",
-) -> Path:
-    """Tokenize every document of `source` (paths: see `source_files`) into `out_dir`, atomically
-    (temp dir, then rename). Binary files are skipped; meta.json lists them.
-
-    out_dir/tokens_00000.bin   token ids (uint16, or uint32 for vocabularies over 65536), documents
-                               back to back, each ending with the eos token
-    out_dir/docs_00000.npy int64 [docs + 1]: where each document of that shard starts, then the end
-    out_dir/mask_00000.bin with conversations or pairs only: uint8 per token, 1 where it is a target
-    out_dir/meta.json written last: format, tokenizer fingerprint, counts, shard names"""
-    files, ignored = source_files(source, suffixes, setting)
-    missing = tokenizer.missing_bytes()
-    if missing:  # tiktoken panics on text with a byte that has no token
-        raise DataError(
-            f"{setting} {path_names(source)}: the tokenizer has no token for byte "
-            f"0x{missing[0]:02x} ({len(missing)} bytes lack one); preparing data "
-            f"needs a tokenizer that writes every byte"
-        )
-    binary: list[Path] = []
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out_dir.parent, f"{out_dir.name}.tmp-")  # left by a killed preparation
-    shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from an earlier failed attempt
-    tmp.mkdir()
-    try:
-        writer = ShardWriter(
-            tmp, np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32, shard_tokens
-        )
-        batch: list[str] = []
-        chat = ChatEncoder(tokenizer)
-        for text in iter_documents(files, text_key, binary):
-            # a conversation or a pair, in its place among the documents
-            if not isinstance(text, str):
-                writer.add(tokenizer.encode_documents(batch))
-                batch = []
-                writer.add(*encoded(chat, text))
-            # tokens of a long document stream to the shard
-            elif len(text) > PIECE_CHARS and text.strip():
-                writer.add_pieces(encode_in_pieces(text, tokenizer))
-            elif text.strip():
-                batch.append(text)
-            if len(batch) == 256:
-                writer.add(tokenizer.encode_documents(batch))
-                batch = []
-        writer.add(tokenizer.encode_documents(batch))
-        if writer.num_docs == 0:
-            raise DataError(
-                f"{setting} {path_names(source)}: no documents with text in "
-                f"{len(files)} file(s)"
-                + (
-                    f"; {len(binary)} binary file(s) skipped: {', '.join(map(str, binary[:3]))}"
-                    if binary
-                    else ""
-                )
-            )
-        chat_meta = (
-            {
-                "chat_template": chat.template.origin,
-                "chat_template_digest": chat.template.digest,
-                **chat.counts,
-            }
-            if writer.masked
-            else {}
-        )
-        writer.finish(
-            {
-                "tokenizer": tokenizer.fingerprint,
-                "vocab_size": tokenizer.vocab_size,
-                "eos_id": tokenizer.eos_id,
-                "sources": [str(f) for f in files if f not in binary],
-                "skipped_binary": [str(f) for f in binary],
-                "skipped_by_extension": ignored,
-                **chat_meta,
-            }
-        )
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
-        raise
-    if out_dir.exists():  # another process prepared the same data meanwhile: keep theirs
-        shutil.rmtree(tmp)
-    else:
-        sync_rename(tmp, out_dir)
-    return out_dir
-
-
-def encoded(
-    chat: ChatEncoder, example: Conversation | Pair
-) -> tuple[list[list[int]], list[np.ndarray]]:
-    try:
-        ids, mask = chat.encode(example)
-    except ChatError as error:
-        raise DataError(str(error)) from None
-    return [ids], [mask]
-
-
-# Documents longer than this many characters are tokenized piece by piece: a 50 MB single-line
-# file as one list of Python ints would take about 2 GB.
-PIECE_CHARS = 1 << 20
-
-
-def encode_in_pieces(
-    text: str, tokenizer: Tokenizer, size: int | None = None
-) -> Iterator[list[int]]:
-    """The token ids of one document (ending with eos) in pieces of about `size` characters. Each
-    cut falls where a run of whitespace begins, where tiktoken's pre-tokenizer splits too, so the
-    ids are those of the whole text; a text without whitespace is cut every `size` characters."""
-    start, size = 0, size or PIECE_CHARS
-    while start < len(text):
-        end = min(start + size, len(text))
-        if end < len(text):
-            end = whitespace_run_start(text, start + size // 2, end) or end
-        yield tokenizer.encoding.encode_ordinary(text[start:end]) + (
-            [tokenizer.eos_id] if end == len(text) else []
-        )
-        start = end
-
-
-def whitespace_run_start(text: str, low: int, high: int) -> int | None:
-    """The start of the last run of whitespace that begins in text[low:high], if any."""
-    last = max(text.rfind(c, low, high) for c in " \n\t\r")
-    if last < low:
-        return None
-    while last > low and text[last - 1].isspace():
-        last -= 1
-    return last
-
-
-class ShardWriter:
-    """Appends tokenized documents to shard files; a document never spans two shards. From the first
-    document with a loss mask on, every shard gets a mask file (ones for text documents)."""
-
-    def __init__(self, directory: Path, dtype: type, shard_tokens: int):
-        self.directory, self.dtype, self.shard_tokens = directory, np.dtype(dtype), shard_tokens
-        self.shards: list[str] = []
-        self.num_docs = self.num_tokens = 0
-        self.masked = False
-        self._file = self._mask_file = None
-        self._starts: list[int] = []
-
-    def add(self, documents: list[list[int]], masks: list[np.ndarray] | None = None) -> None:
-        for ids, mask in zip(documents, masks or [None] * len(documents)):
-            shard_full = len(self._starts) > 1 and self._starts[-1] + len(ids) > self.shard_tokens
-            if self._file is None or shard_full:
-                self._close_shard()
-                self._open_shard()
-            if mask is not None and self._mask_file is None:
-                self._start_masks()
-            self._file.write(np.asarray(ids, dtype=self.dtype).tobytes())
-            self._write_mask(len(ids), mask)
-            self._starts.append(self._starts[-1] + len(ids))
-            self.num_docs += 1
-            self.num_tokens += len(ids)
-
-    def add_pieces(self, pieces: Iterator[list[int]]) -> None:
-        """One document given as consecutive pieces of token ids, written as they come."""
-        if self._file is None or (len(self._starts) > 1 and self._starts[-1] >= self.shard_tokens):
-            self._close_shard()
-            self._open_shard()
-        length = 0
-        for ids in pieces:
-            self._file.write(np.asarray(ids, dtype=self.dtype).tobytes())
-            self._write_mask(len(ids), None)
-            length += len(ids)
-        self._starts.append(self._starts[-1] + length)
-        self.num_docs += 1
-        self.num_tokens += length
-
-    def finish(self, meta: dict) -> None:
-        self._close_shard()
-        # shards closed before the first mask: all targets
-        for name in self.shards if self.masked else []:
-            if not (self.directory / f"mask_{name}.bin").exists():
-                tokens = (
-                    self.directory / f"tokens_{name}.bin"
-                ).stat().st_size // self.dtype.itemsize
-                with open(self.directory / f"mask_{name}.bin", "wb") as file:
-                    for start in range(0, tokens, 1 << 24):
-                        file.write(np.ones(min(1 << 24, tokens - start), np.uint8).tobytes())
-        meta = {
-            "format": MASKED_FORMAT if self.masked else SHARDS_FORMAT,
-            "dtype": self.dtype.name,
-            "num_docs": self.num_docs,
-            "num_tokens": self.num_tokens,
-            "shards": self.shards,
-            **meta,
-        }
-        (self.directory / "meta.json").write_text(json.dumps(meta, indent=1))
-
-    def _start_masks(self) -> None:
-        """The first masked document: this shard's earlier (text) documents get masks of ones."""
-        self.masked = True
-        self._mask_file = open(self.directory / f"mask_{self.shards[-1]}.bin", "wb")
-        self._mask_file.write(np.ones(self._starts[-1], np.uint8).tobytes())
-
-    def _write_mask(self, length: int, mask: np.ndarray | None) -> None:
-        if self._mask_file is not None:
-            self._mask_file.write(
-                (
-                    np.ones(length, np.uint8) if mask is None else np.asarray(mask, np.uint8)
-                ).tobytes()
-            )
-
-    def _open_shard(self) -> None:
-        name = f"{len(self.shards):05d}"
-        self.shards.append(name)
-        self._file = open(self.directory / f"tokens_{name}.bin", "wb")
-        self._mask_file = open(self.directory / f"mask_{name}.bin", "wb") if self.masked else None
-        self._starts = [0]
-
-    def _close_shard(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            if self._mask_file is not None:
-                self._mask_file.close()
-            np.save(
-                self.directory / f"docs_{self.shards[-1]}.npy",
-                np.asarray(self._starts, dtype=np.int64),
-            )
-            self._file = self._mask_file = None
-
-
-def prepared_dir(source: Path, tokenizer: Tokenizer, cache_dir: Path, text_key: str) -> Path:
-    """Where prepared shards of `source` live: `source` itself when it already is a prepared
-    directory, else a cache entry keyed by the files (path, size, mtime) and the tokenizer."""
-    if (source / "meta.json").is_file():
-        return source
-    files = [
-        (str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in source_files(source)[0]
-    ]
-    rules = [
-        SHARDS_FORMAT,
-        READING_RULES,
-        tokenizer.fingerprint,
-        text_key,
-        template_of(tokenizer).digest,
-    ]
-    key = hashlib.sha256(json.dumps(rules + files).encode())
-    return cache_dir / f"{source.stem}-{key.hexdigest()[:16]}"
 
 
 # ============================================================================= reading shards
@@ -658,6 +150,12 @@ def read_meta(path: Path) -> dict:
             f"{MASKED_FORMAT!r}: prepared by another version of this code, or damaged; "
             f"prepare the data again"
         )
+    if meta.get("format_version", 1) not in range(1, FORMAT_VERSION + 1):
+        raise DataError(
+            f"{path}: format_version {meta['format_version']!r}, expected 1 to "
+            f"{FORMAT_VERSION}: prepared by a newer version of this code, or damaged; "
+            "prepare the data again"
+        )
     kinds = {**META_KEYS, **(MASKED_META_KEYS if meta["format"] == MASKED_FORMAT else {})}
     for key, kind in kinds.items():
         if not isinstance(meta.get(key), kind):
@@ -736,10 +234,10 @@ def read_mask(file: Path, num_tokens: int) -> np.ndarray:
 
 
 def check_recorded_ranges(path: Path, meta: dict, vocab_size: int) -> bool:
-    """meta.json's largest token id of each shard ("max_token_ids", written at prepare time) against
+    """meta.json's largest token id of each shard ("shard_max_token", written at prepare time) against
     the vocabulary; False when the directory records none (then each document is checked as
     read)."""
-    largest = meta.get("max_token_ids")
+    largest = meta.get("shard_max_token")
     if largest is None:
         return False
     if (
@@ -748,7 +246,7 @@ def check_recorded_ranges(path: Path, meta: dict, vocab_size: int) -> bool:
         or not all(isinstance(n, int) and not isinstance(n, bool) for n in largest)
     ):
         raise DataError(
-            f"{path}: max_token_ids must list one whole number per shard "
+            f"{path}: shard_max_token must list one whole number per shard "
             f"({len(meta['shards'])}), got {largest!r:.60}; prepare the data again"
         )
     for name, value in zip(meta["shards"], largest):
@@ -1207,158 +705,3 @@ def row_arrays(
         "targets": np.where(targeted, tokens[1:], -100),
         "doc_ids": docs[:-1],
     }
-
-
-# ============================================================================= command line
-
-# --seq-len's bound: 16 times the longest context of the models here (Large 4's 1,048,576).
-MAX_SEQ_LEN = 1 << 24
-
-
-def seq_len_flag(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        message = f"expected a whole number of tokens, got {text!r}"
-        raise argparse.ArgumentTypeError(message) from None
-    if not 1 <= value <= MAX_SEQ_LEN:
-        raise argparse.ArgumentTypeError(f"must be 1 <= N <= {MAX_SEQ_LEN:,} tokens, got {value}")
-    return value
-
-
-def text_flag(text: str) -> str:
-    if not text:
-        raise argparse.ArgumentTypeError("must not be empty")
-    return text
-
-
-def extensions_flag(text: str) -> tuple[str, ...] | None:
-    """ "txt,md,jsonl" -> (".txt", ".md", ".jsonl"); "all" -> None (every file)."""
-    if text.strip().lower() == "all":
-        return None
-    names = [name.strip().lstrip(".").lower() for name in text.split(",")]
-
-    def usable(name: str) -> bool:
-        spaced = any(c.isspace() for c in name)
-        return bool(name) and name != "all" and "/" not in name and not spaced
-
-    if not all(usable(name) for name in names):
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated file extensions such as "
-            f"txt,md,jsonl, or 'all' alone, got {text!r}"
-        )
-    return tuple("." + name for name in names)
-
-
-def check_inputs(inputs: list[Path], out: Path) -> None:
-    """INPUT... are not prepared already; --out names a new directory where one can be made."""
-    for path in inputs:
-        if (path / "meta.json").is_file():
-            raise DataError(
-                f"input {path} is a prepared directory already (it holds meta.json); "
-                f'train on it with data.path = "{path}"'
-            )
-    if out.exists() or out.is_symlink():
-        found = "is a file" if out.is_file() else "already exists"
-        raise DataError(f"--out {out} {found}; name a new directory (prepare never overwrites)")
-    existing = next(parent for parent in out.absolute().parents if parent.exists())
-    if not existing.is_dir():
-        raise DataError(f"--out {out} lies under {existing}, which is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise DataError(f"--out {out}: {existing} is not writable")
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`data.py prepare`; any bad flag or input stops with one line (SystemExit)."""
-    parser = OneLineParser(description="Turn text files, directories or JSONL into token shards.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    prep = commands.add_parser("prepare", help="tokenize INPUT... into shards under --out")
-    prep.add_argument(
-        "input", type=Path, nargs="+", help="text files, .jsonl files or directories of them"
-    )
-    prep.add_argument("--out", type=Path, required=True, help="output directory (must not exist)")
-    prep.add_argument(
-        "--tokenizer",
-        type=text_flag,
-        default="byte",
-        help="byte | a .tiktoken file | a tokenizer.json dir | a name",
-    )
-    prep.add_argument("--eos-token", type=text_flag, default=END_OF_TEXT)
-    prep.add_argument(
-        "--text-key", type=text_flag, default="text", help="the JSONL field that holds the text"
-    )
-    prep.add_argument(
-        "--extensions",
-        type=extensions_flag,
-        default=",".join(s[1:] for s in TEXT_SUFFIXES),
-        help="file extensions read from directories, comma-separated, or 'all' "
-        "(named files are always read)",
-    )
-    prep.add_argument(
-        "--seq-len",
-        type=seq_len_flag,
-        help="with conversations: report how rows of this length hold them",
-    )
-    prep.add_argument(
-        "--overlong", choices=OVERLONG, help="with --seq-len: as data.overlong (default truncate)"
-    )
-    args = parser.parse_args(argv)
-    if args.overlong and not args.seq_len:
-        parser.error(
-            "argument --overlong: only says how rows of --seq-len tokens fit "
-            "conversations; give --seq-len too"
-        )
-    try:
-        prepare_command(args)
-    except (DataError, TokenizerError) as error:
-        raise SystemExit(f"error: {error}") from None
-
-
-def prepare_command(args: argparse.Namespace) -> None:
-    check_inputs(args.input, args.out)
-    tokenizer = load_tokenizer(
-        args.tokenizer, args.eos_token, setting="--tokenizer", eos_setting="--eos-token"
-    )
-    directory = prepare(
-        args.input, tokenizer, args.out, args.text_key, suffixes=args.extensions, setting="input"
-    )
-    shards = TokenShards(directory)
-    meta, binary = shards.meta, shards.meta["skipped_binary"]
-    named = f" ({', '.join(binary[:3])}{', ...' if len(binary) > 3 else ''})" if binary else ""
-    print(
-        f"{args.out}: {shards.num_docs} documents, {int(shards.doc_len.sum()):,} tokens from "
-        f"{len(meta['sources'])} file(s) ({args.tokenizer} tokenizer, vocabulary "
-        f"{tokenizer.vocab_size}); skipped "
-        f"{len(binary)} binary file(s){named} and {meta['skipped_by_extension']} file(s) by "
-        "extension"
-    )
-    if shards.masked:
-        print(chat_summary(meta))
-    if shards.masked and args.seq_len:
-        report = rows_report(shards, args.seq_len, args.overlong or "truncate")
-        print(f"with --seq-len {args.seq_len}: {report}")
-    elif args.seq_len:
-        print(
-            f"with --seq-len {args.seq_len}: nothing to report; the data holds no conversations "
-            f"or pairs, and plain text is cut into rows wherever they end"
-        )
-
-
-def rows_report(shards: TokenShards, seq_len: int, overlong: str) -> str:
-    """How rows of seq_len tokens would hold the prepared documents (what a run would print)."""
-    whole = WholeRows(
-        shards.doc_len, seq_len, overlong, lambda i: bool(shards.loss_mask(i)[1:seq_len].any())
-    )
-    if whole.num_tokens == 0:
-        return (
-            f"no document fits: all {shards.num_docs} are longer than {seq_len} tokens and "
-            f"--overlong {overlong} leaves none (or none keeps a target)"
-        )
-    rows = PackedLoader(
-        shards, np.arange(shards.num_docs), seq_len, 1, 0, name="all", overlong=overlong
-    )
-    return rows.describe()
-
-
-if __name__ == "__main__":
-    main()

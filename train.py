@@ -62,8 +62,6 @@ from data import (
     PackedLoader,
     TokenShards,
     changed_settings,
-    prepare,
-    prepared_dir,
     split_documents,
     stream_settings,
 )
@@ -87,6 +85,7 @@ from parallel import (
     uncompile,
     waiting_for_main_rank,
 )
+from prepare import prepare, prepared_dir
 from registry import config_from_hf, model_class
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
@@ -377,7 +376,7 @@ def missing_inputs(cfg: TrainConfig) -> str | None:
             "there (text files, "
             f"a directory of them, or JSONL with a {d.text_key!r} field), or tokenize it once "
             "with "
-            f"`python3 data.py prepare CORPUS... --out {d.path} --tokenizer TOKENIZER` "
+            f"`python3 prepare.py prepare CORPUS... --out {d.path} --tokenizer TOKENIZER` "
             "(GUIDE.md, Data)"
         )
     if ("/" in d.tokenizer or d.tokenizer.endswith(".tiktoken")) and not Path(d.tokenizer).exists():

@@ -19,12 +19,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import convert
-import data
+import prepare as preparation
 import sample
 from checkpoint_files import CheckpointError
 from config import ConfigError, load_config
-from data import DataError, TokenShards, prepare
+from data import DataError, TokenShards
 from helpers import DEFAULT_FAMILY, debug_args, only, run_debug, stops_with_one_line, tiny_preset
+from prepare import prepare
 from registry import family
 from tokenizer import TokenizerError, bytes_to_unicode, load_tokenizer
 
@@ -312,7 +313,7 @@ def test_a_deeply_nested_jsonl_line_stops_with_one_line(tmp_path):
 
 
 def prepare_args(*given: str, inputs=("a.txt",), make=None):
-    """data.py prepare's argv in a directory holding a.txt ("some text") and b.txt (empty);
+    """prepare.py prepare's argv in a directory holding a.txt ("some text") and b.txt (empty);
     `make(dir)` adds to it first. --out is out/ unless given."""
 
     def build(directory: Path) -> list[str]:
@@ -322,6 +323,42 @@ def prepare_args(*given: str, inputs=("a.txt",), make=None):
             make(directory)
         out = [] if "--out" in given else ["--out", str(directory / "out")]
         return ["prepare", *(str(directory / name) for name in inputs), *out, *given]
+
+    return build
+
+
+def join_args(parts: list[str], given: list[str] | None = None):
+    """prepare.py join's argv over parts i/N of a.txt and b.txt (other2: part 2/2 of a.txt alone),
+    and shards/, a prepared directory; `given` names the directories joined (default part1...)."""
+
+    def build(directory: Path) -> list[str]:
+        for name, text in (("a.txt", "some text"), ("b.txt", "more text")):
+            (directory / name).write_text(text)
+        prepared_input(directory)
+        for part in parts:
+            preparation.main(
+                [
+                    "prepare",
+                    str(directory / "a.txt"),
+                    str(directory / "b.txt"),
+                    "--out",
+                    str(directory / f"part{part[0]}"),
+                    "--part",
+                    part,
+                ]
+            )
+        preparation.main(
+            [
+                "prepare",
+                str(directory / "a.txt"),
+                "--out",
+                str(directory / "other2"),
+                "--part",
+                "2/2",
+            ]
+        )
+        names = given or [f"part{part[0]}" for part in parts]
+        return ["join", *(str(directory / name) for name in names), "--out", str(directory / "out")]
 
     return build
 
@@ -424,6 +461,35 @@ DATA_CLI_CASES = {
         "input {dir}/a.txt",
         r"the tokenizer has no token for byte 0x80 \(128 bytes lack one\)",
     ),
+    "workers 0": (prepare_args("--workers", "0"), "--workers", r"must be >= 1, got 0$"),
+    "part 0 of 2": (prepare_args("--part", "0/2"), "--part", r"1 <= i <= N .*got '0/2'$"),
+    "part 3 of 2": (prepare_args("--part", "3/2"), "--part", r"1 <= i <= N .*got '3/2'$"),
+    "part a word": (prepare_args("--part", "half"), "--part", r"expected i/N .*got 'half'$"),
+    "input zst": (
+        prepare_args(inputs=("a.txt.zst",), make=lambda d: (d / "a.txt.zst").write_bytes(b"(")),
+        "{dir}/a.txt.zst",
+        r"\.zst files are not read .*decompress it first \(zstd -d\)",
+    ),
+    "join a part missing": (
+        join_args(["1/3", "3/3"]),
+        "join: part(s) 2 of 3 missing",
+        r"\(given: 1/3, 3/3\); prepare each with --part i/3$",
+    ),
+    "join a part twice": (
+        join_args(["1/2", "2/2"], given=["part1", "part2", "part1"]),
+        "join: part 1/2 given twice ({dir}/part1 and {dir}/part1)",
+        r"twice",
+    ),
+    "join not a part": (
+        join_args(["1/2", "2/2"], given=["part1", "shards"]),
+        "join: {dir}/shards is not a part directory",
+        r"make parts with prepare --part i/N$",
+    ),
+    "join parts of other inputs": (
+        join_args(["1/2", "2/2"], given=["part1", "other2"]),
+        "join: {dir}/other2 is part 2/2 of another preparation than {dir}/part1",
+        r"other inputs, tokenizer or settings",
+    ),
     "input prepared": (
         prepare_args(inputs=("shards",), make=prepared_input),
         "input {dir}/shards",
@@ -434,12 +500,12 @@ DATA_CLI_CASES = {
 
 @pytest.mark.parametrize("build, named, pattern", DATA_CLI_CASES.values(), ids=DATA_CLI_CASES)
 def test_bad_prepare_flags_and_inputs_stop_with_one_line(tmp_path, build, named, pattern):
-    """Every flag of data.py prepare, and its inputs and output: one line naming it (paths written
-    as paths), and nothing written."""
+    """Every flag of prepare.py prepare, and its inputs and output: one line naming it (paths
+    written as paths), and nothing written."""
     argv = [arg.format(dir=tmp_path) for arg in build(tmp_path)]
     before = sorted(tmp_path.iterdir())
     stops_with_one_line(
-        lambda: data.main(argv),
+        lambda: preparation.main(argv),
         SystemExit,
         named.format(dir=tmp_path),
         pattern.format(dir=re.escape(str(tmp_path))),
@@ -454,7 +520,7 @@ def test_prepare_accepts_the_boundary_values_of_its_flags(tmp_path, capsys):
     (tmp_path / "b.txt").write_text("")
     (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
     for seq_len in ("1", str(2**24)):
-        data.main(
+        preparation.main(
             [
                 "prepare",
                 str(tmp_path / "chat.jsonl"),
@@ -472,7 +538,9 @@ def test_prepare_accepts_the_boundary_values_of_its_flags(tmp_path, capsys):
         in printed
     )
     assert f"with --seq-len {2**24}: all 3 tokens (1 rows of {2**24})" in printed
-    data.main(["prepare", str(tmp_path), "--out", str(tmp_path / "all"), "--extensions", "TXT"])
+    preparation.main(
+        ["prepare", str(tmp_path), "--out", str(tmp_path / "all"), "--extensions", "TXT"]
+    )
     assert "1 documents, 10 tokens from 2 file(s)" in capsys.readouterr().out
 
 

@@ -23,8 +23,9 @@ from chat import (
     read_example,
     split_marks,
 )
-from data import DataError, prepare
+from data import DataError
 from helpers import stops_with_one_line
+from prepare import prepare
 from tokenizer import TokenizerError, load_tokenizer, read_chat_template
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "chat"

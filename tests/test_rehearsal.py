@@ -206,7 +206,7 @@ def test_missing_user_data_is_reported_by_the_rehearsal_and_refused_by_the_run(t
         f"data: not checked: command line --data.path: data.path {tmp_path}/corpus does not exist"
         in result["printed"]
     )
-    with pytest.raises(train.ConfigError, match="python3 data.py prepare"):
+    with pytest.raises(train.ConfigError, match="python3 prepare.py prepare"):
         train.main(
             ["--config", str(debug_configs()[DEFAULT_FAMILY]), f"--data.path={tmp_path}/corpus"]
         )

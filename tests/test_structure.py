@@ -81,6 +81,7 @@ LEAVES = [
     ("tokenizer", set()),
     ("chat", {"tokenizer"}),
     ("data", {"files", "flags", "tokenizer", "chat"}),
+    ("prepare", {"files", "flags", "tokenizer", "chat", "data"}),
     ("checkpoint_files", set()),
     ("hf_io", {"files", "checkpoint_files"}),
     ("layers", set()),
