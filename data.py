@@ -4,18 +4,18 @@ the shards; tokenizers: tokenizer.py).
     text files, JSONL, parquet  --prepare (prepare.py)-->  token shards (memmaps + document index)
     token shards  --PackedLoader-->  batches of input_ids, targets, doc_ids, each [B, T]
 
-Each epoch, the loader concatenates the training documents in a seeded order and cuts that stream into
-rows of seq_len tokens, so every training token is an input exactly once per epoch (the last row is
-padded). A document cut by a row boundary continues in the next row. doc_ids tell the model where
-documents begin, so attention never crosses them, and a target that belongs to the next document is
--100: no token is predicted from another document's context.
+Each epoch, the loader concatenates the training documents in a seeded order and cuts that stream
+into rows of seq_len tokens, so every training token is an input exactly once per epoch (the last
+row is padded). A document cut by a row boundary continues in the next row. doc_ids tell the model
+where documents begin, so attention never crosses them, and a target that belongs to the next
+document is -100: no token is predicted from another document's context.
 
-Conversations and prompt/completion pairs (JSONL lines with "messages", or "prompt" and "completion":
-chat.py) are stored with a loss mask beside their tokens, and only the assistant's tokens are targets
-(-100 elsewhere, so they are neither trained on nor counted). Data with conversations is packed whole:
-each row holds whole documents (best-fit, chat.pack_rows, fixed for the data), a document longer than
-seq_len is truncated or dropped (data.overlong), and each epoch shuffles the rows.
-"""
+Conversations and prompt/completion pairs (JSONL lines with "messages", or "prompt" and
+"completion": chat.py) are stored with a loss mask beside their tokens, and only the assistant's
+tokens are targets (-100 elsewhere, so they are neither trained on nor counted). Data with
+conversations is packed whole: each row holds whole documents (best-fit, chat.pack_rows, fixed for
+the data), a document longer than seq_len is truncated or dropped (data.overlong), and each epoch
+shuffles the rows."""
 
 from __future__ import annotations
 
@@ -234,8 +234,8 @@ def read_mask(file: Path, num_tokens: int) -> np.ndarray:
 
 
 def check_recorded_ranges(path: Path, meta: dict, vocab_size: int) -> bool:
-    """meta.json's largest token id of each shard ("shard_max_token", written at prepare time) against
-    the vocabulary; False when the directory records none (then each document is checked as
+    """meta.json's largest token id of each shard ("shard_max_token", written at prepare time)
+    against the vocabulary; False when the directory records none (then each document is checked as
     read)."""
     largest = meta.get("shard_max_token")
     if largest is None:

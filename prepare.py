@@ -399,8 +399,10 @@ def prepare(
 
     out_dir/tokens_00000.bin   token ids (uint16, or uint32 for vocabularies over 65536), documents
                                back to back, each ending with the eos token
-    out_dir/docs_00000.npy     int64 [docs + 1]: where each document of that shard starts, then the end
-    out_dir/mask_00000.bin     with conversations or pairs only: uint8 per token, 1 where it is a target
+    out_dir/docs_00000.npy     int64 [docs + 1]: where each document of that shard starts, then
+                               the end
+    out_dir/mask_00000.bin     with conversations or pairs only: uint8 per token, 1 where it is a
+                               target
     out_dir/meta.json          written last: format, tokenizer fingerprint, counts, shard names,
                                each shard's largest token id and checksum
 
