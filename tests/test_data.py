@@ -59,6 +59,9 @@ def test_ids_outside_the_vocabulary_are_refused_when_read_or_at_open_when_record
     (tmp_path / "a.txt").write_text("text")
     tokenizer = load_tokenizer("byte")
     out = prepare(tmp_path / "a.txt", tokenizer, tmp_path / "prepared")
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["shard_max_token"]  # as a directory of format version 1 records no range
+    (out / "meta.json").write_text(json.dumps(meta))
     tokens = np.memmap(out / "tokens_00000.bin", dtype=np.uint16, mode="r+")
     tokens[1] = 300  # the byte vocabulary has 257 ids
     tokens.flush()
@@ -68,7 +71,6 @@ def test_ids_outside_the_vocabulary_are_refused_when_read_or_at_open_when_record
     refusal = r"tokens_00000.bin holds token id 300, outside the vocabulary of 257"
     with pytest.raises(DataError, match=refusal):
         loader.row(0)
-    meta = json.loads((out / "meta.json").read_text())
     (out / "meta.json").write_text(json.dumps({**meta, "shard_max_token": [300]}))
     with pytest.raises(DataError, match=refusal):
         TokenShards(out, tokenizer)
@@ -652,7 +654,11 @@ def test_opening_a_directory_reads_no_token(tmp_path, monkeypatch):
         original(file, tokens, vocab)
 
     monkeypatch.setattr(data, "check_token_range", counted)
-    shards = unique_token_shards(tmp_path, [40, 50, 60])
+    unique_token_shards(tmp_path, [40, 50, 60])
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    del meta["shard_max_token"]  # no recorded range (format version 1): checked as rows are read
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    shards = TokenShards(tmp_path)
     assert checked == []
     loader = PackedLoader(shards, np.arange(3), seq_len=8, batch_size=1, seed=0)
     assert checked == []
@@ -663,7 +669,7 @@ def test_opening_a_directory_reads_no_token(tmp_path, monkeypatch):
 def source_shards(directory: Path, doc_lengths: list[int], first_id: int) -> TokenShards:
     """Shards whose token ids are first_id, first_id + 1, ...: each source's ids its own range."""
     directory.mkdir()
-    writer = data.ShardWriter(directory, np.uint32, 1 << 20)
+    writer = preparation.ShardWriter(directory, np.uint32, 1 << 20)
     start = first_id
     for n in doc_lengths:
         writer.add([list(range(start, start + n))])
