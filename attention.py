@@ -1,4 +1,5 @@
-"""Everything about attention that is not a projection: masks, block masks, attention with sinks, the decoding cache.
+"""Everything about attention that is not a projection: masks, block masks, attention with sinks,
+the decoding cache.
 
 Masks are written once, as FlexAttention `mask_mod` functions, and realised two ways:
   * a FlexAttention `BlockMask` for the `flex` backend (the GPU path, compiled), and
@@ -11,8 +12,9 @@ Mistral Large 4's sparse selection, built on these masks, is in large4.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Callable, NamedTuple, Union
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +41,12 @@ class BandMask(NamedTuple):
     A query sees at most window - 1 earlier keys, all inside its own block or the previous one, so
     each block attends to 2 * block keys only: cost linear in the sequence length, not quadratic.
     """
+
     allowed: torch.Tensor  # bool [B * blocks, 1, block, 2 * block]
     seq_len: int
 
 
-Mask = Union[BlockMask, BandMask, torch.Tensor]  # flex | banded sdpa | dense bool [B, 1, T, S] sdpa
+Mask = BlockMask | BandMask | torch.Tensor  # flex | banded sdpa | dense bool [B, 1, T, S] sdpa
 
 
 # ----------------------------------------------------------------------------- mask functions
@@ -51,30 +54,37 @@ Mask = Union[BlockMask, BandMask, torch.Tensor]  # flex | banded sdpa | dense bo
 # query may attend the key. Written with tensor ops only, so the same function builds a
 # BlockMask and, evaluated on index grids, a dense mask.
 
+
 def causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
 def sliding_window(window: int) -> MaskMod:
     """The window counts the current token: window 513 sees keys q-512 .. q."""
+
     def mask(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < window
+
     return mask
 
 
 def same_document(doc_ids: torch.Tensor) -> MaskMod:
-    """doc_ids [B, T]: attend only inside the query's document; ids < 0 mark padding, never attended.
+    """doc_ids [B, T]: attend only inside the query's document; ids < 0 mark padding, never
+    attended.
 
-    A padding query therefore sees no key at all and, thanks to the sink column, outputs exact zeros.
-    """
+    A padding query therefore sees no key at all and, thanks to the sink column, outputs exact
+    zeros."""
+
     def mask(b, h, q_idx, kv_idx):
         key_doc = doc_ids[b, kv_idx]
         return (doc_ids[b, q_idx] == key_doc) & (key_doc >= 0)
+
     return mask
 
 
 def layer_mask_mod(layer_type: str, window: int | None, doc_ids: torch.Tensor | None) -> MaskMod:
-    """The full mask of one layer type: causal, plus the window on sliding layers, plus documents."""
+    """The full mask of one layer type: causal, plus the window on sliding layers, plus
+    documents."""
     if layer_type not in LAYER_TYPES:
         raise ValueError(f"layer type must be one of {LAYER_TYPES}, got {layer_type!r}")
     mods = [causal]
@@ -86,13 +96,17 @@ def layer_mask_mod(layer_type: str, window: int | None, doc_ids: torch.Tensor | 
 
 
 def at_queries(mask_mod: MaskMod, queries: torch.Tensor) -> MaskMod:
-    """mask_mod for the queries at positions `queries` [Tq]: query q_idx is position queries[q_idx]."""
+    """mask_mod for the queries at positions `queries` [Tq]: query q_idx is position
+    queries[q_idx]."""
+
     def placed(b, h, q_idx, kv_idx):
         return mask_mod(b, h, queries[q_idx], kv_idx)
+
     return placed
 
 
 # ----------------------------------------------------------------------------- realisations
+
 
 def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:
     """Evaluate a mask_mod on index grids: bool [B, 1, Tq, Tk] (broadcasts over heads)."""
@@ -109,14 +123,24 @@ def _cached_block_mask(layer_type: str, window: int | None, seq_len: int, device
     return new_block_mask(layer_mask_mod(layer_type, window, None), None, seq_len, seq_len, device)
 
 
-def block_mask(layer_type: str, window: int | None, doc_ids: torch.Tensor | None,
-               batch: int, seq_len: int, device) -> BlockMask:
+def block_mask(
+    layer_type: str,
+    window: int | None,
+    doc_ids: torch.Tensor | None,
+    batch: int,
+    seq_len: int,
+    device,
+) -> BlockMask:
     if doc_ids is None:
         return _cached_block_mask(layer_type, window, seq_len, str(device))
-    return new_block_mask(layer_mask_mod(layer_type, window, doc_ids), batch, seq_len, seq_len, device)
+    return new_block_mask(
+        layer_mask_mod(layer_type, window, doc_ids), batch, seq_len, seq_len, device
+    )
 
 
-def new_block_mask(mask_mod: MaskMod, batch: int | None, q_len: int, kv_len: int, device) -> BlockMask:
+def new_block_mask(
+    mask_mod: MaskMod, batch: int | None, q_len: int, kv_len: int, device
+) -> BlockMask:
     """A BlockMask built from block-sparse counts, never a dense [B, 1, T, S] mask. On a GPU its
     construction is compiled (the eager one evaluates the mask_mod on the whole grid at once);
     on the CPU it is eager: compiling it costs more than it saves at the CPU's lengths."""
@@ -125,7 +149,8 @@ def new_block_mask(mask_mod: MaskMod, batch: int | None, q_len: int, kv_len: int
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """`auto` picks flex on GPUs (fused, compiled) and sdpa on the CPU (flex has no CPU backward)."""
+    """`auto` picks flex on GPUs (fused, compiled) and sdpa on the CPU (flex has no CPU
+    backward)."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -133,18 +158,29 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def build_masks(layer_types: list[str], window: int | None, doc_ids: torch.Tensor | None,
-                batch: int, seq_len: int, device, backend: str,
-                queries: torch.Tensor | None = None) -> dict[str, Mask]:
+def build_masks(
+    layer_types: list[str],
+    window: int | None,
+    doc_ids: torch.Tensor | None,
+    batch: int,
+    seq_len: int,
+    device,
+    backend: str,
+    queries: torch.Tensor | None = None,
+) -> dict[str, Mask]:
     """One mask per layer type present, built once per batch outside the layers. queries [Tq]: the
-    positions whose rows to build against all seq_len keys (a context-parallel rank's share), or all."""
+    positions whose rows to build against all seq_len keys (a context-parallel rank's share), or
+    all."""
     masks: dict[str, Mask] = {}
     for layer_type in sorted(set(layer_types)):
         mod = layer_mask_mod(layer_type, window, doc_ids)
         if queries is not None:  # some rows only: neither the cached nor the banded form
             mod, rows = at_queries(mod, queries), queries.numel()
-            masks[layer_type] = (new_block_mask(mod, batch, rows, seq_len, device) if backend == "flex"
-                                 else dense_mask(mod, batch, rows, seq_len, device))
+            masks[layer_type] = (
+                new_block_mask(mod, batch, rows, seq_len, device)
+                if backend == "flex"
+                else dense_mask(mod, batch, rows, seq_len, device)
+            )
         elif backend == "flex":
             masks[layer_type] = block_mask(layer_type, window, doc_ids, batch, seq_len, device)
         elif layer_type == SLIDING and window is not None and seq_len > 2 * (window - 1) > 0:
@@ -165,12 +201,20 @@ def band_mask(mask_mod: MaskMod, block: int, batch: int, seq_len: int, device) -
     q = first + torch.arange(block, device=device).view(1, 1, block, 1)  # [1, blocks, block, 1]
     kv = first - block + torch.arange(2 * block, device=device).view(1, 1, 1, 2 * block)
     inside = (kv >= 0) & (kv < seq_len) & (q < seq_len)
-    allowed = mask_mod(b, torch.zeros_like(b), q.clamp(max=seq_len - 1), kv.clamp(0, seq_len - 1)) & inside
-    return BandMask(allowed.expand(batch, blocks, block, 2 * block).reshape(batch * blocks, 1, block, 2 * block),
-                    seq_len)
+    allowed = (
+        mask_mod(b, torch.zeros_like(b), q.clamp(max=seq_len - 1), kv.clamp(0, seq_len - 1))
+        & inside
+    )
+    return BandMask(
+        allowed.expand(batch, blocks, block, 2 * block).reshape(
+            batch * blocks, 1, block, 2 * block
+        ),
+        seq_len,
+    )
 
 
 # ----------------------------------------------------------------------------- attention with sinks
+
 
 @lru_cache(maxsize=1)
 def _compiled_flex_attention():
@@ -179,16 +223,21 @@ def _compiled_flex_attention():
 
 def fused_flex_attention(q, k, v, mask: BlockMask, scale: float):
     """FlexAttention is fused only when compiled: inside a compiled block it is traced into the
-    block's graph; called eagerly on a GPU it goes through a compiled flex_attention of its own;
-    on the CPU, outside a compiled block, it runs eagerly. -> (out [B, H, T, Dv], aux with lse [B, H, T])."""
+    block's graph; called eagerly on a GPU it goes through a compiled flex_attention of its own; on
+    the CPU, outside a compiled block, it runs eagerly. -> (out [B, H, T, Dv], aux with lse [B, H,
+    T])."""
     eager = torch.compiler.is_compiling() or q.device.type == "cpu"
     call = flex_attention if eager else _compiled_flex_attention()
-    return call(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    return call(
+        q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True)
+    )
 
 
 def flex_sink_attention(q, k, v, sinks: torch.Tensor, mask: BlockMask) -> torch.Tensor:
-    """Plain attention, then the sink: out * sigmoid(lse - s_h), in FP32 so lse carries gradients."""
-    out, aux = fused_flex_attention(q, k, v, mask, q.shape[-1] ** -0.5)  # out [B, Hq, T, D], lse [B, Hq, T]
+    """Plain attention, then the sink: out * sigmoid(lse - s_h), in FP32 so lse carries
+    gradients."""
+    # out [B, Hq, T, D], lse [B, Hq, T]
+    out, aux = fused_flex_attention(q, k, v, mask, q.shape[-1] ** -0.5)
     keep = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1))
     return (out.float() * keep.unsqueeze(-1)).to(q.dtype)
 
@@ -219,6 +268,7 @@ def sdpa_sink_attention(q, k, v, sinks: torch.Tensor, allowed: torch.Tensor) -> 
 # opaque call (the compiler has no CPU kernel to generate for it). Its outputs are contiguous, as
 # its fake says (the kernel's own layout follows q's): the compiler plans strides from the fake.
 
+
 def _flash_bias(q: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(allowed, 0.0, float("-inf")).to(q.dtype)  # [B, 1, T, S]
 
@@ -229,12 +279,14 @@ def _sink_keep(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("flint::flash_sink_attention", mutates_args=())
-def flash_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-                         allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, allowed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, T, D], k/v [B, Hkv, S, D] (GQA needs no repeat), allowed bool [B, 1, T, S]
     -> y [B, Hq, T, D], FP32 lse [B, Hq, T] of the attention without the sink."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=_flash_bias(q, allowed), scale=q.shape[-1] ** -0.5)
+        q, k, v, 0.0, False, attn_mask=_flash_bias(q, allowed), scale=q.shape[-1] ** -0.5
+    )
     return (out * _sink_keep(lse, sinks)).to(q.dtype).contiguous(), lse.float().contiguous()
 
 
@@ -244,24 +296,45 @@ def _(q, k, v, sinks, allowed):
 
 
 @torch.library.custom_op("flint::flash_sink_attention_backward", mutates_args=())
-def flash_sink_attention_backward(dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                  sinks: torch.Tensor, allowed: torch.Tensor, y: torch.Tensor,
-                                  lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def flash_sink_attention_backward(
+    dy: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    allowed: torch.Tensor,
+    y: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward reuses the kernel's own: given dO = keep * dy and y in place of its output, its row
     term rowsum(dO * O) is exactly that of the softmax with the sink column, so dq, dk, dv come out
     right; the sink's gradient is -(1 - keep) * rowsum(dy * y). A query with no allowed key gets
     out = 0 and lse = 0 from the kernel, hence y = 0 and no gradient, as with the sink column."""
     keep = _sink_keep(lse, sinks)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        (dy * keep).to(q.dtype).contiguous(), q, k, v, y, lse, 0.0, False,
-        attn_mask=_flash_bias(q, allowed), scale=q.shape[-1] ** -0.5)
+        (dy * keep).to(q.dtype).contiguous(),
+        q,
+        k,
+        v,
+        y,
+        lse,
+        0.0,
+        False,
+        attn_mask=_flash_bias(q, allowed),
+        scale=q.shape[-1] ** -0.5,
+    )
     dsinks = -((1 - keep) * (dy * y).sum(-1, keepdim=True).float()).sum((0, 2, 3))
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks.to(sinks.dtype)
 
 
 @flash_sink_attention_backward.register_fake
 def _(dy, q, k, v, sinks, allowed, y, lse):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), sinks.new_empty(sinks.shape)
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+        sinks.new_empty(sinks.shape),
+    )
 
 
 def _flash_setup(ctx, inputs, output):
@@ -300,12 +373,17 @@ def banded_sink_attention(q, k, v, sinks: torch.Tensor, mask: BandMask) -> torch
         return x.transpose(1, 2).reshape(batch * blocks, kv_heads, 2 * block, dim)
 
     out = dense_sink_attention(query_blocks(q), key_blocks(k), key_blocks(v), sinks, mask.allowed)
-    out = out.view(batch, blocks, heads, block, dim).transpose(1, 2).reshape(batch, heads, blocks * block, dim)
+    out = (
+        out.view(batch, blocks, heads, block, dim)
+        .transpose(1, 2)
+        .reshape(batch, heads, blocks * block, dim)
+    )
     return out[:, :, :seq_len]
 
 
 def sink_attention(q, k, v, sinks: torch.Tensor, mask: Mask) -> torch.Tensor:
-    """The backend follows the mask's realisation: BlockMask -> flex, BandMask or dense bool -> sdpa."""
+    """The backend follows the mask's realisation: BlockMask -> flex, BandMask or dense bool ->
+    sdpa."""
     if isinstance(mask, BlockMask):
         return flex_sink_attention(q, k, v, sinks, mask)
     if isinstance(mask, BandMask):
@@ -314,6 +392,7 @@ def sink_attention(q, k, v, sinks: torch.Tensor, mask: Mask) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- decoding
+
 
 class KVCache:
     """Keys and values of one layer during generation.
@@ -328,7 +407,8 @@ class KVCache:
         self.positions = None  # [S] absolute position of each stored key
 
     def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        """Append k/v [B, Hkv, t, D] at `positions` [t]; return all keys, values and the bool mask."""
+        """Append k/v [B, Hkv, t, D] at `positions` [t]; return all keys, values and the bool
+        mask."""
         if self.k is not None:
             k = torch.cat([self.k, k], dim=2)
             v = torch.cat([self.v, v], dim=2)

@@ -31,29 +31,51 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 
 class CheckpointError(ValueError):
-    """A checkpoint cannot be used (incomplete, damaged, another architecture); the message says why."""
+    """A checkpoint cannot be used (incomplete, damaged, another architecture); the message says
+    why."""
 
 
-# ============================================================================= reading metadata safely
+# ========================================================================== reading metadata safely
 
 # Everything a DCP .metadata pickle names: its dataclasses, torch.Size, dtypes (below), layouts, and
 # the path DCP records as the checkpoint id. Nothing else can be called while unpickling.
 METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-     ("collections", "OrderedDict")}
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
 
 
 def enum_member(cls: type, name: str) -> enum.Enum:
     """What `builtins.getattr` may do in metadata: fetch a member of an allowed enum by name. Some
     Python builds (Debian 12's 3.11.2) pickle an enum member as getattr(its class, its name)."""
-    if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str)
-            and name in cls.__members__):
-        raise pickle.UnpicklingError(f"it calls getattr({getattr(cls, '__name__', cls)!r}, {name!r}), which "
-                                     f"checkpoint metadata never holds (refused: loading it could run code)")
+    if not (
+        isinstance(cls, type)
+        and issubclass(cls, enum.Enum)
+        and isinstance(name, str)
+        and name in cls.__members__
+    ):
+        raise pickle.UnpicklingError(
+            f"it calls getattr({getattr(cls, '__name__', cls)!r}, "
+            f"{name!r}), which "
+            "checkpoint metadata never holds (refused: loading it could "
+            "run code)"
+        )
     return cls[name]
 
 
@@ -69,8 +91,11 @@ class MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) == ("builtins", "getattr"):
             return enum_member
-        raise pickle.UnpicklingError(f"it names {module}.{name}, which checkpoint metadata never holds "
-                                     f"(refused: loading it could run code)")
+        raise pickle.UnpicklingError(
+            f"it names {module}.{name}, which checkpoint metadata never "
+            "holds "
+            f"(refused: loading it could run code)"
+        )
 
 
 def read_metadata(path: Path) -> Metadata:
@@ -82,17 +107,22 @@ def read_metadata(path: Path) -> Metadata:
     except OSError as error:
         raise CheckpointError(f"{file}: cannot read: {error.strerror or error}") from error
     except Exception as error:  # truncated, empty or garbage: pickle raises many kinds of errors
-        raise CheckpointError(f"{file}: not a valid checkpoint metadata file ({type(error).__name__}: "
-                              f"{error or 'truncated'})") from error
+        raise CheckpointError(
+            f"{file}: not a valid checkpoint metadata file "
+            f"({type(error).__name__}: "
+            f"{error or 'truncated'})"
+        ) from error
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{file}: not a valid checkpoint metadata file (it holds a "
-                              f"{type(metadata).__name__}, expected a DCP Metadata)")
+        raise CheckpointError(
+            f"{file}: not a valid checkpoint metadata file (it holds a "
+            f"{type(metadata).__name__}, expected a DCP Metadata)"
+        )
     return metadata
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with read_metadata above. DCP reads each tensor with torch.load(weights_only=
-    True); the non-tensor entries go through SafeLoadPlanner."""
+    """DCP's file reader with read_metadata above. DCP reads each tensor with
+    torch.load(weights_only= True); the non-tensor entries go through SafeLoadPlanner."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         metadata = read_metadata(Path(self.path))
@@ -114,7 +144,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as error:
             found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
             what = f"it names {found.group(1)}" if found else "it is not plain data"
-            raise CheckpointError(f"entry {name!r} is refused: {what} (loading it could run code)") from None
+            raise CheckpointError(
+                f"entry {name!r} is refused: {what} (loading it could run code)"
+            ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[name], loaded)
         else:
@@ -132,30 +164,42 @@ class RecordingWriter(dcp.FileSystemWriter):
         self.written: list[Path] = []
 
     def write_data(self, plan, planner):
-        results = super().write_data(plan, planner)  # a finished future: the writer writes before it returns
-        self.written = sorted({Path(self.path) / r.storage_data.relative_path for r in results.wait()})
+        # a finished future: the writer writes before it returns
+        results = super().write_data(plan, planner)
+        self.written = sorted(
+            {Path(self.path) / r.storage_data.relative_path for r in results.wait()}
+        )
         return results
 
 
-def save_dcp(state: dict, path: Path, group: dist.ProcessGroup | None = None,
-             stager: AsyncStager | None = None) -> Future:
+def save_dcp(
+    state: dict,
+    path: Path,
+    group: dist.ProcessGroup | None = None,
+    stager: AsyncStager | None = None,
+) -> Future:
     """Writes `state` to the checkpoint directory `path` -> a Future of the files this process wrote
-    (or of a CheckpointError naming the cause). Without `stager`, they are written when this returns;
-    with one, dcp.async_save has copied `state` to host memory when this returns, and a background
-    thread writes it while the caller trains on. `group`: the processes saving together."""
+    (or of a CheckpointError naming the cause). Without `stager`, they are written when this
+    returns; with one, dcp.async_save has copied `state` to host memory when this returns, and a
+    background thread writes it while the caller trains on. `group`: the processes saving
+    together."""
     writer, written = RecordingWriter(path), Future()
 
     def settle(error: BaseException | None) -> None:
         if error is None:
             written.set_result(writer.written)
         else:  # DCP reports every rank's failure, the same on every rank
-            written.set_exception(CheckpointError(f"{path}: cannot write the checkpoint: {root_cause(error)}"))
+            written.set_exception(
+                CheckpointError(f"{path}: cannot write the checkpoint: {root_cause(error)}")
+            )
 
     with warnings.catch_warnings():  # DCP warns that one process saves alone: that is intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         where = dict(storage_writer=writer, process_group=group, no_dist=not dist.is_initialized())
         if stager is not None:
-            dcp.async_save(state, async_stager=stager, **where).add_done_callback(lambda done: settle(done.exception()))
+            dcp.async_save(state, async_stager=stager, **where).add_done_callback(
+                lambda done: settle(done.exception())
+            )
             return written
         try:
             dcp.save(state, **where)
@@ -170,19 +214,29 @@ def load_dcp(state: dict, path: Path, alone: bool = False, verified: bool = Fals
     """Fills `state` in place from the checkpoint at `path`; `alone`: this process reads without
     the others (convert.py, the end-of-run sample), even inside a process group; `verified`: the
     caller already checked the files (a streaming reader loads one tensor per call)."""
-    with warnings.catch_warnings():  # DCP warns that one process loads alone (even with no_dist): intended
+    # DCP warns that one process loads alone (even with no_dist): intended
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         if not verified:
             verify(path, alone)  # its own clear error for a damaged file, before DCP wraps it
         try:
-            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
-                     no_dist=alone or not dist.is_initialized())
-        except (Exception, CheckpointException) as error:  # DCP wraps a damaged file's error in a long report
+            dcp.load(
+                state,
+                storage_reader=SafeReader(str(path)),
+                planner=SafeLoadPlanner(),
+                no_dist=alone or not dist.is_initialized(),
+            )
+        # DCP wraps a damaged file's error in a long report
+        except (Exception, CheckpointException) as error:
             refused = refusal(error)
             if refused:
                 raise CheckpointError(f"{path}: {refused}") from None
-            raise CheckpointError(short_file(Path(path)) or f"{path}: cannot load the checkpoint's tensors (a "
-                                  f"damaged .distcp file?): {root_cause(error)}") from error
+            raise CheckpointError(
+                short_file(Path(path))
+                or f"{path}: cannot load the checkpoint's "
+                "tensors (a "
+                f"damaged .distcp file?): {root_cause(error)}"
+            ) from error
 
 
 def short_file(path: Path) -> str | None:
@@ -193,20 +247,23 @@ def short_file(path: Path) -> str | None:
     for name, end in sorted(ends.items()):
         size = (path / name).stat().st_size if (path / name).is_file() else None
         if size is None or size < end:
-            return f"{path / name}: {'missing' if size is None else f'truncated ({size} of {end} bytes)'}"
+            found = "missing" if size is None else f"truncated ({size} of {end} bytes)"
+            return f"{path / name}: {found}"
     return None
 
 
 def rank_failures(error: BaseException) -> list[BaseException]:
-    """The exceptions behind DCP's CheckpointException, which maps each failed rank to (exception, its
-    traceback's frames); [error] for any other exception."""
+    """The exceptions behind DCP's CheckpointException, which maps each failed rank to (exception,
+    its traceback's frames); [error] for any other exception."""
     failures = getattr(error, "failures", None) or {}
     return [f[0] if isinstance(f, tuple) else f for f in failures.values()] or [error]
 
 
 def refusal(error: BaseException) -> str | None:
     """SafeLoadPlanner's refusal, if that is what DCP's report (or the error itself) holds."""
-    return next((str(f) for f in [error, *rank_failures(error)] if isinstance(f, CheckpointError)), None)
+    return next(
+        (str(f) for f in [error, *rank_failures(error)] if isinstance(f, CheckpointError)), None
+    )
 
 
 def root_cause(error: BaseException) -> str:
@@ -225,30 +282,45 @@ def is_hf_checkpoint(path: Path) -> bool:
 
 
 def resolve_checkpoint(path: Path, what: str) -> Path:
-    """A checkpoint directory itself, or the newest intact step_* inside a run's checkpoint dir (its run_*
-    directories, or a run directory): what sample.py's --checkpoint and [model].init_from take. A damaged
-    newer one is skipped with a warning. what: the flag or key, for the messages."""
+    """A checkpoint directory itself, or the newest intact step_* inside a run's checkpoint dir (its
+    run_* directories, or a run directory): what sample.py's --checkpoint and [model].init_from
+    take. A damaged newer one is skipped with a warning. what: the flag or key, for the messages."""
     if is_native_checkpoint(path) or is_hf_checkpoint(path):
         return path
     if not path.is_dir():
         raise CheckpointError(f"{what} {path}: no such directory")
-    places = [path, *sorted(p for p in path.glob("run_*") if p.is_dir())]  # run directories, oldest first
-    steps = [p for place in places for p in sorted(place.glob("step_*")) if p.suffix != ".tmp" and is_native_checkpoint(p)]
+    # run directories, oldest first
+    places = [path, *sorted(p for p in path.glob("run_*") if p.is_dir())]
+    steps = [
+        p
+        for place in places
+        for p in sorted(place.glob("step_*"))
+        if p.suffix != ".tmp" and is_native_checkpoint(p)
+    ]
     if not steps:
-        raise CheckpointError(f"{what} {path}: not a checkpoint (no .metadata, no config.json with safetensors) "
-                              f"and no complete step_* checkpoint inside")
+        raise CheckpointError(
+            f"{what} {path}: not a checkpoint (no .metadata, no config.json with "
+            "safetensors) "
+            f"and no complete step_* checkpoint inside"
+        )
     for step in reversed(steps):
         problem = damage(step)
         if problem is None:
             return step
-        print(f"WARNING: skipping the damaged checkpoint {step}: {problem}", file=sys.stderr, flush=True)
-    raise CheckpointError(f"{what} {path}: none of its {len(steps)} step_* checkpoints is intact (see the warnings)")
+        print(
+            f"WARNING: skipping the damaged checkpoint {step}: {problem}",
+            file=sys.stderr,
+            flush=True,
+        )
+    raise CheckpointError(
+        f"{what} {path}: none of its {len(steps)} step_* checkpoints is intact (see the warnings)"
+    )
 
 
 # ============================================================================= checksums
 
 CHECKSUMS = "checksums.json"
-CHUNK = 16 * 2 ** 20
+CHUNK = 16 * 2**20
 
 
 def crc32_of(file: Path) -> int:
@@ -265,11 +337,16 @@ def checksums(files: list[Path]) -> dict[str, dict]:
 
 
 def write_checksums(directory: Path, known: dict[str, dict] | None = None) -> None:
-    """The size and CRC-32 of every file of a checkpoint directory, in checksums.json: a flipped bit or
-    a truncated file is then reported on load rather than trained on. `known`: the entries of files
-    that other processes checksummed (each its own, in parallel); the rest are computed here."""
+    """The size and CRC-32 of every file of a checkpoint directory, in checksums.json: a flipped bit
+    or a truncated file is then reported on load rather than trained on. `known`: the entries of
+    files that other processes checksummed (each its own, in parallel); the rest are computed
+    here."""
     known = known or {}
-    rest = [f for f in sorted(directory.iterdir()) if f.is_file() and f.name not in known and f.name != CHECKSUMS]
+    rest = [
+        f
+        for f in sorted(directory.iterdir())
+        if f.is_file() and f.name not in known and f.name != CHECKSUMS
+    ]
     files = dict(sorted({**known, **checksums(rest)}.items()))
     (directory / CHECKSUMS).write_text(json.dumps(files, indent=1) + "\n")
 
@@ -296,9 +373,14 @@ def damage(directory: Path, rank: int = 0, world_size: int = 1) -> str | None:
         if "/" in name or name in (".", "..") or not file.is_file():
             return f"{file}: missing (listed in {listed})"
         if file.stat().st_size != size:
-            return f"{file}: {file.stat().st_size} bytes, {size} when saved (truncated or overwritten)"
+            return (
+                f"{file}: {file.stat().st_size} bytes, {size} when saved (truncated or overwritten)"
+            )
         if crc32_of(file) != crc:
-            return f"{file}: checksum mismatch (the file changed since it was saved: a flipped bit or a damaged disk)"
+            return (
+                f"{file}: checksum mismatch (the file changed since it was saved: a flipped bit or "
+                "a damaged disk)"
+            )
     return None
 
 
@@ -313,8 +395,8 @@ def damage_found_together(directory: Path) -> str | None:
 
 
 def verify(directory: Path, alone: bool = False) -> None:
-    """Raises CheckpointError if `directory` is damaged: read by this process `alone`, or in a process
-    group by all its processes, each reading its share of the files."""
+    """Raises CheckpointError if `directory` is damaged: read by this process `alone`, or in a
+    process group by all its processes, each reading its share of the files."""
     problem = damage(directory) if alone else damage_found_together(directory)
     if problem:
         raise CheckpointError(problem)

@@ -2,8 +2,8 @@
 checkpoint, one tensor at a time.
 
     python convert.py to-native HF_DIR OUT      # published -> native (DCP directory + config.json)
-    python convert.py to-hf IN HF_DIR           # native (model-only or a training checkpoint) -> published
-    python convert.py to-peft IN ADAPTER_DIR    # a LoRA run's checkpoint -> PEFT's adapter directory
+    python convert.py to-hf IN HF_DIR  # native (model-only or a training checkpoint) -> published
+    python convert.py to-peft IN ADAPTER_DIR  # a LoRA run's checkpoint -> PEFT's adapter directory
 
 IN is a checkpoint directory or, as for sample.py's --checkpoint, a run's checkpoint directory (its
 newest intact step_*).
@@ -16,7 +16,7 @@ run's record.
 The native checkpoint is what train.py saves and resumes from: a torch.distributed.checkpoint
 directory whose state dict holds {"model": <native state dict>, optional "optimizer", "train"}, plus
 config.json. config.json's model_type picks the model family; each family declares its published key
-table beside the model (Flint: model.py and SPEC.md; Mistral Large 4: large4_config.py and
+table beside the model (Flint: flint_model.py and SPEC.md; Mistral Large 4: large4_config.py and
 LARGE4.md), reached through registry.py. Published tensors outside the model (Large 4's vision tower
 and draft head) are "extras": to-native keeps them under "extra" in the DCP checkpoint, to-hf and
 save_hf write them back, never dropped. FP8 block-scaled weights (the Large 4 release) are

@@ -23,7 +23,8 @@ def read_config_json(source: dict | str | Path) -> tuple[dict, str]:
 
 
 def read_json_object(path: Path) -> dict:
-    """The JSON object in the UTF-8 file `path`, or a ValueError naming the file and what is wrong."""
+    """The JSON object in the UTF-8 file `path`, or a ValueError naming the file and what is
+    wrong."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -55,7 +56,7 @@ def remove_stale_temporaries(directory: Path, prefix: str) -> None:
     """Remove directory/<prefix><pid>-* folders whose process is gone: what a killed conversion or
     preparation left behind (a live process's folder is its work in progress, left alone)."""
     for stale in directory.glob(f"{prefix}*"):
-        pid = stale.name[len(prefix):].split("-")[0]
+        pid = stale.name[len(prefix) :].split("-")[0]
         if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
 

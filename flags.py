@@ -1,6 +1,7 @@
-"""Command-line flags of the scripts and tools: a bad value stops with one line that names the flag and what it
-expects (argparse's usage text and exit status 2 would bury it), and numbers are refused where they
-cannot mean anything (0 or fewer rows, steps, GPUs) rather than silently replaced by a default."""
+"""Command-line flags of the scripts and tools: a bad value stops with one line that names the flag
+and what it expects (argparse's usage text and exit status 2 would bury it), and numbers are refused
+where they cannot mean anything (0 or fewer rows, steps, GPUs) rather than silently replaced by a
+default."""
 
 from __future__ import annotations
 

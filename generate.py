@@ -1,17 +1,17 @@
-"""Text generation for any model with `decode_step(input_ids, caches, start)` (Flint, Mistral Large 4):
-sampling (greedy, temperature, top-k), and `stream`, the KV-cached decoding loop that yields each token
-as it is chosen. It imports nothing of this repository.
-"""
+"""Text generation for any model with `decode_step(input_ids, caches, start)` (Flint, Mistral Large
+4): sampling (greedy, temperature, top-k), and `stream`, the KV-cached decoding loop that yields
+each token as it is chosen. It imports nothing of this repository."""
 
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 
-# Below this, sampling is greedy in effect and logits / temperature can overflow FP32 (NaN probabilities).
+# Below this, sampling is greedy in effect and logits / temperature can overflow FP32 (NaN
+# probabilities).
 MIN_TEMPERATURE = 1e-3
 
 
@@ -21,16 +21,28 @@ def usable_temperature(temperature: float) -> bool:
 
 
 def check_sampling(temperature: float, top_k: int | None) -> None:
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature >= 0:
+    if (
+        not isinstance(temperature, (int, float))
+        or isinstance(temperature, bool)
+        or not temperature >= 0
+    ):
         raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
     if not usable_temperature(temperature):
-        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature!r}")
+        raise ValueError(
+            f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+            f"got {temperature!r}"
+        )
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0):
         raise ValueError(f"top_k must be a positive integer or None (all tokens), got {top_k!r}")
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
-           generator: torch.Generator | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None = None,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """logits [B, V] -> next tokens [B, 1]: greedy at temperature 0, else top-k sampling; only ids
     where allowed (bool [V]) is true, when given."""
     check_sampling(temperature, top_k)
@@ -46,18 +58,40 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, generator: torch.Generator | None = None, eos_token_id: int | None = None,
-             allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """prompt [B, T] -> [B, T + n], n <= max_new_tokens: the prompt and everything `stream` yields."""
-    return torch.cat([prompt, *stream(model, prompt, max_new_tokens, temperature, top_k, generator, eos_token_id,
-                                      allowed)], dim=1)
+def generate(
+    model: nn.Module,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | None = None,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """prompt [B, T] -> [B, T + n], n <= max_new_tokens: the prompt and everything `stream`
+    yields."""
+    return torch.cat(
+        [
+            prompt,
+            *stream(
+                model, prompt, max_new_tokens, temperature, top_k, generator, eos_token_id, allowed
+            ),
+        ],
+        dim=1,
+    )
 
 
 @torch.no_grad()
-def stream(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-           top_k: int | None = None, generator: torch.Generator | None = None, eos_token_id: int | None = None,
-           allowed: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+def stream(
+    model: nn.Module,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | None = None,
+    allowed: torch.Tensor | None = None,
+) -> Iterator[torch.Tensor]:
     """Yield each next token [B, 1] as it is chosen, up to max_new_tokens. A row that has produced
     eos_token_id is finished: from then on it receives eos_token_id again (padding), and the stream
     stops once every row has finished. Any model with `decode_step(input_ids, caches, start)` that
@@ -69,9 +103,17 @@ def stream(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperat
     """
     model.check_inputs(prompt, None, None, None)
     limit = model.config.max_position_embeddings
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0 or prompt.shape[1] + max_new_tokens > limit:
-        raise ValueError(f"max_new_tokens must be an integer >= 0 with prompt length + max_new_tokens <= "
-                         f"max_position_embeddings ({prompt.shape[1]} + {max_new_tokens!r} > {limit})")
+    if (
+        not isinstance(max_new_tokens, int)
+        or max_new_tokens < 0
+        or prompt.shape[1] + max_new_tokens > limit
+    ):
+        raise ValueError(
+            "max_new_tokens must be an integer >= 0 with prompt length + "
+            "max_new_tokens <= "
+            f"max_position_embeddings ({prompt.shape[1]} + {max_new_tokens!r} > "
+            f"{limit})"
+        )
     caches: dict = {}
     step_input, start = prompt, 0
     finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)

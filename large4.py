@@ -1,14 +1,16 @@
-"""Mistral Large 4: MLA attention with the DSA indexer, KV and index sharing, LeRoPE, SSMax, MoE, FP32 head.
+"""Mistral Large 4: MLA attention with the DSA indexer, KV and index sharing, LeRoPE, SSMax, MoE,
+FP32 head.
 
-A decoder-only MoE transformer (1.05T parameters, 52B active). Attention is DeepSeek-style MLA without
-query LoRA: every layer's keys and values are expanded from a 512-wide normed latent plus one shared
-rotary key. A frozen "lightning indexer" (DSA) picks the top 2048 keys of each query, and attention
-sees only those. Every fourth layer is NoPE; later layers may attend to an earlier layer's latent
-(KV sharing) and reuse the previous layer's selection (index sharing). RoPE is YaRN-scaled with
-learned per-frequency multipliers (LeRoPE), queries get a learned position-dependent scale (SSMax),
-layer 0 is dense and the others route to 4 of 128 softmax-scored experts plus a shared expert.
-LARGE4.md (repository root) gives every formula, shape and checkpoint key; large4_config.py the config
-and the published checkpoint layout. The indexer's sparse selection and the masks built from it are here.
+A decoder-only MoE transformer (1.05T parameters, 52B active). Attention is DeepSeek-style MLA
+without query LoRA: every layer's keys and values are expanded from a 512-wide normed latent plus
+one shared rotary key. A frozen "lightning indexer" (DSA) picks the top 2048 keys of each query, and
+attention sees only those. Every fourth layer is NoPE; later layers may attend to an earlier layer's
+latent (KV sharing) and reuse the previous layer's selection (index sharing). RoPE is YaRN-scaled
+with learned per-frequency multipliers (LeRoPE), queries get a learned position-dependent scale
+(SSMax), layer 0 is dense and the others route to 4 of 128 softmax-scored experts plus a shared
+expert. LARGE4.md (repository root) gives every formula, shape and checkpoint key; large4_config.py
+the config and the published checkpoint layout. The indexer's sparse selection and the masks built
+from it are here.
 
 State shared between layers (the rope tables, a source layer's latent and rotated key, the
 previous layer's selection and the attention mask built from it) is an explicit block input built
@@ -26,44 +28,69 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from torch.nn.attention.flex_attention import BlockMask
 
-from attention import (FULL, Mask, MaskMod, at_queries, block_mask, fused_flex_attention, layer_mask_mod,
-                       new_block_mask, resolve_backend)
+from attention import (
+    FULL,
+    Mask,
+    MaskMod,
+    at_queries,
+    block_mask,
+    fused_flex_attention,
+    layer_mask_mod,
+    new_block_mask,
+    resolve_backend,
+)
 from balance import RouterLosses, Stats, add_layer
 from generate import generate
 from head import Head
-from large4_config import LAYOUT, PRESETS, Large4Config  # noqa: F401  (PRESETS: re-exported for users of large4)
-from layers import (Gather, RMSNorm, build, check_inputs, count_params, init_weights,
-                    seeded_normal)
+from large4_config import (  # noqa: F401  (PRESETS: re-exported for users of large4)
+    LAYOUT,
+    PRESETS,
+    Large4Config,
+)
+from layers import Gather, RMSNorm, build, check_inputs, count_params, init_weights, seeded_normal
 from moe import MoE, SwiGLU
 from registry import Family
 from stage import ONE_DEVICE, ForwardPlan, StageContext
 
-# cos or sin [B, T, R/2] FP32, built once per forward; None on a pipeline stage when no layer from it on rotates
+# cos or sin [B, T, R/2] FP32, built once per forward; None on a pipeline stage when no layer from
+# it on rotates
 Angles = torch.Tensor | None
 
-# ============================================================================= rotary, SSMax, indexer
+# =========================================================================== rotary, SSMax, indexer
+
 
 def yarn_frequencies(config: Large4Config) -> list[float]:
     """The R/2 YaRN inverse frequencies, computed in FP32 as transformers does: the fast ones
     (beyond beta_fast rotations over the original context) kept, the slow ones (under beta_slow)
     divided by `factor`, a linear ramp between."""
     dim, rope = config.qk_rope_head_dim, config.rope_parameters
-    base = 1.0 / rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    base = 1.0 / rope["rope_theta"] ** (
+        torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
+    )
     if rope["rope_type"] == "default":
         return base.tolist()
     factor, original = rope["factor"], rope["original_max_position_embeddings"]
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope["rope_theta"]))
-    low, high = correction_dim(rope.get("beta_fast", 32.0)), correction_dim(rope.get("beta_slow", 1.0))
+        return (
+            dim
+            * math.log(original / (rotations * 2 * math.pi))
+            / (2 * math.log(rope["rope_theta"]))
+        )
+
+    low, high = (
+        correction_dim(rope.get("beta_fast", 32.0)),
+        correction_dim(rope.get("beta_slow", 1.0)),
+    )
     if rope.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     high = high + 0.001 if low == high else high
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
     return (base / factor * ramp + base * (1 - ramp)).tolist()
 
 
@@ -83,7 +110,8 @@ class LeRoPE(nn.Module):
 
     def __init__(self, config: Large4Config):
         super().__init__()
-        self.inv_freq = yarn_frequencies(config)  # python floats: no buffer to re-materialise after meta
+        # python floats: no buffer to re-materialise after meta
+        self.inv_freq = yarn_frequencies(config)
         self.scale = yarn_attention_factor(config.rope_parameters)
         self.alpha = nn.Parameter(torch.empty(config.qk_rope_head_dim // 2, dtype=torch.float32))
 
@@ -104,7 +132,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class SSMax(nn.Module):
-    """Scalable softmax: head h of a query at position p is scaled by scale_h * log(p + 1) + bias_h."""
+    """Scalable softmax: head h of a query at position p is scaled by scale_h * log(p + 1) +
+    bias_h."""
 
     def __init__(self, num_heads: int, dtype: torch.dtype | None = None):
         super().__init__()
@@ -113,7 +142,8 @@ class SSMax(nn.Module):
 
     def forward(self, q: torch.Tensor, log_positions: torch.Tensor) -> torch.Tensor:
         """q [B, T, heads, D], log_positions [B, T] (log(p + 1), FP32) -> q scaled, same shape."""
-        factor = self.scale * log_positions.unsqueeze(-1).to(self.scale.dtype) + self.bias  # [B, T, heads]
+        # [B, T, heads]
+        factor = self.scale * log_positions.unsqueeze(-1).to(self.scale.dtype) + self.bias
         return q * factor.unsqueeze(-1).to(q.dtype)
 
 
@@ -121,7 +151,9 @@ class FP32LayerNorm(nn.LayerNorm):
     """A LayerNorm whose parameters stay FP32 and that normalises in FP32 whatever the input."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps)
+        return F.layer_norm(
+            x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps
+        )
 
 
 class Indexer(nn.Module):
@@ -134,7 +166,11 @@ class Indexer(nn.Module):
 
     def __init__(self, config: Large4Config, rope: bool, dtype: torch.dtype | None = None):
         super().__init__()
-        hidden, self.heads, self.head_dim = config.hidden_size, config.index_n_heads, config.index_head_dim
+        hidden, self.heads, self.head_dim = (
+            config.hidden_size,
+            config.index_n_heads,
+            config.index_head_dim,
+        )
         self.rope_dim = config.qk_rope_head_dim if rope else 0
         self.top_k, self.chunk = config.index_topk, config.indexer_chunk_size
         self.q_input_norm = nn.LayerNorm(hidden, eps=config.indexer_norm_eps, dtype=dtype)
@@ -146,22 +182,33 @@ class Indexer(nn.Module):
         self.requires_grad_(False)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, cos: Angles, sin: Angles, log_positions: torch.Tensor, visible: Visibility,
-                cache: "LayerCache | None" = None, gather: Gather | None = None) -> torch.Tensor:
-        """x [B, T, H] -> key indices [B, T, min(index_topk, S)], -1 where no visible key is left."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: Angles,
+        sin: Angles,
+        log_positions: torch.Tensor,
+        visible: Visibility,
+        cache: LayerCache | None = None,
+        gather: Gather | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, H] -> key indices [B, T, min(index_topk, S)], -1 where no visible key is
+        left."""
         batch, seq_len, _ = x.shape
         q = self.wq_b(self.q_input_norm(x)).view(batch, seq_len, self.heads, self.head_dim)
         q = self.softmax_scaling(q, log_positions)
         k = self.k_norm(self.wk(x))  # [B, T, D] FP32
         if self.rope_dim:
             r = self.rope_dim
-            q = torch.cat([rotate(q[..., :r], cos.unsqueeze(2), sin.unsqueeze(2)), q[..., r:]], dim=-1)
+            q = torch.cat(
+                [rotate(q[..., :r], cos.unsqueeze(2), sin.unsqueeze(2)), q[..., r:]], dim=-1
+            )
             k = torch.cat([rotate(k[..., :r], cos, sin), k[..., r:]], dim=-1)
         if gather is not None:
             k = gather(k)  # context parallel: this rank's keys -> the whole sequence's [B, S, D]
         if cache is not None:
             k = cache.extend("index_keys", k)  # [B, S, D]
-        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads ** -0.5
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.heads**-0.5
         return top_keys(q, k, weights, visible, min(self.top_k, k.shape[1]), self.chunk)
 
 
@@ -188,12 +235,14 @@ class LayerCache:
 # document part compactly; the attention mask of a group of layers that share one selection is
 # built once (selection_attention_mask) and read by each layer of the group.
 
+
 class Visibility(NamedTuple):
     """The keys each query may see: causal, and inside its document when doc_ids [B, S] is given
     (< 0: padding, never seen). The queries are the last q_len of the kv_len positions (generation
     appends them to cached keys), or those at `queries` [q_len] (a context-parallel rank's share).
     A description, not a bool [B, 1, T, S] (T x S bytes per sequence, 16 GiB at 128k tokens): it is
     realised a chunk of queries at a time."""
+
     doc_ids: torch.Tensor | None
     batch: int
     q_len: int
@@ -202,7 +251,11 @@ class Visibility(NamedTuple):
     queries: torch.Tensor | None = None
 
     def mask_mod(self) -> MaskMod:
-        mod, offset, queries = layer_mask_mod(FULL, None, self.doc_ids), self.kv_len - self.q_len, self.queries
+        mod, offset, queries = (
+            layer_mask_mod(FULL, None, self.doc_ids),
+            self.kv_len - self.q_len,
+            self.queries,
+        )
         if queries is not None:
             return at_queries(mod, queries)
         if offset == 0:
@@ -210,6 +263,7 @@ class Visibility(NamedTuple):
 
         def shifted(b, h, q_idx, kv_idx):
             return mod(b, h, q_idx + offset, kv_idx)
+
         return shifted
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
@@ -222,8 +276,14 @@ class Visibility(NamedTuple):
         return self.mask_mod()(b, h, q, kv).expand(self.batch, 1, stop - start, self.kv_len)
 
 
-def top_keys(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, visible: Visibility, top_k: int,
-             chunk: int) -> torch.Tensor:
+def top_keys(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    visible: Visibility,
+    top_k: int,
+    chunk: int,
+) -> torch.Tensor:
     """The indexer's selection, computed `chunk` queries at a time in FP32, so the scores never
     exist for all queries at once (O(chunk x heads x S) memory, not O(T x heads x S)).
 
@@ -260,40 +320,67 @@ def selection_block_mask(indices: torch.Tensor, kv_len: int, block: int = 128) -
     queries, only the key blocks that one of them selected, so FlexAttention skips the others."""
     batch, q_len, _ = indices.shape
     valid, keys = indices >= 0, indices.clamp(min=0)
-    bits = torch.bitwise_left_shift(torch.ones_like(keys, dtype=torch.int32), (keys % 32).to(torch.int32))
+    bits = torch.bitwise_left_shift(
+        torch.ones_like(keys, dtype=torch.int32), (keys % 32).to(torch.int32)
+    )
     words = torch.zeros(batch, q_len, -(-kv_len // 32), dtype=torch.int32, device=indices.device)
-    words.scatter_add_(-1, keys // 32, bits * valid)  # [B, T, S / 32]; keys are distinct, so add = or
+    # [B, T, S / 32]; keys are distinct, so add = or
+    words.scatter_add_(-1, keys // 32, bits * valid)
     q_blocks, kv_blocks = -(-q_len // block), -(-kv_len // block)
     row = (torch.arange(q_len, device=indices.device) // block).view(1, q_len, 1)
-    cell = row * (kv_blocks + 1) + torch.where(valid, keys // block, kv_blocks)  # invalid: a scratch column
-    touched = torch.zeros(batch, q_blocks * (kv_blocks + 1), dtype=torch.int32, device=indices.device)
-    touched = touched.scatter_(1, cell.view(batch, -1), 1).view(batch, q_blocks, kv_blocks + 1)[..., :kv_blocks]
+    # invalid: a scratch column
+    cell = row * (kv_blocks + 1) + torch.where(valid, keys // block, kv_blocks)
+    touched = torch.zeros(
+        batch, q_blocks * (kv_blocks + 1), dtype=torch.int32, device=indices.device
+    )
+    touched = touched.scatter_(1, cell.view(batch, -1), 1).view(batch, q_blocks, kv_blocks + 1)[
+        ..., :kv_blocks
+    ]
     kv_num_blocks = touched.sum(-1, dtype=torch.int32)  # [B, Tq / block]
-    kv_indices = torch.argsort(touched, dim=-1, descending=True, stable=True).to(torch.int32)  # touched first
+    # touched first
+    kv_indices = torch.argsort(touched, dim=-1, descending=True, stable=True).to(torch.int32)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return ((words[b, q_idx, kv_idx // 32] >> (kv_idx % 32)) & 1) == 1
-    return BlockMask.from_kv_blocks(kv_num_blocks.unsqueeze(1), kv_indices.unsqueeze(1), BLOCK_SIZE=block,
-                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
+
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks.unsqueeze(1),
+        kv_indices.unsqueeze(1),
+        BLOCK_SIZE=block,
+        mask_mod=mask_mod,
+        seq_lengths=(q_len, kv_len),
+    )
 
 
-def selection_attention_mask(visible: Visibility, indices: torch.Tensor | None, backend: str) -> Mask:
+def selection_attention_mask(
+    visible: Visibility, indices: torch.Tensor | None, backend: str
+) -> Mask:
     """The attention mask of one group of layers: a layer with its own indexer and those sharing its
     selection (indices [B, T, k], -1: none), or all layers when attention is dense (indices None:
     every visible key). Built once per group and read by each of its layers. Every selected key is
     visible (top_keys), so the selection alone is the mask. sdpa: bool [B, 1, T, S]; flex: a
-    BlockMask (the dense one compiled from the mask_mod on GPUs, the sparse one from the indices)."""
+    BlockMask (the dense one compiled from the mask_mod on GPUs, the sparse one from the
+    indices)."""
     if backend == "flex":
         if indices is not None:
             return selection_block_mask(indices, visible.kv_len)
         if visible.queries is None:
-            return block_mask(FULL, None, visible.doc_ids, visible.batch, visible.q_len, visible.device)
-        return new_block_mask(visible.mask_mod(), visible.batch, visible.q_len, visible.kv_len, visible.device)
-    return visible.rows(0, visible.q_len) if indices is None else selection_mask(indices, visible.kv_len)
+            return block_mask(
+                FULL, None, visible.doc_ids, visible.batch, visible.q_len, visible.device
+            )
+        return new_block_mask(
+            visible.mask_mod(), visible.batch, visible.q_len, visible.kv_len, visible.device
+        )
+    return (
+        visible.rows(0, visible.q_len)
+        if indices is None
+        else selection_mask(indices, visible.kv_len)
+    )
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Plain attention with an FP32 softmax: q [B, H, T, Dk], k [B, H, S, Dk], v [B, H, S, Dv],
     allowed bool [B, 1, T, S] -> [B, H, T, Dv]. A query that may see no key (padding) outputs 0.
 
@@ -307,15 +394,17 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     return probs.to(v.dtype) @ v
 
 
-def flex_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
-                          scale: float) -> torch.Tensor:
+def flex_masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale: float
+) -> torch.Tensor:
     """masked_attention through FlexAttention (the GPU path), with a group's BlockMask: the T x S
     scores never exist and key blocks that no query of a block may see are skipped. A query that
     sees no key outputs 0."""
     return fused_flex_attention(q, k, v, mask, scale)[0]
 
 
-# ============================================================================= attention and the block
+# ========================================================================== attention and the block
+
 
 class MLAttention(nn.Module):
     """Multi-head latent attention without query LoRA, restricted to the indexer's selection.
@@ -329,25 +418,44 @@ class MLAttention(nn.Module):
         super().__init__()
         hidden, self.heads = config.hidden_size, config.num_attention_heads
         self.rope_dim = config.qk_rope_head_dim if config.no_rope_layers[index] else 0
-        self.qk_dim, self.v_dim, self.rank = config.qk_head_dim, config.v_head_dim, config.kv_lora_rank
+        self.qk_dim, self.v_dim, self.rank = (
+            config.qk_head_dim,
+            config.v_head_dim,
+            config.kv_lora_rank,
+        )
         self.nope_dim = self.qk_dim - self.rope_dim  # NoPE layers: every channel
         self.q_proj = nn.Linear(hidden, self.heads * self.qk_dim, bias=False, dtype=dtype)
         if config.kv_source_layers[index] == index:  # consumers own no latent projection
-            self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope_dim, bias=False, dtype=dtype)
+            self.kv_a_proj_with_mqa = nn.Linear(
+                hidden, self.rank + self.rope_dim, bias=False, dtype=dtype
+            )
             self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps, dtype)
-        self.kv_b_proj = nn.Linear(self.rank, self.heads * (self.nope_dim + self.v_dim), bias=False, dtype=dtype)
+        self.kv_b_proj = nn.Linear(
+            self.rank, self.heads * (self.nope_dim + self.v_dim), bias=False, dtype=dtype
+        )
         self.o_proj = nn.Linear(self.heads * self.v_dim, hidden, bias=False, dtype=dtype)
         self.softmax_scaling = SSMax(self.heads, dtype)
         if config.indexer_types[index] == "full":
             self.indexer = Indexer(config, bool(config.indexer_no_rope_layers[index]), dtype)
 
-    def latent(self, x: torch.Tensor, cos: Angles, sin: Angles) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [B, T, H] -> normed latent [B, T, r] and rotated key [B, T, R] (None on NoPE layers)."""
+    def latent(
+        self, x: torch.Tensor, cos: Angles, sin: Angles
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, T, H] -> normed latent [B, T, r] and rotated key [B, T, R] (None on NoPE
+        layers)."""
         latent, rope_key = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         return self.kv_a_layernorm(latent), (rotate(rope_key, cos, sin) if self.rope_dim else None)
 
-    def forward(self, x: torch.Tensor, cos: Angles, sin: Angles, log_positions: torch.Tensor, mask: Mask,
-                latent: torch.Tensor, rope_key: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: Angles,
+        sin: Angles,
+        log_positions: torch.Tensor,
+        mask: Mask,
+        latent: torch.Tensor,
+        rope_key: torch.Tensor | None,
+    ) -> torch.Tensor:
         """x [B, T, H] queries; latent [B, S, r] and rope_key [B, S, R] keys; mask: a BlockMask
         (FlexAttention) or bool [B, 1, T, S] (dense scores)."""
         batch, seq_len, _ = x.shape
@@ -357,12 +465,19 @@ class MLAttention(nn.Module):
             q = torch.cat([q_nope, rotate(q_rope, cos.unsqueeze(2), sin.unsqueeze(2))], dim=-1)
         q = self.softmax_scaling(q, log_positions).transpose(1, 2)  # [B, heads, T, qk]
         keys = latent.shape[1]
-        kv = self.kv_b_proj(latent).view(batch, keys, self.heads, self.nope_dim + self.v_dim).transpose(1, 2)
-        k, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [B, heads, S, nope], [B, heads, S, v]
+        kv = (
+            self.kv_b_proj(latent)
+            .view(batch, keys, self.heads, self.nope_dim + self.v_dim)
+            .transpose(1, 2)
+        )
+        # [B, heads, S, nope], [B, heads, S, v]
+        k, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         if self.rope_dim:
-            k = torch.cat([k, rope_key.unsqueeze(1).expand(batch, self.heads, keys, self.rope_dim)], dim=-1)
+            k = torch.cat(
+                [k, rope_key.unsqueeze(1).expand(batch, self.heads, keys, self.rope_dim)], dim=-1
+            )
         attend = flex_masked_attention if isinstance(mask, BlockMask) else masked_attention
-        out = attend(q, k, v, mask, self.qk_dim ** -0.5)  # [B, heads, T, v]
+        out = attend(q, k, v, mask, self.qk_dim**-0.5)  # [B, heads, T, v]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, self.heads * self.v_dim))
 
 
@@ -385,25 +500,46 @@ class Large4Block(nn.Module):
     def __init__(self, config: Large4Config, index: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.index, self.source = index, config.kv_source_layers[index]
-        self.loss_slot = sum(config.is_moe_layer(i) for i in range(index))  # its place among the MoE layers
+        # its place among the MoE layers
+        self.loss_slot = sum(config.is_moe_layer(i) for i in range(index))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = MLAttention(config, index, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if config.is_moe_layer(index):
-            self.mlp = MoE(config.hidden_size, config.moe_intermediate_size,
-                           config.moe_intermediate_size * config.n_shared_experts, config.n_routed_experts,
-                           config.num_experts_per_tok, True, config.experts_backend, dtype,
-                           score_function="softmax", scaling=config.routed_scaling_factor,
-                           selection_bias=config.router_bias_update_rate > 0, capacity_factor=config.capacity_factor)
+            self.mlp = MoE(
+                config.hidden_size,
+                config.moe_intermediate_size,
+                config.moe_intermediate_size * config.n_shared_experts,
+                config.n_routed_experts,
+                config.num_experts_per_tok,
+                True,
+                config.experts_backend,
+                dtype,
+                score_function="softmax",
+                scaling=config.routed_scaling_factor,
+                selection_bias=config.router_bias_update_rate > 0,
+                capacity_factor=config.capacity_factor,
+            )
         else:
             self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype)
 
-    def forward(self, x: torch.Tensor, cos: Angles, sin: Angles, log_positions: torch.Tensor, visible: Visibility,
-                src_latent: torch.Tensor | None = None, src_rope_key: torch.Tensor | None = None,
-                prev_indices: torch.Tensor | None = None, prev_mask: Mask | None = None,
-                cache: LayerCache | None = None, backend: str = "sdpa", gather: Gather | None = None,
-                stats: Stats | None = None, real: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor | Mask | Stats | None, ...]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: Angles,
+        sin: Angles,
+        log_positions: torch.Tensor,
+        visible: Visibility,
+        src_latent: torch.Tensor | None = None,
+        src_rope_key: torch.Tensor | None = None,
+        prev_indices: torch.Tensor | None = None,
+        prev_mask: Mask | None = None,
+        cache: LayerCache | None = None,
+        backend: str = "sdpa",
+        gather: Gather | None = None,
+        stats: Stats | None = None,
+        real: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | Mask | Stats | None, ...]:
         attn_in = self.input_layernorm(x)
         latent, rope_key, own = src_latent, src_rope_key, self.source == self.index
         if own:
@@ -411,10 +547,17 @@ class Large4Block(nn.Module):
             if gather is not None:
                 latent, rope_key = gather(latent), (None if rope_key is None else gather(rope_key))
             if cache is not None:
-                latent, rope_key = cache.extend("latent", latent), cache.extend("rope_key", rope_key)
+                latent, rope_key = (
+                    cache.extend("latent", latent),
+                    cache.extend("rope_key", rope_key),
+                )
         indices, mask = prev_indices, prev_mask
-        if hasattr(self.self_attn, "indexer") and selects(self.self_attn.indexer.top_k, visible, cache):
-            indices = self.self_attn.indexer(attn_in, cos, sin, log_positions, visible, cache, gather)
+        if hasattr(self.self_attn, "indexer") and selects(
+            self.self_attn.indexer.top_k, visible, cache
+        ):
+            indices = self.self_attn.indexer(
+                attn_in, cos, sin, log_positions, visible, cache, gather
+            )
             mask = selection_attention_mask(visible, indices, backend)
         h = x + self.self_attn(attn_in, cos, sin, log_positions, mask, latent, rope_key)
         mlp_in = self.post_attention_layernorm(h)
@@ -422,7 +565,12 @@ class Large4Block(nn.Module):
             y = h + self.mlp(mlp_in)
         else:
             routed, logits, chosen = self.mlp.routed(mlp_in)
-            y, stats = h + routed, add_layer(stats, self.loss_slot, logits, chosen, real, self.mlp.router.score_function)
+            y, stats = (
+                h + routed,
+                add_layer(
+                    stats, self.loss_slot, logits, chosen, real, self.mlp.router.score_function
+                ),
+            )
         outputs = (y, (latent if own else None), (rope_key if own else None), indices, mask)
         return outputs if stats is None else (*outputs, stats)
 
@@ -435,12 +583,18 @@ def selects(top_k: int, visible: Visibility, cache: LayerCache | None) -> bool:
 
 # ============================================================================= the model
 
+
 def router_losses_of(config: Large4Config) -> RouterLosses:
     """The router losses Large 4's config asks for: DeepSeek-V3's sequence-wise term and the z-loss
     (balance.py). The published Large 4 has no balancing term of its own."""
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-    return RouterLosses(config.num_experts, config.num_experts_per_tok, moe_layers,
-                        sequence=config.router_sequence_loss_coef, z=config.router_z_loss_coef)
+    return RouterLosses(
+        config.num_experts,
+        config.num_experts_per_tok,
+        moe_layers,
+        sequence=config.router_sequence_loss_coef,
+        z=config.router_z_loss_coef,
+    )
 
 
 class MistralLarge4(nn.Module):
@@ -453,7 +607,8 @@ class MistralLarge4(nn.Module):
     positions; each layer gathers the small compressed latents, rotated keys and indexer keys over
     the group, so attention and the selection see every key of the sequence, exactly."""
 
-    parallel_dims = ("pp", "cp")  # the layouts its forward serves beyond data and expert parallelism (parallel.py)
+    # the layouts its forward serves beyond data and expert parallelism (parallel.py)
+    parallel_dims = ("pp", "cp")
     stage: StageContext = ONE_DEVICE  # the seam to the layouts (stage.py); parallel.py sets it
 
     def __init__(self, config: Large4Config, dtype: torch.dtype | None = None):
@@ -463,40 +618,61 @@ class MistralLarge4(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.rotary = LeRoPE(config)
-        self.layers = nn.ModuleDict({str(i): Large4Block(config, i, dtype) for i in range(config.num_hidden_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): Large4Block(config, i, dtype) for i in range(config.num_hidden_layers)}
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = Head(config.hidden_size, config.vocab_size, config.loss_chunk_size,
-                            config.final_logit_softcapping)
+        self.lm_head = Head(
+            config.hidden_size,
+            config.vocab_size,
+            config.loss_chunk_size,
+            config.final_logit_softcapping,
+        )
 
     def init_weights(self, seed: int = 0) -> None:
-        """Every parameter from `initial_value` (layers.init_weights): the same weights in every layout."""
+        """Every parameter from `initial_value` (layers.init_weights): the same weights in every
+        layout."""
         init_weights(self, seed)
 
     @property
     def router_losses(self) -> RouterLosses:
-        """The router losses its config asks for (balance.py), read at each forward as the config is."""
+        """The router losses its config asks for (balance.py), read at each forward as the config
+        is."""
         return router_losses_of(self.config)
 
     def check_inputs(self, input_ids, targets, doc_ids, positions) -> None:
         check_inputs(self.config, input_ids, targets, doc_ids, positions)
 
-    first_stage_modules = ("embed_tokens", "rotary")  # what only the first pipeline stage keeps (parallel.py)
+    # what only the first pipeline stage keeps (parallel.py)
+    first_stage_modules = ("embed_tokens", "rotary")
 
     def initial_value(self, name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
         """As transformers initialises: alpha 0, SSMax scale 0 and bias 1 (identity), norms 1 (and
         LayerNorm biases 0), matrices and routers normal(0, initializer_range) seeded by name."""
         owner, leaf = self.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
-        constants = {LeRoPE: {"alpha": 0.0}, SSMax: {"scale": 0.0, "bias": 1.0}, RMSNorm: {"weight": 1.0},
-                     nn.LayerNorm: {"weight": 1.0, "bias": 0.0}}
+        constants = {
+            LeRoPE: {"alpha": 0.0},
+            SSMax: {"scale": 0.0, "bias": 1.0},
+            RMSNorm: {"weight": 1.0},
+            nn.LayerNorm: {"weight": 1.0, "bias": 0.0},
+        }
         for kind, values in constants.items():
             if isinstance(owner, kind):
                 return torch.full(param.shape, values[leaf], dtype=param.dtype, device=param.device)
         if param.dim() < 2:
-            raise ValueError(f"{name}: no initialisation rule for a {param.dim()}-D parameter of {type(owner).__name__}")
+            raise ValueError(
+                f"{name}: no initialisation rule for a {param.dim()}-D parameter of "
+                f"{type(owner).__name__}"
+            )
         return seeded_normal(name, param, seed, self.config.initializer_range)
 
-    def forward(self, *inputs: torch.Tensor, targets: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def forward(
+        self,
+        *inputs: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Token ids [B, T] -> FP32 soft-capped logits [B, T, V], or with targets [B, T] (shifted,
         -100 ignored) the mean loss, plus the router losses when on; targets, doc_ids and
         positions may also follow input_ids positionally. doc_ids [B, T] marks packed documents
@@ -509,16 +685,18 @@ class MistralLarge4(nn.Module):
         rank computes its share of the positions (`plan.local`), its loss its share of the mean."""
         plan = self.stage.plan(self, inputs, targets, doc_ids, positions)
         positions = plan.local(plan.positions)  # [B, T / cp]
-        visible = Visibility(plan.doc_ids, plan.batch, positions.shape[1], plan.seq_len,
-                             plan.device, plan.mine)
+        visible = Visibility(
+            plan.doc_ids, plan.batch, positions.shape[1], plan.seq_len, plan.device, plan.mine
+        )
         layers = [int(name) for name in self.layers]
         if self.embed_tokens is not None:
             h, (cos, sin) = self.embed_tokens(plan.local(plan.input_ids)), self.rotary(positions)
             shared, indices = {}, None
         else:
             h, cos, sin, shared, indices = self._unpack(plan.received, layers[0])
-        h, shared, indices = self.run_stage(h, cos, sin, positions, visible, shared, indices,
-                                            plan=plan)
+        h, shared, indices = self.run_stage(
+            h, cos, sin, positions, visible, shared, indices, plan=plan
+        )
         if self.lm_head is None:
             return plan.send(*self._pack(h, cos, sin, shared, indices, layers[-1] + 1))
         h = self.norm(h.float())
@@ -526,60 +704,106 @@ class MistralLarge4(nn.Module):
             return self.lm_head(h)
         return plan.loss(self.lm_head(h, plan.local(plan.targets)))
 
-    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, visible: Visibility,
-                   caches: dict[int, LayerCache] | None = None) -> torch.Tensor:
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        visible: Visibility,
+        caches: dict[int, LayerCache] | None = None,
+    ) -> torch.Tensor:
         """The decoder stack: the rope tables, built once for all layers, then every layer."""
         cos, sin = self.rotary(positions)  # [B, T, R/2] FP32
         return self.run_stage(h, cos, sin, positions, visible, caches=caches)[0]
 
-    def run_stage(self, h: torch.Tensor, cos: Angles, sin: Angles, positions: torch.Tensor, visible: Visibility,
-                  shared: dict[int, tuple] | None = None, indices: torch.Tensor | None = None,
-                  caches: dict[int, LayerCache] | None = None, plan: ForwardPlan | None = None
-                  ) -> tuple[torch.Tensor, dict[int, tuple], torch.Tensor | None]:
+    def run_stage(
+        self,
+        h: torch.Tensor,
+        cos: Angles,
+        sin: Angles,
+        positions: torch.Tensor,
+        visible: Visibility,
+        shared: dict[int, tuple] | None = None,
+        indices: torch.Tensor | None = None,
+        caches: dict[int, LayerCache] | None = None,
+        plan: ForwardPlan | None = None,
+    ) -> tuple[torch.Tensor, dict[int, tuple], torch.Tensor | None]:
         """The layers this module holds (all, or a pipeline stage's) -> (h, shared, indices).
-        `shared` maps a source layer to its latent and rotated key, `indices` is the current selection;
-        both live only in this call (a pipeline stage receives and returns them as tensors) and
-        reach each layer as arguments, as does the attention mask of the current group. That mask is
-        built here for a dense forward (one group of all layers) or from a selection received from
-        the previous stage; each layer whose indexer selects builds its own group's. `plan`: the
-        forward's (stage.py), through which each block runs (the layout's gather, the router-loss
-        statistics); generation's adds nothing."""
+        `shared` maps a source layer to its latent and rotated key, `indices` is the current
+        selection; both live only in this call (a pipeline stage receives and returns them as
+        tensors) and reach each layer as arguments, as does the attention mask of the current group.
+        That mask is built here for a dense forward (one group of all layers) or from a selection
+        received from the previous stage; each layer whose indexer selects builds its own group's.
+        `plan`: the forward's (stage.py), through which each block runs (the layout's gather, the
+        router-loss statistics); generation's adds nothing."""
         plan = ForwardPlan() if plan is None else plan
         # Generation stays dense: a compiled flex kernel would recompile for every new key count.
-        backend = "sdpa" if caches is not None else resolve_backend(self.config.attention_backend, h.device)
+        backend = (
+            "sdpa"
+            if caches is not None
+            else resolve_backend(self.config.attention_backend, h.device)
+        )
         log_positions = torch.log(positions.float() + 1)  # SSMax, FP32
         shared = dict(shared or {})
         dense = not selects(self.config.index_topk, visible, caches)
-        mask = selection_attention_mask(visible, indices, backend) if dense or indices is not None else None
+        mask = (
+            selection_attention_mask(visible, indices, backend)
+            if dense or indices is not None
+            else None
+        )
         for layer in self.layers.values():
             source_kv = shared.get(layer.source, (None, None))
             cache = None if caches is None else caches.setdefault(layer.index, LayerCache())
             h, latent, rope_key, indices, mask = plan.block(
-                layer, h, cos, sin, log_positions, visible, *source_kv, indices, mask, cache=cache,
-                backend=backend)
+                layer,
+                h,
+                cos,
+                sin,
+                log_positions,
+                visible,
+                *source_kv,
+                indices,
+                mask,
+                cache=cache,
+                backend=backend,
+            )
             if self.config.kv_mode(layer.index) == "store":
                 shared[layer.index] = (latent, rope_key)
         return h, shared, indices
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None,
-                 eos_token_id: int | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | None = None,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Extend prompt [B, T] by up to max_new_tokens -> [B, T + n] (see model.stream), caching
         compressed latents (+ rotary key, once per source, read by its consumers) and indexer keys:
         equal to running the whole sequence again at every step."""
-        return generate(self, prompt, max_new_tokens, temperature, top_k, generator, eos_token_id, allowed)
+        return generate(
+            self, prompt, max_new_tokens, temperature, top_k, generator, eos_token_id, allowed
+        )
 
-    def decode_step(self, input_ids: torch.Tensor, caches: dict[int, LayerCache], start: int) -> torch.Tensor:
-        """New tokens [B, t] at positions start.. through the cached layers -> last logits [B, V]."""
+    def decode_step(
+        self, input_ids: torch.Tensor, caches: dict[int, LayerCache], start: int
+    ) -> torch.Tensor:
+        """New tokens [B, t] at positions start.. through the cached layers -> last logits [B,
+        V]."""
         batch, seq_len = input_ids.shape
-        positions = torch.arange(start, start + seq_len, device=input_ids.device).expand(batch, seq_len)
-        visible = Visibility(None, batch, seq_len, start + seq_len, input_ids.device)  # causal over the cache
+        positions = torch.arange(start, start + seq_len, device=input_ids.device).expand(
+            batch, seq_len
+        )
+        # causal over the cache
+        visible = Visibility(None, batch, seq_len, start + seq_len, input_ids.device)
         h = self.run_layers(self.embed_tokens(input_ids), positions, visible, caches)
         return self.lm_head(self.norm(h[:, -1:].float()))[:, -1]
 
-    # ------------------------------------------------------------------ what train.py and parallel.py need
+    # ----------------------------------------------------------- what train.py and parallel.py need
     def fp32_modules(self, layer: Large4Block) -> list[nn.Module]:
         """The modules of one block that stay FP32 under a BF16 policy (one FSDP unit per block)."""
         modules = [layer.mlp.router] if isinstance(layer.mlp, MoE) else []
@@ -592,28 +816,35 @@ class MistralLarge4(nn.Module):
         return [self.rotary] if self.rotary is not None else []
 
     def checkpointed_block_bytes(self, seq_len: int) -> float:
-        """What a checkpointed block keeps for backward per token (tools/memory.py): its BF16 input and, with
-        the selection on (seq_len > index_topk), the int64 top-k key indices [T, k] each block receives
-        (the rehearsal measured 128 MiB per block at 8,192 tokens)."""
+        """What a checkpointed block keeps for backward per token (tools/memory.py): its BF16 input
+        and, with the selection on (seq_len > index_topk), the int64 top-k key indices [T, k] each
+        block receives (the rehearsal measured 128 MiB per block at 8,192 tokens)."""
         c = self.config
         return 2 * c.hidden_size + (8 * c.index_topk if seq_len > c.index_topk else 0)
 
     def block_activation_bytes(self, seq_len: int) -> float:
-        """Activations one block saves for backward per token, in BF16 (tools/memory.py, which assumes
-        GPUs): the projections; the selection and its group's attention mask (shared by the layers
-        of a group, counted here for every block: bools over seq_len keys with sdpa, one bit per key
-        with flex); with the sdpa backend also the FP32 score and probability rows (flex keeps only
-        the softmax statistics); the MoE as for Flint."""
+        """Activations one block saves for backward per token, in BF16 (tools/memory.py, which
+        assumes GPUs): the projections; the selection and its group's attention mask (shared by the
+        layers of a group, counted here for every block: bools over seq_len keys with sdpa, one bit
+        per key with flex); with the sdpa backend also the FP32 score and probability rows (flex
+        keeps only the softmax statistics); the MoE as for Flint."""
         c = self.config
         attended = min(seq_len, c.index_topk)
-        projections = 2 * (4 * c.hidden_size + 3 * c.num_attention_heads * c.qk_head_dim
-                           + 2 * (c.kv_lora_rank + c.qk_rope_head_dim)
-                           + c.num_attention_heads * (c.qk_head_dim + 2 * c.v_head_dim))
+        projections = 2 * (
+            4 * c.hidden_size
+            + 3 * c.num_attention_heads * c.qk_head_dim
+            + 2 * (c.kv_lora_rank + c.qk_rope_head_dim)
+            + c.num_attention_heads * (c.qk_head_dim + 2 * c.v_head_dim)
+        )
         sdpa = c.attention_backend == "sdpa"
         rows = 8 * c.num_attention_heads * seq_len if sdpa else 4 * c.num_attention_heads
-        scores = rows + (seq_len if sdpa else seq_len / 8) + 8 * attended  # attention rows, mask, indices
+        # attention rows, mask, indices
+        scores = rows + (seq_len if sdpa else seq_len / 8) + 8 * attended
         k, width = c.num_experts_per_tok, c.moe_intermediate_size
-        moe = 2 * (k * c.hidden_size + 5 * k * width + 3 * width * c.n_shared_experts) + 4 * c.n_routed_experts
+        moe = (
+            2 * (k * c.hidden_size + 5 * k * width + 3 * width * c.n_shared_experts)
+            + 4 * c.n_routed_experts
+        )
         return projections + scores + moe
 
     def num_params(self, active: bool = False) -> int:
@@ -632,7 +863,13 @@ class MistralLarge4(nn.Module):
         flops = 6.0 * (matrices - idle - c.vocab_size * c.hidden_size) + 2.0 * frozen
         attended = sum(min(i + 1, c.index_topk) for i in range(seq_len)) / seq_len
         scored = (seq_len + 1) / 2
-        flops += c.num_hidden_layers * 6.0 * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * attended
+        flops += (
+            c.num_hidden_layers
+            * 6.0
+            * c.num_attention_heads
+            * (c.qk_head_dim + c.v_head_dim)
+            * attended
+        )
         flops += c.indexer_types.count("full") * 2.0 * c.index_n_heads * c.index_head_dim * scored
         return flops
 
@@ -641,33 +878,51 @@ class MistralLarge4(nn.Module):
     # may fall anywhere, between a KV source and its consumers or inside a group sharing one
     # selection: what a later layer still needs crosses. The rope tables cross as differentiable
     # tensors, so alpha, on the first stage, receives the gradient of every later layer.
-    def stage_io(self, batch: int, seq_len: int, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], ...]:
-        """This stage's (inputs, outputs) for micro-batches [batch, seq_len], as meta tensors: static
-        metadata for parallel.py's PipelineStage. Token ids into the first stage, the FP32 loss out of
-        the last, stage_boundary between."""
+    def stage_io(
+        self, batch: int, seq_len: int, dtype: torch.dtype
+    ) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """This stage's (inputs, outputs) for micro-batches [batch, seq_len], as meta tensors:
+        static metadata for parallel.py's PipelineStage. Token ids into the first stage, the FP32
+        loss out of the last, stage_boundary between."""
         layers = [int(name) for name in self.layers]
-        inputs = ((torch.empty(batch, seq_len, dtype=torch.long, device="meta"),) if self.embed_tokens is not None
-                  else self.stage_boundary(layers[0], batch, seq_len, dtype))
-        outputs = ((torch.empty((), device="meta", requires_grad=True),) if self.lm_head is not None
-                   else self.stage_boundary(layers[-1] + 1, batch, seq_len, dtype))
+        inputs = (
+            (torch.empty(batch, seq_len, dtype=torch.long, device="meta"),)
+            if self.embed_tokens is not None
+            else self.stage_boundary(layers[0], batch, seq_len, dtype)
+        )
+        outputs = (
+            (torch.empty((), device="meta", requires_grad=True),)
+            if self.lm_head is not None
+            else self.stage_boundary(layers[-1] + 1, batch, seq_len, dtype)
+        )
         return inputs, outputs
 
-    def stage_boundary(self, layer: int, batch: int, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def stage_boundary(
+        self, layer: int, batch: int, seq_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, ...]:
         """What crosses into layer `layer` from the stage before it, as meta tensors (requires_grad
         where a gradient flows back): static pipeline metadata, since shape inference would run the
-        next stage on uninitialised indices. In order: h [B, T, H]; cos, sin [B, T, R/2] FP32 while a
-        later layer rotates; for each source layer a later layer reads, its latent [B, S, r] and, if
-        RoPE, its rotated key [B, S, R]; the int32 selection [B, T, k] if `layer` shares it. A dense
-        forward (S <= index_topk: no selection) sends it as [B, T, 0], so a boundary is always the
-        same tuple of tensors. Last, with a router loss on, its statistics (balance.py). h, latents
-        and keys are in the compute `dtype`. S = seq_len; T is seq_len / cp, this rank's queries
-        (latents cross gathered over the cp group)."""
+        next stage on uninitialised indices. In order: h [B, T, H]; cos, sin [B, T, R/2] FP32 while
+        a later layer rotates; for each source layer a later layer reads, its latent [B, S, r] and,
+        if RoPE, its rotated key [B, S, R]; the int32 selection [B, T, k] if `layer` shares it. A
+        dense forward (S <= index_topk: no selection) sends it as [B, T, 0], so a boundary is always
+        the same tuple of tensors. Last, with a router loss on, its statistics (balance.py). h,
+        latents and keys are in the compute `dtype`. S = seq_len; T is seq_len / cp, this rank's
+        queries (latents cross gathered over the cp group)."""
         c = self.config
         sources, rope, shares = self._crossing(layer)
         local = seq_len // self.stage.cp
 
         def meta(width: int, kind: torch.dtype = dtype, length: int = local) -> torch.Tensor:
-            return torch.empty(batch, length, width, dtype=kind, device="meta", requires_grad=kind.is_floating_point)
+            return torch.empty(
+                batch,
+                length,
+                width,
+                dtype=kind,
+                device="meta",
+                requires_grad=kind.is_floating_point,
+            )
+
         tensors = [meta(c.hidden_size)] + [meta(c.qk_rope_head_dim // 2, torch.float32)] * 2 * rope
         for source in sources:
             tensors += [meta(c.kv_lora_rank, length=seq_len)]
@@ -684,7 +939,9 @@ class MistralLarge4(nn.Module):
         rope = any(c.no_rope_layers[layer:]) or any(c.indexer_no_rope_layers[layer:])
         return sources, rope, c.indexer_types[layer] == "shared"
 
-    def _pack(self, h, cos, sin, shared: dict[int, tuple], indices: torch.Tensor | None, layer: int) -> tuple:
+    def _pack(
+        self, h, cos, sin, shared: dict[int, tuple], indices: torch.Tensor | None, layer: int
+    ) -> tuple:
         """This stage's results -> the tuple stage_boundary(layer) describes."""
         sources, rope, shares = self._crossing(layer)
         tensors = [h] + [cos, sin] * rope
@@ -692,8 +949,11 @@ class MistralLarge4(nn.Module):
             latent, rope_key = shared[source]
             tensors += [latent] + ([rope_key] if rope_key is not None else [])
         if shares:
-            tensors.append(h.new_zeros(*h.shape[:2], 0, dtype=torch.int32) if indices is None
-                           else indices.to(torch.int32))
+            tensors.append(
+                h.new_zeros(*h.shape[:2], 0, dtype=torch.int32)
+                if indices is None
+                else indices.to(torch.int32)
+            )
         return tuple(tensors)
 
     def _unpack(self, inputs: tuple, layer: int) -> tuple:
@@ -701,19 +961,34 @@ class MistralLarge4(nn.Module):
         sources, rope, shares = self._crossing(layer)
         h, rest = inputs[0], list(inputs[1:])
         cos, sin = (rest.pop(0), rest.pop(0)) if rope else (None, None)
-        shared = {source: (rest.pop(0), rest.pop(0) if self.config.no_rope_layers[source] else None)
-                  for source in sources}
+        shared = {
+            source: (rest.pop(0), rest.pop(0) if self.config.no_rope_layers[source] else None)
+            for source in sources
+        }
         indices = rest.pop(0).long() if shares else None
         return h, cos, sin, shared, (indices if indices is not None and indices.shape[-1] else None)
 
 
-def build_large4(config: Large4Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 seed: int = 0) -> MistralLarge4:
+def build_large4(
+    config: Large4Config,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> MistralLarge4:
     """decoder.build for Mistral Large 4: meta build, materialise on `device`, initialise."""
     return build(MistralLarge4, config, device, dtype, seed)
 
 
-FAMILY = Family("large4", Large4Config, MistralLarge4, model_type="mistral_large4", layout=LAYOUT,
-                timed_modules=((Indexer, "indexer (Large 4)"),
-                               (MLAttention, "latent attention (Large 4: projections + core)")),
-                smallest_preset="large4-tiny", bench_preset="large4-bench")
+FAMILY = Family(
+    "large4",
+    Large4Config,
+    MistralLarge4,
+    model_type="mistral_large4",
+    layout=LAYOUT,
+    timed_modules=(
+        (Indexer, "indexer (Large 4)"),
+        (MLAttention, "latent attention (Large 4: projections + core)"),
+    ),
+    smallest_preset="large4-tiny",
+    bench_preset="large4-bench",
+)

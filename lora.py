@@ -8,18 +8,18 @@ name like the models' `initial_value` (so every parallel layout starts from the 
 B zero, so at step 0 the model computes exactly what the base does. The adapters are new
 submodules, so no base parameter is renamed and a base checkpoint loads as it is:
 
-    nn.Linear W [out, in]                 <name>.lora.A [r, in], <name>.lora.B [out, r]     (PEFT's layout)
+    nn.Linear W [out, in]                 <name>.lora.A [r, in], <name>.lora.B [out, r]  (PEFT's)
     routed experts, in their own x @ w layout (moe.py):
       gate_up_proj [E, H, 2*Im]           <experts>.gate_up_lora.A [E, H, r], .B [E, r, 2*Im]
       down_proj    [E, Im, H]             <experts>.down_lora.A [E, Im, r],  .B [E, r, H]
 
 so that an expert's update is x @ A_e @ B_e: two grouped GEMMs over the rows sorted by expert
-(`grouped_lora`), with no transpose, and the merged weight is w_e + scale * A_e @ B_e.
-A targeted module keeps its class; its forward becomes the adapted one (an instance attribute, as
+(`grouped_lora`), with no transpose, and the merged weight is w_e + scale * A_e @ B_e. A targeted
+module keeps its class; its forward becomes the adapted one (an instance attribute, as
 parallel.apply_compile sets a compiled forward), which reads the parameters at each call, so FSDP's
 gathered weights and a compiled block see the adapters like any other parameter. Routed experts keep
-their forward and take an adapted `swiglu` (the grouped GEMMs of their rows, grouped by expert): under
-expert parallelism moe.ExpertParallelExperts runs it on this rank's experts, whose adapters
+their forward and take an adapted `swiglu` (the grouped GEMMs of their rows, grouped by expert):
+under expert parallelism moe.ExpertParallelExperts runs it on this rank's experts, whose adapters
 parallel.apply_expert_parallel splits over the experts with the weights.
 
 A LoRA run's checkpoints hold the adapters and RUN_FILE (its settings and its base's identity,
@@ -46,17 +46,20 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from checkpoint_files import CHECKSUMS, CheckpointError, crc32_of
-from layers import fp32_units, frozen_modules, inside, seeded_normal
 from hf_io import read_json
+from layers import fp32_units, frozen_modules, inside, seeded_normal
 from moe import GROUPED_GEMM_MULTIPLE, GroupedExperts, grouped_mm
 from registry import ModelConfig, model_class
 
-ALL = "all"  # the target that adapts every nn.Linear and routed-expert group outside the FP32 units and frozen parts
+# the target that adapts every nn.Linear and routed-expert group outside the FP32 units and frozen
+# parts
+ALL = "all"
 # Adapter submodule name -> the base parameter of its owner that it adapts.
 ADAPTED = {"lora": "weight", "gate_up_lora": "gate_up_proj", "down_lora": "down_proj"}
 
 
 # ============================================================================= configuration
+
 
 @dataclass
 class LoraConfig:
@@ -65,10 +68,11 @@ class LoraConfig:
     rank: int = 16  # r: the adapters' inner width
     alpha: float = 32.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # on each adapter's input, in training only
-    targets: list[str] = field(default_factory=list)  # module names or dotted tails ("q_proj", "mlp.experts"), or "all"
+    # module names or dotted tails ("q_proj", "mlp.experts"), or "all"
+    targets: list[str] = field(default_factory=list)
 
     @classmethod
-    def from_dict(cls, section: dict, where: str = "[lora]") -> "LoraConfig":
+    def from_dict(cls, section: dict, where: str = "[lora]") -> LoraConfig:
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(section) - set(known))
         if unknown:
@@ -78,20 +82,35 @@ class LoraConfig:
         return config
 
     def validate(self, where: str = "[lora]") -> None:
-        """Each setting on its own, one line naming the key; what the targets match is checked by apply_lora."""
+        """Each setting on its own, one line naming the key; what the targets match is checked by
+        apply_lora."""
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             raise ValueError(f"{where} rank must be an integer > 0, got {self.rank!r}")
-        if (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
-                or not math.isfinite(self.alpha) or self.alpha == 0):
+        if (
+            isinstance(self.alpha, bool)
+            or not isinstance(self.alpha, (int, float))
+            or not math.isfinite(self.alpha)
+            or self.alpha == 0
+        ):
             # alpha 0 scales every update to zero: the adapters would train and change nothing
             raise ValueError(
-                f"{where} alpha must be a finite number other than 0, got {self.alpha!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+                f"{where} alpha must be a finite number other than 0, got {self.alpha!r}"
+            )
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, (int, float))
+            or not 0 <= self.dropout < 1
+        ):
             raise ValueError(f"{where} dropout must be a number in [0, 1), got {self.dropout!r}")
-        if (not isinstance(self.targets, (list, tuple)) or not self.targets
-                or not all(isinstance(t, str) and t for t in self.targets)):
-            raise ValueError(f"{where} targets must be a non-empty list of module names such as "
-                             f"[\"q_proj\", \"experts\"] or [\"{ALL}\"], got {self.targets!r}")
+        if (
+            not isinstance(self.targets, (list, tuple))
+            or not self.targets
+            or not all(isinstance(t, str) and t for t in self.targets)
+        ):
+            raise ValueError(
+                f"{where} targets must be a non-empty list of module names such as "
+                f'["q_proj", "experts"] or ["{ALL}"], got {self.targets!r}'
+            )
 
     @property
     def scale(self) -> float:
@@ -105,14 +124,22 @@ class LoraConfig:
 
 # ============================================================================= the adapters
 
-class LinearAdapter(nn.Module):
-    """The update of one nn.Linear (weight [out, in]): scale * B A dropout(x), A [r, in], B [out, r]."""
 
-    def __init__(self, in_features: int, out_features: int, config: LoraConfig, device: torch.device):
+class LinearAdapter(nn.Module):
+    """The update of one nn.Linear (weight [out, in]): scale * B A dropout(x), A [r, in], B [out,
+    r]."""
+
+    def __init__(
+        self, in_features: int, out_features: int, config: LoraConfig, device: torch.device
+    ):
         super().__init__()
         self.scale, self.dropout = config.scale, config.dropout
-        self.A = nn.Parameter(torch.empty(config.rank, in_features, dtype=torch.float32, device=device))
-        self.B = nn.Parameter(torch.empty(out_features, config.rank, dtype=torch.float32, device=device))
+        self.A = nn.Parameter(
+            torch.empty(config.rank, in_features, dtype=torch.float32, device=device)
+        )
+        self.B = nn.Parameter(
+            torch.empty(out_features, config.rank, dtype=torch.float32, device=device)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> the update [..., out], in x's dtype (computed in the adapters' dtype)."""
@@ -121,34 +148,48 @@ class LinearAdapter(nn.Module):
 
 
 class GroupedAdapter(nn.Module):
-    """The update of one grouped expert weight w [E, in, out] (x @ w_e): A [E, in, r], B [E, r, out]."""
+    """The update of one grouped expert weight w [E, in, out] (x @ w_e): A [E, in, r], B [E, r,
+    out]."""
 
-    def __init__(self, num_experts: int, in_features: int, out_features: int, config: LoraConfig,
-                 device: torch.device):
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        config: LoraConfig,
+        device: torch.device,
+    ):
         super().__init__()
         self.scale, self.dropout = config.scale, config.dropout
         rank = config.rank
-        self.A = nn.Parameter(torch.empty(num_experts, in_features, rank, dtype=torch.float32, device=device))
-        self.B = nn.Parameter(torch.empty(num_experts, rank, out_features, dtype=torch.float32, device=device))
+        self.A = nn.Parameter(
+            torch.empty(num_experts, in_features, rank, dtype=torch.float32, device=device)
+        )
+        self.B = nn.Parameter(
+            torch.empty(num_experts, rank, out_features, dtype=torch.float32, device=device)
+        )
 
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """rows [R, in] sorted by this rank's experts, offsets int32 [E] (moe.grouped_mm's) -> the update
-        [R, out]. Under expert parallelism A and B are split over the experts: this rank's are used."""
+        """rows [R, in] sorted by this rank's experts, offsets int32 [E] (moe.grouped_mm's) -> the
+        update [R, out]. Under expert parallelism A and B are split over the experts: this rank's
+        are used."""
         A, B = local_experts(self.A), local_experts(self.B)
         rows_in = F.dropout(rows.to(A.dtype), self.dropout, self.training)
         return grouped_lora(rows_in, offsets, A, B, self.scale).to(rows.dtype)
 
 
 def local_experts(param: torch.Tensor) -> torch.Tensor:
-    """An expert adapter's parameter as this rank holds it: a DTensor split over the experts -> its local part."""
+    """An expert adapter's parameter as this rank holds it: a DTensor split over the experts -> its
+    local part."""
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def grouped_lora(rows: torch.Tensor, offsets: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """Each row's expert update, two grouped GEMMs: rows [R, in] sorted by expert (padding rows zero),
-    offsets int32 [E] cumulative group ends, A [E, in, r], B [E, r, out] -> scale * rows_e @ A_e @ B_e
-    [R, out]. The scale multiplies the narrow [R, r] product."""
+def grouped_lora(
+    rows: torch.Tensor, offsets: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Each row's expert update, two grouped GEMMs: rows [R, in] sorted by expert (padding rows
+    zero), offsets int32 [E] cumulative group ends, A [E, in, r], B [E, r, out] -> scale * rows_e @
+    A_e @ B_e [R, out]. The scale multiplies the narrow [R, r] product."""
     return grouped_mm(grouped_mm(rows, A, offsets) * scale, B, offsets)
 
 
@@ -161,19 +202,26 @@ def delta_weight(A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor
 
 # ============================================================================= the adapted forwards
 
+
 def adapted_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """An adapted nn.Linear's forward: W x (+ bias) + its adapter's update."""
     return F.linear(x, self.weight, self.bias) + self.lora(x)
 
 
-def adapted_swiglu(gate_up_lora: GroupedAdapter, down_lora: GroupedAdapter, rows: torch.Tensor,
-                   weights: torch.Tensor, offsets: torch.Tensor, gate_up_proj: torch.Tensor,
-                   down_proj: torch.Tensor) -> torch.Tensor:
-    """Adapted routed experts: moe.grouped_swiglu (rows [R, H] grouped by expert, routing weights [R]
-    -> [R, H]) with each grouped GEMM's update added; GroupedExperts.swiglu, so that the dropless
-    grouped path and the expert-parallel one (on this rank's experts) both run it. The routing weight
-    scales the hidden row before the down projection, so it scales the down adapter's update too, as
-    in the merged weight."""
+def adapted_swiglu(
+    gate_up_lora: GroupedAdapter,
+    down_lora: GroupedAdapter,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """Adapted routed experts: moe.grouped_swiglu (rows [R, H] grouped by expert, routing weights
+    [R] -> [R, H]) with each grouped GEMM's update added; GroupedExperts.swiglu, so that the
+    dropless grouped path and the expert-parallel one (on this rank's experts) both run it. The
+    routing weight scales the hidden row before the down projection, so it scales the down adapter's
+    update too, as in the merged weight."""
     gate_up = grouped_mm(rows, gate_up_proj, offsets) + gate_up_lora(rows, offsets)
     gate, up = gate_up.chunk(2, dim=-1)  # [R, Im] each
     hidden = F.silu(gate) * up * weights.unsqueeze(-1)
@@ -182,16 +230,23 @@ def adapted_swiglu(gate_up_lora: GroupedAdapter, down_lora: GroupedAdapter, rows
 
 # ============================================================================= applying
 
+
 def apply_lora(model: nn.Module, config: LoraConfig, seed: int = 0) -> list[str]:
-    """Freeze `model` and adapt the modules `config.targets` name -> their names. Call it on the whole
-    model (on meta or materialised) before parallelize: adapters are created on the device of the
-    weight they adapt and, unless that is meta, initialised (see `initial_value`)."""
+    """Freeze `model` and adapt the modules `config.targets` name -> their names. Call it on the
+    whole model (on meta or materialised) before parallelize: adapters are created on the device of
+    the weight they adapt and, unless that is meta, initialised (see `initial_value`)."""
     config.validate()
     targets = resolve_targets(model, config.targets)
     check_rank(config.rank, targets)
-    if config.rank % GROUPED_GEMM_MULTIPLE and any(isinstance(m, GroupedExperts) for m in targets.values()):
-        raise ValueError(f"[lora] rank must be a multiple of {GROUPED_GEMM_MULTIPLE} to adapt routed experts (the "
-                         f"grouped GEMM's rows start on 16-byte boundaries, 8 BF16 values), got {config.rank}")
+    if config.rank % GROUPED_GEMM_MULTIPLE and any(
+        isinstance(m, GroupedExperts) for m in targets.values()
+    ):
+        raise ValueError(
+            f"[lora] rank must be a multiple of {GROUPED_GEMM_MULTIPLE} to adapt "
+            "routed experts (the "
+            "grouped GEMM's rows start on 16-byte boundaries, 8 BF16 values), got "
+            f"{config.rank}"
+        )
     model.requires_grad_(False)
     for name, module in targets.items():
         if isinstance(module, GroupedExperts):
@@ -201,10 +256,13 @@ def apply_lora(model: nn.Module, config: LoraConfig, seed: int = 0) -> list[str]
             module.down_lora = GroupedAdapter(num_experts, double // 2, hidden, config, device)
             module.swiglu = partial(adapted_swiglu, module.gate_up_lora, module.down_lora)
         else:
-            module.lora = LinearAdapter(module.in_features, module.out_features, config, module.weight.device)
+            module.lora = LinearAdapter(
+                module.in_features, module.out_features, config, module.weight.device
+            )
             module.forward = MethodType(adapted_linear, module)
     init_adapters(model, seed)
-    # parallel.init_weights asks the model for each parameter's initial value: the adapters' come from here.
+    # parallel.init_weights asks the model for each parameter's initial value: the adapters' come
+    # from here.
     model.initial_value = MethodType(initial_value_of_adapted, model)
     return list(targets)
 
@@ -223,51 +281,84 @@ def check_rank(rank: int, targets: dict[str, nn.Module]) -> None:
     name, module = min(targets.items(), key=lambda item: min(map_sides(item[1])))
     sides = map_sides(module)
     if rank > min(sides):
-        raise ValueError(f"[lora] rank must be at most {min(sides)}, the smaller side of the "
-                         f"narrowest adapted map ({name}: in {sides[0]}, out {sides[1]}), "
-                         f"got {rank}")
+        raise ValueError(
+            f"[lora] rank must be at most {min(sides)}, the smaller side of the "
+            f"narrowest adapted map ({name}: in {sides[0]}, out {sides[1]}), "
+            f"got {rank}"
+        )
 
 
 def resolve_targets(model: nn.Module, patterns: list[str]) -> dict[str, nn.Module]:
-    """The modules the patterns name: a pattern matches a module whose name is it or ends with "." + it.
-    Each pattern must match, and only modules that can take an adapter; ALL takes every one of those."""
+    """The modules the patterns name: a pattern matches a module whose name is it or ends with "." +
+    it. Each pattern must match, and only modules that can take an adapter; ALL takes every one of
+    those."""
     modules = dict(model.named_modules())
     if any(name.rpartition(".")[2] in ADAPTED for name in modules):
-        raise ValueError("[lora] the model already has adapters: apply_lora once, to the base model")
+        raise ValueError(
+            "[lora] the model already has adapters: apply_lora once, to the base model"
+        )
     fp32, frozen = fp32_units(model), frozen_modules(model)
     chosen: dict[str, nn.Module] = {}
     for pattern in patterns:
         if pattern == ALL:
-            matches = [name for name, m in modules.items() if isinstance(m, (nn.Linear, GroupedExperts))
-                       and not inside(name, fp32) and not inside(name, frozen)]
+            matches = [
+                name
+                for name, m in modules.items()
+                if isinstance(m, (nn.Linear, GroupedExperts))
+                and not inside(name, fp32)
+                and not inside(name, frozen)
+            ]
         else:
-            matches = [name for name in modules if name and (name == pattern or name.endswith("." + pattern))]
+            matches = [
+                name
+                for name in modules
+                if name and (name == pattern or name.endswith("." + pattern))
+            ]
         if not matches:
-            raise ValueError(f"[lora] targets: {pattern!r} matches no module of {type(model).__name__} (a target "
-                             f"is a module name or its dotted tail, e.g. \"q_proj\" or \"mlp.experts\")")
+            raise ValueError(
+                f"[lora] targets: {pattern!r} matches no module of "
+                f"{type(model).__name__} (a target "
+                'is a module name or its dotted tail, e.g. "q_proj" or '
+                '"mlp.experts")'
+            )
         for name in matches:
             check_target(pattern, name, modules[name], fp32, frozen)
             chosen[name] = modules[name]
     return chosen
 
 
-def check_target(pattern: str, name: str, module: nn.Module, fp32: set[str], frozen: set[str]) -> None:
+def check_target(
+    pattern: str, name: str, module: nn.Module, fp32: set[str], frozen: set[str]
+) -> None:
     """One line on why `module` (matched by `pattern`) cannot take an adapter, if it cannot."""
     where = f"[lora] targets: {pattern!r} matches {name}"
     if inside(name, frozen):
-        raise ValueError(f"{where}, which is frozen in the base model (Large 4's indexer): it takes no adapter")
+        raise ValueError(
+            f"{where}, which is frozen in the base model (Large 4's indexer): it takes no adapter"
+        )
     if inside(name, fp32):
-        raise ValueError(f"{where}, part of an FP32 unit (sinks, routers, head): those take no adapter")
+        raise ValueError(
+            f"{where}, part of an FP32 unit (sinks, routers, head): those take no adapter"
+        )
     if not isinstance(module, (nn.Linear, GroupedExperts)):
-        raise ValueError(f"{where} ({type(module).__name__}): adapters go on nn.Linear maps and routed experts only")
-    if isinstance(module, GroupedExperts) and (module.backend != "grouped" or module.capacity_ratio is not None):
-        raise ValueError(f"{where}: routed-expert adapters need experts_backend 'grouped' and no capacity_factor")
+        raise ValueError(
+            f"{where} ({type(module).__name__}): adapters go on nn.Linear maps and "
+            "routed experts only"
+        )
+    if isinstance(module, GroupedExperts) and (
+        module.backend != "grouped" or module.capacity_ratio is not None
+    ):
+        raise ValueError(
+            f"{where}: routed-expert adapters need experts_backend 'grouped' and no capacity_factor"
+        )
 
 
-# ============================================================================= initial values and names
+# ========================================================================= initial values and names
+
 
 def is_adapter_key(key: str) -> bool:
-    """Whether a parameter name (state-dict key) is an adapter's: <owner>.<lora|gate_up_lora|down_lora>.<A|B>."""
+    """Whether a parameter name (state-dict key) is an adapter's:
+    <owner>.<lora|gate_up_lora|down_lora>.<A|B>."""
     head, _, leaf = key.rpartition(".")
     return leaf in ("A", "B") and head.rpartition(".")[2] in ADAPTED
 
@@ -281,11 +372,12 @@ def base_key(adapter_key: str) -> str:
 
 def adapter_initial_value(name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
     """An adapter parameter's initial value: B zero; A normal(0, 1 / fan_in) from a generator seeded
-    by (seed, name), so that each rank and layout draws the same tensor (param gives shape and device)."""
+    by (seed, name), so that each rank and layout draws the same tensor (param gives shape and
+    device)."""
     if name.endswith(".B"):
         return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
     fan_in = param.shape[-1] if param.dim() == 2 else param.shape[-2]  # A [r, in] or [E, in, r]
-    return seeded_normal(name, param, seed, fan_in ** -0.5)
+    return seeded_normal(name, param, seed, fan_in**-0.5)
 
 
 def initial_value(model: nn.Module, name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
@@ -295,14 +387,18 @@ def initial_value(model: nn.Module, name: str, param: torch.Tensor, seed: int) -
     return type(model).initial_value(model, name, param, seed)
 
 
-def initial_value_of_adapted(self: nn.Module, name: str, param: torch.Tensor, seed: int) -> torch.Tensor:
-    """An adapted model's `initial_value` (apply_lora sets it on the instance, as it sets the forwards)."""
+def initial_value_of_adapted(
+    self: nn.Module, name: str, param: torch.Tensor, seed: int
+) -> torch.Tensor:
+    """An adapted model's `initial_value` (apply_lora sets it on the instance, as it sets the
+    forwards)."""
     return initial_value(self, name, param, seed)
 
 
 @torch.no_grad()
 def init_adapters(model: nn.Module, seed: int) -> None:
-    """Set every materialised adapter parameter to its initial value (meta ones wait for init_weights)."""
+    """Set every materialised adapter parameter to its initial value (meta ones wait for
+    init_weights)."""
     for name, param in model.named_parameters():
         if is_adapter_key(name) and param.device.type != "meta":
             param.copy_(adapter_initial_value(name, param, seed))
@@ -313,14 +409,15 @@ def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: value for key, value in state.items() if is_adapter_key(key)}
 
 
-# ============================================================================= training runs and their checkpoints
+# ============================================================== training runs and their checkpoints
 
-RUN_FILE = "lora.json"  # in each checkpoint of a LoRA run: its [lora] settings and the base's identity
+# in each checkpoint of a LoRA run: its [lora] settings and the base's identity
+RUN_FILE = "lora.json"
 
 
 def check_training(model_config: ModelConfig, config: LoraConfig) -> None:
-    """What apply_lora would refuse (targets matching nothing or a frozen or FP32 part, the rank, experts
-    under capacity), found at config time on a meta model."""
+    """What apply_lora would refuse (targets matching nothing or a frozen or FP32 part, the rank,
+    experts under capacity), found at config time on a meta model."""
     with torch.device("meta"):
         model = model_class(model_config)(model_config)
     apply_lora(model, config)
@@ -336,8 +433,11 @@ def base_identity(init_from: str | Path) -> dict:
     formatting does not count) and that of its weight files' checksums (`weights_sha256`)."""
     path = Path(init_from).resolve()
     text = json.dumps(read_json(path / "config.json"), sort_keys=True)
-    return {"path": str(path), "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
-            "weights_sha256": weights_sha256(path)}
+    return {
+        "path": str(path),
+        "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "weights_sha256": weights_sha256(path),
+    }
 
 
 def weight_files(base: Path) -> list[Path]:
@@ -362,12 +462,16 @@ def weights_sha256(base: Path) -> str:
     the base is loaded (checkpoint_files.verify)."""
     files = weight_files(base)
     stats = {file.name: file.stat() for file in files}
-    key = (str(base), tuple((name, st.st_size, st.st_ino, st.st_mtime_ns)
-                            for name, st in stats.items()))
+    key = (
+        str(base),
+        tuple((name, st.st_size, st.st_ino, st.st_mtime_ns) for name, st in stats.items()),
+    )
     if key not in _WEIGHT_DIGESTS:
         listed = listed_checksums(base)
-        sums = [[f.name, stats[f.name].st_size, listed[f.name] if f.name in listed else crc32_of(f)]
-                for f in files]
+        sums = [
+            [f.name, stats[f.name].st_size, listed[f.name] if f.name in listed else crc32_of(f)]
+            for f in files
+        ]
         _WEIGHT_DIGESTS[key] = hashlib.sha256(json.dumps(sums).encode()).hexdigest()
     return _WEIGHT_DIGESTS[key]
 
@@ -384,18 +488,22 @@ def listed_checksums(directory: Path) -> dict[str, int]:
 
 def base_changes(saved: dict, now: dict) -> str | None:
     """What differs, in words, between the base identity a run recorded and that at its path now."""
-    changed = [f"{what} (SHA-256 {saved[key][:12]} then, {now[key][:12]} now)"
-               for key, what in (("config_sha256", "config.json"), ("weights_sha256", "weights"))
-               if key in saved and saved[key] != now[key]]
+    changed = [
+        f"{what} (SHA-256 {saved[key][:12]} then, {now[key][:12]} now)"
+        for key, what in (("config_sha256", "config.json"), ("weights_sha256", "weights"))
+        if key in saved and saved[key] != now[key]
+    ]
     return " and its ".join(changed) or None
 
 
 def warn_unrecorded_weights(checkpoint: Path, base: str) -> None:
     """A checkpoint written before the base's weights were recorded is used, not refused (its base
     may be intact), with one line saying what could not be checked."""
-    print(f"warning: {checkpoint / RUN_FILE} records no checksum of its base's weights (written "
-          f"before they were recorded): the base {base} is checked by its config.json only",
-          file=sys.stderr)
+    print(
+        f"warning: {checkpoint / RUN_FILE} records no checksum of its base's weights (written "
+        f"before they were recorded): the base {base} is checked by its config.json only",
+        file=sys.stderr,
+    )
 
 
 def run_record(config: LoraConfig, init_from: str | Path) -> dict:
@@ -426,8 +534,10 @@ def read_run_record(checkpoint: Path) -> RunRecord | None:
         return RunRecord(record_settings(record), record_base(record))
     except ValueError as error:
         problem = str(error).removeprefix(f"{path}: ")
-        raise CheckpointError(f"{path}: {problem} (train.py writes this file with each checkpoint "
-                              f"of a LoRA run; restore it from a copy)") from None
+        raise CheckpointError(
+            f"{path}: {problem} (train.py writes this file with each checkpoint "
+            f"of a LoRA run; restore it from a copy)"
+        ) from None
 
 
 def record_entry(table: dict, key: str, kind: type, name: str) -> object:
@@ -460,25 +570,40 @@ def resume_refusal(checkpoint: Path, config: LoraConfig, init_from: str) -> str 
     in a LoRA run with adapters of the same shapes, on the same base (path, config, weights)."""
     saved = read_run_record(checkpoint)
     if saved is None:
-        return None if not config.enabled else (
-            f"checkpoint {checkpoint} holds a whole model, not LoRA adapters; to adapt it, set [model].init_from "
-            f"= \"{checkpoint}\" and checkpoint.resume = \"never\"")
+        return (
+            None
+            if not config.enabled
+            else (
+                f"checkpoint {checkpoint} holds a whole model, not LoRA adapters; to adapt it, set "
+                "[model].init_from "
+                f'= "{checkpoint}" and checkpoint.resume = "never"'
+            )
+        )
     base = saved.base["path"]
     if not config.enabled:
-        return (f"checkpoint {checkpoint} holds LoRA adapters only (of the base {base}): resume it "
-                f"with its [lora] section, or export it merged (python convert.py to-hf) and train from that")
+        return (
+            f"checkpoint {checkpoint} holds LoRA adapters only (of the base {base}): resume it "
+            "with its [lora] section, or export it merged (python convert.py to-hf) and train "
+            "from that"
+        )
     now = base_identity(init_from)
     if base != now["path"]:
-        return (f"checkpoint {checkpoint} adapts the base {base}, not [model].init_from "
-                f"{now['path']}: resume it on its own base")
+        return (
+            f"checkpoint {checkpoint} adapts the base {base}, not [model].init_from "
+            f"{now['path']}: resume it on its own base"
+        )
     changes = base_changes(saved.base, now)
     if changes:
-        return (f"checkpoint {checkpoint} adapts the base {base}, whose {changes} changed since "
-                f"the run started: resume it on the base it was trained on")
+        return (
+            f"checkpoint {checkpoint} adapts the base {base}, whose {changes} changed since "
+            f"the run started: resume it on the base it was trained on"
+        )
     if "weights_sha256" not in saved.base:
         warn_unrecorded_weights(checkpoint, base)
     if (saved.lora.rank, saved.lora.targets) != (config.rank, list(config.targets)):
-        return (f"checkpoint {checkpoint} holds adapters of [lora] rank {saved.lora.rank}, "
-                f"targets {saved.lora.targets}; this run asks for rank {config.rank}, "
-                f"targets {list(config.targets)}")
+        return (
+            f"checkpoint {checkpoint} holds adapters of [lora] rank {saved.lora.rank}, "
+            f"targets {saved.lora.targets}; this run asks for rank {config.rank}, "
+            f"targets {list(config.targets)}"
+        )
     return None

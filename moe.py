@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from collections.abc import Callable
 from functools import partial
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -27,14 +28,16 @@ from capacity import batched_swiglu, capacity_ratio, expert_capacity, plan_capac
 from devices import kernel_device_type
 
 EXPERT_BACKENDS = ("grouped", "loop")
-# CUDA's grouped GEMM starts every expert's rows on a 16-byte boundary: 8 BF16 values, so each width it
-# multiplies (the model's hidden and expert sizes, a LoRA rank on the experts) is a multiple of 8.
+# CUDA's grouped GEMM starts every expert's rows on a 16-byte boundary: 8 BF16 values, so each width
+# it multiplies (the model's hidden and expert sizes, a LoRA rank on the experts) is a multiple of
+# 8.
 GROUPED_GEMM_MULTIPLE = 8
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)): the dense MLP of `mlp_only_layers` and the ungated shared expert."""
+    """down(silu(gate(x)) * up(x)): the dense MLP of `mlp_only_layers` and the ungated shared
+    expert."""
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype | None = None):
         super().__init__()
@@ -53,12 +56,16 @@ def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     compiles into the graph with no host sync.
     """
     flat = indices.flatten()
-    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
 
 
-def balanced_choices(num_tokens: int, top_k: int, num_experts: int, device: torch.device) -> torch.Tensor:
-    """Forced-balance routing's expert choices [N, k], round-robin: assignment a = token * k + choice
-    goes to expert a % E (k consecutive, so distinct, experts per token), so expert e gets
+def balanced_choices(
+    num_tokens: int, top_k: int, num_experts: int, device: torch.device
+) -> torch.Tensor:
+    """Forced-balance routing's expert choices [N, k], round-robin: assignment a = token * k +
+    choice goes to expert a % E (k consecutive, so distinct, experts per token), so expert e gets
     balanced_counts(N * k, E)[e] rows whatever the scores: known on the host from the shapes."""
     return torch.arange(num_tokens * top_k, device=device).view(num_tokens, top_k) % num_experts
 
@@ -80,21 +87,27 @@ def set_balanced_routing(model: nn.Module, enabled: bool) -> None:
 
 
 def check_grouped_gemm_widths(config: object) -> None:
-    """A model config's hidden_size and moe_intermediate_size, with experts_backend 'grouped': each a
-    multiple of GROUPED_GEMM_MULTIPLE, or a ValueError naming the field."""
+    """A model config's hidden_size and moe_intermediate_size, with experts_backend 'grouped': each
+    a multiple of GROUPED_GEMM_MULTIPLE, or a ValueError naming the field."""
     if config.experts_backend != "grouped":
         return
     for name in ("hidden_size", "moe_intermediate_size"):
         if getattr(config, name) % GROUPED_GEMM_MULTIPLE:
-            raise ValueError(f"{name} must be a multiple of {GROUPED_GEMM_MULTIPLE} for experts_backend "
-                             f"'grouped' (grouped GEMM rows start on 16-byte boundaries, 8 BF16 values), "
-                             f"got {getattr(config, name)}; or use experts_backend 'loop'")
+            raise ValueError(
+                f"{name} must be a multiple of {GROUPED_GEMM_MULTIPLE} for "
+                "experts_backend "
+                "'grouped' (grouped GEMM rows start on 16-byte boundaries, 8 BF16 "
+                "values), "
+                f"got {getattr(config, name)}; or use experts_backend 'loop'"
+            )
 
 
 def check_bias_update_rate(rate: object) -> None:
     """The configs' router_bias_update_rate (a native-only field of both models): a number >= 0."""
     if isinstance(rate, bool) or not (isinstance(rate, (int, float)) and rate >= 0):
-        raise ValueError(f"router_bias_update_rate must be >= 0 (0: no selection bias), got {rate!r}")
+        raise ValueError(
+            f"router_bias_update_rate must be >= 0 (0: no selection bias), got {rate!r}"
+        )
 
 
 def router_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
@@ -114,11 +127,21 @@ class Router(nn.Module):
     only in what autograd saves for backward.
     """
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 score_function: str = "sigmoid", scaling: float = 1.0, selection_bias: bool = False):
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        score_function: str = "sigmoid",
+        scaling: float = 1.0,
+        selection_bias: bool = False,
+    ):
         super().__init__()
         if score_function not in SCORE_FUNCTIONS:
-            raise ValueError(f"router score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+            raise ValueError(
+                f"router score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}"
+            )
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.score_function, self.scaling = score_function, scaling
         self.balanced = False  # forced balance: see set_balanced_routing
@@ -155,7 +178,8 @@ class Router(nn.Module):
 # BF16 on CUDA it is therefore an opaque custom operator: one call inside the compiled graph.
 @torch.library.custom_op("flint::grouped_mm", mutates_args=())
 def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return torch._grouped_mm(x.contiguous(), w, offs=offsets)  # rows may arrive strided (an expanded grad)
+    # rows may arrive strided (an expanded grad)
+    return torch._grouped_mm(x.contiguous(), w, offs=offsets)
 
 
 @_grouped_mm_op.register_fake
@@ -164,7 +188,9 @@ def _(x, w, offsets):
 
 
 @torch.library.custom_op("flint::grouped_mm_weight_grad", mutates_args=())
-def _grouped_mm_weight_grad(x: torch.Tensor, grad_out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _grouped_mm_weight_grad(
+    x: torch.Tensor, grad_out: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
     """x [M, K], grad_out [M, N] -> [G, K, N]: per group, x_g^T @ grad_out_g."""
     return torch._grouped_mm(x.contiguous().T, grad_out.contiguous(), offs=offsets)
 
@@ -180,7 +206,9 @@ def _grouped_mm_setup(ctx, inputs, output):
 
 def _grouped_mm_backward(ctx, grad_out):
     x, w, offsets = ctx.saved_tensors
-    grad_x = _grouped_mm_op(grad_out, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
+    grad_x = (
+        _grouped_mm_op(grad_out, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
+    )
     grad_w = _grouped_mm_weight_grad(x, grad_out, offsets) if ctx.needs_input_grad[1] else None
     return grad_x, grad_w, None
 
@@ -206,6 +234,7 @@ def group_alignment(device: torch.device) -> int:
 
 class ExpertPlan(NamedTuple):
     """How rows sorted by expert sit in the (possibly padded) buffer of the grouped GEMM."""
+
     order: torch.Tensor  # [R] assignment ids in expert order
     slots: torch.Tensor | None  # [R] buffer row of each sorted assignment; None when not padded
     offsets: torch.Tensor  # int32 [E] cumulative padded group ends
@@ -234,12 +263,19 @@ def sort_by_expert(indices: torch.Tensor, num_experts: int, align: int) -> Exper
     return ExpertPlan(order, slots, padded_ends.to(torch.int32), rows)
 
 
-def grouped_swiglu(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, gate_up_proj: torch.Tensor,
-                   down_proj: torch.Tensor, mm: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+def grouped_swiglu(
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    mm: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Rows grouped by expert [R, H] (groups ending at offsets) and their routing weights [R] ->
-    weight * each row's expert SwiGLU [R, H], a grouped GEMM per projection (mm: fp8.py's, or None for
-    grouped_mm, looked up at each call so that a profiler's range around it is seen). The weight scales
-    the I-wide hidden row before the down projection (not the H-wide output), so combine only sums."""
+    weight * each row's expert SwiGLU [R, H], a grouped GEMM per projection (mm: fp8.py's, or None
+    for grouped_mm, looked up at each call so that a profiler's range around it is seen). The weight
+    scales the I-wide hidden row before the down projection (not the H-wide output), so combine only
+    sums."""
     mm = mm or grouped_mm
     gate, up = mm(rows, gate_up_proj, offsets).chunk(2, dim=-1)  # [R, Im] each
     return mm(F.silu(gate) * up * weights.unsqueeze(-1), down_proj, offsets)
@@ -247,29 +283,37 @@ def grouped_swiglu(rows: torch.Tensor, weights: torch.Tensor, offsets: torch.Ten
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     """order [R], a permutation -> inverse [R] with inverse[order[i]] = i."""
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return torch.empty_like(order).scatter_(
+        0, order, torch.arange(order.numel(), device=order.device)
+    )
 
 
-# ----------------------------------------------------------------------------- token rows to expert rows and back
+# --------------------------------------------------------------- token rows to expert rows and back
 # Every routed path moves rows by one RowMap per forward: dispatch gathers each token's row into its
 # experts' rows, combine sums a token's k rows back in one embedding_bag (no [N, k, H] tensor), and
-# each is the other's backward. Autograd's own backward of a gather is a scatter-add, compiled for the
-# CPU row by row with atomics (about 5x slower), and on GPUs its atomics make the gradient vary from
-# run to run; an embedding_bag sums each bag in order, one thread per value (in FP32 for BF16 rows).
+# each is the other's backward. Autograd's own backward of a gather is a scatter-add, compiled for
+# the CPU row by row with atomics (about 5x slower), and on GPUs its atomics make the gradient vary
+# from run to run; an embedding_bag sums each bag in order, one thread per value (in FP32 for BF16
+# rows).
+
 
 class RowMap(NamedTuple):
     """Where each (token, choice) assignment a = token * k + choice sits among the experts' rows."""
+
     choice_of_row: torch.Tensor  # [R] the assignment each row holds; N * k for an empty row
-    row_of_choice: torch.Tensor  # [N, k] the row each assignment sits in (any row where it was dropped)
-    kept: torch.Tensor | None  # bool [N, k]: the assignment has a row (False: dropped); None: all have one
+    # [N, k] the row each assignment sits in (any row where it was dropped)
+    row_of_choice: torch.Tensor
+    # bool [N, k]: the assignment has a row (False: dropped); None: all have one
+    kept: torch.Tensor | None
     has_empty_rows: bool  # padded groups or expert capacity: some rows hold no assignment
 
     @property
     def token_of_row(self) -> torch.Tensor:
         return self.choice_of_row // self.row_of_choice.shape[1]  # [R]; N for an empty row
 
-    def per_assignment(self) -> "RowMap":
-        """The same rows, each assignment a token of its own (k = 1): how routing weights [N * k] move."""
+    def per_assignment(self) -> RowMap:
+        """The same rows, each assignment a token of its own (k = 1): how routing weights [N * k]
+        move."""
         kept = None if self.kept is None else self.kept.view(-1, 1)
         return RowMap(self.choice_of_row, self.row_of_choice.view(-1, 1), kept, self.has_empty_rows)
 
@@ -279,7 +323,8 @@ def expert_rows(plan: ExpertPlan, top_k: int) -> RowMap:
     order = plan.order  # [N*k]
     if not plan.padded:
         return RowMap(order, inverse_permutation(order).view(-1, top_k), None, False)
-    choice_of_row = order.new_full((plan.rows,), order.numel()).scatter_(0, plan.slots, order)  # [rows]
+    # [rows]
+    choice_of_row = order.new_full((plan.rows,), order.numel()).scatter_(0, plan.slots, order)
     row_of_choice = torch.empty_like(order).scatter_(0, order, plan.slots)  # [N*k]
     return RowMap(choice_of_row, row_of_choice.view(-1, top_k), None, True)
 
@@ -292,7 +337,8 @@ def gather_rows(x: torch.Tensor, source: torch.Tensor, has_empty_rows: bool) -> 
 
 
 def sum_rows(rows: torch.Tensor, index: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
-    """rows [R, H], index [M, k] -> [M, H]: out[m] = the sum over j of rows[index[m, j]] where kept."""
+    """rows [R, H], index [M, k] -> [M, H]: out[m] = the sum over j of rows[index[m, j]] where
+    kept."""
     mask = None if kept is None else kept.to(rows.dtype)
     return F.embedding_bag(index, rows.contiguous(), mode="sum", per_sample_weights=mask)
 
@@ -312,7 +358,8 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """The experts' rows [R, H] -> each token's sum over its choices [N, H]; backward: gather_rows."""
+    """The experts' rows [R, H] -> each token's sum over its choices [N, H]; backward:
+    gather_rows."""
 
     @staticmethod
     def forward(ctx, rows, source, index, kept, has_empty_rows):
@@ -339,25 +386,41 @@ def dispatch_weights(weights: torch.Tensor, rows: RowMap, dtype: torch.dtype) ->
 def combine(out: torch.Tensor, rows: RowMap) -> torch.Tensor:
     """The experts' (weighted) rows back to their tokens, summed over the k choices: out [R, H] ->
     [N, H]; a dropped assignment adds nothing."""
-    return _Combine.apply(out, rows.token_of_row, rows.row_of_choice, rows.kept, rows.has_empty_rows)
+    return _Combine.apply(
+        out, rows.token_of_row, rows.row_of_choice, rows.kept, rows.has_empty_rows
+    )
 
 
 def capacity_rows(indices: torch.Tensor, num_experts: int, capacity: int) -> RowMap:
-    """The RowMap of the capacity buffer's E * C rows for expert indices [N, k] (capacity.plan_capacity)."""
+    """The RowMap of the capacity buffer's E * C rows for expert indices [N, k]
+    (capacity.plan_capacity)."""
     plan = plan_capacity(indices, num_experts, capacity)
     kept = plan.slots < num_experts * capacity  # [N*k]
-    return RowMap(plan.sources, torch.where(kept, plan.slots, 0).view(indices.shape), kept.view(indices.shape), True)
+    return RowMap(
+        plan.sources,
+        torch.where(kept, plan.slots, 0).view(indices.shape),
+        kept.view(indices.shape),
+        True,
+    )
 
 
-def capacity_forward(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, num_experts: int,
-                     ratio: tuple[int, int], experts: Callable[..., torch.Tensor]) -> torch.Tensor:
+def capacity_forward(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    num_experts: int,
+    ratio: tuple[int, int],
+    experts: Callable[..., torch.Tensor],
+) -> torch.Tensor:
     """Routed experts under expert capacity (capacity.py: who counts, what drops and in what
     order): x [N, H], weights/indices [N, k], ratio the capacity factor's capacity_ratio; experts
     maps the buffer [E, C, H] and its routing weights [E, C] to the weighted outputs [E, C, H]."""
     capacity = expert_capacity(x.shape[0], indices.shape[1], num_experts, ratio)
     rows = capacity_rows(indices, num_experts, capacity)
-    out = experts(dispatch(x, rows).view(num_experts, capacity, -1),
-                  dispatch_weights(weights, rows, x.dtype).view(num_experts, capacity))
+    out = experts(
+        dispatch(x, rows).view(num_experts, capacity, -1),
+        dispatch_weights(weights, rows, x.dtype).view(num_experts, capacity),
+    )
     return combine(out.view(num_experts * capacity, -1), rows)
 
 
@@ -365,40 +428,68 @@ class GroupedExperts(nn.Module):
     """E routed SwiGLU experts held as two grouped weights, run with one grouped GEMM each (under
     expert capacity, one batched matmul each over the static [E, C, H] buffer: capacity.py)."""
 
-    swiglu = staticmethod(grouped_swiglu)  # the grouped path's experts; lora.py's adapters add their updates
+    # the grouped path's experts; lora.py's adapters add their updates
+    swiglu = staticmethod(grouped_swiglu)
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int,
-                 backend: str = "grouped", dtype: torch.dtype | None = None, capacity_factor: float | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        backend: str = "grouped",
+        dtype: torch.dtype | None = None,
+        capacity_factor: float | None = None,
+    ):
         super().__init__()
         if backend not in EXPERT_BACKENDS:
             raise ValueError(f"experts_backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
         self.backend, self.capacity_factor = backend, capacity_factor
         self.capacity_ratio = None if capacity_factor is None else capacity_ratio(capacity_factor)
         self.group_align: int | None = None  # None: group_alignment(device); tests force padding
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate, dtype=dtype))
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, hidden, 2 * intermediate, dtype=dtype)
+        )
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
         """x [N, H], weights/indices [N, k] -> [N, H]."""
         if self.backend == "loop":
             return self.forward_loop(x, weights, indices)
         if self.capacity_ratio is not None:
-            return capacity_forward(x, weights, indices, self.gate_up_proj.shape[0], self.capacity_ratio,
-                                    partial(batched_swiglu, gate_up_proj=self.gate_up_proj, down_proj=self.down_proj))
+            return capacity_forward(
+                x,
+                weights,
+                indices,
+                self.gate_up_proj.shape[0],
+                self.capacity_ratio,
+                partial(batched_swiglu, gate_up_proj=self.gate_up_proj, down_proj=self.down_proj),
+            )
         return self.forward_grouped(x, weights, indices)
 
     def forward_grouped(self, x, weights, indices):
-        plan = sort_by_expert(indices, self.gate_up_proj.shape[0], self.group_align or group_alignment(x.device))
+        plan = sort_by_expert(
+            indices, self.gate_up_proj.shape[0], self.group_align or group_alignment(x.device)
+        )
         rows = expert_rows(plan, indices.shape[1])
-        out = self.swiglu(dispatch(x, rows), dispatch_weights(weights, rows, x.dtype), plan.offsets,
-                          self.gate_up_proj, self.down_proj)
+        out = self.swiglu(
+            dispatch(x, rows),
+            dispatch_weights(weights, rows, x.dtype),
+            plan.offsets,
+            self.gate_up_proj,
+            self.down_proj,
+        )
         return combine(out, rows)
 
     def forward_loop(self, x, weights, indices):
         """The plain per-expert loop: the readable reference for the grouped path (host syncs)."""
         num_experts, intermediate = self.gate_up_proj.shape[0], self.down_proj.shape[1]
-        capacity = None if self.capacity_ratio is None else expert_capacity(
-            x.shape[0], indices.shape[1], num_experts, self.capacity_ratio)
+        capacity = (
+            None
+            if self.capacity_ratio is None
+            else expert_capacity(x.shape[0], indices.shape[1], num_experts, self.capacity_ratio)
+        )
         y = torch.zeros_like(x)
         for expert in range(num_experts):
             token, slot = torch.where(indices == expert)  # in token order
@@ -415,13 +506,28 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     """Routed experts plus one shared expert that is always added in full, with no gate."""
 
-    def __init__(self, hidden: int, intermediate: int, shared_intermediate: int, num_experts: int,
-                 top_k: int, norm_topk_prob: bool, backend: str = "grouped",
-                 dtype: torch.dtype | None = None, score_function: str = "sigmoid", scaling: float = 1.0,
-                 selection_bias: bool = False, capacity_factor: float | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        shared_intermediate: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        backend: str = "grouped",
+        dtype: torch.dtype | None = None,
+        score_function: str = "sigmoid",
+        scaling: float = 1.0,
+        selection_bias: bool = False,
+        capacity_factor: float | None = None,
+    ):
         super().__init__()
-        self.router = Router(hidden, num_experts, top_k, norm_topk_prob, score_function, scaling, selection_bias)
-        self.experts = GroupedExperts(hidden, intermediate, num_experts, backend, dtype, capacity_factor)
+        self.router = Router(
+            hidden, num_experts, top_k, norm_topk_prob, score_function, scaling, selection_bias
+        )
+        self.experts = GroupedExperts(
+            hidden, intermediate, num_experts, backend, dtype, capacity_factor
+        )
         self.shared_expert = SwiGLU(hidden, shared_intermediate, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -433,7 +539,8 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [B, T, H] -> [N, H]
         weights, indices, logits = self.router(x)
-        if isinstance(self.experts, ExpertParallelExperts):  # the shared expert runs while rows travel
+        # the shared expert runs while rows travel
+        if isinstance(self.experts, ExpertParallelExperts):
             y = self.experts(x, weights, indices, self.shared_expert)
         else:
             y = self.experts(x, weights, indices) + self.shared_expert(x)
@@ -444,25 +551,38 @@ class MoE(nn.Module):
 # Used only when parallel.py shards the experts over an expert-parallel mesh: the one place where
 # tokens cross ranks. Everything above stays single-device code.
 
+
 def _local_shard(weight: torch.Tensor) -> torch.Tensor:
     """The experts this rank holds: a DTensor sharded over experts -> its local [E/ep, ...] part."""
     from torch.distributed.tensor import DTensor
+
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
-def local_experts_forward(xs: torch.Tensor, weights: torch.Tensor, expert_of_row: torch.Tensor,
-                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor, align: int,
-                          swiglu: Callable = grouped_swiglu) -> torch.Tensor:
+def local_experts_forward(
+    xs: torch.Tensor,
+    weights: torch.Tensor,
+    expert_of_row: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    align: int,
+    swiglu: Callable = grouped_swiglu,
+) -> torch.Tensor:
     """xs [R, H] in any order, their routing weights [R] and local expert ids expert_of_row [R] ->
     each row's weighted SwiGLU [R, H], same order (`swiglu`: GroupedExperts.swiglu's signature)."""
     plan = sort_by_expert(expert_of_row.unsqueeze(1), gate_up_proj.shape[0], align)
     rows = expert_rows(plan, 1)  # each received row a token with one choice
-    out = swiglu(dispatch(xs, rows), dispatch_weights(weights.unsqueeze(1), rows, xs.dtype), plan.offsets,
-                 gate_up_proj, down_proj)
+    out = swiglu(
+        dispatch(xs, rows),
+        dispatch_weights(weights.unsqueeze(1), rows, xs.dtype),
+        plan.offsets,
+        gate_up_proj,
+        down_proj,
+    )
     return combine(out, rows)  # back to the order of xs
 
 
-# ----------------------------------------------------------------------------- all-to-alls started and finished apart
+# ----------------------------------------------------------- all-to-alls started and finished apart
 # An all-to-all is started, and waited for later, so that a rank computes while the rows travel, in
 # forward and in backward: the gradient's all-to-all starts in _FinishExchange's backward and is
 # waited for in _AwaitGradient's, the node where the rows left. torch's functional collectives (a
@@ -472,7 +592,8 @@ _c10d = torch.ops._c10d_functional
 
 
 class _AwaitGradient(torch.autograd.Function):
-    """The rows [S, ...] about to be sent, unchanged; backward: waits for their gradient's all-to-all."""
+    """The rows [S, ...] about to be sent, unchanged; backward: waits for their gradient's
+    all-to-all."""
 
     @staticmethod
     def forward(ctx, rows):
@@ -485,7 +606,8 @@ class _AwaitGradient(torch.autograd.Function):
 
 class _FinishExchange(torch.autograd.Function):
     """The rows in flight -> the rows received [R, ...]; backward: the gradient [R, ...] starts its
-    way back, in flight, as the gradient of the rows sent [S, ...] (waited for in _AwaitGradient)."""
+    way back, in flight, as the gradient of the rows sent [S, ...] (waited for in
+    _AwaitGradient)."""
 
     @staticmethod
     def forward(ctx, in_flight, sent, output_splits, input_splits, group_name):
@@ -495,12 +617,15 @@ class _FinishExchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
-        grad_sent = _c10d.all_to_all_single(grad.contiguous(), input_splits, output_splits, ctx.group_name)
+        grad_sent = _c10d.all_to_all_single(
+            grad.contiguous(), input_splits, output_splits, ctx.group_name
+        )
         return None, grad_sent, None, None, None
 
 
 class Exchange(NamedTuple):
     """An all-to-all in flight: started by start_exchange, waited for by finish."""
+
     sent: torch.Tensor  # the rows sent [S, ...], as autograd knows them
     in_flight: torch.Tensor  # the rows being received [R, ...]: not to be read before finish
     output_splits: list[int]
@@ -508,13 +633,20 @@ class Exchange(NamedTuple):
     group_name: str
 
     def finish(self) -> torch.Tensor:
-        return _FinishExchange.apply(self.in_flight, self.sent, self.output_splits, self.input_splits, self.group_name)
+        return _FinishExchange.apply(
+            self.in_flight, self.sent, self.output_splits, self.input_splits, self.group_name
+        )
 
 
-def start_exchange(rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group_name: str) -> Exchange:
-    """Start an all-to-all of rows [S, ...]: input_splits[r] of them to rank r, output_splits[r] from it."""
+def start_exchange(
+    rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group_name: str
+) -> Exchange:
+    """Start an all-to-all of rows [S, ...]: input_splits[r] of them to rank r, output_splits[r]
+    from it."""
     sent = _AwaitGradient.apply(rows)
-    in_flight = _c10d.all_to_all_single(sent.detach().contiguous(), output_splits, input_splits, group_name)
+    in_flight = _c10d.all_to_all_single(
+        sent.detach().contiguous(), output_splits, input_splits, group_name
+    )
     return Exchange(sent, in_flight, output_splits, input_splits, group_name)
 
 
@@ -526,16 +658,20 @@ class ExpertSplits:
     tuple: a compiled block takes it from the eager count exchange without guarding on the sizes
     inside (a tuple of ints would be specialised, and recompiled for, as the routing changes)."""
 
-    def __init__(self, received_counts: torch.Tensor, send: list[list[int]], receive: list[list[int]]):
-        self.received_counts = received_counts  # [n, ep * El] on the device: chunk c's rows from source s for local expert j
+    def __init__(
+        self, received_counts: torch.Tensor, send: list[list[int]], receive: list[list[int]]
+    ):
+        # [n, ep * El] on the device: chunk c's rows from source s for local expert j
+        self.received_counts = received_counts
         self.send = send  # [n][ep]: rows this rank sends to each expert rank, per chunk (host)
         self.receive = receive  # [n][ep]: rows it receives from each
-        self.host = torch.tensor([send, receive])  # [2, n, ep]: the same in a host tensor, for compiled graphs
+        # [2, n, ep]: the same in a host tensor, for compiled graphs
+        self.host = torch.tensor([send, receive])
 
     def sizes(self, chunk_rows: list[int]) -> list[Sizes]:
-        """Each chunk's (send, receive); chunk_rows: the rows each chunk sends (known from the shapes).
-        Compiled, read inside the graph from the host tensor as unbacked integers (no device sync):
-        one graph serves every routing."""
+        """Each chunk's (send, receive); chunk_rows: the rows each chunk sends (known from the
+        shapes). Compiled, read inside the graph from the host tensor as unbacked integers (no
+        device sync): one graph serves every routing."""
         if not torch.compiler.is_compiling():
             return list(zip(self.send, self.receive))
         send, receive = self.host.tolist()
@@ -543,7 +679,8 @@ class ExpertSplits:
             for size in sizes:
                 torch._check(size >= 0)
         for sizes, rows in zip(send, chunk_rows):
-            torch._check(sum(sizes) == rows)  # so the rows that come back have the shape of those sent
+            # so the rows that come back have the shape of those sent
+            torch._check(sum(sizes) == rows)
         return list(zip(send, receive))
 
 
@@ -568,8 +705,12 @@ class SplitsForRecompute:
         if not self.entries:
             return None
         _, remembered, splits = self.entries.popleft()
-        torch._assert_async((remembered == counts).all(), "expert parallel: a recompute routed differently "
-                            "from its forward (backward out of forward order?)")
+        torch._assert_async(
+            (remembered == counts).all(),
+            "expert parallel: a recompute routed "
+            "differently "
+            "from its forward (backward out of forward order?)",
+        )
         return splits
 
     def _forget_dead(self, _) -> None:
@@ -583,8 +724,8 @@ def in_recompute() -> bool:
 
 
 def chunk_bounds(length: int, chunks: int) -> list[int]:
-    """`chunks` near-equal pieces of range(length): piece c is [bounds[c], bounds[c + 1]), the i with
-    i * chunks // length == c (empty pieces when length < chunks)."""
+    """`chunks` near-equal pieces of range(length): piece c is [bounds[c], bounds[c + 1]), the i
+    with i * chunks // length == c (empty pieces when length < chunks)."""
     return [-(-c * length // chunks) for c in range(chunks + 1)]
 
 
@@ -606,12 +747,13 @@ class ExpertParallelExperts(nn.Module):
 
     The overlap ([parallel] ep_overlap = n chunks). A rank's N tokens split into n chunks of
     consecutive tokens (chunk c: the tokens t with t * n // N == c; under expert capacity, each
-    expert's C slots in n ranges), each exchanged by all-to-alls of its own: dispatch (rows and routing weights, two collectives) and combine (outputs, one). Each is
-    started, then waited for where its result is needed (exchange), and NCCL runs one group's
-    collectives one after another in the order they start. Forward:
-        start dispatch 0; shared expert                          while dispatch 0 travels
+    expert's C slots in n ranges), each exchanged by all-to-alls of its own: dispatch (rows and
+    routing weights, two collectives) and combine (outputs, one). Each is started, then waited for
+    where its result is needed (exchange), and NCCL runs one group's collectives one after another
+    in the order they start. Forward:
+        start dispatch 0; shared expert                    while dispatch 0 travels
         for c = 0 .. n-1: start dispatch c+1 (if c+1 < n); wait dispatch c;
-                          experts on chunk c                     while combine c-1 and dispatch c+1 travel
+                          experts on chunk c               while combine c-1, dispatch c+1 travel
                           start combine c
         wait combine 0 .. n-1; sum each token's rows, add the shared expert's
     Backward, in autograd's order (the latest node first), mirrors it:
@@ -630,29 +772,38 @@ class ExpertParallelExperts(nn.Module):
     (SplitsForRecompute). Under forced balance (`balanced`, see set_balanced_routing) they follow
     from the shapes and nothing is read from the device. Under expert capacity (capacity.py) every
     split is C rows per expert, the exchanges pass no split sizes at all, and the layer compiles
-    whole. Compiled, the count exchange is a graph break of its own (exchange_counts: host values, the
-    recompute's bookkeeping); the chunks' exchanges and experts trace into the graph after it, the
-    split sizes as unbacked integers (ExpertSplits.sizes).
-    """
+    whole. Compiled, the count exchange is a graph break of its own (exchange_counts: host values,
+    the recompute's bookkeeping); the chunks' exchanges and experts trace into the graph after it,
+    the split sizes as unbacked integers (ExpertSplits.sizes)."""
 
     def __init__(self, experts: GroupedExperts, group, num_experts: int, chunks: int = 2):
         super().__init__()
         if experts.backend != "grouped":
-            raise ValueError(f"expert parallelism needs experts_backend 'grouped', got {experts.backend!r}")
+            raise ValueError(
+                f"expert parallelism needs experts_backend 'grouped', got {experts.backend!r}"
+            )
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"expert parallelism's overlap (ep_overlap) takes chunks >= 1, got {chunks!r}")
+            raise ValueError(
+                f"expert parallelism's overlap (ep_overlap) takes chunks >= 1, got {chunks!r}"
+            )
         self.group, self.group_name, self.num_experts = group, group.group_name, num_experts
         self.chunks = chunks  # [parallel] ep_overlap
         self.group_align, self.capacity_ratio = experts.group_align, experts.capacity_ratio
         self.balanced = False
         self.recompute_splits = SplitsForRecompute()
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
-        self.swiglu = experts.swiglu  # with lora.py's adapters, their updates too: the adapters come along
+        # with lora.py's adapters, their updates too: the adapters come along
+        self.swiglu = experts.swiglu
         for name, adapter in experts.named_children():
             self.add_module(name, adapter)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-                shared_expert: nn.Module | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        shared_expert: nn.Module | None = None,
+    ) -> torch.Tensor:
         """x [N, H], weights/indices [N, k] -> the routed experts' output [N, H], plus the shared
         expert's when given (computed while the rows travel)."""
         gate_up, down = _local_shard(self.gate_up_proj), _local_shard(self.down_proj)
@@ -665,23 +816,35 @@ class ExpertParallelExperts(nn.Module):
     def forward_dropless(self, x, weights, indices, gate_up, down, meanwhile):
         num_tokens, top_k = indices.shape
         local = gate_up.shape[0]
-        chunk_of_token = torch.arange(num_tokens, device=x.device) * self.chunks // num_tokens  # [N]
-        keys = chunk_of_token.unsqueeze(1) * self.num_experts + indices  # [N, k]: by chunk, then expert
-        rows = expert_rows(sort_by_expert(keys, self.chunks * self.num_experts, 1), top_k)  # so by chunk, then rank
-        sent, sent_weights = dispatch(x, rows), dispatch_weights(weights, rows, x.dtype)  # [N*k, H], [N*k]
+        # [N]
+        chunk_of_token = torch.arange(num_tokens, device=x.device) * self.chunks // num_tokens
+        # [N, k]: by chunk, then expert
+        keys = chunk_of_token.unsqueeze(1) * self.num_experts + indices
+        # so by chunk, then rank
+        rows = expert_rows(sort_by_expert(keys, self.chunks * self.num_experts, 1), top_k)
+        # [N*k, H], [N*k]
+        sent, sent_weights = dispatch(x, rows), dispatch_weights(weights, rows, x.dtype)
         bounds = chunk_bounds(num_tokens, self.chunks)
-        pieces = [slice(start * top_k, end * top_k) for start, end in zip(bounds, bounds[1:])]  # each chunk's rows
+        # each chunk's rows
+        pieces = [slice(start * top_k, end * top_k) for start, end in zip(bounds, bounds[1:])]
         splits = self.exchange_counts(keys.flatten(), pieces, local, sent)
         sizes = splits.sizes([piece.stop - piece.start for piece in pieces])
-        source_experts = torch.arange(local, device=x.device).repeat(self.num_experts // local)  # [ep * El]
+        # [ep * El]
+        source_experts = torch.arange(local, device=x.device).repeat(self.num_experts // local)
         align = self.group_align or group_alignment(x.device)
 
-        def experts(chunk, received, received_weights):  # rows ordered by source rank, then local expert
-            expert_of_row = torch.repeat_interleave(source_experts, splits.received_counts[chunk],
-                                                    output_size=received.shape[0])  # [R]
-            return local_experts_forward(received, received_weights, expert_of_row, gate_up, down, align, self.swiglu)
-        returned, shared = self.exchange([(sent[piece], sent_weights[piece]) for piece in pieces], sizes, experts,
-                                         meanwhile)
+        # rows ordered by source rank, then local expert
+        def experts(chunk, received, received_weights):
+            expert_of_row = torch.repeat_interleave(
+                source_experts, splits.received_counts[chunk], output_size=received.shape[0]
+            )  # [R]
+            return local_experts_forward(
+                received, received_weights, expert_of_row, gate_up, down, align, self.swiglu
+            )
+
+        returned, shared = self.exchange(
+            [(sent[piece], sent_weights[piece]) for piece in pieces], sizes, experts, meanwhile
+        )
         return combine(joined(returned), rows), shared
 
     def forward_capacity(self, x, weights, indices, gate_up, down, meanwhile):
@@ -696,28 +859,45 @@ class ExpertParallelExperts(nn.Module):
         buffer_weights = dispatch_weights(weights, rows, x.dtype).view(num_experts, capacity)
         bounds = chunk_bounds(capacity, self.chunks)
         widths = [end - start for start, end in zip(bounds, bounds[1:])]
-        chunks = [(buffer[:, start:end].flatten(0, 1), buffer_weights[:, start:end].flatten())
-                  for start, end in zip(bounds, bounds[1:])]  # [E * Cc, H], [E * Cc]
+        chunks = [
+            (buffer[:, start:end].flatten(0, 1), buffer_weights[:, start:end].flatten())
+            for start, end in zip(bounds, bounds[1:])
+        ]  # [E * Cc, H], [E * Cc]
 
-        def experts(chunk, received, received_weights):  # [ep * El * Cc, H]: by source, local expert, slot
+        # [ep * El * Cc, H]: by source, local expert, slot
+        def experts(chunk, received, received_weights):
             width = widths[chunk]
-            by_expert = received.view(ep, local, width, hidden).transpose(0, 1).reshape(local, ep * width, hidden)
-            weights_by_expert = received_weights.view(ep, local, width).transpose(0, 1).reshape(local, ep * width)
+            by_expert = (
+                received.view(ep, local, width, hidden)
+                .transpose(0, 1)
+                .reshape(local, ep * width, hidden)
+            )
+            weights_by_expert = (
+                received_weights.view(ep, local, width).transpose(0, 1).reshape(local, ep * width)
+            )
             out = batched_swiglu(by_expert, weights_by_expert, gate_up, down)  # [El, ep * Cc, H]
             return out.view(local, ep, width, hidden).transpose(0, 1).reshape(-1, hidden)
+
         sizes = [([local * width] * ep, [local * width] * ep) for width in widths]
         returned, shared = self.exchange(chunks, sizes, experts, meanwhile)
-        out = joined([piece.view(num_experts, width, hidden) for piece, width in zip(returned, widths)], dim=1)
+        out = joined(
+            [piece.view(num_experts, width, hidden) for piece, width in zip(returned, widths)],
+            dim=1,
+        )
         return combine(out.flatten(0, 1), rows), shared
 
-    def exchange(self, chunks: list[tuple[torch.Tensor, torch.Tensor]], sizes: list[Sizes],
-                 experts: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
-                 meanwhile: Callable[[], torch.Tensor] | None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """The overlapped schedule of the class docstring. chunks[c]: chunk c's rows [S_c, H], ordered
-        by expert rank, and their routing weights [S_c]; sizes[c]: its (send, receive); experts(c,
-        rows, weights): the local experts' outputs for the rows chunk c received; meanwhile: work
-        that needs no exchange -> each chunk's outputs back [S_c, H], in its send order, and
-        meanwhile's result."""
+    def exchange(
+        self,
+        chunks: list[tuple[torch.Tensor, torch.Tensor]],
+        sizes: list[Sizes],
+        experts: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+        meanwhile: Callable[[], torch.Tensor] | None,
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The overlapped schedule of the class docstring. chunks[c]: chunk c's rows [S_c, H],
+        ordered by expert rank, and their routing weights [S_c]; sizes[c]: its (send, receive);
+        experts(c, rows, weights): the local experts' outputs for the rows chunk c received;
+        meanwhile: work that needs no exchange -> each chunk's outputs back [S_c, H], in its send
+        order, and meanwhile's result."""
         dispatches = [self.send_rows(*chunks[0], sizes[0])]
         side = None if meanwhile is None else meanwhile()
         combines = []
@@ -728,34 +908,45 @@ class ExpertParallelExperts(nn.Module):
             combines.append(self.return_rows(experts(chunk, rows, weights), sizes[chunk]))
         return [exchange.finish() for exchange in combines], side
 
-    def send_rows(self, rows: torch.Tensor, weights: torch.Tensor, sizes: Sizes) -> tuple[Exchange, Exchange]:
-        """Start a chunk's dispatch: its rows [S, H] and their weights [S] to their experts' ranks."""
+    def send_rows(
+        self, rows: torch.Tensor, weights: torch.Tensor, sizes: Sizes
+    ) -> tuple[Exchange, Exchange]:
+        """Start a chunk's dispatch: its rows [S, H] and their weights [S] to their experts'
+        ranks."""
         send, receive = sizes
-        return (start_exchange(rows, receive, send, self.group_name),
-                start_exchange(weights, receive, send, self.group_name))
+        return (
+            start_exchange(rows, receive, send, self.group_name),
+            start_exchange(weights, receive, send, self.group_name),
+        )
 
     def return_rows(self, out: torch.Tensor, sizes: Sizes) -> Exchange:
-        """Start a chunk's combine: the experts' outputs [R, H] back to the ranks that sent the rows."""
+        """Start a chunk's combine: the experts' outputs [R, H] back to the ranks that sent the
+        rows."""
         send, receive = sizes
         return start_exchange(out, send, receive, self.group_name)
 
     @torch.compiler.disable
-    def exchange_counts(self, keys: torch.Tensor, pieces: list[slice], local_experts: int,
-                        sent: torch.Tensor) -> ExpertSplits:
+    def exchange_counts(
+        self, keys: torch.Tensor, pieces: list[slice], local_experts: int, sent: torch.Tensor
+    ) -> ExpertSplits:
         """How many rows go to and come from each expert rank, per chunk: keys [N*k] are chunk * E +
-        expert, chunk c's rows are pieces[c] of them. sent: the dispatched rows, whose autograd node a
-        remembered entry lives as long as. Eager in a compiled block: host values and bookkeeping."""
+        expert, chunk c's rows are pieces[c] of them. sent: the dispatched rows, whose autograd node
+        a remembered entry lives as long as. Eager in a compiled block: host values and
+        bookkeeping."""
         import torch.distributed as dist
 
         ep = dist.get_world_size(self.group)
         if self.balanced:
-            return balanced_splits(pieces, self.num_experts, ep, dist.get_rank(self.group), keys.device)
+            return balanced_splits(
+                pieces, self.num_experts, ep, dist.get_rank(self.group), keys.device
+            )
         counts = expert_counts(keys, self.chunks * self.num_experts)  # [n * E] rows this rank sends
         recomputing = in_recompute()
         remembered = self.recompute_splits.take(counts) if recomputing else None
         if remembered is not None:
             return remembered
-        to_ranks = counts.view(self.chunks, ep, local_experts).transpose(0, 1).contiguous()  # [ep, n, El]
+        # [ep, n, El]
+        to_ranks = counts.view(self.chunks, ep, local_experts).transpose(0, 1).contiguous()
         from_ranks = torch.empty_like(to_ranks)  # [ep (source), n, El]
         dist.all_to_all_single(from_ranks, to_ranks, group=self.group)
         per_rank = torch.stack([to_ranks.sum(2), from_ranks.sum(2)]).transpose(1, 2)  # [2, n, ep]
@@ -766,20 +957,28 @@ class ExpertParallelExperts(nn.Module):
         return splits
 
 
-def balanced_splits(pieces: list[slice], num_experts: int, ep: int, rank: int, device: torch.device) -> ExpertSplits:
+def balanced_splits(
+    pieces: list[slice], num_experts: int, ep: int, rank: int, device: torch.device
+) -> ExpertSplits:
     """The splits of forced-balance routing (balanced_choices) from the shapes alone: every expert
     rank routes the same assignments (equal micro-batches), chunk c those in pieces[c], and
     assignment a goes to expert a % E (balanced_counts(a, E) counts those below a)."""
     local = num_experts // ep
     mine = torch.arange(rank * local, (rank + 1) * local, device=device)
 
-    def below(assignment: int) -> torch.Tensor:  # [El] assignments below it for each of my experts, no copy
+    # [El] assignments below it for each of my experts, no copy
+    def below(assignment: int) -> torch.Tensor:
         return assignment // num_experts + (mine < assignment % num_experts).long()
+
     send, receive, received_counts = [], [], []
     for piece in pieces:
-        counts = [end - start for end, start in zip(balanced_counts(piece.stop, num_experts),
-                                                    balanced_counts(piece.start, num_experts))]
-        per_rank = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
+        counts = [
+            end - start
+            for end, start in zip(
+                balanced_counts(piece.stop, num_experts), balanced_counts(piece.start, num_experts)
+            )
+        ]
+        per_rank = [sum(counts[r * local : (r + 1) * local]) for r in range(ep)]
         send.append(per_rank)
         receive.append([per_rank[rank]] * ep)
         received_counts.append((below(piece.stop) - below(piece.start)).repeat(ep))  # [ep * El]

@@ -1,4 +1,5 @@
-"""Lay a single-device model (Flint, Mistral Large 4) across a device mesh, from outside the model files.
+"""Lay a single-device model (Flint, Mistral Large 4) across a device mesh, from outside the model
+files.
 
     world size = pp * dp_replicate * dp_shard * ep * cp
 
@@ -20,11 +21,12 @@ import dataclasses
 import gc
 import os
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import lru_cache
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,7 +34,13 @@ import torch.nn as nn
 from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fp8 import FP8_RECIPES, apply_fp8
@@ -48,9 +56,10 @@ if TYPE_CHECKING:
 # torch 2.13 supports and announces it will deprecate, once per slice: keep the logs readable.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
 # FSDP2 warns when a unit returns a view, since an in-place op on it would skip the unit's backward
-# all-gather. A dense block's FP32 unit, Sinks alone (FSDP2 renames a class it wraps FSDP<name>), returns
-# banded attention's output, a view, which Attention only reads (transpose, reshape, o_proj): nothing for
-# a user to act on. (An MoE block's unit ends with the router, whose output is no view.)
+# all-gather. A dense block's FP32 unit, Sinks alone (FSDP2 renames a class it wraps FSDP<name>),
+# returns banded attention's output, a view, which Attention only reads (transpose, reshape,
+# o_proj): nothing for a user to act on. (An MoE block's unit ends with the router, whose output is
+# no view.)
 FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(FSDPSinks\) returned a view tensor"
 warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp")
@@ -64,6 +73,7 @@ MAX_TIMEOUT_MINUTES = 525_600  # a year: [parallel] collective_timeout_minutes
 
 
 # ============================================================================= configuration
+
 
 class LayoutError(ValueError):
     """A [parallel] setting that cannot work; `key` names it (for example "ep"), so a caller can say
@@ -81,30 +91,39 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP: full replicas, each sharded over dp_shard
     dp_shard: int = -1  # -1: the world size divided by all other degrees
     ep: int = 1  # expert parallel: must divide num_experts
-    ep_overlap: int = 2  # chunks of each micro-batch's tokens exchanged apart, one chunk's all-to-all while
+    # chunks of each micro-batch's tokens exchanged apart, one chunk's all-to-all while
+    ep_overlap: int = 2
     # another's experts (or the shared expert) compute (moe.ExpertParallelExperts); 1: one exchange
     pp: int = 1  # pipeline parallel: stages
     cp: int = 1  # context parallel: the sequence length must divide by 2 * cp
     pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | ZBVZeroBubble | DualPipeV
-    pp_stages_per_rank: int = 0  # 0: 1, or 2 for Interleaved1F1B and the V schedules (ZBVZeroBubble, DualPipeV)
+    # 0: 1, or 2 for Interleaved1F1B and the V schedules (ZBVZeroBubble, DualPipeV)
+    pp_stages_per_rank: int = 0
     pp_microbatches: int = 0  # 0: as many as pipeline stages
-    activation_checkpointing: str = "none"  # none | full (every block) | selective (every 2nd block)
+    # none | full (every block) | selective (every 2nd block)
+    activation_checkpointing: str = "none"
     compile: bool = False  # torch.compile each block
-    compile_fallback: bool = False  # true: a compiler failure at the first step warns and trains eager;
+    # true: a compiler failure at the first step warns and trains eager;
+    compile_fallback: bool = False
     # false: it stops the run (out-of-memory and collective errors always stop it)
-    param_dtype: str = "auto"  # bulk compute dtype: auto (bfloat16 on GPUs, float32 on the CPU) | bfloat16 |
+    # bulk compute dtype: auto (bfloat16 on GPUs, float32 on the CPU) | bfloat16 |
+    param_dtype: str = "auto"
     # float32; sinks, routers and the head always compute in FP32, master weights are always FP32
     reshard_after_forward: bool | None = None  # None: True, but False for pipeline stages
-    accumulation: str = "auto"  # grad_accum's micro-batches: sync_each | sync_last | gathered | auto (choose_accumulation)
-    offload: bool = False  # FSDP2's CPU offload: sharded weights, gradients and AdamW states in host memory
+    # grad_accum's micro-batches: sync_each | sync_last | gathered | auto (choose_accumulation)
+    accumulation: str = "auto"
+    # FSDP2's CPU offload: sharded weights, gradients and AdamW states in host memory
+    offload: bool = False
     backend: str = "auto"  # process group: auto (nccl on GPUs, gloo on the CPU) | nccl | gloo
-    head_precision: str = "tf32"  # the FP32 head's matmuls on GPUs: tf32 | bf16x3 | bf16 | float32 (head.py)
-    fp8: str = "none"  # none | rowwise | tensorwise: the projections, dense MLPs and experts on FP8 operands (fp8.py)
-    collective_timeout_minutes: float = 60.0  # how long a rank waits at a collective (for rank 0's data
+    # the FP32 head's matmuls on GPUs: tf32 | bf16x3 | bf16 | float32 (head.py)
+    head_precision: str = "tf32"
+    fp8: str = "none"  # none | rowwise | tensorwise | rowwise_gw_hp: FP8 matmuls (fp8.py)
+    # how long a rank waits at a collective (for rank 0's data
+    collective_timeout_minutes: float = 60.0
     # preparation and checkpoint listing, a slow rank's checkpoint write) before the run stops
 
     @classmethod
-    def from_dict(cls, section: dict, where: str = "[parallel]") -> "ParallelConfig":
+    def from_dict(cls, section: dict, where: str = "[parallel]") -> ParallelConfig:
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(section) - set(known))
         if unknown:
@@ -113,16 +132,20 @@ class ParallelConfig:
 
     @property
     def named_world_size(self) -> int:
-        """The world size the degrees name, dp_shard = -1 counting as 1: the default GPU count of the
-        tools that lay a config out without a job (tools/memory.py, tools/planner.py, the rehearsal)."""
+        """The world size the degrees name, dp_shard = -1 counting as 1: the default GPU count of
+        the tools that lay a config out without a job (tools/memory.py, tools/planner.py, the
+        rehearsal)."""
         return self.dp_replicate * max(self.dp_shard, 1) * self.ep * self.pp * self.cp
 
     @property
     def stages_per_rank(self) -> int:
-        return self.pp_stages_per_rank or (2 if self.pp_schedule in ("Interleaved1F1B", *V_SCHEDULES) else 1)
+        return self.pp_stages_per_rank or (
+            2 if self.pp_schedule in ("Interleaved1F1B", *V_SCHEDULES) else 1
+        )
 
     def stage_ids(self, pp_rank: int) -> list[int]:
-        """The pipeline stages this pp rank holds: looped (r, r + pp, ...), or a V for V_SCHEDULES."""
+        """The pipeline stages this pp rank holds: looped (r, r + pp, ...), or a V for
+        V_SCHEDULES."""
         if self.pp_schedule in V_SCHEDULES:
             return [pp_rank, 2 * self.pp - 1 - pp_rank]
         return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
@@ -132,23 +155,34 @@ class ParallelConfig:
             return torch.bfloat16 if device_type == "cuda" else torch.float32
         return DTYPES[self.param_dtype]
 
-    def resolve(self, world_size: int, num_experts: int | None = None) -> "ParallelConfig":
+    def resolve(self, world_size: int, num_experts: int | None = None) -> ParallelConfig:
         """Check every degree against the world size; return a copy with dp_shard filled in."""
         self.validate(num_experts)
         others = self.dp_replicate * self.ep * self.pp * self.cp
         dp_shard = self.dp_shard
         if dp_shard == -1:
             if world_size % others:
-                raise ValueError(f"[parallel] pp * dp_replicate * ep * cp = {others} does not divide the world "
-                                 f"size {world_size}, so dp_shard = -1 cannot fill it")
+                raise ValueError(
+                    f"[parallel] pp * dp_replicate * ep * cp = {others} does not "
+                    "divide the world "
+                    f"size {world_size}, so dp_shard = -1 cannot fill it"
+                )
             dp_shard = world_size // others
         if dp_shard * others != world_size:
-            raise ValueError(f"[parallel] pp * dp_replicate * dp_shard * ep * cp = {self.pp} * {self.dp_replicate} * "
-                             f"{dp_shard} * {self.ep} * {self.cp} must equal the world size {world_size}")
+            raise ValueError(
+                f"[parallel] pp * dp_replicate * dp_shard * ep * cp = {self.pp} * "
+                f"{self.dp_replicate} * "
+                f"{dp_shard} * {self.ep} * {self.cp} must equal the world size "
+                f"{world_size}"
+            )
         return dataclasses.replace(self, dp_shard=dp_shard)
 
-    def validate(self, num_experts: int | None = None, num_layers: int | None = None,
-                 seq_len: int | None = None) -> None:
+    def validate(
+        self,
+        num_experts: int | None = None,
+        num_layers: int | None = None,
+        seq_len: int | None = None,
+    ) -> None:
         """Every check that does not need the world size, against the model and sequence length
         when given, so that a layout that cannot run fails before any work. Errors name the key."""
         where = "[parallel]"
@@ -157,27 +191,63 @@ class ParallelConfig:
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(name, f"{where} {name} must be an integer >= 1, got {value!r}")
         if self.dp_shard != -1 and self.dp_shard < 1:
-            raise LayoutError("dp_shard", f"{where} dp_shard must be -1 (fill the world size) or >= 1, got {self.dp_shard!r}")
+            raise LayoutError(
+                "dp_shard",
+                f"{where} dp_shard must be -1 (fill the world size) or >= 1, got {self.dp_shard!r}",
+            )
         if num_experts is not None and num_experts % self.ep:
-            raise LayoutError("ep", f"{where} ep = {self.ep} must divide the model's num_experts = {num_experts}")
-        if isinstance(self.ep_overlap, bool) or not isinstance(self.ep_overlap, int) or self.ep_overlap < 1:
-            raise LayoutError("ep_overlap", f"{where} ep_overlap must be an integer >= 1 (the chunks whose expert "
-                              f"all-to-alls overlap; 1: one exchange per MoE layer), got {self.ep_overlap!r}")
-        for key, allowed in (("pp_schedule", list(SCHEDULES)), ("activation_checkpointing", list(AC_MODES)),
-                             ("backend", ["auto", "nccl", "gloo"]), ("param_dtype", ["auto", *DTYPES]),
-                             ("head_precision", list(HEAD_PRECISIONS)), ("accumulation", list(ACCUMULATION_MODES)),
-                             ("fp8", list(FP8_RECIPES))):
+            raise LayoutError(
+                "ep", f"{where} ep = {self.ep} must divide the model's num_experts = {num_experts}"
+            )
+        if (
+            isinstance(self.ep_overlap, bool)
+            or not isinstance(self.ep_overlap, int)
+            or self.ep_overlap < 1
+        ):
+            raise LayoutError(
+                "ep_overlap",
+                f"{where} ep_overlap must be an integer >= 1 (the "
+                "chunks whose expert "
+                "all-to-alls overlap; 1: one exchange per MoE layer), got "
+                f"{self.ep_overlap!r}",
+            )
+        for key, allowed in (
+            ("pp_schedule", list(SCHEDULES)),
+            ("activation_checkpointing", list(AC_MODES)),
+            ("backend", ["auto", "nccl", "gloo"]),
+            ("param_dtype", ["auto", *DTYPES]),
+            ("head_precision", list(HEAD_PRECISIONS)),
+            ("accumulation", list(ACCUMULATION_MODES)),
+            ("fp8", list(FP8_RECIPES)),
+        ):
             if getattr(self, key) not in allowed:
-                raise LayoutError(key, f"{where} {key} must be one of {allowed}, got {getattr(self, key)!r}")
-        if not 0 < self.collective_timeout_minutes <= MAX_TIMEOUT_MINUTES:  # beyond, datetime.timedelta overflows
-            raise LayoutError("collective_timeout_minutes", f"{where} collective_timeout_minutes must be a number of "
-                              f"minutes in (0, {MAX_TIMEOUT_MINUTES}] (a year), got {self.collective_timeout_minutes!r}")
+                raise LayoutError(
+                    key, f"{where} {key} must be one of {allowed}, got {getattr(self, key)!r}"
+                )
+        # beyond, datetime.timedelta overflows
+        if not 0 < self.collective_timeout_minutes <= MAX_TIMEOUT_MINUTES:
+            raise LayoutError(
+                "collective_timeout_minutes",
+                f"{where} collective_timeout_minutes "
+                "must be a number of "
+                f"minutes in (0, {MAX_TIMEOUT_MINUTES}] (a year), got "
+                f"{self.collective_timeout_minutes!r}",
+            )
         if seq_len is not None and self.cp > 1 and seq_len % (2 * self.cp):
-            raise LayoutError("cp", f"{where} cp = {self.cp} splits each sequence into 2 * cp = {2 * self.cp} chunks: "
-                             f"data.seq_len = {seq_len} must be divisible by {2 * self.cp}")
+            raise LayoutError(
+                "cp",
+                f"{where} cp = {self.cp} splits each sequence into 2 * cp = "
+                f"{2 * self.cp} chunks: "
+                f"data.seq_len = {seq_len} must be divisible by {2 * self.cp}",
+            )
         if num_layers is not None and self.pp * self.stages_per_rank > num_layers:
-            raise LayoutError("pp", f"{where} pp = {self.pp} with {self.stages_per_rank} stage(s) per rank makes "
-                             f"{self.pp * self.stages_per_rank} pipeline stages, more than the model's {num_layers} layers")
+            raise LayoutError(
+                "pp",
+                f"{where} pp = {self.pp} with {self.stages_per_rank} stage(s) "
+                "per rank makes "
+                f"{self.pp * self.stages_per_rank} pipeline stages, more than the "
+                f"model's {num_layers} layers",
+            )
         if self.pp_schedule == "Interleaved1F1B":
             needed, fits = "n >= 2", self.stages_per_rank >= 2
         elif self.pp_schedule in V_SCHEDULES:
@@ -185,39 +255,66 @@ class ParallelConfig:
         else:
             needed, fits = "n = 1", self.stages_per_rank == 1
         if not fits:
-            raise LayoutError("pp_stages_per_rank", f"{where} pp_stages_per_rank = {self.stages_per_rank} does not fit "
-                              f"pp_schedule {self.pp_schedule!r}, which takes {needed} stages per rank")
+            raise LayoutError(
+                "pp_stages_per_rank",
+                f"{where} pp_stages_per_rank = "
+                f"{self.stages_per_rank} does not fit "
+                f"pp_schedule {self.pp_schedule!r}, which takes {needed} stages per "
+                "rank",
+            )
         if self.pp > 1 and self.pp_schedule in V_SCHEDULES:
             self.check_v_schedule()
 
     def check_v_schedule(self) -> None:
         """What torch 2.13 cannot run under a V schedule: activation checkpointing (the composable
-        checkpoint fails in the backward split into input and weight gradients: "'_GeneratorContextManager'
-        object has no attribute 'args'"), ZBVZeroBubble with one micro-batch (under BF16, FSDP2 asserts
-        "reduce-scatter expects uniform gradient dtype"), DualPipeV with fewer micro-batches than stages."""
-        schedule, microbatches = self.pp_schedule, self.pp_microbatches or self.pp * self.stages_per_rank
+        checkpoint fails in the backward split into input and weight gradients:
+        "'_GeneratorContextManager' object has no attribute 'args'"), ZBVZeroBubble with one
+        micro-batch (under BF16, FSDP2 asserts "reduce-scatter expects uniform gradient dtype"),
+        DualPipeV with fewer micro-batches than stages."""
+        schedule, microbatches = (
+            self.pp_schedule,
+            self.pp_microbatches or self.pp * self.stages_per_rank,
+        )
         if self.activation_checkpointing != "none":
-            raise LayoutError("activation_checkpointing", f"[parallel] activation_checkpointing = "
-                              f"{self.activation_checkpointing!r} cannot run under pp_schedule {schedule!r}: torch's "
-                              f"activation checkpointing fails in its backward split into input and weight gradients; "
-                              f"use activation_checkpointing = 'none', or pp_schedule '1F1B' or 'Interleaved1F1B'",
-                              also=("pp_schedule",))
-        needed, why = {"ZBVZeroBubble": (2, "under BF16 FSDP2 fails on one"),
-                       "DualPipeV": (self.pp * self.stages_per_rank, f"one per pipeline stage: pp = {self.pp} x "
-                                                                     f"{self.stages_per_rank} stages per rank")}[schedule]
+            raise LayoutError(
+                "activation_checkpointing",
+                f"[parallel] activation_checkpointing = "
+                f"{self.activation_checkpointing!r} cannot run under pp_schedule "
+                f"{schedule!r}: torch's "
+                "activation checkpointing fails in its backward split into input and "
+                "weight gradients; "
+                "use activation_checkpointing = 'none', or pp_schedule '1F1B' or "
+                "'Interleaved1F1B'",
+                also=("pp_schedule",),
+            )
+        needed, why = {
+            "ZBVZeroBubble": (2, "under BF16 FSDP2 fails on one"),
+            "DualPipeV": (
+                self.pp * self.stages_per_rank,
+                f"one per pipeline stage: pp = {self.pp} x {self.stages_per_rank} stages per rank",
+            ),
+        }[schedule]
         if microbatches < needed:
-            raise LayoutError("pp_microbatches", f"[parallel] pp_microbatches = {microbatches}: pp_schedule {schedule!r} "
-                              f"needs at least {needed} ({why}); raise pp_microbatches, or set it to 0 (one per stage)",
-                              also=("pp_schedule",))
+            raise LayoutError(
+                "pp_microbatches",
+                f"[parallel] pp_microbatches = {microbatches}: "
+                f"pp_schedule {schedule!r} "
+                f"needs at least {needed} ({why}); raise pp_microbatches, or set it "
+                "to 0 (one per stage)",
+                also=("pp_schedule",),
+            )
 
 
-def choose_accumulation(cfg: ParallelConfig, gradient_bytes: float, weight_bytes: float, device_bytes: float) -> str:
-    """[parallel] accumulation as a run uses it; "auto" takes the most that fits (tools/memory.py asks the same).
-    sync_last holds `gradient_bytes` (this rank's FSDP units' FP32 gradients, unsharded), gathered `weight_bytes`
-    (their gathered weights) as well: gathered if both fit ACCUMULATION_SHARE of `device_bytes`, else sync_last
-    if the gradients do, else sync_each; sync_each with offload (the gradients would stay on the device it
-    relieves). Under pp sync_last (one schedule call holds no more than a call holds), but sync_each for GPipe,
-    which would hold the activations of all grad_accum x pp_microbatches micro-batches."""
+def choose_accumulation(
+    cfg: ParallelConfig, gradient_bytes: float, weight_bytes: float, device_bytes: float
+) -> str:
+    """[parallel] accumulation as a run uses it; "auto" takes the most that fits (tools/memory.py
+    asks the same). sync_last holds `gradient_bytes` (this rank's FSDP units' FP32 gradients,
+    unsharded), gathered `weight_bytes` (their gathered weights) as well: gathered if both fit
+    ACCUMULATION_SHARE of `device_bytes`, else sync_last if the gradients do, else sync_each;
+    sync_each with offload (the gradients would stay on the device it relieves). Under pp sync_last
+    (one schedule call holds no more than a call holds), but sync_each for GPipe, which would hold
+    the activations of all grad_accum x pp_microbatches micro-batches."""
     if cfg.accumulation != "auto":
         return cfg.accumulation
     if cfg.pp > 1:
@@ -235,42 +332,60 @@ def device_memory_bytes(device_type: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-# ============================================================================= process group and mesh
+# =========================================================================== process group and mesh
 
-def init_distributed(backend: str = "auto", use_cuda: bool | None = None,
-                     timeout: timedelta = timedelta(minutes=ParallelConfig.collective_timeout_minutes)) -> torch.device:
+
+def init_distributed(
+    backend: str = "auto",
+    use_cuda: bool | None = None,
+    timeout: timedelta = timedelta(minutes=ParallelConfig.collective_timeout_minutes),
+) -> torch.device:
     """Start the process group: from torchrun's environment, or, for a plain `python` process, a
     group of one (so that one process takes the same path as many). NCCL on CUDA, gloo on the CPU.
     A collective that waits longer than `timeout` stops the run: NCCL's and gloo's default of 10
     and 30 minutes is shorter than rank 0 preparing a corpus."""
     cuda = (torch.cuda.is_available() if use_cuda is None else use_cuda) and backend != "gloo"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    )
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = backend if backend != "auto" else ("nccl" if cuda else "gloo")
-        alone = {} if "WORLD_SIZE" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-        dist.init_process_group(backend, device_id=device if cuda else None, timeout=timeout, **alone)
+        alone = (
+            {}
+            if "WORLD_SIZE" in os.environ
+            else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+        )
+        dist.init_process_group(
+            backend, device_id=device if cuda else None, timeout=timeout, **alone
+        )
     return device
 
 
 def close_distributed() -> None:
     """End the process group and every group made from it, their backends' threads included.
 
-    destroy_process_group alone leaves the groups alive: DTensor's sharding cache (kept in C++) holds
-    each mesh it saw, and a mesh holds its groups. Their gloo worker threads then outlive main(), and
-    one that drops the last reference to a collective's tensor after the interpreter began to shut
-    down aborts the process ("terminate called without an active exception", SIGABRT) at the end of a
-    run that succeeded. With DTensor's and dynamo's caches emptied here, while Python still runs, the
-    groups are destroyed now, and each destructor waits for its threads (after every multi-process
-    run of train.main in the tests, no gloo thread is left). What the caller still holds stays: a
-    model, or a gradient left on a parameter, keeps its meshes' groups."""
+    destroy_process_group alone leaves the groups alive: DTensor's sharding cache (kept in C++)
+    holds each mesh it saw, and a mesh holds its groups. Their gloo worker threads then outlive
+    main(), and one that drops the last reference to a collective's tensor after the interpreter
+    began to shut down aborts the process ("terminate called without an active exception", SIGABRT)
+    at the end of a run that succeeded. With DTensor's and dynamo's caches emptied here, while
+    Python still runs, the groups are destroyed now, and each destructor waits for its threads
+    (after every multi-process run of train.main in the tests, no gloo thread is left). What the
+    caller still holds stays: a model, or a gradient left on a parameter, keeps its meshes'
+    groups."""
     from torch.distributed.tensor import _collective_utils, _redistribute
+
     if dist.is_initialized():
         dist.destroy_process_group()
     propagator = DTensor._op_dispatcher.sharding_propagator
-    for cache in (propagator.propagate_op_sharding, type(propagator)._propagate_tensor_meta_cached,
-                  _redistribute._gen_transform_infos, _collective_utils.MeshTopoInfo.build_from_mesh):
+    for cache in (
+        propagator.propagate_op_sharding,
+        type(propagator)._propagate_tensor_meta_cached,
+        _redistribute._gen_transform_infos,
+        _collective_utils.MeshTopoInfo.build_from_mesh,
+    ):
         cache.cache_clear()  # each keeps the meshes (DTensorSpecs) of the calls it saw
     _redistribute.clear_redistribute_planner_cache()
     torch._C._clear_DTensor_sharding_propagator_cache()  # the same, in C++
@@ -279,20 +394,26 @@ def close_distributed() -> None:
 
 
 @contextmanager
-def waiting_for_main_rank(what: str, minutes: float, where: str, error: type[Exception] = RuntimeError):
-    """Around a collective where the other ranks wait for rank 0 to do `what` alone. The wait ends at
-    the group's timeout, [parallel].collective_timeout_minutes (`minutes`, set at `where`): gloo then
-    raises a RuntimeError, reported here as `error` naming the key (NCCL's watchdog ends the process
-    instead, its log giving the timeout in milliseconds)."""
+def waiting_for_main_rank(
+    what: str, minutes: float, where: str, error: type[Exception] = RuntimeError
+):
+    """Around a collective where the other ranks wait for rank 0 to do `what` alone. The wait ends
+    at the group's timeout, [parallel].collective_timeout_minutes (`minutes`, set at `where`): gloo
+    then raises a RuntimeError, reported here as `error` naming the key (NCCL's watchdog ends the
+    process instead, its log giving the timeout in milliseconds)."""
     try:
         yield
     except RuntimeError as failure:
         if dist.get_rank() == 0:
             raise
         first_line = (str(failure).splitlines() or ["no message"])[0][:200]
-        raise error(f"rank {dist.get_rank()} waited for rank 0 to {what} and gave up ({first_line}): rank 0 stopped "
-                    f"(its own error says why) or took longer than [parallel].collective_timeout_minutes = "
-                    f"{minutes:g} ({where}); raise it if rank 0 is only slow") from failure
+        raise error(
+            f"rank {dist.get_rank()} waited for rank 0 to {what} and gave up "
+            f"({first_line}): rank 0 stopped "
+            "(its own error says why) or took longer than "
+            "[parallel].collective_timeout_minutes = "
+            f"{minutes:g} ({where}); raise it if rank 0 is only slow"
+        ) from failure
 
 
 def barrier() -> None:
@@ -308,18 +429,23 @@ def build_mesh(cfg: ParallelConfig, device_type: str, num_experts: int | None = 
     cfg = cfg.resolve(dist.get_world_size(), num_experts)
     shape = tuple(getattr(cfg, name) for name in MESH_DIMS)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-    for name, dims in (("dp", ("dp_replicate", "dp_shard", "ep")),
-                       ("dp_cp", ("dp_replicate", "dp_shard", "ep", "cp")),
-                       ("fsdp", ("dp_shard", "ep", "cp")), ("efsdp", ("dp_shard", "cp"))):
+    for name, dims in (
+        ("dp", ("dp_replicate", "dp_shard", "ep")),
+        ("dp_cp", ("dp_replicate", "dp_shard", "ep", "cp")),
+        ("fsdp", ("dp_shard", "ep", "cp")),
+        ("efsdp", ("dp_shard", "cp")),
+    ):
         mesh[dims]._flatten(name)
     return mesh
 
 
 # ============================================================================= this process
 
+
 @dataclass
 class Process:
     """This process in the job: its rank, where its data comes from, its device and the mesh."""
+
     rank: int
     world_size: int
     dp_rank: int  # which batches this process reads: the cp ranks of a group share them
@@ -338,6 +464,7 @@ class Process:
 
 # ============================================================================= pipeline stages
 
+
 def unsupported_layout(cfg: ParallelConfig, model_type: type) -> LayoutError | None:
     """Why `cfg` cannot lay out a `model_type` model, or None: pipeline and context parallelism
     need a forward that serves them, which a model declares in `parallel_dims` ("pp", "cp")."""
@@ -345,8 +472,12 @@ def unsupported_layout(cfg: ParallelConfig, model_type: type) -> LayoutError | N
     for key in ("pp", "cp"):
         if getattr(cfg, key) > 1 and key not in supported:
             what = "pipeline" if key == "pp" else "context"
-            return LayoutError(key, f"[parallel] {key} = {getattr(cfg, key)}: {what} parallelism is not implemented "
-                                    f"for {model_type.__name__}; use {key} = 1")
+            return LayoutError(
+                key,
+                f"[parallel] {key} = {getattr(cfg, key)}: {what} parallelism is "
+                "not implemented "
+                f"for {model_type.__name__}; use {key} = 1",
+            )
     return None
 
 
@@ -355,10 +486,13 @@ def unsupported_layout(cfg: ParallelConfig, model_type: type) -> LayoutError | N
 # parallelize gives a model the StageContext of its rank (stage.py); the model's forward then
 # computes the queries of its positions and its blocks gather keys and values.
 
+
 @lru_cache(maxsize=64)
 def _cp_index(seq_len: int, cp: int, rank: int, device: str) -> torch.Tensor:
     if seq_len % (2 * cp):
-        raise ValueError(f"context parallel: sequence length {seq_len} must be divisible by 2 * cp = {2 * cp}")
+        raise ValueError(
+            f"context parallel: sequence length {seq_len} must be divisible by 2 * cp = {2 * cp}"
+        )
     chunk = seq_len // (2 * cp)
     chunks = (rank, 2 * cp - 1 - rank)
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunks])
@@ -378,7 +512,9 @@ def gather_sequence(t: torch.Tensor, cp_group, dim: int) -> torch.Tensor:
     cp = dist.get_world_size(cp_group)
     seq_len = t.shape[dim] * cp
     gathered_order = torch.cat([cp_token_index(seq_len, cp, r, t.device) for r in range(cp)])
-    return all_gather_tensor_autograd(t.contiguous(), dim, cp_group).index_select(dim, torch.argsort(gathered_order))
+    return all_gather_tensor_autograd(t.contiguous(), dim, cp_group).index_select(
+        dim, torch.argsort(gathered_order)
+    )
 
 
 def context_parallel(group: dist.ProcessGroup) -> StageContext:
@@ -392,10 +528,12 @@ def context_parallel(group: dist.ProcessGroup) -> StageContext:
 
     def gather(t: torch.Tensor, dim: int = 1) -> torch.Tensor:  # [B, T / cp, ...] -> [B, T, ...]
         return gather_sequence(t, group, dim)
+
     return StageContext(cp, group, queries, gather)
 
 
-# ============================================================================= expert parallel, AC, compile, FSDP
+# =============================================================== expert parallel, AC, compile, FSDP
+
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, chunks: int) -> None:
     """Shard every MoE layer's experts over the ep mesh (DTensor Shard(0) on the expert dim), their
@@ -404,12 +542,20 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, chunks: int) ->
         if isinstance(layer.mlp, MoE):
             experts = layer.mlp.experts
             num_experts = experts.gate_up_proj.shape[0]
-            for name, param in list(experts.named_parameters()):  # the weights, and lora.py's adapters of them
+            # the weights, and lora.py's adapters of them
+            for name, param in list(experts.named_parameters()):
                 owner, _, leaf = name.rpartition(".")
-                # Every rank holds the same full tensor (or a meta one): keep this rank's slice, no traffic.
+                # Every rank holds the same full tensor (or a meta one): keep this rank's slice, no
+                # traffic.
                 local = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
-                setattr(experts.get_submodule(owner), leaf, nn.Parameter(local, requires_grad=param.requires_grad))
-            layer.mlp.experts = ExpertParallelExperts(experts, ep_mesh.get_group(), num_experts, chunks)
+                setattr(
+                    experts.get_submodule(owner),
+                    leaf,
+                    nn.Parameter(local, requires_grad=param.requires_grad),
+                )
+            layer.mlp.experts = ExpertParallelExperts(
+                experts, ep_mesh.get_group(), num_experts, chunks
+            )
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -446,9 +592,9 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
         a unit in that unit's param_dtype and reduce-scatters only one gradient dtype per unit.
         Left out of FSDP (ignored_params, replicated), they would need a gradient all-reduce of
         their own, and the fused AdamW refuses a mix of tensors and DTensors.
-      - Under expert parallelism, dropless, the count exchange (moe.ExpertParallelExperts.exchange_counts:
-        host split sizes), eager between the graph that sorts the rows and the one that exchanges them,
-        which reads the sizes as unbacked integers.
+      - Under expert parallelism, dropless, the count exchange
+        (moe.ExpertParallelExperts.exchange_counts: host split sizes), eager between the graph that
+        sorts the rows and the one that exchanges them, which reads the sizes as unbacked integers.
       - Context parallelism (a key/value all-gather in each block) is not asked to be whole.
     Two settings keep those breaks to the ones named: nested_graph_breaks resumes tracing inside
     the module that broke (by default dynamo breaks at every call on the way down to it, each
@@ -464,31 +610,37 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     # default limit of 8, which would stop the run at its first evaluation.
     limit = 2 * model.config.num_hidden_layers
     dynamo.recompile_limit = max(dynamo.recompile_limit, limit)
-    for module in [*model.layers.values(), model.lm_head]:  # the head is None on all but the last stage
+    # the head is None on all but the last stage
+    for module in [*model.layers.values(), model.lm_head]:
         if module is not None:
             module.forward = torch.compile(module.forward, fullgraph=fullgraph)
 
 
 def least_padding(shards: int) -> Callable[[nn.Parameter], Shard | None]:
-    """Where FSDP2 splits a parameter over `shards` ranks: dim 0 (None), in equal chunks with the last
-    padded, unless dim 0 is shorter than the shards. Large 4's 16 experts per expert-parallel rank over
-    32 ranks would give every rank a whole expert, half of them padding: twice each rank's share of
-    the expert weights, gradients and optimizer states (the rehearsal measured it). Those parameters
-    are split along dim 1 instead, as torchtitan splits its experts, where dim 1 divides into the shards:
-    FSDP2 pads dim 0 only, and refuses a split of any other dim that leaves a remainder (Flint's 2,048-wide
-    k_proj and experts on 768 ranks), so there dim 0 is padded after all. The local shape decides: under
-    expert parallelism FSDP splits this rank's experts, not all of them."""
+    """Where FSDP2 splits a parameter over `shards` ranks: dim 0 (None), in equal chunks with the
+    last padded, unless dim 0 is shorter than the shards. Large 4's 16 experts per expert-parallel
+    rank over 32 ranks would give every rank a whole expert, half of them padding: twice each rank's
+    share of the expert weights, gradients and optimizer states (the rehearsal measured it). Those
+    parameters are split along dim 1 instead, as torchtitan splits its experts, where dim 1 divides
+    into the shards: FSDP2 pads dim 0 only, and refuses a split of any other dim that leaves a
+    remainder (Flint's 2,048-wide k_proj and experts on 768 ranks), so there dim 0 is padded after
+    all. The local shape decides: under expert parallelism FSDP splits this rank's experts, not all
+    of them."""
+
     def placement(param: nn.Parameter) -> Shard | None:
         local = param.to_local() if isinstance(param, DTensor) else param
         short = local.dim() > 1 and local.shape[0] < shards
         return Shard(1) if short and local.shape[1] % shards == 0 else None
+
     return placement
 
 
 @dataclass
 class FSDPUnit:
-    """One fully_shard of this rank: its module (a list unit's first), the reshard_after_forward it was given, and
-    what it gathers here (under ep, this rank's experts): elements, the trainable ones, in which dtype."""
+    """One fully_shard of this rank: its module (a list unit's first), the reshard_after_forward it
+    was given, and what it gathers here (under ep, this rank's experts): elements, the trainable
+    ones, in which dtype."""
+
     module: FSDPModule
     reshard_after_forward: bool
     numel: int
@@ -496,21 +648,34 @@ class FSDPUnit:
     param_dtype: torch.dtype
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reshard: bool,
-               offload: bool = False) -> list[FSDPUnit]:
-    """FSDP2 per unit, innermost first: the model's FP32 modules (`fp32_root_modules`, and under
-    a narrower bulk dtype each block's `fp32_modules` as one unit) and the head, stored, gathered
-    and computed in FP32; experts over the expert-data-parallel ranks, then each block, the
-    embedding and the root in the bulk policy. HSDP when dp_replicate > 1. offload: every unit keeps
-    its shards (and so their gradients and the optimizer's states) in host memory, copied to the
-    device for each all-gather; the optimizer then steps on the CPU. -> the units, innermost first."""
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reshard: bool,
+    offload: bool = False,
+) -> list[FSDPUnit]:
+    """FSDP2 per unit, innermost first: the model's FP32 modules (`fp32_root_modules`, and under a
+    narrower bulk dtype each block's `fp32_modules` as one unit) and the head, stored, gathered and
+    computed in FP32; experts over the expert-data-parallel ranks, then each block, the embedding
+    and the root in the bulk policy. HSDP when dp_replicate > 1. offload: every unit keeps its
+    shards (and so their gradients and the optimizer's states) in host memory, copied to the device
+    for each all-gather; the optimizer then steps on the CPU. -> the units, innermost first."""
+
     def dp_mesh(shard_dim: str) -> DeviceMesh:
-        return mesh["dp_replicate", shard_dim] if mesh["dp_replicate"].size() > 1 else mesh[shard_dim]
+        return (
+            mesh["dp_replicate", shard_dim] if mesh["dp_replicate"].size() > 1 else mesh[shard_dim]
+        )
+
     # No input casts: a block casts what it computes with to its weights' dtype itself, so an FP32
     # residual stream (residual_dtype) and the FP32 RoPE tables reach it in FP32; the projections
     # around Sinks stay in the bulk dtype and the head and router cast their inputs to FP32.
-    bulk = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    bulk = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
+    fp32 = MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
     fsdp_mesh, experts_mesh = dp_mesh("fsdp"), dp_mesh("efsdp")
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     units: list[FSDPUnit] = []
@@ -519,12 +684,22 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, res
     def shard(target: nn.Module | list[nn.Module], **options) -> None:
         modules = target if isinstance(target, list) else [target]
         params = [p for m in modules for p in m.parameters() if id(p) not in counted]
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]  # ep: this rank's experts
-        units.append(FSDPUnit(modules[0], options["reshard_after_forward"], sum(p.numel() for p in local),
-                              sum(p.numel() for p in local if p.requires_grad), options["mp_policy"].param_dtype))
+        # ep: this rank's experts
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        units.append(
+            FSDPUnit(
+                modules[0],
+                options["reshard_after_forward"],
+                sum(p.numel() for p in local),
+                sum(p.numel() for p in local if p.requires_grad),
+                options["mp_policy"].param_dtype,
+            )
+        )
         options.setdefault("shard_placement_fn", least_padding(mesh["fsdp"].size()))
         fully_shard(target, offload_policy=policy, **options)
-        counted.update(id(p) for m in modules for p in m.parameters())  # the shards that replaced them
+        # the shards that replaced them
+        counted.update(id(p) for m in modules for p in m.parameters())
+
     for module in model.fp32_root_modules():
         shard(module, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
     for layer in model.layers.values():
@@ -535,8 +710,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, res
             shard(fp32_modules, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
         if isinstance(layer.mlp, MoE):
             if isinstance(layer.mlp.experts, ExpertParallelExperts):
-                shard(layer.mlp.experts, mesh=experts_mesh, mp_policy=bulk, reshard_after_forward=reshard,
-                      shard_placement_fn=least_padding(mesh["efsdp"].size()))
+                shard(
+                    layer.mlp.experts,
+                    mesh=experts_mesh,
+                    mp_policy=bulk,
+                    reshard_after_forward=reshard,
+                    shard_placement_fn=least_padding(mesh["efsdp"].size()),
+                )
                 # Expert gradients already sum over the ep ranks (their tokens came by all-to-all)
                 # and FSDP averages them over the efsdp ranks only: divide by ep as well, so they
                 # average over all data-parallel ranks like every other gradient.
@@ -551,7 +731,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, res
     return units
 
 
-def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> "ParallelModel":
+def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> ParallelModel:
     """Lay `model` (FP32 master weights, on its device or on meta) across `mesh`; see the module
     docstring. With pp > 1 this rank keeps only its stages' layers. FSDP applies whenever there is
     more than one data-parallel rank or the bulk computes in BF16 (its mixed-precision policy is
@@ -583,26 +763,34 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
             apply_expert_parallel(part, mesh["ep"], cfg.ep_overlap)
         apply_activation_checkpointing(part, cfg.activation_checkpointing)
         if cfg.compile:
-            apply_compile(part, fullgraph=param_dtype == torch.float32 and cfg.ep == 1 and cfg.cp == 1)
+            apply_compile(
+                part, fullgraph=param_dtype == torch.float32 and cfg.ep == 1 and cfg.cp == 1
+            )
         if fsdp:
             units += apply_fsdp(part, mesh, param_dtype, reshard, cfg.offload)
     pm = ParallelModel(parts, mesh, config, units)
-    pm.accumulation = choose_accumulation(cfg, *pm.accumulation_bytes(), device_memory_bytes(mesh.device_type))
+    pm.accumulation = choose_accumulation(
+        cfg, *pm.accumulation_bytes(), device_memory_bytes(mesh.device_type)
+    )
     if cfg.pp > 1:
         pm.pp_microbatches = cfg.pp_microbatches or cfg.pp * cfg.stages_per_rank
 
         def make_schedule(batch_shape: tuple[int, int], microbatches: int):
             layout = dataclasses.replace(cfg, pp_microbatches=microbatches)
-            return pipeline_schedule(parts, stage_ids, layout, mesh, param_dtype, pm.weighted_loss, batch_shape)
+            return pipeline_schedule(
+                parts, stage_ids, layout, mesh, param_dtype, pm.weighted_loss, batch_shape
+            )
+
         pm.make_schedule = make_schedule
     return pm
 
 
 @torch.no_grad()
-def init_weights(pm: "ParallelModel", device: torch.device, seed: int | None) -> None:
-    """Materialise a meta-built, parallelized model: this rank's shards of the model's `initial_value` (the
-    weights of one process), or with seed None just the memory, to load a checkpoint into. Each rank
-    draws one full tensor at a time, never the model (the 40B model's largest: a few GB on a GPU)."""
+def init_weights(pm: ParallelModel, device: torch.device, seed: int | None) -> None:
+    """Materialise a meta-built, parallelized model: this rank's shards of the model's
+    `initial_value` (the weights of one process), or with seed None just the memory, to load a
+    checkpoint into. Each rank draws one full tensor at a time, never the model (the 40B model's
+    largest: a few GB on a GPU)."""
     for part in pm.parts:
         part.to_empty(device=device)  # on each FSDP root: it re-registers its shards
         for buffer in part.buffers():  # statistics, not weights
@@ -612,21 +800,28 @@ def init_weights(pm: "ParallelModel", device: torch.device, seed: int | None) ->
 
 
 @torch.no_grad()
-def set_initial_values(pm: "ParallelModel", seed: int, which: Callable[[str], bool] = lambda name: True) -> None:
+def set_initial_values(
+    pm: ParallelModel, seed: int, which: Callable[[str], bool] = lambda name: True
+) -> None:
     """Set this rank's shards of the parameters `which` names to the model's `initial_value` (LoRA's
     adapters after the base is loaded: lora.py)."""
     for part in pm.parts:
         for name, param in filter(lambda named: which(named[0]), part.named_parameters()):
             full = part.initial_value(name, param, seed)
-            if isinstance(param, DTensor):  # Shard and _StridedShard over FSDP/EP meshes, chunked like FSDP2
-                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            # Shard and _StridedShard over FSDP/EP meshes, chunked like FSDP2
+            if isinstance(param, DTensor):
+                full = distribute_tensor(
+                    full, param.device_mesh, param.placements, src_data_rank=None
+                ).to_local()
                 param = param.to_local()
             if full.shape != param.shape:
-                raise RuntimeError(f"{name}: initial shard {tuple(full.shape)} != local shard {tuple(param.shape)}")
+                raise RuntimeError(
+                    f"{name}: initial shard {tuple(full.shape)} != local shard {tuple(param.shape)}"
+                )
             param.copy_(full)
 
 
-def uncompile(pm: "ParallelModel") -> None:
+def uncompile(pm: ParallelModel) -> None:
     """Back to the eager blocks after a compile failure (the caller says so, loudly)."""
     for part in pm.parts:
         for module in [*part.layers.values(), part.lm_head]:
@@ -635,6 +830,7 @@ def uncompile(pm: "ParallelModel") -> None:
 
 
 # ============================================================================= the training surface
+
 
 class ParallelModel:
     """What train.py holds: `module` (native parameter names, for the optimizer and checkpoints),
@@ -648,18 +844,26 @@ class ParallelModel:
     ranks, so the step's gradient is that of the mean loss over all of its tokens.
     """
 
-    def __init__(self, parts: list[nn.Module], mesh: DeviceMesh, config: ModelConfig, units: list[FSDPUnit] = ()):
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        mesh: DeviceMesh,
+        config: ModelConfig,
+        units: list[FSDPUnit] = (),
+    ):
         self.parts, self.mesh, self.config, self.units = parts, mesh, config, list(units)
         self.accumulation = "sync_each"  # [parallel] accumulation, resolved (parallelize)
-        self.make_schedule = None  # pp > 1: (batch shape, micro-batches) -> the pipeline's schedule (parallelize)
+        # pp > 1: (batch shape, micro-batches) -> the pipeline's schedule (parallelize)
+        self.make_schedule = None
         self.pp_microbatches = 1  # pp > 1: [parallel] pp_microbatches, resolved
         self.schedules: dict = {}  # by batch shape and micro-batches
         self.module = merged_view(parts)
         self.token_weight = torch.ones(())  # dp / num_tokens of the current step
 
     def accumulation_bytes(self) -> tuple[int, int]:
-        """(The unsharded gradients of this rank's FSDP units, in their reduce dtype FP32: what sync_last holds
-        between micro-batches; their gathered weights, which gathered holds as well) in bytes."""
+        """(The unsharded gradients of this rank's FSDP units, in their reduce dtype FP32: what
+        sync_last holds between micro-batches; their gathered weights, which gathered holds as well)
+        in bytes."""
         gradients = sum(4 * unit.trainable_numel for unit in self.units)
         weights = sum(unit.numel * unit.param_dtype.itemsize for unit in self.units)
         return gradients, weights
@@ -680,50 +884,78 @@ class ParallelModel:
         return mean_loss * (targets != -100).sum() * self.token_weight
 
     def accumulate_gradients(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Forward and backward of an optimizer step's micro-batches on this rank (dicts of forward_backward's
-        arguments), every target token of the step weighing the same -> the step's mean loss per target token.
-        `accumulation` says what FSDP2 communicates in between, per unit (CONFIG.md): sync_each reduce-scatters
-        (HSDP: and all-reduces) in every backward; sync_last only in the last, the others accumulating
-        unsharded FP32 gradients; gathered as sync_last, the weights staying gathered from the first forward to
-        the last backward, which reshards them. torch's pipeline schedules already sync once per call (their
-        stages turn the sync and the reshard after backward off until REDUCE_GRAD, after the last micro-batch)
-        and keep a stage gathered through it: under pp, sync_last and gathered run one call on the micro-batches
-        joined, of grad_accum x pp_microbatches pipeline micro-batches. One micro-batch: the same in every mode."""
+        """Forward and backward of an optimizer step's micro-batches on this rank (dicts of
+        forward_backward's arguments), every target token of the step weighing the same -> the
+        step's mean loss per target token. `accumulation` says what FSDP2 communicates in between,
+        per unit (CONFIG.md): sync_each reduce-scatters (HSDP: and all-reduces) in every backward;
+        sync_last only in the last, the others accumulating unsharded FP32 gradients; gathered as
+        sync_last, the weights staying gathered from the first forward to the last backward, which
+        reshards them. torch's pipeline schedules already sync once per call (their stages turn the
+        sync and the reshard after backward off until REDUCE_GRAD, after the last micro-batch) and
+        keep a stage gathered through it: under pp, sync_last and gathered run one call on the
+        micro-batches joined, of grad_accum x pp_microbatches pipeline micro-batches. One
+        micro-batch: the same in every mode."""
         targets = torch.stack([batch["targets"] for batch in batches])
         num_tokens = self.global_tokens(targets)
         mode = self.accumulation if len(batches) > 1 else "sync_each"
         microbatches = self.pp_microbatches
         if self.make_schedule is not None and mode != "sync_each":
             microbatches *= len(batches)
-            batches = [{key: torch.cat([batch[key] for batch in batches]) for key in batches[0]}]  # [B, T] -> [n B, T]
+            # [B, T] -> [n B, T]
+            batches = [{key: torch.cat([batch[key] for batch in batches]) for key in batches[0]}]
         loss = torch.zeros((), device=targets.device)
         try:
             for index, batch in enumerate(batches):
                 self.communicate(mode, last=index == len(batches) - 1)
-                loss = loss + self.forward_backward(**batch, num_tokens=num_tokens, pipeline_microbatches=microbatches)
+                loss = loss + self.forward_backward(
+                    **batch, num_tokens=num_tokens, pipeline_microbatches=microbatches
+                )
         finally:
-            self.communicate("sync_each", last=True)  # what a lone forward_backward or `loss` expects
+            # what a lone forward_backward or `loss` expects
+            self.communicate("sync_each", last=True)
         return loss
 
     def communicate(self, mode: str, last: bool) -> None:
-        """FSDP2's settings for the next micro-batch under accumulation `mode` (accumulate_gradients)."""
+        """FSDP2's settings for the next micro-batch under accumulation `mode`
+        (accumulate_gradients)."""
         for unit in self.units:
             unit.module.set_requires_gradient_sync(last or mode == "sync_each", recurse=False)
             unit.module.set_reshard_after_backward(last or mode != "gathered", recurse=False)
-            unit.module.set_reshard_after_forward(unit.reshard_after_forward and mode != "gathered", recurse=False)
+            unit.module.set_reshard_after_forward(
+                unit.reshard_after_forward and mode != "gathered", recurse=False
+            )
 
-    def forward_backward(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                         num_tokens: torch.Tensor | None = None, *, pipeline_microbatches: int = 0) -> torch.Tensor:
+    def forward_backward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        num_tokens: torch.Tensor | None = None,
+        *,
+        pipeline_microbatches: int = 0,
+    ) -> torch.Tensor:
         """Forward and backward on this rank's batch [B, T]; gradients accumulate over calls.
         num_tokens: the target tokens of the optimizer step over all its micro-batches and all
         data-parallel ranks (`global_tokens`); default: this batch's. pipeline_microbatches: what a
         pipeline cuts the batch into (0: [parallel] pp_microbatches). -> this batch's share of the
         step's mean loss per token (detached, equal on every rank): sum it over micro-batches."""
-        return self._run(input_ids, targets, doc_ids, num_tokens, backward=True, microbatches=pipeline_microbatches)
+        return self._run(
+            input_ids,
+            targets,
+            doc_ids,
+            num_tokens,
+            backward=True,
+            microbatches=pipeline_microbatches,
+        )
 
     @torch.no_grad()
-    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None = None,
-             num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def loss(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        num_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Like forward_backward, without the backward (for evaluation). The FSDP units a forward
         leaves gathered (the head; a pipeline stage's blocks) are resharded after it: left gathered
         by a forward without autograd, torch 2.13's FSDP2 doubled the head's gradient in the next
@@ -734,7 +966,9 @@ class ParallelModel:
                 module.reshard()
         return loss
 
-    def _run(self, input_ids, targets, doc_ids, num_tokens, backward: bool, microbatches: int = 0) -> torch.Tensor:
+    def _run(
+        self, input_ids, targets, doc_ids, num_tokens, backward: bool, microbatches: int = 0
+    ) -> torch.Tensor:
         num_tokens = self.global_tokens(targets) if num_tokens is None else num_tokens
         self.token_weight = self.dp_size / num_tokens.clamp(min=1)
         kwargs = {} if doc_ids is None else {"doc_ids": doc_ids}
@@ -749,9 +983,20 @@ class ParallelModel:
             if key not in self.schedules:
                 self.schedules[key] = self.make_schedule(*key)
             run = self.schedules[key].step if backward else self.schedules[key].eval
-            run(input_ids, target=targets, losses=losses, return_outputs=False, targets=targets, **kwargs)
+            run(
+                input_ids,
+                target=targets,
+                losses=losses,
+                return_outputs=False,
+                targets=targets,
+                **kwargs,
+            )
             # Only the last stage holds the micro-batch losses: sum them over the pp group.
-            loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=input_ids.device)
+            loss = (
+                torch.stack(losses).sum().detach()
+                if losses
+                else torch.zeros((), device=input_ids.device)
+            )
             dist.all_reduce(loss, group=self.mesh["pp"].get_group())
         if self.mesh["dp_cp"].size() > 1:
             dist.all_reduce(loss, group=self.mesh["dp_cp"].get_group())  # gloo has no AVG
@@ -762,19 +1007,21 @@ class ParallelModel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global L2 norm of all gradients; returns that norm (FP32).
 
-        Gradients live on different meshes (the experts on (efsdp, ep), the rest on fsdp) and pipeline
-        stages hold different parameters, so a per-mesh norm is not the norm: sum the squares of the
-        local shards per (mesh, placements), all-reduce over the dims that shard them, add the groups,
-        then all-reduce over the pipeline group.
-        """
+        Gradients live on different meshes (the experts on (efsdp, ep), the rest on fsdp) and
+        pipeline stages hold different parameters, so a per-mesh norm is not the norm: sum the
+        squares of the local shards per (mesh, placements), all-reduce over the dims that shard
+        them, add the groups, then all-reduce over the pipeline group."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         groups: dict[tuple, list[torch.Tensor]] = {}
         for grad in grads:
             key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else (None, None)
-            groups.setdefault(key, []).append(grad.to_local() if isinstance(grad, DTensor) else grad)
+            groups.setdefault(key, []).append(
+                grad.to_local() if isinstance(grad, DTensor) else grad
+            )
         total = torch.zeros((), device=self.collective_device, dtype=torch.float32)
         for (grad_mesh, placements), local in groups.items():
-            squares = sum(g.float().pow(2).sum() for g in local).to(total.device)  # host shards when offloaded
+            # host shards when offloaded
+            squares = sum(g.float().pow(2).sum() for g in local).to(total.device)
             if grad_mesh is not None:
                 for dim, placement in enumerate(placements):
                     if not placement.is_replicate():  # Shard and _StridedShard split the tensor
@@ -785,7 +1032,9 @@ class ParallelModel:
         norm = total.sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for grad in grads:
-            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale.to(grad.device, grad.dtype))
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(
+                scale.to(grad.device, grad.dtype)
+            )
         return norm
 
     @property

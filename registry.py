@@ -1,15 +1,15 @@
-"""The model families flint trains, and the interface through which the rest of the repository uses them.
+"""The model families flint trains, and the interface through which the rest of the repository uses
+them.
 
 FAMILIES is the one place outside a model's own files that names a model: family name -> the module
 that declares it. That module holds the model's config, network and published checkpoint layout, and
-ends with `FAMILY = Family(...)`. It is imported only when the family is asked for, so that importing
-this file (and config.py, parallel.py, data.py, checkpoint.py above it) loads no model.
+ends with `FAMILY = Family(...)`. It is imported only when the family is asked for, so that
+importing this file (and config.py, parallel.py, data.py, checkpoint.py above it) loads no model.
 
 What parallel.py, train.py, convert.py and the tools read from a model is declared below as two
 protocols, `ModelConfig` and `Model`; tests/test_registry.py checks every registered family against
-them. A new model adds its files and one line to FAMILIES; a fork drops a model by deleting its files
-and its line (README, Fork).
-"""
+them. A new model adds its files and one line to FAMILIES; a fork drops a model by deleting its
+files and its line (README, Fork)."""
 
 from __future__ import annotations
 
@@ -29,16 +29,21 @@ if TYPE_CHECKING:
     from stage import StageContext
 
 FAMILIES: dict[str, str] = {
-    "flint": "model",  # Flint: model.py
+    # Flint: flint_model.py. Not a module named `flint`: sympy, which torch imports, tries
+    # `import flint` for the python-flint library, and would find ours first.
+    "flint": "flint_model",
     "large4": "large4",  # Mistral Large 4: large4.py, large4_config.py
 }
 
 
 # ============================================================================= the interface
 
+
 @runtime_checkable
 class ModelConfig(Protocol):
-    """What the shared machinery reads from a model's config (a dataclass of the published fields)."""
+    """What the shared machinery reads from a model's config (a dataclass of the published
+    fields)."""
+
     family: ClassVar[str]  # its FAMILIES name
     vocab_size: int
     hidden_size: int
@@ -58,13 +63,14 @@ class ModelConfig(Protocol):
         """Why training cannot start with this architecture, or None."""
 
     def layout_error(self, pp: int, cp: int) -> tuple[str, str] | None:
-        """(the [parallel] key, why) when this config cannot train with pp stages and cp ranks, or None."""
+        """(the [parallel] key, why) when this config cannot train with pp stages and cp ranks, or
+        None."""
 
     @classmethod
-    def from_name(cls, name: str, **overrides: Any) -> "ModelConfig": ...
+    def from_name(cls, name: str, **overrides: Any) -> ModelConfig: ...
 
     @classmethod
-    def from_hf_config(cls, source: dict | str | Path, **overrides: Any) -> "ModelConfig": ...
+    def from_hf_config(cls, source: dict | str | Path, **overrides: Any) -> ModelConfig: ...
 
     def to_hf_config(self) -> dict: ...
 
@@ -81,13 +87,16 @@ class Model(Protocol):
     stage deletes the layers it does not own (and the embedding, or the final norm and head, set to
     None; the forward passes over what is missing) and every parameter keeps its name in every
     layout."""
+
     config: ModelConfig
     embed_tokens: nn.Module | None
     layers: nn.ModuleDict
     norm: nn.Module | None
     lm_head: nn.Module | None  # head.Head
-    parallel_dims: tuple[str, ...]  # the layouts its forward serves beyond data and expert parallelism: "pp", "cp"
-    first_stage_modules: tuple[str, ...]  # what only the first pipeline stage keeps (the embedding, ...)
+    # the layouts its forward serves beyond data and expert parallelism: "pp", "cp"
+    parallel_dims: tuple[str, ...]
+    # what only the first pipeline stage keeps (the embedding, ...)
+    first_stage_modules: tuple[str, ...]
     # What a layout adds to its forward (stage.py): one device, unless parallelize sets a cp rank's.
     stage: StageContext
     router_losses: RouterLosses  # what its config asks for (balance.py); its stage plans them
@@ -103,8 +112,11 @@ class Model(Protocol):
     def fp32_root_modules(self) -> list[nn.Module]:
         """FP32 units outside the blocks, besides the head."""
 
-    def stage_io(self, batch: int, seq_len: int, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], ...]:
-        """This pipeline stage's (inputs, outputs) for micro-batches [batch, seq_len], as meta tensors."""
+    def stage_io(
+        self, batch: int, seq_len: int, dtype: torch.dtype
+    ) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """This pipeline stage's (inputs, outputs) for micro-batches [batch, seq_len], as meta
+        tensors."""
 
     def num_params(self, active: bool = False) -> int: ...
 
@@ -117,16 +129,29 @@ class Model(Protocol):
     def checkpointed_block_bytes(self, seq_len: int) -> float:
         """What a checkpointed block keeps for backward per token (tools/memory.py)."""
 
-    def check_inputs(self, input_ids: torch.Tensor, targets: torch.Tensor | None, doc_ids: torch.Tensor | None,
-                     positions: torch.Tensor | None) -> None:
+    def check_inputs(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None,
+        doc_ids: torch.Tensor | None,
+        positions: torch.Tensor | None,
+    ) -> None:
         """Refuse bad forward inputs with a message naming the argument."""
 
     def decode_step(self, input_ids: torch.Tensor, caches: dict, start: int) -> torch.Tensor:
-        """New tokens [B, t] at positions start.. through the KV caches -> the last logits [B, V]."""
+        """New tokens [B, t] at positions start.. through the KV caches -> the last logits [B,
+        V]."""
 
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None,
-                 eos_token_id: int | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor: ...
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | None = None,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -135,6 +160,7 @@ class Family:
     checkpoint layout (convert.py), the module kinds of its own that tools/profiling.py times, its
     smallest preset (what trains in seconds: `tools.bench --quick`'s, the tests') and the preset
     tools/bench.py times by default (its smallest when empty)."""
+
     name: str
     config: type
     model: type
@@ -146,6 +172,7 @@ class Family:
 
 
 # ============================================================================= looking families up
+
 
 def family(name: str) -> Family:
     """The registered family `name`, its module imported on first use."""
@@ -165,7 +192,8 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
 
 
 def family_of_hf_config(source: dict | str | Path) -> str:
-    """The family a config.json (dict, file or checkpoint directory) describes, by its model_type."""
+    """The family a config.json (dict, file or checkpoint directory) describes, by its
+    model_type."""
     data, where = read_config_json(source)
     model_types = {family(name).model_type: name for name in FAMILIES}
     model_type = data.get("model_type", "flint")
@@ -179,7 +207,8 @@ def config_from_hf(source: dict | str | Path, **overrides) -> ModelConfig:
     return family(family_of_hf_config(source)).config.from_hf_config(source, **overrides)
 
 
-# ============================================================================= checks both configs share
+# ======================================================================== checks both configs share
+
 
 def check_positive_ints(config: Any, names: tuple[str, ...]) -> None:
     """Each named field of `config` is an int > 0 (a bool is not), or a ValueError names it."""
@@ -193,11 +222,15 @@ def check_choices(config: Any, choices: dict[str, tuple]) -> None:
     """Each named field of `config` holds one of the values this implementation supports."""
     for name, allowed in choices.items():
         if getattr(config, name) not in allowed:
-            raise ValueError(f"{name} must be one of {allowed} in this implementation, got {getattr(config, name)!r}")
+            raise ValueError(
+                f"{name} must be one of {allowed} in this implementation, got "
+                f"{getattr(config, name)!r}"
+            )
 
 
 def from_preset(cls: type, presets: dict[str, dict], name: str, what: str, overrides: dict) -> Any:
-    """cls built from preset `name` of `presets` with `overrides` on top; `what` names the kind in errors."""
+    """cls built from preset `name` of `presets` with `overrides` on top; `what` names the kind in
+    errors."""
     if name not in presets:
         raise ValueError(f"unknown {what} preset {name!r}; choose one of {sorted(presets)}")
     return cls(**{**presets[name], **overrides})

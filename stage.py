@@ -1,9 +1,9 @@
 """The seam between a model's forward and the parallel layouts: what a layout adds to the math.
 
-A model's forward reads as on one device: embedding -> blocks -> norm -> head and loss (model.py,
-large4.py). What a layout changes reaches it through one object, the model's `stage` (a
-StageContext: by default one device; parallel.py gives each context-parallel rank its own), which
-plans each call (a ForwardPlan) and answers the forward's few questions:
+A model's forward reads as on one device: embedding -> blocks -> norm -> head and loss
+(flint_model.py, large4.py). What a layout changes reaches it through one object, the model's
+`stage` (a StageContext: by default one device; parallel.py gives each context-parallel rank its
+own), which plans each call (a ForwardPlan) and answers the forward's few questions:
 - Pipeline parallelism: which layers this rank runs, and whether its embedding and head, is the
   model itself (pipeline.py deletes the rest; the forward passes over what is missing, as
   torchtitan's decoder does). A stage without the embedding starts from what the stage before
@@ -18,8 +18,9 @@ plans each call (a ForwardPlan) and answers the forward's few questions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -38,14 +39,21 @@ Queries = Callable[[int, torch.device], torch.Tensor]
 class StageContext:
     """What a layout tells a model's forward beyond the layers the model holds. The default is one
     device; parallel.context_parallel builds a context-parallel rank's."""
+
     cp: int = 1  # ranks of the cp group, which split each sequence between them
     group: dist.ProcessGroup | None = None  # the cp group (None: no context parallelism)
     queries: Queries | None = None  # this rank's positions, with cp > 1
     # [B, T / cp, ...] at this rank's positions -> the whole sequence's [B, T, ...], with cp > 1
     gather: Gather | None = None
 
-    def plan(self, model: nn.Module, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor | None,
-             doc_ids: torch.Tensor | None, positions: torch.Tensor | None) -> ForwardPlan:
+    def plan(
+        self,
+        model: nn.Module,
+        inputs: tuple[torch.Tensor, ...],
+        targets: torch.Tensor | None,
+        doc_ids: torch.Tensor | None,
+        positions: torch.Tensor | None,
+    ) -> ForwardPlan:
         """One call of `model`'s forward (its arguments) -> its plan. Where the model holds the
         embedding (the whole model, a first stage), inputs is input_ids [B, T], optionally followed
         by targets, doc_ids and positions as in model(ids, targets), each checked here; on a later
@@ -56,7 +64,8 @@ class StageContext:
         input_ids, received = None, inputs
         if first:
             (input_ids,), targets, doc_ids, positions = call_arguments(
-                type(model).__name__, inputs, targets, doc_ids, positions)
+                type(model).__name__, inputs, targets, doc_ids, positions
+            )
             model.check_inputs(input_ids, targets, doc_ids, positions)
             received = ()
         x = inputs[0]  # token ids [B, T], or a later stage's hidden states [B, T / cp, H]
@@ -70,9 +79,21 @@ class StageContext:
             stats = losses.start(batch, device) if first else losses.unpack(inputs[-carried:])
             received = received if first else inputs[:-carried]
             real = real_tokens(doc_ids, batch, seq_len, device)  # [B, T]
-        return ForwardPlan(self, losses, input_ids, received, targets=targets, doc_ids=doc_ids,
-                           positions=positions, batch=batch, seq_len=seq_len, device=device,
-                           mine=mine, stats=stats, real=real)
+        return ForwardPlan(
+            self,
+            losses,
+            input_ids,
+            received,
+            targets=targets,
+            doc_ids=doc_ids,
+            positions=positions,
+            batch=batch,
+            seq_len=seq_len,
+            device=device,
+            mine=mine,
+            stats=stats,
+            real=real,
+        )
 
 
 ONE_DEVICE = StageContext()
@@ -82,6 +103,7 @@ ONE_DEVICE = StageContext()
 class ForwardPlan:
     """One forward call on this rank (StageContext.plan): its inputs, and what the layout adds to
     the model's math. `ForwardPlan()` adds nothing (generation's path through the blocks)."""
+
     stage: StageContext = ONE_DEVICE
     router_losses: RouterLosses | None = None
     input_ids: torch.Tensor | None = None  # token ids [B, T] where the model holds the embedding
@@ -114,8 +136,9 @@ class ForwardPlan:
         which this plan keeps. -> the block's other outputs (one tensor, or their tuple)."""
         if self.stats is None:
             return layer(*inputs, gather=self.gather, **settings)
-        *outputs, self.stats = layer(*inputs, gather=self.gather, stats=self.stats,
-                                     real=self.local_real, **settings)
+        *outputs, self.stats = layer(
+            *inputs, gather=self.gather, stats=self.stats, real=self.local_real, **settings
+        )
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def send(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

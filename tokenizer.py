@@ -3,8 +3,8 @@
     "byte"                        256 byte tokens + <|endoftext|>
     a .tiktoken file              ranks only, split with the cl100k pattern
     a tiktoken encoding name      only if it is already in tiktoken's cache
-    "checkpoint" or a directory   the checkpoint's byte-level BPE tokenizer.json, converted to ranks,
-                                  with the chat template its tokenizer files carry, if any
+    "checkpoint" or a directory   the checkpoint's byte-level BPE tokenizer.json, as ranks, with
+                                  the chat template its tokenizer files carry, if any
 
 `load_tokenizer(spec, eos_token, checkpoint_dir)` picks one and returns a `Tokenizer`: the encoding,
 the id appended to every document, a fingerprint that prepared shards record, and the chat template

@@ -12,8 +12,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Tests import the flat top-level modules (model.py, attention.py, ...), tests/helpers.py and the
-# references.
+# Tests import the flat top-level modules (flint_model.py, attention.py, ...), tests/helpers.py and
+# the references.
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 

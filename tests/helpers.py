@@ -704,8 +704,8 @@ def block_inputs(config, backend: str = "sdpa"):
     Flint block (T = 32 > 2 * (window 9 - 1): the tiny preset's sliding layers take the banded
     path)."""
     from attention import build_masks
+    from flint_model import rope_tables
     from layers import document_positions
-    from model import rope_tables
 
     batch, seq = 2, 32
     g = torch.Generator().manual_seed(0)

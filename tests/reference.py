@@ -1,12 +1,11 @@
 """Plain, slow, independent references of what both models are built from: RMSNorm, positions within
-packed documents, the attention masks and softmax attention with sinks (attention.py), SwiGLU and routed
-experts (moe.py). Each model's own reference (tests/reference_flint.py, tests/reference_large4.py)
-assembles its network.
+packed documents, the attention masks and softmax attention with sinks (attention.py), SwiGLU and
+routed experts (moe.py). Each model's own reference (tests/reference_flint.py,
+tests/reference_large4.py) assembles its network.
 
-Built to be obviously right rather than fast: loops instead of batching tricks, explicit boolean masks, an
-explicit sink column inside a full softmax, and FP32 everywhere. It imports nothing from the repository,
-only torch and math.
-"""
+Built to be obviously right rather than fast: loops instead of batching tricks, explicit boolean
+masks, an explicit sink column inside a full softmax, and FP32 everywhere. It imports nothing from
+the repository, only torch and math."""
 
 import math
 
@@ -33,10 +32,14 @@ def reference_positions(doc_ids: Tensor | None, B: int, T: int) -> Tensor:
     return positions
 
 
-def reference_mask(layer_type: str, sliding_window: int, doc_ids: Tensor | None, T: int, B: int) -> Tensor:
+def reference_mask(
+    layer_type: str, sliding_window: int, doc_ids: Tensor | None, T: int, B: int
+) -> Tensor:
     """Which keys each query may attend to; bool [B, T(query), T(key)]."""
     if layer_type not in ("full_attention", "sliding_attention"):
-        raise ValueError(f"layer_type must be 'full_attention' or 'sliding_attention', got {layer_type!r}")
+        raise ValueError(
+            f"layer_type must be 'full_attention' or 'sliding_attention', got {layer_type!r}"
+        )
     q_idx = torch.arange(T)[:, None]  # [T, 1]
     k_idx = torch.arange(T)[None, :]  # [1, T]
     allowed = k_idx <= q_idx  # causal
@@ -54,8 +57,8 @@ def reference_mask(layer_type: str, sliding_window: int, doc_ids: Tensor | None,
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, allowed: Tensor) -> Tensor:
     """Softmax attention with one learnable sink logit per query head.
 
-    q [B, Hq, T, D]; k, v [B, Hkv, S, D]; sinks [Hq]; allowed bool [B, T, S]. Returns [B, Hq, T, D] FP32.
-    """
+    q [B, Hq, T, D]; k, v [B, Hkv, S, D]; sinks [Hq]; allowed bool [B, T, S]. Returns [B, Hq, T, D]
+    FP32."""
     B, Hq, T, D = q.shape
     group = Hq // k.shape[1]  # query heads per kv head (GQA)
     out = []
@@ -84,8 +87,8 @@ def reference_moe(
 ) -> Tensor:
     """Routed experts only (the caller adds the shared expert).
 
-    x [N, H]; router_w [E, H]; gate_up [E, H, 2*Im] (gate columns first); down [E, Im, H]. Returns [N, H].
-    """
+    x [N, H]; router_w [E, H]; gate_up [E, H, 2*Im] (gate columns first); down [E, Im, H]. Returns
+    [N, H]."""
     x = x.float()
     scores = torch.sigmoid(x @ router_w.float().T)  # [N, E]
     weights, experts = torch.topk(scores, top_k, dim=-1)  # [N, k]
@@ -99,6 +102,7 @@ def reference_moe(
             e = int(experts[n, j])
             w_gate, w_up = gate_up[e, :, :im].float(), gate_up[e, :, im:].float()  # [H, Im] each
             hidden = F.silu(x[n] @ w_gate) * (x[n] @ w_up)  # [Im]
-            y = y + weights[n, j] * (hidden @ down[e].float())  # weight applied after the down projection
+            # weight applied after the down projection
+            y = y + weights[n, j] * (hidden @ down[e].float())
         rows.append(y)
     return torch.stack(rows)

@@ -1,9 +1,8 @@
 """attention.py against the plain reference: masks, both backends, values and gradients.
 
-FlexAttention refuses to run backward on the CPU (`_validate_device` raises before the call), although
-its eager implementation is differentiable. The `flex_cpu_backward` fixture lifts that one check for
-the duration of a test, so flex gradients are checked here against the reference too.
-"""
+FlexAttention refuses to run backward on the CPU (`_validate_device` raises before the call),
+although its eager implementation is differentiable. The `flex_cpu_backward` fixture lifts that one
+check for the duration of a test, so flex gradients are checked here against the reference too."""
 
 import pytest
 import torch
@@ -46,20 +45,27 @@ CASES = {  # name: (layer type, window, with documents)
 
 def dense(backend_attend):
     """Always the dense boolean mask, whatever build_masks would choose."""
+
     def build(layer_type, window, doc_ids, batch, seq_len):
-        return A.dense_mask(A.layer_mask_mod(layer_type, window, doc_ids), batch, seq_len, seq_len, "cpu")
+        return A.dense_mask(
+            A.layer_mask_mod(layer_type, window, doc_ids), batch, seq_len, seq_len, "cpu"
+        )
+
     return build, backend_attend
 
 
 def built(backend):
     def build(layer_type, window, doc_ids, batch, seq_len):
-        return A.build_masks([layer_type], window, doc_ids, batch, seq_len, "cpu", backend)[layer_type]
+        return A.build_masks([layer_type], window, doc_ids, batch, seq_len, "cpu", backend)[
+            layer_type
+        ]
+
     return build, A.sink_attention
 
 
-# Every implementation of attention with sinks: FlexAttention (BlockMask); the sdpa backend as the model
-# uses it (banded on long sliding layers); the CPU's fused flash kernel on a dense mask; SDPA with a
-# sink column (the sdpa backend off the CPU).
+# Every implementation of attention with sinks: FlexAttention (BlockMask); the sdpa backend as the
+# model uses it (banded on long sliding layers); the CPU's fused flash kernel on a dense mask; SDPA
+# with a sink column (the sdpa backend off the CPU).
 IMPLEMENTATIONS = {
     "flex": built("flex"),
     "sdpa": built("sdpa"),
@@ -139,7 +145,12 @@ def test_padding_query_outputs_zeros(implementation, flex_cpu_backward):
 def test_long_sliding_layers_are_banded():
     """Sliding layers much longer than the window use the banded mask; the tests above check it."""
     masks = A.build_masks([A.SLIDING, A.FULL], 7, None, 2, 40, "cpu", "sdpa")
-    assert isinstance(masks[A.SLIDING], A.BandMask) and masks[A.SLIDING].allowed.shape == (2 * 7, 1, 6, 12)
+    assert isinstance(masks[A.SLIDING], A.BandMask) and masks[A.SLIDING].allowed.shape == (
+        2 * 7,
+        1,
+        6,
+        12,
+    )
     assert masks[A.FULL].shape == (2, 1, 40, 40)
     window_edge = A.build_masks([A.SLIDING], 513, None, 1, 2000, "cpu", "sdpa")[A.SLIDING]
     assert window_edge.allowed.sum(-1).max().item() == 513
@@ -173,9 +184,12 @@ def test_sdpa_sink_logit_stays_fp32_with_bf16_inputs():
     BF16 would round to 100.0: query i sees i + 1 keys, so keep = (i + 1) / (i + 1 + e^0.2) and the
     output is keep * the mean of its values. A BF16 sink moves the first output by 10%."""
     batch, heads, seq_len, dim = 1, 2, 4, 16
-    q = torch.full((batch, heads, seq_len, dim), 5.0, dtype=torch.bfloat16)  # q . k / sqrt(16) = 100
+    # q . k / sqrt(16) = 100
+    q = torch.full((batch, heads, seq_len, dim), 5.0, dtype=torch.bfloat16)
     k = torch.full((batch, 1, seq_len, dim), 5.0, dtype=torch.bfloat16)
-    v = torch.randn(batch, 1, seq_len, dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    v = torch.randn(batch, 1, seq_len, dim, generator=torch.Generator().manual_seed(0)).to(
+        torch.bfloat16
+    )
     sinks = torch.full((heads,), 100.2)
     allowed = torch.ones(seq_len, seq_len, dtype=torch.bool).tril().view(1, 1, seq_len, seq_len)
     out = A.sdpa_sink_attention(q, k, v, sinks, allowed)

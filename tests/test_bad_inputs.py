@@ -1,10 +1,10 @@
-"""Inputs that once ended in a raw traceback or a misleading message (issue 19): each now stops with one
-line of the repository's own error kinds that names the file, key or flag and says what was expected.
+"""Inputs that once ended in a raw traceback or a misleading message (issue 19): each now stops with
+one line of the repository's own error kinds that names the file, key or flag and says what was
+expected.
 
-Every table row is (how to build the bad input, what the message must name, a pattern it must match);
-`{dir}` in the name stands for the row's directory. One small trained run (module-scoped) provides the
-checkpoints that the sample.py and convert.py rows copy and damage.
-"""
+Every table row is (how to build the bad input, what the message must name, a pattern it must
+match); `{dir}` in the name stands for the row's directory. One small trained run (module-scoped)
+provides the checkpoints that the sample.py and convert.py rows copy and damage."""
 
 import base64
 import json
@@ -19,12 +19,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import convert
-import data
+import prepare as preparation
 import sample
 from checkpoint_files import CheckpointError
 from config import ConfigError, load_config
-from data import DataError, TokenShards, prepare
+from data import DataError, TokenShards
 from helpers import DEFAULT_FAMILY, debug_args, only, run_debug, stops_with_one_line, tiny_preset
+from prepare import prepare
 from registry import family
 from tokenizer import TokenizerError, bytes_to_unicode, load_tokenizer
 
@@ -39,8 +40,13 @@ def trained(tmp_path_factory) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        run_debug(directory, "--training.steps=2", "--checkpoint.every=1", "--training.sample_tokens=0",
-                  f"--checkpoint.export_hf={directory / 'hf'}")
+        run_debug(
+            directory,
+            "--training.steps=2",
+            "--checkpoint.every=1",
+            "--training.sample_tokens=0",
+            f"--checkpoint.export_hf={directory / 'hf'}",
+        )
     finally:
         torch.set_num_threads(threads)
     return directory
@@ -53,11 +59,14 @@ def edit_json(file: Path, change) -> None:
 
 def ranks_file(path: Path, tokens: list[bytes]) -> str:
     """A .tiktoken file ranking `tokens` in order."""
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
+    path.write_text(
+        "".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens))
+    )
     return str(path)
 
 
-# ============================================================================= train.py's configuration
+# ========================================================================= train.py's configuration
+
 
 def debug(tmp_path: Path, *overrides: str) -> tuple[str, list[str]]:
     """The debug config with its paths under tmp_path, as (file, overrides) for load_config."""
@@ -71,10 +80,13 @@ def not_utf8(tmp_path, monkeypatch):
 
 
 def hf_config(text):
-    """A run whose [model].hf_config is a config.json holding text (a dict, or a function making one)."""
+    """A run whose [model].hf_config is a config.json holding text (a dict, or a function making
+    one)."""
+
     def build(tmp_path, monkeypatch):
         (tmp_path / "config.json").write_text(json.dumps(text() if callable(text) else text))
         return debug(tmp_path, "--model.preset=", f"--model.hf_config={tmp_path / 'config.json'}")
+
     return build
 
 
@@ -91,8 +103,11 @@ def export_read_only(tmp_path, monkeypatch):
     """A read-only directory; os.access says so even to root, who may write anywhere."""
     (tmp_path / "ro").mkdir(mode=0o555)
     real = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and not (
-        Path(p) == tmp_path / "ro" and mode & os.W_OK))
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda p, mode: real(p, mode) and not (Path(p) == tmp_path / "ro" and mode & os.W_OK),
+    )
     return debug(tmp_path, f"--checkpoint.export_hf={tmp_path / 'ro' / 'hf'}")
 
 
@@ -103,23 +118,59 @@ def tiny_hf_config() -> dict:
 
 CONFIG_CASES = {
     "toml not utf-8": (not_utf8, "{dir}/run.toml", r"not UTF-8 text .* must be UTF-8"),
-    "seed -1": (overrides("--training.seed=-1"), "[training].seed", r"must be 0 <= seed < 2\*\*64, got -1$"),
-    "seed 2**64": (overrides(f"--training.seed={2**64}"), "[training].seed", r"must be 0 <= seed < 2\*\*64"),
-    "model_type a list": (hf_config(lambda: {**tiny_hf_config(), "model_type": ["flint"]}), "{dir}/config.json",
-                          r"model_type \['flint'\] is not one of"),
-    "text_config a string": pytest.param(hf_config({"model_type": "mistral_large4", "text_config": "tiny"}),
-                                         "text_config", r"config.json: text_config must be an object .* got str",
-                                         marks=only("large4")),
-    "text_config a number": pytest.param(hf_config({"model_type": "mistral_large4", "text_config": 3}), "text_config",
-                                         r"config.json: text_config must be an object .* got int 3",
-                                         marks=only("large4")),
-    "pp_microbatches 3 of 4 rows": (overrides("--parallel.pp=2", "--parallel.pp_microbatches=3"),
-                                    "--parallel.pp_microbatches", r"= 3 must divide the \[training\].batch_size = 4"),
-    "pp stages 2 of 3 rows": (overrides("--parallel.pp=2", "--training.batch_size=3"), "--training.batch_size",
-                              r"pp_microbatches = 2 \(one per pipeline stage\) must divide .*batch_size = 3"),
-    "pp_microbatches -1": (overrides("--parallel.pp=2", "--parallel.pp_microbatches=-1"),
-                           "[parallel].pp_microbatches", r"must be >= 0 .*got -1"),
-    "export under a file": (export_under_a_file, "checkpoint.export_hf", r"lies under .*afile, which is a file"),
+    "seed -1": (
+        overrides("--training.seed=-1"),
+        "[training].seed",
+        r"must be 0 <= seed < 2\*\*64, "
+        r"got -1$",
+    ),
+    "seed 2**64": (
+        overrides(f"--training.seed={2**64}"),
+        "[training].seed",
+        r"must be 0 <= seed < "
+        r"2\*\*64",
+    ),
+    "model_type a list": (
+        hf_config(lambda: {**tiny_hf_config(), "model_type": ["flint"]}),
+        "{dir}/config.json",
+        r"model_type \['flint'\] is not one of",
+    ),
+    "text_config a string": pytest.param(
+        hf_config({"model_type": "mistral_large4", "text_config": "tiny"}),
+        "text_config",
+        r"config.json: text_config must be an "
+        r"object .* got str",
+        marks=only("large4"),
+    ),
+    "text_config a number": pytest.param(
+        hf_config({"model_type": "mistral_large4", "text_config": 3}),
+        "text_config",
+        r"config.json: text_config must be an object .* got int 3",
+        marks=only("large4"),
+    ),
+    "pp_microbatches 3 of 4 rows": (
+        overrides("--parallel.pp=2", "--parallel.pp_microbatches=3"),
+        "--parallel.pp_microbatches",
+        r"= 3 must divide the "
+        r"\[training\].batch_size = 4",
+    ),
+    "pp stages 2 of 3 rows": (
+        overrides("--parallel.pp=2", "--training.batch_size=3"),
+        "--training.batch_size",
+        r"pp_microbatches = 2 \(one per pipeline stage\) must divide "
+        r".*batch_size = 3",
+    ),
+    "pp_microbatches -1": (
+        overrides("--parallel.pp=2", "--parallel.pp_microbatches=-1"),
+        "[parallel].pp_microbatches",
+        r"must be >= 0 .*got -1",
+    ),
+    "export under a file": (
+        export_under_a_file,
+        "checkpoint.export_hf",
+        r"lies under .*afile, "
+        r"which is a file",
+    ),
     "export read-only": (export_read_only, "checkpoint.export_hf", r"ro/hf is not writable"),
 }
 
@@ -127,17 +178,22 @@ CONFIG_CASES = {
 @pytest.mark.parametrize("build, named, pattern", CONFIG_CASES.values(), ids=CONFIG_CASES)
 def test_bad_training_configs_stop_with_one_line(tmp_path, monkeypatch, build, named, pattern):
     path, given = build(tmp_path, monkeypatch)
-    stops_with_one_line(lambda: load_config(path, given), ConfigError, named.format(dir=tmp_path), pattern)
+    stops_with_one_line(
+        lambda: load_config(path, given), ConfigError, named.format(dir=tmp_path), pattern
+    )
 
 
 # ============================================================================= data and tokenizers
+
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
     """A prepared data directory of 20 small documents (one shard): 10 of 31 tokens, 10 of 36, 670
     in all."""
     directory = tmp_path_factory.mktemp("prepared")
-    (directory / "docs.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 5}) + "\n" for i in range(20)))
+    (directory / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": f"doc {i} " * 5}) + "\n" for i in range(20))
+    )
     return prepare(directory / "docs.jsonl", load_tokenizer("byte"), directory / "shards")
 
 
@@ -146,34 +202,78 @@ def meta(change):
 
 
 PREPARED_CASES = {
-    "meta.json a list": (meta(lambda m: []), "{dir}/meta.json", r"expected a JSON object, got a list"),
-    "meta.json lacks shards": (meta(lambda m: {k: v for k, v in m.items() if k != "shards"}), "{dir}/meta.json",
-                               r"lacks key 'shards', expected a list"),
-    "meta.json lacks dtype": (meta(lambda m: {k: v for k, v in m.items() if k != "dtype"}), "{dir}/meta.json",
-                              r"lacks key 'dtype', expected a str"),
-    "missing shard": (lambda d: (d / "tokens_00000.bin").unlink(), "{dir}/tokens_00000.bin", r"missing; .*prepare"),
-    "empty shard": (lambda d: (d / "tokens_00000.bin").write_bytes(b""), "{dir}/tokens_00000.bin", r"empty; .*prepare"),
+    "meta.json a list": (
+        meta(lambda m: []),
+        "{dir}/meta.json",
+        r"expected a JSON object, got a "
+        r"list",
+    ),
+    "meta.json lacks shards": (
+        meta(lambda m: {k: v for k, v in m.items() if k != "shards"}),
+        "{dir}/meta.json",
+        r"lacks key 'shards', expected a list",
+    ),
+    "meta.json lacks dtype": (
+        meta(lambda m: {k: v for k, v in m.items() if k != "dtype"}),
+        "{dir}/meta.json",
+        r"lacks key 'dtype', expected a str",
+    ),
+    "missing shard": (
+        lambda d: (d / "tokens_00000.bin").unlink(),
+        "{dir}/tokens_00000.bin",
+        r"missing; .*prepare",
+    ),
+    "empty shard": (
+        lambda d: (d / "tokens_00000.bin").write_bytes(b""),
+        "{dir}/tokens_00000.bin",
+        r"empty; .*prepare",
+    ),
     "meta.json of another version": (
-        meta(lambda m: {**m, "format": "flint-token-shards-v9"}), "{dir}/meta.json",
-        r"format 'flint-token-shards-v9', .* another version .*prepare the data again$"),
-    "meta.json not UTF-8": (lambda d: (d / "meta.json").write_bytes(b"\xff{}"), "{dir}/meta.json",
-                            r"cannot read JSON: .*not a prepared data directory"),
-    "shard named outside": (meta(lambda m: {**m, "shards": ["../../outside"]}), "{dir}/meta.json",
-                            r"list of shard names, got .* shards \['\.\./\.\./outside'\]"),
+        meta(lambda m: {**m, "format": "flint-token-shards-v9"}),
+        "{dir}/meta.json",
+        r"format 'flint-token-shards-v9', .* another version .*prepare the data again$",
+    ),
+    "meta.json not UTF-8": (
+        lambda d: (d / "meta.json").write_bytes(b"\xff{}"),
+        "{dir}/meta.json",
+        r"cannot read JSON: .*not a prepared data directory",
+    ),
+    "shard named outside": (
+        meta(lambda m: {**m, "shards": ["../../outside"]}),
+        "{dir}/meta.json",
+        r"list of shard names, got .* shards \['\.\./\.\./outside'\]",
+    ),
     "masked without its template": (
-        meta(lambda m: {**m, "format": "flint-token-shards-v2"}), "{dir}/meta.json",
-        r"lacks key 'chat_template', expected a str: the file is damaged"),
-    "shard cut by a byte": (lambda d: cut(d / "tokens_00000.bin", 1), "{dir}/tokens_00000.bin",
-                            r"not a shard of uint16 tokens \(Size of available data is not a "),
-    "shard cut by a token": (lambda d: cut(d / "tokens_00000.bin", 2), "{dir}/tokens_00000.bin",
-                             r"holds 669 tokens but docs_00000.npy ends at 670"),
-    "document index out of order": (lambda d: index(d, [0, 50, 10, 670]), "{dir}/docs_00000.npy",
-                                    r"document starts must rise from 0, got \[0, 50, 10, 670\]"),
-    "document index not from 0": (lambda d: index(d, [5, 670]), "{dir}/docs_00000.npy",
-                                  r"rise from 0, got \[5, 670\]"),
-    "document index of floats": (lambda d: index(d, [0.0, 670.0]), "{dir}/docs_00000.npy",
-                                 r"expected the integer start of each document then the end, got "
-                                 r"an array of float64"),
+        meta(lambda m: {**m, "format": "flint-token-shards-v2"}),
+        "{dir}/meta.json",
+        r"lacks key 'chat_template', expected a str: the file is damaged",
+    ),
+    "shard cut by a byte": (
+        lambda d: cut(d / "tokens_00000.bin", 1),
+        "{dir}/tokens_00000.bin",
+        r"not a shard of uint16 tokens \(Size of available data is not a ",
+    ),
+    "shard cut by a token": (
+        lambda d: cut(d / "tokens_00000.bin", 2),
+        "{dir}/tokens_00000.bin",
+        r"holds 669 tokens but docs_00000.npy ends at 670",
+    ),
+    "document index out of order": (
+        lambda d: index(d, [0, 50, 10, 670]),
+        "{dir}/docs_00000.npy",
+        r"document starts must rise from 0, got \[0, 50, 10, 670\]",
+    ),
+    "document index not from 0": (
+        lambda d: index(d, [5, 670]),
+        "{dir}/docs_00000.npy",
+        r"rise from 0, got \[5, 670\]",
+    ),
+    "document index of floats": (
+        lambda d: index(d, [0.0, 670.0]),
+        "{dir}/docs_00000.npy",
+        r"expected the integer start of each document then the end, got "
+        r"an array of float64",
+    ),
 }
 
 
@@ -185,23 +285,35 @@ def index(directory: Path, bounds: list) -> None:
     np.save(directory / "docs_00000.npy", np.array(bounds))
 
 
-
 @pytest.mark.parametrize("damage, named, pattern", PREPARED_CASES.values(), ids=PREPARED_CASES)
-def test_damaged_prepared_directories_stop_with_one_line(tmp_path, prepared, damage, named, pattern):
+def test_damaged_prepared_directories_stop_with_one_line(
+    tmp_path, prepared, damage, named, pattern
+):
     directory = shutil.copytree(prepared, tmp_path / "shards")
     damage(directory)
-    stops_with_one_line(lambda: TokenShards(directory, load_tokenizer("byte")), DataError,
-                        named.format(dir=directory), pattern)
+    stops_with_one_line(
+        lambda: TokenShards(directory, load_tokenizer("byte")),
+        DataError,
+        named.format(dir=directory),
+        pattern,
+    )
 
 
 def test_a_deeply_nested_jsonl_line_stops_with_one_line(tmp_path):
-    (tmp_path / "deep.jsonl").write_text('{"text": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
-    stops_with_one_line(lambda: prepare(tmp_path / "deep.jsonl", load_tokenizer("byte"), tmp_path / "out"), DataError,
-                        f"{tmp_path / 'deep.jsonl'}:1", r"'text' \(data.text_key\): the line nests .* too deeply")
+    (tmp_path / "deep.jsonl").write_text(
+        '{"text": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+    )
+    stops_with_one_line(
+        lambda: prepare(tmp_path / "deep.jsonl", load_tokenizer("byte"), tmp_path / "out"),
+        DataError,
+        f"{tmp_path / 'deep.jsonl'}:1",
+        r"'text' \(data.text_key\): the line nests "
+        r".* too deeply",
+    )
 
 
 def prepare_args(*given: str, inputs=("a.txt",), make=None):
-    """data.py prepare's argv in a directory holding a.txt ("some text") and b.txt (empty);
+    """prepare.py prepare's argv in a directory holding a.txt ("some text") and b.txt (empty);
     `make(dir)` adds to it first. --out is out/ unless given."""
 
     def build(directory: Path) -> list[str]:
@@ -211,6 +323,42 @@ def prepare_args(*given: str, inputs=("a.txt",), make=None):
             make(directory)
         out = [] if "--out" in given else ["--out", str(directory / "out")]
         return ["prepare", *(str(directory / name) for name in inputs), *out, *given]
+
+    return build
+
+
+def join_args(parts: list[str], given: list[str] | None = None):
+    """prepare.py join's argv over parts i/N of a.txt and b.txt (other2: part 2/2 of a.txt alone),
+    and shards/, a prepared directory; `given` names the directories joined (default part1...)."""
+
+    def build(directory: Path) -> list[str]:
+        for name, text in (("a.txt", "some text"), ("b.txt", "more text")):
+            (directory / name).write_text(text)
+        prepared_input(directory)
+        for part in parts:
+            preparation.main(
+                [
+                    "prepare",
+                    str(directory / "a.txt"),
+                    str(directory / "b.txt"),
+                    "--out",
+                    str(directory / f"part{part[0]}"),
+                    "--part",
+                    part,
+                ]
+            )
+        preparation.main(
+            [
+                "prepare",
+                str(directory / "a.txt"),
+                "--out",
+                str(directory / "other2"),
+                "--part",
+                "2/2",
+            ]
+        )
+        names = given or [f"part{part[0]}" for part in parts]
+        return ["join", *(str(directory / name) for name in names), "--out", str(directory / "out")]
 
     return build
 
@@ -313,6 +461,35 @@ DATA_CLI_CASES = {
         "input {dir}/a.txt",
         r"the tokenizer has no token for byte 0x80 \(128 bytes lack one\)",
     ),
+    "workers 0": (prepare_args("--workers", "0"), "--workers", r"must be >= 1, got 0$"),
+    "part 0 of 2": (prepare_args("--part", "0/2"), "--part", r"1 <= i <= N .*got '0/2'$"),
+    "part 3 of 2": (prepare_args("--part", "3/2"), "--part", r"1 <= i <= N .*got '3/2'$"),
+    "part a word": (prepare_args("--part", "half"), "--part", r"expected i/N .*got 'half'$"),
+    "input zst": (
+        prepare_args(inputs=("a.txt.zst",), make=lambda d: (d / "a.txt.zst").write_bytes(b"(")),
+        "{dir}/a.txt.zst",
+        r"\.zst files are not read .*decompress it first \(zstd -d\)",
+    ),
+    "join a part missing": (
+        join_args(["1/3", "3/3"]),
+        "join: part(s) 2 of 3 missing",
+        r"\(given: 1/3, 3/3\); prepare each with --part i/3$",
+    ),
+    "join a part twice": (
+        join_args(["1/2", "2/2"], given=["part1", "part2", "part1"]),
+        "join: part 1/2 given twice ({dir}/part1 and {dir}/part1)",
+        r"twice",
+    ),
+    "join not a part": (
+        join_args(["1/2", "2/2"], given=["part1", "shards"]),
+        "join: {dir}/shards is not a part directory",
+        r"make parts with prepare --part i/N$",
+    ),
+    "join parts of other inputs": (
+        join_args(["1/2", "2/2"], given=["part1", "other2"]),
+        "join: {dir}/other2 is part 2/2 of another preparation than {dir}/part1",
+        r"other inputs, tokenizer or settings",
+    ),
     "input prepared": (
         prepare_args(inputs=("shards",), make=prepared_input),
         "input {dir}/shards",
@@ -323,12 +500,12 @@ DATA_CLI_CASES = {
 
 @pytest.mark.parametrize("build, named, pattern", DATA_CLI_CASES.values(), ids=DATA_CLI_CASES)
 def test_bad_prepare_flags_and_inputs_stop_with_one_line(tmp_path, build, named, pattern):
-    """Every flag of data.py prepare, and its inputs and output: one line naming it (paths written
-    as paths), and nothing written."""
+    """Every flag of prepare.py prepare, and its inputs and output: one line naming it (paths
+    written as paths), and nothing written."""
     argv = [arg.format(dir=tmp_path) for arg in build(tmp_path)]
     before = sorted(tmp_path.iterdir())
     stops_with_one_line(
-        lambda: data.main(argv),
+        lambda: preparation.main(argv),
         SystemExit,
         named.format(dir=tmp_path),
         pattern.format(dir=re.escape(str(tmp_path))),
@@ -343,7 +520,7 @@ def test_prepare_accepts_the_boundary_values_of_its_flags(tmp_path, capsys):
     (tmp_path / "b.txt").write_text("")
     (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
     for seq_len in ("1", str(2**24)):
-        data.main(
+        preparation.main(
             [
                 "prepare",
                 str(tmp_path / "chat.jsonl"),
@@ -361,15 +538,17 @@ def test_prepare_accepts_the_boundary_values_of_its_flags(tmp_path, capsys):
         in printed
     )
     assert f"with --seq-len {2**24}: all 3 tokens (1 rows of {2**24})" in printed
-    data.main(["prepare", str(tmp_path), "--out", str(tmp_path / "all"), "--extensions", "TXT"])
+    preparation.main(
+        ["prepare", str(tmp_path), "--out", str(tmp_path / "all"), "--extensions", "TXT"]
+    )
     assert "1 documents, 10 tokens from 2 file(s)" in capsys.readouterr().out
-
 
 
 def tokenizer_json(spec):
     def build(directory: Path) -> str:
         (directory / "tokenizer.json").write_text(json.dumps(spec))
         return str(directory)
+
     return build
 
 
@@ -377,6 +556,7 @@ def tiktoken_bytes(content: bytes):
     def build(directory: Path) -> str:
         (directory / "ranks.tiktoken").write_bytes(content)
         return str(directory / "ranks.tiktoken")
+
     return build
 
 
@@ -396,74 +576,137 @@ def byte_level(merges=None, pre_tokenizer=None, vocab_id=None, eos_id=256):
     return tokenizer_json(spec)
 
 
-
 BPE = {"type": "BPE", "vocab": {"a": 0}, "merges": []}
 TOKENIZER_CASES = {
     "empty .tiktoken": (tiktoken_bytes(b""), "{dir}/ranks.tiktoken", r"no ranks \(an empty file\)"),
-    "binary .tiktoken": (tiktoken_bytes(b"\x00\xff\xfe\x80"), "{dir}/ranks.tiktoken", r"not a text file"),
-    "tokenizer.json a list": (tokenizer_json([]), "{dir}/tokenizer.json", r"expected a JSON object .* got a list"),
-    "model a string": (tokenizer_json({"model": "BPE"}), "{dir}/tokenizer.json", r"got model = 'BPE'"),
-    "vocab a list": (tokenizer_json({"model": {**BPE, "vocab": ["a"]}, "normalizer": None}), "model.vocab",
-                     r"tokenizer.json: model.vocab must be an object of token -> id"),
-    "added token without content": (tokenizer_json({"model": BPE, "normalizer": None, "added_tokens": [{"id": 3}]}),
-                                    "added_tokens", r"tokenizer.json: added_tokens must be .* string 'content'"),
-    "merges a number": (byte_level(merges=5), "{dir}/tokenizer.json",
-                        r"model.merges must be a list .* got 5$"),
-    "merge a number": (byte_level(merges=[7]), "{dir}/tokenizer.json",
-                       r"merge 0 7 must be 'left right'"),
-    "pre_tokenizer a string": (byte_level(pre_tokenizer="ByteLevel"), "{dir}/tokenizer.json",
-                               r"pre_tokenizer step 'ByteLevel' is not supported"),
-    "pretokenizers a number": (byte_level(pre_tokenizer={"type": "Sequence", "pretokenizers": 3}),
-                               "{dir}/tokenizer.json",
-                               r"pre_tokenizer.pretokenizers must be a list, got 3$"),
+    "binary .tiktoken": (
+        tiktoken_bytes(b"\x00\xff\xfe\x80"),
+        "{dir}/ranks.tiktoken",
+        r"not a text file",
+    ),
+    "tokenizer.json a list": (
+        tokenizer_json([]),
+        "{dir}/tokenizer.json",
+        r"expected a JSON object "
+        r".* got a list",
+    ),
+    "model a string": (
+        tokenizer_json({"model": "BPE"}),
+        "{dir}/tokenizer.json",
+        r"got model = "
+        r"'BPE'",
+    ),
+    "vocab a list": (
+        tokenizer_json({"model": {**BPE, "vocab": ["a"]}, "normalizer": None}),
+        "model.vocab",
+        r"tokenizer.json: model.vocab must be an object of token -> id",
+    ),
+    "added token without content": (
+        tokenizer_json({"model": BPE, "normalizer": None, "added_tokens": [{"id": 3}]}),
+        "added_tokens",
+        r"tokenizer.json: added_tokens must be .* "
+        r"string 'content'",
+    ),
+    "merges a number": (
+        byte_level(merges=5),
+        "{dir}/tokenizer.json",
+        r"model.merges must be a list .* got 5$",
+    ),
+    "merge a number": (
+        byte_level(merges=[7]),
+        "{dir}/tokenizer.json",
+        r"merge 0 7 must be 'left right'",
+    ),
+    "pre_tokenizer a string": (
+        byte_level(pre_tokenizer="ByteLevel"),
+        "{dir}/tokenizer.json",
+        r"pre_tokenizer step 'ByteLevel' is not supported",
+    ),
+    "pretokenizers a number": (
+        byte_level(pre_tokenizer={"type": "Sequence", "pretokenizers": 3}),
+        "{dir}/tokenizer.json",
+        r"pre_tokenizer.pretokenizers must be a list, got 3$",
+    ),
     "Split pattern a string": (
         byte_level(pre_tokenizer={"type": "Split", "pattern": "x", "behavior": "Isolated"}),
-        "{dir}/tokenizer.json", r"pre_tokenizer step .* is not supported"),
+        "{dir}/tokenizer.json",
+        r"pre_tokenizer step .* is not supported",
+    ),
     "Split regex broken": (
-        byte_level(pre_tokenizer={"type": "Split", "pattern": {"Regex": "(("},
-                                  "behavior": "Isolated"}),
-        "{dir}/tokenizer.json", r"the pre_tokenizer's regex '\(\(' is not valid: Parsing error"),
-    "two tokens share an id": (byte_level(vocab_id=1), "{dir}/tokenizer.json",
-                               r"tokens b'\\x00' and b'\\x01' share the id 1"),
-    "negative id": (byte_level(vocab_id=-1), "{dir}/tokenizer.json",
-                    r"token b'\\x00' has id -1; expected 0 <= id"),
-    "id past 2**32": (byte_level(vocab_id=2**40), "{dir}/tokenizer.json",
-                      r"has id 1099511627776; expected 0 <= id < 16,777,216$"),
-    "special token on a byte's id": (byte_level(eos_id=5), "{dir}/tokenizer.json",
-                                     r"tokens b'\\x05' and '<\|endoftext\|>' share the id 5"),
-    ".tiktoken rank shared": (tiktoken_bytes(b"YQ== 0\nYg== 0\n"), "{dir}/ranks.tiktoken",
-                              r"b'a' and b'b' share the id 0"),
-    ".tiktoken token twice": (tiktoken_bytes(b"YQ== 0\nYQ== 1\n"), "{dir}/ranks.tiktoken:2",
-                              r"b'a' is ranked twice"),
+        byte_level(
+            pre_tokenizer={"type": "Split", "pattern": {"Regex": "(("}, "behavior": "Isolated"}
+        ),
+        "{dir}/tokenizer.json",
+        r"the pre_tokenizer's regex '\(\(' is not valid: Parsing error",
+    ),
+    "two tokens share an id": (
+        byte_level(vocab_id=1),
+        "{dir}/tokenizer.json",
+        r"tokens b'\\x00' and b'\\x01' share the id 1",
+    ),
+    "negative id": (
+        byte_level(vocab_id=-1),
+        "{dir}/tokenizer.json",
+        r"token b'\\x00' has id -1; expected 0 <= id",
+    ),
+    "id past 2**32": (
+        byte_level(vocab_id=2**40),
+        "{dir}/tokenizer.json",
+        r"has id 1099511627776; expected 0 <= id < 16,777,216$",
+    ),
+    "special token on a byte's id": (
+        byte_level(eos_id=5),
+        "{dir}/tokenizer.json",
+        r"tokens b'\\x05' and '<\|endoftext\|>' share the id 5",
+    ),
+    ".tiktoken rank shared": (
+        tiktoken_bytes(b"YQ== 0\nYg== 0\n"),
+        "{dir}/ranks.tiktoken",
+        r"b'a' and b'b' share the id 0",
+    ),
+    ".tiktoken token twice": (
+        tiktoken_bytes(b"YQ== 0\nYQ== 1\n"),
+        "{dir}/ranks.tiktoken:2",
+        r"b'a' is ranked twice",
+    ),
     ".tiktoken rank negative": (tiktoken_bytes(b"YQ== -1\n"), "{dir}/ranks.tiktoken", r"has id -1"),
 }
-
-
 
 
 @pytest.mark.parametrize("build, named, pattern", TOKENIZER_CASES.values(), ids=TOKENIZER_CASES)
 def test_bad_tokenizer_files_stop_with_one_line(tmp_path, build, named, pattern):
     spec = build(tmp_path)
-    stops_with_one_line(lambda: load_tokenizer(spec), TokenizerError, named.format(dir=tmp_path), pattern)
+    stops_with_one_line(
+        lambda: load_tokenizer(spec), TokenizerError, named.format(dir=tmp_path), pattern
+    )
 
 
 # ============================================================================= sample.py
 
+
 def step_copy(change=None):
     """sample.py's arguments for a copy of the run's last step, changed by change(directory)."""
+
     def build(trained: Path, directory: Path) -> list[str]:
         shutil.copytree(trained / "ckpt" / "run_0001" / "step_00000002", directory)
         if change:
             change(directory)
         return ["--checkpoint", str(directory)]
+
     return build
 
 
 def flags(*given: str, tokenizer=None):
     """The last step with these flags (tokenizer: a list of byte strings for a .tiktoken file)."""
+
     def build(trained: Path, directory: Path) -> list[str]:
-        extra = ["--tokenizer", ranks_file(directory.parent / "ranks.tiktoken", tokenizer)] if tokenizer else []
+        extra = (
+            ["--tokenizer", ranks_file(directory.parent / "ranks.tiktoken", tokenizer)]
+            if tokenizer
+            else []
+        )
         return [*step_copy()(trained, directory), *given, *extra]
+
     return build
 
 
@@ -478,26 +721,74 @@ def nan_weights(trained: Path, directory: Path) -> list[str]:
 
 BYTES = [bytes([b]) for b in range(256)]
 SAMPLE_CASES = {
-    "train_config.json not JSON": (step_copy(lambda d: (d / "train_config.json").write_text("{nope")),
-                                   "{dir}/train_config.json", r"cannot read JSON"),
-    "train_config.json a list": (step_copy(lambda d: (d / "train_config.json").write_text("[]")),
-                                 "{dir}/train_config.json", r"expected a JSON object, got a list"),
-    "data a string": (step_copy(lambda d: (d / "train_config.json").write_text('{"data": "x"}')),
-                      "{dir}/train_config.json", r"expected data to be an object .* got data = 'x'"),
-    "model_type a list": (step_copy(lambda d: edit_json(d / "config.json", lambda c: {**c, "model_type": ["flint"]})),
-                          "{dir}/config.json", r"model_type \['flint'\] is not one of"),
-    "temperature inf": (flags("--temperature", "inf"), "--temperature", r"0 \(greedy\) or a finite number"),
-    "temperature nan": (flags("--temperature", "nan"), "--temperature", r"finite number >= 0.001, got nan"),
-    "temperature 1e-45": (flags("--temperature", "1e-45"), "--temperature", r"finite number >= 0.001, got 1e-45"),
-    "NaN weights": pytest.param(nan_weights, "{dir}", r"the checkpoint's weights are not finite \(embed_tokens.weight",
-                                marks=only("flint")),  # Flint's published names
-    "max-new-tokens past the context": (flags("--max-new-tokens", "5000"), "--max-new-tokens",
-                                        r"prompt's 4 tokens exceed .* max_position_embeddings = 4096.* at most 4092"),
-    "prompt character the tokenizer lacks": (flags("--prompt", "é", tokenizer=BYTES[:128]), "--prompt",
-                                             r"character 'é' \(byte 0xc3\) has no token"),
-    "tokenizer larger than the vocabulary": (flags(tokenizer=BYTES + [bytes([65, b]) for b in range(20)]),
-                                             "--tokenizer", r"277 tokens, more than the model's vocab_size = 264"),
-    "device foo": (flags("--device", "foo"), "--device", r"expected cpu or cuda \(cuda:N\), got 'foo'"),
+    "train_config.json not JSON": (
+        step_copy(lambda d: (d / "train_config.json").write_text("{nope")),
+        "{dir}/train_config.json",
+        r"cannot read JSON",
+    ),
+    "train_config.json a list": (
+        step_copy(lambda d: (d / "train_config.json").write_text("[]")),
+        "{dir}/train_config.json",
+        r"expected a JSON object, got a list",
+    ),
+    "data a string": (
+        step_copy(lambda d: (d / "train_config.json").write_text('{"data": "x"}')),
+        "{dir}/train_config.json",
+        r"expected data to be an object .* got data = 'x'",
+    ),
+    "model_type a list": (
+        step_copy(lambda d: edit_json(d / "config.json", lambda c: {**c, "model_type": ["flint"]})),
+        "{dir}/config.json",
+        r"model_type \['flint'\] is not one of",
+    ),
+    "temperature inf": (
+        flags("--temperature", "inf"),
+        "--temperature",
+        r"0 \(greedy\) or a finite "
+        r"number",
+    ),
+    "temperature nan": (
+        flags("--temperature", "nan"),
+        "--temperature",
+        r"finite number >= 0.001, "
+        r"got nan",
+    ),
+    "temperature 1e-45": (
+        flags("--temperature", "1e-45"),
+        "--temperature",
+        r"finite number >= "
+        r"0.001, got 1e-45",
+    ),
+    "NaN weights": pytest.param(
+        nan_weights,
+        "{dir}",
+        r"the checkpoint's weights are not finite "
+        r"\(embed_tokens.weight",
+        marks=only("flint"),
+    ),  # Flint's published names
+    "max-new-tokens past the context": (
+        flags("--max-new-tokens", "5000"),
+        "--max-new-tokens",
+        r"prompt's 4 tokens exceed .* max_position_embeddings = "
+        r"4096.* at most 4092",
+    ),
+    "prompt character the tokenizer lacks": (
+        flags("--prompt", "é", tokenizer=BYTES[:128]),
+        "--prompt",
+        r"character 'é' \(byte 0xc3\) has no token",
+    ),
+    "tokenizer larger than the vocabulary": (
+        flags(tokenizer=BYTES + [bytes([65, b]) for b in range(20)]),
+        "--tokenizer",
+        r"277 tokens, more than the model's "
+        r"vocab_size = 264",
+    ),
+    "device foo": (
+        flags("--device", "foo"),
+        "--device",
+        r"expected cpu or cuda \(cuda:N\), got "
+        r"'foo'",
+    ),
     "seed 2**64": (flags("--seed", str(2**64)), "--seed", r"must be 0 <= seed < 2\*\*64"),
 }
 
@@ -505,8 +796,12 @@ SAMPLE_CASES = {
 @pytest.mark.parametrize("build, named, pattern", SAMPLE_CASES.values(), ids=SAMPLE_CASES)
 def test_bad_sampling_inputs_stop_with_one_line(trained, tmp_path, build, named, pattern):
     argv = build(trained, tmp_path / "checkpoint")
-    stops_with_one_line(lambda: sample.main([*argv[:2], "--max-new-tokens", "2", "--temperature", "0", *argv[2:]]),
-                        SystemExit, named.format(dir=tmp_path / "checkpoint"), pattern)
+    stops_with_one_line(
+        lambda: sample.main([*argv[:2], "--max-new-tokens", "2", "--temperature", "0", *argv[2:]]),
+        SystemExit,
+        named.format(dir=tmp_path / "checkpoint"),
+        pattern,
+    )
 
 
 def test_a_run_directory_samples_its_newest_intact_checkpoint(trained, tmp_path, capsys):
@@ -519,18 +814,25 @@ def test_a_run_directory_samples_its_newest_intact_checkpoint(trained, tmp_path,
     assert f"WARNING: skipping the damaged checkpoint {newest}: {data_file}" in warning
     older = runs / "run_0001" / "step_00000001" / next(newest.glob("*.distcp")).name
     older.write_bytes(older.read_bytes()[:-8])
-    stops_with_one_line(lambda: sample.resolve_checkpoint(runs, "--checkpoint"), CheckpointError, f"--checkpoint {runs}",
-                        r"none of its 2 step_\* checkpoints is intact")
+    stops_with_one_line(
+        lambda: sample.resolve_checkpoint(runs, "--checkpoint"),
+        CheckpointError,
+        f"--checkpoint {runs}",
+        r"none of its 2 step_\* checkpoints is intact",
+    )
 
 
 # ============================================================================= convert.py
 
+
 def hf_copy(change):
     """convert.py to-native of a copy of the run's export, changed by change(directory)."""
+
     def build(trained: Path, directory: Path) -> list[str]:
         shutil.copytree(trained / "hf", directory)
         change(directory)
         return ["to-native", str(directory), str(directory.parent / "out")]
+
     return build
 
 
@@ -539,7 +841,9 @@ def weight_map_shard(shard: str):
         def edit(index: dict) -> dict:
             first = next(iter(index["weight_map"]))
             return {**index, "weight_map": {**index["weight_map"], first: shard}}
+
         edit_json(directory / "model.safetensors.index.json", edit)
+
     return change
 
 
@@ -549,8 +853,14 @@ def config_fields(**fields):
 
 def large4_config(**fields):
     def change(directory: Path) -> None:
-        text = {**family("large4").config.from_name("large4-tiny").to_hf_config()["text_config"], **fields}
-        (directory / "config.json").write_text(json.dumps({"model_type": "mistral_large4", "text_config": text}))
+        text = {
+            **family("large4").config.from_name("large4-tiny").to_hf_config()["text_config"],
+            **fields,
+        }
+        (directory / "config.json").write_text(
+            json.dumps({"model_type": "mistral_large4", "text_config": text})
+        )
+
     return change
 
 
@@ -559,40 +869,69 @@ def to_hf(change):
         directory.mkdir()
         change(trained, directory)
         return ["to-hf", str(directory), str(directory.parent / "out")]
+
     return build
 
 
 INDEX = "{dir}/model.safetensors.index.json"
 CONVERT_CASES = {
     "weight_map names ''": (hf_copy(weight_map_shard("")), INDEX, r"in '', which is not a file of"),
-    "weight_map names '.'": (hf_copy(weight_map_shard(".")), INDEX, r"in '\.', which is not a file of"),
-    "num_hidden_layers a string": pytest.param(hf_copy(config_fields(num_hidden_layers="4")), "{dir}/config.json",
-                                               r"num_hidden_layers must be a positive integer, got '4'",
-                                               marks=only("flint")),  # Flint's config.json is flat
-    "Large 4 num_hidden_layers a string": pytest.param(hf_copy(large4_config(num_hidden_layers="8")),
-                                                       "{dir}/config.json",
-                                                       r"num_hidden_layers must be a positive integer, got '8'",
-                                                       marks=only("large4")),
-    "model_type a list": (hf_copy(config_fields(model_type=["flint"])), "{dir}/config.json",
-                          r"model_type \['flint'\] is not one of"),
-    "text_config a list": pytest.param(hf_copy(config_fields(model_type="mistral_large4", text_config=[1])),
-                                       "{dir}/config.json", r"text_config must be an object .* got list \[1\]",
-                                       marks=only("large4")),
-    "to-hf of a published checkpoint": (to_hf(lambda t, d: shutil.copytree(t / "hf", d, dirs_exist_ok=True)),
-                                        "{dir}", r"not a native checkpoint \(no .metadata"),
-    "to-hf of a config.json alone": (to_hf(lambda t, d: shutil.copy(t / "hf" / "config.json", d)), "{dir}",
-                                     r"not a native checkpoint \(no .metadata"),
+    "weight_map names '.'": (
+        hf_copy(weight_map_shard(".")),
+        INDEX,
+        r"in '\.', which is not a file "
+        r"of",
+    ),
+    "num_hidden_layers a string": pytest.param(
+        hf_copy(config_fields(num_hidden_layers="4")),
+        "{dir}/config.json",
+        r"num_hidden_layers must be a positive integer, got "
+        r"'4'",
+        marks=only("flint"),
+    ),  # Flint's config.json is flat
+    "Large 4 num_hidden_layers a string": pytest.param(
+        hf_copy(large4_config(num_hidden_layers="8")),
+        "{dir}/config.json",
+        r"num_hidden_layers must be a positive "
+        r"integer, got '8'",
+        marks=only("large4"),
+    ),
+    "model_type a list": (
+        hf_copy(config_fields(model_type=["flint"])),
+        "{dir}/config.json",
+        r"model_type \['flint'\] is not one of",
+    ),
+    "text_config a list": pytest.param(
+        hf_copy(config_fields(model_type="mistral_large4", text_config=[1])),
+        "{dir}/config.json",
+        r"text_config must be an object .* got "
+        r"list \[1\]",
+        marks=only("large4"),
+    ),
+    "to-hf of a published checkpoint": (
+        to_hf(lambda t, d: shutil.copytree(t / "hf", d, dirs_exist_ok=True)),
+        "{dir}",
+        r"not a native checkpoint \(no .metadata",
+    ),
+    "to-hf of a config.json alone": (
+        to_hf(lambda t, d: shutil.copy(t / "hf" / "config.json", d)),
+        "{dir}",
+        r"not a native checkpoint \(no .metadata",
+    ),
 }
 
 
 @pytest.mark.parametrize("build, named, pattern", CONVERT_CASES.values(), ids=CONVERT_CASES)
 def test_bad_conversion_inputs_stop_with_one_line(trained, tmp_path, build, named, pattern):
     argv = build(trained, tmp_path / "checkpoint")
-    stops_with_one_line(lambda: convert.main(argv), SystemExit, named.format(dir=tmp_path / "checkpoint"), pattern)
+    stops_with_one_line(
+        lambda: convert.main(argv), SystemExit, named.format(dir=tmp_path / "checkpoint"), pattern
+    )
     assert not (tmp_path / "out").exists()
 
 
 # ============================================================================= resuming, other data
+
 
 def chat_data(path: Path) -> Path:
     """30 conversations of 22 byte tokens ("User: q\\nAssistant: ab" and the end-of-text), two to a

@@ -179,7 +179,7 @@ def test_capacity_factor_is_a_runtime_field_checked_by_name(name):
 def test_a_run_may_set_the_capacity_factor_over_an_init_from_checkpoint(tmp_path):
     """A run setting, not the architecture: allowed with init_from, whose config.json never holds
     it."""
-    from model import FlintConfig
+    from flint_model import FlintConfig
 
     (tmp_path / "config.json").write_text(
         json.dumps(FlintConfig.from_name("tiny", capacity_factor=2.0).to_hf_config())

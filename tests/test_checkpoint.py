@@ -500,7 +500,7 @@ def test_killed_conversions_and_preparations_leave_no_temporaries_for_good(tmp_p
     ):
         (tmp_path / name).mkdir()
     convert.main(["to-hf", str(trained_once), str(tmp_path / "hf")])
-    from data import prepare
+    from prepare import prepare
     from tokenizer import load_tokenizer
 
     (tmp_path / "text.txt").write_text("a document\n")

@@ -1,6 +1,7 @@
-"""checkpoint_files.py: what it saves loads back, checksums catch a changed byte and a truncated file,
-damaged files are named in one line, and what it reads can never call code: crafted metadata and
-.distcp entries in a real training run's checkpoint are refused by every reader of native checkpoints."""
+"""checkpoint_files.py: what it saves loads back, checksums catch a changed byte and a truncated
+file, damaged files are named in one line, and what it reads can never call code: crafted metadata
+and .distcp entries in a real training run's checkpoint are refused by every reader of native
+checkpoints."""
 
 import enum
 import io
@@ -16,8 +17,15 @@ import torch
 
 import checkpoint_files
 import convert
-from checkpoint_files import (CheckpointError, damage, enum_member, load_dcp, read_metadata, save_dcp,
-                              write_checksums)
+from checkpoint_files import (
+    CheckpointError,
+    damage,
+    enum_member,
+    load_dcp,
+    read_metadata,
+    save_dcp,
+    write_checksums,
+)
 from helpers import FAMILY_NAMES, run_debug, trained_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,7 +42,10 @@ def saved(tmp_path):
 def test_what_is_saved_loads_back(saved):
     state = {"model": {"w": torch.zeros(10, 100)}, "train": {"step": torch.tensor(0)}}
     load_dcp(state, saved, alone=True)
-    assert torch.equal(state["model"]["w"], torch.arange(1000.0).view(10, 100)) and int(state["train"]["step"]) == 7
+    assert (
+        torch.equal(state["model"]["w"], torch.arange(1000.0).view(10, 100))
+        and int(state["train"]["step"]) == 7
+    )
     assert set(read_metadata(saved).state_dict_metadata) == {"model.w", "train.step"}
 
 
@@ -49,7 +60,11 @@ def test_a_changed_byte_and_a_truncated_file_are_named(saved):
     (saved / "checksums.json").unlink()  # then the sizes the metadata records say it
     assert damage(saved).startswith(f"{shard}: truncated (100 of ")
     with pytest.raises(CheckpointError, match=str(shard)):
-        load_dcp({"model": {"w": torch.zeros(10, 100)}, "train": {"step": torch.tensor(0)}}, saved, alone=True)
+        load_dcp(
+            {"model": {"w": torch.zeros(10, 100)}, "train": {"step": torch.tensor(0)}},
+            saved,
+            alone=True,
+        )
 
 
 class Colour(enum.Enum):
@@ -66,7 +81,8 @@ def test_getattr_in_metadata_fetches_enum_members_only():
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_crafted_metadata_never_runs_code(tmp_path, family):
     """A .metadata whose pickle would create `marker` is refused by every reader of native
-    checkpoints: convert.py to-hf, convert.load_native, a resume and [model].init_from, of each family."""
+    checkpoints: convert.py to-hf, convert.load_native, a resume and [model].init_from, of each
+    family."""
     marker = tmp_path / "code_ran"
 
     class Trap:
@@ -83,14 +99,17 @@ def test_crafted_metadata_never_runs_code(tmp_path, family):
     with pytest.raises(CheckpointError, match=refused):
         run_debug(tmp_path / "resume", f"--checkpoint.resume={crafted}", family=family)
     with pytest.raises(CheckpointError, match=refused):
-        run_debug(tmp_path / "init", f"--model.init_from={crafted}", "--model.preset=", family=family)
+        run_debug(
+            tmp_path / "init", f"--model.init_from={crafted}", "--model.preset=", family=family
+        )
     assert not marker.exists() and not (tmp_path / "hf").exists()
     pickle.loads((crafted / ".metadata").read_bytes())  # what torch's own reader does
     assert marker.exists()  # the trap works: the test above would have seen it
 
 
 class CreatesMarker:
-    """Unpickled, it creates the file `path`: the stand-in for any code a crafted pickle could run."""
+    """Unpickled, it creates the file `path`: the stand-in for any code a crafted pickle could
+    run."""
 
     def __init__(self, path: Path):
         self.path = str(path)
@@ -104,6 +123,7 @@ def plant_in_entry(checkpoint_dir: Path, key: str, payload) -> None:
     torch.save(payload), in a new .distcp file, and list every file's checksum again."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
     with open(checkpoint_dir / ".metadata", "rb") as f:
         metadata = pickle.load(f)  # our own file, just written
     buffer = io.BytesIO()
@@ -112,7 +132,9 @@ def plant_in_entry(checkpoint_dir: Path, key: str, payload) -> None:
     metadata.state_dict_metadata[key] = BytesStorageMetadata()
     for index in [index for index in metadata.storage_data if index.fqn == key]:
         del metadata.storage_data[index]
-    metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__9_0.distcp", 0, len(buffer.getvalue()))
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo(
+        "__9_0.distcp", 0, len(buffer.getvalue())
+    )
     with open(checkpoint_dir / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     (checkpoint_dir / "checksums.json").unlink()
@@ -121,13 +143,16 @@ def plant_in_entry(checkpoint_dir: Path, key: str, payload) -> None:
 
 def test_crafted_entries_of_distcp_files_never_run_code(tmp_path):
     """A non-tensor entry whose pickle would create `marker` (an optimizer group's lr, which every
-    resume reads; a model weight, which every reader of weights reads) is refused on every path:
-    an explicit resume, resume = "auto", [model].init_from, convert.py to-hf and convert.load_native.
+    resume reads; a model weight, which every reader of weights reads) is refused on every path: an
+    explicit resume, resume = "auto", [model].init_from, convert.py to-hf and convert.load_native.
     Machinery independent of the model (the entries' bytes): the first registered family."""
     marker = tmp_path / "code_ran"
     optimizer_entry = trained_checkpoint(tmp_path / "optimizer")
-    lr_key = next(key for key in checkpoint_files.read_metadata(optimizer_entry).state_dict_metadata
-                  if key.startswith("optimizer.param_groups.") and key.endswith(".lr"))
+    lr_key = next(
+        key
+        for key in checkpoint_files.read_metadata(optimizer_entry).state_dict_metadata
+        if key.startswith("optimizer.param_groups.") and key.endswith(".lr")
+    )
     plant_in_entry(optimizer_entry, lr_key, CreatesMarker(marker))
     model_entry = trained_checkpoint(tmp_path / "model")
     plant_in_entry(model_entry, "model.norm.weight", CreatesMarker(marker))
@@ -140,16 +165,21 @@ def test_crafted_entries_of_distcp_files_never_run_code(tmp_path):
         run_debug(tmp_path / "model", "--checkpoint.resume=auto")
     with pytest.raises(CheckpointError, match=refused):
         run_debug(tmp_path / "init", f"--model.init_from={model_entry}", "--model.preset=")
-    # convert.py lists a checkpoint's weights first, and refuses one that is not a tensor before any load.
+    # convert.py lists a checkpoint's weights first, and refuses one that is not a tensor before any
+    # load.
     not_a_tensor = r"unexpected key 'model.norm.weight': not a tensor"
     with pytest.raises(SystemExit, match=not_a_tensor):
         convert.main(["to-hf", str(model_entry), str(tmp_path / "hf")])
     with pytest.raises(ValueError, match=not_a_tensor):
         convert.load_native(model_entry)
-    with pytest.raises(CheckpointError, match=refused):  # and the loader they use, were that check gone
-        checkpoint_files.load_dcp({"model": {"norm.weight": torch.zeros(64)}}, model_entry, alone=True)
+    # and the loader they use, were that check gone
+    with pytest.raises(CheckpointError, match=refused):
+        checkpoint_files.load_dcp(
+            {"model": {"norm.weight": torch.zeros(64)}}, model_entry, alone=True
+        )
     assert not marker.exists() and not (tmp_path / "hf").exists()
-    torch.load(io.BytesIO((model_entry / "__9_0.distcp").read_bytes()), weights_only=False)  # what DCP's planner does
+    # what DCP's planner does
+    torch.load(io.BytesIO((model_entry / "__9_0.distcp").read_bytes()), weights_only=False)
     assert marker.exists()  # the trap works: the checks above would have seen it
 
 
@@ -164,12 +194,15 @@ def test_plain_non_tensor_entries_still_load(tmp_path):
 
 
 def pickled_with_enums_by_name(obj) -> bytes:
-    """obj pickled as Debian 12's Python 3.11.2 pickles enum members: getattr(their class, their name)."""
+    """obj pickled as Debian 12's Python 3.11.2 pickles enum members: getattr(their class, their
+    name)."""
+
     class ByName(pickle.Pickler):
         def reducer_override(self, value):
             if isinstance(value, enum.Enum):
                 return getattr, (type(value), value.name)
             return NotImplemented
+
     buffer = io.BytesIO()
     ByName(buffer).dump(obj)  # the default protocol, as DCP's writer uses
     return buffer.getvalue()
@@ -183,6 +216,7 @@ def globals_named(data: bytes) -> set[tuple[str, str]]:
         def find_class(self, module, name):
             named.add((module, name))
             return super().find_class(module, name)
+
     Recorder(io.BytesIO(data)).load()
     return named
 
@@ -194,15 +228,20 @@ def test_metadata_with_enum_members_by_name_is_read(tmp_path):
     with open(path / ".metadata", "rb") as f:
         expected = pickle.load(f)
     data = pickled_with_enums_by_name(expected)
-    assert {("builtins", "getattr"), ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")} \
-        <= globals_named(data)
+    assert {
+        ("builtins", "getattr"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    } <= globals_named(data)
     assert "STACK_GLOBAL" in {op.name for op, _, _ in pickletools.genops(data)}
     (path / ".metadata").write_bytes(data)
     assert checkpoint_files.read_metadata(path) == expected
-    # getattr on anything else is refused: a module (never allowed), an allowed class that is no enum.
-    for module, name, attribute in [("os", "system", "__call__"),
-                                    ("torch.distributed.checkpoint.metadata", "Metadata", "__init__"),
-                                    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", "__new__")]:
+    # getattr on anything else is refused: a module (never allowed), an allowed class that is no
+    # enum.
+    for module, name, attribute in [
+        ("os", "system", "__call__"),
+        ("torch.distributed.checkpoint.metadata", "Metadata", "__init__"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING", "__new__"),
+    ]:
         call = f"cbuiltins\ngetattr\n(c{module}\n{name}\nS'{attribute}'\ntR.".encode()
         (path / ".metadata").write_bytes(call)
         with pytest.raises(CheckpointError, match="could run code"):
@@ -210,54 +249,75 @@ def test_metadata_with_enum_members_by_name_is_read(tmp_path):
 
 
 def test_metadata_of_real_checkpoints_reads_with_the_restricted_unpickler(tmp_path):
-    """Every global a training checkpoint's metadata names is allowed (the unpickler is not too strict)."""
+    """Every global a training checkpoint's metadata names is allowed (the unpickler is not too
+    strict)."""
     path = trained_checkpoint(tmp_path)
     with open(path / ".metadata", "rb") as f:
-        expected = pickle.load(f)  # our own file, just written: safe to read the unrestricted way here
+        # our own file, just written: safe to read the unrestricted way here
+        expected = pickle.load(f)
     assert checkpoint_files.read_metadata(path) == expected
 
 
 @pytest.mark.parametrize("damage", ["empty", "truncated", "garbage"])
 @pytest.mark.parametrize("file", [".metadata", ".distcp"])
 def test_damaged_files_stop_with_one_line_naming_them(tmp_path, trained_once, damage, file):
-    """Without checksums.json (as an older or converted checkpoint): the readers themselves say it."""
+    """Without checksums.json (as an older or converted checkpoint): the readers themselves say
+    it."""
     path = tmp_path / "copy"
     shutil.copytree(trained_once, path)
     (path / "checksums.json").unlink()
     target = path / ".metadata" if file == ".metadata" else next(path.glob("*.distcp"))
     data = target.read_bytes()
-    target.write_bytes({"empty": b"", "truncated": data[:len(data) // 8], "garbage": b"\x80\x04garbage" * 9}[damage])
+    target.write_bytes(
+        {"empty": b"", "truncated": data[: len(data) // 8], "garbage": b"\x80\x04garbage" * 9}[
+            damage
+        ]
+    )
     with pytest.raises(SystemExit) as stop:
         convert.main(["to-hf", str(path), str(tmp_path / "hf")])
     message = str(stop.value.code)
-    named = str(path) if (file, damage) == (".distcp", "garbage") else str(target)  # same size: which is unknown
+    # same size: which is unknown
+    named = str(path) if (file, damage) == (".distcp", "garbage") else str(target)
     assert "\n" not in message and named in message, message
     with pytest.raises(CheckpointError, match=re.escape(str(path))):
         convert.load_native(path)
 
 
 def test_streaming_readers_verify_each_file_once(tmp_path, trained_once, monkeypatch):
-    """convert.py reads one tensor at a time: the checksums are checked once, not once per tensor."""
+    """convert.py reads one tensor at a time: the checksums are checked once, not once per
+    tensor."""
     real, checked = checkpoint_files.crc32_of, []
-    monkeypatch.setattr(checkpoint_files, "crc32_of", lambda file: checked.append(file.name) or real(file))
+    monkeypatch.setattr(
+        checkpoint_files, "crc32_of", lambda file: checked.append(file.name) or real(file)
+    )
     convert.main(["to-hf", str(trained_once), str(tmp_path / "hf")])
     listed = json.loads((trained_once / "checksums.json").read_text())
     assert sorted(checked) == sorted(listed) and len(listed) >= 4
 
 
-def test_processes_checking_together_read_each_file_once_in_shares_of_similar_size(saved, monkeypatch):
+def test_processes_checking_together_read_each_file_once_in_shares_of_similar_size(
+    saved, monkeypatch
+):
     """damage(rank, world_size): every listed file is read by exactly one of the processes, largest
     first in turn, so no share exceeds another by more than one file; a damaged file is found by the
     process that reads it, and only by it."""
     for index, size in enumerate([900, 50, 400, 10, 700, 300]):
-        (saved / f"__{index}_0.distcp").write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+        (saved / f"__{index}_0.distcp").write_bytes(
+            bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+        )
     (saved / "checksums.json").unlink()
     write_checksums(saved)
-    sizes = {name: entry["bytes"] for name, entry in json.loads((saved / "checksums.json").read_text()).items()}
+    sizes = {
+        name: entry["bytes"]
+        for name, entry in json.loads((saved / "checksums.json").read_text()).items()
+    }
     real, read = checkpoint_files.crc32_of, {}
     for rank in range(3):
-        monkeypatch.setattr(checkpoint_files, "crc32_of", lambda file: read.setdefault(rank, []).append(file.name)
-                            or real(file))
+        monkeypatch.setattr(
+            checkpoint_files,
+            "crc32_of",
+            lambda file: read.setdefault(rank, []).append(file.name) or real(file),
+        )
         assert damage(saved, rank, 3) is None
     assert sorted(name for names in read.values() for name in names) == sorted(sizes)
     shares = sorted(sum(sizes[name] for name in names) for names in read.values())
@@ -272,7 +332,9 @@ def test_write_checksums_reads_only_the_files_no_other_process_listed(saved, mon
     listed = json.loads((saved / "checksums.json").read_text())
     shard = next(name for name in listed if name.endswith(".distcp"))
     real, read = checkpoint_files.crc32_of, []
-    monkeypatch.setattr(checkpoint_files, "crc32_of", lambda file: read.append(file.name) or real(file))
+    monkeypatch.setattr(
+        checkpoint_files, "crc32_of", lambda file: read.append(file.name) or real(file)
+    )
     write_checksums(saved, {shard: listed[shard]})
     assert shard not in read and sorted(read) == sorted(set(listed) - {shard})
     assert json.loads((saved / "checksums.json").read_text()) == listed

@@ -106,7 +106,7 @@ def test_bf16_block_tracks_fp32(one_thread):
     """The BF16 bulk with FP32 sinks and router, as on a GPU: an MoE sliding block's output and
     input gradient stay within 3% (relative RMS) of the FP32 block's on the same weights; about
     0.5% is measured, a few BF16 roundings deep. The BF16 block also traces to one graph."""
-    from model import build_model
+    from flint_model import build_model
 
     fp32_model = block_model()
     bf16_model = build_model(fp32_model.config, dtype=torch.bfloat16, seed=0)

@@ -26,7 +26,7 @@ from registry import FAMILIES
 if "flint" not in FAMILIES:
     pytest.skip("Flint's published layout: Flint is not registered", allow_module_level=True)
 
-from model import FlintConfig, build_model  # noqa: E402
+from flint_model import FlintConfig, build_model  # noqa: E402
 
 CONFIG = FlintConfig.from_name("tiny", num_hidden_layers=4)  # layers 0, 1 dense; 2, 3 MoE
 

@@ -1,27 +1,29 @@
-"""data.py: the prepare step, and the packed loader's coverage, masks, order and position."""
+"""data.py: the prepared shards read back, and the packed loader's coverage, masks, order and
+position."""
 
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-import tiktoken
 import torch
 
 import data
-from data import DataError, PackedLoader, TokenShards, prepare, split_documents
+import prepare as preparation
+from data import DataError, PackedLoader, TokenShards, split_documents
 from helpers import DEFAULT_FAMILY, FAMILY_NAMES, build, stops_with_one_line, tiny_config
+from prepare import prepare
 from tokenizer import Tokenizer, byte_encoding, load_tokenizer
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def unique_token_shards(directory, doc_lengths, shard_tokens=1 << 20):
     """Shards whose every token id is unique (its stream index), so a test can tell tokens apart."""
-    writer = data.ShardWriter(directory, np.uint32, shard_tokens)
+    writer = preparation.ShardWriter(directory, np.uint32, shard_tokens)
     start = 0
     for n in doc_lengths:
         writer.add([list(range(start, start + n))])
@@ -36,80 +38,11 @@ def epoch_rows(loader, rows):
 
 # ----------------------------------------------------------------------------- prepare
 
-def test_prepare_text_directory_and_jsonl(tmp_path):
-    source = tmp_path / "corpus"
-    (source / "sub").mkdir(parents=True)
-    (source / "a.txt").write_text("first document")
-    (source / "sub" / "b.md").write_text("second")
-    (source / ".hidden").write_text("never read")
-    (source / "c.jsonl").write_text(json.dumps({"text": "third"}) + "\n\n" + json.dumps({"text": "fourth"}) + "\n")
-    tokenizer = load_tokenizer("byte")
-    out = prepare(source, tokenizer, tmp_path / "prepared")
-    shards = TokenShards(out, tokenizer)
-    texts = [tokenizer.decode(shards.document(i)[:-1].tolist()) for i in range(shards.num_docs)]
-    assert texts == ["first document", "third", "fourth", "second"]  # sorted paths: a.txt, c.jsonl, sub/b.md
-    assert all(shards.document(i)[-1] == tokenizer.eos_id for i in range(shards.num_docs))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "prepared"]  # no temp dir left
-    assert shards.meta["dtype"] == "uint16"
-
-
-def test_prepare_several_inputs_filters_extensions_and_skips_binary_files(tmp_path, capsys):
-    corpus, notes = tmp_path / "corpus", tmp_path / "notes.txt"
-    corpus.mkdir()
-    (corpus / "a.md").write_text("alpha")
-    (corpus / "b.png").write_bytes(b"\x89PNG\r\n")  # not a text extension: never read
-    (corpus / "c.txt").write_bytes(b"text\x00with a NUL")  # binary despite its name
-    (corpus / "d.py").write_text("print(1)")
-    notes.write_text("notes")
-    data.main(["prepare", str(corpus), str(notes), "--out", str(tmp_path / "out")])
-    out = capsys.readouterr().out
-    assert "3 documents, " in out and "from 3 file(s)" in out
-    assert f"skipped 1 binary file(s) ({corpus / 'c.txt'}) and 1 file(s) by extension" in out
-    shards = TokenShards(tmp_path / "out")
-    assert shards.meta["sources"] == [str(corpus / "a.md"), str(corpus / "d.py"), str(notes)]
-    data.main(["prepare", str(corpus), "--out", str(tmp_path / "only_md"), "--extensions", "md"])
-    assert TokenShards(tmp_path / "only_md").num_docs == 1
-
 
 def test_documents_never_span_shards(tmp_path):
     shards = unique_token_shards(tmp_path, [5, 7, 3, 9, 2], shard_tokens=10)
     assert len(shards.meta["shards"]) == 4  # [5], [7, 3], [9], [2]: a document never straddles two
     assert np.concatenate([shards.document(i) for i in range(5)]).tolist() == list(range(26))
-
-
-def test_prepare_errors_name_the_path(tmp_path):
-    tokenizer = load_tokenizer("byte")
-    with pytest.raises(DataError, match="does not exist"):
-        prepare(tmp_path / "missing", tokenizer, tmp_path / "out")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="empty directory"):
-        prepare(tmp_path / "empty", tokenizer, tmp_path / "out")
-    (tmp_path / "blank.txt").write_text("  \n")
-    with pytest.raises(DataError, match="no documents with text"):
-        prepare(tmp_path / "blank.txt", tokenizer, tmp_path / "out")
-    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text field"}\n')
-    with pytest.raises(DataError, match=r"bad.jsonl:2: .*'text'"):
-        prepare(tmp_path / "bad.jsonl", tokenizer, tmp_path / "out")
-    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00")
-    with pytest.raises(DataError, match="no documents with text in 1 file.*1 binary file.* skipped: .*binary.txt"):
-        prepare(tmp_path / "binary.txt", tokenizer, tmp_path / "out")
-    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n\n{"text": "caf\xe9"}\n')
-    with pytest.raises(DataError, match=r"latin1.jsonl:3: not UTF-8 text \(invalid continuation byte at byte 13"):
-        prepare(tmp_path / "latin1.jsonl", tokenizer, tmp_path / "out")
-    with pytest.raises(DataError, match="/dev/null is neither a file nor a directory"):
-        prepare(Path("/dev/null"), tokenizer, tmp_path / "out")
-    (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
-    (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
-    with pytest.raises(DataError, match="loop_a is a symbolic link that leads nowhere"):
-        prepare(tmp_path / "loop_a", tokenizer, tmp_path / "out")
-    (tmp_path / "latin1b.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
-    with pytest.raises(DataError, match=r"latin1b.jsonl:2: not UTF-8 text"):
-        prepare(tmp_path / "latin1b.jsonl", tokenizer, tmp_path / "out")
-    (tmp_path / "images").mkdir()
-    (tmp_path / "images" / "a.png").write_bytes(b"\x89PNG")
-    with pytest.raises(DataError, match=r"images holds no text or JSONL files \(1 file\(s\) with other extensions"):
-        prepare(tmp_path / "images", tokenizer, tmp_path / "out")
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]  # no output, no temp dir
 
 
 def test_shards_from_another_tokenizer_are_refused(tmp_path):
@@ -119,50 +52,30 @@ def test_shards_from_another_tokenizer_are_refused(tmp_path):
         TokenShards(out, Tokenizer(byte_encoding(), 256, "another vocabulary"))
 
 
-def test_shards_with_ids_outside_the_vocabulary_are_refused_at_load(tmp_path):
+def test_ids_outside_the_vocabulary_are_refused_when_read_or_at_open_when_recorded(tmp_path):
+    """Without a recorded range, opening reads no token and the row that holds the bad id is
+    refused, naming the shard; a range recorded in meta.json is refused at open; the boundary (the
+    largest id 256 of the 257-token vocabulary) opens."""
     (tmp_path / "a.txt").write_text("text")
     tokenizer = load_tokenizer("byte")
     out = prepare(tmp_path / "a.txt", tokenizer, tmp_path / "prepared")
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["shard_max_token"]  # as a directory of format version 1 records no range
+    (out / "meta.json").write_text(json.dumps(meta))
     tokens = np.memmap(out / "tokens_00000.bin", dtype=np.uint16, mode="r+")
     tokens[1] = 300  # the byte vocabulary has 257 ids
     tokens.flush()
-    with pytest.raises(DataError, match=r"tokens_00000.bin holds token id 300, outside the vocabulary of 257"):
+    loader = PackedLoader(
+        TokenShards(out, tokenizer), np.arange(1), seq_len=2, batch_size=1, seed=0
+    )
+    refusal = r"tokens_00000.bin holds token id 300, outside the vocabulary of 257"
+    with pytest.raises(DataError, match=refusal):
+        loader.row(0)
+    (out / "meta.json").write_text(json.dumps({**meta, "shard_max_token": [300]}))
+    with pytest.raises(DataError, match=refusal):
         TokenShards(out, tokenizer)
-
-
-def test_a_long_document_is_tokenized_in_pieces_with_the_same_ids(tmp_path, monkeypatch):
-    """A long single-line document (here 300 KB, with pieces of 20,000 characters instead of 1 MiB)
-    is encoded piece by piece (memory: one piece of ids, not the document's), cut where whitespace
-    runs begin: the ids equal those of the whole text, for bytes and for BPE merges across spaces."""
-    monkeypatch.setattr(data, "PIECE_CHARS", 20_000)
-    rng = np.random.default_rng(0)
-    words = np.array(["alpha", "  beta", "gamma\t", "the", "ünï", "x" * 40])
-    text = " ".join(words[rng.integers(0, len(words), 40_000)])
-    (tmp_path / "long.txt").write_text(text)
-    byte, calls = load_tokenizer("byte"), []
-    encode = byte.encoding.encode_ordinary
-
-    class Recording:  # the byte encoding, recording the length of each text it encodes
-        def __getattr__(self, name):
-            return getattr(byte.encoding, name)
-
-        def encode_ordinary(self, piece):
-            calls.append(len(piece))
-            return encode(piece)
-
-    tokenizer = Tokenizer(Recording(), byte.eos_id, byte.fingerprint)
-    out = TokenShards(prepare(tmp_path / "long.txt", tokenizer, tmp_path / "prepared"))
-    assert len(calls) >= 3 and max(calls) <= data.PIECE_CHARS
-    assert out.document(0).tolist() == encode(text) + [tokenizer.eos_id]
-    ranks = {bytes([i]): i for i in range(256)} | {b" t": 256, b"he": 257, b" the": 258, b"  ": 259}
-    bpe = tiktoken.Encoding("bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
-    bpe_tokenizer = Tokenizer(bpe, 0, "bpe")
-    pieces = [i for ids in data.encode_in_pieces(text, bpe_tokenizer, size=999) for i in ids]
-    assert pieces == bpe.encode_ordinary(text) + [0]
-
-
-# GPT-2's pre-tokenizer: words with their leading space, and runs of whitespace.
-GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    (out / "meta.json").write_text(json.dumps({**meta, "shard_max_token": [256]}))
+    assert TokenShards(out, tokenizer).checked_at_open
 
 
 def test_embedded_corpus_is_present_and_splits():
@@ -170,12 +83,14 @@ def test_embedded_corpus_is_present_and_splits():
     assert len(lines) == 79 and all(json.loads(line)["text"] for line in lines)
     train, val = split_documents(79, 0.05, "corpus")
     assert len(val) == 4 and not set(train) & set(val) and len(train) + len(val) == 79
-    assert split_documents(79, 0.05, "corpus")[1].tolist() == val.tolist()  # fixed, whatever the seed
+    # fixed, whatever the seed
+    assert split_documents(79, 0.05, "corpus")[1].tolist() == val.tolist()
     with pytest.raises(DataError, match="too few"):
         split_documents(1, 0.05, "one.txt")
 
 
 # ----------------------------------------------------------------------------- packing
+
 
 def test_packing_covers_every_token_once_per_epoch(tmp_path):
     lengths = [17, 3, 40, 1, 25, 9, 64, 2]
@@ -192,14 +107,16 @@ def test_packing_covers_every_token_once_per_epoch(tmp_path):
                 assert r["targets"][i] == -100
             elif r["targets"][i] != -100:
                 assert r["targets"][i] == r["input_ids"][i] + 1
-                assert np.searchsorted(np.cumsum(lengths), r["targets"][i], side="right") == doc_of[i]
+                assert (
+                    np.searchsorted(np.cumsum(lengths), r["targets"][i], side="right") == doc_of[i]
+                )
             else:  # the document's last token: its successor belongs to another document
                 assert r["input_ids"][i] + 1 in np.cumsum(lengths)
         assert (r["doc_ids"][r["doc_ids"] >= 0] == np.array(doc_of)[r["doc_ids"] >= 0]).all()
 
 
-# Each family's model of the test below: Flint's 3 layers with full attention only; Large 4's layout model
-# (its sparse selection picks among a document's keys: 4 of up to 20).
+# Each family's model of the test below: Flint's 3 layers with full attention only; Large 4's layout
+# model (its sparse selection picks among a document's keys: 4 of up to 20).
 PACKING_MODELS = {"flint": {"num_hidden_layers": 3, "sliding_window": None}, "large4": {}}
 
 
@@ -220,15 +137,21 @@ def test_packed_rows_never_attend_across_documents(tmp_path, family):
         changed[0, doc_ids == doc] = (changed[0, doc_ids == doc] + 7) % vocab
         others = doc_ids != doc
         # A leak would move logits by O(1e-2); the grouped GEMM's blocking may move them by ~1e-7.
-        torch.testing.assert_close(model(changed, doc_ids=batch["doc_ids"])[0, others], logits[0, others],
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            model(changed, doc_ids=batch["doc_ids"])[0, others],
+            logits[0, others],
+            rtol=0,
+            atol=1e-5,
+        )
 
 
 def test_rows_are_sharded_by_rank_and_independent_of_world_size(tmp_path):
     shards = unique_token_shards(tmp_path, [30, 11, 50, 7, 19])
     single = PackedLoader(shards, np.arange(5), seq_len=8, batch_size=4, seed=1)
-    ranks = [PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=1, rank=r, world_size=2)
-             for r in range(2)]
+    ranks = [
+        PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=1, rank=r, world_size=2)
+        for r in range(2)
+    ]
     for _ in range(3):
         together = single.next_batch()["input_ids"]
         split = torch.cat([loader.next_batch()["input_ids"] for loader in ranks])
@@ -238,9 +161,13 @@ def test_rows_are_sharded_by_rank_and_independent_of_world_size(tmp_path):
 
 def test_order_depends_on_seed_and_epoch(tmp_path):
     shards = unique_token_shards(tmp_path, [10] * 12)
+
     def first_tokens(seed, epoch):
         loader = PackedLoader(shards, np.arange(12), seq_len=10, batch_size=1, seed=seed)
-        return [int(loader.row(epoch * loader.rows_per_epoch + k)["input_ids"][0]) for k in range(12)]
+        return [
+            int(loader.row(epoch * loader.rows_per_epoch + k)["input_ids"][0]) for k in range(12)
+        ]
+
     assert first_tokens(0, 0) == first_tokens(0, 0)
     assert first_tokens(0, 0) != first_tokens(1, 0)
     assert first_tokens(0, 0) != first_tokens(0, 1)
@@ -249,11 +176,15 @@ def test_order_depends_on_seed_and_epoch(tmp_path):
 
 def test_loader_position_survives_a_restart(tmp_path):
     shards = unique_token_shards(tmp_path, [13, 29, 8, 41, 6])
-    make = lambda: PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=3)
+
+    def make() -> PackedLoader:
+        return PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=3)
+
     loader = make()
     for _ in range(4):
         loader.next_batch()
-    state = json.loads(json.dumps(loader.state_dict()))  # plain integers, as a checkpoint stores them
+    # plain integers, as a checkpoint stores them
+    state = json.loads(json.dumps(loader.state_dict()))
     expected = [loader.next_batch() for _ in range(5)]  # crosses into the next epoch
     restarted = make()
     restarted.load_state_dict(state)
@@ -316,17 +247,18 @@ def test_a_refused_position_names_each_data_setting_that_changed(tmp_path):
     assert loader.next_row == 2
 
 
-
 def test_running_out_of_data_says_how_much_there_was(tmp_path):
     shards = unique_token_shards(tmp_path, [16, 16])
     loader = PackedLoader(shards, np.arange(2), seq_len=8, batch_size=2, seed=0, epochs=1)
     loader.next_batch()
     loader.next_batch()
-    with pytest.raises(DataError, match="ran out of data: the train split has 4 rows of 8 tokens per epoch"):
+    with pytest.raises(
+        DataError, match="ran out of data: the train split has 4 rows of 8 tokens per epoch"
+    ):
         loader.next_batch()
 
 
-# ----------------------------------------------------------------------------- conversations (chat.py)
+# -------------------------------------------------------------------------- conversations (chat.py)
 
 WORDS = ["alpha", "beta", "gamma", "delta", "ünï", "x" * 12, "the", "yield"]
 
@@ -339,8 +271,10 @@ def conversations(count: int, seed: int) -> list[list[dict]]:
     for _ in range(count):
         turns = [{"role": "system", "content": say(3)}] if rng.random() < 0.3 else []
         for _ in range(rng.integers(1, 4)):
-            turns += [{"role": "user", "content": say(rng.integers(1, 6))},
-                      {"role": "assistant", "content": say(rng.integers(1, 12))}]
+            turns += [
+                {"role": "user", "content": say(rng.integers(1, 6))},
+                {"role": "assistant", "content": say(rng.integers(1, 12))},
+            ]
         made.append(turns)
     return made
 
@@ -357,23 +291,37 @@ def plain_rendering(messages: list[dict]) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def prepared_conversations(tmp_path, chats: list[list[dict]], texts: list[str] = (), shard_tokens: int = 1 << 28):
+def prepared_conversations(
+    tmp_path, chats: list[list[dict]], texts: list[str] = (), shard_tokens: int = 1 << 28
+):
     lines = [json.dumps({"text": t}) for t in texts] + [json.dumps({"messages": m}) for m in chats]
     (tmp_path / "chat.jsonl").write_text("\n".join(lines) + "\n")
     tokenizer = load_tokenizer("byte")
-    return TokenShards(prepare(tmp_path / "chat.jsonl", tokenizer, tmp_path / "prepared", shard_tokens=shard_tokens),
-                       tokenizer)
+    return TokenShards(
+        prepare(
+            tmp_path / "chat.jsonl", tokenizer, tmp_path / "prepared", shard_tokens=shard_tokens
+        ),
+        tokenizer,
+    )
 
 
 def test_conversations_are_stored_with_the_mask_of_their_answers_beside_text(tmp_path):
-    """Text documents first, then conversations, in shards of 200 tokens: every shard gets a mask file,
-    all ones for text, the answers' tokens for conversations."""
+    """Text documents first, then conversations, in shards of 200 tokens: every shard gets a mask
+    file, all ones for text, the answers' tokens for conversations."""
     chats = conversations(12, seed=0)
-    shards = prepared_conversations(tmp_path, chats, texts=["first text " * 30, "second"], shard_tokens=200)
-    assert shards.masked and shards.meta["format"] == data.MASKED_FORMAT and len(shards.meta["shards"]) > 3
+    shards = prepared_conversations(
+        tmp_path, chats, texts=["first text " * 30, "second"], shard_tokens=200
+    )
+    assert (
+        shards.masked
+        and shards.meta["format"] == data.MASKED_FORMAT
+        and len(shards.meta["shards"]) > 3
+    )
     assert (shards.meta["conversations"], shards.meta["pairs"]) == (12, 0)
     for i, text in enumerate(["first text " * 30, "second"]):
-        assert shards.document(i).tolist() == list(text.encode()) + [256] and shards.loss_mask(i).all()
+        assert (
+            shards.document(i).tolist() == list(text.encode()) + [256] and shards.loss_mask(i).all()
+        )
     for i, messages in enumerate(chats, start=2):
         ids, mask = plain_rendering(messages)
         assert shards.document(i).tolist() == ids and shards.loss_mask(i).tolist() == mask
@@ -487,7 +435,6 @@ def test_conversations_never_train_as_plain_text(tmp_path, name, content, named,
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]
 
 
-
 @pytest.mark.parametrize("overlong", ["truncate", "drop"])
 def test_conversations_are_packed_whole_and_only_answers_are_targets(tmp_path, overlong):
     """Each epoch, every conversation sits in exactly one row, whole from its first token (cut to
@@ -495,11 +442,18 @@ def test_conversations_are_packed_whole_and_only_answers_are_targets(tmp_path, o
     conversation where that token is the assistant's, -100 everywhere else."""
     chats, seq_len = conversations(40, seed=1), 64
     shards = prepared_conversations(tmp_path, chats)
-    loader = PackedLoader(shards, np.arange(40), seq_len=seq_len, batch_size=1, seed=3, overlong=overlong)
+    loader = PackedLoader(
+        shards, np.arange(40), seq_len=seq_len, batch_size=1, seed=3, overlong=overlong
+    )
     rendered = [plain_rendering(m) for m in chats]
     longer = [i for i, (ids, _) in enumerate(rendered) if len(ids) > seq_len]
-    lost = longer if overlong == "drop" else [i for i in longer if not any(rendered[i][1][1:seq_len])]
-    assert longer and (loader.whole.truncated, loader.whole.dropped) == (len(longer) - len(lost), len(lost))
+    lost = (
+        longer if overlong == "drop" else [i for i in longer if not any(rendered[i][1][1:seq_len])]
+    )
+    assert longer and (loader.whole.truncated, loader.whole.dropped) == (
+        len(longer) - len(lost),
+        len(lost),
+    )
     for epoch in range(2):
         seen = []
         for g in range(epoch * loader.rows_per_epoch, (epoch + 1) * loader.rows_per_epoch):
@@ -508,8 +462,13 @@ def test_conversations_are_packed_whole_and_only_answers_are_targets(tmp_path, o
                 at = np.flatnonzero(row["doc_ids"] == doc)
                 ids, mask = rendered[doc]
                 kept = min(len(ids), seq_len)
-                assert at.tolist() == list(range(at[0], at[0] + kept)) and row["input_ids"][at].tolist() == ids[:kept]
-                expected = [ids[k + 1] if k + 1 < kept and mask[k + 1] else -100 for k in range(kept)]
+                assert (
+                    at.tolist() == list(range(at[0], at[0] + kept))
+                    and row["input_ids"][at].tolist() == ids[:kept]
+                )
+                expected = [
+                    ids[k + 1] if k + 1 < kept and mask[k + 1] else -100 for k in range(kept)
+                ]
                 assert row["targets"][at].tolist() == expected
                 seen.append(int(doc))
             assert (row["targets"][row["doc_ids"] < 0] == -100).all()
@@ -518,12 +477,16 @@ def test_conversations_are_packed_whole_and_only_answers_are_targets(tmp_path, o
 
 def test_packed_conversations_resume_at_the_exact_row(tmp_path):
     shards = prepared_conversations(tmp_path, conversations(30, seed=2))
-    make = lambda: PackedLoader(shards, np.arange(30), seq_len=96, batch_size=2, seed=5, epochs=4)  # noqa: E731
+
+    def make() -> PackedLoader:
+        return PackedLoader(shards, np.arange(30), seq_len=96, batch_size=2, seed=5, epochs=4)
+
     loader = make()
     for _ in range(3):
         loader.next_batch()
     state = json.loads(json.dumps(loader.state_dict()))
-    expected = [loader.next_batch() for _ in range(loader.rows_per_epoch // 2 + 1)]  # crosses into the next epoch
+    # crosses into the next epoch
+    expected = [loader.next_batch() for _ in range(loader.rows_per_epoch // 2 + 1)]
     restarted = make()
     restarted.load_state_dict(state)
     for want in expected:
@@ -534,15 +497,22 @@ def test_packed_conversations_resume_at_the_exact_row(tmp_path):
 def test_shards_rendered_with_another_template_are_refused(tmp_path):
     prepared_conversations(tmp_path, conversations(3, seed=0))
     meta = json.loads((tmp_path / "prepared" / "meta.json").read_text())
-    (tmp_path / "prepared" / "meta.json").write_text(json.dumps({**meta, "chat_template_digest": "another"}))
-    with pytest.raises(DataError, match="rendered with the chat template of the plain template .* prepare the data again"):
+    (tmp_path / "prepared" / "meta.json").write_text(
+        json.dumps({**meta, "chat_template_digest": "another"})
+    )
+    with pytest.raises(
+        DataError,
+        match="rendered with the chat template of the plain template .* prepare the data again",
+    ):
         TokenShards(tmp_path / "prepared", load_tokenizer("byte"))
 
 
-def answer_loss_written_out(logits: torch.Tensor, input_ids: torch.Tensor, doc_ids: torch.Tensor,
-                            chats: list[list[dict]]) -> tuple[torch.Tensor, int]:
-    """Sum over every position whose next token is an answer token of the same conversation (masks from
-    plain_rendering, not from the loader) of -log softmax(logits)[next token] -> (sum, count)."""
+def answer_loss_written_out(
+    logits: torch.Tensor, input_ids: torch.Tensor, doc_ids: torch.Tensor, chats: list[list[dict]]
+) -> tuple[torch.Tensor, int]:
+    """Sum over every position whose next token is an answer token of the same conversation (masks
+    from plain_rendering, not from the loader) of -log softmax(logits)[next token] -> (sum,
+    count)."""
     total, count = logits.new_zeros((), dtype=torch.float64), 0
     for b in range(input_ids.shape[0]):
         for doc in doc_ids[b].unique().tolist():
@@ -550,7 +520,7 @@ def answer_loss_written_out(logits: torch.Tensor, input_ids: torch.Tensor, doc_i
                 continue
             at = torch.nonzero(doc_ids[b] == doc).flatten()
             ids, mask = plain_rendering(chats[doc])
-            assert input_ids[b, at].tolist() == ids[:len(at)]
+            assert input_ids[b, at].tolist() == ids[: len(at)]
             for k in range(len(at) - 1):
                 if mask[k + 1]:
                     total = total - torch.log_softmax(logits[b, at[k]].double(), dim=-1)[ids[k + 1]]
@@ -561,21 +531,28 @@ def answer_loss_written_out(logits: torch.Tensor, input_ids: torch.Tensor, doc_i
 def test_the_sft_loss_is_the_cross_entropy_of_the_answers_alone(tmp_path):
     chats = conversations(10, seed=4)
     shards = prepared_conversations(tmp_path, chats)
-    batch = PackedLoader(shards, np.arange(10), seq_len=160, batch_size=3, seed=0, shuffle=False).next_batch()
+    batch = PackedLoader(
+        shards, np.arange(10), seq_len=160, batch_size=3, seed=0, shuffle=False
+    ).next_batch()
     model = build(tiny_config(DEFAULT_FAMILY, vocab_size=264), plain=True)
     loss = model(batch["input_ids"], batch["targets"], batch["doc_ids"])
     logits = model(batch["input_ids"], doc_ids=batch["doc_ids"])
     total, count = answer_loss_written_out(logits, batch["input_ids"], batch["doc_ids"], chats)
-    assert count == int((batch["targets"] != -100).sum()) and count < int((batch["doc_ids"] >= 0).sum()) // 2
+    assert (
+        count == int((batch["targets"] != -100).sum())
+        and count < int((batch["doc_ids"] >= 0).sum()) // 2
+    )
     torch.testing.assert_close(loss.double(), total / count, rtol=1e-5, atol=0)
 
 
 def check_answer_tokens_weigh_the_same(directory: Path, chats: list[list[dict]]) -> None:
     """Two ranks (FSDP), two micro-batches each, rows with different numbers of answer tokens: the
     accumulated gradient equals that of the mean over all answer tokens of the step, written out."""
+    from torch.distributed.tensor import DTensor
+
     from helpers import assert_close_to_scale
     from parallel import ParallelConfig, build_mesh, parallelize
-    from torch.distributed.tensor import DTensor
+
     torch.manual_seed(0)
     shards, config = TokenShards(directory), tiny_config(DEFAULT_FAMILY, vocab_size=264)
     loader = dict(seq_len=96, batch_size=1, seed=0)
@@ -583,15 +560,21 @@ def check_answer_tokens_weigh_the_same(directory: Path, chats: list[list[dict]])
     rows = [everything.row(g) for g in range(4)]  # micro-batch m, rank r: global row 2 m + r
     assert len({int((r["targets"] != -100).sum()) for r in rows}) == 4  # the rows weigh differently
     reference = build(config, plain=True)
-    ids, doc_ids = (torch.from_numpy(np.stack([r[k] for r in rows])) for k in ("input_ids", "doc_ids"))
+    ids, doc_ids = (
+        torch.from_numpy(np.stack([r[k] for r in rows])) for k in ("input_ids", "doc_ids")
+    )
     total, count = answer_loss_written_out(reference(ids, doc_ids=doc_ids), ids, doc_ids, chats)
     (total / count).backward()
     cfg = ParallelConfig(dp_shard=2, param_dtype="float32")
     pm = parallelize(build(config, plain=True), cfg, build_mesh(cfg, "cpu", config.num_experts))
-    mine = PackedLoader(shards, np.arange(len(chats)), rank=torch.distributed.get_rank(), world_size=2, **loader)
+    mine = PackedLoader(
+        shards, np.arange(len(chats)), rank=torch.distributed.get_rank(), world_size=2, **loader
+    )
     batches = [mine.next_batch() for _ in range(2)]
     num_tokens = pm.global_tokens(torch.stack([b["targets"] for b in batches]))
-    loss = sum(pm.forward_backward(b["input_ids"], b["targets"], b["doc_ids"], num_tokens) for b in batches)
+    loss = sum(
+        pm.forward_backward(b["input_ids"], b["targets"], b["doc_ids"], num_tokens) for b in batches
+    )
     assert_close_to_scale(loss.double(), (total / count).detach(), what="loss")
     expected = dict(reference.named_parameters())
     for name, param in pm.module.named_parameters():
@@ -602,6 +585,7 @@ def check_answer_tokens_weigh_the_same(directory: Path, chats: list[list[dict]])
 
 def test_every_answer_token_weighs_the_same_across_micro_batches_and_ranks(tmp_path):
     from helpers import spawn
+
     chats = conversations(16, seed=6)
     prepared_conversations(tmp_path, chats)
     spawn(2, check_answer_tokens_weigh_the_same, tmp_path / "prepared", chats)
@@ -611,8 +595,238 @@ def test_a_missing_or_short_mask_file_is_refused(tmp_path):
     prepared_conversations(tmp_path, conversations(3, seed=0))
     mask = tmp_path / "prepared" / "mask_00000.bin"
     mask.write_bytes(mask.read_bytes()[:-1])
-    with pytest.raises(DataError, match=r"mask_00000.bin: \d+ bytes for the shard's \d+ tokens; .*prepare the data again"):
+    with pytest.raises(
+        DataError,
+        match=r"mask_00000.bin: \d+ bytes for the shard's \d+ tokens; "
+        r".*prepare the data again",
+    ):
         TokenShards(tmp_path / "prepared")
     mask.unlink()
     with pytest.raises(DataError, match=r"mask_00000.bin: missing"):
         TokenShards(tmp_path / "prepared")
+
+
+# ------------------------------------------------------------------ block-wise order, mixtures
+
+
+def test_unshuffled_rows_are_the_documents_in_order(tmp_path):
+    """Without shuffling (validation), row g is tokens [g*T, g*T + T] of the documents back to back,
+    across blocks of documents, as before the block-wise order: a hand-built stream."""
+    lengths = [5, 9, 3, 12, 7, 4, 11]
+    shards = unique_token_shards(tmp_path, lengths)  # token id = stream index
+    loader = PackedLoader(
+        shards, np.arange(7), seq_len=8, batch_size=1, seed=0, shuffle=False, block_docs=2
+    )
+    total = sum(lengths)
+    for g in range(loader.rows_per_epoch):
+        want = np.arange(g * 8, min(g * 8 + 8, total))
+        row = loader.row(g)
+        assert row["input_ids"][: len(want)].tolist() == want.tolist()
+        assert (row["doc_ids"][len(want) :] == -1).all()
+
+
+def test_block_wise_order_covers_every_token_and_holds_one_block(tmp_path):
+    """Blocks of 3 documents: each epoch still reads every token once, in an order that depends on
+    the epoch; what the loader keeps is the blocks' order (ceil(10 / 3) = 4 entries) and at most 4
+    blocks of 3 documents, not an order of every document."""
+    lengths = [6, 1, 14, 3, 9, 2, 8, 5, 11, 4]
+    shards = unique_token_shards(tmp_path, lengths)
+    loader = PackedLoader(shards, np.arange(10), seq_len=5, batch_size=1, seed=2, block_docs=3)
+    orders = []
+    for epoch in range(2):
+        rows = [loader.row(epoch * loader.rows_per_epoch + k) for k in range(loader.rows_per_epoch)]
+        inputs = np.concatenate([r["input_ids"][r["doc_ids"] >= 0] for r in rows])
+        assert sorted(inputs.tolist()) == list(range(63))
+        orders.append(inputs.tolist())
+    assert orders[0] != orders[1]
+    assert all(len(order) == 4 for order, _ in loader._epoch_cache.values())
+    assert len(loader._block_cache) <= 4
+    assert all(len(docs) <= 3 for docs, _ in loader._block_cache.values())
+
+
+def test_opening_a_directory_reads_no_token(tmp_path, monkeypatch):
+    """check_token_range runs on nothing at open, and on the rows' own tokens as they are read."""
+    checked = []
+    original = data.check_token_range
+
+    def counted(file, tokens, vocab):
+        checked.append(len(tokens))
+        original(file, tokens, vocab)
+
+    monkeypatch.setattr(data, "check_token_range", counted)
+    unique_token_shards(tmp_path, [40, 50, 60])
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    del meta["shard_max_token"]  # no recorded range (format version 1): checked as rows are read
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    shards = TokenShards(tmp_path)
+    assert checked == []
+    loader = PackedLoader(shards, np.arange(3), seq_len=8, batch_size=1, seed=0)
+    assert checked == []
+    loader.row(4)
+    assert 0 < sum(checked) <= 9  # the row's 8 tokens and the next one, its last target
+
+
+def source_shards(directory: Path, doc_lengths: list[int], first_id: int) -> TokenShards:
+    """Shards whose token ids are first_id, first_id + 1, ...: each source's ids its own range."""
+    directory.mkdir()
+    writer = preparation.ShardWriter(directory, np.uint32, 1 << 20)
+    start = first_id
+    for n in doc_lengths:
+        writer.add([list(range(start, start + n))])
+        start += n
+    writer.finish({"tokenizer": "test", "vocab_size": start, "eos_id": 0, "sources": []})
+    return TokenShards(directory)
+
+
+def mixture(
+    tmp_path, weights, exhausted="repeat", batch_size=4, rank=0, world_size=1, seed=7, epochs=1
+):
+    """Three sources whose token ids lie in [0, 1000), [1000, 2000), [2000, 3000)."""
+    loaders = []
+    for s in range(3):
+        directory = tmp_path / f"source{s}"
+        shards = (
+            TokenShards(directory)
+            if directory.exists()
+            else source_shards(directory, [7, 13, 4, 9, 11][s:] + [6] * 5, 1000 * s)
+        )
+        loaders.append(
+            PackedLoader(
+                shards,
+                np.arange(shards.num_docs),
+                seq_len=8,
+                batch_size=batch_size,
+                seed=seed,
+                epochs=epochs,
+                rank=rank,
+                world_size=world_size,
+                stream=s,
+            )
+        )
+    return data.MixedLoader(loaders, ["web", "code", "math"], weights, seed, exhausted)
+
+
+def test_mixture_proportions_are_the_weights_within_sampling_error(tmp_path):
+    """4,000 rows drawn 70/20/10: each source's count within 4 binomial standard deviations
+    (sqrt(n p (1 - p)): 29.0, 25.3, 19.0 rows), told apart by their token ids; tokens_drawn
+    agrees."""
+    loader = mixture(tmp_path, [0.7, 0.2, 0.1], batch_size=40)
+    counts = np.zeros(3, dtype=int)
+    for _ in range(100):
+        first_ids = loader.next_batch()["input_ids"][:, 0]
+        counts += np.bincount(first_ids.numpy() // 1000, minlength=3)
+    assert counts.sum() == 4000
+    for count, expected, deviation in zip(counts, [2800, 800, 400], [29.0, 25.3, 19.0]):
+        assert abs(count - expected) < 4 * deviation, counts
+    assert loader.tokens_drawn() == dict(zip(["web", "code", "math"], (counts * 8).tolist()))
+
+
+def test_a_mixture_resumes_at_the_exact_row_on_another_world_size(tmp_path):
+    """Three global batches of 4 rows on one rank, saved; the next five on two ranks of 2 rows each
+    are the one-rank run's, row for row; a source's repeat epoch is crossed on the way."""
+    single = mixture(tmp_path, [0.5, 0.3, 0.2])
+    for _ in range(3):
+        single.next_batch()
+    state = json.loads(json.dumps(single.state_dict()))  # plain integers, as a checkpoint has
+    expected = [single.next_batch() for _ in range(5)]
+    assert any(p >= s.rows_per_epoch for p, s in zip(single.positions, single.sources))
+    ranks = [
+        mixture(tmp_path, [0.5, 0.3, 0.2], batch_size=2, rank=r, world_size=2) for r in range(2)
+    ]
+    for loader in ranks:
+        loader.load_state_dict(state)
+    for want in expected:
+        got = [loader.next_batch() for loader in ranks]
+        for key in want:
+            assert torch.equal(torch.cat([g[key] for g in got]), want[key])
+    assert ranks[0].state_dict() == ranks[1].state_dict() == single.state_dict()
+
+
+def test_a_one_source_mixture_reads_the_rows_of_data_path(tmp_path):
+    """Weight 1 on one source: the rows of the plain loader of that source, in the same order."""
+    shards = unique_token_shards(tmp_path, [13, 29, 8, 41, 6])
+    plain = PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=2)
+    mixed = data.MixedLoader(
+        [PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=2)],
+        ["only"],
+        [1.0],
+        seed=5,
+    )
+    for _ in range(6):
+        want, got = plain.next_batch(), mixed.next_batch()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_an_exhausted_source_stops_the_run_or_repeats(tmp_path):
+    """ "stop": the micro-batch that would draw a source's row past data.epochs is refused in one
+    line naming the source, the batches before it pass; "repeat": it goes on into a new epoch of
+    that source, every token of which comes again."""
+    stopping = mixture(tmp_path, [0.2, 0.2, 0.6], exhausted="stop", batch_size=1)
+    math_rows = stopping.sources[2].rows_per_epoch
+    drawn = 0
+    while True:
+        try:
+            stopping.next_batch()
+        except DataError as error:
+            message = str(error)
+            break
+        drawn += 1
+    assert stopping.positions[2] == math_rows  # every row of one epoch of math, none more
+    assert "\n" not in message
+    assert f"source math ran out of data at micro-batch {drawn}: its {math_rows} rows" in message
+    repeating = mixture(tmp_path, [0.2, 0.2, 0.6], exhausted="repeat", batch_size=1)
+    math_ids = []
+    for _ in range(drawn + 60):
+        row = repeating.next_batch()
+        if int(row["input_ids"][0, 0]) >= 2000:
+            math_ids += row["input_ids"][0][row["doc_ids"][0] >= 0].tolist()
+    epoch = list(range(2000, 2000 + 4 + 9 + 11 + 5 * 6))  # math's documents: [4, 9, 11] + [6] * 5
+    assert sorted(math_ids[: len(epoch)]) == epoch
+    assert sorted(math_ids[len(epoch) : 2 * len(epoch)]) == epoch
+
+
+def test_a_mixture_position_from_other_sources_is_refused(tmp_path):
+    loader = mixture(tmp_path, [0.5, 0.3, 0.2])
+    state = {**loader.state_dict(), "source_1_rows": 2}
+    rows = [source.rows_per_epoch for source in loader.sources]
+    with pytest.raises(DataError, match=rf"saved for sources of \[{rows[0]}, 2, {rows[2]}\] rows"):
+        loader.load_state_dict(state)
+    loader.load_state_dict({**state, "source_1_rows": rows[1], "source_1_position": 3})
+    assert loader.positions == [0, 3, 0]
+
+
+def test_train_reads_the_sources_of_the_config_as_a_mixture(tmp_path):
+    """[data].sources of two text corpora reach train.setup_data: a MixedLoader of both, with the
+    config's weights and exhausted rule, each source prepared; data.path alone stays one loader."""
+    import train
+    from helpers import tiny_model_toml
+
+    for name, word in (("a", "alpha"), ("b", "omega")):
+        (tmp_path / name).mkdir()
+        for k in range(12):
+            (tmp_path / name / f"{k}.txt").write_text(f"{word} {k} " * 20)
+    common = f'seq_len = 32\ncache_dir = "{tmp_path}/cache"\n'
+    (tmp_path / "run.toml").write_text(
+        tiny_model_toml()
+        + (
+            f'[data]\nsources = [{{path = "{tmp_path}/a", weight = 3}}, '
+            f'{{path = "{tmp_path}/b", weight = 1}}]\nexhausted = "repeat"\n{common}'
+        )
+    )
+    plain_data = f'[data]\npath = "{tmp_path}/a"\n{common}'
+    (tmp_path / "plain.toml").write_text(tiny_model_toml() + plain_data)
+    ckpt = (
+        f"--checkpoint.dir={tmp_path}/ckpt",
+        "--model.vocab_size=512",
+        "--training.steps=2",
+        "--training.batch_size=2",
+    )
+    run = train.Process(0, 1, 0, 1, torch.device("cpu"))
+    _, loader, val = train.setup_data(train.load_config(tmp_path / "run.toml", list(ckpt)), run)
+    assert isinstance(loader, data.MixedLoader) and isinstance(val, data.MixedLoader)
+    assert loader.names == [f"{tmp_path}/a", f"{tmp_path}/b"] and loader.weights.tolist() == [3, 1]
+    assert loader.exhausted == "repeat" and val.exhausted == "repeat"
+    assert [s.stream for s in loader.sources] == [0, 1]
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+    plain = train.setup_data(train.load_config(tmp_path / "plain.toml", list(ckpt)), run)[1]
+    assert isinstance(plain, PackedLoader)

@@ -12,12 +12,19 @@ def test_an_atomic_write_replaces_the_whole_file_and_leaves_no_temporary(tmp_pat
     target = tmp_path / "deep" / "record.json"
     write_atomically(target, "first\n")
     write_atomically(target, "second\n")
-    assert target.read_text() == "second\n" and sorted(p.name for p in target.parent.iterdir()) == ["record.json"]
+    assert target.read_text() == "second\n" and sorted(p.name for p in target.parent.iterdir()) == [
+        "record.json"
+    ]
 
 
-@pytest.mark.parametrize("written, message", [
-    (b"{not json", "cannot read JSON"), (b"\xff\xfe", "cannot read JSON"), (b"[1, 2]", "expected a JSON object, got a list"),
-])
+@pytest.mark.parametrize(
+    "written, message",
+    [
+        (b"{not json", "cannot read JSON"),
+        (b"\xff\xfe", "cannot read JSON"),
+        (b"[1, 2]", "expected a JSON object, got a list"),
+    ],
+)
 def test_json_objects_are_read_with_errors_naming_the_file(tmp_path, written, message):
     (tmp_path / "config.json").write_bytes(written)
     with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}: {message}"):

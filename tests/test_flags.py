@@ -19,7 +19,10 @@ def parser() -> OneLineParser:
     [
         (["--rows", "1"], "error: argument --rows: must be >= 2, got 1"),
         (["--rows", "2.5"], "error: argument --rows: expected an integer >= 2, got '2.5'"),
-        (["--modes", "full,some"], "error: argument --modes: unknown name 'some'; choose from none,full"),
+        (
+            ["--modes", "full,some"],
+            "error: argument --modes: unknown name 'some'; choose from none,full",
+        ),
         (["--modes", "full,full"], "error: argument --modes: a name given twice in 'full,full'"),
         (["--modes", ""], "error: argument --modes: unknown name ''; choose from none,full"),
         (["--colour", "red"], "error: unrecognized arguments: --colour red"),

@@ -189,7 +189,8 @@ def test_a_fork_without_one_model_imports_trains_and_collects_its_tests(tmp_path
         ["-c", IMPORT_ALL_THEN_TRAIN, str(len(remaining)), *remaining, *argv], copy
     )
     assert imported_then_trained.returncode == 0, (
-        f"without {dropped}:\n{imported_then_trained.stdout[-3000:]}{imported_then_trained.stderr[-3000:]}"
+        f"without {dropped}:\n{imported_then_trained.stdout[-3000:]}"
+        f"{imported_then_trained.stderr[-3000:]}"
     )
     assert (tmp_path / "metrics.jsonl").read_text().count('"loss"') == 3
 

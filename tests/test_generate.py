@@ -1,5 +1,5 @@
-"""generate.py: what sampling refuses. Generation itself (greedy against recomputation, EOS, top-k and
-seeds) runs through each model's generate in test_model.py and test_large4.py."""
+"""generate.py: what sampling refuses. Generation itself (greedy against recomputation, EOS, top-k
+and seeds) runs through each model's generate in test_flint_model.py and test_large4.py."""
 
 import pytest
 

@@ -1,5 +1,6 @@
-"""head.py: the fused chunked loss of the shared head against a plain per-row softmax, and the head's GPU
-precisions (on the CPU: always FP32; the BF16 products as profiling emulates them; one compiled graph)."""
+"""head.py: the fused chunked loss of the shared head against a plain per-row softmax, and the
+head's GPU precisions (on the CPU: always FP32; the BF16 products as profiling emulates them; one
+compiled graph)."""
 
 import pytest
 import torch
@@ -10,8 +11,11 @@ from helpers import assert_close_to_scale
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def plain_head_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """The contract's loss row by row: full softmax of the (soft-capped) logits, mean over kept rows."""
+def plain_head_loss(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float | None
+) -> torch.Tensor:
+    """The contract's loss row by row: full softmax of the (soft-capped) logits, mean over kept
+    rows."""
     total, kept = 0.0, 0
     for row, target in zip(h, targets.tolist()):
         if target == -100:
@@ -59,7 +63,8 @@ def small_head_case(generator_seed: int = 0):
 
 
 def test_the_cpu_head_computes_fp32_at_every_gpu_precision():
-    """[parallel].head_precision applies on CUDA only: on the CPU every setting is the FP32 head, bit for bit."""
+    """[parallel].head_precision applies on CUDA only: on the CPU every setting is the FP32 head,
+    bit for bit."""
     h, weight, targets = small_head_case()
     results = []
     for precision in HEAD_PRECISIONS:
@@ -81,6 +86,7 @@ def test_the_bf16_head_products_are_the_emulated_ones(precision):
     equals profiling's emulation of it (operands rounded by hand, plain log-softmax), and differs
     from FP32 by about what that emulation says."""
     from tools.profiling import emulated_mm, head_loss_and_grads
+
     h, weight, targets = small_head_case()
     x, w = h.clone().requires_grad_(), weight.clone().requires_grad_()
     loss = LinearCrossEntropy.apply(x, w, targets, 8, None, precision) / len(targets)
@@ -90,13 +96,15 @@ def test_the_bf16_head_products_are_the_emulated_ones(precision):
     assert_close_to_scale(loss.detach(), expected[0], rtol=1e-6)
     assert_close_to_scale(x.grad, expected[1], 1e-5, "input gradient")
     assert_close_to_scale(w.grad, expected[2], 1e-5, "weight gradient")
-    assert (w.grad - fp32[2]).abs().max() > 10 * (w.grad - expected[2]).abs().max()  # the rounding is there
+    # the rounding is there
+    assert (w.grad - fp32[2]).abs().max() > 10 * (w.grad - expected[2]).abs().max()
 
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16x3"])
 def test_the_gpu_precisions_compile_to_one_graph(precision):
     """The fused loss at each GPU precision traces whole (the TF32 product as its opaque operator),
-    equal to eager. On the CPU the TF32 operator computes FP32: this checks the tracing, not TF32."""
+    equal to eager. On the CPU the TF32 operator computes FP32: this checks the tracing, not
+    TF32."""
     h, weight, targets = small_head_case()
 
     def loss(x, w):

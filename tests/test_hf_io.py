@@ -8,11 +8,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_io import Entry, Part, SafetensorsDir, atomic_directory, parse_size, published_view, write_safetensors
+from hf_io import (
+    Entry,
+    Part,
+    SafetensorsDir,
+    atomic_directory,
+    parse_size,
+    published_view,
+    write_safetensors,
+)
 
 
-@pytest.mark.parametrize("size, expected", [(123, 123), ("5GB", 5_000_000_000), ("500MiB", 500 * 2**20),
-                                            ("1.5 kb", 1500), ("7", 7)])
+@pytest.mark.parametrize(
+    "size, expected",
+    [(123, 123), ("5GB", 5_000_000_000), ("500MiB", 500 * 2**20), ("1.5 kb", 1500), ("7", 7)],
+)
 def test_sizes_in_decimal_and_binary_units(size, expected):
     assert parse_size(size) == expected
 
@@ -39,23 +49,38 @@ def test_the_output_directory_appears_whole_or_not_at_all(tmp_path):
     with pytest.raises(RuntimeError), atomic_directory(tmp_path / "failed") as work:
         (work / "half").write_text("x")
         raise RuntimeError("a conversion that fails part-way")
-    assert not (tmp_path / "failed").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert not (tmp_path / "failed").exists() and sorted(p.name for p in tmp_path.iterdir()) == [
+        "out"
+    ]
 
 
 def write(path, tensors: dict[str, torch.Tensor]) -> None:
-    """`tensors` through the streaming writer, each entry's data asked for only when it is written."""
-    entries = [Entry(None, Part(key, (), False), tuple(t.shape), t.dtype) for key, t in tensors.items()]
+    """`tensors` through the streaming writer, each entry's data asked for only when it is
+    written."""
+    entries = [
+        Entry(None, Part(key, (), False), tuple(t.shape), t.dtype) for key, t in tensors.items()
+    ]
     write_safetensors(path, entries, lambda entry: tensors[entry.part.key])
 
 
 def test_the_streaming_writer_writes_what_safetensors_reads(tmp_path):
-    tensors = {"a": torch.arange(6.0).view(2, 3), "b": torch.arange(5).to(torch.bfloat16),  # 10 bytes: b ends unaligned
-               "c": torch.arange(4.0).view(2, 2).T.to(torch.float16)}  # not contiguous
+    # 10 bytes: b ends unaligned
+    tensors = {
+        "a": torch.arange(6.0).view(2, 3),
+        "b": torch.arange(5).to(torch.bfloat16),
+        "c": torch.arange(4.0).view(2, 2).T.to(torch.float16),
+    }  # not contiguous
     write(tmp_path / "model.safetensors", tensors)
     written = load_file(tmp_path / "model.safetensors")
-    assert list(written) == list(tensors) and all(torch.equal(written[k], t) for k, t in tensors.items())
+    assert list(written) == list(tensors) and all(
+        torch.equal(written[k], t) for k, t in tensors.items()
+    )
     source = SafetensorsDir(tmp_path)
-    assert source.meta == {"a": ((2, 3), torch.float32), "b": ((5,), torch.bfloat16), "c": ((2, 2), torch.float16)}
+    assert source.meta == {
+        "a": ((2, 3), torch.float32),
+        "b": ((5,), torch.bfloat16),
+        "c": ((2, 2), torch.float16),
+    }
     assert all(torch.equal(tensors[k], t) for k, t in source.read(["c", "a"]).items())
 
 
@@ -65,14 +90,25 @@ def test_a_sharded_directory_reads_each_key_from_the_shard_its_index_names(tmp_p
     index = {"weight_map": {"a": "one.safetensors", "b": "two.safetensors", "c": "two.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     source = SafetensorsDir(tmp_path)
-    assert (source.where("a"), source.where("c")) == (str(tmp_path / "one.safetensors"), str(tmp_path / "two.safetensors"))
+    assert (source.where("a"), source.where("c")) == (
+        str(tmp_path / "one.safetensors"),
+        str(tmp_path / "two.safetensors"),
+    )
     read = source.read(["c", "a"])
-    assert sorted(read) == ["a", "c"] and torch.equal(read["a"], torch.ones(3)) and read["c"].item() == 7.0
+    assert (
+        sorted(read) == ["a", "c"]
+        and torch.equal(read["a"], torch.ones(3))
+        and read["c"].item() == 7.0
+    )
 
 
 def test_a_truncated_file_names_the_tensor_that_is_cut_off(tmp_path):
     write(tmp_path / "model.safetensors", {"a": torch.ones(4), "b": torch.ones(100)})
     data = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[:-8])  # the last two of b's floats
-    with pytest.raises(ValueError, match=r"model.safetensors: truncated or corrupt .* \(tensor 'b' is cut off\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors: truncated or corrupt .* \(tensor 'b' "
+        r"is cut off\)",
+    ):
         SafetensorsDir(tmp_path)

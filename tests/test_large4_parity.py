@@ -34,7 +34,16 @@ def test_the_fixture_is_the_published_layout_of_the_parity_config(model):
     config = model.config
     assert type(model).__name__ == "MistralLarge4" and config.num_hidden_layers == 8
     assert config.kv_source_layers == [0, 1, 1, 3, 4, 4, 6, 3] and config.no_rope_layers[3] == 0
-    assert config.indexer_types == ["full", "full", "shared", "full", "shared", "full", "shared", "full"]
+    assert config.indexer_types == [
+        "full",
+        "full",
+        "shared",
+        "full",
+        "shared",
+        "full",
+        "shared",
+        "full",
+    ]
     assert "vision_config" in config.composite
     extras = set(model.published_extras.meta)
     assert {"mtp_dspark.norm.weight", "vision_language_adapter.w_in.weight"} <= extras
@@ -63,7 +72,9 @@ def test_every_gradient_matches_the_reference(model, expected):
         for part in parts:  # the fixture names gradients as the published checkpoint names weights
             got, want = convert.published_view(param.grad, part), expected["grad." + part.key]
             error = (got - want).abs().max() / want.abs().max()
-            assert error.item() <= GRAD_REL_TOL, f"{native_key} ({part.key}): relative error {error.item():.2e}"
+            assert error.item() <= GRAD_REL_TOL, (
+                f"{native_key} ({part.key}): relative error {error.item():.2e}"
+            )
             compared.add(part.key)
     assert compared == {k.removeprefix("grad.") for k in expected if k.startswith("grad.")}
     model.zero_grad(set_to_none=True)
@@ -73,9 +84,13 @@ def test_the_indexers_select_the_reference_keys(model, expected):
     """Per query, the selected keys it may see; slots the reference fills with future keys and ours
     marks -1 (fewer than index_topk visible keys) select nothing."""
     selected = {}
-    hooks = [layer.self_attn.indexer.register_forward_hook(
-        lambda module, args, out, i=int(name): selected.__setitem__(i, out))
-        for name, layer in model.layers.items() if hasattr(layer.self_attn, "indexer")]
+    hooks = [
+        layer.self_attn.indexer.register_forward_hook(
+            lambda module, args, out, i=int(name): selected.__setitem__(i, out)
+        )
+        for name, layer in model.layers.items()
+        if hasattr(layer.self_attn, "indexer")
+    ]
     try:
         with torch.no_grad():
             model(expected["input_ids"])
@@ -90,7 +105,9 @@ def test_the_indexers_select_the_reference_keys(model, expected):
             for t in range(length):
                 want = {int(s) for s in reference[layer][b, t] if s <= t}
                 got = {int(s) for s in ours[b, t] if 0 <= s <= t}
-                assert got == want, f"layer {layer}, row {b}, query {t}: {sorted(got)} != {sorted(want)}"
+                assert got == want, (
+                    f"layer {layer}, row {b}, query {t}: {sorted(got)} != {sorted(want)}"
+                )
 
 
 def test_the_index_scores_match_the_reference(model, expected, monkeypatch):
@@ -111,7 +128,8 @@ def test_the_index_scores_match_the_reference(model, expected, monkeypatch):
     monkeypatch.setattr(large4, "top_keys", capturing)
     with torch.no_grad():
         model(expected["input_ids"])
-    reference = [expected[f"index_scores.{i}"] for i in (0, 1, 3, 5, 7)]  # the full-indexer layers, in order
+    # the full-indexer layers, in order
+    reference = [expected[f"index_scores.{i}"] for i in (0, 1, 3, 5, 7)]
     assert len(scores) == len(reference)  # one chunk per layer at T = 40
     for ours, want in zip(scores, reference):
         visible = want > torch.finfo(torch.float32).min / 2
@@ -128,7 +146,11 @@ def test_live_reference_reads_what_save_hf_writes(model, expected, tmp_path):
         pytest.skip(f"transformers {transformers.__version__} has no Mistral Large 4 (5.24 has)")
     convert.save_hf(model, tmp_path / "hf")
     reference, info = transformers.MistralLarge4ForConditionalGeneration.from_pretrained(
-        tmp_path / "hf", attn_implementation="eager", experts_implementation="eager", output_loading_info=True)
+        tmp_path / "hf",
+        attn_implementation="eager",
+        experts_implementation="eager",
+        output_loading_info=True,
+    )
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     assert all(k.startswith("mtp_dspark.") for k in info["unexpected_keys"]), info
     with torch.no_grad():

@@ -1,8 +1,8 @@
-"""lora.py against the formula written out: W x + (alpha / r) B A dropout(x) for a Linear, a loop over
-tokens and experts for the grouped experts; values and every gradient, the base frozen. Whole tiny
-models: step 0 is the base model, merged weights give the adapted logits, compiled blocks match eager,
-FSDP on gloo matches one process. The PEFT export against what peft loaded onto transformers' models
-(tests/fixtures/lora_peft, written by tests/make_lora_peft_fixture.py)."""
+"""lora.py against the formula written out: W x + (alpha / r) B A dropout(x) for a Linear, a loop
+over tokens and experts for the grouped experts; values and every gradient, the base frozen. Whole
+tiny models: step 0 is the base model, merged weights give the adapted logits, compiled blocks match
+eager, FSDP on gloo matches one process. The PEFT export against what peft loaded onto transformers'
+models (tests/fixtures/lora_peft, written by tests/make_lora_peft_fixture.py)."""
 
 import copy
 import hashlib
@@ -29,18 +29,22 @@ SCALE = ALPHA / RANK
 
 
 def tiny(family, **overrides):
-    """The layout tests' model of the family (helpers.LAYOUT_MODELS): Flint's 4 layers, dense 0-1, MoE 2-3,
-    full and sliding attention; Large 4's 8, dense 0, MoE 1-7, every parameter random."""
+    """The layout tests' model of the family (helpers.LAYOUT_MODELS): Flint's 4 layers, dense 0-1,
+    MoE 2-3, full and sliding attention; Large 4's 8, dense 0, MoE 1-7, every parameter random."""
     return build(tiny_config(family, **overrides))
 
 
 def first_experts(model) -> str:
-    """The name of the model's first routed experts (Flint: layers.2.mlp.experts, Large 4: layers.1...)."""
-    return next(name for name, module in model.named_modules() if isinstance(module, GroupedExperts))
+    """The name of the model's first routed experts (Flint: layers.2.mlp.experts, Large 4:
+    layers.1...)."""
+    return next(
+        name for name, module in model.named_modules() if isinstance(module, GroupedExperts)
+    )
 
 
 def adapted(model, targets=("all",), dropout=0.0, seed=0):
-    """`model` with adapters on `targets`, B random (at its zero init every A gets a zero gradient)."""
+    """`model` with adapters on `targets`, B random (at its zero init every A gets a zero
+    gradient)."""
     apply_lora(model, LoraConfig(rank=RANK, alpha=ALPHA, dropout=dropout, targets=list(targets)))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -59,21 +63,25 @@ def batch(vocab, seed=0, shape=(2, 12)):
     return ids, torch.roll(ids, -1, 1)
 
 
-# ============================================================================= configuration and targets
+# ======================================================================== configuration and targets
 
-@pytest.mark.parametrize("section, message", [
-    ({"rank": 0}, r"\[lora\] rank must be an integer > 0, got 0"),
-    ({"rank": 2.5}, r"\[lora\] rank must be an integer > 0, got 2.5"),
-    ({"alpha": math.inf}, r"\[lora\] alpha must be a finite number other than 0, got inf"),
-    ({"alpha": math.nan}, r"\[lora\] alpha must be a finite number other than 0, got nan"),
-    ({"alpha": 0}, r"\[lora\] alpha must be a finite number other than 0, got 0"),
-    ({"alpha": 0.0}, r"\[lora\] alpha must be a finite number other than 0, got 0.0"),
-    ({"alpha": True}, r"\[lora\] alpha must be a finite number other than 0, got True"),
-    ({"dropout": 1.0}, r"\[lora\] dropout must be a number in \[0, 1\), got 1.0"),
-    ({"dropout": -0.1}, r"\[lora\] dropout must be a number in \[0, 1\), got -0.1"),
-    ({"targets": []}, r"\[lora\] targets must be a non-empty list"),
-    ({"rnak": 4}, r"\[lora\]: unknown key 'rnak'"),
-])
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"rank": 0}, r"\[lora\] rank must be an integer > 0, got 0"),
+        ({"rank": 2.5}, r"\[lora\] rank must be an integer > 0, got 2.5"),
+        ({"alpha": math.inf}, r"\[lora\] alpha must be a finite number other than 0, got inf"),
+        ({"alpha": math.nan}, r"\[lora\] alpha must be a finite number other than 0, got nan"),
+        ({"alpha": 0}, r"\[lora\] alpha must be a finite number other than 0, got 0"),
+        ({"alpha": 0.0}, r"\[lora\] alpha must be a finite number other than 0, got 0.0"),
+        ({"alpha": True}, r"\[lora\] alpha must be a finite number other than 0, got True"),
+        ({"dropout": 1.0}, r"\[lora\] dropout must be a number in \[0, 1\), got 1.0"),
+        ({"dropout": -0.1}, r"\[lora\] dropout must be a number in \[0, 1\), got -0.1"),
+        ({"targets": []}, r"\[lora\] targets must be a non-empty list"),
+        ({"rnak": 4}, r"\[lora\]: unknown key 'rnak'"),
+    ],
+)
 def test_config_errors_name_the_key(section, message):
     with pytest.raises(ValueError, match=message):
         LoraConfig.from_dict({"targets": ["q_proj"], **section})
@@ -97,14 +105,21 @@ REFUSED_TARGETS = [
     ("flint", "self_attn", r"matches layers.0.self_attn \(Attention\)"),
     ("large4", "router", r"'router' matches layers.1.mlp.router, part of an FP32 unit"),
     ("large4", "lm_head", r"'lm_head' matches lm_head, part of an FP32 unit"),
-    ("large4", "indexer", r"'indexer' matches layers.0.self_attn.indexer, which is frozen in the base model"),
+    (
+        "large4",
+        "indexer",
+        r"'indexer' matches layers.0.self_attn.indexer, which is frozen in the "
+        r"base model",
+    ),
     ("large4", "wk", r"'wk' matches layers.0.self_attn.indexer.wk, which is frozen"),
     ("large4", "weights_proj", r"matches layers.0.self_attn.indexer.weights_proj, which is frozen"),
 ]
 
 
-@pytest.mark.parametrize("family, target, message",
-                         [pytest.param(*case, marks=only(case[0])) for case in REFUSED_TARGETS])
+@pytest.mark.parametrize(
+    "family, target, message",
+    [pytest.param(*case, marks=only(case[0])) for case in REFUSED_TARGETS],
+)
 def test_targets_that_cannot_take_an_adapter_are_refused(family, target, message):
     model = tiny(family)
     with pytest.raises(ValueError, match=r"\[lora\] targets: .*" + message):
@@ -114,23 +129,33 @@ def test_targets_that_cannot_take_an_adapter_are_refused(family, target, message
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_experts_under_capacity_are_refused_until_moe_takes_the_adapters(family):
     model = tiny(family, capacity_factor=1.25)
-    with pytest.raises(ValueError, match=rf"'all' matches {first_experts(model)}: routed-expert adapters need "
-                                         r"experts_backend 'grouped' and no capacity_factor"):
+    with pytest.raises(
+        ValueError,
+        match=rf"'all' matches {first_experts(model)}: routed-expert "
+        r"adapters need "
+        r"experts_backend 'grouped' and no capacity_factor",
+    ):
         apply_lora(model, LoraConfig(rank=RANK, targets=["all"]))
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_a_deep_copy_runs_its_own_adapters(family):
-    """pipeline.py deep-copies the model for each stage: a copy's adapted forwards read the copy's parameters."""
+    """pipeline.py deep-copies the model for each stage: a copy's adapted forwards read the copy's
+    parameters."""
     model = adapted(tiny(family))
     ids, _ = batch(model.config.vocab_size)
     expected = model(ids)
     twin = copy.deepcopy(model)
-    for adapter in (twin.get_submodule(first_experts(twin)).down_lora, twin.layers["0"].self_attn.q_proj.lora):
+    for adapter in (
+        twin.get_submodule(first_experts(twin)).down_lora,
+        twin.layers["0"].self_attn.q_proj.lora,
+    ):
         saved = adapter.B.detach().clone()
         with torch.no_grad():
             adapter.B.zero_()
-        assert not torch.allclose(twin(ids), expected, atol=1e-4), "the copy ran the original's adapter"
+        assert not torch.allclose(twin(ids), expected, atol=1e-4), (
+            "the copy ran the original's adapter"
+        )
         with torch.no_grad():
             adapter.B.copy_(saved)
     assert torch.equal(model(ids), expected) and torch.equal(twin(ids), expected)
@@ -138,28 +163,38 @@ def test_a_deep_copy_runs_its_own_adapters(family):
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_expert_adapters_need_a_rank_the_grouped_gemm_takes(family):
-    with pytest.raises(ValueError, match=r"\[lora\] rank must be a multiple of 8 to adapt routed experts.*got 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"\[lora\] rank must be a multiple of 8 to adapt routed "
+        r"experts.*got 4",
+    ):
         apply_lora(tiny(family), LoraConfig(rank=4, targets=["q_proj", "experts"]))
-    assert apply_lora(tiny(family), LoraConfig(rank=4, targets=["q_proj"]))  # Linear maps take any rank
+    # Linear maps take any rank
+    assert apply_lora(tiny(family), LoraConfig(rank=4, targets=["q_proj"]))
 
 
 # Flint's tiny layout model (hidden 64, 4 query heads and 2 key-value heads of 16, dense MLP 128,
 # experts of intermediate 32): k_proj is [64 -> 32], an expert's down_proj [32 -> 64], q_proj
 # [64 -> 64].
-@pytest.mark.parametrize("targets, largest, narrowest", [
-    (["k_proj"], 32, r"layers\.0\.self_attn\.k_proj: in 64, out 32"),
-    (["q_proj", "experts"], 32, r"layers\.2\.mlp\.experts: in 32, out 64"),
-    (["q_proj"], 64, r"layers\.0\.self_attn\.q_proj: in 64, out 64"),
-])
+@pytest.mark.parametrize(
+    "targets, largest, narrowest",
+    [
+        (["k_proj"], 32, r"layers\.0\.self_attn\.k_proj: in 64, out 32"),
+        (["q_proj", "experts"], 32, r"layers\.2\.mlp\.experts: in 32, out 64"),
+        (["q_proj"], 64, r"layers\.0\.self_attn\.q_proj: in 64, out 64"),
+    ],
+)
 @only("flint")
 def test_a_rank_above_the_narrowest_map_is_refused(targets, largest, narrowest):
     """rank <= min(in, out) of the narrowest adapted map, checked before any adapter is allocated
     (2**40 is refused, not attempted); the largest rank the grouped GEMM takes there is accepted,
     and shapes the adapters (the refusal's boundary)."""
     above = largest + 8 if "experts" in targets else largest + 1
-    for rank in (above, 2 ** 40):
-        refusal = (rf"^\[lora\] rank must be at most {largest}, the smaller side of the narrowest "
-                   rf"adapted map \({narrowest}\), got {rank}$")
+    for rank in (above, 2**40):
+        refusal = (
+            rf"^\[lora\] rank must be at most {largest}, the smaller side of the narrowest "
+            rf"adapted map \({narrowest}\), got {rank}$"
+        )
         with pytest.raises(ValueError, match=refusal):
             apply_lora(tiny("flint"), LoraConfig(rank=rank, targets=targets))
     model = tiny("flint")
@@ -201,31 +236,41 @@ def test_each_setting_reaches_the_adapters():
 
 @only("large4")
 def test_the_targets_and_names():
-    """Adapters sit under new child names, so every base key stays; 'all' skips the FP32 units and the
-    frozen indexer; everything but the adapters is frozen; a second apply_lora is refused."""
+    """Adapters sit under new child names, so every base key stays; 'all' skips the FP32 units and
+    the frozen indexer; everything but the adapters is frozen; a second apply_lora is refused."""
     model = tiny("large4")
     base_keys = set(model.state_dict())
     targets = apply_lora(model, LoraConfig(rank=RANK, targets=["all"]))
     assert set(model.state_dict()) - base_keys == set(adapter_params(model))
-    assert {"layers.0.self_attn.kv_b_proj", "layers.0.mlp.gate_proj", "layers.1.mlp.experts",
-            "layers.1.mlp.shared_expert.down_proj", "layers.1.self_attn.kv_a_proj_with_mqa"} <= set(targets)
+    assert {
+        "layers.0.self_attn.kv_b_proj",
+        "layers.0.mlp.gate_proj",
+        "layers.1.mlp.experts",
+        "layers.1.mlp.shared_expert.down_proj",
+        "layers.1.self_attn.kv_a_proj_with_mqa",
+    } <= set(targets)
     assert not [t for t in targets if "indexer" in t]
     assert {n for n, p in model.named_parameters() if p.requires_grad} == set(adapter_params(model))
-    assert adapter_params(model)["layers.1.mlp.experts.gate_up_lora.A"].shape == (8, 64, RANK)  # [E, H, r]
-    assert adapter_params(model)["layers.1.mlp.experts.down_lora.B"].shape == (8, RANK, 64)  # [E, r, H]
+    # [E, H, r]
+    assert adapter_params(model)["layers.1.mlp.experts.gate_up_lora.A"].shape == (8, 64, RANK)
+    # [E, r, H]
+    assert adapter_params(model)["layers.1.mlp.experts.down_lora.B"].shape == (8, RANK, 64)
     assert lora.base_key("layers.1.mlp.experts.down_lora.B") == "layers.1.mlp.experts.down_proj"
     with pytest.raises(ValueError, match="already has adapters"):
         apply_lora(model, LoraConfig(rank=RANK, targets=["q_proj"]))
 
 
-# ============================================================================= one module against the formula
+# =================================================================== one module against the formula
+
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_linear_adapter_equals_the_formula_values_and_gradients(family):
     model = adapted(tiny(family), ["layers.1.self_attn.q_proj"])
     linear = model.layers["1"].self_attn.q_proj
     A, B = linear.lora.A, linear.lora.B
-    x = torch.randn(3, 5, linear.in_features, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x = torch.randn(
+        3, 5, linear.in_features, generator=torch.Generator().manual_seed(1), requires_grad=True
+    )
     weight = torch.randn(3, 5, linear.out_features, generator=torch.Generator().manual_seed(2))
     out = linear(x)
     grads = torch.autograd.grad((out * weight).sum(), [x, A, B])
@@ -255,18 +300,20 @@ def test_grouped_lora_equals_a_loop_over_experts():
     xr, Ar, Br = (t.detach().clone().requires_grad_() for t in (rows, A, B))
     pieces, start = [], 0
     for expert, count in enumerate(counts):
-        pieces.append(SCALE * xr[start:start + count] @ Ar[expert] @ Br[expert])
+        pieces.append(SCALE * xr[start : start + count] @ Ar[expert] @ Br[expert])
         start += count
     expected = torch.cat(pieces)
     expected_grads = torch.autograd.grad((expected * weight).sum(), [xr, Ar, Br])
     assert_close_to_scale(out, expected, what="output")
     for got, want, what in zip(grads, expected_grads, ("rows", "A", "B")):
         assert_close_to_scale(got, want, what=f"grad {what}")
-    assert out[2].abs().max() == 0 and grads[1][1].abs().max() == 0  # padding adds nothing; empty expert idle
+    # padding adds nothing; empty expert idle
+    assert out[2].abs().max() == 0 and grads[1][1].abs().max() == 0
 
 
 def reference_adapted_experts(x, weights, indices, experts):
-    """Token by token, choice by choice: the expert's SwiGLU with each weight plus its scaled update."""
+    """Token by token, choice by choice: the expert's SwiGLU with each weight plus its scaled
+    update."""
     gate_up = experts.gate_up_proj.detach()
     down = experts.down_proj.detach()
     (A1, B1), (A2, B2) = ((a.A, a.B) for a in (experts.gate_up_lora, experts.down_lora))
@@ -296,14 +343,21 @@ def test_adapted_experts_equal_the_loop_values_and_gradients(align, family):
     indices = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(10)])
     indices[:, 0][indices[:, 0] == 5] = 6  # expert 5 gets fewer rows; some may get none
     weights = torch.rand(10, 2, generator=g)
-    adapters = [experts.gate_up_lora.A, experts.gate_up_lora.B, experts.down_lora.A, experts.down_lora.B]
+    adapters = [
+        experts.gate_up_lora.A,
+        experts.gate_up_lora.B,
+        experts.down_lora.A,
+        experts.down_lora.B,
+    ]
     probe = torch.randn(10, hidden, generator=g)
     out = experts(x, weights, indices)
     grads = torch.autograd.grad((out * probe).sum(), [x, *adapters])
     expected = reference_adapted_experts(x, weights, indices, experts)
     expected_grads = torch.autograd.grad((expected * probe).sum(), [x, *adapters])
     assert_close_to_scale(out, expected, what="output")
-    for got, want, what in zip(grads, expected_grads, ("x", "gate_up A", "gate_up B", "down A", "down B")):
+    for got, want, what in zip(
+        grads, expected_grads, ("x", "gate_up A", "gate_up B", "down A", "down B")
+    ):
         assert_close_to_scale(got, want, rtol=1e-4, what=f"grad {what}")
     assert experts.gate_up_proj.grad is None and experts.down_proj.grad is None
 
@@ -333,14 +387,18 @@ def test_dropout_acts_on_the_adapter_input_only(family):
     torch.manual_seed(12)
     got = grouped(rows, ends)
     torch.manual_seed(12)
-    assert_close_to_scale(got, grouped_lora(F.dropout(rows, 0.5, training=True), ends, grouped.A, grouped.B, SCALE))
+    assert_close_to_scale(
+        got, grouped_lora(F.dropout(rows, 0.5, training=True), ends, grouped.A, grouped.B, SCALE)
+    )
 
 
 # ============================================================================= whole models
 
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_step_zero_is_the_base_model(family):
-    """B starts at zero: logits and loss bit-equal to the base's; B gets gradients (A none yet), the base none."""
+    """B starts at zero: logits and loss bit-equal to the base's; B gets gradients (A none yet), the
+    base none."""
     model = tiny(family)
     ids, targets = batch(model.config.vocab_size)
     base_logits, base_loss = model(ids), model(ids, targets)
@@ -354,8 +412,13 @@ def test_step_zero_is_the_base_model(family):
             assert param.grad is None, name
         elif name.endswith(".A"):
             assert param.grad.abs().max() == 0, name
-    assert all(p.grad.abs().max() > 0 for n, p in model.named_parameters() if n.endswith("lora.B")
-               and n.startswith("layers.1."))  # the second layer's B all learn at once (MoE in both models)
+    assert all(
+        p.grad.abs().max() > 0
+        for n, p in model.named_parameters()
+        if n.endswith("lora.B")
+        # the second layer's B all learn at once (MoE in both models)
+        and n.startswith("layers.1.")
+    )
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -364,7 +427,9 @@ def test_merged_weights_give_the_adapted_logits(family):
     ids, _ = batch(model.config.vocab_size)
     base = tiny(family)
     before = base(ids)
-    merged = convert.merge_lora(model.state_dict(), LoraConfig(rank=RANK, alpha=ALPHA, targets=["all"]))
+    merged = convert.merge_lora(
+        model.state_dict(), LoraConfig(rank=RANK, alpha=ALPHA, targets=["all"])
+    )
     assert set(merged) == set(base.state_dict())
     base.load_state_dict(merged)
     after, expected = base(ids), model(ids)
@@ -391,15 +456,17 @@ def test_adapters_are_seeded_by_name_in_every_layout(family):
         assert torch.equal(meta.state_dict()[name], value), name
     a = eager.get_submodule(first_experts(eager)).gate_up_lora.A
     b = eager.get_submodule(first_experts(eager)).gate_up_lora.B
-    assert abs(a.std().item() * math.sqrt(a.shape[1]) - 1) < 0.1 and b.abs().max() == 0  # A ~ N(0, 1 / H), B zero
+    # A ~ N(0, 1 / H), B zero
+    assert abs(a.std().item() * math.sqrt(a.shape[1]) - 1) < 0.1 and b.abs().max() == 0
 
 
 @only("flint")
 @pytest.mark.parametrize("kind", ["0", "2"])
 def test_adapted_blocks_compile_whole_and_match_eager(kind, one_thread):
-    """fullgraph=True: an adapted block (dense; MoE with padded experts) is one graph whose values and
-    adapter gradients equal the eager block's."""
+    """fullgraph=True: an adapted block (dense; MoE with padded experts) is one graph whose values
+    and adapter gradients equal the eager block's."""
     from helpers import block_inputs
+
     model = adapted(tiny("flint"))
     model.layers["2"].mlp.experts.group_align = 4
     block = model.layers[kind]
@@ -410,6 +477,7 @@ def test_adapted_blocks_compile_whole_and_match_eager(kind, one_thread):
         out = fn(x, rope, masks)
         probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
         return out, torch.autograd.grad((out * probe).sum(), [x, *params])
+
     torch._dynamo.reset()
     compiled_block = torch.compile(block, fullgraph=True, backend="aot_eager")
     eager, compiled = values_and_grads(block), values_and_grads(compiled_block)
@@ -419,19 +487,26 @@ def test_adapted_blocks_compile_whole_and_match_eager(kind, one_thread):
 
 
 def check_layout(family: str, layout: dict) -> None:
-    """One spawned rank: the adapted model laid out by `layout` equals one process (loss, the gradients of
-    the adapters this rank holds, clipped norm, two AdamW steps on the adapters); the base gets no gradient."""
-    from parallel import ParallelConfig, build_mesh, parallelize
+    """One spawned rank: the adapted model laid out by `layout` equals one process (loss, the
+    gradients of the adapters this rank holds, clipped norm, two AdamW steps on the adapters); the
+    base gets no gradient."""
     from helpers import full, make_batch, rows_of_this_rank
+    from parallel import ParallelConfig, build_mesh, parallelize
+
     def adapted_tiny():
         return adapted(tiny(family))
+
     reference = adapted_tiny()
     data = make_batch(vocab=reference.config.vocab_size)
-    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+    ref_opt = torch.optim.AdamW(
+        [p for p in reference.parameters() if p.requires_grad], lr=1e-2, foreach=False
+    )
     cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
     mesh = build_mesh(cfg, "cpu", 8)
     pm = parallelize(adapted_tiny(), cfg, mesh)
-    optimizer = torch.optim.AdamW([p for p in pm.module.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+    optimizer = torch.optim.AdamW(
+        [p for p in pm.module.parameters() if p.requires_grad], lr=1e-2, foreach=False
+    )
     for step in range(3):
         ref_loss = reference(*data)
         ref_loss.backward()
@@ -445,26 +520,35 @@ def check_layout(family: str, layout: dict) -> None:
                     assert_close_to_scale(full(grads[name]), param.grad, what=f"grad {name}")
                 else:
                     assert grads[name] is None, name
-        norm = torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 0.05)
+        norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in reference.parameters() if p.requires_grad], 0.05
+        )
         assert_close_to_scale(pm.clip_grad_norm_(0.05), norm, what=f"step {step} norm")
         for opt in (ref_opt, optimizer):
             opt.step()
             opt.zero_grad()
 
 
-LAYOUTS = {"fsdp2": {"dp_shard": 2}, "ep2": {"ep": 2, "dp_shard": 1}, "pp2": {"pp": 2, "dp_shard": 1},
-           "cp2": {"cp": 2, "dp_shard": 1}}
+LAYOUTS = {
+    "fsdp2": {"dp_shard": 2},
+    "ep2": {"ep": 2, "dp_shard": 1},
+    "pp2": {"pp": 2, "dp_shard": 1},
+    "cp2": {"cp": 2, "dp_shard": 1},
+}
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_layouts_match_one_process(family, layout):
-    """FSDP 2, EP 2 (the expert adapters split with their experts), PP 2 and CP 2 on gloo, 3-8 s each."""
+    """FSDP 2, EP 2 (the expert adapters split with their experts), PP 2 and CP 2 on gloo, 3-8 s
+    each."""
     from helpers import spawn
+
     spawn(2, check_layout, family, layout)
 
 
 # ============================================================================= the base's identity
+
 
 def test_a_native_base_is_identified_by_its_listed_checksums(tmp_path, trained_once, monkeypatch):
     """A native base with checksums.json: its weight files' CRC-32s are read from the list, no
@@ -477,6 +561,7 @@ def test_a_native_base_is_identified_by_its_listed_checksums(tmp_path, trained_o
 
     def no_reading(file):
         raise AssertionError(f"read {file}")
+
     monkeypatch.setattr(lora, "crc32_of", no_reading)
     assert lora.weights_sha256(base) == hashlib.sha256(expected.encode()).hexdigest()
 
@@ -492,6 +577,7 @@ def test_a_published_base_is_identified_by_its_content(tmp_path, trained_once):
         files = sorted(base.glob("*.safetensors"))
         sums = [[f.name, f.stat().st_size, zlib.crc32(f.read_bytes())] for f in files]
         return hashlib.sha256(json.dumps(sums).encode()).hexdigest()
+
     before = lora.weights_sha256(base)
     assert before == digest()
     shard = sorted(base.glob("*.safetensors"))[-1]
@@ -504,8 +590,10 @@ def test_a_published_base_is_identified_by_its_content(tmp_path, trained_once):
 
 # ============================================================================= export
 
+
 def peft_delta(lora_a, lora_b, num_experts, scale):
-    """peft's ParamWrapper update of fused experts [E, out, in], from its own reshapes, written out."""
+    """peft's ParamWrapper update of fused experts [E, out, in], from its own reshapes, written
+    out."""
     a = lora_a.reshape(num_experts, -1, lora_a.shape[-1])  # [E, r, in]
     b = lora_b.reshape(lora_b.shape[0], -1, num_experts)  # [out, r, E]
     return torch.einsum("ore,eri->eoi", b, a) * scale
@@ -513,37 +601,67 @@ def peft_delta(lora_a, lora_b, num_experts, scale):
 
 @only("flint")
 def test_peft_tensors_hold_the_same_updates():
-    """Each PEFT tensor pair, read as peft reads it, gives the native update (transposed, for transformers'
-    [E, out, in] experts), under the published module names."""
+    """Each PEFT tensor pair, read as peft reads it, gives the native update (transposed, for
+    transformers' [E, out, in] experts), under the published module names."""
     from convert import published_table
+
     model = adapted(tiny("flint"))
     adapters = lora.adapter_state(model.state_dict())
     tensors = convert.peft_state(adapters, published_table(model.config))
     assert len(tensors) == len(adapters)
     prefix = "base_model.model.model.layers.2"
-    gate_up = peft_delta(tensors[f"{prefix}.mlp.experts.base_layer.lora_A.weight"],
-                         tensors[f"{prefix}.mlp.experts.base_layer.lora_B.weight"], 8, SCALE)
-    native = lora.delta_weight(adapters["layers.2.mlp.experts.gate_up_lora.A"],
-                               adapters["layers.2.mlp.experts.gate_up_lora.B"], SCALE)  # [E, H, 2*Im]
+    gate_up = peft_delta(
+        tensors[f"{prefix}.mlp.experts.base_layer.lora_A.weight"],
+        tensors[f"{prefix}.mlp.experts.base_layer.lora_B.weight"],
+        8,
+        SCALE,
+    )
+    native = lora.delta_weight(
+        adapters["layers.2.mlp.experts.gate_up_lora.A"],
+        # [E, H, 2*Im]
+        adapters["layers.2.mlp.experts.gate_up_lora.B"],
+        SCALE,
+    )
     assert_close_to_scale(gate_up, native.transpose(1, 2))
-    down = peft_delta(tensors[f"{prefix}.mlp.experts.lora_A.weight"], tensors[f"{prefix}.mlp.experts.lora_B.weight"],
-                      8, SCALE)
-    assert_close_to_scale(down, lora.delta_weight(adapters["layers.2.mlp.experts.down_lora.A"],
-                                                  adapters["layers.2.mlp.experts.down_lora.B"], SCALE).transpose(1, 2))
-    q = tensors[f"{prefix}.self_attn.q_proj.lora_B.weight"] @ tensors[f"{prefix}.self_attn.q_proj.lora_A.weight"]
-    assert_close_to_scale(SCALE * q, lora.delta_weight(adapters["layers.2.self_attn.q_proj.lora.A"],
-                                                       adapters["layers.2.self_attn.q_proj.lora.B"], SCALE))
+    down = peft_delta(
+        tensors[f"{prefix}.mlp.experts.lora_A.weight"],
+        tensors[f"{prefix}.mlp.experts.lora_B.weight"],
+        8,
+        SCALE,
+    )
+    assert_close_to_scale(
+        down,
+        lora.delta_weight(
+            adapters["layers.2.mlp.experts.down_lora.A"],
+            adapters["layers.2.mlp.experts.down_lora.B"],
+            SCALE,
+        ).transpose(1, 2),
+    )
+    q = (
+        tensors[f"{prefix}.self_attn.q_proj.lora_B.weight"]
+        @ tensors[f"{prefix}.self_attn.q_proj.lora_A.weight"]
+    )
+    assert_close_to_scale(
+        SCALE * q,
+        lora.delta_weight(
+            adapters["layers.2.self_attn.q_proj.lora.A"],
+            adapters["layers.2.self_attn.q_proj.lora.B"],
+            SCALE,
+        ),
+    )
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_convert_names_modules_as_the_fixture_checked_them(family):
-    """convert.py to-peft's module names (convert.transformers_module_name) are those the fixture's check gave
-    peft, under which it found every target in transformers' model."""
+    """convert.py to-peft's module names (convert.transformers_module_name) are those the fixture's
+    check gave peft, under which it found every target in transformers' model."""
     from make_lora_peft_fixture import transformers_module_name
+
     model = tiny(family)
     names = [name for name, _ in model.named_modules() if name]
-    assert [convert.transformers_module_name(model.config, name) for name in names] == \
-        [transformers_module_name(family, name) for name in names]
+    assert [convert.transformers_module_name(model.config, name) for name in names] == [
+        transformers_module_name(family, name) for name in names
+    ]
 
 
 # The cases of tests/make_lora_peft_fixture.py (family, [lora] settings, base_model_name_or_path).
@@ -551,12 +669,17 @@ PEFT_CASES = ["flint", "large4", "flint_linear", "large4_experts"]
 # What peft read back from each case's adapter_config.json, from the case's settings by hand: r,
 # lora_alpha, lora_dropout (flint_linear's 0.1 on Linear maps; large4_experts' 0.2 written as 0, as
 # peft refuses a dropout on target parameters) and the scaling lora_alpha / r: 16 / 8, 3 / 4, 4 / 8.
-PEFT_READ = {"flint": (8, 16.0, 0.0, [2.0]), "large4": (8, 16.0, 0.0, [2.0]),
-             "flint_linear": (4, 3.0, 0.1, [0.75]), "large4_experts": (8, 4.0, 0.0, [0.5])}
+PEFT_READ = {
+    "flint": (8, 16.0, 0.0, [2.0]),
+    "large4": (8, 16.0, 0.0, [2.0]),
+    "flint_linear": (4, 3.0, 0.1, [0.75]),
+    "large4_experts": (8, 4.0, 0.0, [0.5]),
+}
 
 
 def peft_case(case: str):
     from make_lora_peft_fixture import CASES
+
     return pytest.param(case, marks=only(CASES[case][0]))
 
 
@@ -568,8 +691,9 @@ def test_the_peft_directory_is_the_one_peft_loaded(case, tmp_path):
     Each option the directory carries reached peft: r, lora_alpha, lora_dropout and the scaling as
     peft read them, base_model_name_or_path where set, and as many adapted Linear maps and expert
     weights in peft's model as in the native one."""
-    from safetensors.torch import load_file
     from make_lora_peft_fixture import CASES, adapted_model, adapter_directory, inputs
+    from safetensors.torch import load_file
+
     family, settings, base_model = CASES[case]
     result = json.loads((FIXTURE / case / "result.json").read_text())
     assert result["peft_loads"] and result["merged_loads"] and not result["peft_key_warnings"]
@@ -587,14 +711,20 @@ def test_the_peft_directory_is_the_one_peft_loaded(case, tmp_path):
     adapter_directory(family, model, tmp_path / "adapter", settings, base_model)
     written = (tmp_path / "adapter" / "adapter_config.json").read_text()
     assert written == (FIXTURE / case / "adapter_config.json").read_text()
-    assert hashlib.sha256((tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()).hexdigest() == \
-        result["adapter_sha256"]
+    assert (
+        hashlib.sha256(
+            (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+        ).hexdigest()
+        == result["adapter_sha256"]
+    )
     expected = load_file(FIXTURE / case / "expected.safetensors")
     assert torch.equal(expected["input_ids"], inputs(family))
     with torch.no_grad():
         logits = model(expected["input_ids"])
     assert_close_to_scale(logits, expected["peft_logits"], rtol=1e-4, what="peft's logits")
-    assert_close_to_scale(logits, expected["merged_logits"], rtol=1e-4, what="the merged export's logits")
+    assert_close_to_scale(
+        logits, expected["merged_logits"], rtol=1e-4, what="the merged export's logits"
+    )
 
 
 @only("flint")
@@ -603,11 +733,17 @@ def test_the_linear_case_adapts_the_maps_its_targets_name():
     dense, 2 MoE): q_proj in each layer, the dense MLPs' down_proj and the shared expert's, not the
     routed experts (their down_proj is a parameter, not a module): 6 maps, as peft adapted."""
     from make_lora_peft_fixture import CASES, adapted_model
+
     family, settings, _ = CASES["flint_linear"]
     model = adapted_model(family, settings)
     adapted = {name for name, m in model.named_modules() if hasattr(m, "lora")}
-    assert adapted == {"layers.0.self_attn.q_proj", "layers.1.self_attn.q_proj",
-                       "layers.2.self_attn.q_proj", "layers.0.mlp.down_proj",
-                       "layers.1.mlp.down_proj", "layers.2.mlp.shared_expert.down_proj"}
+    assert adapted == {
+        "layers.0.self_attn.q_proj",
+        "layers.1.self_attn.q_proj",
+        "layers.2.self_attn.q_proj",
+        "layers.0.mlp.down_proj",
+        "layers.1.mlp.down_proj",
+        "layers.2.mlp.shared_expert.down_proj",
+    }
     result = json.loads((FIXTURE / "flint_linear" / "result.json").read_text())
     assert result["adapted_linear_maps"] == 6

@@ -8,10 +8,17 @@ import torch
 
 import tools.memory as memory
 from config import ConfigError
-from tools.memory import GIB, memory_per_gpu, memory_table
-from helpers import (ROOT, build, in_process_group, moe_layers, only, stops_with_one_line,
-                     tiny_config)
+from helpers import (
+    ROOT,
+    build,
+    in_process_group,
+    moe_layers,
+    only,
+    stops_with_one_line,
+    tiny_config,
+)
 from parallel import ParallelConfig, build_mesh, parallelize
+from tools.memory import GIB, memory_per_gpu, memory_table
 
 # Counted by hand for Flint (no frozen parameters) and its configs; Large 4's below.
 FLINT, LARGE4 = only("flint"), only("large4")
@@ -21,44 +28,65 @@ FLINT, LARGE4 = only("flint"), only("large4")
 def test_memory_table_counts_sharded_state_by_hand():
     config = tiny_config("flint")
     total = build(config).num_params()
-    row = memory_per_gpu(config, ParallelConfig(dp_shard=2, ep=2).resolve(4, 8), seq_len=16, batch_size=2)
+    row = memory_per_gpu(
+        config, ParallelConfig(dp_shard=2, ep=2).resolve(4, 8), seq_len=16, batch_size=2
+    )
     # every parameter is split 4 ways: experts over ep x dp_shard, the rest over dp_shard x ep
-    assert abs(row["params"] * GIB - 4 * total / 4) < 1 and abs(row["optimizer"] * GIB - 8 * total / 4) < 1
-    full_ac = memory_per_gpu(config, ParallelConfig(dp_shard=4, activation_checkpointing="full").resolve(4), 16, 2)
+    assert (
+        abs(row["params"] * GIB - 4 * total / 4) < 1
+        and abs(row["optimizer"] * GIB - 8 * total / 4) < 1
+    )
+    full_ac = memory_per_gpu(
+        config, ParallelConfig(dp_shard=4, activation_checkpointing="full").resolve(4), 16, 2
+    )
     no_ac = memory_per_gpu(config, ParallelConfig(dp_shard=4).resolve(4), 16, 2)
     assert full_ac["activations"] < no_ac["activations"]
-    assert "| mine: dp_shard=2 ep=2 ac=none |" in memory_table(config, [("mine", ParallelConfig(dp_shard=2, ep=2))], 16, 2)
+    assert "| mine: dp_shard=2 ep=2 ac=none |" in memory_table(
+        config, [("mine", ParallelConfig(dp_shard=2, ep=2))], 16, 2
+    )
 
 
 @FLINT
 def test_experts_states_are_sharded_over_ep_dp_shard_and_cp():
-    """4 GPUs as ep 2 x cp 2 (dp_shard 1): the routed experts split over ep and FSDP-sharded over dp_shard x cp
-    (parallel.build_mesh's efsdp), the rest over dp_shard x ep x cp: every trainable parameter's FP32 weight,
-    gradient and two moments 4 ways."""
+    """4 GPUs as ep 2 x cp 2 (dp_shard 1): the routed experts split over ep and FSDP-sharded over
+    dp_shard x cp (parallel.build_mesh's efsdp), the rest over dp_shard x ep x cp: every trainable
+    parameter's FP32 weight, gradient and two moments 4 ways."""
     config = tiny_config("flint")
     total = build(config).num_params()
-    row = memory_per_gpu(config, ParallelConfig(ep=2, cp=2, dp_shard=1).resolve(4, 8), seq_len=16, batch_size=2)
-    assert row["params"] * GIB == pytest.approx(4 * total / 4) and row["grads"] * GIB == pytest.approx(4 * total / 4)
+    row = memory_per_gpu(
+        config, ParallelConfig(ep=2, cp=2, dp_shard=1).resolve(4, 8), seq_len=16, batch_size=2
+    )
+    assert row["params"] * GIB == pytest.approx(4 * total / 4) and row[
+        "grads"
+    ] * GIB == pytest.approx(4 * total / 4)
     assert row["optimizer"] * GIB == pytest.approx(8 * total / 4)
 
 
 def test_microbatches_each_schedule_holds_in_flight():
-    """At a stage's peak: GPipe all of a call's micro-batches (pp_microbatches x grad_accum / calls), 1F1B,
-    Interleaved1F1B and ZBVZeroBubble pp, DualPipeV pp + 1; no pipeline, one."""
+    """At a stage's peak: GPipe all of a call's micro-batches (pp_microbatches x grad_accum /
+    calls), 1F1B, Interleaved1F1B and ZBVZeroBubble pp, DualPipeV pp + 1; no pipeline, one."""
+
     def held(schedule, pp=4, stages=0, microbatches=8, grad_accum=2, calls=1):
-        cfg = ParallelConfig(pp=pp, pp_schedule=schedule, pp_stages_per_rank=stages, pp_microbatches=microbatches)
+        cfg = ParallelConfig(
+            pp=pp, pp_schedule=schedule, pp_stages_per_rank=stages, pp_microbatches=microbatches
+        )
         return memory.microbatches_in_flight(cfg, grad_accum, calls)
+
     assert held("GPipe") == 16 and held("GPipe", calls=2) == 8
-    assert held("1F1B") == 4 and held("Interleaved1F1B", stages=2) == 4 and held("ZBVZeroBubble", stages=2) == 4
+    assert (
+        held("1F1B") == 4
+        and held("Interleaved1F1B", stages=2) == 4
+        and held("ZBVZeroBubble", stages=2) == 4
+    )
     assert held("DualPipeV", stages=2) == 5 and held("DualPipeV", pp=2, stages=2) == 3
     assert memory.microbatches_in_flight(ParallelConfig(), 4) == 1
 
 
 @FLINT
 def test_dualpipev_activations_by_hand():
-    """pp 2 under DualPipeV (2 stages per rank, 4 micro-batches of one row each): the busiest rank holds
-    pp + 1 = 3 micro-batches' activations of its half of the blocks, no checkpointing,
-    plus two FP32 chunks of logits and the unsharded FP32 head gradient."""
+    """pp 2 under DualPipeV (2 stages per rank, 4 micro-batches of one row each): the busiest rank
+    holds pp + 1 = 3 micro-batches' activations of its half of the blocks, no checkpointing, plus
+    two FP32 chunks of logits and the unsharded FP32 head gradient."""
     config = tiny_config("flint")
     layout = ParallelConfig(pp=2, dp_shard=2, pp_schedule="DualPipeV", pp_microbatches=4).resolve(4)
     row = memory_per_gpu(config, layout, seq_len=16, batch_size=4)
@@ -73,6 +101,7 @@ def test_lora_counts_the_frozen_base_without_gradients_or_optimizer_states():
     """Under [lora] the base keeps its FP32 weights, split 4 ways like everything else, and only the
     adapters have gradients and AdamW moments."""
     from lora import LoraConfig, apply_lora
+
     config = tiny_config("flint")
     lora = LoraConfig(rank=8, targets=["all"])
     model = build(config)
@@ -87,82 +116,141 @@ def test_lora_counts_the_frozen_base_without_gradients_or_optimizer_states():
 
 @FLINT
 def test_offload_moves_the_sharded_states_to_host_memory():
-    """[parallel] offload: weights, gradients and AdamW states (16 B per trainable parameter's shard)
-    leave the GPU's total for `host`; what FSDP gathers and the activations stay."""
+    """[parallel] offload: weights, gradients and AdamW states (16 B per trainable parameter's
+    shard) leave the GPU's total for `host`; what FSDP gathers and the activations stay."""
     config = tiny_config("flint")
     on_gpu = memory_per_gpu(config, ParallelConfig(dp_shard=4).resolve(4), 16, 2)
     offloaded = memory_per_gpu(config, ParallelConfig(dp_shard=4, offload=True).resolve(4), 16, 2)
     states = on_gpu["params"] + on_gpu["grads"] + on_gpu["optimizer"]
     assert offloaded["host"] == pytest.approx(states) and on_gpu["host"] == 0
     assert offloaded["total"] == pytest.approx(offloaded["gathered"] + offloaded["activations"])
-    assert (offloaded["gathered"], offloaded["activations"]) == (on_gpu["gathered"], on_gpu["activations"])
+    assert (offloaded["gathered"], offloaded["activations"]) == (
+        on_gpu["gathered"],
+        on_gpu["activations"],
+    )
 
 
 @FLINT
 def test_activations_and_gradients_peak_together_only_under_accumulation_or_a_pipeline():
-    """One micro-batch: the peak is at the head (activations, no block gradient yet) or at the end of the
-    backward (every gradient, the last block's recompute), whichever is larger; otherwise their sum."""
+    """One micro-batch: the peak is at the head (activations, no block gradient yet) or at the end
+    of the backward (every gradient, the last block's recompute), whichever is larger; otherwise
+    their sum."""
     config = tiny_config("flint")
-    layout = ParallelConfig(dp_shard=4, activation_checkpointing="full", accumulation="sync_each").resolve(4)
+    layout = ParallelConfig(
+        dp_shard=4, activation_checkpointing="full", accumulation="sync_each"
+    ).resolve(4)
     one = memory_per_gpu(config, layout, 16, 2)
     accumulating = memory_per_gpu(config, layout, 16, 2, grad_accum=2)
     columns = ("params", "grads", "optimizer", "gathered", "activations")
     assert accumulating["held grads"] == 0 == one["held grads"]
     assert accumulating["total"] == pytest.approx(sum(accumulating[c] for c in columns))
-    assert one["params"] + one["optimizer"] + one["gathered"] + max(one["activations"], one["grads"]) <= one["total"]
+    assert (
+        one["params"] + one["optimizer"] + one["gathered"] + max(one["activations"], one["grads"])
+        <= one["total"]
+    )
     assert one["total"] < accumulating["total"]
 
 
 @FLINT
 def test_what_each_accumulation_holds_counted_by_hand():
-    """Flint's tiny model (255,696 parameters, all trainable) on 4 FSDP ranks, 2 micro-batches: sync_last holds
-    every unsharded FP32 gradient (4 B each) instead of the sharded ones through the step; gathered holds as
-    well every weight gathered, in BF16 (2 B) but the head, the sinks and the routers (FP32 units, 4 B); with
-    ep 2 a rank holds half of the experts. auto: gathered when both fit 25 % of the GPU, sync_last when the
-    gradients do."""
+    """Flint's tiny model (255,696 parameters, all trainable) on 4 FSDP ranks, 2 micro-batches:
+    sync_last holds every unsharded FP32 gradient (4 B each) instead of the sharded ones through the
+    step; gathered holds as well every weight gathered, in BF16 (2 B) but the head, the sinks and
+    the routers (FP32 units, 4 B); with ep 2 a rank holds half of the experts. auto: gathered when
+    both fit 25 % of the GPU, sync_last when the gradients do."""
     config = tiny_config("flint")
     total = 255_696
-    experts = len(moe_layers(config)) * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
-    fp32 = (config.vocab_size * config.hidden_size + config.num_hidden_layers * config.num_attention_heads
-            + len(moe_layers(config)) * config.num_experts * config.hidden_size)
+    experts = (
+        len(moe_layers(config))
+        * config.num_experts
+        * 3
+        * config.hidden_size
+        * config.moe_intermediate_size
+    )
+    fp32 = (
+        config.vocab_size * config.hidden_size
+        + config.num_hidden_layers * config.num_attention_heads
+        + len(moe_layers(config)) * config.num_experts * config.hidden_size
+    )
     assert build(config).num_params() == total
-    rows = {mode: memory_per_gpu(config, ParallelConfig(dp_shard=4, accumulation=mode).resolve(4), 16, 2, grad_accum=2)
-            for mode in ("sync_each", "sync_last", "gathered")}
+    rows = {
+        mode: memory_per_gpu(
+            config, ParallelConfig(dp_shard=4, accumulation=mode).resolve(4), 16, 2, grad_accum=2
+        )
+        for mode in ("sync_each", "sync_last", "gathered")
+    }
     each, last, gathered = rows["sync_each"], rows["sync_last"], rows["gathered"]
-    assert (each["held grads"], last["held grads"], gathered["held grads"]) == (0, 4 * total / GIB, 4 * total / GIB)
-    assert last["gathered"] == each["gathered"] and gathered["gathered"] * GIB == 2 * (total - fp32) + 4 * fp32
+    assert (each["held grads"], last["held grads"], gathered["held grads"]) == (
+        0,
+        4 * total / GIB,
+        4 * total / GIB,
+    )
+    assert (
+        last["gathered"] == each["gathered"]
+        and gathered["gathered"] * GIB == 2 * (total - fp32) + 4 * fp32
+    )
     for row in rows.values():
         assert row["grads"] * GIB == pytest.approx(4 * total / 4)
     fixed = ("params", "optimizer", "activations")
     assert each["total"] == pytest.approx(sum(each[c] for c in (*fixed, "grads", "gathered")))
-    for row in (last, gathered):  # the sharded gradients come only as the last backward frees the unsharded ones
-        assert row["total"] == pytest.approx(sum(row[c] for c in (*fixed, "held grads", "gathered")))
-    one = memory_per_gpu(config, ParallelConfig(dp_shard=4, accumulation="gathered").resolve(4), 16, 2)
-    assert one == memory_per_gpu(config, ParallelConfig(dp_shard=4, accumulation="sync_each").resolve(4), 16, 2)
+    # the sharded gradients come only as the last backward frees the unsharded ones
+    for row in (last, gathered):
+        assert row["total"] == pytest.approx(
+            sum(row[c] for c in (*fixed, "held grads", "gathered"))
+        )
+    one = memory_per_gpu(
+        config, ParallelConfig(dp_shard=4, accumulation="gathered").resolve(4), 16, 2
+    )
+    assert one == memory_per_gpu(
+        config, ParallelConfig(dp_shard=4, accumulation="sync_each").resolve(4), 16, 2
+    )
     assert one["held grads"] == 0  # one micro-batch: every mode is sync_each
-    half = memory_per_gpu(config, ParallelConfig(dp_shard=2, ep=2, accumulation="sync_last").resolve(4, 8), 16, 2, 2)
+    half = memory_per_gpu(
+        config, ParallelConfig(dp_shard=2, ep=2, accumulation="sync_last").resolve(4, 8), 16, 2, 2
+    )
     assert half["held grads"] * GIB == 4 * (total - experts / 2)
     gradients, weights = 4 * total, 2 * (total - fp32) + 4 * fp32
     auto = ParallelConfig(dp_shard=4).resolve(4)
     assert memory.accumulation_of(config, auto, 4 * (gradients + weights) / GIB) == "gathered"
-    assert memory.accumulation_of(config, auto, 4 * (gradients + weights) / GIB * 0.99) == "sync_last"
+    assert (
+        memory.accumulation_of(config, auto, 4 * (gradients + weights) / GIB * 0.99) == "sync_last"
+    )
     assert memory.accumulation_of(config, auto, 4 * gradients / GIB * 0.99) == "sync_each"
-    assert memory_per_gpu(config, auto, 16, 2, grad_accum=2, gpu_gib=4 * gradients / GIB)["held grads"] > 0
-    assert memory_per_gpu(config, auto, 16, 2, grad_accum=2, gpu_gib=4 * gradients / GIB * 0.99)["held grads"] == 0
+    assert (
+        memory_per_gpu(config, auto, 16, 2, grad_accum=2, gpu_gib=4 * gradients / GIB)["held grads"]
+        > 0
+    )
+    assert (
+        memory_per_gpu(config, auto, 16, 2, grad_accum=2, gpu_gib=4 * gradients / GIB * 0.99)[
+            "held grads"
+        ]
+        == 0
+    )
 
 
 @FLINT
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
 def test_a_pipeline_holds_its_stages_gradients_and_weights_through_each_call(schedule):
-    """Under pp torch's stages hold their unsharded gradients, and (reshard_after_forward off) their gathered
-    weights, through each schedule call, in every mode; sync_each calls it once per micro-batch, so the
-    sharded gradients of the earlier calls are there too; sync_last calls it once for the step, which under
-    GPipe holds the activations of twice the micro-batches (grad_accum 2)."""
+    """Under pp torch's stages hold their unsharded gradients, and (reshard_after_forward off) their
+    gathered weights, through each schedule call, in every mode; sync_each calls it once per
+    micro-batch, so the sharded gradients of the earlier calls are there too; sync_last calls it
+    once for the step, which under GPipe holds the activations of twice the micro-batches
+    (grad_accum 2)."""
     config = tiny_config("flint")
-    rows = {mode: memory_per_gpu(config, ParallelConfig(pp=2, dp_shard=2, pp_schedule=schedule, accumulation=mode)
-                                 .resolve(4), 16, 2, grad_accum=2) for mode in ("sync_each", "sync_last")}
+    rows = {
+        mode: memory_per_gpu(
+            config,
+            ParallelConfig(pp=2, dp_shard=2, pp_schedule=schedule, accumulation=mode).resolve(4),
+            16,
+            2,
+            grad_accum=2,
+        )
+        for mode in ("sync_each", "sync_last")
+    }
     each, last = rows["sync_each"], rows["sync_last"]
-    gradients, weights = memory.accumulation_bytes(config, ParallelConfig(pp=2, dp_shard=2).resolve(4))
+    gradients, weights = memory.accumulation_bytes(
+        config, ParallelConfig(pp=2, dp_shard=2).resolve(4)
+    )
     for row in rows.values():
         assert (row["held grads"] * GIB, row["gathered"] * GIB) == (gradients, weights)
     columns = ("params", "optimizer", "held grads", "gathered", "activations")
@@ -173,14 +261,19 @@ def test_a_pipeline_holds_its_stages_gradients_and_weights_through_each_call(sch
 
 @FLINT
 def test_memory_counts_what_accumulation_holds_as_parallel_does():
-    """tools/memory.py resolves "auto" from the bytes parallel.py's ParallelModel.accumulation_bytes counts on the
-    FSDP units it made: the same bytes, for a one-rank BF16 layout."""
+    """tools/memory.py resolves "auto" from the bytes parallel.py's ParallelModel.accumulation_bytes
+    counts on the FSDP units it made: the same bytes, for a one-rank BF16 layout."""
     config = tiny_config("flint")
 
     def counted():
         cfg = ParallelConfig(param_dtype="bfloat16")
-        return parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts)).accumulation_bytes()
-    assert in_process_group(counted) == memory.accumulation_bytes(config, ParallelConfig().resolve(1))
+        return parallelize(
+            build(config), cfg, build_mesh(cfg, "cpu", config.num_experts)
+        ).accumulation_bytes()
+
+    assert in_process_group(counted) == memory.accumulation_bytes(
+        config, ParallelConfig().resolve(1)
+    )
 
 
 @FLINT
@@ -188,8 +281,19 @@ def test_command_prints_the_released_layouts_labelled(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     memory.main(["--config", "configs/flint-8gpu.toml", "--gpus", "8"])
     out = capsys.readouterr().out
-    assert "| config flint-8gpu.toml: dp_shard=2 ep=4 ac=full |" in out and "| candidate: dp_shard=8 ac=none |" in out
-    memory.main(["--config", "configs/flint-8gpu.toml", "--parallel.ep=4", "--parallel.dp_shard=2", "--data.seq_len=8192"])
+    assert (
+        "| config flint-8gpu.toml: dp_shard=2 ep=4 ac=full |" in out
+        and "| candidate: dp_shard=8 ac=none |" in out
+    )
+    memory.main(
+        [
+            "--config",
+            "configs/flint-8gpu.toml",
+            "--parallel.ep=4",
+            "--parallel.dp_shard=2",
+            "--data.seq_len=8192",
+        ]
+    )
     out = capsys.readouterr().out
     assert "seq_len 8192" in out and "| config flint-8gpu.toml: dp_shard=2 ep=4 ac=full |" in out
 
@@ -197,47 +301,93 @@ def test_command_prints_the_released_layouts_labelled(capsys, monkeypatch):
 @FLINT
 def test_command_errors_are_one_line(monkeypatch):
     monkeypatch.chdir(ROOT)
-    for args, message in ((["--gpus", "7"], r"configs/flint-8gpu.toml on --gpus 7: \[parallel\] pp \* dp_replicate"),
-                          (["--parallel.ep=3"], r"command line --parallel.ep: \[parallel\] ep = 3 must divide"),
-                          (["--model.preset=huge"], "unknown model preset 'huge'")):
+    for args, message in (
+        (
+            ["--gpus", "7"],
+            r"configs/flint-8gpu.toml on --gpus 7: \[parallel\] pp "
+            r"\* dp_replicate",
+        ),
+        (
+            ["--parallel.ep=3"],
+            r"command line --parallel.ep: \[parallel\] ep = 3 "
+            r"must divide",
+        ),
+        (["--model.preset=huge"], "unknown model preset 'huge'"),
+    ):
         with pytest.raises(ConfigError, match=message):
             memory.main(["--config", "configs/flint-8gpu.toml", *args])
-    result = subprocess.run([sys.executable, "-m", "tools.memory", "--config", "configs/flint-8gpu.toml", "--gpus", "7"],
-                            cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 1 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.memory",
+            "--config",
+            "configs/flint-8gpu.toml",
+            "--gpus",
+            "7",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        result.returncode == 1
+        and result.stderr.startswith("error: ")
+        and "Traceback" not in result.stderr
+    )
 
 
 @LARGE4
 def test_large4_released_layouts_and_what_fits():
-    """configs/large4-256gpu.toml: 16 B per trainable parameter and 4 per frozen (indexer) one over 256
-    GPUs (LARGE4.md section 6.1: 16.78 TB), and the fit marks for 141 GB and 80 GB GPUs."""
+    """configs/large4-256gpu.toml: 16 B per trainable parameter and 4 per frozen (indexer) one over
+    256 GPUs (LARGE4.md section 6.1: 16.78 TB), and the fit marks for 141 GB and 80 GB GPUs."""
     from config import load_config
+
     cfg = load_config(ROOT / "configs" / "large4-256gpu.toml")
     config, layout = cfg.model_config, cfg.parallel.resolve(256, 128)
     assert (layout.dp_shard, layout.ep, layout.activation_checkpointing) == (8, 32, "full")
     row = memory_per_gpu(config, layout, cfg.data.seq_len, cfg.training.batch_size)
     states = (row["params"] + row["grads"] + row["optimizer"]) * GIB * 256
     assert abs(states / 16.78e12 - 1) < 0.005, states
-    table = memory_table(config, [("config", layout), ("candidate", ParallelConfig(dp_shard=256).resolve(256, 128))], cfg.data.seq_len,
-                         cfg.training.batch_size).splitlines()
+    table = memory_table(
+        config,
+        [("config", layout), ("candidate", ParallelConfig(dp_shard=256).resolve(256, 128))],
+        cfg.data.seq_len,
+        cfg.training.batch_size,
+    ).splitlines()
     assert table[1].endswith("| total | fits 141GB | fits 80GB |")
-    assert table[3].startswith("| config: dp_shard=8 ep=32 ac=full |") and table[3].endswith("| yes | NO |")
-    assert table[4].startswith("| candidate: dp_shard=256 ac=none |") and table[4].endswith("| NO | NO |")
+    assert table[3].startswith("| config: dp_shard=8 ep=32 ac=full |") and table[3].endswith(
+        "| yes | NO |"
+    )
+    assert table[4].startswith("| candidate: dp_shard=256 ac=none |") and table[4].endswith(
+        "| NO | NO |"
+    )
 
 
 @LARGE4
 @pytest.mark.parametrize("index_topk", [128, 32])
 def test_large4_activation_model_within_20_percent_of_measured(index_topk):
-    """The per-block activation model (tools/memory.py, large4.block_activation_bytes) against the bytes the
-    autograd graph of a tiny BF16 Large 4 really saves for backward (its 8 blocks, 4 x 128 tokens;
-    dense selection, then a sparse one), counted once per storage, parameters excluded."""
-    from large4 import Visibility
-    from large4 import Large4Config, build_large4
+    """The per-block activation model (tools/memory.py, large4.block_activation_bytes) against the
+    bytes the autograd graph of a tiny BF16 Large 4 really saves for backward (its 8 blocks, 4 x 128
+    tokens; dense selection, then a sparse one), counted once per storage, parameters excluded."""
+    from large4 import Large4Config, Visibility, build_large4
     from tools.memory import activation_bytes_per_token
-    config = Large4Config.from_name("large4-tiny", hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                                    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
-                                    n_routed_experts=8, index_head_dim=32, index_topk=index_topk,
-                                    attention_backend="sdpa")  # the CPU's path, dense FP32 score rows
+
+    config = Large4Config.from_name(
+        "large4-tiny",
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        n_routed_experts=8,
+        index_head_dim=32,
+        index_topk=index_topk,
+        # the CPU's path, dense FP32 score rows
+        attention_backend="sdpa",
+    )
     batch, seq_len = 4, 128
     model = build_large4(config, dtype=torch.bfloat16)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -248,12 +398,19 @@ def test_large4_activation_model_within_20_percent_of_measured(index_topk):
         if storage.data_ptr() not in params:
             saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
         return tensor
-    ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+
+    ids = torch.randint(
+        0, config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0)
+    )
     positions = torch.arange(seq_len).expand(batch, seq_len)
     visible = Visibility(None, batch, seq_len, seq_len, ids.device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model.run_layers(model.embed_tokens(ids), positions, visible)
-    estimate = activation_bytes_per_token(config, config.num_hidden_layers, "none", seq_len) * batch * seq_len
+    estimate = (
+        activation_bytes_per_token(config, config.num_hidden_layers, "none", seq_len)
+        * batch
+        * seq_len
+    )
     assert 0.8 < estimate / sum(saved.values()) < 1.2, (estimate, sum(saved.values()))
 
 

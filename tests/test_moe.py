@@ -1,4 +1,5 @@
-"""moe.py: grouped experts equal the per-expert loop and the plain reference, values and gradients."""
+"""moe.py: grouped experts equal the per-expert loop and the plain reference, values and
+gradients."""
 
 import pytest
 import torch
@@ -6,10 +7,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import assert_close_to_scale, only, shard_experts, spawn
 from moe import MoE, balanced_counts, set_balanced_routing, sort_by_expert
 from parallel import close_distributed
 from reference import reference_moe
-from helpers import assert_close_to_scale, only, shard_experts, spawn
 
 HIDDEN, INTER, SHARED, EXPERTS, TOP_K = 16, 8, 12, 6, 2
 
@@ -66,7 +67,8 @@ def test_every_token_picks_the_same_experts():
     assert_close_to_scale(dx_g, dx_l, rtol=1e-5)
     for name in g_g:
         assert_close_to_scale(g_g[name], g_l[name], rtol=1e-5, what=name)
-    assert g_g["experts.gate_up_proj"][0].abs().max() == 0  # an expert with no tokens gets no gradient
+    # an expert with no tokens gets no gradient
+    assert g_g["experts.gate_up_proj"][0].abs().max() == 0
 
 
 def test_grouped_backward_gathers_and_never_scatter_adds():
@@ -88,7 +90,14 @@ def test_grouped_backward_gathers_and_never_scatter_adds():
     with OpNames() as ops:
         y.sum().backward()
     assert "index_select" in ops.names
-    assert not ops.names & {"index_add", "index_add_", "scatter_add", "scatter_add_", "index_put", "index_put_"}
+    assert not ops.names & {
+        "index_add",
+        "index_add_",
+        "scatter_add",
+        "scatter_add_",
+        "index_put",
+        "index_put_",
+    }
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
@@ -96,9 +105,12 @@ def test_moe_matches_reference(norm_topk_prob):
     moe = make_moe(norm_topk_prob=norm_topk_prob)
     x = routing_cases()["random"].reshape(-1, HIDDEN)
     shared = moe.shared_expert
-    expected = reference_moe(x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj,
-                             TOP_K, norm_topk_prob)
-    expected = expected + shared.down_proj(torch.nn.functional.silu(shared.gate_proj(x)) * shared.up_proj(x))
+    expected = reference_moe(
+        x, moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj, TOP_K, norm_topk_prob
+    )
+    expected = expected + shared.down_proj(
+        torch.nn.functional.silu(shared.gate_proj(x)) * shared.up_proj(x)
+    )
     assert_close_to_scale(moe(x), expected, rtol=1e-5)
 
 
@@ -119,7 +131,8 @@ def test_router_statistics_count_tokens():
     assert moe.router.weight.dtype == torch.float32
 
 
-# ----------------------------------------------------------------------------- forced balance, expert parallel
+# ------------------------------------------------------------------ forced balance, expert parallel
+
 
 def balanced_reference(x, router_w, gate_up, down, top_k, norm_topk_prob):
     """Forced balance by hand: the j-th choice of token n is expert (n * k + j) mod E, weighed by
@@ -142,15 +155,28 @@ def balanced_reference(x, router_w, gate_up, down, top_k, norm_topk_prob):
 def test_forced_balance_routes_round_robin_by_the_real_scores(norm_topk_prob):
     moe = make_moe(norm_topk_prob=norm_topk_prob)
     set_balanced_routing(moe, True)
-    x = routing_cases()["random"].reshape(-1, HIDDEN)  # 18 tokens x 2 choices over 6 experts: 6 each
+    # 18 tokens x 2 choices over 6 experts: 6 each
+    x = routing_cases()["random"].reshape(-1, HIDDEN)
     y, dx, grads = run(moe, x)
-    assert moe.router.tokens_per_expert.tolist() == [6] * EXPERTS == balanced_counts(18 * TOP_K, EXPERTS)
+    assert (
+        moe.router.tokens_per_expert.tolist()
+        == [6] * EXPERTS
+        == balanced_counts(18 * TOP_K, EXPERTS)
+    )
     reference = make_moe(norm_topk_prob=norm_topk_prob)
     params = dict(reference.named_parameters())
     x_ref = x.clone().requires_grad_()
-    expected = balanced_reference(x_ref, params["router.weight"], params["experts.gate_up_proj"],
-                                  params["experts.down_proj"], TOP_K, norm_topk_prob) + reference.shared_expert(x_ref)
-    expected.backward(torch.ones_like(expected) + torch.arange(expected.numel()).view_as(expected) * 1e-3)
+    expected = balanced_reference(
+        x_ref,
+        params["router.weight"],
+        params["experts.gate_up_proj"],
+        params["experts.down_proj"],
+        TOP_K,
+        norm_topk_prob,
+    ) + reference.shared_expert(x_ref)
+    expected.backward(
+        torch.ones_like(expected) + torch.arange(expected.numel()).view_as(expected) * 1e-3
+    )
     assert_close_to_scale(y, expected.detach(), rtol=1e-5)
     assert_close_to_scale(dx, x_ref.grad, rtol=1e-5)
     for name, param in params.items():
@@ -169,6 +195,7 @@ def test_forced_balance_reads_nothing_from_the_device_under_expert_parallelism()
     forward and backward of an expert-parallel layer pass under forced balance, and fail without."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         with FakeTensorMode():
@@ -186,7 +213,9 @@ def test_forced_balance_reads_nothing_from_the_device_under_expert_parallelism()
 
 def check_forced_balance_on_two_ranks(norm_topk_prob: bool) -> None:
     rank = dist.get_rank()
-    inputs = [torch.randn(2, 9, HIDDEN, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    inputs = [
+        torch.randn(2, 9, HIDDEN, generator=torch.Generator().manual_seed(r)) for r in range(2)
+    ]
     references = [make_moe(norm_topk_prob=norm_topk_prob) for _ in inputs]
     expected = []
     for reference, x in zip(references, inputs):
@@ -200,7 +229,11 @@ def check_forced_balance_on_two_ranks(norm_topk_prob: bool) -> None:
     assert_close_to_scale(dx, dx_ref, rtol=1e-5)
     mine = slice(rank * EXPERTS // 2, (rank + 1) * EXPERTS // 2)
     for name, grad in grads.items():  # the experts' gradients gather both ranks' tokens
-        want = sum(g[name][mine] for _, _, g in expected) if name.startswith("experts.") else grads_ref[name]
+        want = (
+            sum(g[name][mine] for _, _, g in expected)
+            if name.startswith("experts.")
+            else grads_ref[name]
+        )
         assert_close_to_scale(grad, want, rtol=1e-5, what=name)
 
 
@@ -209,8 +242,11 @@ def check_compiled_routing_changes_without_recompiling() -> None:
     the exchanged rows' count is dynamic from the start, the split sizes are never guarded on."""
     rank, counters = dist.get_rank(), torch._dynamo.utils.counters
     eager, compiled = expert_parallel_moe(rank, ep=2), expert_parallel_moe(rank, ep=2)
-    # as parallel.apply_compile sets them: the split sizes, read inside the graph, are unbacked integers
-    torch._dynamo.config.capture_scalar_outputs = torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    # as parallel.apply_compile sets them: the split sizes, read inside the graph, are unbacked
+    # integers
+    torch._dynamo.config.capture_scalar_outputs = (
+        torch._dynamo.config.capture_dynamic_output_shape_ops
+    ) = True
     compiled.compile(backend="eager")
     loads, graphs = [], []
     for seed in range(3):
@@ -246,15 +282,21 @@ def test_routed_gives_the_output_and_what_the_router_losses_read():
 def test_a_recompute_reuses_its_forwards_splits_and_nothing_goes_stale():
     """Activation checkpointing recomputes an expert-parallel layer in backward (here ep = 1 in a
     group of one): the recompute copies nothing to the host (its forward's splits are reused), an
-    abandoned forward's splits die with its graph, and a recompute out of forward order is refused."""
+    abandoned forward's splits die with its graph, and a recompute out of forward order is
+    refused."""
     import gc
+
     from torch.distributed._composable import checkpoint
+
     from tools.profiling import HostSyncs
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         plain, recomputed = expert_parallel_moe(0, ep=1), expert_parallel_moe(0, ep=1)
         checkpoint(recomputed)
-        first, second = (torch.randn(2, 9, HIDDEN, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+        first, second = (
+            torch.randn(2, 9, HIDDEN, generator=torch.Generator().manual_seed(s)) for s in (1, 2)
+        )
         recomputed(first.requires_grad_())  # abandoned: its graph, and so its splits, are dropped
         gc.collect()
         assert not recomputed.experts.recompute_splits.entries
@@ -265,7 +307,10 @@ def test_a_recompute_reuses_its_forwards_splits_and_nothing_goes_stale():
         assert_close_to_scale(dx, dx_ref, rtol=1e-6)
         for name in grads:
             assert_close_to_scale(grads[name], grads_ref[name], rtol=1e-6, what=name)
-        early, late = recomputed(first.clone().requires_grad_()), recomputed(second.clone().requires_grad_())
+        early, late = (
+            recomputed(first.clone().requires_grad_()),
+            recomputed(second.clone().requires_grad_()),
+        )
         with pytest.raises(RuntimeError, match="a recompute routed differently from its forward"):
             late.sum().backward()  # recomputes `late` first, with `early`'s splits
         del early
@@ -273,7 +318,8 @@ def test_a_recompute_reuses_its_forwards_splits_and_nothing_goes_stale():
         close_distributed()
 
 
-# ----------------------------------------------------------------------------- rows to experts and back
+# ------------------------------------------------------------------------- rows to experts and back
+
 
 def plain_routed_moe(x, params, top_k, score_function, scaling):
     """Routed experts plus the shared expert, token by token, from the contract: the router's
@@ -285,7 +331,11 @@ def plain_routed_moe(x, params, top_k, score_function, scaling):
     logits = x @ params["router.weight"].T  # [N, E]
     rows = []
     for n in range(x.shape[0]):
-        scores = torch.softmax(logits[n], -1) if score_function == "softmax" else torch.sigmoid(logits[n])
+        scores = (
+            torch.softmax(logits[n], -1)
+            if score_function == "softmax"
+            else torch.sigmoid(logits[n])
+        )
         weights, experts = torch.topk(scores, top_k)
         if score_function == "softmax":
             weights = weights / (weights.sum() + 1e-20) * scaling
@@ -295,7 +345,9 @@ def plain_routed_moe(x, params, top_k, score_function, scaling):
         for weight, e in zip(weights, experts.tolist()):
             hidden = F.silu(x[n] @ gate_up[e, :, :im]) * (x[n] @ gate_up[e, :, im:])
             y = y + weight * (hidden @ down[e])
-        shared = F.silu(x[n] @ params["shared_expert.gate_proj.weight"].T) * (x[n] @ params["shared_expert.up_proj.weight"].T)
+        shared = F.silu(x[n] @ params["shared_expert.gate_proj.weight"].T) * (
+            x[n] @ params["shared_expert.up_proj.weight"].T
+        )
         rows.append(y + shared @ params["shared_expert.down_proj.weight"].T)
     return torch.stack(rows)
 
@@ -317,7 +369,9 @@ def test_weighting_before_the_down_projection_equals_the_plain_loop(score_functi
     the output after it. Flint's and Large 4's routers, unpadded and padded groups (as on CUDA),
     and experts that receive no token: values and every gradient equal a token-by-token loop."""
     torch.manual_seed(0)
-    moe = MoE(HIDDEN, INTER, SHARED, EXPERTS, TOP_K, True, score_function=score_function, scaling=2.5)
+    moe = MoE(
+        HIDDEN, INTER, SHARED, EXPERTS, TOP_K, True, score_function=score_function, scaling=2.5
+    )
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = routing_cases()["random"]
@@ -331,7 +385,9 @@ def test_weighting_before_the_down_projection_equals_the_plain_loop(score_functi
     params = {name: p.detach().clone().requires_grad_() for name, p in moe.named_parameters()}
     x_ref = x.reshape(-1, HIDDEN).clone().requires_grad_()
     expected = plain_routed_moe(x_ref, params, TOP_K, score_function, 2.5)
-    expected.backward((torch.ones_like(y) + torch.arange(y.numel()).view_as(y) * 1e-3).view_as(expected))
+    expected.backward(
+        (torch.ones_like(y) + torch.arange(y.numel()).view_as(y) * 1e-3).view_as(expected)
+    )
     assert_close_to_scale(y.view_as(expected), expected.detach(), rtol=1e-5)
     assert_close_to_scale(dx.view_as(x_ref), x_ref.grad, rtol=1e-5)
     for name, param in params.items():
@@ -342,19 +398,27 @@ def row_maps() -> dict:
     """RowMaps of each kind for 5 tokens x 2 choices over 4 experts (expert 3 chosen by nobody)."""
     from capacity import plan_capacity
     from moe import RowMap, expert_rows
+
     indices = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 1], [1, 0]])
     plan = plan_capacity(indices, num_experts=4, capacity=2)  # expert 2's third assignment drops
     kept = plan.slots < 8
-    capacity_map = RowMap(plan.sources, torch.where(kept, plan.slots, 0).view(5, 2), kept.view(5, 2), True)
-    return {"sorted": expert_rows(sort_by_expert(indices, 4, 1), 2),
-            "padded": expert_rows(sort_by_expert(indices, 4, 4), 2), "capacity": capacity_map}
+    capacity_map = RowMap(
+        plan.sources, torch.where(kept, plan.slots, 0).view(5, 2), kept.view(5, 2), True
+    )
+    return {
+        "sorted": expert_rows(sort_by_expert(indices, 4, 1), 2),
+        "padded": expert_rows(sort_by_expert(indices, 4, 4), 2),
+        "capacity": capacity_map,
+    }
 
 
 @pytest.mark.parametrize("kind", ["sorted", "padded", "capacity"])
 def test_dispatch_and_combine_are_each_others_transpose(kind):
-    """dispatch puts each token's row in the rows its assignments hold (zero rows elsewhere), combine
-    sums each token's rows over its kept choices, and each one's backward is exactly the other."""
+    """dispatch puts each token's row in the rows its assignments hold (zero rows elsewhere),
+    combine sums each token's rows over its kept choices, and each one's backward is exactly the
+    other."""
     from moe import combine, dispatch
+
     rows = row_maps()[kind]
     x = torch.randn(5, 3, requires_grad=True)
     out = torch.randn(rows.choice_of_row.numel(), 3, requires_grad=True)
@@ -404,7 +468,14 @@ def test_every_routed_path_gathers_in_backward(path):
         if path == "expert parallel":
             close_distributed()
     assert "index_select" in ops.names
-    assert not ops.names & {"index_add", "index_add_", "scatter_add", "scatter_add_", "index_put", "index_put_"}
+    assert not ops.names & {
+        "index_add",
+        "index_add_",
+        "scatter_add",
+        "scatter_add_",
+        "index_put",
+        "index_put_",
+    }
 
 
 def check_expert_parallel_padded_with_idle_experts() -> None:
@@ -412,14 +483,18 @@ def check_expert_parallel_padded_with_idle_experts() -> None:
     take every token, so each rank has idle local experts (empty padded groups); then every token
     goes to rank 0's experts 1 and 2, and rank 1 receives no row at all."""
     rank = dist.get_rank()
-    inputs = [torch.rand(2, 9, HIDDEN, generator=torch.Generator().manual_seed(r)) + 0.1 for r in range(2)]
+    inputs = [
+        torch.rand(2, 9, HIDDEN, generator=torch.Generator().manual_seed(r)) + 0.1 for r in range(2)
+    ]
     for favourites in ((4, 1), (1, 2)):
+
         def rigged(moe):
             with torch.no_grad():
                 moe.router.weight.zero_()
                 moe.router.weight[favourites[0]] = 0.5
                 moe.router.weight[favourites[1]] = 0.2
             return moe
+
         expected = [run(rigged(make_moe()), x) for x in inputs]
         moe = rigged(expert_parallel_moe(rank, ep=2))
         moe.experts.group_align = 8
@@ -428,17 +503,22 @@ def check_expert_parallel_padded_with_idle_experts() -> None:
         assert_close_to_scale(dx, expected[rank][1], rtol=1e-5)
         mine = slice(rank * EXPERTS // 2, (rank + 1) * EXPERTS // 2)
         for name, grad in grads.items():
-            want = (sum(g[name][mine] for _, _, g in expected) if name.startswith("experts.")
-                    else expected[rank][2][name])
+            want = (
+                sum(g[name][mine] for _, _, g in expected)
+                if name.startswith("experts.")
+                else expected[rank][2][name]
+            )
             assert_close_to_scale(grad, want, rtol=1e-5, what=name)
 
 
 def test_expert_parallel_with_padded_groups_and_idle_experts_equals_one_process():
     from helpers import spawn
+
     spawn(2, check_expert_parallel_padded_with_idle_experts)
 
 
-# ----------------------------------------------------------------------------- the overlapped expert exchange
+# ------------------------------------------------------------------- the overlapped expert exchange
+
 
 def rigged(moe: MoE, favourites: tuple[int, ...]) -> MoE:
     """Every (positive) token routes to the favourite experts, the first ones first."""
@@ -453,18 +533,26 @@ def check_overlapped_exchange_with_uneven_routing() -> None:
     """Rank 0 routes 18 tokens, rank 1 only 2: in 3 chunks, rank 1's last chunk is empty. Routed at
     random; to experts 4 and 1 (each rank's other experts idle, local groups padded to 8 rows as on
     CUDA); and to rank 0's experts 1 and 2 (rank 1 receives no row in any chunk). For every chunk
-    count, each rank's output, input gradient and every parameter gradient equal one process's
-    (the experts' summed over both ranks' tokens), and the overlapped runs equal the one-chunk run."""
+    count, each rank's output, input gradient and every parameter gradient equal one process's (the
+    experts' summed over both ranks' tokens), and the overlapped runs equal the one-chunk run."""
     rank = dist.get_rank()
-    inputs = [torch.rand(2, 9, HIDDEN, generator=torch.Generator().manual_seed(3)) + 0.1,
-              torch.rand(1, 2, HIDDEN, generator=torch.Generator().manual_seed(4)) + 0.1]
+    inputs = [
+        torch.rand(2, 9, HIDDEN, generator=torch.Generator().manual_seed(3)) + 0.1,
+        torch.rand(1, 2, HIDDEN, generator=torch.Generator().manual_seed(4)) + 0.1,
+    ]
     mine = slice(rank * EXPERTS // 2, (rank + 1) * EXPERTS // 2)
     for favourites in (None, (4, 1), (1, 2)):
+
         def layer(moe):
             return moe if favourites is None else rigged(moe, favourites)
+
         expected = [run(layer(make_moe()), x) for x in inputs]
-        want_grads = {name: sum(g[name][mine] for _, _, g in expected) if name.startswith("experts.")
-                      else expected[rank][2][name] for name in expected[rank][2]}
+        want_grads = {
+            name: sum(g[name][mine] for _, _, g in expected)
+            if name.startswith("experts.")
+            else expected[rank][2][name]
+            for name in expected[rank][2]
+        }
         runs = {}
         for chunks in (1, 2, 3):
             moe = layer(expert_parallel_moe(rank, ep=2, chunks=chunks))
@@ -488,8 +576,9 @@ def test_the_overlapped_exchange_equals_one_process_with_uneven_routing():
 
 
 class ScheduleLog(TorchDispatchMode):
-    """The order of what runs: S<rows> an all-to-all started (its input rows), W<rows> one waited for
-    (its rows), M a matmul (router, shared expert), G and g the grouped GEMMs and their weight gradients."""
+    """The order of what runs: S<rows> an all-to-all started (its input rows), W<rows> one waited
+    for (its rows), M a matmul (router, shared expert), G and g the grouped GEMMs and their weight
+    gradients."""
 
     def __init__(self):
         super().__init__()
@@ -511,23 +600,35 @@ def documented_schedule(sent: list[int], received: list[int]) -> tuple[list[str]
     for c in range(n):
         if c + 1 < n:
             forward += [f"S{sent[c + 1]}"] * 2  # start dispatch c+1 (rows, weights)
-        forward += [f"W{received[c]}"] * 2 + ["G", "G", f"S{received[c]}"]  # wait dispatch c, experts, combine c
+        # wait dispatch c, experts, combine c
+        forward += [f"W{received[c]}"] * 2 + ["G", "G", f"S{received[c]}"]
     forward += [f"W{sent[c]}" for c in range(n)]
     backward += [f"S{sent[c]}" for c in reversed(range(n))]  # the combines' gradients start
     for c in reversed(range(n)):
         backward += [f"W{received[c]}", "G", "g", "G", "g", f"S{received[c]}", f"S{received[c]}"]
         if c + 1 < n:
             backward += [f"W{sent[c + 1]}"] * 2  # dispatch c+1's gradients
-    return forward, backward + ["M"] * 6 + [f"W{sent[0]}"] * 2 + ["M", "M"]  # shared, dispatch 0, router
+    # shared, dispatch 0, router
+    return forward, backward + ["M"] * 6 + [f"W{sent[0]}"] * 2 + ["M", "M"]
 
 
 def check_the_schedule_is_the_documented_one() -> None:
     """Forced balance (so the rows of each chunk are known) over 2 ranks of 9 tokens, 6 experts,
     top 2: rank 0's chunks of 5 and 4 tokens send 10 and 8 rows and receive 12 and 6 (in 3 chunks:
     6 each way each). The events in forward and backward are the documented schedule's."""
+
     def received(tokens: range) -> int:  # both ranks send the same: rank 0 holds experts 0-2
-        return 2 * sum((token * TOP_K + choice) % EXPERTS < EXPERTS // 2 for token in tokens for choice in range(TOP_K))
-    chunked = {1: [range(0, 9)], 2: [range(0, 5), range(5, 9)], 3: [range(0, 3), range(3, 6), range(6, 9)]}
+        return 2 * sum(
+            (token * TOP_K + choice) % EXPERTS < EXPERTS // 2
+            for token in tokens
+            for choice in range(TOP_K)
+        )
+
+    chunked = {
+        1: [range(0, 9)],
+        2: [range(0, 5), range(5, 9)],
+        3: [range(0, 3), range(3, 6), range(6, 9)],
+    }
     for chunks, pieces in chunked.items():
         moe = expert_parallel_moe(dist.get_rank(), ep=2, chunks=chunks)
         set_balanced_routing(moe, True)
@@ -537,8 +638,14 @@ def check_the_schedule_is_the_documented_one() -> None:
         with ScheduleLog() as backward:
             y.sum().backward()
         if dist.get_rank() == 0:
-            expected = documented_schedule([TOP_K * len(piece) for piece in pieces], [received(p) for p in pieces])
-            assert (forward.events, backward.events) == expected, (chunks, forward.events, backward.events)
+            expected = documented_schedule(
+                [TOP_K * len(piece) for piece in pieces], [received(p) for p in pieces]
+            )
+            assert (forward.events, backward.events) == expected, (
+                chunks,
+                forward.events,
+                backward.events,
+            )
 
 
 def test_the_overlapped_exchange_runs_the_documented_schedule():
@@ -549,8 +656,15 @@ def check_parallelize_exchanges_in_ep_overlap_chunks() -> None:
     """[parallel] ep_overlap through parallelize: an evaluation forward of the layout model starts
     3 all-to-alls per chunk in each MoE layer (the rows, their routing weights, the outputs back:
     the count exchange is not one of them), so n chunks start 3 n."""
-    from helpers import DEFAULT_FAMILY, make_batch, moe_layers, parallel_block_model, rows_of_this_rank
+    from helpers import (
+        DEFAULT_FAMILY,
+        make_batch,
+        moe_layers,
+        parallel_block_model,
+        rows_of_this_rank,
+    )
     from parallel import ParallelConfig, build_mesh, parallelize
+
     for chunks in (1, 3):
         model = parallel_block_model(DEFAULT_FAMILY)
         layers = len(moe_layers(model.config))
@@ -574,6 +688,7 @@ def test_the_model_s_routers_take_norm_topk_prob_from_its_config():
     differ from 1 by up to 0.1 on these tokens."""
     from helpers import build, make_batch, tiny_config
     from moe import Router
+
     sums = {}
     for norm in (True, False):
         config = tiny_config("flint", norm_topk_prob=norm)

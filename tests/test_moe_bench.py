@@ -1,5 +1,5 @@
-"""tools/moe_bench.py: it times our MoE layer (and torchtitan's, where a venv holds it) and prints the
-table; speed is never asserted."""
+"""tools/moe_bench.py: it times our MoE layer (and torchtitan's, where a venv holds it) and prints
+the table; speed is never asserted."""
 
 import importlib.util
 
@@ -24,7 +24,9 @@ def test_the_benchmark_runs_and_prints_its_table(router, capsys, one_thread):
         assert "torchtitan: not importable here" in out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="needs torchtitan 0.3.0 (/work/refvenv)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None, reason="needs torchtitan 0.3.0 (/work/refvenv)"
+)
 def test_torchtitans_layer_with_our_weights_computes_ours(one_thread):
     """The weights copied across give torchtitan's layer our outputs and gradients (FP32)."""
     ours = moe_bench.build_ours("softmax", seed=0)

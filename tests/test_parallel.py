@@ -339,8 +339,8 @@ def dtypes_in_use(pm, batch) -> dict[str, set]:
     Weights and inputs are read in forward pre-hooks, which run after FSDP's own pre-hook has
     gathered the weights in their policy's dtype: after forward FSDP reshards them to the FP32
     master shards, so a forward (post) hook would see FP32 whatever the policy."""
+    from flint_model import DecoderLayer, Sinks
     from head import Head
-    from model import DecoderLayer, Sinks
     from moe import Router
 
     kinds = {Sinks: "sinks", Router: "router", Head: "head", torch.nn.Linear: "linear"}

@@ -1,5 +1,6 @@
-"""pipeline.py: a model's stages and the view of a rank's stages (the schedules run in test_parallel.py,
-for every family). The stages here are cut from Flint, whose layer count is free."""
+"""pipeline.py: a model's stages and the view of a rank's stages (the schedules run in
+test_parallel.py, for every family). The stages here are cut from Flint, whose layer count is
+free."""
 
 import pytest
 import torch
@@ -21,7 +22,11 @@ def test_stages_split_the_layers_contiguously_with_the_embedding_first_and_the_h
     stages = [pipeline_stage(model, s, 3) for s in range(3)]
     assert [list(stage.layers) for stage in stages] == [["0", "1"], ["2", "3"], ["4", "5", "6"]]
     assert [stage.embed_tokens is not None for stage in stages] == [True, False, False]
-    assert [stage.lm_head is not None and stage.norm is not None for stage in stages] == [False, False, True]
+    assert [stage.lm_head is not None and stage.norm is not None for stage in stages] == [
+        False,
+        False,
+        True,
+    ]
     assert len(model.layers) == 7  # the model itself is left whole
 
 
@@ -32,7 +37,8 @@ def test_a_rank_s_stages_keep_the_native_parameter_names():
     first, last = pipeline_stage(model, 0, 4), pipeline_stage(model, 3, 4)
     view = merged_view([first, last])  # a V placement: rank 0 of 2 holds stages 0 and 3
     assert {name for name, _ in view.named_parameters()} == {
-        n for n in names if not n.startswith(("layers.1.", "layers.2."))}
+        n for n in names if not n.startswith(("layers.1.", "layers.2."))
+    }
     assert merged_view([first]) is first
 
 
@@ -51,6 +57,7 @@ def stage_order(schedule: str) -> str:
     `schedule`: F for each forward, B for each backward through it, in the order they ran."""
     from helpers import make_batch, parallel_block_model, rows_of_this_rank
     from parallel import ParallelConfig, build_mesh, parallelize
+
     model = parallel_block_model("flint")
     cfg = ParallelConfig(pp=2, pp_microbatches=4, pp_schedule=schedule, param_dtype="float32")
     pm = parallelize(model, cfg, build_mesh(cfg, "cpu", model.config.num_experts))
@@ -59,6 +66,7 @@ def stage_order(schedule: str) -> str:
     def forward_then_backward(module, args, out):
         events.append("F")
         out.register_hook(lambda grad: events.append("B"))
+
     for part in pm.parts:
         for layer in part.layers.values():
             layer.register_forward_hook(forward_then_backward)
@@ -71,6 +79,7 @@ def check_the_schedule_runs_pp_microbatches(microbatches: int) -> None:
     stage; GPipe runs every forward before any backward, 1F1B starts backwards before its last
     forward."""
     from helpers import parallel_step
+
     calls = parallel_step("flint", {"pp": 2, "pp_microbatches": microbatches}, False)[3]
     assert list(calls.values()) == [[microbatches, 0]], calls
     assert stage_order("GPipe") == "FFFFBBBB"

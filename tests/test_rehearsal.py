@@ -187,7 +187,7 @@ def test_a_grouped_gemm_misalignment_fails_as_on_a_gpu(tmp_path, capsys, monkeyp
 def test_an_fp32_unit_meeting_bf16_fails_as_on_a_gpu(tmp_path, capsys, monkeypatch):
     # Experts put in a block's FP32 unit are gathered in FP32 while their rows arrive in BF16: the
     # grouped GEMM refuses the mix, as it would on a GPU.
-    from model import Flint
+    from flint_model import Flint
     from moe import MoE
 
     monkeypatch.setattr(
@@ -206,7 +206,7 @@ def test_missing_user_data_is_reported_by_the_rehearsal_and_refused_by_the_run(t
         f"data: not checked: command line --data.path: data.path {tmp_path}/corpus does not exist"
         in result["printed"]
     )
-    with pytest.raises(train.ConfigError, match="python3 data.py prepare"):
+    with pytest.raises(train.ConfigError, match="python3 prepare.py prepare"):
         train.main(
             ["--config", str(debug_configs()[DEFAULT_FAMILY]), f"--data.path={tmp_path}/corpus"]
         )

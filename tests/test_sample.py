@@ -20,28 +20,62 @@ def sample_cli(capsys, *args: str) -> str:
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_sample_from_a_run_a_step_and_an_export(tmp_path, capsys, name):
-    summary = run_debug(tmp_path, "--training.steps=2", "--checkpoint.every=1",
-                        f"--checkpoint.export_hf={tmp_path / 'hf'}", family=name)
+    summary = run_debug(
+        tmp_path,
+        "--training.steps=2",
+        "--checkpoint.every=1",
+        f"--checkpoint.export_hf={tmp_path / 'hf'}",
+        family=name,
+    )
     out = capsys.readouterr().out
-    assert out.index("exported the model") < out.index("sample (16 tokens")  # the export comes first
-    assert summary["sample"].startswith("The ") and summary["sample"] in out  # streamed as it was drawn
+    # the export comes first
+    assert out.index("exported the model") < out.index("sample (16 tokens")
+    # streamed as it was drawn
+    assert summary["sample"].startswith("The ") and summary["sample"] in out
     ckpt = tmp_path / "ckpt"
     run_dir = ckpt / "run_0001"
-    assert sample.resolve_checkpoint(ckpt, "--checkpoint") == run_dir / "step_00000002"  # a run's dir: its latest step
+    # a run's dir: its latest step
+    assert sample.resolve_checkpoint(ckpt, "--checkpoint") == run_dir / "step_00000002"
     greedy = ["--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]
     from_run = sample_cli(capsys, "--checkpoint", str(ckpt), *greedy)
     from_step = sample_cli(capsys, "--checkpoint", str(run_dir / "step_00000002"), *greedy)
     from_export = sample_cli(capsys, "--checkpoint", str(tmp_path / "hf"), *greedy)
     assert from_run.startswith("def ") and from_run == from_step == from_export
-    several = sample_cli(capsys, "--checkpoint", str(ckpt), "--num-samples", "2", "--top-k", "5", "--seed", "3",
-                         "--max-new-tokens", "8")
+    several = sample_cli(
+        capsys,
+        "--checkpoint",
+        str(ckpt),
+        "--num-samples",
+        "2",
+        "--top-k",
+        "5",
+        "--seed",
+        "3",
+        "--max-new-tokens",
+        "8",
+    )
     assert several.count("--- sample ") == 2
-    assert several == sample_cli(capsys, "--checkpoint", str(ckpt), "--num-samples", "2", "--top-k", "5",
-                                 "--seed", "3", "--max-new-tokens", "8")  # the seed decides
+    assert several == sample_cli(
+        capsys,
+        "--checkpoint",
+        str(ckpt),
+        "--num-samples",
+        "2",
+        "--top-k",
+        "5",
+        "--seed",
+        "3",
+        "--max-new-tokens",
+        "8",
+    )  # the seed decides
 
 
 def test_bad_checkpoint_is_one_line(tmp_path):
-    with pytest.raises(SystemExit, match=r"^error: --checkpoint .*: not a checkpoint .*no complete step_\*"):
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: --checkpoint .*: not a checkpoint .*no complete "
+        r"step_\*",
+    ):
         sample.main(["--checkpoint", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"^error: --checkpoint .*missing: no such directory"):
         sample.main(["--checkpoint", str(tmp_path / "missing")])
@@ -57,16 +91,21 @@ def forced_logits(model, sequence: list[int]) -> None:
         logits[:, next(steps)] = 50.0
         logits[:, 257:] = 100.0
         return logits
+
     model.decode_step = decode_step
 
 
 def test_only_decodable_ids_and_whole_characters_stream():
     tokenizer = load_tokenizer("byte")
-    model = build(tiny_config(DEFAULT_FAMILY, vocab_size=264), plain=True)  # any model: its decode_step is forced
+    # any model: its decode_step is forced
+    model = build(tiny_config(DEFAULT_FAMILY, vocab_size=264), plain=True)
     assert sample.decodable_ids(tokenizer, 264).tolist() == [True] * 257 + [False] * 7
-    forced_logits(model, [*"é".encode(), ord("!"), tokenizer.eos_id, ord("x")])  # é: two bytes, two tokens
+    # é: two bytes, two tokens
+    forced_logits(model, [*"é".encode(), ord("!"), tokenizer.eos_id, ord("x")])
     pieces = []
-    text = sample.generate_text(model, tokenizer, "A", 10, 0.0, None, torch.Generator(), on_text=pieces.append)
+    text = sample.generate_text(
+        model, tokenizer, "A", 10, 0.0, None, torch.Generator(), on_text=pieces.append
+    )
     assert text == "é!" and pieces == ["é", "!"]  # stops at end-of-text; never a half character
     forced_logits(model, [ord("a")] * 5)
     text = sample.generate_text(model, tokenizer, "A", 5, 1.0, 3, torch.Generator().manual_seed(0))
@@ -76,11 +115,14 @@ def test_only_decodable_ids_and_whole_characters_stream():
 def test_a_failing_sample_keeps_the_checkpoint_and_export(tmp_path, monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")
+
     monkeypatch.setattr(sample, "generate_text", broken)
     summary = run_debug(tmp_path, "--training.steps=1", f"--checkpoint.export_hf={tmp_path / 'hf'}")
     assert "WARNING: the sample failed (RuntimeError: out of memory)" in capsys.readouterr().err
     assert "sample" not in summary
-    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "ckpt" / "run_0001" / "step_00000001" / ".metadata").is_file()
+    assert (tmp_path / "hf" / "config.json").is_file() and (
+        tmp_path / "ckpt" / "run_0001" / "step_00000001" / ".metadata"
+    ).is_file()
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
@@ -90,9 +132,20 @@ def test_sample_from_a_native_checkpoint_is_the_models_greedy_text(tmp_path, cap
     config = family(name).config.from_name(tiny_preset(name), vocab_size=264)
     model = build(config, plain=True)
     convert.save_native(model, config, tmp_path / name)
-    out = sample_cli(capsys, "--checkpoint", str(tmp_path / name), "--prompt", "ab", "--max-new-tokens", "6",
-                     "--temperature", "0")
+    out = sample_cli(
+        capsys,
+        "--checkpoint",
+        str(tmp_path / name),
+        "--prompt",
+        "ab",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0",
+    )
     tokenizer = load_tokenizer("byte")
-    greedy = model.generate(torch.tensor([tokenizer.encoding.encode_ordinary("ab")]), 6)[0, 2:].tolist()
+    greedy = model.generate(torch.tensor([tokenizer.encoding.encode_ordinary("ab")]), 6)[
+        0, 2:
+    ].tolist()
     assert max(greedy) < 257  # with seed 0 no padding id wins, so the mask changes nothing here
     assert out == "ab" + tokenizer.decode(greedy) + "\n"

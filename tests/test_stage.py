@@ -19,8 +19,12 @@ def stand_in(first: bool = True, losses: RouterLosses = NO_LOSSES) -> SimpleName
     """What a plan reads of a model: whether it holds the embedding, its input check (which
     records what it was given), its router losses."""
     checked = []
-    return SimpleNamespace(embed_tokens=object() if first else None, router_losses=losses,
-                           checked=checked, check_inputs=lambda *given: checked.append(given))
+    return SimpleNamespace(
+        embed_tokens=object() if first else None,
+        router_losses=losses,
+        checked=checked,
+        check_inputs=lambda *given: checked.append(given),
+    )
 
 
 def test_one_device_adds_nothing_to_the_forward():
@@ -46,6 +50,7 @@ def test_positions_restart_at_each_document():
 def cp_rank(gathered: list) -> StageContext:
     """Rank 0 of 2 splitting 8 positions into 4 chunks: it computes chunks 0 and 3, as
     parallel.cp_token_index places them; its gather records the dim and doubles the sequence."""
+
     def queries(seq_len: int, device) -> torch.Tensor:
         assert seq_len == 8
         return torch.tensor([0, 1, 6, 7], device=device)
@@ -53,6 +58,7 @@ def cp_rank(gathered: list) -> StageContext:
     def gather(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         gathered.append(dim)
         return torch.cat([t, t], dim=dim)
+
     return StageContext(2, None, queries, gather)
 
 
@@ -87,6 +93,7 @@ def test_router_statistics_start_pass_through_each_block_and_cross_after_the_mod
 
     def moe_block(x, gather=None, stats=None, real=None):  # adds its statistics: the last output
         return x + 1, x - 1, {"z": stats["z"] + real.sum()}
+
     h = torch.zeros(2, 5, 3)
     h, other = plan.block(moe_block, h)
     h, other = plan.block(moe_block, h)

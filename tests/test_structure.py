@@ -35,7 +35,8 @@ MODEL_FILES = {"model", "large4", "large4_config", "flint_baselines"}
 FORK_PER_MODULE = """
 import json, os, sys
 import torch
-import torch._dynamo, torch.distributed.checkpoint.state_dict, torch.distributed.fsdp, torch.profiler
+import torch._dynamo, torch.distributed.checkpoint.state_dict, torch.profiler
+import torch.distributed.fsdp
 import torch.distributed._composable, torch.distributed.pipelining, safetensors.torch
 result = {}
 for module in sys.argv[1:]:
@@ -80,6 +81,7 @@ LEAVES = [
     ("tokenizer", set()),
     ("chat", {"tokenizer"}),
     ("data", {"files", "flags", "tokenizer", "chat"}),
+    ("prepare", {"files", "flags", "tokenizer", "chat", "data"}),
     ("checkpoint_files", set()),
     ("hf_io", {"files", "checkpoint_files"}),
     ("layers", set()),

@@ -245,7 +245,7 @@ def test_finetune_from_hugging_face_converts_once_and_exports(tmp_path):
     """Two processes (FSDP): rank 0 converts the Hugging Face weights to a native checkpoint in
     checkpoint.dir, both load their shards from it; a later run reuses it. The first losses are
     the source model's on the same rows, and the export holds the trained weights."""
-    from model import FlintConfig, build_model
+    from flint_model import FlintConfig, build_model
 
     config = FlintConfig.from_name(
         "tiny", vocab_size=264, num_hidden_layers=4, router_aux_loss_coef=0.0005
@@ -398,7 +398,7 @@ def test_learning_rate_schedules():
 
 @only("flint")  # a model without frozen parameters
 def test_weight_decay_applies_to_matrices_only():
-    from model import FlintConfig, build_model
+    from flint_model import FlintConfig, build_model
 
     model = build_model(FlintConfig.from_name("tiny", num_hidden_layers=3), seed=0)
     decayed, plain = train.build_optimizer(model, OptimSection(weight_decay=0.1)).param_groups
@@ -412,7 +412,7 @@ def test_weight_decay_applies_to_matrices_only():
 
 @only("flint")  # a model without frozen parameters, which plain AdamW would step
 def test_the_optimizer_steps_like_plain_adamw():
-    from model import FlintConfig, build_model
+    from flint_model import FlintConfig, build_model
 
     config = FlintConfig.from_name("tiny", num_hidden_layers=3)
     adamw_matches_plain(build_model(config, seed=0), build_model(config, seed=0))
@@ -624,7 +624,7 @@ def test_the_first_runs_next_steps_work_as_the_readme_says(tmp_path, capsys):
     selection-biased model is refused for export with the exportable variant named, and that variant
     exports. The model line gives the active count without the embedding (the released Flint's
     "about 2.5B")."""
-    from model import FlintConfig
+    from flint_model import FlintConfig
 
     paths = [
         f"--data.cache_dir={tmp_path / 'cache'}",

@@ -2,14 +2,13 @@
 
     python3 -m tools.compare_trees OLD_TREE NEW_TREE [--steps 6] [--layouts one,dp_shard,ep,pp,cp]
 
-trains each registered family's debug model (configs/*debug.toml) for a few steps in each layout, once
-with each tree's own train.py (under torchrun for the 2-process layouts), and compares the losses and
-gradient norms every step logs. A tree is any checkout (`git worktree add /tmp/old COMMIT`). Both trees get the same config,
-written here from what every tree since the first layouts understands, so an old tree needs none of the
-new configs. Prints one line per debug model and layout: identical, or the largest relative difference and the
-first step where the two runs part (a NaN or infinite loss or norm is a difference); exits 1 if any
-run differs.
-"""
+trains each registered family's debug model (configs/*debug.toml) for a few steps in each layout,
+once with each tree's own train.py (under torchrun for the 2-process layouts), and compares the
+losses and gradient norms every step logs. A tree is any checkout (`git worktree add /tmp/old
+COMMIT`). Both trees get the same config, written here from what every tree since the first layouts
+understands, so an old tree needs none of the new configs. Prints one line per debug model and
+layout: identical, or the largest relative difference and the first step where the two runs part (a
+NaN or infinite loss or norm is a difference); exits 1 if any run differs."""
 
 from __future__ import annotations
 
@@ -30,39 +29,63 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def debug_models(root: Path = ROOT) -> dict[str, str]:
     """Each registered family's debug model, as this checkout's configs/*debug.toml define it: the
-    config's name -> its [model] table as TOML text (keys every tree since the first layouts reads)."""
-    return {path.stem: "".join(f"{key} = {json.dumps(value)}\n"
-                               for key, value in tomllib.loads(path.read_text())["model"].items())
-            for path in sorted((root / "configs").glob("*debug.toml"))}
+    config's name -> its [model] table as TOML text (keys every tree since the first layouts
+    reads)."""
+    return {
+        path.stem: "".join(
+            f"{key} = {json.dumps(value)}\n"
+            for key, value in tomllib.loads(path.read_text())["model"].items()
+        )
+        for path in sorted((root / "configs").glob("*debug.toml"))
+    }
 
 
 DEBUG_MODELS = debug_models()
-LAYOUTS = {"one": [], "dp_shard": ["--parallel.dp_shard=2"], "ep": ["--parallel.ep=2"],
-           "pp": ["--parallel.pp=2"], "cp": ["--parallel.cp=2"]}
+LAYOUTS = {
+    "one": [],
+    "dp_shard": ["--parallel.dp_shard=2"],
+    "ep": ["--parallel.ep=2"],
+    "pp": ["--parallel.pp=2"],
+    "cp": ["--parallel.cp=2"],
+}
 
 
 def config_text(model: str, steps: int, run_dir: Path) -> str:
-    return (f"[model]\n{DEBUG_MODELS[model]}\n"
-            f'[data]\npath = "data/python_reference.jsonl"\nseq_len = 64\nval_fraction = 0.05\n\n'
-            f"[training]\nsteps = {steps}\nbatch_size = 4\nseed = 0\neval_batches = 2\nsample_tokens = 0\n\n"
-            f"[optim]\nlr = 3e-3\nmin_lr = 3e-4\nwarmup_steps = 2\n\n"
-            f'[checkpoint]\ndir = "{run_dir}/checkpoints"\nresume = "never"\n\n'
-            f'[logging]\nevery = 1\njsonl = "{run_dir}/metrics.jsonl"\n')
+    return (
+        f"[model]\n{DEBUG_MODELS[model]}\n"
+        f'[data]\npath = "data/python_reference.jsonl"\nseq_len = 64\nval_fraction = 0.05\n\n'
+        f"[training]\nsteps = {steps}\nbatch_size = 4\nseed = 0\neval_batches = "
+        "2\nsample_tokens = 0\n\n"
+        f"[optim]\nlr = 3e-3\nmin_lr = 3e-4\nwarmup_steps = 2\n\n"
+        f'[checkpoint]\ndir = "{run_dir}/checkpoints"\nresume = "never"\n\n'
+        f'[logging]\nevery = 1\njsonl = "{run_dir}/metrics.jsonl"\n'
+    )
 
 
 def train(tree: Path, model: str, layout: str, steps: int, work: Path) -> list[dict]:
-    """One run of `tree`'s train.py -> its per-step training records ([{step, loss, grad_norm}, ...])."""
+    """One run of `tree`'s train.py -> its per-step training records ([{step, loss, grad_norm},
+    ...])."""
     run_dir = work / f"{tree.name}-{model}-{layout}"
     config = run_dir / "config.toml"
     run_dir.mkdir(parents=True)
     config.write_text(config_text(model, steps, run_dir))
     extra = LAYOUTS[layout]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"] if extra
-                else [sys.executable])
-    result = subprocess.run([*launcher, "train.py", "--config", str(config), *extra], cwd=tree,
-                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        if extra
+        else [sys.executable]
+    )
+    result = subprocess.run(
+        [*launcher, "train.py", "--config", str(config), *extra],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     if result.returncode:
-        raise SystemExit(f"{tree}: {model} {layout} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+        raise SystemExit(
+            f"{tree}: {model} {layout} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
+        )
     return logged_steps(run_dir / "metrics.jsonl", f"{tree}: {model} {layout}")
 
 
@@ -107,7 +130,11 @@ def compare(old: list[dict], new: list[dict]) -> str:
             if gap and first is None:
                 first = a["step"]
             worst = max(worst, gap)
-    return "identical" if first is None else f"largest relative difference {worst:.1e}, first at step {first}"
+    return (
+        "identical"
+        if first is None
+        else f"largest relative difference {worst:.1e}, first at step {first}"
+    )
 
 
 def checkout(text: str) -> Path:

@@ -1,40 +1,41 @@
 """What bench.py measures Flint against, on the same weights: the plain eager formulation of its
 architecture, the published implementation in transformers (FlintForCausalLM), when present, and one
 attention layer by itself (the sweep); and the published runs of this architecture that planner.py's
-predictions are checked against. bench.py and planner.py find it by its name, tools/<family>_baselines.py.
+predictions are checked against. bench.py and planner.py find it by its name,
+tools/<family>_baselines.py.
 
 transformers is not a dependency of this repository. The reference row runs when it can be
 imported, for example from another environment's site-packages:
 
-    PYTHONPATH=/path/to/venv/lib/python3.11/site-packages python -m tools.bench --sections main,reference
+    PYTHONPATH=/path/to/venv/lib/python3.11/site-packages \\
+        python -m tools.bench --sections main,reference
 """
 
 from __future__ import annotations
 
 import dataclasses
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import FULL, SLIDING, build_masks
-from model import FlintConfig
-from model import Attention, Flint, build_model, rope_tables
+from flint_model import Attention, Flint, FlintConfig, build_model, rope_tables
 from moe import MoE, SwiGLU
 
+# ========================================================================= the plain eager baseline
 
-# ============================================================================= the plain eager baseline
 
 def plain_eager_loss(model: Flint, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The widely used eager formulation of this architecture, over the same weights, to measure against.
+    """The widely used eager formulation of this architecture, over the same weights, to measure
+    against.
 
-    What most eager ports do: attention repeats the KV heads, materialises the scores with an additive
-    mask, appends the sink column and soft-maxes; experts sort tokens by expert and run two grouped
-    GEMMs; the loss takes FP32 logits of every token at once. Written only from SPEC.md.
-    """
+    What most eager ports do: attention repeats the KV heads, materialises the scores with an
+    additive mask, appends the sink column and soft-maxes; experts sort tokens by expert and run two
+    grouped GEMMs; the loss takes FP32 logits of every token at once. Written only from SPEC.md."""
     c = model.config
     batch, seq_len = input_ids.shape
     positions = torch.arange(seq_len, device=input_ids.device)
@@ -42,15 +43,24 @@ def plain_eager_loss(model: Flint, input_ids: torch.Tensor, targets: torch.Tenso
     q_idx, k_idx = positions.view(-1, 1), positions.view(1, -1)
     window = c.window or seq_len
     allowed = {FULL: k_idx <= q_idx, SLIDING: (k_idx <= q_idx) & (q_idx - k_idx < window)}  # [T, T]
-    masks = {kind: torch.zeros(seq_len, seq_len, device=input_ids.device).masked_fill(~ok, float("-inf"))
-             for kind, ok in allowed.items()}
+    masks = {
+        kind: torch.zeros(seq_len, seq_len, device=input_ids.device).masked_fill(~ok, float("-inf"))
+        for kind, ok in allowed.items()
+    }
     h = model.embed_tokens.weight[input_ids]  # [B, T, H]
     for layer in model.layers.values():
         attn_in = _rms_norm(h, layer.input_layernorm.weight, c.rms_norm_eps)
-        h = h + _eager_attention(layer.self_attn, attn_in, masks[layer.layer_type], cos, sin, c.rms_norm_eps)
+        h = h + _eager_attention(
+            layer.self_attn, attn_in, masks[layer.layer_type], cos, sin, c.rms_norm_eps
+        )
         mlp_in = _rms_norm(h, layer.post_attention_layernorm.weight, c.rms_norm_eps)
-        h = h + (_eager_moe(layer.mlp, mlp_in) if isinstance(layer.mlp, MoE) else _swiglu(layer.mlp, mlp_in))
-    logits = _rms_norm(h, model.norm.weight, c.rms_norm_eps).float() @ model.lm_head.weight.T  # [B, T, V]
+        h = h + (
+            _eager_moe(layer.mlp, mlp_in)
+            if isinstance(layer.mlp, MoE)
+            else _swiglu(layer.mlp, mlp_in)
+        )
+    # [B, T, V]
+    logits = _rms_norm(h, model.norm.weight, c.rms_norm_eps).float() @ model.lm_head.weight.T
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
@@ -97,7 +107,11 @@ def _eager_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     weights = weights / weights.sum(-1, keepdim=True)
     order = chosen.flatten().argsort()  # [N*k] assignments, grouped by expert
     token = order // top_k
-    ends = torch.bincount(chosen.flatten(), minlength=experts.gate_up_proj.shape[0]).cumsum(0).to(torch.int32)
+    ends = (
+        torch.bincount(chosen.flatten(), minlength=experts.gate_up_proj.shape[0])
+        .cumsum(0)
+        .to(torch.int32)
+    )
     gate, up = torch._grouped_mm(x[token], experts.gate_up_proj, offs=ends).chunk(2, dim=-1)
     out = torch._grouped_mm(F.silu(gate) * up, experts.down_proj, offs=ends)  # [N*k, H]
     out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
@@ -105,24 +119,32 @@ def _eager_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return (routed + _swiglu(moe.shared_expert, x)).view(shape)
 
 
-# ============================================================================= the published implementation
+# ===================================================================== the published implementation
+
 
 def transformers_reference(model: Flint) -> nn.Module:
     """transformers' FlintForCausalLM holding `model`'s weights, with eager attention and grouped_mm
     experts, in training mode. Loaded the way users load it: from a Hugging Face export of the model
     (convert.save_hf) through from_pretrained. Raises ImportError without transformers."""
     from transformers import FlintForCausalLM
+
     from convert import save_hf
+
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "hf"
         save_hf(model, path)
-        reference = FlintForCausalLM.from_pretrained(path, attn_implementation="eager",
-                                                     experts_implementation="grouped_mm",
-                                                     dtype=model.embed_tokens.weight.dtype)
+        reference = FlintForCausalLM.from_pretrained(
+            path,
+            attn_implementation="eager",
+            experts_implementation="grouped_mm",
+            dtype=model.embed_tokens.weight.dtype,
+        )
     return reference.to(model.embed_tokens.weight.device).train()
 
 
-def transformers_loss(reference: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def transformers_loss(
+    reference: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
     """The mean next-token loss of `targets` (already shifted), from the reference's FP32 logits."""
     logits = reference(input_ids=input_ids).logits.float()  # [B, T, V]
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
@@ -130,33 +152,65 @@ def transformers_loss(reference: nn.Module, input_ids: torch.Tensor, targets: to
 
 # ============================================================================= the attention sweep
 
-def attention_layer_step(config: FlintConfig, layer_type: str, batch: int, seq_len: int, device: torch.device,
-                         dtype: torch.dtype, backend: str) -> Callable[[], None]:
+
+def attention_layer_step(
+    config: FlintConfig,
+    layer_type: str,
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str,
+) -> Callable[[], None]:
     """One attention layer of `layer_type` (projections + core) on random [batch, seq_len] input:
     a function running its forward and backward once."""
-    one_layer = dataclasses.replace(config, num_hidden_layers=1, layer_types=[layer_type],
-                                    schedule_num_hidden_layers=None, no_rope_layer_indices=None)
+    one_layer = dataclasses.replace(
+        config,
+        num_hidden_layers=1,
+        layer_types=[layer_type],
+        schedule_num_hidden_layers=None,
+        no_rope_layer_indices=None,
+    )
     attention = build_model(one_layer, device, dtype, seed=0).layers["0"].self_attn
-    x = torch.randn(batch, seq_len, one_layer.hidden_size, device=device, dtype=dtype, requires_grad=True)
-    mask = build_masks([layer_type], one_layer.window, None, batch, seq_len, device, backend)[layer_type]
+    x = torch.randn(
+        batch, seq_len, one_layer.hidden_size, device=device, dtype=dtype, requires_grad=True
+    )
+    mask = build_masks([layer_type], one_layer.window, None, batch, seq_len, device, backend)[
+        layer_type
+    ]
     positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
     rope = rope_tables(positions, one_layer.head_dim, one_layer.rope_theta)
     return lambda: attention(x, rope, mask).sum().backward()
 
 
-# ======================================================================== published runs (planner.py --validate)
+# =========================================================== published runs (planner.py --validate)
 
-GPT_OSS = ["--model.hidden_size=2880", "--model.num_attention_heads=64", "--model.num_key_value_heads=8",
-           "--model.head_dim=64", "--model.vocab_size=201088", "--model.sliding_window=128",
-           "--model.moe_intermediate_size=2880", "--model.num_experts_per_tok=4", "--model.mlp_only_layers=[]",
-           "--model.shared_expert_intermediate_size=1"]  # no shared expert: one channel, no FLOPs to speak of
+GPT_OSS = [
+    "--model.hidden_size=2880",
+    "--model.num_attention_heads=64",
+    "--model.num_key_value_heads=8",
+    "--model.head_dim=64",
+    "--model.vocab_size=201088",
+    "--model.sliding_window=128",
+    "--model.moe_intermediate_size=2880",
+    "--model.num_experts_per_tok=4",
+    "--model.mlp_only_layers=[]",
+    # no shared expert: one channel, no FLOPs to speak of
+    "--model.shared_expert_intermediate_size=1",
+]
 
 
 def published_layout(ep: int) -> list[str]:
-    """A published run's layout in full: FSDP over every GPU, the experts over `ep`, full checkpointing,
-    compiled, Flint's default 2 overlapped chunks (the runs do not say how DeepEP overlapped)."""
-    return ["--parallel.dp_shard=-1", f"--parallel.ep={ep}", "--parallel.ep_overlap=2",
-            "--parallel.activation_checkpointing=full", "--parallel.compile=true"]
+    """A published run's layout in full: FSDP over every GPU, the experts over `ep`, full
+    checkpointing, compiled, Flint's default 2 overlapped chunks (the runs do not say how DeepEP
+    overlapped)."""
+    return [
+        "--parallel.dp_shard=-1",
+        f"--parallel.ep={ep}",
+        "--parallel.ep_overlap=2",
+        "--parallel.activation_checkpointing=full",
+        "--parallel.compile=true",
+    ]
 
 
 def gpt_oss_layers(layers: int) -> list[str]:
@@ -165,25 +219,66 @@ def gpt_oss_layers(layers: int) -> list[str]:
     return [f"--model.num_hidden_layers={layers}", f"--model.layer_types=[{kinds}]"]
 
 
-# Published BF16 runs on H100 SXM the Flint family expresses: (name, setup, GPUs, measured tokens/s per GPU,
-# attention kernel, the config they override, the overrides), from NeMo AutoModel's docs/performance-summary.md
-# (DGX-H100, TE + DeepEP, full checkpointing). Its EP column is blank for GPT-OSS: 8 (one node) for the 20B,
-# 64 for the 120B (sharding its experts over nodes would move 29 GB per GPU per gather, more than its step).
+# Published BF16 runs on H100 SXM the Flint family expresses: (name, setup, GPUs, measured tokens/s
+# per GPU, attention kernel, the config they override, the overrides), from NeMo AutoModel's
+# docs/performance-summary.md (DGX-H100, TE + DeepEP, full checkpointing). Its EP column is blank
+# for GPT-OSS: 8 (one node) for the 20B, 64 for the 120B (sharding its experts over nodes would move
+# 29 GB per GPU per gather, more than its step).
 PUBLISHED_RUNS = [
-    ("GPT-OSS-20B", "NeMo AutoModel performance summary: 8 x H100, GBS 256, MBS 2, GA 16, seq 4,096, FSDP 8, "
-     "TE + DeepEP + FlexAttn, 10.04 s per step", 8, 13_058, "flex", "configs/flint-8gpu.toml",
-     GPT_OSS + gpt_oss_layers(24) + published_layout(8)
-     + ["--model.num_experts=32", "--training.batch_size=2", "--training.grad_accum=16"]),
-    ("Qwen3-30B-A3B", "NeMo AutoModel performance summary: 8 x H100, GBS 512, MBS 4, GA 16, seq 4,096, EP 8, FSDP 8, "
-     "TE + DeepEP, 21.773 s per step", 8, 12_040, "fused", "configs/flint-8gpu.toml",
-     ["--model.hidden_size=2048", "--model.num_hidden_layers=48", "--model.num_attention_heads=32",
-      "--model.num_key_value_heads=4", "--model.head_dim=128", "--model.vocab_size=151936",
-      "--model.sliding_window=4096", "--model.layer_types=[" + ", ".join(['"full_attention"'] * 48) + "]",
-      "--model.moe_intermediate_size=768", "--model.num_experts=128", "--model.num_experts_per_tok=8",
-      "--model.mlp_only_layers=[]", "--model.shared_expert_intermediate_size=1",
-      "--training.batch_size=4", "--training.grad_accum=16", *published_layout(8)]),
-    ("GPT-OSS-120B", "NeMo AutoModel performance summary: 64 x H100, GBS 512, MBS 2, GA 4, seq 4,096, FSDP 64, "
-     "TE + DeepEP + FlexAttn, 4.30 s per step; EP 64", 64, 7_626, "flex", "configs/flint-8gpu.toml",
-     GPT_OSS + gpt_oss_layers(36) + published_layout(64)
-     + ["--model.num_experts=128", "--training.batch_size=2", "--training.grad_accum=4"]),
+    (
+        "GPT-OSS-20B",
+        "NeMo AutoModel performance summary: 8 x H100, GBS 256, MBS 2, GA 16, seq "
+        "4,096, FSDP 8, "
+        "TE + DeepEP + FlexAttn, 10.04 s per step",
+        8,
+        13_058,
+        "flex",
+        "configs/flint-8gpu.toml",
+        GPT_OSS
+        + gpt_oss_layers(24)
+        + published_layout(8)
+        + ["--model.num_experts=32", "--training.batch_size=2", "--training.grad_accum=16"],
+    ),
+    (
+        "Qwen3-30B-A3B",
+        "NeMo AutoModel performance summary: 8 x H100, GBS 512, MBS 4, GA 16, seq "
+        "4,096, EP 8, FSDP 8, "
+        "TE + DeepEP, 21.773 s per step",
+        8,
+        12_040,
+        "fused",
+        "configs/flint-8gpu.toml",
+        [
+            "--model.hidden_size=2048",
+            "--model.num_hidden_layers=48",
+            "--model.num_attention_heads=32",
+            "--model.num_key_value_heads=4",
+            "--model.head_dim=128",
+            "--model.vocab_size=151936",
+            "--model.sliding_window=4096",
+            "--model.layer_types=[" + ", ".join(['"full_attention"'] * 48) + "]",
+            "--model.moe_intermediate_size=768",
+            "--model.num_experts=128",
+            "--model.num_experts_per_tok=8",
+            "--model.mlp_only_layers=[]",
+            "--model.shared_expert_intermediate_size=1",
+            "--training.batch_size=4",
+            "--training.grad_accum=16",
+            *published_layout(8),
+        ],
+    ),
+    (
+        "GPT-OSS-120B",
+        "NeMo AutoModel performance summary: 64 x H100, GBS 512, MBS 2, GA 4, seq "
+        "4,096, FSDP 64, "
+        "TE + DeepEP + FlexAttn, 4.30 s per step; EP 64",
+        64,
+        7_626,
+        "flex",
+        "configs/flint-8gpu.toml",
+        GPT_OSS
+        + gpt_oss_layers(36)
+        + published_layout(64)
+        + ["--model.num_experts=128", "--training.batch_size=2", "--training.grad_accum=4"],
+    ),
 ]

@@ -18,9 +18,11 @@
 #    no row inherits another's compiled code, so bench.py's dynamo reset before a compiled row finds
 #    nothing to reset. The compiled row compiles with fullgraph=True: 0 graph breaks, or it fails. Its MFU
 #    is printed beside planner.py's prediction for the same step.
-# 5. fp8: fp8.py's row-wise FP8 linear and grouped GEMM (an expert with no rows, rows in no group), output and
-#    both gradients on the GPU's kernels against the same ops on the CPU (the same quantisation through the
-#    CPU's torch._scaled_mm): within 1 % of each one's scale (BF16 outputs, sums in another order).
+# 5. fp8: fp8.py's FP8 linear and grouped GEMM (an expert with no rows, rows in no group) in every
+#    recipe (rowwise, tensorwise with its E5M2 x E4M3 gradient GEMMs, rowwise_gw_hp), output and
+#    both gradients on the GPU's kernels against the same ops on the CPU (the same quantisation
+#    through the CPU's torch._scaled_mm): within 1 % of each one's scale (BF16 outputs, sums in
+#    another order).
 # 6. two GPUs (skipped with one): 2 processes of the debug model, ep 2, full checkpointing, compile, 8
 #    steps saving at 4 and 8; a second run resumes from step 4: steps 5 to 8 have the same losses.
 # Outputs land in ${OUT:-runs/gpu_check}. A check that fails prints FAIL and its log's tail; the
@@ -44,7 +46,7 @@ verdict() {  # name, exit status, log
 
 timeout 90 python3 - > "$OUT/parity.log" 2>&1 <<'PY'
 import dataclasses, torch
-from model import FlintConfig, build_model
+from flint_model import FlintConfig, build_model
 from parallel import apply_activation_checkpointing, apply_compile
 from tools.profiling import cosine_parity
 
@@ -199,7 +201,7 @@ verdict "bench.py flint-shallow on the GPU, one row at a time" $status "$OUT/ben
 
 timeout 120 python3 - > "$OUT/fp8.log" 2>&1 <<'PY'
 import torch
-from fp8 import fp8_grouped_mm, fp8_linear, grouped_fp8_kernel
+from fp8 import FP8_RECIPES, fp8_grouped_mm, fp8_linear, grouped_fp8_kernel
 
 assert torch.cuda.is_available(), "no GPU"
 g = torch.Generator().manual_seed(0)
@@ -208,21 +210,23 @@ rows, experts = torch.randn(272, 512, generator=g), torch.randn(4, 512, 256, gen
 ends = torch.tensor([64, 64, 192, 256], dtype=torch.int32)  # an expert with no rows
 gy, gz = torch.randn(256, 384, generator=g), torch.randn(272, 256, generator=g)
 
-def run(device):
+def run(device, recipe):
     leaves = [t.to(device, torch.bfloat16).requires_grad_() for t in (x, w, rows, experts)]
-    y, z = fp8_linear(leaves[0], leaves[1], True), fp8_grouped_mm(leaves[2], leaves[3], ends.to(device), True)
+    y = fp8_linear(leaves[0], leaves[1], recipe)
+    z = fp8_grouped_mm(leaves[2], leaves[3], ends.to(device), recipe)
     ((y.float() * gy.to(device)).sum() + (z[:256].float() * gz[:256].to(device)).sum()).backward()
     return [t.float().cpu() for t in (y, z[:256], *(leaf.grad for leaf in leaves[:2]), leaves[2].grad[:256], leaves[3].grad)]
 
 names = ["y", "grouped y", "grad x", "grad w", "grouped grad x", "grouped grad w"]
-worst = 0.0
-for name, gpu, cpu in zip(names, run("cuda"), run("cpu")):
-    error = ((gpu - cpu).abs().max() / cpu.abs().max()).item()
-    assert error <= 1e-2, f"{name}: {error:.2e} of its scale from the CPU's"
-    worst = max(worst, error)
 kernel = "_scaled_grouped_mm" if grouped_fp8_kernel(torch.device("cuda")) else "a loop of _scaled_mm"
-print(f"rowwise FP8 on {torch.cuda.get_device_name()} (experts: {kernel}) equals the CPU's, outputs and both "
-      f"gradients within {worst:.1e} of each one's scale (BF16 outputs)")
+for recipe in FP8_RECIPES[1:]:
+    worst = 0.0
+    for name, gpu, cpu in zip(names, run("cuda", recipe), run("cpu", recipe)):
+        error = ((gpu - cpu).abs().max() / cpu.abs().max()).item()
+        assert error <= 1e-2, f"{recipe} {name}: {error:.2e} of its scale from the CPU's"
+        worst = max(worst, error)
+    print(f"{recipe} FP8 on {torch.cuda.get_device_name()} (experts: {kernel}) equals the CPU's, "
+          f"outputs and both gradients within {worst:.1e} of each one's scale (BF16 outputs)")
 PY
 verdict "fp8.py's matmuls on the GPU against the CPU's" $? "$OUT/fp8.log"
 

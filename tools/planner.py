@@ -1,11 +1,12 @@
 """Step time per GPU of a training config, predicted op by op without a GPU.
 
-    python3 -m tools.planner --config configs/flint-8gpu.toml                 # H100 SXM, the config's layout
+    python3 -m tools.planner --config configs/flint-8gpu.toml  # H100 SXM, the config's layout
     python3 -m tools.planner --config configs/flint-multinode.toml --gpu H200 --gpus 32
     python3 -m tools.planner --config configs/large4-256gpu.toml --gpu B200
-    python3 -m tools.planner --preset flint-shallow --gpu H200 --gpus 1 --data.seq_len=4096 --training.batch_size=2
-    python3 -m tools.planner --gpu cpu                                        # bench.py's CPU shape, this machine
-    python3 -m tools.planner --validate                                       # published runs, measured / predicted
+    python3 -m tools.planner --preset flint-shallow --gpu H200 --gpus 1 --data.seq_len=4096 \\
+        --training.batch_size=2
+    python3 -m tools.planner --gpu cpu  # bench.py's CPU shape, this machine
+    python3 -m tools.planner --validate  # published runs, measured / predicted
 
 prints tokens/s per GPU, MFU, the step time and the ten ops or collectives that cost most, then the
 same step at 100 % of every peak (the bound). Method:

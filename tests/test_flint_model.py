@@ -1,6 +1,7 @@
-"""model.py: Flint's config (the released layer schedule, presets, the config.json round trip, what a config
-refuses, naming the field or the file), its network (the released size, whole-model parity with the plain
-reference, loss, generation) and its published key table (SPEC.md, read both ways by tests/test_convert.py)."""
+"""flint_model.py: Flint's config (the released layer schedule, presets, the config.json round trip,
+what a config refuses, naming the field or the file), its network (the released size, whole-model
+parity with the plain reference, loss, generation) and its published key table (SPEC.md, read both
+ways by tests/test_convert.py)."""
 
 import dataclasses
 import json
@@ -13,10 +14,9 @@ import torch.nn.attention.flex_attention as flex_module
 from safetensors.torch import load_file
 
 import convert
-
+from flint_model import LAYOUT, PRESETS, Flint, FlintConfig, build_model, published_layout
 from helpers import assert_close_to_scale
 from layers import document_positions
-from model import Flint, FlintConfig, LAYOUT, PRESETS, build_model, published_layout
 from reference import reference_positions
 from reference_flint import layer_types_from_schedule, reference_forward, reference_loss
 
@@ -26,20 +26,24 @@ def test_released_size_counts():
         model = Flint(FlintConfig())
     assert model.num_params() == pytest.approx(39.8e9, rel=0.01)
     embedding = 150144 * 2048  # a lookup, not a matmul: not counted as active
-    assert round((model.num_params(active=True) - embedding) / 1e6) == 2515  # SPEC.md's "about 2.5B active"
+    # SPEC.md's "about 2.5B active"
+    assert round((model.num_params(active=True) - embedding) / 1e6) == 2515
 
 
-# ============================================================================= parity with the reference
+# ======================================================================== parity with the reference
 
-PARITY_CONFIG = dict(num_hidden_layers=7, sliding_window=6, mlp_only_layers=[0, 1], decoder_sparse_step=1)
+PARITY_CONFIG = dict(
+    num_hidden_layers=7, sliding_window=6, mlp_only_layers=[0, 1], decoder_sparse_step=1
+)
 
 
 def parity_inputs(seq_len=20):
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 256, (2, seq_len), generator=g)
     targets = torch.randint(0, 256, (2, seq_len), generator=g)
-    doc_ids = torch.tensor([[0] * 8 + [1] * 7 + [2] * (seq_len - 15),
-                            [4] * 13 + [-1] * (seq_len - 13)])
+    doc_ids = torch.tensor(
+        [[0] * 8 + [1] * 7 + [2] * (seq_len - 15), [4] * 13 + [-1] * (seq_len - 13)]
+    )
     targets[doc_ids < 0] = -100
     return ids, targets, doc_ids
 
@@ -112,7 +116,9 @@ def test_documents_do_not_see_each_other():
 def test_positions_restart_per_document():
     _, _, doc_ids = parity_inputs()
     real = doc_ids >= 0  # padding positions produce no loss: their positions do not matter
-    assert torch.equal(document_positions(doc_ids)[real], reference_positions(doc_ids, *doc_ids.shape)[real])
+    assert torch.equal(
+        document_positions(doc_ids)[real], reference_positions(doc_ids, *doc_ids.shape)[real]
+    )
     assert document_positions(doc_ids)[0].tolist()[:10] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
 
 
@@ -147,37 +153,65 @@ def test_dtypes_of_fp32_units_with_bf16_bulk():
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(input_ids=torch.zeros(2, 4)), "input_ids"),
-    (dict(input_ids=torch.zeros(8, dtype=torch.long)), "input_ids"),
-    (dict(targets=torch.zeros(2, 5, dtype=torch.long)), "targets"),
-    (dict(doc_ids=torch.zeros(2, 4)), "doc_ids"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(input_ids=torch.zeros(2, 4)), "input_ids"),
+        (dict(input_ids=torch.zeros(8, dtype=torch.long)), "input_ids"),
+        (dict(targets=torch.zeros(2, 5, dtype=torch.long)), "targets"),
+        (dict(doc_ids=torch.zeros(2, 4)), "doc_ids"),
+    ],
+)
 def test_bad_inputs_are_named(bad, message):
     model = build_model(FlintConfig.from_name("tiny"), seed=0)
-    args = dict(input_ids=torch.zeros(2, 4, dtype=torch.long), **{k: v for k, v in bad.items() if k != "input_ids"})
+    args = dict(
+        input_ids=torch.zeros(2, 4, dtype=torch.long),
+        **{k: v for k, v in bad.items() if k != "input_ids"},
+    )
     if "input_ids" in bad:
         args["input_ids"] = bad["input_ids"]
     with pytest.raises(ValueError, match=message):
         model(**args)
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda m: m(torch.zeros(2, 0, dtype=torch.long)), r"shape \(2, 0\): it needs at least one sequence of at least one"),
-    (lambda m: m(torch.zeros(0, 4, dtype=torch.long)), r"shape \(0, 4\)"),
-    (lambda m: m.generate(torch.zeros(1, 0, dtype=torch.long), 3), r"shape \(1, 0\)"),
-    (lambda m: m(torch.tensor([[1, 256]])), r"input_ids holds token id 256, outside the vocabulary \[0, 256\)"),
-    (lambda m: m(torch.tensor([[-1, 2]])), r"input_ids holds token id -1, outside"),
-    (lambda m: m(torch.tensor([[1, 2]]), torch.tensor([[300, -100]])), r"targets holds token id 300, outside"),
-    (lambda m: m.generate(torch.tensor([[1]]), 3, temperature=1.0, top_k=0), "top_k must be a positive integer"),
-    (lambda m: m.generate(torch.tensor([[1]]), 3, temperature=-0.5), "temperature must be a number >= 0"),
-    (lambda m: m.generate(torch.tensor([[1]]), 4096), r"1 \+ 4096 > 4096"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda m: m(torch.zeros(2, 0, dtype=torch.long)),
+            r"shape \(2, 0\): it needs at least one "
+            r"sequence of at least one",
+        ),
+        (lambda m: m(torch.zeros(0, 4, dtype=torch.long)), r"shape \(0, 4\)"),
+        (lambda m: m.generate(torch.zeros(1, 0, dtype=torch.long), 3), r"shape \(1, 0\)"),
+        (
+            lambda m: m(torch.tensor([[1, 256]])),
+            r"input_ids holds token id 256, outside the vocabulary "
+            r"\[0, 256\)",
+        ),
+        (lambda m: m(torch.tensor([[-1, 2]])), r"input_ids holds token id -1, outside"),
+        (
+            lambda m: m(torch.tensor([[1, 2]]), torch.tensor([[300, -100]])),
+            r"targets holds token id "
+            r"300, outside",
+        ),
+        (
+            lambda m: m.generate(torch.tensor([[1]]), 3, temperature=1.0, top_k=0),
+            "top_k must be a positive integer",
+        ),
+        (
+            lambda m: m.generate(torch.tensor([[1]]), 3, temperature=-0.5),
+            "temperature must be a number >= 0",
+        ),
+        (lambda m: m.generate(torch.tensor([[1]]), 4096), r"1 \+ 4096 > 4096"),
+    ],
+)
 def test_inputs_that_would_crash_or_mislead_are_refused(call, message):
     model = build_model(FlintConfig.from_name("tiny", num_hidden_layers=2), seed=0)
     with pytest.raises(ValueError, match=message):
         call(model)
-    assert model(torch.tensor([[1, 255]]), torch.tensor([[255, -100]])).isfinite()  # the edges are allowed
+    # the edges are allowed
+    assert model(torch.tensor([[1, 255]]), torch.tensor([[255, -100]])).isfinite()
 
 
 def test_flops_per_token_by_hand():
@@ -218,8 +252,12 @@ def test_rows_that_reach_eos_stop_there(check_rows_stop_at_their_eos):
 def test_sampling_respects_top_k_and_seed():
     model = perturbed_model()
     prompt = torch.randint(0, 256, (1, 3))
-    first = model.generate(prompt, 8, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(7))
-    second = model.generate(prompt, 8, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(7))
+    first = model.generate(
+        prompt, 8, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(7)
+    )
+    second = model.generate(
+        prompt, 8, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(7)
+    )
     assert torch.equal(first, second)
     logits = model(first[:, :3])[:, -1]
     assert first[0, 3].item() in torch.topk(logits, 3).indices[0].tolist()
@@ -229,17 +267,24 @@ def test_initial_weights_depend_only_on_the_seed_and_the_name():
     """What lets every parallel layout (parallel.init_weights) start from one process's weights."""
     config = FlintConfig.from_name("tiny")
     model = build_model(config, seed=3).state_dict()
-    fewer_layers = build_model(FlintConfig.from_name("tiny", num_hidden_layers=3), seed=3).state_dict()
+    fewer_layers = build_model(
+        FlintConfig.from_name("tiny", num_hidden_layers=3), seed=3
+    ).state_dict()
     assert all(torch.equal(fewer_layers[name], model[name]) for name in fewer_layers)
     other_seed = build_model(config, seed=4).state_dict()
     for name, tensor in model.items():
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            assert torch.equal(tensor, torch.ones_like(tensor)) and torch.equal(other_seed[name], tensor), name
+            assert torch.equal(tensor, torch.ones_like(tensor)) and torch.equal(
+                other_seed[name], tensor
+            ), name
         else:
             assert not torch.equal(other_seed[name], tensor), name
     q, k = model["layers.0.self_attn.q_proj.weight"], model["layers.0.self_attn.k_proj.weight"]
-    assert not torch.equal(q[:k.shape[0]], k)  # each name has its own stream
-    assert abs(model["embed_tokens.weight"].std().item() - config.initializer_range) < 0.1 * config.initializer_range
+    assert not torch.equal(q[: k.shape[0]], k)  # each name has its own stream
+    assert (
+        abs(model["embed_tokens.weight"].std().item() - config.initializer_range)
+        < 0.1 * config.initializer_range
+    )
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -252,19 +297,34 @@ def test_every_preset_round_trips_through_its_config_json(name):
 def test_the_router_losses_refuse_no_layout_and_are_written_only_when_on():
     """The router losses serve pipelines and context splits (balance.py, tests/test_balance.py);
     the two native coefficients reach config.json only when on, and come back from it."""
-    config = FlintConfig.from_name("tiny", output_router_logits=True, router_sequence_loss_coef=1e-4,
-                                   router_z_loss_coef=1e-3)
+    config = FlintConfig.from_name(
+        "tiny", output_router_logits=True, router_sequence_loss_coef=1e-4, router_z_loss_coef=1e-3
+    )
     assert config.layout_error(4, 4) is None
     loaded = FlintConfig.from_hf_config(config.to_hf_config())
     assert (loaded.router_sequence_loss_coef, loaded.router_z_loss_coef) == (1e-4, 1e-3)
-    assert not {"router_sequence_loss_coef", "router_z_loss_coef"} & set(FlintConfig().to_hf_config())
+    assert not {"router_sequence_loss_coef", "router_z_loss_coef"} & set(
+        FlintConfig().to_hf_config()
+    )
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("router_aux_loss_coef", -0.1, "router_aux_loss_coef must be a finite number >= 0, got -0.1"),
-    ("router_sequence_loss_coef", "1e-4", r"router_sequence_loss_coef must be a finite number >= 0 \(0: off\), got '1e-4'"),
-    ("num_experts_per_tok", 99, r"num_experts_per_tok \(99\) must be <= num_experts"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        (
+            "router_aux_loss_coef",
+            -0.1,
+            "router_aux_loss_coef must be a finite number >= 0, got -0.1",
+        ),
+        (
+            "router_sequence_loss_coef",
+            "1e-4",
+            r"router_sequence_loss_coef must be a finite number >= 0 "
+            r"\(0: off\), got '1e-4'",
+        ),
+        ("num_experts_per_tok", 99, r"num_experts_per_tok \(99\) must be <= num_experts"),
+    ],
+)
 def test_impossible_fields_are_refused_by_name(field, value, message):
     with pytest.raises(ValueError, match=message):
         FlintConfig.from_name("tiny", **{field: value})
@@ -280,7 +340,12 @@ def test_released_schedule():
 
 def test_prefix_keeps_source_schedule():
     prefix = FlintConfig.from_name("tiny", num_hidden_layers=4, schedule_num_hidden_layers=49)
-    assert prefix.layer_types == ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    assert prefix.layer_types == [
+        "full_attention",
+        "full_attention",
+        "sliding_attention",
+        "sliding_attention",
+    ]
     alone = FlintConfig.from_name("tiny", num_hidden_layers=4)
     assert alone.layer_types[3] == "full_attention"
 
@@ -288,7 +353,9 @@ def test_prefix_keeps_source_schedule():
 def test_hf_config_round_trip_and_ignored_keys(tmp_path):
     config = FlintConfig.from_name("tiny")
     hf = config.to_hf_config()
-    hf.update(transformers_version="5.0", torch_dtype="bfloat16", use_cache=False, auto_map={"x": "y"})
+    hf.update(
+        transformers_version="5.0", torch_dtype="bfloat16", use_cache=False, auto_map={"x": "y"}
+    )
     path = tmp_path / "config.json"
     path.write_text(json.dumps(hf))
     loaded = FlintConfig.from_hf_config(tmp_path)
@@ -308,30 +375,40 @@ def tiny_hf(**changes):
     return hf
 
 
-@pytest.mark.parametrize("changes, field", [
-    (dict(layer_types=["full_attention"] * 3), "layer_types"),
-    (dict(layer_types=["full_attention"] * 5 + ["local"]), "layer_types"),
-    (dict(no_rope_layer_indices=[0, 1]), "no_rope_layer_indices"),
-    (dict(num_key_value_heads=3), "num_key_value_heads"),
-    (dict(tie_word_embeddings=True), "tie_word_embeddings"),
-    (dict(router_score_function="softmax"), "router_score_function"),
-    (dict(softmax_type="vanilla"), "softmax_type"),
-    (dict(num_experts_per_tok=9), "num_experts_per_tok"),
-    (dict(hidden_size=0), "hidden_size"),
-    (dict(moe_intermediate_size=-4), "moe_intermediate_size"),
-    (dict(model_type="llama"), "model_type"),
-    (dict(some_new_field=1), "some_new_field"),
-    (dict(head_dim=15), "head_dim must be even"),
-    (dict(rope_parameters=[10000.0]), "rope_parameters must be an object"),
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}), r"rope_theta must be a number > 0, got '1e4'"),
-    (dict(rope_parameters=None, rope_theta=[1]), r"rope_theta must be a number > 0, got \[1\]"),
-    (dict(layer_types="full_attention"), "layer_types must be a list"),
-    (dict(mlp_only_layers=0), "mlp_only_layers must be a list of layer indices, got 0"),
-    (dict(mlp_only_layers=["0"]), "mlp_only_layers must be a list of layer indices"),
-    (dict(rms_norm_eps="1e-6"), "rms_norm_eps must be a number > 0, got '1e-6'"),
-    (dict(eos_token_id="2"), "eos_token_id must be a token id, a list of token ids or null, got '2'"),
-    (dict(eos_token_id=[2, None]), "eos_token_id must be"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        (dict(layer_types=["full_attention"] * 3), "layer_types"),
+        (dict(layer_types=["full_attention"] * 5 + ["local"]), "layer_types"),
+        (dict(no_rope_layer_indices=[0, 1]), "no_rope_layer_indices"),
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(tie_word_embeddings=True), "tie_word_embeddings"),
+        (dict(router_score_function="softmax"), "router_score_function"),
+        (dict(softmax_type="vanilla"), "softmax_type"),
+        (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(moe_intermediate_size=-4), "moe_intermediate_size"),
+        (dict(model_type="llama"), "model_type"),
+        (dict(some_new_field=1), "some_new_field"),
+        (dict(head_dim=15), "head_dim must be even"),
+        (dict(rope_parameters=[10000.0]), "rope_parameters must be an object"),
+        (
+            dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}),
+            r"rope_theta must be a "
+            r"number > 0, got '1e4'",
+        ),
+        (dict(rope_parameters=None, rope_theta=[1]), r"rope_theta must be a number > 0, got \[1\]"),
+        (dict(layer_types="full_attention"), "layer_types must be a list"),
+        (dict(mlp_only_layers=0), "mlp_only_layers must be a list of layer indices, got 0"),
+        (dict(mlp_only_layers=["0"]), "mlp_only_layers must be a list of layer indices"),
+        (dict(rms_norm_eps="1e-6"), "rms_norm_eps must be a number > 0, got '1e-6'"),
+        (
+            dict(eos_token_id="2"),
+            "eos_token_id must be a token id, a list of token ids or null, got '2'",
+        ),
+        (dict(eos_token_id=[2, None]), "eos_token_id must be"),
+    ],
+)
 def test_contract_violations_name_the_field(changes, field):
     with pytest.raises(ValueError, match=field):
         FlintConfig.from_hf_config(tiny_hf(**changes))
@@ -373,8 +450,13 @@ def test_every_native_tensor_is_covered_exactly_once_by_its_published_parts():
             covered[part.index] += 1
         assert (covered == 1).all(), key
     experts = table["layers.2.mlp.experts.gate_up_proj"]
-    assert len(experts) == 2 * config.num_experts and experts[0].key == "model.layers.2.mlp.experts.0.gate_proj.weight"
-    assert table["layers.0.self_attn.sinks.weight"][0].key == "model.layers.0.self_attn.softmax_offset"
+    assert (
+        len(experts) == 2 * config.num_experts
+        and experts[0].key == "model.layers.2.mlp.experts.0.gate_proj.weight"
+    )
+    assert (
+        table["layers.0.self_attn.sinks.weight"][0].key == "model.layers.0.self_attn.softmax_offset"
+    )
     assert table["layers.2.mlp.router.weight"][0].key == "model.layers.2.mlp.gate.weight"
     assert table["lm_head.weight"][0].key == "lm_head.weight"
 
@@ -384,22 +466,28 @@ def test_a_source_in_transformers_form_is_read_in_that_form():
     config = FlintConfig.from_name("tiny", num_hidden_layers=3)
     present = {"model.layers.2.mlp.experts.gate_up_proj", "model.layers.0.self_attn.sinks"}
     table = published_layout(config, native_meta(config), present)
-    assert [p.key for p in table["layers.2.mlp.experts.gate_up_proj"]] == ["model.layers.2.mlp.experts.gate_up_proj"]
+    assert [p.key for p in table["layers.2.mlp.experts.gate_up_proj"]] == [
+        "model.layers.2.mlp.experts.gate_up_proj"
+    ]
     assert table["layers.0.self_attn.sinks.weight"][0].key == "model.layers.0.self_attn.sinks"
 
 
 def test_the_fields_a_config_json_leaves_out_are_named():
     config = FlintConfig.from_name("tiny")
-    given = {k: v for k, v in config.to_hf_config().items() if k not in ("sliding_window", "rope_parameters")}
+    given = {
+        k: v
+        for k, v in config.to_hf_config().items()
+        if k not in ("sliding_window", "rope_parameters")
+    }
     assert set(LAYOUT.missing_fields(config, given)) == {"sliding_window", "rope_parameters"}
     assert "rope_parameters" not in LAYOUT.missing_fields(config, {**given, "rope_theta": 1e4})
 
 
-# ============================================================================= the published balance term
-# tests/make_flint_aux_fixture.py wrote tests/fixtures/flint_aux/ once with transformers' FlintForCausalLM
-# (output_router_logits true, router_aux_loss_coef 0.25): a tiny random model, a batch with a right-padded
-# row, and the reference's losses and gradients with and without its attention_mask. Here the same weights,
-# loaded with convert.load_hf, must give the same numbers.
+# ======================================================================= the published balance term
+# tests/make_flint_aux_fixture.py wrote tests/fixtures/flint_aux/ once with transformers'
+# FlintForCausalLM (output_router_logits true, router_aux_loss_coef 0.25): a tiny random model, a
+# batch with a right-padded row, and the reference's losses and gradients with and without its
+# attention_mask. Here the same weights, loaded with convert.load_hf, must give the same numbers.
 
 AUX_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "flint_aux"
 
@@ -407,7 +495,8 @@ AUX_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "flint_aux"
 @pytest.fixture(scope="module")
 def aux_batch():
     inputs = load_file(AUX_FIXTURE / "inputs.safetensors")
-    targets = torch.full_like(inputs["labels"], -100)  # the reference shifts its labels inside the loss
+    # the reference shifts its labels inside the loss
+    targets = torch.full_like(inputs["labels"], -100)
     targets[:, :-1] = inputs["labels"][:, 1:]
     doc_ids = torch.where(inputs["attention_mask"] == 1, 0, -1)  # padding: doc id -1
     return inputs["input_ids"], targets, doc_ids
@@ -422,8 +511,9 @@ def test_loss_and_gradients_equal_the_reference(case, aux_batch):
     loss = model(input_ids, targets, doc_ids=doc_ids if case == "masked" else None)
     loss.backward()
     assert_close_to_scale(loss.detach(), expected["loss"], rtol=1e-6)
-    reference_grads = convert.hf_to_native({k[5:]: v for k, v in expected.items() if k.startswith("grad.")},
-                                           model.config)
+    reference_grads = convert.hf_to_native(
+        {k[5:]: v for k, v in expected.items() if k.startswith("grad.")}, model.config
+    )
     grads = {name: p.grad for name, p in model.named_parameters()}
     assert grads.keys() == reference_grads.keys()
     for name, grad in grads.items():

@@ -1,0 +1,35 @@
+"""tools/loader_bench.py: the synthetic prepared directory it writes, and what it measures."""
+
+import json
+
+import numpy as np
+
+import data
+from tools import loader_bench
+
+
+def test_the_synthetic_directory_is_a_prepared_one_with_the_documents_asked(tmp_path, monkeypatch):
+    """1,000 documents of 8..23 tokens over shards of at most 4,000 tokens (about 15.5 * 1,000 /
+    4,000 -> 4 or 5 shards): the loader opens it, every document has its length, none spans two
+    shards, and the token files hold as many uint16 ids as the index says."""
+    monkeypatch.setattr(loader_bench, "SHARD_TOKENS", 4000)
+    tokens = loader_bench.write_corpus(tmp_path, 1000)
+    shards = data.TokenShards(tmp_path)
+    assert shards.num_docs == 1000 and int(shards.doc_len.sum()) == tokens
+    assert shards.doc_len.min() >= 8 and shards.doc_len.max() <= 23
+    assert 4 <= len(shards.meta["shards"]) <= 5
+    for name in shards.meta["shards"]:
+        bounds = np.load(tmp_path / f"docs_{name}.npy")
+        assert bounds[-1] <= 4000
+        assert (tmp_path / f"tokens_{name}.bin").stat().st_size == 2 * bounds[-1]
+    assert json.loads((tmp_path / "meta.json").read_text())["num_tokens"] == tokens
+
+
+def test_a_measurement_reads_a_batch_and_counts_per_document(tmp_path, monkeypatch):
+    monkeypatch.setattr(loader_bench, "SEQ_LEN", 16)
+    loader_bench.write_corpus(tmp_path, 2000)
+    result = loader_bench.measure(tmp_path)
+    assert result["docs"] == 2000
+    assert 0 <= result["open_s"] <= result["first_batch_s"]
+    assert result["bytes_per_doc"] == result["peak_mib"] * 2**20 / 2000
+    assert loader_bench.row(result).startswith("| 2,000 | ")

@@ -1,0 +1,127 @@
+r"""The loader's start-up cost and memory against the number of documents (issue 42).
+
+    python -m tools.loader_bench --docs 10000000            # from the repository root
+    python -m tools.loader_bench --docs 1000000 --docs 10000000 --dir /tmp/loader_bench
+
+Each size gets a synthetic prepared directory, written directly with numpy (no tokenizing):
+documents of 8 to 23 tokens (15.5 on average) in shards of 2**28 tokens, a docs_NNNNN.npy per
+shard and meta.json. The token files are sparse (all id 0): opening must not read them, and a row
+reads only its own tokens. Each size is then measured in a fresh process, so each peak is its own:
+the seconds (wall and CPU) to open the directory (TokenShards), split it (split_documents) and
+build the training loader, the seconds to its first batch, and the process's peak resident memory
+(ru_maxrss) above that of the process before it opened anything, in MiB and bytes a document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHARD_TOKENS = 1 << 28  # as data.prepare's default
+SEQ_LEN, BATCH = 2048, 8
+
+
+def write_corpus(directory: Path, num_docs: int, seed: int = 0) -> int:
+    """A prepared directory of `num_docs` documents (lengths 8..23, seeded) -> its token count.
+    Kept when it exists with this many documents (meta.json is written last)."""
+    meta_file = directory / "meta.json"
+    if meta_file.is_file() and json.loads(meta_file.read_text())["num_docs"] == num_docs:
+        return json.loads(meta_file.read_text())["num_tokens"]
+    directory.mkdir(parents=True, exist_ok=True)
+    lengths = np.random.default_rng(seed).integers(8, 24, size=num_docs, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    shards, first = [], 0
+    while first < num_docs:  # a shard takes whole documents up to SHARD_TOKENS tokens
+        base = ends[first - 1] if first else 0
+        last = max(first + 1, int(np.searchsorted(ends, base + SHARD_TOKENS, side="right")))
+        name = f"{len(shards):05d}"
+        bounds = np.concatenate([[0], ends[first:last] - base])
+        np.save(directory / f"docs_{name}.npy", bounds)
+        with open(directory / f"tokens_{name}.bin", "wb") as file:
+            file.truncate(int(bounds[-1]) * 2)  # uint16 zeros, sparse on disk
+        shards.append(name)
+        first = last
+    meta = {
+        "format": "flint-token-shards-v1",
+        "dtype": "uint16",
+        "num_docs": num_docs,
+        "num_tokens": int(ends[-1]),
+        "shards": shards,
+        "tokenizer": "synthetic",
+        "vocab_size": 257,
+        "eos_id": 256,
+        "sources": [],
+        "skipped_binary": [],
+        "skipped_by_extension": 0,
+    }
+    meta_file.write_text(json.dumps(meta))
+    return int(ends[-1])
+
+
+def measure(directory: Path) -> dict[str, float]:
+    """Open `directory` as train.py does and read the first batch, in this process."""
+    import data  # imported before the baseline: its import (torch) is no part of the loader's cost
+
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    wall, cpu = time.perf_counter(), time.process_time()
+    shards = data.TokenShards(directory)
+    train_docs, _ = data.split_documents(shards.num_docs, 0.05, str(directory))
+    loader = data.PackedLoader(shards, train_docs, SEQ_LEN, BATCH, seed=0)
+    opened = time.perf_counter() - wall, time.process_time() - cpu
+    loader.next_batch()
+    first = time.perf_counter() - wall, time.process_time() - cpu
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss  # Linux: KiB
+    return {
+        "docs": shards.num_docs,
+        "open_s": opened[0],
+        "open_cpu_s": opened[1],
+        "first_batch_s": first[0],
+        "first_batch_cpu_s": first[1],
+        "peak_mib": peak_kib / 1024,
+        "bytes_per_doc": peak_kib * 1024 / shards.num_docs,
+    }
+
+
+def row(result: dict[str, float]) -> str:
+    return (
+        f"| {result['docs']:,} | {result['open_s']:.2f} ({result['open_cpu_s']:.2f}) | "
+        f"{result['first_batch_s']:.2f} ({result['first_batch_cpu_s']:.2f}) | "
+        f"{result['peak_mib']:,.0f} | {result['bytes_per_doc']:.1f} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, action="append", help="documents (repeatable)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("/tmp/loader_bench"),
+        help="where the synthetic directories are written (kept for reruns)",
+    )
+    parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # the child process
+    args = parser.parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure(args.measure)))
+        return
+    print(
+        "| documents | open s (CPU s) | first batch s (CPU s) | peak RSS MiB | bytes a document |"
+    )
+    print("|---|---|---|---|---|")
+    for num_docs in args.docs or [1_000_000]:
+        directory = args.dir / f"docs_{num_docs}"
+        write_corpus(directory, num_docs)
+        command = [sys.executable, "-m", "tools.loader_bench", "--measure", str(directory)]
+        child = subprocess.run(command, capture_output=True, text=True, check=True)
+        print(row(json.loads(child.stdout.splitlines()[-1])), flush=True)
+
+
+if __name__ == "__main__":
+    main()
