@@ -5,6 +5,9 @@ checkpoint, one tensor at a time.
     python convert.py to-hf IN HF_DIR  # native (model-only or a training checkpoint) -> published
     python convert.py to-peft IN ADAPTER_DIR  # a LoRA run's checkpoint -> PEFT's adapter directory
 
+IN is a checkpoint directory or, as for sample.py's --checkpoint, a run's checkpoint directory (its
+newest intact step_*).
+
 to-hf on a LoRA run's checkpoint (adapters only, lora.py) writes the merged model: the base it
 names, each adapted weight plus its scaled update; to-peft writes its adapters in PEFT's format.
 Both exports and the in-memory merge (sample.py) are here, below; lora.py holds the adapters and the
@@ -45,7 +48,7 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from checkpoint_files import load_dcp, write_checksums
+from checkpoint_files import is_hf_checkpoint, load_dcp, resolve_checkpoint, write_checksums
 from hf_io import (
     SAFETENSORS_DTYPES,
     Entry,
@@ -74,6 +77,7 @@ from lora import (
     warn_unrecorded_weights,
 )
 from registry import ModelConfig, config_from_hf, family_of, model_class
+from tokenizer import Tokenizer, write_hf_tokenizer
 
 Log = Callable[[str], None]
 Config = ModelConfig
@@ -300,6 +304,18 @@ def _write_config(
 # ==================================================================== writing published checkpoints
 
 
+def refuse_selection_bias(config: Config, name: str) -> None:
+    """A ValueError for a model whose experts are chosen with the aux-loss-free selection bias."""
+    bias_rate = config.router_bias_update_rate
+    if bias_rate:
+        raise ValueError(
+            f"{name}: this model chooses experts with a per-expert selection bias "
+            f"(router_bias_update_rate = {bias_rate}), which the published format has "
+            "no place "
+            f"for: the export would route differently from the trained model"
+        )
+
+
 def export_published(
     source: Source,
     config: Config,
@@ -308,18 +324,12 @@ def export_published(
     max_shard_size: int | str = "5GB",
     log: Log = lambda line: None,
     extras: Source | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> tuple[int, int]:
     """Write a native source, and `extras` (published tensors outside the model) as they are or cast
-    to `dtype`, as a published checkpoint directory -> (tensors, bytes)."""
-    bias_rate = config.router_bias_update_rate
-    if bias_rate:
-        raise ValueError(
-            f"{source.name}: this model chooses experts with a per-expert selection "
-            "bias "
-            f"(router_bias_update_rate = {bias_rate}), which the published format has "
-            "no place "
-            f"for: the export would route differently from the trained model"
-        )
+    to `dtype`, as a published checkpoint directory -> (tensors, bytes); with `tokenizer`, its files
+    in transformers' format beside them (tokenizer.hf_tokenizer_files)."""
+    refuse_selection_bias(config, source.name)
     spec, dtypes = layout_of(config), check_source(source, config, published=False)[1]
     meta, limit = native_meta(config), parse_size(max_shard_size)
     entries = []
@@ -384,6 +394,8 @@ def export_published(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         _write_config(tmp, config, dtype or dtypes["embed_tokens.weight"], published=True)
+        if tokenizer is not None:
+            write_hf_tokenizer(tokenizer, tmp)
     written = sorted({str(e.dtype).removeprefix("torch.") for e in entries})
     log(
         f"wrote {' and '.join(written)} tensors, {len(extras.meta) if extras else 0} of them "
@@ -800,19 +812,56 @@ def transformers_module_name(config: ModelConfig, native: str) -> str:
     return name
 
 
-def export_peft(checkpoint: Path, out: str | Path) -> int:
-    """A LoRA checkpoint's adapters as a PEFT adapter directory `out` -> the tensors written."""
+def peft_base(base_path: str, base_hf: str | None, config: ModelConfig) -> str:
+    """The base_model_name_or_path a PEFT adapter names: a published directory transformers
+    loads (absolute, so the adapter loads from any working directory). A published base is named
+    as it is; a native one needs `base_hf`, its to-hf export (checked by family and tensor
+    shapes; its weights are not read)."""
+    refuse_selection_bias(config, base_path)
+    if base_hf is None:
+        if is_hf_checkpoint(Path(base_path)):
+            return str(Path(base_path).resolve())
+        raise ValueError(
+            f"{base_path}: the adapters' base is a native checkpoint, which "
+            f"transformers cannot load; export it (python3 convert.py to-hf "
+            f"{base_path} BASE_HF) and pass --base-hf BASE_HF"
+        )
+    if not is_hf_checkpoint(Path(base_hf)):
+        raise ValueError(
+            f"--base-hf {base_hf}: not a published checkpoint (config.json and *.safetensors)"
+        )
+    published = PublishedAsNative(base_hf)
+    native = (
+        PublishedAsNative(base_path) if is_hf_checkpoint(Path(base_path)) else NativeDir(base_path)
+    )
+    shapes = {key: shape for key, (shape, _) in native.meta.items()}
+    if (
+        family_of(read_config(base_hf)[0]) is not family_of(config)
+        or {key: shape for key, (shape, _) in published.meta.items()} != shapes
+    ):
+        raise ValueError(
+            f"--base-hf {base_hf}: not an export of the adapters' base {base_path} "
+            f"(another family or other tensor shapes)"
+        )
+    return str(Path(base_hf).resolve())
+
+
+def export_peft(checkpoint: Path, out: str | Path, base_hf: str | None = None) -> int:
+    """A LoRA checkpoint's adapters as a PEFT adapter directory `out` -> the tensors written. Its
+    base is the run's, or `base_hf`, that base's to-hf export, when the run's is native
+    (peft_base)."""
     _, config, base_path = base_source(checkpoint)
+    model_config = read_config(checkpoint)[0]
+    base_model = peft_base(base_path, base_hf, model_config)
     adapters = NativeDir(checkpoint)
     tensors = adapters.read(list(adapters.meta))
-    model_config = read_config(checkpoint)[0]
     write_peft_adapter(
         out,
         tensors,
         config,
         published_table(model_config),
         lambda native: transformers_module_name(model_config, native),
-        base_path,
+        base_model,
     )
     return len(tensors)
 
@@ -828,6 +877,65 @@ def report_defaults(path: Path, config: ModelConfig, log: Callable[[str], None])
     if missing:
         values = ", ".join(f"{k} = {str(getattr(config, k))[:40]}" for k in missing)
         log(f"{path}: {len(missing)} field(s) missing, using the defaults: {values}")
+
+
+def transformers_note(directory: Path, extras: Source | None) -> str | None:
+    """One line on what transformers will report, harmlessly, when it loads the export `directory`
+    (its load report and rope validation print them with no explanation), or None."""
+    written = read_json(directory / "config.json")
+    text, notes = written.get("text_config", written), []
+    has_vision = extras is not None and any("vision_tower" in key for key in extras.meta)
+    if "vision_config" in written and not has_vision:  # Large 4: a placeholder vision config
+        notes.append(
+            "its load report lists the vision tower and projector as MISSING: this "
+            "export is the text model only, so it initializes them fresh, and text "
+            "generation never runs them (--extras-from a release checkpoint writes "
+            "real ones)"
+        )
+    rope = text.get("rope_parameters") or {}
+    if rope.get("rope_type") == "yarn" and rope.get("original_max_position_embeddings"):
+        implicit = text["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        if implicit != rope["factor"]:  # a preset shorter than the release's 512 x 2048 positions
+            notes.append(
+                f"it warns that the YaRN factor {rope['factor']:g} is not "
+                f"max_position_embeddings / original_max_position_embeddings = "
+                f"{implicit:g} and uses the explicit factor, as flint does: the same "
+                f"rotary frequencies"
+            )
+    return f"note, transformers loading {directory}: " + "; ".join(notes) if notes else None
+
+
+def recorded_tokenizer(checkpoint: Path, log: Log) -> Tokenizer | None:
+    """The tokenizer the run trained with, as sample.py picks it (its train_config.json, else the
+    directory's tokenizer.json), or None, said in one line, when the checkpoint records neither."""
+    if not any((checkpoint / name).is_file() for name in ("train_config.json", "tokenizer.json")):
+        log(
+            f"no tokenizer written: {checkpoint} records none "
+            f"(no train_config.json or tokenizer.json)"
+        )
+        return None
+    from sample import sampling_tokenizer  # sample.py imports this module's loaders
+
+    tokenizer = sampling_tokenizer(checkpoint)
+    log(
+        f"tokenizer: the run's, {tokenizer.vocab_size} tokens, end-of-text id {tokenizer.eos_id} "
+        f"(tokenizer.json, tokenizer_config.json)"
+    )
+    return tokenizer
+
+
+def checkpoint_of(path: Path, command: str) -> Path:
+    """A checkpoint directory as it is (a bad one is named by the reader's own checks), or, as
+    sample.py's --checkpoint takes it, a run's checkpoint directory -> its newest intact step_*
+    (named when chosen)."""
+    if (path / ".metadata").exists() or (path / "config.json").exists():
+        return path
+    step = resolve_checkpoint(path, command)
+    print(
+        f"{command}: {path} is a run's checkpoint directory; converting its newest intact "
+        f"step {step}"
+    )
+    return step
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -867,11 +975,23 @@ def main(argv: list[str] | None = None) -> None:
     )
     to_peft.add_argument("native_dir")
     to_peft.add_argument("adapter_dir")
+    to_peft.add_argument(
+        "--base-hf",
+        metavar="HF_DIR",
+        help="the base's to-hf export, named in adapter_config.json for "
+        "transformers to load; needed when the run's base is native "
+        "(default: the run's base, when published)",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
+    if args.command in ("to-hf", "to-peft"):
+        try:
+            args.native_dir = str(checkpoint_of(Path(args.native_dir), args.command))
+        except ValueError as error:
+            sys.exit(f"error: {error}")
     if args.command == "to-peft":
         try:
-            tensors = export_peft(Path(args.native_dir), args.adapter_dir)
+            tensors = export_peft(Path(args.native_dir), args.adapter_dir, args.base_hf)
         except (ValueError, OSError) as error:
             sys.exit(f"error: {error}")
         print(
@@ -895,12 +1015,16 @@ def main(argv: list[str] | None = None) -> None:
             config = read_config(args.native_dir)[0]
             report_defaults(Path(args.native_dir) / "config.json", config, print)
             extras = published_extras(args.extras_from or args.native_dir, config)
+            tokenizer = recorded_tokenizer(Path(args.native_dir), print)
             tensors, size = export_published(
-                source, config, args.hf_dir, dtype, args.max_shard_size, print, extras
+                source, config, args.hf_dir, dtype, args.max_shard_size, print, extras, tokenizer
             )
     except (ValueError, OSError) as error:
         sys.exit(f"error: {error}")
     out = args.out if args.command == "to-native" else args.hf_dir
+    note = transformers_note(Path(out), extras) if args.command == "to-hf" else None
+    if note:
+        print(note)
     print(
         f"wrote {tensors} tensors, {size / 1e9:.3f} GB to {out} in "
         f"{time.perf_counter() - started:.1f} s"

@@ -512,3 +512,110 @@ def hf_tokenizer_encoding(path: str | Path) -> tiktoken.Encoding:
         raise TokenizerError(
             f"{path}: the pre_tokenizer's regex {pattern!r:.60} is not valid: {error}"
         ) from None
+
+
+# ==================================================================== export (transformers' files)
+
+
+def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merges that rebuild each multi-byte token, in rank order: BPE run on the token's bytes
+    with the tokens ranked below it leaves two pieces, the pair its own merge joins (the byte
+    tokenizer has none)."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:
+            joined = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+            best, at = min(joined)
+            if best >= rank:
+                break
+            parts[at : at + 2] = [parts[at] + parts[at + 1]]
+        if len(parts) == 2:
+            merges.append((parts[0], parts[1]))
+    return merges
+
+
+def _bpe_model(ranks: dict[bytes, int]) -> dict:
+    """tokenizer.json's "model": each token's bytes in GPT-2's byte chars at its id, the merges."""
+    chars = bytes_to_unicode()
+
+    def text(token: bytes) -> str:
+        return "".join(chars[b] for b in token)
+
+    in_order = sorted(ranks.items(), key=lambda item: item[1])
+    return {
+        "type": "BPE",
+        "dropout": None,
+        "unk_token": None,
+        "continuing_subword_prefix": None,
+        "end_of_word_suffix": None,
+        "fuse_unk": False,
+        "byte_fallback": False,
+        "ignore_merges": False,
+        "vocab": {text(token): rank for token, rank in in_order},
+        "merges": [[text(left), text(right)] for left, right in bpe_merges(ranks)],
+    }
+
+
+def hf_tokenizer_files(tokenizer: Tokenizer) -> dict[str, dict]:
+    """The tokenizer as transformers' PreTrainedTokenizerFast reads it, with the same ids:
+    tokenizer.json, a byte-level BPE (the special tokens added, the encoding's split regex), and
+    tokenizer_config.json, whose eos and bos are the end-of-text token (flint prepends no BOS; a
+    bos_token set keeps generate() from asking for one)."""
+    encoding = tokenizer.encoding
+    special = encoding._special_tokens  # tiktoken keeps no public copy of it or of the ranks
+    eos = next(name for name, token_id in special.items() if token_id == tokenizer.eos_id)
+    added = [
+        {
+            "id": token_id,
+            "content": name,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for name, token_id in sorted(special.items())
+    ]
+    split = {
+        "type": "Split",
+        "pattern": {"Regex": encoding._pat_str},
+        "behavior": "Isolated",
+        "invert": False,
+    }
+    byte_level = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": True,
+        "use_regex": False,
+    }
+    spec = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
+        "post_processor": None,
+        "decoder": byte_level,
+        "model": _bpe_model(encoding._mergeable_ranks),
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "bos_token": eos,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
+    if tokenizer.chat_template is not None:
+        config["chat_template"] = tokenizer.chat_template.source
+    return {"tokenizer.json": spec, "tokenizer_config.json": config}
+
+
+def write_hf_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
+    """hf_tokenizer_files into `directory` (an export's temporary directory: written whole or not
+    at all)."""
+    for name, content in hf_tokenizer_files(tokenizer).items():
+        text = json.dumps(content, indent=1, ensure_ascii=False) + "\n"
+        (directory / name).write_text(text, encoding="utf-8")

@@ -465,3 +465,54 @@ def test_output_directories_get_the_permissions_of_a_plain_mkdir(tmp_path):
     with atomic_directory(tmp_path / "out") as tmp:
         (tmp / "x").write_text("x")
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~current_umask()
+
+
+def test_to_hf_takes_a_runs_checkpoint_directory_as_its_newest_step(tmp_path, capsys):
+    """`to-hf runs/x/checkpoints` converts the newest intact step_* of its run_* directories, as
+    sample.py's --checkpoint and init_from take it, and names the step; a directory with no
+    checkpoint inside says so."""
+    older, newer = (build_model(CONFIG, dtype=torch.float32, seed=seed) for seed in (0, 1))
+    run = tmp_path / "checkpoints" / "run_0001"
+    save_native(older, CONFIG, run / "step_00000001")
+    save_native(newer, CONFIG, run / "step_00000002")
+    main(["to-hf", str(tmp_path / "checkpoints"), str(tmp_path / "hf")])
+    printed = capsys.readouterr().out
+    assert f"converting its newest intact step {run / 'step_00000002'}" in printed
+    # a model-only checkpoint records no tokenizer
+    assert f"no tokenizer written: {run / 'step_00000002'} records none" in printed
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
+    exported = read_published(tmp_path / "hf")
+    for key, value in published_from_model(newer).items():
+        assert torch.equal(exported[key], value), key
+    (tmp_path / "empty").mkdir()
+    refused = r"^error: to-hf .*empty: not a checkpoint .* no complete step_\* checkpoint inside$"
+    with pytest.raises(SystemExit, match=refused):
+        main(["to-hf", str(tmp_path / "empty"), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif("large4" not in FAMILIES, reason="Mistral Large 4 is not registered")
+def test_to_hf_explains_what_transformers_reports_on_loading_a_large4_export(tmp_path, capsys):
+    """transformers lists a text-only Large 4 export's vision tower as MISSING and warns that a tiny
+    preset's YaRN factor (2048) is not its 4096 / 512 = 8 positions ratio: to-hf says why in one
+    line. A Flint export gets none (the boundary)."""
+    from large4 import Large4Config, MistralLarge4
+    from layers import build
+
+    config = Large4Config.from_name("large4-tiny")
+    save_native(build(MistralLarge4, config, seed=0), config, tmp_path / "native")
+    capsys.readouterr()
+    main(["to-hf", str(tmp_path / "native"), str(tmp_path / "hf")])
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note")]
+    assert notes == [
+        f"note, transformers loading {tmp_path / 'hf'}: its load report lists the "
+        f"vision tower and projector as MISSING: this export is the text model only, "
+        f"so it initializes them fresh, and text generation never runs them "
+        f"(--extras-from a release checkpoint writes real ones); it warns that the "
+        f"YaRN factor 2048 is not max_position_embeddings / "
+        f"original_max_position_embeddings = 8 and uses the explicit factor, as "
+        f"flint does: the same rotary frequencies"
+    ]
+    save_native(build_model(CONFIG, dtype=torch.float32, seed=0), CONFIG, tmp_path / "flint")
+    main(["to-hf", str(tmp_path / "flint"), str(tmp_path / "flint_hf")])
+    assert "note" not in capsys.readouterr().out

@@ -3,10 +3,14 @@ the base's loss, checkpoints hold the adapters, their optimizer states and the b
 resume bit-exact and only on that base; convert.py exports the run merged or as a PEFT adapter
 directory. Bad [lora] input stops the run before any work, in one line naming the key."""
 
+import codecs
 import hashlib
 import json
+import os
 import re
+import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,7 @@ from checkpoint_files import CheckpointError, read_metadata, write_checksums
 from config import ConfigError
 from helpers import (
     DEFAULT_FAMILY,
+    ROOT,
     assert_close_to_scale,
     debug_args,
     exported_tensors,
@@ -29,6 +34,7 @@ from helpers import (
     tiny_preset,
     train_losses,
 )
+from tokenizer import hf_tokenizer_files, load_tokenizer
 
 LORA = [
     "--model.preset=",
@@ -208,7 +214,27 @@ def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
     assert "sample" in summary  # drawn from the checkpoint, merged in memory (sample.load_model)
     checkpoint = checkpoint_of(tmp_path, 3)
     convert.main(["to-hf", str(checkpoint), str(tmp_path / "merged")])
-    convert.main(["to-peft", str(checkpoint), str(tmp_path / "peft")])
+    base_hf = base if published_base else tmp_path / "base_hf"
+    if not published_base:  # transformers cannot load a native base: to-peft names its to-hf export
+        native = rf"^error: {re.escape(str(base.resolve()))}: the adapters' base is a native"
+        with pytest.raises(SystemExit, match=rf"{native} checkpoint.* pass --base-hf BASE_HF$"):
+            convert.main(["to-peft", str(checkpoint), str(tmp_path / "peft")])
+        assert not (tmp_path / "peft").exists()
+        convert.main(["to-hf", str(trained_once), str(base_hf)])
+        with pytest.raises(SystemExit, match=r"^error: --base-hf .*/x: not a published checkpoint"):
+            convert.main(
+                [
+                    "to-peft",
+                    str(checkpoint),
+                    str(tmp_path / "peft"),
+                    "--base-hf",
+                    str(tmp_path / "x"),
+                ]
+            )
+    extra = [] if published_base else ["--base-hf", str(base_hf)]
+    convert.main(["to-peft", str(checkpoint), str(tmp_path / "named"), "--base-hf", str(base_hf)])
+    # the run's checkpoint directory: its newest step
+    convert.main(["to-peft", str(tmp_path / "ckpt"), str(tmp_path / "peft"), *extra])
     model = convert.load_native(trained_once, torch.float32)
     lora.apply_lora(model, lora.LoraConfig(rank=8, targets=["all"]))
     adapters = convert.NativeDir(checkpoint).read(list(lora.adapter_state(model.state_dict())))
@@ -230,7 +256,13 @@ def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
     assert sorted(written) == sorted(expected)
     assert all(torch.equal(written[key], value) for key, value in expected.items())
     peft_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-    assert peft_config["r"] == 8 and peft_config["base_model_name_or_path"] == str(base.resolve())
+    assert peft_config["r"] == 8
+    assert peft_config["base_model_name_or_path"] == str(base_hf.resolve())
+    written = {
+        name: json.loads((tmp_path / "merged" / name).read_text(encoding="utf-8"))
+        for name in ("tokenizer.json", "tokenizer_config.json")
+    }  # the run's: byte
+    assert written == hf_tokenizer_files(load_tokenizer("byte"))
     run_export = exported_tensors(tmp_path / "run_export")
     assert all(
         torch.equal(run_export[key], value)
@@ -383,9 +415,31 @@ def test_a_base_replaced_in_place_is_refused_everywhere(tmp_path, trained_once, 
 
     shutil.rmtree(base)
     shutil.move(tmp_path / "kept", base)
-    convert.main(["to-peft", str(checkpoint), str(tmp_path / "to-peft")])
+    convert.main(["to-hf", str(checkpoint), str(tmp_path / "to-hf")])
     lora_run(tmp_path / "resumed", base, *resume)
     assert sorted(train_losses(tmp_path / "resumed")) == [2]
+
+
+def test_to_peft_refuses_a_base_with_the_selection_bias(tmp_path):
+    """A base that chooses experts with the aux-loss-free selection bias routes differently in
+    transformers' model: to-peft refuses it in one line, as to-hf does (the accepted boundary, a
+    base without it: test_export_merged_and_as_peft)."""
+    run_debug(
+        tmp_path / "base",
+        "--training.steps=1",
+        "--training.sample_tokens=0",
+        "--model.router_bias_update_rate=0.01",
+    )
+    base = tmp_path / "base" / "ckpt" / "run_0001" / "step_00000001"
+    lora_run(tmp_path / "lora", base, "--training.steps=1")
+    refusal = (
+        r"per-expert selection bias \(router_bias_update_rate = 0.01\), which the "
+        r"published format"
+    )
+    for command in ("to-peft", "to-hf"):
+        with pytest.raises(SystemExit, match=rf"^error: .*{refusal}"):
+            convert.main([command, str(tmp_path / "lora" / "ckpt"), str(tmp_path / command)])
+        assert not (tmp_path / command).exists()
 
 
 def test_a_record_without_the_weights_checksum_warns_and_is_used(tmp_path, trained_once, capfd):
@@ -398,7 +452,7 @@ def test_a_record_without_the_weights_checksum_warns_and_is_used(tmp_path, train
     (checkpoint / lora.RUN_FILE).write_text(json.dumps(record))
     write_checksums(checkpoint)  # as such a checkpoint was saved
     capfd.readouterr()
-    convert.main(["to-peft", str(checkpoint), str(tmp_path / "peft")])
+    convert.main(["to-hf", str(checkpoint), str(tmp_path / "merged")])
     warning = (
         f"warning: {checkpoint / lora.RUN_FILE} records no checksum of its base's weights "
         f"(written before they were recorded): the base {trained_once.resolve()} is checked "
@@ -493,3 +547,85 @@ def test_an_explicit_resume_refuses_a_damaged_lora_json(
     checkpoint, line = damaged_copy(tmp_path, lora_checkpoint, DAMAGED_RECORDS[damage])
     with pytest.raises(CheckpointError, match=rf"^{line}"):
         lora_run(tmp_path / "resumed", trained_once, f"--checkpoint.resume={checkpoint}")
+
+
+# ================================================================== README, Fine-tuning, in order
+
+REFERENCE_VENV = Path(os.environ.get("FLINT_HF_VENV", Path.home() / ".cache" / "flint" / "hfvenv"))
+REFERENCE_PYTHON = REFERENCE_VENV / "bin" / "python"  # tests/hf_venv.py's, with transformers
+TINY = {
+    "train.py": [
+        "--training.steps=2",
+        "--training.sample_tokens=0",
+        "--training.eval_every=0",
+        "--data.seq_len=64",
+        "--training.batch_size=1",
+        "--logging.peak_tflops=0.1",
+    ],
+    "sample.py": ["--max-new-tokens", "4", "--device", "cpu"],
+    "convert.py": [],
+}
+
+
+def readme_commands(section: str) -> list[list[str]]:
+    """The python3 commands of the first bash block of a README section, continuation lines joined
+    and bash's $'...' quoting applied (shlex does not know it)."""
+    text = (ROOT / "README.md").read_text().split(f"## {section}\n")[1]
+    block = text.split("```bash\n")[1].split("```")[0].replace("\\\n", " ")
+
+    def ansi_c(match: re.Match) -> str:
+        return shlex.quote(codecs.decode(match.group(1), "unicode_escape"))
+
+    return [
+        shlex.split(re.sub(r"\$'((?:[^'\\]|\\.)*)'", ansi_c, line))
+        for line in block.splitlines()
+        if line.startswith("python3 ")
+    ]
+
+
+@pytest.mark.skipif("flint" != DEFAULT_FAMILY, reason="smoke.toml and sft-smoke.toml are Flint's")
+def test_the_readmes_fine_tuning_commands_work_in_order(tmp_path, monkeypatch, capsys):
+    """README, Fine-tuning, on a fresh clone (a directory holding only configs/ and data/), each
+    command at 2 steps of 64 tokens: the exportable base, full SFT, LoRA SFT, a sample of the prompt
+    with its newline, the merged export and the PEFT adapter directory, whose base transformers
+    loads. With the reference venv, peft's AutoPeftModelForCausalLM loads the adapter directory from
+    elsewhere and generates text."""
+    for name in ("configs", "data"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    monkeypatch.chdir(tmp_path)
+    commands = readme_commands("Fine-tuning: SFT, LoRA, export")
+    programs = [command[1] for command in commands]
+    assert programs == ["train.py"] * 3 + ["sample.py", "convert.py", "convert.py"]
+    modules = {"train.py": train, "sample.py": sample, "convert.py": convert}
+    for command in commands:
+        extra = [f"--data.cache_dir={tmp_path / 'cache'}"] if command[1] == "train.py" else []
+        modules[command[1]].main(command[2:] + TINY[command[1]] + extra)
+    # the prompt's newline reached sample.py as a newline, not a backslash and an n
+    assert "User: What is a list?\nAssistant: " in capsys.readouterr().out
+    adapter = tmp_path / "runs" / "sft-lora" / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "runs" / "smoke" / "hf")
+    if not REFERENCE_PYTHON.exists():
+        pytest.skip(f"no reference venv {REFERENCE_PYTHON}: the adapter is not loaded by peft")
+    script = (
+        "import sys, torch; from transformers import AutoTokenizer\n"
+        "from peft import AutoPeftModelForCausalLM\n"
+        "model = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "tokenizer = AutoTokenizer.from_pretrained(sys.argv[2])\n"
+        "ids = tokenizer('User: What is a list?', return_tensors='pt')['input_ids']\n"
+        "out = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)\n"
+        "print(type(model).__name__, out.shape[1] - ids.shape[1],"
+        " repr(tokenizer.decode(out[0])))"
+    )
+    merged = adapter.parent / "merged"
+    result = subprocess.run(
+        [str(REFERENCE_PYTHON), "-c", script, str(adapter), str(merged)],
+        cwd=ROOT.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    kind, new_tokens, text = result.stdout.strip().splitlines()[-1].split(" ", 2)
+    assert kind.startswith("Peft") and 1 <= int(new_tokens) <= 6
+    assert text.startswith("'User: What is a list?")

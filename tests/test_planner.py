@@ -310,6 +310,7 @@ def test_command_prints_tokens_mfu_and_the_ten_costliest(capsys, monkeypatch):
     assert 0 < plan.mfu < 1 and plan.step_seconds == pytest.approx(
         sum(item.exposed for item in plan.items)
     )
+    assert out.splitlines()[-1].startswith("memory: fits, ")
     monkeypatch.setattr(
         planner,
         "measure_cpu",
@@ -684,3 +685,30 @@ def test_flex_kernel_seconds_by_hand():
     )
     selective = planner.attention_seconds(c, bound, 64, tokens, "selective")
     assert selective == pytest.approx((2 + 2 * 3 / 6 + 5) * unit)
+
+
+@FLINT
+def test_the_memory_line_says_when_the_layout_does_not_fit(monkeypatch):
+    """The planner judges its layout as search.py does: flint-8gpu (full checkpointing: 6 % margin,
+    plus 10 GiB of buffers) needs 75.0 * 1.06 + 10 = 89.5 GiB for an estimate of 75.0, over an
+    H100's 79.6 usable; 65.66 * 1.06 + 10 = 79.5996 fits it exactly (the boundary), 65.67 does
+    not."""
+    monkeypatch.chdir(ROOT)
+    cfg = load_config("configs/flint-8gpu.toml", [])
+    layout = cfg.parallel.resolve(8, cfg.model_config.num_experts)
+    assert layout.activation_checkpointing == "full"
+    estimates = []
+    monkeypatch.setattr(planner, "memory_per_gpu", lambda *args: {"total": estimates[-1]})
+    for estimate, verdict in (
+        (75.0, "DOES NOT FIT, 89.5 GiB"),
+        (65.66, "fits, 79.6 GiB"),
+        (65.67, "DOES NOT FIT, 79.6 GiB"),
+    ):
+        estimates.append(estimate)
+        line = planner.memory_line(cfg, layout, GPUS["H100"])
+        assert line.startswith(f"memory: {verdict} needed per GPU"), line
+        assert "of the H100 SXM's 79.6 GiB usable" in line
+    monkeypatch.undo()
+    real = planner.memory_line(cfg, layout, GPUS["H100"])  # tools.search: no layout fits 8 x H100
+    assert real.startswith("memory: DOES NOT FIT") and "tools.search" in real
+    assert planner.memory_line(cfg, layout, GPUS["H200"]).startswith("memory: fits")

@@ -412,3 +412,35 @@ def test_a_failure_while_laying_out_the_model_is_a_rehearsal_verdict(tmp_path, c
     ) as refused:
         rehearse_tiny(tmp_path, capsys, world=3)
     assert "\n" not in str(refused.value)
+
+
+def test_each_phase_is_printed_as_it_starts_and_the_picture_last(tmp_path, capsys):
+    """A large job's rehearsal runs for minutes on a busy CPU: each phase prints a line as it starts
+    and one as it ends, with the seconds since the rehearsal began; the last line names the memory
+    picture, written beside [logging] jsonl."""
+    result = rehearse_tiny(tmp_path, capsys, world=2, steps=2)
+    printed = [
+        line for line in result["printed"].splitlines() if line.startswith("rehearsal ")
+    ]  # data.py's own line between
+    started = r"rehearsal rank 1 of 2: (.*) \.\.\. \(at (\d+\.\d) s\)$"
+    ended = r"rehearsal rank 1 of 2: (.*) \((\d+\.\d) s, at (\d+\.\d) s\)$"
+    assert all(re.match(started, line) or re.match(ended, line) for line in printed), printed
+    starts = [re.match(started, line).group(1) for line in printed if re.match(started, line)]
+    assert starts == [
+        "joining a fake world of 2",
+        "data: checking data/python_reference.jsonl (preparing it as rank 0 would)",
+        "building the model on meta and sharding it",
+        "step 1: tracing the forward, backward and adamw on fake tensors",
+        "step 2: tracing the forward, backward and adamw on fake tensors",
+        "evaluation: tracing on fake tensors",
+    ]
+    first_step = next(i for i, line in enumerate(printed) if "step 1: tracing" in line)
+    assert "step 1: forward, backward, clipping and adamw passed" in printed[first_step + 1]
+    times = [float(re.search(r"at (\d+\.\d) s\)$", line).group(1)) for line in printed]
+    assert times == sorted(times)
+    picture = tmp_path / "rehearsal_rank1_of_2_memory.svg"
+    assert printed[-1].startswith(
+        f"rehearsal rank 1 of 2: live memory over the steps, by phase "
+        f"and by what holds it: {picture} (beside [logging] jsonl)"
+    )
+    assert picture.is_file()

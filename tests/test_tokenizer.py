@@ -3,15 +3,24 @@ conversion checked against byte-level BPE written out by hand."""
 
 import base64
 import json
+import os
 import random
 import re
+import subprocess
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import tiktoken.load
 
-from tokenizer import TokenizerError, bytes_to_unicode, hf_tokenizer_encoding, load_tokenizer
+from tokenizer import (
+    TokenizerError,
+    bytes_to_unicode,
+    hf_tokenizer_encoding,
+    hf_tokenizer_files,
+    load_tokenizer,
+    write_hf_tokenizer,
+)
 
 # ============================================================================= load_tokenizer
 
@@ -239,3 +248,82 @@ def test_unsupported_tokenizers_are_refused(tmp_path, edit, message):
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(TokenizerError, match=re.escape(message)):
         hf_tokenizer_encoding(tmp_path)
+
+
+# ================================================================ export in transformers' format
+
+REFERENCE_VENV = Path(os.environ.get("FLINT_HF_VENV", Path.home() / ".cache" / "flint" / "hfvenv"))
+REFERENCE_PYTHON = REFERENCE_VENV / "bin" / "python"  # tests/hf_venv.py's, with transformers
+TEXTS = ["héllo   wörld\n\t€ 12345 — ok", "abcab x", "User: What is a list?\nAssistant: "]
+
+
+def small_bpe(tmp_path: Path):
+    """A .tiktoken tokenizer with two merges: a + b -> ab (256), ab + c -> abc (257)."""
+    ranks = {**{bytes([b]): b for b in range(256)}, b"ab": 256, b"abc": 257}
+    path = tmp_path / "small.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    return load_tokenizer(str(path))
+
+
+def test_the_byte_tokenizer_exports_each_byte_at_its_id_and_end_of_text():
+    """GPT-2's byte chars, by hand: printable bytes stand for themselves, bytes 0-32 are
+    U+0100-U+0120, 127-160 are U+0121-U+0142, 173 (soft hyphen) is U+0143."""
+    files = hf_tokenizer_files(load_tokenizer("byte"))
+    spec, config = files["tokenizer.json"], files["tokenizer_config.json"]
+    vocab = spec["model"]["vocab"]
+    assert len(vocab) == 256 and spec["model"]["merges"] == []
+    expected = {
+        "A": 65,
+        "~": 126,
+        "\u0100": 0,
+        "\u010a": 10,
+        "\u0120": 32,
+        "\u0121": 127,
+        "\u0142": 160,
+        "\u0143": 173,
+        "\u00ae": 174,
+        "\u00ff": 255,
+    }
+    assert {token: vocab[token] for token in expected} == expected
+    (added,) = spec["added_tokens"]
+    assert added["content"] == "<|endoftext|>" and added["id"] == 256 and added["special"] is True
+    assert config["eos_token"] == config["bos_token"] == "<|endoftext|>"
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["add_bos_token"] is False
+
+
+def test_a_bpe_exports_the_merges_that_rebuild_its_tokens(tmp_path):
+    """Each multi-byte token's merge, in rank order (hand-built), and flint reads the export back to
+    the same ids."""
+    tokenizer = small_bpe(tmp_path)
+    write_hf_tokenizer(tokenizer, tmp_path)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text(encoding="utf-8"))
+    assert spec["model"]["merges"] == [["a", "b"], ["ab", "c"]]
+    assert spec["model"]["vocab"]["abc"] == 257 and spec["added_tokens"][0]["id"] == 258
+    back = hf_tokenizer_encoding(tmp_path)
+    for text in TEXTS:
+        assert back.encode_ordinary(text) == tokenizer.encoding.encode_ordinary(text)
+
+
+@pytest.mark.skipif(not REFERENCE_PYTHON.exists(), reason=f"no reference venv {REFERENCE_PYTHON}")
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_transformers_autotokenizer_reads_the_export_to_the_same_ids(tmp_path, kind):
+    tokenizer = load_tokenizer("byte") if kind == "byte" else small_bpe(tmp_path)
+    write_hf_tokenizer(tokenizer, tmp_path)
+    script = (
+        "import json, sys; from transformers import AutoTokenizer\n"
+        "t = AutoTokenizer.from_pretrained(sys.argv[1]); texts = json.loads(sys.argv[2])\n"
+        "ids = [t(text)['input_ids'] for text in texts]\n"
+        "print(json.dumps({'ids': ids, 'eos': t.eos_token_id, 'bos': t.bos_token_id,"
+        " 'decoded': [t.decode(i) for i in ids]}))"
+    )
+    result = subprocess.run(
+        [str(REFERENCE_PYTHON), "-c", script, str(tmp_path), json.dumps(TEXTS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    read = json.loads(result.stdout.strip().splitlines()[-1])
+    assert read["ids"] == [tokenizer.encoding.encode_ordinary(text) for text in TEXTS]
+    assert read["eos"] == read["bos"] == tokenizer.eos_id and read["decoded"] == TEXTS

@@ -80,7 +80,14 @@ from config import ConfigError, TrainConfig, load_config
 from flags import OneLineParser, positive
 from parallel import MESH_DIMS, ParallelConfig
 from registry import FAMILIES, ModelConfig
-from tools.memory import GPU_GIB, accumulation_of, meta_model, stage_param_counts
+from tools.memory import (
+    GPU_GIB,
+    OVERHEAD_GIB,
+    accumulation_of,
+    memory_per_gpu,
+    meta_model,
+    stage_param_counts,
+)
 from tools.op_trace import OpCost, trace_step
 
 TFLOPS, TBPS, GBPS = 1e12, 1e12, 1e9
@@ -1045,6 +1052,35 @@ def read_shape(
     return cfg, device, gpus, layout
 
 
+def memory_line(cfg: TrainConfig, layout: ParallelConfig, device: Device) -> str:
+    """Whether the layout fits one GPU, judged as search.py judges every layout: memory.py's
+    estimate, plus its margin for the checkpointing mode and OVERHEAD_GIB of slack and buffers,
+    against the usable GiB."""
+    from tools.search import MEMORY_MARGIN  # search.py imports this module: read at call time
+
+    estimate = memory_per_gpu(
+        cfg.model_config,
+        layout,
+        cfg.data.seq_len,
+        cfg.training.batch_size,
+        cfg.training.grad_accum,
+        device.memory_gib,
+    )["total"]
+    margin = MEMORY_MARGIN[layout.activation_checkpointing]
+    needed = estimate * (1 + margin) + OVERHEAD_GIB
+    how = (
+        f"{needed:.1f} GiB needed per GPU (memory.py's {estimate:.1f} + {100 * margin:.0f} % + "
+        f"{OVERHEAD_GIB:.0f} GiB of buffers) of the {device.name}'s "
+        f"{device.memory_gib:.1f} GiB usable"
+    )
+    if needed <= device.memory_gib:
+        return f"memory: fits, {how}"
+    return (
+        f"memory: DOES NOT FIT, {how}: the times above are for a step this GPU cannot hold "
+        f"(python -m tools.search lists the layouts that fit)"
+    )
+
+
 def main(argv: list[str] | None = None) -> Plan | None:
     parser = OneLineParser(
         description="Predicted step time, tokens/s and MFU per GPU (no GPU needed).",
@@ -1075,6 +1111,7 @@ def main(argv: list[str] | None = None) -> Plan | None:
         f"{bound.tokens_per_second:,.0f} tokens/s "
         f"per GPU, MFU {100 * bound.mfu:.1f} %"
     )
+    print(memory_line(cfg, layout, device))
     return plan
 
 

@@ -270,6 +270,7 @@ def rehearse(
         raise ConfigError(f"--rank must be in [0, {world}), got {rank}")
     job = gpu_config(cfg)
     say = Phases(f"rank {rank} of {world}")
+    say.start(f"joining a fake world of {world}")
     with (
         fake_world(world, rank),
         targeting("cuda"),
@@ -280,6 +281,7 @@ def rehearse(
         run = start_fake_run(job, say)
         batches = rehearsal_batches(job, run, say)
         tracker = PeakMemory()
+        say.start("building the model on meta and sharding it")
         with (
             failing_as_the_job(job, rank, world, lambda: "while laying out the model"),
             mock.patch.object(
@@ -309,11 +311,16 @@ def rehearse(
             ):
                 make_optimizer_states(optimizer, tracker)
             for step in range(1, steps + 1):
+                say.start(
+                    f"step {step}: tracing the forward, backward and {job.optim.name} "
+                    f"on fake tensors"
+                )
                 with failing_as_the_job(
                     job, rank, world, lambda: f"at step {step}, in the {tracker.phase}"
                 ):
                     fake_step(model, optimizer, batches(), job, tracker)
                 say(f"step {step}: forward, backward, clipping and {job.optim.name} passed")
+            say.start("evaluation: tracing on fake tensors")
             with failing_as_the_job(job, rank, world, lambda: "in the evaluation"):
                 fake_evaluation(model, batches()[0], tracker)
             say("evaluation (train.py's, after the last step and every eval_every steps) passed")
@@ -328,8 +335,12 @@ def rehearse(
         tracker.timeline,
         f"{cfg.source}: rank {rank} of {world}, live memory (fake tensors)",
     )
-    say(f"live memory over the steps, by phase and by what holds it: {picture}")
-    return report(job, world, rank, gpu, tracker, say, host)
+    measured = report(job, world, rank, gpu, tracker, say, host)
+    say(
+        f"live memory over the steps, by phase and by what holds it: {picture} "
+        f"(beside [logging] jsonl)"
+    )
+    return measured
 
 
 @contextmanager
@@ -366,14 +377,24 @@ def where_in_repository(error: BaseException) -> str:
 
 
 class Phases:
-    """Prints each phase with the seconds it took."""
+    """Prints each phase as it starts (a large job's phases take minutes on a busy CPU: the user
+    sees which one runs) and as it ends, with the seconds it took and those since the rehearsal
+    began."""
 
     def __init__(self, who: str):
-        self.who, self.last = who, time.perf_counter()
+        self.who = who
+        self.began = self.last = time.perf_counter()
+
+    def start(self, message: str) -> None:
+        self.last = time.perf_counter()
+        print(
+            f"rehearsal {self.who}: {message} ... (at {self.last - self.began:.1f} s)", flush=True
+        )
 
     def __call__(self, message: str) -> None:
         now = time.perf_counter()
-        print(f"rehearsal {self.who}: {message} ({now - self.last:.1f} s)", flush=True)
+        took, since = now - self.last, now - self.began
+        print(f"rehearsal {self.who}: {message} ({took:.1f} s, at {since:.1f} s)", flush=True)
         self.last = now
 
 
@@ -394,6 +415,7 @@ def rehearsal_batches(cfg: TrainConfig, run: Process, say: Phases):
     if missing:
         say(f"data: not checked: {missing}")
     else:  # as rank 0 for the preparation the real job's rank 0 does while this rank waits
+        say.start(f"data: checking {cfg.data.path} (preparing it as rank 0 would)")
         train.setup_data(cfg, dataclasses.replace(run, rank=0))
         say(
             f"data: {cfg.data.path} has enough rows for {cfg.training.steps} steps on "
