@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from checkpoint_files import is_hf_checkpoint, load_dcp, resolve_checkpoint, write_checksums
+from files import read_config_json
 from hf_io import (
     SAFETENSORS_DTYPES,
     Entry,
@@ -77,7 +78,7 @@ from lora import (
     warn_unrecorded_weights,
 )
 from registry import ModelConfig, config_from_hf, family_of, model_class
-from tokenizer import Tokenizer, write_hf_tokenizer
+from tokenizer import Tokenizer, TokenizerError, load_tokenizer, write_hf_tokenizer
 
 Log = Callable[[str], None]
 Config = ModelConfig
@@ -905,6 +906,36 @@ def transformers_note(directory: Path, extras: Source | None) -> str | None:
     return f"note, transformers loading {directory}: " + "; ".join(notes) if notes else None
 
 
+def run_tokenizer(checkpoint: Path) -> Tokenizer:
+    """The tokenizer a checkpoint was trained with: the run's (train_config.json next to the
+    weights), else the checkpoint's tokenizer.json, else the byte tokenizer. sample.py and the
+    export read it here."""
+    run_config = checkpoint / "train_config.json"
+    if run_config.is_file():
+        saved = read_config_json(run_config)[0]
+        data, model = saved.get("data", {}), saved.get("model", {})
+        settings = [
+            ("data", data, "tokenizer", "byte"),
+            ("data", data, "eos_token", "<|endoftext|>"),
+            ("model", model, "init_from", ""),
+        ]
+        for section, table, key, default in settings:
+            if not isinstance(table, dict) or not isinstance(table.get(key, default), str):
+                raise TokenizerError(
+                    f"{run_config}: expected {section} to be an object whose {key} is "
+                    "a string (as train.py writes it), got "
+                    f"{section} = {table!r:.60}; use --tokenizer"
+                )
+        return load_tokenizer(
+            data.get("tokenizer", "byte"),
+            data.get("eos_token", "<|endoftext|>"),
+            model.get("init_from", ""),
+        )
+    if (checkpoint / "tokenizer.json").is_file():
+        return load_tokenizer(str(checkpoint))
+    return load_tokenizer("byte")
+
+
 def recorded_tokenizer(checkpoint: Path, log: Log) -> Tokenizer | None:
     """The tokenizer the run trained with, as sample.py picks it (its train_config.json, else the
     directory's tokenizer.json), or None, said in one line, when the checkpoint records neither."""
@@ -914,9 +945,7 @@ def recorded_tokenizer(checkpoint: Path, log: Log) -> Tokenizer | None:
             f"(no train_config.json or tokenizer.json)"
         )
         return None
-    from sample import sampling_tokenizer  # sample.py imports this module's loaders
-
-    tokenizer = sampling_tokenizer(checkpoint)
+    tokenizer = run_tokenizer(checkpoint)
     log(
         f"tokenizer: the run's, {tokenizer.vocab_size} tokens, end-of-text id {tokenizer.eos_id} "
         f"(tokenizer.json, tokenizer_config.json)"

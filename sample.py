@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from checkpoint_files import is_native_checkpoint, resolve_checkpoint
-from files import read_config_json
 from flags import OneLineParser, positive
 from generate import MIN_TEMPERATURE, stream, usable_temperature
 from tokenizer import Tokenizer, TokenizerError, load_tokenizer
@@ -160,35 +159,11 @@ def load_model(checkpoint: Path, device: str = "cpu") -> torch.nn.Module:
 
 
 def sampling_tokenizer(checkpoint: Path, spec: str = "auto") -> Tokenizer:
-    """The tokenizer named by `spec`; "auto": the run's (train_config.json next to the weights),
-    else the checkpoint's tokenizer.json, else the byte tokenizer."""
-    if spec != "auto":
-        return load_tokenizer(spec)
-    run_config = checkpoint / "train_config.json"
-    if run_config.is_file():
-        saved = read_config_json(run_config)[0]
-        data, model = saved.get("data", {}), saved.get("model", {})
-        settings = [
-            ("data", data, "tokenizer", "byte"),
-            ("data", data, "eos_token", "<|endoftext|>"),
-            ("model", model, "init_from", ""),
-        ]
-        for section, table, key, default in settings:
-            if not isinstance(table, dict) or not isinstance(table.get(key, default), str):
-                raise SampleError(
-                    f"{run_config}: expected {section} to be an object whose {key} is "
-                    "a string (as "
-                    f"train.py writes it), got {section} = {table!r:.60}; use "
-                    "--tokenizer"
-                )
-        return load_tokenizer(
-            data.get("tokenizer", "byte"),
-            data.get("eos_token", "<|endoftext|>"),
-            model.get("init_from", ""),
-        )
-    if (checkpoint / "tokenizer.json").is_file():
-        return load_tokenizer(str(checkpoint))
-    return load_tokenizer("byte")
+    """The tokenizer named by `spec`; "auto": the one the checkpoint was trained with
+    (convert.run_tokenizer)."""
+    from convert import run_tokenizer  # as the loaders above: convert.py loads torch.distributed
+
+    return run_tokenizer(checkpoint) if spec == "auto" else load_tokenizer(spec)
 
 
 def check_request(model: torch.nn.Module, tokenizer: Tokenizer, args: argparse.Namespace) -> None:

@@ -31,6 +31,18 @@ GIB = 2**30
 # H100 80GB), and what the estimate leaves out: allocator slack, NCCL buffers, the CUDA context.
 GPU_GIB = {"141GB": 140.4, "80GB": 79.6}
 OVERHEAD_GIB = 10.0
+# This estimate's largest miss against a rehearsal's measured peak (BENCHMARKS.md), by activation
+# checkpointing: within 6 % for every fully checkpointed GPU config; flint-8gpu's layout without
+# checkpointing (dp_shard 2 x ep 4) measured 101.6 GiB against its 80.3: un-checkpointed blocks
+# under expert parallelism save more than the models' block_activation_bytes counts. Selective keeps
+# half its blocks whole: the same margin.
+MEMORY_MARGIN = {"full": 0.06, "selective": 0.27, "none": 0.27}
+
+
+def gib_needed(estimate_gib: float, checkpointing: str) -> float:
+    """What a layout needs of a GPU, as the search and the planner judge it: the estimate plus its
+    margin for the checkpointing mode, plus OVERHEAD_GIB of slack and buffers."""
+    return estimate_gib * (1 + MEMORY_MARGIN[checkpointing]) + OVERHEAD_GIB
 
 
 def meta_model(config: ModelConfig, lora: LoraConfig | None = None) -> torch.nn.Module:

@@ -82,8 +82,10 @@ from parallel import MESH_DIMS, ParallelConfig
 from registry import FAMILIES, ModelConfig
 from tools.memory import (
     GPU_GIB,
+    MEMORY_MARGIN,
     OVERHEAD_GIB,
     accumulation_of,
+    gib_needed,
     memory_per_gpu,
     meta_model,
     stage_param_counts,
@@ -1056,8 +1058,6 @@ def memory_line(cfg: TrainConfig, layout: ParallelConfig, device: Device) -> str
     """Whether the layout fits one GPU, judged as search.py judges every layout: memory.py's
     estimate, plus its margin for the checkpointing mode and OVERHEAD_GIB of slack and buffers,
     against the usable GiB."""
-    from tools.search import MEMORY_MARGIN  # search.py imports this module: read at call time
-
     estimate = memory_per_gpu(
         cfg.model_config,
         layout,
@@ -1067,7 +1067,7 @@ def memory_line(cfg: TrainConfig, layout: ParallelConfig, device: Device) -> str
         device.memory_gib,
     )["total"]
     margin = MEMORY_MARGIN[layout.activation_checkpointing]
-    needed = estimate * (1 + margin) + OVERHEAD_GIB
+    needed = gib_needed(estimate, layout.activation_checkpointing)
     how = (
         f"{needed:.1f} GiB needed per GPU (memory.py's {estimate:.1f} + {100 * margin:.0f} % + "
         f"{OVERHEAD_GIB:.0f} GiB of buffers) of the {device.name}'s "

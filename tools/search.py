@@ -11,9 +11,9 @@ sequences per rank that make it up. Enumerated: pp (1, 2, 4, 8 where the model h
 schedule, dp_replicate (HSDP, one node a replica), ep (dividing the experts), cp (1, 2 where the
 model has it), dp_shard the rest; rows per micro-batch 1, 2, 4, 8; the accumulation modes;
 activation checkpointing none, selective, full; ep_overlap 1, 2, 4. A layout fits when memory.py's
-total, plus its 10 GiB of slack and buffers, plus MEMORY_MARGIN of the total (memory.py's largest
-miss against the rehearsals of its checkpointing mode), stays under the GPU's usable memory. Ranked
-by calibrated tokens/s per GPU; each trace (per rows and checkpointing) is made once."""
+total, plus its 10 GiB of slack and buffers, plus memory.MEMORY_MARGIN of the total (memory.py's
+largest miss against the rehearsals of its checkpointing mode), stays under the GPU's usable memory.
+Ranked by calibrated tokens/s per GPU; each trace (per rows and checkpointing) is made once."""
 
 from __future__ import annotations
 
@@ -27,15 +27,9 @@ from config import ConfigError, TrainConfig
 from flags import OneLineParser, names_from, positive
 from parallel import AC_MODES, ParallelConfig, unsupported_layout
 from registry import model_class
-from tools.memory import OVERHEAD_GIB, memory_per_gpu
+from tools.memory import gib_needed, memory_per_gpu
 from tools.planner import Device, Plan, add_shape_arguments, describe_layout, plan_step, read_shape
 
-# memory.py's largest miss against a rehearsal's measured peak (BENCHMARKS.md), by activation
-# checkpointing: within 6 % for every fully checkpointed GPU config; flint-8gpu's layout without
-# checkpointing (dp_shard 2 x ep 4) measured 101.6 GiB against its 80.3: un-checkpointed blocks
-# under expert parallelism save more than the models' block_activation_bytes counts. Selective keeps
-# half its blocks whole: the same margin.
-MEMORY_MARGIN = {"full": 0.06, "selective": 0.27, "none": 0.27}
 ROWS = (1, 2, 4, 8)
 CHECKPOINTING = ("none", "selective", "full")
 OVERLAPS = (1, 2, 4)
@@ -139,7 +133,7 @@ def candidates(
 
 
 def fits(memory_gib: float, device: Device, checkpointing: str) -> bool:
-    return memory_gib * (1 + MEMORY_MARGIN[checkpointing]) + OVERHEAD_GIB <= device.memory_gib
+    return gib_needed(memory_gib, checkpointing) <= device.memory_gib
 
 
 def search(
