@@ -240,6 +240,7 @@ def check_accumulation(layouts: list[dict], family: str, modes=MODES, count: boo
                     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_every_mode_matches_one_process_under_fsdp(family):
     """FSDP over 2 ranks, every registered family (Large 4: its frozen indexer gets no gradient in

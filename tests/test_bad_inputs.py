@@ -793,6 +793,7 @@ SAMPLE_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build, named, pattern", SAMPLE_CASES.values(), ids=SAMPLE_CASES)
 def test_bad_sampling_inputs_stop_with_one_line(trained, tmp_path, build, named, pattern):
     argv = build(trained, tmp_path / "checkpoint")
@@ -948,6 +949,7 @@ def chat_data(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_resume_names_every_data_setting_that_changed(tmp_path, capsys):
     """A resume whose rows differ from the checkpoint's is refused naming each data setting that
     changed (data.overlong, data.text_key and training.seed here; it named data.seq_len alone,

@@ -161,6 +161,7 @@ def test_the_layers_give_the_pooled_balance_term_bit_for_bit(masked):
         assert torch.equal(grad, expected_grads[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_sequence_wise_and_z_losses_equal_the_plain_loops(family):
     """Each loss alone (and Flint's three together) against the loops above: values and
@@ -262,6 +263,7 @@ def test_no_router_keeps_its_logits_after_backward(family):
 
 
 # Flint's block call; Large 4's blocks compile whole with the losses on in test_compile.py
+@pytest.mark.slow
 @only("flint")
 def test_an_moe_block_with_its_statistics_compiles_to_one_graph(one_thread):
     """fullgraph=True: adding the statistics breaks no graph (counts by scatter-add into a fixed
@@ -337,6 +339,7 @@ def check_router_losses_in_layouts(layouts: dict[str, list[tuple[dict, int]]]) -
                     close(full(param.grad), expected_grads[name], f"{family} {layout} grad {name}")
 
 
+@pytest.mark.slow
 def test_router_losses_in_every_layout_match_one_process():
     """Every router loss on, on 2 gloo ranks, against one process run on the same micro-batches: a
     pipeline of 2 stages (1F1B: 2 micro-batches; Large 4's stages 0-3 | 4-7 both hold MoE layers, so
@@ -487,6 +490,7 @@ def test_loads_and_one_warning_per_idle_streak(capsys):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_training_with_the_bias_resumes_exactly_and_is_not_exported(tmp_path, family):

@@ -35,6 +35,7 @@ class FlushedOutput(io.StringIO):
         self.at_flush.append(self.getvalue())
 
 
+@pytest.mark.slow
 @FLINT
 def test_quick_run_writes_wellformed_json(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics, "CPU_PEAK_CACHE", tmp_path / "cpu_peak.json")
@@ -140,6 +141,7 @@ def test_the_configs_own_step_compiles_and_checkpoints_as_its_parallel_section_s
     assert "split" not in row  # its profiler hooks inside compiled blocks would break fullgraph
 
 
+@pytest.mark.slow
 @FLINT  # Large 4's 8 distinct blocks take a minute to trace: tests/test_compile.py's slow test
 def test_the_compiled_row_counts_the_graphs_it_really_compiled(monkeypatch):
     """Compiled for real (aot_eager: dynamo's graphs and the backward, without code generation):
@@ -154,6 +156,7 @@ def test_the_compiled_row_counts_the_graphs_it_really_compiled(monkeypatch):
     assert "error" not in row and row["graphs"] >= 2 and row["graph_breaks"] == 0
 
 
+@pytest.mark.slow
 @only("large4")
 def test_mistral_large4_is_timed_like_flint():
     """A Large 4 config gets its own row with tokens/s and MFU from MistralLarge4.flops_per_token;
@@ -202,6 +205,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow
 @FLINT
 def test_the_compared_rows_are_timed_in_rotation(monkeypatch, tmp_path):
     """main, compiled, baseline and reference are warmed up in turn, then timed one step of each in
@@ -269,6 +273,7 @@ def test_the_compared_rows_are_timed_in_rotation(monkeypatch, tmp_path):
     assert ratio["median_per_rotation"] == pytest.approx(statistics.median(ratio["per_rotation"]))
 
 
+@pytest.mark.slow
 @FLINT
 def test_a_row_that_cannot_run_sits_out_of_the_rotation(monkeypatch):
     """transformers missing: the reference is skipped and the others alternate without it; a row
@@ -398,6 +403,7 @@ def test_command_line_errors_are_one_line_naming_the_flag(argv, message):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_a_gpu_is_one_line_and_exit_status_1():
     result = subprocess.run(

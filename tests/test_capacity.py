@@ -248,6 +248,7 @@ def test_the_routing_record_gives_each_layer_its_dropped_assignments():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_a_capacity_moe_layer_compiles_to_one_graph(name, one_thread):
     """With static [E, C, H] buffers each family's MoE layer (router, experts under capacity, shared
@@ -319,6 +320,7 @@ def check_capacity_on_two_ranks() -> None:
     assert_runs_equal(run(compiled, inputs[rank]), (*expected[rank][:2], want))
 
 
+@pytest.mark.slow
 def test_expert_parallel_capacity_equals_one_process_compiles_whole_and_never_syncs():
     spawn(2, check_capacity_on_two_ranks)
 
@@ -329,6 +331,7 @@ def check_capacity_step_syncs(argv: list[str]) -> None:
     assert reads == ["tolist"], reads
 
 
+@pytest.mark.slow
 def test_an_expert_parallel_training_step_under_capacity_copies_to_the_host_once(tmp_path):
     """train.py's step with ep 2, 2 micro-batches and full activation checkpointing: where dropless
     routing copies once per MoE layer and micro-batch, capacity copies nothing beyond the step's
@@ -348,6 +351,7 @@ def test_an_expert_parallel_training_step_under_capacity_copies_to_the_host_once
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_expert_parallel_training_under_capacity_matches_one_process(name):
     """parallel.py's expert-parallel model (DTensor expert shards, ep 2) under a capacity that drops

@@ -37,6 +37,7 @@ from helpers import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_resume_gives_exactly_the_uninterrupted_losses(family, tmp_path):
     common = [
@@ -70,6 +71,7 @@ def test_resume_gives_exactly_the_uninterrupted_losses(family, tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".lock", "run_0001"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_a_crash_while_saving_keeps_the_last_good_checkpoint(family, tmp_path, monkeypatch):
     real_save = checkpoint.save_dcp
@@ -113,6 +115,7 @@ def test_a_crash_while_saving_keeps_the_last_good_checkpoint(family, tmp_path, m
     ]
 
 
+@pytest.mark.slow
 def test_checkpoint_from_another_architecture_is_refused(tmp_path):
     run_debug(tmp_path, "--training.steps=1", "--training.sample_tokens=0")
     checkpoint = tmp_path / "ckpt" / "run_0001" / "step_00000001"
@@ -122,6 +125,7 @@ def test_checkpoint_from_another_architecture_is_refused(tmp_path):
         run_debug(tmp_path, "--model.hidden_size=96", f"--checkpoint.resume={checkpoint}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("written", ["{not json", '{"model_type": "flint", "hidden_size": -4}'])
 def test_an_explicit_resume_of_a_checkpoint_with_a_bad_config_says_so_in_one_line(
     tmp_path, trained_once, written
@@ -136,6 +140,7 @@ def test_an_explicit_resume_of_a_checkpoint_with_a_bad_config_says_so_in_one_lin
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_auto_resume_that_can_read_no_checkpoint_stops(family, tmp_path):
     """Checkpoints found, none intact: the run stops and says so, and never starts over from step
@@ -166,6 +171,7 @@ def test_auto_resume_that_can_read_no_checkpoint_stops(family, tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".lock", "run_0001"]
 
 
+@pytest.mark.slow
 def test_rerunning_never_deletes_a_run_and_auto_continues_the_latest(tmp_path, capsys):
     short = ["--training.steps=2", "--training.sample_tokens=0"]
     run_debug(tmp_path, *short)  # debug.toml: resume = "never", as the README's first command
@@ -193,6 +199,7 @@ def test_rerunning_never_deletes_a_run_and_auto_continues_the_latest(tmp_path, c
     ]
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_same_directory_is_refused(tmp_path):
     """Machinery independent of the model: the first registered family."""
     import fcntl
@@ -212,6 +219,7 @@ def test_a_second_run_on_the_same_directory_is_refused(tmp_path):
     run_debug(tmp_path, "--training.steps=1", "--training.sample_tokens=0")  # released: runs
 
 
+@pytest.mark.slow
 def test_a_run_pointed_at_a_live_runs_own_directory_is_refused(tmp_path):
     """A live run holds its run directory's lock too: a second run whose checkpoint.dir is that
     run_0001, or one continuing it through the parent directory, is refused before any work.
@@ -238,6 +246,7 @@ def test_a_run_pointed_at_a_live_runs_own_directory_is_refused(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_a_kill_during_rotation_never_leaves_a_half_deleted_checkpoint_listed(
     tmp_path, monkeypatch
 ):
@@ -296,6 +305,7 @@ def test_a_stray_file_named_like_a_run_is_skipped(tmp_path):
     assert (tmp_path / "ckpt" / "run_0002" / "step_00000001").is_dir()
 
 
+@pytest.mark.slow
 def test_a_truncated_data_file_without_checksums_is_reported_and_the_one_before_used(
     tmp_path, capsys
 ):
@@ -313,6 +323,7 @@ def test_a_truncated_data_file_without_checksums_is_reported_and_the_one_before_
     assert f"resumed from {newest.parent / 'step_00000002'} at step 2" in out
 
 
+@pytest.mark.slow
 def test_runs_sharing_a_log_never_delete_each_others_records(tmp_path):
     """A second fresh run appends to the same logging.jsonl; an explicit resume into a new run
     directory keeps the first run's records of later steps; each record names its run.
@@ -340,6 +351,7 @@ def test_runs_sharing_a_log_never_delete_each_others_records(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_prints_the_resume_command(tmp_path, monkeypatch, capsys):
     common = ["--training.steps=5", "--logging.every=1", "--training.sample_tokens=0"]
     run_debug(tmp_path / "whole", *common)
@@ -368,6 +380,7 @@ def test_sigterm_saves_a_checkpoint_and_prints_the_resume_command(tmp_path, monk
     assert train_losses(tmp_path) == uninterrupted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_a_damaged_newest_checkpoint_is_reported_and_the_one_before_used(family, tmp_path, capsys):
     run_debug(
@@ -398,6 +411,7 @@ def test_a_damaged_newest_checkpoint_is_reported_and_the_one_before_used(family,
     assert f"resumed from {run_dir / 'step_00000002'} at step 2" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_a_diverging_run_stops_at_the_step_it_diverges(family, tmp_path):
     """lr 3e-2 trains for a step (step_1 saved); a step at lr 1e3 then blows the weights up, and
@@ -520,6 +534,7 @@ def saved_data_checksums(checkpoint_dir: Path) -> dict[str, int]:
     return {name: entry["crc32"] for name, entry in listed.items() if name.endswith(".distcp")}
 
 
+@pytest.mark.slow
 def test_async_save_writes_while_training_and_a_crash_in_flight_keeps_the_last_checkpoint(
     tmp_path, monkeypatch, capsys
 ):
@@ -709,6 +724,7 @@ def flip_a_bit(checkpoint_dir: Path) -> None:
     shard.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_rotation_after_skipping_a_damaged_checkpoint_keeps_the_good_one(
     tmp_path, monkeypatch, capsys
 ):
@@ -783,6 +799,7 @@ OPTIM_CHANGES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_a_resume_trains_with_the_configs_optimizer_settings_and_says_what_changed(
     tmp_path, monkeypatch, capsys, name
@@ -827,6 +844,7 @@ def test_a_resume_trains_with_the_configs_optimizer_settings_and_says_what_chang
         assert f"optim.{key} {getattr(saved, key)} -> {value}" in out, key
 
 
+@pytest.mark.slow
 def test_a_longer_resumed_run_says_how_the_learning_rate_moves(tmp_path, capsys):
     """training.steps 4 -> 8 on a resume moves the cosine schedule under the run: one line says the
     learning rate goes from step 4's to step 5's, which the run then uses."""
@@ -850,6 +868,7 @@ def test_a_longer_resumed_run_says_how_the_learning_rate_moves(tmp_path, capsys)
     assert [r["lr"] for r in records(tmp_path) if r.get("step") == 5 and "lr" in r] == [after]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved, asked", [("adamw", "muon"), ("muon", "adamw")])
 def test_resuming_with_the_other_optimizer_says_which_the_checkpoint_holds(tmp_path, saved, asked):
     """Not "a damaged .distcp file?: Missing key ...momentum_buffer": the checkpoint is intact."""
@@ -869,6 +888,7 @@ def test_resuming_with_the_other_optimizer_says_which_the_checkpoint_holds(tmp_p
     assert "\n" not in str(refused.value) and "damaged" not in str(refused.value)
 
 
+@pytest.mark.slow
 def test_a_run_killed_in_its_first_save_leaves_no_leftovers_and_no_duplicate_records(tmp_path):
     """kill -9 while the first checkpoint is written (step 1 trained and logged): the auto resume
     has no checkpoint to continue and starts over, in the run directory the killed run left,

@@ -10,6 +10,7 @@ from helpers import DEFAULT_FAMILY, ROOT, debug_configs, stops_with_one_line
 from tools import checkpoint_cost
 
 
+@pytest.mark.slow
 def test_it_times_synchronous_and_asynchronous_saves():
     config = str(debug_configs()[DEFAULT_FAMILY])
     result = subprocess.run(

@@ -78,6 +78,7 @@ def test_getattr_in_metadata_fetches_enum_members_only():
             enum_member(cls, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_crafted_metadata_never_runs_code(tmp_path, family):
     """A .metadata whose pickle would create `marker` is refused by every reader of native
@@ -141,6 +142,7 @@ def plant_in_entry(checkpoint_dir: Path, key: str, payload) -> None:
     checkpoint_files.write_checksums(checkpoint_dir)
 
 
+@pytest.mark.slow
 def test_crafted_entries_of_distcp_files_never_run_code(tmp_path):
     """A non-tensor entry whose pickle would create `marker` (an optimizer group's lr, which every
     resume reads; a model weight, which every reader of weights reads) is refused on every path: an

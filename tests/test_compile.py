@@ -69,6 +69,7 @@ def assert_same(eager, compiled, what: str):
         assert_close_to_scale(g_c, g, rtol=1e-4, what=f"{what} gradient {i}")
 
 
+@pytest.mark.slow
 @FLINT
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", list(BLOCK_KINDS))
@@ -84,6 +85,7 @@ def test_every_block_kind_compiles_to_one_graph(kind, backend, one_thread):
     assert_same(values_and_grads(block, *inputs), values_and_grads(compiled, *inputs), kind)
 
 
+@pytest.mark.slow
 @FLINT
 @pytest.mark.parametrize("kind", list(BLOCK_KINDS))
 def test_flex_blocks_trace_to_one_graph(kind, monkeypatch, one_thread):
@@ -101,6 +103,7 @@ def test_flex_blocks_trace_to_one_graph(kind, monkeypatch, one_thread):
     )
 
 
+@pytest.mark.slow
 @FLINT
 def test_bf16_block_tracks_fp32(one_thread):
     """The BF16 bulk with FP32 sinks and router, as on a GPU: an MoE sliding block's output and
@@ -127,6 +130,7 @@ def test_bf16_block_tracks_fp32(one_thread):
     torch.testing.assert_close(out16_c, out16, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.slow
 @FLINT
 @pytest.mark.parametrize("chunk_size", [4096, 24])
 def test_head_and_chunked_loss_compile_to_one_graph(chunk_size, one_thread):
@@ -214,6 +218,7 @@ def test_large4_blocks_compile_to_one_graph_each(attention_backend, monkeypatch,
             assert_close_to_scale(g_c, g, rtol=1e-4)
 
 
+@pytest.mark.slow
 @FLINT
 def test_router_counts_are_recorded_inside_the_graph(one_thread):
     """The router's tokens_per_expert buffer update survives compilation (a buffer mutation in
@@ -297,6 +302,7 @@ def train_then_evaluate_compiled(model, monkeypatch) -> None:
         assert_close_to_scale(model(ids, ids.roll(-1, 1)), eager, rtol=1e-5)
 
 
+@pytest.mark.slow
 @FLINT
 def test_compiled_blocks_train_and_evaluate_past_the_recompile_limit(monkeypatch, one_thread):
     """All blocks share one code object; dynamo keeps a graph per distinct block and grad mode
@@ -380,6 +386,7 @@ def spawned(check, *args) -> None:
     check(*args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_checkpointed_blocks_compile_whole_and_match_eager(family, monkeypatch):
     """FP32 in a group of one, selective checkpointing (block 0 recomputed in backward, block 1
@@ -397,6 +404,7 @@ def test_checkpointed_blocks_compile_whole_and_match_eager(family, monkeypatch):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family",
     [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=slow) for name in FAMILY_NAMES],

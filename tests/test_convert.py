@@ -491,6 +491,7 @@ def test_to_hf_takes_a_runs_checkpoint_directory_as_its_newest_step(tmp_path, ca
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("large4" not in FAMILIES, reason="Mistral Large 4 is not registered")
 def test_to_hf_explains_what_transformers_reports_on_loading_a_large4_export(tmp_path, capsys):
     """transformers lists a text-only Large 4 export's vision tower as MISSING and warns that a tiny

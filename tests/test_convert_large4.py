@@ -57,6 +57,7 @@ def tracked(function, live: list):
     return wrapper
 
 
+@pytest.mark.slow
 def test_round_trip_hf_native_hf_is_bit_exact_one_tensor_at_a_time(tmp_path, capsys, monkeypatch):
     live = []  # weak references to the storage of every tensor read so far (DCP holds aliases)
     monkeypatch.setattr(convert.SafetensorsDir, "read", tracked(convert.SafetensorsDir.read, live))
@@ -78,6 +79,7 @@ def test_round_trip_hf_native_hf_is_bit_exact_one_tensor_at_a_time(tmp_path, cap
     )
 
 
+@pytest.mark.slow
 def test_round_trip_native_hf_native_is_bit_exact(tmp_path, capsys):
     model = convert.load_hf(FIXTURES)
     # keeps no extras, as training does
@@ -189,6 +191,7 @@ def fp8_checkpoint(
     return write_checkpoint(directory, state, config), want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale_suffix", [".qscale_weight", ".weight_scale_inv"])
 def test_fp8_checkpoints_are_dequantized_on_load(tmp_path, scale_suffix):
     directory, want = fp8_checkpoint(tmp_path / "fp8", scale_suffix=scale_suffix)
@@ -259,6 +262,7 @@ def test_bad_fp8_checkpoints_name_the_key(tmp_path, edit, message):
 SAVED = Path(__file__).parent / "fixtures" / "large4_saved"
 
 
+@pytest.mark.slow
 def test_what_transformers_writes_back_converts_and_gives_its_logits(tmp_path):
     """tests/make_large4_saved_fixture.py: flint's export loaded by transformers and written back by
     its save_pretrained, which names the vision tower it initialised `model.vision_tower.*`

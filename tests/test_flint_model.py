@@ -73,6 +73,7 @@ def test_parity_setup_covers_the_contract():
     assert any(config.is_moe_layer(i) for i in range(7)) and not config.is_moe_layer(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_logits_match_reference(backend, monkeypatch):
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
@@ -87,6 +88,7 @@ def test_logits_match_reference(backend, monkeypatch):
         assert (logits - expected).abs().max().item() <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_gradients_match_reference(backend, monkeypatch):
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)

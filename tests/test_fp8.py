@@ -461,6 +461,7 @@ def test_a_gpu_without_fp8_tensor_cores_is_refused_before_the_process_group(tmp_
 # =============================================================== compiled, and on fake CUDA tensors
 
 
+@pytest.mark.slow
 @only("flint")
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_gw_hp"])
 @pytest.mark.parametrize("layer", ["0", "2"])
@@ -484,6 +485,7 @@ def test_fp8_blocks_compile_to_one_graph(layer, recipe, one_thread):
         assert_close_to_scale(g_c, g, rtol=1e-4, what=f"gradient {i}")
 
 
+@pytest.mark.slow
 def test_ops_pass_opcheck():
     """Fake functions, autograd registration and schemas as torch.library checks them."""
     x, w = torch.randn(32, 16, requires_grad=True), torch.randn(16, 32, requires_grad=True)
@@ -543,6 +545,7 @@ def check_layout_matches_one_process(layout: dict, one_process) -> None:
         assert_close_to_scale(grad, reference_grads[name], rtol=0.1, what=name)
 
 
+@pytest.mark.slow
 @only("flint")
 def test_fsdp_and_expert_parallel_match_one_process():
     one_process = in_process_group(fp8_step, {})
@@ -561,6 +564,7 @@ def test_pipeline_context_parallel_and_checkpointing_match_one_process(layout):
     spawn(2, check_layout_matches_one_process, layout, in_process_group(fp8_step, {}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SLOW)
 def test_the_rehearsal_runs_the_cuda_fp8_kernels_on_fake_tensors(family, tmp_path, monkeypatch):
     """`train.py --dry-run` with fp8: every dense FP8 matmul and every grouped one goes through the
@@ -617,6 +621,7 @@ def test_a_nan_in_fp8_stops_the_run_naming_fp8(tmp_path, monkeypatch):
 # ======================================================================== the planner and memory.py
 
 
+@pytest.mark.slow
 @only("flint")
 def test_the_planner_prices_fp8_matmuls_at_the_fp8_peak_and_counts_their_quantisation():
     """The same FLOPs traced with fp8, every BF16 matmul FLOP outside the attention core now in an
@@ -717,6 +722,7 @@ def check_compiled_matches_eager(
     assert all("_fsdp_common.py" in reason for reason in breaks), list(breaks)
 
 
+@pytest.mark.slow
 @only("flint")
 @pytest.mark.parametrize(
     "layout, bf16, tolerance",
@@ -763,6 +769,7 @@ def test_the_grouped_fp8_kernel_is_chosen_on_hopper_and_in_rehearsals_only(monke
 # ======================================================================== training through train.py
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SLOW)
 def test_fp8_trains_through_train_py_close_to_the_run_without(family, tmp_path):
     """The debug config's 20 steps with fp8 = rowwise against the same run without: the validation

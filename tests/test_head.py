@@ -100,6 +100,7 @@ def test_the_bf16_head_products_are_the_emulated_ones(precision):
     assert (w.grad - fp32[2]).abs().max() > 10 * (w.grad - expected[2]).abs().max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["tf32", "bf16x3"])
 def test_the_gpu_precisions_compile_to_one_graph(precision):
     """The fused loss at each GPU precision traces whole (the TF32 product as its opaque operator),

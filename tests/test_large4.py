@@ -72,6 +72,7 @@ def boundary_gap(record: dict, visible_counts: torch.Tensor, top_k: int) -> floa
 # ======================================================================== parity with the reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq_len", [40, 7])
 def test_logits_loss_and_every_gradient_match_reference(parity_model, seq_len):
     """T = 40 > index_topk = 8 (really sparse, shared indices, both KV consumer kinds); T = 7 <= 8
@@ -246,6 +247,7 @@ def test_indexer_is_frozen(parity_model):
     assert all(p.requires_grad for n, p in parity_model.named_parameters() if ".indexer." not in n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc_ids", [[0] * 12 + [1] * 6 + [-1] * 2, [0] * 4 + [1] * 2 + [-1]])
 def test_flex_backend_equals_dense_values_and_gradients(parity_model, monkeypatch, doc_ids):
     """The GPU path (FlexAttention with each group's BlockMask) on the CPU, as
@@ -276,6 +278,7 @@ def test_flex_backend_equals_dense_values_and_gradients(parity_model, monkeypatc
         assert_close_to_scale(flex[name], dense[name], rtol=1e-4, what=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 @pytest.mark.parametrize("seq_len, groups", [(40, 5), (7, 1)])
 def test_attention_mask_built_once_per_group(parity_model, monkeypatch, backend, seq_len, groups):
@@ -496,6 +499,7 @@ def large4_args(tmp_path: Path, *overrides: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_trains_through_train_main_with_the_indexer_frozen(tmp_path):
     """A few steps of the tiny Mistral Large 4 through the same path as Flint: loss falls, the
     frozen indexer is neither updated nor in the optimizer, the checkpoint resumes."""
@@ -532,6 +536,7 @@ def test_train_py_refuses_a_random_indexer_beyond_index_topk(tmp_path):
         train.main(large4_args(tmp_path, "--data.seq_len=256"))
 
 
+@pytest.mark.slow
 def test_finetune_from_hugging_face_exports_the_extras_of_its_source(tmp_path):
     """Training keeps only the text model; the export copies the vision tower and draft head from
     the init_from checkpoint, so the published loader finds nothing missing."""

@@ -460,6 +460,7 @@ def test_adapters_are_seeded_by_name_in_every_layout(family):
     assert abs(a.std().item() * math.sqrt(a.shape[1]) - 1) < 0.1 and b.abs().max() == 0
 
 
+@pytest.mark.slow
 @only("flint")
 @pytest.mark.parametrize("kind", ["0", "2"])
 def test_adapted_blocks_compile_whole_and_match_eager(kind, one_thread):
@@ -537,6 +538,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_layouts_match_one_process(family, layout):

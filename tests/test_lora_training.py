@@ -54,6 +54,7 @@ def checkpoint_of(tmp_path: Path, step: int) -> Path:
     return tmp_path / "ckpt" / "run_0001" / f"step_{step:08d}"
 
 
+@pytest.mark.slow
 def test_the_adapters_train_on_the_frozen_base(tmp_path, trained_once, monkeypatch):
     """Step 1's loss is the base's (B = 0: a full fine-tune from the same base scores the same rows
     alike), the loss falls, the optimizer holds the adapters alone and every base weight ends bit
@@ -103,6 +104,7 @@ def test_the_adapters_train_on_the_frozen_base(tmp_path, trained_once, monkeypat
     assert set(base_state) == set(lora.without_adapters(model.state_dict()))
 
 
+@pytest.mark.slow
 def test_the_base_stays_bit_for_bit(tmp_path, monkeypatch):
     """The layout's own model after training: every frozen weight and buffer equal to the checkpoint
     it was loaded from, the routers' selection bias of a base balanced without a loss
@@ -132,6 +134,7 @@ def test_the_base_stays_bit_for_bit(tmp_path, monkeypatch):
     assert any(value.abs().max() > 0 for key, value in adapters.items() if key.endswith(".B"))
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_and_only_on_the_same_base(tmp_path, trained_once):
     lora_run(tmp_path / "straight", trained_once, "--training.steps=4", "--checkpoint.every=2")
     middle = checkpoint_of(tmp_path / "straight", 2)
@@ -172,6 +175,7 @@ def test_resume_is_bit_exact_and_only_on_the_same_base(tmp_path, trained_once):
         lora_run(tmp_path / "whole", trained_once, f"--checkpoint.resume={trained_once}")
 
 
+@pytest.mark.slow
 def test_two_processes_train_as_one_and_their_checkpoint_resumes_in_one(tmp_path, trained_once):
     """train.py under EP 2 on gloo (FSDP over the 2 data-parallel ranks too): the base loaded into
     shards, the adapters initialised in theirs; its losses are one process's (2 micro-batches of the
@@ -200,6 +204,7 @@ def test_two_processes_train_as_one_and_their_checkpoint_resumes_in_one(tmp_path
     assert train_losses(tmp_path / "resumed")[3] == pytest.approx(one[3], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("published_base", [False, True], ids=["native_base", "hugging_face_base"])
 def test_export_merged_and_as_peft(tmp_path, trained_once, published_base):
     """convert.py to-hf on a LoRA checkpoint writes the merged model (its logits are the adapted
@@ -331,6 +336,7 @@ def test_bad_lora_settings_stop_before_any_work(tmp_path, trained_once, override
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.slow
 def test_a_lora_checkpoint_is_no_init_from(tmp_path, trained_once):
     lora_run(tmp_path / "lora", trained_once, "--training.steps=1")
     adapters_only = checkpoint_of(tmp_path / "lora", 1)
@@ -377,6 +383,7 @@ def model_only_copy(source: Path, out: Path, change: float = 1.0) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_base_replaced_in_place_is_refused_everywhere(tmp_path, trained_once, capsys):
     """lora.json records the SHA-256 over the base's weight files' names, sizes and CRC-32s (read
     from its checksums.json); a base whose weights were replaced in place by another model of the
@@ -426,6 +433,7 @@ def test_a_base_replaced_in_place_is_refused_everywhere(tmp_path, trained_once, 
     assert sorted(train_losses(tmp_path / "resumed")) == [2]
 
 
+@pytest.mark.slow
 def test_to_peft_refuses_a_base_with_the_selection_bias(tmp_path):
     """A base that chooses experts with the aux-loss-free selection bias routes differently in
     transformers' model: to-peft refuses it in one line, as to-hf does (the accepted boundary, a
@@ -448,6 +456,7 @@ def test_to_peft_refuses_a_base_with_the_selection_bias(tmp_path):
         assert not (tmp_path / command).exists()
 
 
+@pytest.mark.slow
 def test_a_record_without_the_weights_checksum_warns_and_is_used(tmp_path, trained_once, capfd):
     """lora.json written before the base's weights were recorded: used (its base may well be
     intact), with one warning line saying the weights could not be checked."""
@@ -532,6 +541,7 @@ def damaged_copy(tmp_path: Path, lora_checkpoint: Path, damage) -> tuple[Path, s
     return checkpoint, line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGED_RECORDS.values(), ids=DAMAGED_RECORDS.keys())
 def test_a_damaged_lora_json_is_one_line_everywhere(tmp_path, lora_checkpoint, damage):
     """to-hf, to-peft and sample.py refuse a damaged lora.json in one line naming the file and the
@@ -589,6 +599,7 @@ def readme_commands(section: str) -> list[list[str]]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("flint" != DEFAULT_FAMILY, reason="smoke.toml and sft-smoke.toml are Flint's")
 def test_the_readmes_fine_tuning_commands_work_in_order(tmp_path, monkeypatch, capsys):
     """README, Fine-tuning, on a fresh clone (a directory holding only configs/ and data/), each

@@ -276,6 +276,7 @@ def test_memory_counts_what_accumulation_holds_as_parallel_does():
     )
 
 
+@pytest.mark.slow
 @FLINT
 def test_command_prints_the_released_layouts_labelled(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
@@ -298,6 +299,7 @@ def test_command_prints_the_released_layouts_labelled(capsys, monkeypatch):
     assert "seq_len 8192" in out and "| config flint-8gpu.toml: dp_shard=2 ep=4 ac=full |" in out
 
 
+@pytest.mark.slow
 @FLINT
 def test_command_errors_are_one_line(monkeypatch):
     monkeypatch.chdir(ROOT)

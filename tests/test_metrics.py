@@ -158,6 +158,7 @@ def trace_names(path: Path) -> set[str]:
     return {event.get("name") for event in json.loads(path.read_text())["traceEvents"]}
 
 
+@pytest.mark.slow
 @only("flint")
 def test_profiled_steps_write_a_trace_with_named_ranges_and_the_run_its_report(tmp_path, capsys):
     summary = run_debug(
@@ -181,6 +182,7 @@ def test_profiled_steps_write_a_trace_with_named_ranges_and_the_run_its_report(t
     assert f"{summary['loss']:.4f}" in (run_dir / "report.html").read_text()
 
 
+@pytest.mark.slow
 @only("flint")
 def test_two_processes_write_one_trace_per_rank(tmp_path):
     """Each rank of a gloo run records its own profiled step, with its collectives among the named
@@ -489,6 +491,7 @@ def test_a_resumed_run_continues_the_same_tensorboard_directory_and_wandb_run(
     ) == 16  # not a second id
 
 
+@pytest.mark.slow
 def test_train_logs_the_interval_mean_to_the_trackers_and_closes_them(
     tmp_path, fake_trackers, monkeypatch
 ):
@@ -590,6 +593,7 @@ def reference_python() -> str:
     return str(REFERENCE_PYTHON)
 
 
+@pytest.mark.slow
 def test_real_tensorboard_and_wandb_offline_read_back_the_records_and_a_resume_continues_them(
     tmp_path,
 ):

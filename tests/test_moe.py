@@ -265,6 +265,7 @@ def check_expert_parallel_on_two_ranks() -> None:
     check_compiled_routing_changes_without_recompiling()
 
 
+@pytest.mark.slow
 def test_expert_parallel_forced_balance_equals_one_process_and_compiles_once():
     spawn(2, check_expert_parallel_on_two_ranks)
 

@@ -141,6 +141,7 @@ def check_muon_on_shards(layouts: list[dict]) -> None:
         muon_matches_plain(pm.module, build(config))
 
 
+@pytest.mark.slow
 @FLINT
 def test_muon_steps_like_the_plain_reference_on_two_ranks():
     """FSDP 2 (every matrix sharded on its rows: gathered, orthogonalised whole, re-sharded) and
@@ -148,6 +149,7 @@ def test_muon_steps_like_the_plain_reference_on_two_ranks():
     spawn(2, check_muon_on_shards, [{"dp_shard": 2}, {"ep": 2, "dp_shard": 1}])
 
 
+@pytest.mark.slow
 def test_a_muon_run_saves_and_resumes_exactly(tmp_path):
     """train.py with [optim] name = "muon": the momentum buffers and AdamW states go through the
     checkpoint, so a resume from step 2 gives the uninterrupted losses of steps 3 and 4 bit for bit
@@ -184,6 +186,7 @@ def check_muon_on_a_dim_1_split() -> None:
     muon_matches_plain(pm.module, build(config))
 
 
+@pytest.mark.slow
 @FLINT
 def test_muon_gathers_experts_split_along_dim_1():
     """Treated as whole local matrices, such slices would each be orthogonalised on their own."""

@@ -133,6 +133,7 @@ def check_overlapped_expert_layouts(family: str, four: bool) -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_overlapped_expert_exchange_matches_one_process(family):
     """ep 2 with every block recomputed (activation checkpointing full: the recompute runs the
@@ -168,6 +169,7 @@ def test_expert_and_pipeline_layouts_match_single_process():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_zero_bubble_pipelines_match_single_process(family):
     """ZB-V and DualPipeV: two stages per rank in a V (rank 0 holds stages 0 and 3, rank 1 stages 1
@@ -420,6 +422,7 @@ def test_fp32_unit_check_fails_when_a_unit_gets_the_bulk_policy(unit, monkeypatc
         in_process_group(check_fp32_units_under_bf16, {"param_dtype": "bfloat16"})
 
 
+@pytest.mark.slow
 @only("flint")
 def test_fp32_residual_stream_under_bf16_policy():
     """residual_dtype = "float32" under the BF16 bulk policy: every block receives the residual
@@ -607,6 +610,7 @@ def check_meta_init(layouts: list[dict], family: str) -> None:
         assert all(not b.is_meta and not b.any() for b in pm.module.buffers())
 
 
+@pytest.mark.slow
 @only("flint")
 def test_meta_init_matches_one_process():
     """A group of one (no sharding), then FSDP 2, EP 2 and PP 2."""
@@ -911,6 +915,7 @@ def gradients_after_an_evaluation(evaluate: bool) -> dict[str, torch.Tensor]:
     return {name: full(param.grad) for name, param in pm.module.named_parameters()}
 
 
+@pytest.mark.slow
 @only("flint")
 def test_an_evaluation_leaves_the_next_gradients_alone():
     """The head's FSDP unit stays gathered after forward (reshard_after_forward=False); after a
@@ -959,6 +964,7 @@ def check_evaluation_between_steps(layouts: list[dict]) -> None:
         close(pm.loss(*local), ref_loss.detach(), f"{layout} evaluation after training")
 
 
+@pytest.mark.slow
 def test_zero_bubble_pipelines_evaluate_like_one_process():
     """torch's eval of a V schedule failed at the turn of the V ("can't steal_bwd_input"), so a run
     under ZBVZeroBubble or DualPipeV crashed at its final evaluation, before its final checkpoint;

@@ -62,6 +62,7 @@ def matrices_per_token(c) -> int:
     return c.num_hidden_layers * attention + layers + c.vocab_size * c.hidden_size
 
 
+@pytest.mark.slow
 @FLINT
 def test_traced_flops_of_a_tiny_flint_equal_the_hand_formula():
     """One FP32 step, no recompute, no padding: the matmuls outside attention are 6 FLOPs per active
@@ -255,6 +256,7 @@ def test_head_matmuls_run_at_the_head_precision():
         planner.head_precision(SimpleNamespace(head_precision="fp64"))
 
 
+@pytest.mark.slow
 @FLINT
 def test_plan_prices_the_head_at_the_layouts_head_precision():
     """The same step with [parallel] head_precision bf16 and float32 on a device whose memory and
@@ -280,6 +282,7 @@ def test_plan_prices_the_head_at_the_layouts_head_precision():
     )
 
 
+@pytest.mark.slow
 @FLINT
 def test_command_prints_tokens_mfu_and_the_ten_costliest(capsys, monkeypatch):
     """A released config (4 layers, short sequences, to stay fast), then the CPU device on a tiny
@@ -320,6 +323,7 @@ def test_command_prints_tokens_mfu_and_the_ten_costliest(capsys, monkeypatch):
     assert "cpu (test), one GPU ac=none" in capsys.readouterr().out and cpu.step_seconds > 0
 
 
+@pytest.mark.slow
 @FLINT
 def test_bad_gpu_and_missing_config_are_one_line_errors(monkeypatch):
     monkeypatch.chdir(ROOT)
@@ -376,6 +380,7 @@ def test_released_flint_step_is_its_model_flops_plus_at_most_one_recomputed_forw
     assert 0.9 * 2 * block_weights <= traced("full") - traced("none") <= 2 * block_weights
 
 
+@pytest.mark.slow
 @only("large4")
 def test_large4_dense_scores_are_the_attention_core_a_gpu_replaces():
     """Mistral Large 4's CPU path materialises [B, H, T, S] scores: on a GPU those ops give way to

@@ -60,6 +60,7 @@ def rehearse_tiny(
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config, layout, world, mesh",
     [
@@ -93,6 +94,7 @@ def test_a_tiny_job_is_rehearsed_on_a_fake_world_of_its_size(
     assert drawn_peak_gib(picture) == pytest.approx(result["peak_gib"], rel=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
     [
@@ -142,6 +144,7 @@ def drawn_peak_gib(picture) -> float:
     )
 
 
+@pytest.mark.slow
 def test_train_py_dry_run_exits_zero(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         train.main(
@@ -159,6 +162,7 @@ def test_train_py_dry_run_exits_zero(tmp_path, capsys):
     assert not (tmp_path / "ck").exists()  # a rehearsal writes no checkpoint
 
 
+@pytest.mark.slow
 @FLINT
 def test_a_layout_whose_weights_exceed_the_gpu_fails_before_its_first_step(capsys):
     cfg = load_config(
@@ -174,6 +178,7 @@ def test_a_layout_whose_weights_exceed_the_gpu_fails_before_its_first_step(capsy
     assert "step 1" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_grouped_gemm_misalignment_fails_as_on_a_gpu(tmp_path, capsys, monkeypatch):
     # 12 BF16 values are 24 bytes: CUDA's grouped GEMM needs rows of a multiple of 16 bytes. The
     # config refuses this width; a model that slipped past its config check meets the kernel's own.
@@ -183,6 +188,7 @@ def test_a_grouped_gemm_misalignment_fails_as_on_a_gpu(tmp_path, capsys, monkeyp
         rehearsal.rehearse(cfg, 2)
 
 
+@pytest.mark.slow
 @FLINT
 def test_an_fp32_unit_meeting_bf16_fails_as_on_a_gpu(tmp_path, capsys, monkeypatch):
     # Experts put in a block's FP32 unit are gathered in FP32 while their rows arrive in BF16: the
@@ -200,6 +206,7 @@ def test_an_fp32_unit_meeting_bf16_fails_as_on_a_gpu(tmp_path, capsys, monkeypat
         rehearse_tiny(tmp_path, capsys, world=2, config="debug")
 
 
+@pytest.mark.slow
 def test_missing_user_data_is_reported_by_the_rehearsal_and_refused_by_the_run(tmp_path, capsys):
     result = rehearse_tiny(tmp_path, capsys, f"--data.path={tmp_path}/corpus", world=2)
     assert (
@@ -277,6 +284,7 @@ def test_every_gpu_config_is_rehearsed_at_its_real_size(tmp_path, capsys, name, 
     rehearse_config(tmp_path, capsys, name, world, *args)
 
 
+@pytest.mark.slow
 @FLINT  # every parameter trainable (16 bytes each)
 def test_offload_counts_the_sharded_states_in_host_memory(tmp_path, capsys):
     """[parallel] offload: the GPU's peak leaves out the shards of weights, gradients and AdamW
@@ -294,6 +302,7 @@ def test_offload_counts_the_sharded_states_in_host_memory(tmp_path, capsys):
     assert "GiB in host memory ([parallel] offload)" in offloaded["printed"]
 
 
+@pytest.mark.slow
 @FLINT
 def test_a_lora_job_is_rehearsed_with_its_base_frozen(tmp_path, capsys):
     """[lora] on the debug model (its config.json as the init_from, as for the released configs):
@@ -328,6 +337,7 @@ def test_a_lora_job_is_rehearsed_with_its_base_frozen(tmp_path, capsys):
     assert adapted["peak_gib"] < 0.9 * full["peak_gib"], (adapted["peak_gib"], full["peak_gib"])
 
 
+@pytest.mark.slow
 @FLINT
 def test_accumulation_auto_is_resolved_for_the_jobs_gpu(tmp_path, capsys, monkeypatch):
     """The rehearsal runs a step's micro-batches as train.py does
@@ -340,6 +350,7 @@ def test_accumulation_auto_is_resolved_for_the_jobs_gpu(tmp_path, capsys, monkey
     assert "GiB, accumulation gathered (" in result["printed"], result["printed"]
 
 
+@pytest.mark.slow
 def test_train_py_dry_run_as_a_script_reports_a_failing_rehearsal_in_one_line():
     """`python train.py --dry-run` runs train.py as __main__, and tools/rehearsal.py's `import
     train` loaded a second copy: RehearsalError subclassed that copy's TrainingError, which
@@ -378,6 +389,7 @@ def test_train_py_dry_run_as_a_script_reports_a_failing_rehearsal_in_one_line():
 TWO_EXPERTS = {"flint": ["--model.num_experts=2"], "large4": ["--model.n_routed_experts=2"]}
 
 
+@pytest.mark.slow
 def test_experts_shorter_than_the_shards_with_an_uneven_dim_1_are_rehearsed(tmp_path, capsys):
     """2 experts of 64 rows over 3 FSDP ranks: dim 0 is shorter than the shards and 64 does not
     split 3 ways, where FSDP2 refuses a split of dim 1 ("uneven sharding on dim 1", Flint on 768
@@ -414,6 +426,7 @@ def test_a_failure_while_laying_out_the_model_is_a_rehearsal_verdict(tmp_path, c
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
 def test_each_phase_is_printed_as_it_starts_and_the_picture_last(tmp_path, capsys):
     """A large job's rehearsal runs for minutes on a busy CPU: each phase prints a line as it starts
     and one as it ends, with the seconds since the rehearsal began; the last line names the memory

@@ -538,6 +538,7 @@ def unfilter_row(line: list[int], up: list[int], channels: int, kind: int) -> li
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     CHROMIUM is None, reason="no Chromium: `apt-get install -y chromium` (Debian) to run it"
 )
@@ -602,6 +603,7 @@ def hovers(dom: str) -> dict[str, list[tuple[float, float, str]]]:
     return out
 
 
+@pytest.mark.slow
 @NEEDS_CHROMIUM
 def test_a_browser_shows_the_nearest_points_value_smooths_and_scales(tmp_path):
     """The page's script, run by Chromium: the hover (placed through the address, as a pointer
@@ -641,6 +643,7 @@ def test_a_browser_shows_the_nearest_points_value_smooths_and_scales(tmp_path):
     assert not re.search(r'<div class="controls" id="controls" hidden', dom)  # the script shows it
 
 
+@pytest.mark.slow
 @NEEDS_CHROMIUM
 def test_a_browser_hovers_a_long_series_at_its_nearest_point(tmp_path):
     log = tmp_path / "metrics.jsonl"
@@ -1035,6 +1038,7 @@ def strings_in(value) -> list[str]:
     return [s for v in value for s in strings_in(v)] if isinstance(value, list) else []
 
 
+@pytest.mark.slow
 def test_no_string_of_a_users_files_is_live_markup(tmp_path):
     sources, copies = hostile_run(tmp_path)
     page_text = write_report(sources, tmp_path / "report.html").read_text()
@@ -1378,6 +1382,7 @@ def test_non_utf8_bytes_and_an_empty_log_give_a_page_that_says_so(tmp_path):
 # ----------------------------------------------------------------------------- a diverged run
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 def test_a_run_stopped_by_divergence_writes_its_report(tmp_path, monkeypatch):
     """Steps 1 and 2 train at the debug config's rates; from step 3 the rate is 1e6, so the update

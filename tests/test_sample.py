@@ -18,6 +18,7 @@ def sample_cli(capsys, *args: str) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_sample_from_a_run_a_step_and_an_export(tmp_path, capsys, name):
     summary = run_debug(
@@ -112,6 +113,7 @@ def test_only_decodable_ids_and_whole_characters_stream():
     assert text == "aaaaa"  # sampling too: the favoured padding ids are never drawn
 
 
+@pytest.mark.slow
 def test_a_failing_sample_keeps_the_checkpoint_and_export(tmp_path, monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")

@@ -43,6 +43,7 @@ def test_fits_leaves_the_slack_and_the_margin():
         )
 
 
+@pytest.mark.slow
 @FLINT
 def test_search_keeps_the_step_and_ranks_what_fits(small_space, capsys, monkeypatch):
     cfg, h100 = tiny_config(), planner.GPUS["H100"]

@@ -94,6 +94,7 @@ LEAVES = [
 LOW_LAYERS = ["parallel", "config", "data", "checkpoint", "registry", "metrics", "convert"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module, allowed", LEAVES)
 def test_leaf_modules_load_nothing_above_them(module, allowed):
     loaded = repository_modules_loaded_by(module)
@@ -155,6 +156,7 @@ def import_graph() -> dict[str, set[str]]:
     }
 
 
+@pytest.mark.slow
 def test_no_circle_of_imports_even_inside_functions():
     graph = import_graph()
     done, path = set(), []
@@ -237,6 +239,7 @@ def test_every_source_file_has_its_test_file():
     assert not missing, missing
 
 
+@pytest.mark.slow
 def test_no_test_file_imports_another_test_file_or_conftest():
     """What test files share is in tests/helpers.py (plain functions) or conftest.py's fixtures,
     which pytest hands out by name; so a fork that deletes one model's test files leaves every other
@@ -368,6 +371,7 @@ def repository_files() -> set[str]:
     return found
 
 
+@pytest.mark.slow
 def test_comments_name_only_files_that_exist():
     """A comment or docstring that names a file since renamed or deleted sends a reader nowhere
     (issue 40 found five)."""

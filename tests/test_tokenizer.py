@@ -305,6 +305,7 @@ def test_a_bpe_exports_the_merges_that_rebuild_its_tokens(tmp_path):
         assert back.encode_ordinary(text) == tokenizer.encoding.encode_ordinary(text)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not REFERENCE_PYTHON.exists(), reason=f"no reference venv {REFERENCE_PYTHON}")
 @pytest.mark.parametrize("kind", ["byte", "bpe"])
 def test_transformers_autotokenizer_reads_the_export_to_the_same_ids(tmp_path, kind):

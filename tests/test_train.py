@@ -55,6 +55,7 @@ def debug_schedule(step: int) -> float:
     return 3e-4 + (3e-3 - 3e-4) * (1 + math.cos(math.pi * (step - 2) / 18)) / 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
 def test_debug_config_trains_and_reports(tmp_path, capsys, family):
     summary = run_debug(tmp_path, "--training.eval_every=10", family=family)
@@ -93,6 +94,7 @@ def test_debug_config_trains_and_reports(tmp_path, capsys, family):
     assert (tmp_path / "ckpt" / "run_0001" / "step_00000020" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_the_step_and_keeps_the_checkpoint(tmp_path, monkeypatch):
     """Machinery independent of the model (the step's loss check): the first registered family."""
     model = family(DEFAULT_FAMILY).model
@@ -125,6 +127,7 @@ def compile_with_backend_raising(monkeypatch, error: Exception) -> None:
     )
 
 
+@pytest.mark.slow
 def test_compile_failure_stops_the_run(tmp_path, monkeypatch):
     compile_with_backend_raising(monkeypatch, RuntimeError("inductor exploded"))
     with pytest.raises(
@@ -138,6 +141,7 @@ def test_compile_failure_stops_the_run(tmp_path, monkeypatch):
     assert not list((tmp_path / "ckpt").glob("run_*"))
 
 
+@pytest.mark.slow
 def test_a_compile_failure_of_the_evaluation_graphs_stops_the_run_before_training(
     tmp_path, monkeypatch
 ):
@@ -164,6 +168,7 @@ def test_a_compile_failure_of_the_evaluation_graphs_stops_the_run_before_trainin
     assert not list((tmp_path / "ckpt").glob("run_*"))
 
 
+@pytest.mark.slow
 def test_compile_fallback_only_when_asked(tmp_path, monkeypatch, capsys):
     compile_with_backend_raising(monkeypatch, RuntimeError("inductor exploded"))
     summary = run_debug(
@@ -177,6 +182,7 @@ def test_compile_fallback_only_when_asked(tmp_path, monkeypatch, capsys):
     assert summary["step"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "error",
     [
@@ -201,6 +207,7 @@ def test_out_of_memory_and_collective_errors_are_never_compile_errors(tmp_path, 
     )
 
 
+@pytest.mark.slow
 def test_data_errors_stop_before_training(tmp_path):
     with pytest.raises(
         ConfigError,
@@ -223,6 +230,7 @@ def test_data_errors_stop_before_training(tmp_path):
     assert not list((tmp_path / "ckpt").glob("run_*"))  # stopped before any run began
 
 
+@pytest.mark.slow
 def test_init_from_a_native_checkpoint_loads_its_weights(tmp_path, monkeypatch, capsys):
     source = tmp_path / "trained"
     run_debug(source, "--training.steps=10", "--training.sample_tokens=0")
@@ -418,6 +426,7 @@ def test_the_optimizer_steps_like_plain_adamw():
     adamw_matches_plain(build_model(config, seed=0), build_model(config, seed=0))
 
 
+@pytest.mark.slow
 def test_choices_that_fail_on_the_cpu_stop_before_the_run_starts(tmp_path):
     with pytest.raises(
         ConfigError, match=r"command line --parallel.backend: .*\"nccl\" needs GPUs"
@@ -432,6 +441,7 @@ def test_choices_that_fail_on_the_cpu_stop_before_the_run_starts(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.slow
 @only("flint")  # output_router_logits: Flint's published term
 def test_load_balancing_loss_trains_the_same_with_activation_checkpointing(tmp_path):
     """The blocks add the balancing term's statistics as they run; recomputing a block in backward
@@ -478,6 +488,7 @@ def check_expert_parallel_step_syncs(argv: list[str]) -> None:
     assert reads == ["tolist"] * (1 + layers * 2), reads
 
 
+@pytest.mark.slow
 def test_an_expert_parallel_step_copies_once_per_moe_layer_and_micro_batch(tmp_path):
     run_two_processes(
         debug_args(
@@ -493,6 +504,7 @@ def test_an_expert_parallel_step_copies_once_per_moe_layer_and_micro_batch(tmp_p
     )
 
 
+@pytest.mark.slow
 def test_a_finished_run_leaves_no_gloo_thread_and_each_rank_its_profiled_trace(tmp_path):
     """Expert parallel (DTensor experts), FSDP and an async save's own gloo group on 2 ranks: each
     rank's worker finds no gloo thread left after train.main (see _torchrun_worker). The profiled
@@ -529,6 +541,7 @@ def _rank_0_prepares_slowly(argv: list[str]) -> None:
     train.main(argv)
 
 
+@pytest.mark.slow
 def test_no_rank_waits_for_rank_0_longer_than_collective_timeout_minutes(tmp_path):
     """[parallel].collective_timeout_minutes reaches the process group: while rank 0 prepares the
     data for a minute, rank 1 gives up after 6 s with an error naming the key (the default would
@@ -551,6 +564,7 @@ def test_no_rank_waits_for_rank_0_longer_than_collective_timeout_minutes(tmp_pat
     assert time.perf_counter() - start < 60
 
 
+@pytest.mark.slow
 def test_runs_under_the_zero_bubble_schedules_evaluate_and_save_their_final_checkpoint(tmp_path):
     """2 pipeline ranks with the default validation split: the final evaluation ran (it crashed
     under the V schedules, before the final save) and the final checkpoint exists, with the same
@@ -575,6 +589,7 @@ def test_runs_under_the_zero_bubble_schedules_evaluate_and_save_their_final_chec
     assert len(val_losses) == 2 and math.isclose(*val_losses, rel_tol=1e-6), val_losses
 
 
+@pytest.mark.slow
 def test_under_torchrun_ctrl_c_ends_with_the_resume_command(tmp_path):
     """Ctrl-C reaches torchrun, which passes SIGINT to the ranks: they finish the step, save and
     print the resume command, and then torchrun prints its own 25-line SignalException traceback,
@@ -617,6 +632,7 @@ def test_under_torchrun_ctrl_c_ends_with_the_resume_command(tmp_path):
     assert Path(saved).is_dir() and Path(saved).parent == tmp_path / "ckpt" / "run_0001"
 
 
+@pytest.mark.slow
 @only("flint")  # configs/smoke.toml and sft-smoke.toml are Flint's
 def test_the_first_runs_next_steps_work_as_the_readme_says(tmp_path, capsys):
     """README, After the first run, with the real configs for a few steps: the smoke run's
