@@ -340,7 +340,8 @@ class MetricsLogger:
                 str(self.run_dir / f"memory_{name}_rank{self.run.rank}.pickle")
             )
             torch.cuda.memory._record_memory_history(enabled=None)
-            memory = f"; memory snapshots {self.run_dir}/memory_{name}_rank*.pickle (https://pytorch.org/memory_viz)"
+            snapshots = f"{self.run_dir}/memory_{name}_rank*.pickle"
+            memory = f"; memory snapshots {snapshots} (https://pytorch.org/memory_viz)"
         self.run.print(
             f"profiled steps {steps[0]}-{steps[-1]}: traces "
             f"{self.run_dir}/trace_{name}_rank*.json, one "
