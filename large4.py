@@ -782,7 +782,7 @@ class MistralLarge4(nn.Module):
         eos_token_id: int | None = None,
         allowed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Extend prompt [B, T] by up to max_new_tokens -> [B, T + n] (see model.stream), caching
+        """Extend prompt [B, T] by up to max_new_tokens -> [B, T + n] (see generate.stream), caching
         compressed latents (+ rotary key, once per source, read by its consumers) and indexer keys:
         equal to running the whole sequence again at every step."""
         return generate(
