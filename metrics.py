@@ -120,11 +120,39 @@ def measure_cpu_flops(size: int = 2048) -> float:
     return 2 * size**3 / best
 
 
-def memory_gib(run: Process) -> float:
-    """Peak memory: allocated on the GPU, or this process's resident set on the CPU."""
+PROC_STATUS, PROC_CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+
+
+def interval_peak_gib(run: Process) -> float:
+    """This rank's peak memory since the previous call, then the peak starts again from what is in
+    use now: so each logged step shows its interval's peak, and a profiled step's spike stays in its
+    own interval. On the GPU the allocator's peak of allocated bytes; on the CPU the resident set's
+    high-water mark (Linux: VmHWM, reset by writing 5 to clear_refs). Where the system keeps no
+    resettable mark, the process's lifetime maximum resident set."""
     if run.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(run.device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        peak = torch.cuda.max_memory_allocated(run.device)
+        torch.cuda.reset_peak_memory_stats(run.device)
+        return peak / 2**30
+    high_water = resident_high_water_kib()
+    if high_water is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    try:
+        PROC_CLEAR_REFS.write_text("5")
+    except OSError:
+        pass  # the mark then runs on from the start: still a peak, over a longer span
+    return high_water / 2**20
+
+
+def resident_high_water_kib() -> int | None:
+    """VmHWM from /proc/self/status in KiB, or None where there is no such file or field."""
+    try:
+        lines = PROC_STATUS.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return None
 
 
 def duration(seconds: float) -> str:
@@ -232,7 +260,7 @@ class MetricsLogger:
             "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s,
             "mfu_percent": mfu,
-            "memory_gib": memory_gib(self.run),
+            "memory_gib": interval_peak_gib(self.run),
             "elapsed_s": now - self.start,
             "remaining_s": remaining,
             "tokens": step * self.tokens_per_step,

@@ -755,7 +755,7 @@ LOSS_AXES = [
 ]  # (chart, record's key, axis title)
 # metrics.py logs the GPU allocator's peak since the run started, or on the CPU the process's
 # lifetime maximum resident set (ru_maxrss): neither is the step's own peak, and the title says so.
-MEMORY_TITLE = "peak memory so far (GPU allocated; CPU: process max RSS)"
+MEMORY_TITLE = "peak memory since the previous point (GPU allocated; CPU: resident set)"
 
 
 def training_charts(runs: list[RunLog], data: dict | None = None) -> list[str]:

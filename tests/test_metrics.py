@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -68,6 +69,35 @@ def test_a_run_drops_only_its_own_records_past_its_resume_step(tmp_path):
 def test_flops_per_token_are_the_whole_models_counted_on_meta(family):
     config = tiny_config(family)
     assert model_flops_per_token(config, 64) == model_class(config)(config).flops_per_token(64) > 0
+
+
+def test_the_logged_memory_is_each_intervals_peak_not_the_processs_lifetime(tmp_path):
+    """A spike of 256 MiB shows in the interval it happened in and is gone from the next one: the
+    high-water mark starts again after each reading (on the CPU: VmHWM, reset by clear_refs)."""
+    cpu = train.Process(0, 1, 0, 1, torch.device("cpu"))
+    metrics.interval_peak_gib(cpu)
+    spike = torch.ones(2**26)  # 256 MiB, every page touched
+    before_spike_ends = metrics.resident_high_water_kib() / 2**20
+    del spike
+    with_spike = metrics.interval_peak_gib(cpu)
+    after = metrics.interval_peak_gib(cpu)
+    # the kernel's resident counters are approximate (batched per CPU): a few pages either way
+    assert with_spike == pytest.approx(before_spike_ends, abs=0.01) and with_spike >= 0.25
+    assert with_spike - after >= 0.2
+
+
+def test_the_interval_peak_reads_vmhwm_and_resets_it(tmp_path, monkeypatch):
+    """The mark is read from the status file's VmHWM (KiB), and 5 is written to clear_refs; with no
+    such field, the lifetime maximum resident set."""
+    status, clear = tmp_path / "status", tmp_path / "clear_refs"
+    status.write_text("Name:\tpython\nVmPeak:\t 9999999 kB\nVmHWM:\t 3145728 kB\n")
+    monkeypatch.setattr(metrics, "PROC_STATUS", status)
+    monkeypatch.setattr(metrics, "PROC_CLEAR_REFS", clear)
+    cpu = train.Process(0, 1, 0, 1, torch.device("cpu"))
+    assert metrics.interval_peak_gib(cpu) == 3.0 and clear.read_text() == "5"
+    status.write_text("Name:\tpython\n")
+    lifetime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    assert metrics.interval_peak_gib(cpu) == pytest.approx(lifetime, rel=0.05)
 
 
 def test_a_damaged_peak_cache_is_measured_again(tmp_path, monkeypatch):
