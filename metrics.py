@@ -514,9 +514,9 @@ def is_compiled(module: torch.nn.Module) -> bool:
 @contextmanager
 def named_ranges(model: ParallelModel, optimizer: torch.optim.Optimizer):
     """Profiler ranges, placed from outside the model while profiling: each micro-batch's forward
-    and backward, each decoder layer, the module kinds of named_modules and the functions of
-    NAMED_FUNCTIONS (inside eager blocks only), gradient clipping and the optimizer. Collectives are
-    named by torch."""
+    and backward, each decoder layer's forward and backward, the module kinds of named_modules and
+    the functions of NAMED_FUNCTIONS (inside eager blocks only), gradient clipping and the
+    optimizer. Collectives are named by torch."""
     with ExitStack() as stack:
         stack.enter_context(
             mock.patch.object(
@@ -546,6 +546,7 @@ def named_ranges(model: ParallelModel, optimizer: torch.optim.Optimizer):
             kind = next((label for cls, label in kinds if isinstance(module, cls)), None)
             if id(module) in layers:
                 kind = f"layer {name.rsplit('.', 1)[-1]}"
+                handles += backward_range(module, f"{kind} backward")
             if kind and id(module) not in inside_compiled:
                 handles += module_range(module, kind, ends)
         if not compiled:
@@ -566,6 +567,36 @@ def module_range(module: torch.nn.Module, label: str, ends: list) -> list:
         ends.pop().__exit__(None, None, None)
 
     return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+
+
+def backward_range(layer: torch.nn.Module, label: str) -> list:
+    """A range named `label` around each backward of `layer`: from the backward of its last op
+    starting to its input's gradient complete (hooks placed by each forward; not by a recomputing
+    forward, which runs inside the range already). The start is a hook on the last op's node, not
+    on the output tensor: a node's hooks run after its tensors', so the next layer's range, ending
+    on that same tensor, closes before this one opens. A layer whose input or output takes no
+    gradient (a frozen first layer's input) gets none."""
+
+    def place(_, inputs: tuple, output) -> None:
+        first_input = first_tensor_with_grad(inputs)
+        first_output = first_tensor_with_grad(output if isinstance(output, tuple) else (output,))
+        if first_input is None or first_output is None or first_output.grad_fn is None:
+            return
+        if moe.in_recompute():
+            return
+        open_range = []
+        first_output.grad_fn.register_prehook(
+            lambda *_: open_range.append(record_function(label).__enter__())
+        )
+        first_input.register_hook(
+            lambda _: open_range.pop().__exit__(None, None, None) if open_range else None
+        )
+
+    return [layer.register_forward_hook(place)]
+
+
+def first_tensor_with_grad(values: tuple) -> torch.Tensor | None:
+    return next((v for v in values if isinstance(v, torch.Tensor) and v.requires_grad), None)
 
 
 def drop_superseded_records(path: Path, run_name: str, step: int) -> None:

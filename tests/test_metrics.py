@@ -170,6 +170,8 @@ NAMED = {
     "forward and backward",
     "layer 0",
     "layer 3",
+    "layer 0 backward",
+    "layer 3 backward",
     "attention core",
     "attention proj/norm/rope",
     "router",
@@ -258,6 +260,11 @@ def test_named_ranges_are_placed_while_profiling_and_all_taken_away_after():
         model.clip_grad_norm_(1.0)
         optimizer.step()
     assert NAMED <= {event.name for event in profiler.events()}
+    spans = {e.name: e.time_range for e in profiler.events() if e.name.startswith("layer ")}
+    # backward in reverse layer order, each after every forward, one layer's inside no other's
+    backward = [spans[f"layer {i} backward"] for i in (3, 2, 1, 0)]
+    assert spans["layer 3"].end <= backward[0].start
+    assert all(later.end <= earlier.start for later, earlier in zip(backward, backward[1:]))
     assert (model.forward_backward, model.clip_grad_norm_, moe.dispatch, moe.grouped_mm) == before
 
     def hooked() -> list[str]:
