@@ -1000,10 +1000,11 @@ SAMPLE_MAX_PARAMS = 1_000_000_000
 def finish(
     checkpoint: Path, tokenizer: Tokenizer, cfg: TrainConfig, run: Process, logger: MetricsLogger
 ) -> dict:
-    """The Hugging Face export and a text sample when asked, made by rank 0 from the final
-    checkpoint, whatever layout (sharded, expert- or pipeline-split) trained it. The export streams
-    one tensor at a time and comes first; the sample needs the whole model in one process, so
-    large models skip it, and a failing sample is reported without failing the run."""
+    """The Hugging Face export (with the run's tokenizer in transformers' format) and a text sample
+    when asked, made by rank 0 from the final checkpoint, whatever layout (sharded, expert- or
+    pipeline-split) trained it. The export streams one tensor at a time and comes first; the sample
+    needs the whole model in one process, so large models skip it, and a failing sample is reported
+    without failing the run."""
     t, export = cfg.training, cfg.checkpoint.export_hf
     with main_rank_works(run):
         if run.is_main and export:
@@ -1017,11 +1018,10 @@ def finish(
             # init_from source.
             extras = published_extras(cfg.model.init_from, config) if cfg.model.init_from else None
             source = MergedSource(checkpoint) if cfg.lora.enabled else NativeDir(checkpoint)
-            export_published(source, config, export, dtype, extras=extras)
+            export_published(source, config, export, dtype, extras=extras, tokenizer=tokenizer)
             run.print(
-                f"exported the model{' merged with its LoRA adapters' * cfg.lora.enabled} in "
-                "Hugging Face "
-                f"format to {export}"
+                f"exported the model{' merged with its LoRA adapters' * cfg.lora.enabled} and "
+                f"its tokenizer in Hugging Face format to {export}"
             )
         if run.is_main and t.sample_tokens:
             with torch.device("meta"):

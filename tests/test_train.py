@@ -290,6 +290,11 @@ def test_finetune_from_hugging_face_converts_once_and_exports(tmp_path):
     exported = convert.load_hf(tmp_path / "out")
     # trained, then exported
     assert not torch.equal(exported.embed_tokens.weight, source.embed_tokens.weight)
+    # with the run's tokenizer (the byte one), as AutoTokenizer reads it
+    tokenizer_config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    added = json.loads((tmp_path / "out" / "tokenizer.json").read_text())["added_tokens"]
+    assert tokenizer_config["eos_token"] == "<|endoftext|>"
+    assert {t["content"]: t["id"] for t in added}["<|endoftext|>"] == 256  # after the 256 bytes
 
     shutil.rmtree(tmp_path / "out")
     run_debug(tmp_path, *finetune, "--training.steps=1", family="flint")
