@@ -555,6 +555,7 @@ def line_chart(
                     "run": s.run,
                     "what": s.what,
                     "colour": s.colour,
+                    "dashed": s.dashed,
                     "stretches": finite_stretches(s.points),
                 }
                 for s in drawn
@@ -945,20 +946,23 @@ td:first-child{text-align:left}td:last-child{text-align:left;white-space:normal}
 .grid-of-charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(480px,1fr))}
 body.log-scale .scale-linear,body:not(.log-scale) .scale-log{display:none}
 svg.smoothing polyline.series[data-what="training loss"]{stroke-opacity:.3}
-svg polyline.smoothed{fill:none;stroke-width:2}.controls{margin:8px 0}"""
+svg polyline.smoothed{fill:none;stroke-width:2}.controls{margin:8px 0}
+svg rect.selection{fill:#2563eb;fill-opacity:.12}svg{user-select:none}"""
     + SVG_STYLE
 )
 CONTROLS = (
     '<div class="controls" id="controls" hidden><label>smoothing <input type="range" '
     'id="smoothing" min="0" max="0.99" step="0.01" value="0"></label> '
     '<output id="smoothing-value">0.00</output> <label><input type="checkbox" '
-    'id="log-scale"> log scale</label> (hover a chart for the nearest point\'s value)'
+    'id="log-scale"> log scale</label> (hover a chart for the nearest point\'s value; drag '
+    "across one to zoom, double-click to zoom out)"
     "</div>"
 )
 SCRIPT = r"""(function () {
 "use strict";
 // The report's only script: its numbers come from the JSON block (JSON.parse, never as markup),
-// and every text it writes is textContent. Hash: smooth=0.6, log=1, hover=CHART:X:Y,CHART:X:Y.
+// and every text it writes is textContent. Hash: smooth=0.6, log=1, hover=CHART:X:Y,CHART:X:Y,
+// zoom=CHART:X0:X1,CHART:X0:X1 (a chart drawn again over X0 to X1, its y axis fitted to them).
 var data = JSON.parse(document.getElementById("report-data").textContent);
 var hash = new URLSearchParams(location.hash.slice(1));
 var NS = "http://www.w3.org/2000/svg";
@@ -968,6 +972,7 @@ function pixel(f, p) {
   var y = f.log ? Math.log10(p[1]) : p[1];
   return [f.left + along(p[0], f.x) * f.width, f.top + f.height - along(y, f.y) * f.height];
 }
+function within(f, p) { return p[0] >= f.x[0] && p[0] <= f.x[1]; }
 function smoothed(points, weight) {  // TensorBoard's debiased exponential moving average
   var last = 0, out = [];
   points.forEach(function (p, i) {
@@ -992,7 +997,8 @@ function smooth(weight) {
     data[chart].series.forEach(function (s) {
       if (s.what !== "training loss") return;
       s.stretches.forEach(function (stretch) {
-        var points = smoothed(stretch, weight).map(function (p) { return pixel(f, p).join(","); });
+        var points = smoothed(stretch, weight).filter(function (p) { return within(f, p); })
+                                              .map(function (p) { return pixel(f, p).join(","); });
         var line = element("polyline",
                            {"class": "smoothed", stroke: s.colour, points: points.join(" ")});
         line.setAttribute("data-run", s.run);
@@ -1006,7 +1012,7 @@ function nearest(chart, px, py) {  // the logged point closest to the pixel, ove
   var f = data[chart].frame, best = null;
   data[chart].series.forEach(function (s) {
     s.stretches.forEach(function (stretch) {
-      stretch.forEach(function (p) {
+      stretch.filter(function (p) { return within(f, p); }).forEach(function (p) {
         var q = pixel(f, p), d = (q[0] - px) * (q[0] - px) + (q[1] - py) * (q[1] - py);
         if (best === null || d < best.d) best = {d: d, s: s, p: p, q: q};
       });
@@ -1029,17 +1035,160 @@ function show(chart, px, py, keep) {
   g.appendChild(label);
   svg.appendChild(g);
 }
-Object.keys(data).forEach(function (chart) {
-  svgOf(chart).addEventListener("mousemove", function (event) {
-    var svg = svgOf(chart), point = svg.createSVGPoint();
-    point.x = event.clientX; point.y = event.clientY;
-    point = point.matrixTransform(svg.getScreenCTM().inverse());
-    show(chart, point.x, point.y, false);
+function niceTicks(lo, hi) {  // report.py's nice_ticks, for the finite ends of a zoom
+  if (!(hi - lo > 1e-9 * Math.max(Math.abs(lo), Math.abs(hi), 1e-300))) {
+    var centre = lo / 2 + hi / 2, spread = Math.abs(centre) < 1e-12 ? 1 : Math.abs(centre) / 2;
+    lo = centre - spread; hi = centre + spread;
+  }
+  var raw = hi / 5 - lo / 5, power = Math.pow(10, Math.floor(Math.log10(raw)));
+  var spacing = [1, 2, 5, 10].map(function (m) { return m * power; })
+                             .filter(function (step) { return step >= raw; })[0], ticks = [];
+  for (var i = Math.floor(lo / spacing + 1e-9); i <= Math.ceil(hi / spacing - 1e-9); i++) {
+    ticks.push(Number((i * spacing).toPrecision(12)));
+  }
+  return ticks;
+}
+function logTicks(lo, hi) {  // report.py's log_ticks
+  var first = Math.max(Math.floor(Math.log10(lo) + 1e-9), -307);
+  var last = Math.min(Math.max(Math.ceil(Math.log10(hi) - 1e-9), first + 1), 308), ticks = [];
+  var steps = last - first < 3 ? [1, 2, 5] : [1];
+  for (var k = first; k <= last; k++) {
+    steps.forEach(function (m) { ticks.push(Number((m * Math.pow(10, k)).toPrecision(12))); });
+  }
+  var below = Math.max.apply(null, ticks.filter(function (t) { return t <= lo * (1 + 1e-9); }));
+  var above = Math.min.apply(null, ticks.filter(function (t) { return t >= hi * (1 - 1e-9); }));
+  return ticks.filter(function (t) { return t >= below && t <= above; });
+}
+function label(v) {  // report.py's number: 0.0015, 2.5, 400, 20k, 1.5M, 3G, 1e+20
+  var g = function (x) { return String(Number(x.toPrecision(6))); };
+  if (Math.abs(v) >= 1e15) return v.toExponential().replace(/\.?0+e/, "e");
+  var scales = [[1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"]];
+  for (var i = 0; i < scales.length; i++) {
+    if (Math.abs(v) >= scales[i][0]) return g(v / scales[i][0]) + scales[i][1];
+  }
+  return g(v);
+}
+function tick(parent, tag, attributes, words) {
+  var e = element(tag, attributes);
+  if (words !== undefined) e.textContent = words;
+  parent.appendChild(e);
+}
+function drawTicks(svg, f, xticks, yticks) {  // as report.py's Frame.axes draws them
+  var bottom = f.top + f.height, right = f.left + f.width;
+  var xs = svg.querySelector("g.x-ticks"), ys = svg.querySelector("g.y-ticks");
+  while (xs.firstChild) xs.removeChild(xs.firstChild);
+  while (ys.firstChild) ys.removeChild(ys.firstChild);
+  xticks.forEach(function (t) {
+    var x = pixel(f, [t, f.log ? 1 : 0])[0].toFixed(2);
+    tick(xs, "line", {x1: x, x2: x, y1: f.top, y2: bottom, "class": "grid"});
+    tick(xs, "text", {x: x, y: bottom + 14, "class": "tick", "text-anchor": "middle"}, label(t));
   });
+  yticks.forEach(function (t) {
+    var y = pixel(f, [f.x[0], t])[1].toFixed(2);
+    tick(ys, "line", {x1: f.left, x2: right, y1: y, y2: y, "class": "grid"});
+    tick(ys, "text", {x: f.left - 5, y: y, "class": "tick", "text-anchor": "end",
+                      "dominant-baseline": "middle"}, label(t));
+  });
+}
+var originals = {}, zoomed = {};  // each chart as the page drew it; each zoomed chart's steps
+function zoom(chart, x0, x1) {  // the chart over x0..x1, its y axis fitted to what is there
+  var d = data[chart], lo = Math.min(x0, x1), hi = Math.max(x0, x1), ys = [];
+  if (!(hi > lo)) return;
+  if (!originals[chart]) originals[chart] = {svg: svgOf(chart).cloneNode(true), frame: d.frame};
+  var f = Object.assign({}, originals[chart].frame, {x: [lo, hi]});
+  d.series.forEach(function (s) {
+    s.stretches.forEach(function (stretch) {
+      stretch.forEach(function (p) { if (within(f, p) && (!f.log || p[1] > 0)) ys.push(p[1]); });
+    });
+  });
+  if (!ys.length) return;
+  var low = Math.min.apply(null, ys), high = Math.max.apply(null, ys);
+  var yticks = f.log ? logTicks(low, high) : niceTicks(low, high);
+  var ends = [yticks[0], yticks[yticks.length - 1]];
+  f.y = f.log ? ends.map(Math.log10) : ends;
+  d.frame = f;
+  var svg = svgOf(chart);
+  svg.querySelectorAll("polyline, circle, text.not-finite, g.hover").forEach(function (e) {
+    e.remove();
+  });
+  drawTicks(svg, f, niceTicks(lo, hi).filter(function (t) { return t >= lo && t <= hi; }), yticks);
+  var lines = document.createDocumentFragment();  // above the grid, below the legend
+  d.series.forEach(function (s) {
+    s.stretches.forEach(function (stretch) {
+      var shown = stretch.filter(function (p) { return within(f, p) && (!f.log || p[1] > 0); });
+      var line = element("polyline", {"class": "series", stroke: s.colour,
+                                      "stroke-dasharray": s.dashed ? "5 3" : "none",
+                                      points: shown.map(function (p) {
+                                        return pixel(f, p).map(function (v) {
+                                          return v.toFixed(2);
+                                        }).join(",");
+                                      }).join(" ")});
+      line.setAttribute("data-run", s.run);
+      line.setAttribute("data-what", s.what);
+      lines.appendChild(line);
+    });
+  });
+  svg.querySelector("rect.frame").after(lines);
+  zoomed[chart] = [lo, hi];
+  smooth(Number(slider.value));
+}
+function unzoom(chart) {  // back to the chart the page drew
+  if (!originals[chart]) return;
+  svgOf(chart).replaceWith(originals[chart].svg.cloneNode(true));
+  data[chart].frame = originals[chart].frame;
+  delete zoomed[chart];
+  smooth(Number(slider.value));
+}
+function pointer(svg, event) {  // the event's position in the chart's own pixels
+  var point = svg.createSVGPoint();
+  point.x = event.clientX; point.y = event.clientY;
+  return point.matrixTransform(svg.getScreenCTM().inverse());
+}
+function chartAt(event) {
+  var svg = event.target.closest && event.target.closest("svg[data-chart]");
+  return svg && data[svg.getAttribute("data-chart")] ? svg : null;
+}
+function stepAt(chart, px) {
+  var f = data[chart].frame;
+  return f.x[0] + (px - f.left) / f.width * (f.x[1] - f.x[0]);
+}
+var dragging = null;  // {chart, from}: a press on a chart, to zoom on the span dragged over
+document.addEventListener("mousedown", function (event) {
+  var svg = chartAt(event);
+  if (svg) dragging = {chart: svg.getAttribute("data-chart"), from: pointer(svg, event).x};
+});
+document.addEventListener("mousemove", function (event) {
+  var svg = chartAt(event);
+  if (!svg) return;
+  var chart = svg.getAttribute("data-chart"), at = pointer(svg, event);
+  show(chart, at.x, at.y, false);
+  svg.querySelectorAll("rect.selection").forEach(function (e) { e.remove(); });
+  if (dragging && dragging.chart === chart) {
+    var f = data[chart].frame;
+    svg.appendChild(element("rect", {"class": "selection", x: Math.min(dragging.from, at.x),
+                                     y: f.top, width: Math.abs(at.x - dragging.from),
+                                     height: f.height}));
+  }
+});
+document.addEventListener("mouseup", function (event) {
+  var svg = chartAt(event), from = dragging;
+  dragging = null;
+  if (!svg || !from || from.chart !== svg.getAttribute("data-chart")) return;
+  var to = pointer(svg, event).x;
+  svg.querySelectorAll("rect.selection").forEach(function (e) { e.remove(); });
+  if (Math.abs(to - from.from) < 5) return;  // a click, not a drag
+  zoom(from.chart, stepAt(from.chart, from.from), stepAt(from.chart, to));
+  remember();
+});
+document.addEventListener("dblclick", function (event) {
+  var svg = chartAt(event);
+  if (svg) { unzoom(svg.getAttribute("data-chart")); remember(); }
 });
 document.getElementById("controls").hidden = false;
 function remember() {  // in the address, so that a reload (report.py --watch) keeps the view
-  history.replaceState(null, "", "#smooth=" + slider.value + "&log=" + (logBox.checked ? 1 : 0));
+  var zooms = Object.keys(zoomed).map(function (c) { return [c].concat(zoomed[c]).join(":"); });
+  history.replaceState(null, "", "#smooth=" + slider.value + "&log=" + (logBox.checked ? 1 : 0)
+                       + (zooms.length ? "&zoom=" + zooms.join(",") : ""));
 }
 slider.addEventListener("input", function () { smooth(Number(slider.value)); remember(); });
 logBox.addEventListener("change", function () {
@@ -1050,6 +1199,10 @@ slider.value = hash.get("smooth") || "0";
 logBox.checked = hash.get("log") === "1";
 document.body.classList.toggle("log-scale", logBox.checked);
 smooth(Number(slider.value));
+(hash.get("zoom") || "").split(",").filter(Boolean).forEach(function (wanted) {
+  var parts = wanted.split(":");
+  if (data[parts[0]]) zoom(parts[0], Number(parts[1]), Number(parts[2]));
+});
 (hash.get("hover") || "").split(",").filter(Boolean).forEach(function (wanted) {
   var parts = wanted.split(":"), chart = parts[0];
   if (!data[chart]) return;

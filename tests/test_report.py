@@ -645,6 +645,32 @@ def test_a_browser_shows_the_nearest_points_value_smooths_and_scales(tmp_path):
 
 @pytest.mark.slow
 @NEEDS_CHROMIUM
+def test_a_browser_zooms_a_chart_onto_steps_and_fits_its_y_axis_to_them(tmp_path):
+    """zoom=CHART:4:10 (as a drag across steps 4 to 10 leaves it in the address): the chart drawn
+    again over steps 4 to 10, its y axis round values around what is there (3.0 to 3.7: the other
+    run's 5.0 at step 1 is out of view), each point where the new axes put it; on the logarithmic
+    chart, the powers 2 and 5 around 3.0 and 3.7."""
+    drawn = handwritten_page(tmp_path).charts
+    dom = browser_dom(tmp_path / "report.html", "zoom=loss-step:4:10,loss-step-log:4:10")
+    charts = Page(dom).charts
+    zoomed, logarithmic = charts["loss-step"], charts["loss-step-log"]
+    assert [label for _, label in zoomed.x_ticks] == ["4", "6", "8", "10"]
+    assert [label for _, label in zoomed.y_ticks] == ["3", "3.2", "3.4", "3.6", "3.8"]
+    assert_points(zoomed, LABEL, "training loss", [(5, 3.0), (10, 3.5)])
+    assert_points(zoomed, LABEL, "validation loss", [(5, 3.6), (10, 3.7)])
+    ((x5, y5), (x10, y10)) = next(
+        s["points"] for s in zoomed.series if s["what"] == "training loss" and s["points"]
+    )
+    left, top, width, height = zoomed.frame
+    assert x10 == pytest.approx(left + width) and x5 == pytest.approx(left + width / 6, abs=0.01)
+    assert y5 == pytest.approx(top + height, abs=0.01) and y10 < y5  # 3.0 at the bottom, up to 3.5
+    assert [label for _, label in logarithmic.y_ticks] == ["2", "5"]
+    assert [label for _, label in logarithmic.x_ticks] == ["4", "6", "8", "10"]
+    assert charts["loss-tokens"].x_ticks == drawn["loss-tokens"].x_ticks  # the others as drawn
+
+
+@pytest.mark.slow
+@NEEDS_CHROMIUM
 def test_a_browser_hovers_a_long_series_at_its_nearest_point(tmp_path):
     log = tmp_path / "metrics.jsonl"
     write_log(log, {"a": 512}, steps=range(1, 501))
@@ -787,7 +813,7 @@ def test_axes_draw_larger_values_higher_and_later_steps_further_right(tmp_path):
         (
             "memory",
             "memory_gib",
-            "peak memory so far (GPU allocated; CPU: process max RSS)",
+            "peak memory since the previous point (GPU allocated; CPU: resident set)",
             "step",
         ),
     ]
