@@ -49,6 +49,7 @@ from data import (
     SHARDS_FORMAT,
     DataError,
     PackedLoader,
+    Split,
     TokenShards,
 )
 from files import remove_stale_temporaries, sync_rename
@@ -1100,7 +1101,7 @@ def summarize(
     meta, binary = shards.meta, shards.meta["skipped_binary"]
     named = f" ({', '.join(binary[:3])}{', ...' if len(binary) > 3 else ''})" if binary else ""
     print(
-        f"{out}: {shards.num_docs} documents, {int(shards.doc_len.sum()):,} tokens from "
+        f"{out}: {shards.num_docs} documents, {shards.num_tokens:,} tokens from "
         f"{len(meta['sources'])} file(s) ({tokenizer_name} tokenizer, vocabulary "
         f"{shards.vocab_size}); skipped "
         f"{len(binary)} binary file(s){named} and {meta['skipped_by_extension']} file(s) by "
@@ -1123,7 +1124,10 @@ def summarize(
 def rows_report(shards: TokenShards, seq_len: int, overlong: str) -> str:
     """How rows of seq_len tokens would hold the prepared documents (what a run would print)."""
     whole = WholeRows(
-        shards.doc_len, seq_len, overlong, lambda i: bool(shards.loss_mask(i)[1:seq_len].any())
+        shards.lengths(np.arange(shards.num_docs)),
+        seq_len,
+        overlong,
+        lambda i: bool(shards.loss_mask(i)[1:seq_len].any()),
     )
     if whole.num_tokens == 0:
         return (
@@ -1131,7 +1135,7 @@ def rows_report(shards: TokenShards, seq_len: int, overlong: str) -> str:
             f"--overlong {overlong} leaves none (or none keeps a target)"
         )
     rows = PackedLoader(
-        shards, np.arange(shards.num_docs), seq_len, 1, 0, name="all", overlong=overlong
+        shards, Split.whole(shards.num_docs), seq_len, 1, 0, name="all", overlong=overlong
     )
     return rows.describe()
 

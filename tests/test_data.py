@@ -10,7 +10,7 @@ import torch
 
 import data
 import prepare as preparation
-from data import DataError, PackedLoader, TokenShards, split_documents
+from data import DataError, PackedLoader, Split, TokenShards, split_documents
 from helpers import DEFAULT_FAMILY, FAMILY_NAMES, build, stops_with_one_line, tiny_config
 from prepare import prepare
 from tokenizer import Tokenizer, byte_encoding, load_tokenizer
@@ -66,7 +66,7 @@ def test_ids_outside_the_vocabulary_are_refused_when_read_or_at_open_when_record
     tokens[1] = 300  # the byte vocabulary has 257 ids
     tokens.flush()
     loader = PackedLoader(
-        TokenShards(out, tokenizer), np.arange(1), seq_len=2, batch_size=1, seed=0
+        TokenShards(out, tokenizer), Split.whole(1), seq_len=2, batch_size=1, seed=0
     )
     refusal = r"tokens_00000.bin holds token id 300, outside the vocabulary of 257"
     with pytest.raises(DataError, match=refusal):
@@ -81,10 +81,10 @@ def test_ids_outside_the_vocabulary_are_refused_when_read_or_at_open_when_record
 def test_embedded_corpus_is_present_and_splits():
     lines = data.EMBEDDED_CORPUS.read_text(encoding="utf-8").splitlines()
     assert len(lines) == 79 and all(json.loads(line)["text"] for line in lines)
-    train, val = split_documents(79, 0.05, "corpus")
+    train, val = (split.indices() for split in split_documents(79, 0.05, "corpus"))
     assert len(val) == 4 and not set(train) & set(val) and len(train) + len(val) == 79
     # fixed, whatever the seed
-    assert split_documents(79, 0.05, "corpus")[1].tolist() == val.tolist()
+    assert split_documents(79, 0.05, "corpus")[1].indices().tolist() == val.tolist()
     with pytest.raises(DataError, match="too few"):
         split_documents(1, 0.05, "one.txt")
 
@@ -95,7 +95,7 @@ def test_embedded_corpus_is_present_and_splits():
 def test_packing_covers_every_token_once_per_epoch(tmp_path):
     lengths = [17, 3, 40, 1, 25, 9, 64, 2]
     shards = unique_token_shards(tmp_path, lengths)
-    loader = PackedLoader(shards, np.arange(len(lengths)), seq_len=16, batch_size=1, seed=3)
+    loader = PackedLoader(shards, Split.whole(len(lengths)), seq_len=16, batch_size=1, seed=3)
     rows = epoch_rows(loader, loader.rows_per_epoch)
     inputs = np.concatenate([r["input_ids"][r["doc_ids"] >= 0] for r in rows])
     assert sorted(inputs.tolist()) == list(range(sum(lengths)))  # every token exactly once
@@ -124,7 +124,7 @@ PACKING_MODELS = {"flint": {"num_hidden_layers": 3, "sliding_window": None}, "la
 def test_packed_rows_never_attend_across_documents(tmp_path, family):
     """Changing one document's tokens leaves every other document's logits in the row unchanged."""
     shards = unique_token_shards(tmp_path, [7, 12, 5, 20])
-    loader = PackedLoader(shards, np.arange(4), seq_len=32, batch_size=1, seed=0, shuffle=False)
+    loader = PackedLoader(shards, Split.whole(4), seq_len=32, batch_size=1, seed=0, shuffle=False)
     batch = loader.next_batch()
     config = tiny_config(family, **PACKING_MODELS[family])
     vocab = min(200, config.vocab_size)
@@ -147,9 +147,9 @@ def test_packed_rows_never_attend_across_documents(tmp_path, family):
 
 def test_rows_are_sharded_by_rank_and_independent_of_world_size(tmp_path):
     shards = unique_token_shards(tmp_path, [30, 11, 50, 7, 19])
-    single = PackedLoader(shards, np.arange(5), seq_len=8, batch_size=4, seed=1)
+    single = PackedLoader(shards, Split.whole(5), seq_len=8, batch_size=4, seed=1)
     ranks = [
-        PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=1, rank=r, world_size=2)
+        PackedLoader(shards, Split.whole(5), seq_len=8, batch_size=2, seed=1, rank=r, world_size=2)
         for r in range(2)
     ]
     for _ in range(3):
@@ -163,7 +163,7 @@ def test_order_depends_on_seed_and_epoch(tmp_path):
     shards = unique_token_shards(tmp_path, [10] * 12)
 
     def first_tokens(seed, epoch):
-        loader = PackedLoader(shards, np.arange(12), seq_len=10, batch_size=1, seed=seed)
+        loader = PackedLoader(shards, Split.whole(12), seq_len=10, batch_size=1, seed=seed)
         return [
             int(loader.row(epoch * loader.rows_per_epoch + k)["input_ids"][0]) for k in range(12)
         ]
@@ -178,7 +178,7 @@ def test_loader_position_survives_a_restart(tmp_path):
     shards = unique_token_shards(tmp_path, [13, 29, 8, 41, 6])
 
     def make() -> PackedLoader:
-        return PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=3)
+        return PackedLoader(shards, Split.whole(5), seq_len=8, batch_size=2, seed=5, epochs=3)
 
     loader = make()
     for _ in range(4):
@@ -191,7 +191,7 @@ def test_loader_position_survives_a_restart(tmp_path):
     for want in expected:
         got = restarted.next_batch()
         assert all(torch.equal(got[k], want[k]) for k in want)
-    other = PackedLoader(shards, np.arange(5), seq_len=4, batch_size=2, seed=5)
+    other = PackedLoader(shards, Split.whole(5), seq_len=4, batch_size=2, seed=5)
     with pytest.raises(DataError, match=r"since the checkpoint: data.seq_len 8 -> 4; resume"):
         other.load_state_dict(state)
 
@@ -224,7 +224,9 @@ def test_a_refused_position_names_each_data_setting_that_changed(tmp_path):
         "rows_per_epoch": 12,
         "seq_len": 8,
     }  # 12 rows: another data set than these 13
-    loader = PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, settings=settings)
+    loader = PackedLoader(
+        shards, Split.whole(5), seq_len=8, batch_size=2, seed=5, settings=settings
+    )
     changed = saved_run(tmp_path / "changed", path="old.jsonl", seq_len=8, overlong="truncate")
     with pytest.raises(
         DataError,
@@ -249,7 +251,7 @@ def test_a_refused_position_names_each_data_setting_that_changed(tmp_path):
 
 def test_running_out_of_data_says_how_much_there_was(tmp_path):
     shards = unique_token_shards(tmp_path, [16, 16])
-    loader = PackedLoader(shards, np.arange(2), seq_len=8, batch_size=2, seed=0, epochs=1)
+    loader = PackedLoader(shards, Split.whole(2), seq_len=8, batch_size=2, seed=0, epochs=1)
     loader.next_batch()
     loader.next_batch()
     with pytest.raises(
@@ -443,7 +445,7 @@ def test_conversations_are_packed_whole_and_only_answers_are_targets(tmp_path, o
     chats, seq_len = conversations(40, seed=1), 64
     shards = prepared_conversations(tmp_path, chats)
     loader = PackedLoader(
-        shards, np.arange(40), seq_len=seq_len, batch_size=1, seed=3, overlong=overlong
+        shards, Split.whole(40), seq_len=seq_len, batch_size=1, seed=3, overlong=overlong
     )
     rendered = [plain_rendering(m) for m in chats]
     longer = [i for i, (ids, _) in enumerate(rendered) if len(ids) > seq_len]
@@ -479,7 +481,7 @@ def test_packed_conversations_resume_at_the_exact_row(tmp_path):
     shards = prepared_conversations(tmp_path, conversations(30, seed=2))
 
     def make() -> PackedLoader:
-        return PackedLoader(shards, np.arange(30), seq_len=96, batch_size=2, seed=5, epochs=4)
+        return PackedLoader(shards, Split.whole(30), seq_len=96, batch_size=2, seed=5, epochs=4)
 
     loader = make()
     for _ in range(3):
@@ -532,7 +534,7 @@ def test_the_sft_loss_is_the_cross_entropy_of_the_answers_alone(tmp_path):
     chats = conversations(10, seed=4)
     shards = prepared_conversations(tmp_path, chats)
     batch = PackedLoader(
-        shards, np.arange(10), seq_len=160, batch_size=3, seed=0, shuffle=False
+        shards, Split.whole(10), seq_len=160, batch_size=3, seed=0, shuffle=False
     ).next_batch()
     model = build(tiny_config(DEFAULT_FAMILY, vocab_size=264), plain=True)
     loss = model(batch["input_ids"], batch["targets"], batch["doc_ids"])
@@ -556,7 +558,7 @@ def check_answer_tokens_weigh_the_same(directory: Path, chats: list[list[dict]])
     torch.manual_seed(0)
     shards, config = TokenShards(directory), tiny_config(DEFAULT_FAMILY, vocab_size=264)
     loader = dict(seq_len=96, batch_size=1, seed=0)
-    everything = PackedLoader(shards, np.arange(len(chats)), **loader)
+    everything = PackedLoader(shards, Split.whole(len(chats)), **loader)
     rows = [everything.row(g) for g in range(4)]  # micro-batch m, rank r: global row 2 m + r
     assert len({int((r["targets"] != -100).sum()) for r in rows}) == 4  # the rows weigh differently
     reference = build(config, plain=True)
@@ -568,7 +570,7 @@ def check_answer_tokens_weigh_the_same(directory: Path, chats: list[list[dict]])
     cfg = ParallelConfig(dp_shard=2, param_dtype="float32")
     pm = parallelize(build(config, plain=True), cfg, build_mesh(cfg, "cpu", config.num_experts))
     mine = PackedLoader(
-        shards, np.arange(len(chats)), rank=torch.distributed.get_rank(), world_size=2, **loader
+        shards, Split.whole(len(chats)), rank=torch.distributed.get_rank(), world_size=2, **loader
     )
     batches = [mine.next_batch() for _ in range(2)]
     num_tokens = pm.global_tokens(torch.stack([b["targets"] for b in batches]))
@@ -615,7 +617,7 @@ def test_unshuffled_rows_are_the_documents_in_order(tmp_path):
     lengths = [5, 9, 3, 12, 7, 4, 11]
     shards = unique_token_shards(tmp_path, lengths)  # token id = stream index
     loader = PackedLoader(
-        shards, np.arange(7), seq_len=8, batch_size=1, seed=0, shuffle=False, block_docs=2
+        shards, Split.whole(7), seq_len=8, batch_size=1, seed=0, shuffle=False, block_docs=2
     )
     total = sum(lengths)
     for g in range(loader.rows_per_epoch):
@@ -631,7 +633,7 @@ def test_block_wise_order_covers_every_token_and_holds_one_block(tmp_path):
     blocks of 3 documents, not an order of every document."""
     lengths = [6, 1, 14, 3, 9, 2, 8, 5, 11, 4]
     shards = unique_token_shards(tmp_path, lengths)
-    loader = PackedLoader(shards, np.arange(10), seq_len=5, batch_size=1, seed=2, block_docs=3)
+    loader = PackedLoader(shards, Split.whole(10), seq_len=5, batch_size=1, seed=2, block_docs=3)
     orders = []
     for epoch in range(2):
         rows = [loader.row(epoch * loader.rows_per_epoch + k) for k in range(loader.rows_per_epoch)]
@@ -660,7 +662,7 @@ def test_opening_a_directory_reads_no_token(tmp_path, monkeypatch):
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     shards = TokenShards(tmp_path)
     assert checked == []
-    loader = PackedLoader(shards, np.arange(3), seq_len=8, batch_size=1, seed=0)
+    loader = PackedLoader(shards, Split.whole(3), seq_len=8, batch_size=1, seed=0)
     assert checked == []
     loader.row(4)
     assert 0 < sum(checked) <= 9  # the row's 8 tokens and the next one, its last target
@@ -693,7 +695,7 @@ def mixture(
         loaders.append(
             PackedLoader(
                 shards,
-                np.arange(shards.num_docs),
+                Split.whole(shards.num_docs),
                 seq_len=8,
                 batch_size=batch_size,
                 seed=seed,
@@ -745,9 +747,9 @@ def test_a_mixture_resumes_at_the_exact_row_on_another_world_size(tmp_path):
 def test_a_one_source_mixture_reads_the_rows_of_data_path(tmp_path):
     """Weight 1 on one source: the rows of the plain loader of that source, in the same order."""
     shards = unique_token_shards(tmp_path, [13, 29, 8, 41, 6])
-    plain = PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=2)
+    plain = PackedLoader(shards, Split.whole(5), seq_len=8, batch_size=2, seed=5, epochs=2)
     mixed = data.MixedLoader(
-        [PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=2)],
+        [PackedLoader(shards, Split.whole(5), seq_len=8, batch_size=2, seed=5, epochs=2)],
         ["only"],
         [1.0],
         seed=5,

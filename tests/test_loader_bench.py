@@ -15,8 +15,9 @@ def test_the_synthetic_directory_is_a_prepared_one_with_the_documents_asked(tmp_
     monkeypatch.setattr(loader_bench, "SHARD_TOKENS", 4000)
     tokens = loader_bench.write_corpus(tmp_path, 1000)
     shards = data.TokenShards(tmp_path)
-    assert shards.num_docs == 1000 and int(shards.doc_len.sum()) == tokens
-    assert shards.doc_len.min() >= 8 and shards.doc_len.max() <= 23
+    lengths = shards.lengths(np.arange(1000))
+    assert shards.num_docs == 1000 and int(lengths.sum()) == shards.num_tokens == tokens
+    assert lengths.min() >= 8 and lengths.max() <= 23
     assert 4 <= len(shards.meta["shards"]) <= 5
     for name in shards.meta["shards"]:
         bounds = np.load(tmp_path / f"docs_{name}.npy")
