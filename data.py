@@ -102,10 +102,12 @@ class TokenShards:
         first_doc, token_offset = [0], [0]
         for name in self.meta["shards"]:
             tokens, bounds = read_shard(directory, name, self.meta["dtype"])
-            self.tokens.append(tokens)
-            self.bounds.append(bounds)
+            # plain views of the maps: a memmap's slices cost a Python object each, these do not
+            self.tokens.append(tokens.view(np.ndarray))
+            self.bounds.append(bounds.view(np.ndarray))
             if self.masked:
-                self.masks.append(read_mask(directory / f"mask_{name}.bin", len(tokens)))
+                mask = read_mask(directory / f"mask_{name}.bin", len(tokens))
+                self.masks.append(mask.view(np.ndarray))
             first_doc.append(first_doc[-1] + len(bounds) - 1)
             token_offset.append(token_offset[-1] + len(tokens))
         # [shards]: each shard's first document and first token in the corpus's order
@@ -354,16 +356,29 @@ class Split:
         return self.select(0, len(self))
 
     def tokens_before(self, shards: TokenShards, ranks: np.ndarray) -> np.ndarray:
-        """Tokens of members [0, j) for each j of `ranks` [n] (0 <= j <= len) -> [n] int64, from
-        the index entries at the groups' ends and at the ranks' documents: O(groups + n)."""
-        firsts = self.groups * self.group_docs
-        group_ends = np.minimum(firsts + self.group_docs, self.num_docs)
-        group_tokens = shards.starts(group_ends) - shards.starts(firsts)
-        prefix = np.concatenate([[0], np.cumsum(group_tokens)])  # [g + 1]
+        """Tokens of members [0, j) for each j of `ranks` [n] (0 <= j <= len) -> [n] int64: where
+        member j starts in the corpus, less the tokens of the groups left out before it, or plus
+        those of the member groups before it, whichever groups are fewer (the training split's:
+        the few held out). Reads n + 2 * min(groups, others) entries of the index."""
         ranks = np.asarray(ranks, dtype=np.int64)
-        group = np.minimum(np.searchsorted(self.before, ranks, side="right") - 1, len(firsts) - 1)
-        docs = firsts[group] + ranks - self.before[group]  # the end of the last group for j = len
-        return prefix[group] + shards.starts(docs) - shards.starts(firsts[group])
+        group = np.minimum(
+            np.searchsorted(self.before, ranks, side="right") - 1, len(self.groups) - 1
+        )
+        firsts = self.groups[group] * self.group_docs
+        starts = shards.starts(firsts + ranks - self.before[group])  # the end of the last for len
+        num_groups = math.ceil(self.num_docs / self.group_docs)
+        if 2 * len(self.groups) <= num_groups:
+            return self._prefix(shards, self.groups)[group] + starts - shards.starts(firsts)
+        left_out = np.ones(num_groups, dtype=bool)
+        left_out[self.groups] = False
+        others = np.flatnonzero(left_out)
+        return starts - self._prefix(shards, others)[np.searchsorted(others, self.groups[group])]
+
+    def _prefix(self, shards: TokenShards, groups: np.ndarray) -> np.ndarray:
+        """[g] groups -> the tokens of the groups before each, then of all [g + 1]."""
+        firsts = groups * self.group_docs
+        ends = np.minimum(firsts + self.group_docs, self.num_docs)
+        return np.concatenate([[0], np.cumsum(shards.starts(ends) - shards.starts(firsts))])
 
 
 def split_documents(num_docs: int, val_fraction: float, where: str) -> tuple[Split, Split]:

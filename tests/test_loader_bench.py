@@ -32,5 +32,5 @@ def test_a_measurement_reads_a_batch_and_counts_per_document(tmp_path, monkeypat
     result = loader_bench.measure(tmp_path)
     assert result["docs"] == 2000
     assert 0 <= result["open_s"] <= result["first_batch_s"]
-    assert result["bytes_per_doc"] == result["peak_mib"] * 2**20 / 2000
+    assert 0 < result["python_peak_mib"] < 64
     assert loader_bench.row(result).startswith("| 2,000 | ")

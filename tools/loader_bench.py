@@ -6,20 +6,21 @@ r"""The loader's start-up cost and memory against the number of documents (issue
 Each size gets a synthetic prepared directory, written directly with numpy (no tokenizing):
 documents of 8 to 23 tokens (15.5 on average) in shards of 2**28 tokens, a docs_NNNNN.npy per
 shard and meta.json. The token files are sparse (all id 0): opening must not read them, and a row
-reads only its own tokens. Each size is then measured in a fresh process, so each peak is its own:
-the seconds (wall and CPU) to open the directory (TokenShards), split it (split_documents) and
-build the training loader, the seconds to its first batch, and the process's peak resident memory
-(ru_maxrss) above that of the process before it opened anything, in MiB and bytes a document.
+reads only its own tokens. Each size is then measured in a fresh process: the seconds (wall and
+CPU) to open the directory (TokenShards), split it (split_documents) and build the training loader,
+the seconds to its first batch, the peak of Python-side allocations meanwhile (tracemalloc: numpy's
+arrays included, mapped files not), and how much the process's resident memory grew: anonymous (its
+own) and file-backed (the pages of the memory-mapped index it touched, which the kernel can drop).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -65,11 +66,19 @@ def write_corpus(directory: Path, num_docs: int, seed: int = 0) -> int:
     return int(ends[-1])
 
 
+def resident_mib() -> dict[str, float]:
+    """This process's resident memory now, from /proc/self/status (Linux): anonymous (its own
+    allocations) and file-backed (pages of mapped files it touched, the page cache's to drop)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return {key: int(fields[key].split()[0]) / 1024 for key in ("RssAnon", "RssFile")}
+
+
 def measure(directory: Path) -> dict[str, float]:
     """Open `directory` as train.py does and read the first batch, in this process."""
     import data  # imported before the baseline: its import (torch) is no part of the loader's cost
 
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = resident_mib()
+    tracemalloc.start()
     wall, cpu = time.perf_counter(), time.process_time()
     shards = data.TokenShards(directory)
     train_docs, _ = data.split_documents(shards.num_docs, 0.05, str(directory))
@@ -77,15 +86,18 @@ def measure(directory: Path) -> dict[str, float]:
     opened = time.perf_counter() - wall, time.process_time() - cpu
     loader.next_batch()
     first = time.perf_counter() - wall, time.process_time() - cpu
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss  # Linux: KiB
+    python_peak = tracemalloc.get_traced_memory()[1] / 2**20
+    tracemalloc.stop()
+    after = resident_mib()
     return {
         "docs": shards.num_docs,
         "open_s": opened[0],
         "open_cpu_s": opened[1],
         "first_batch_s": first[0],
         "first_batch_cpu_s": first[1],
-        "peak_mib": peak_kib / 1024,
-        "bytes_per_doc": peak_kib * 1024 / shards.num_docs,
+        "python_peak_mib": python_peak,
+        "anon_mib": after["RssAnon"] - before["RssAnon"],
+        "file_mib": after["RssFile"] - before["RssFile"],
     }
 
 
@@ -93,7 +105,8 @@ def row(result: dict[str, float]) -> str:
     return (
         f"| {result['docs']:,} | {result['open_s']:.2f} ({result['open_cpu_s']:.2f}) | "
         f"{result['first_batch_s']:.2f} ({result['first_batch_cpu_s']:.2f}) | "
-        f"{result['peak_mib']:,.0f} | {result['bytes_per_doc']:.1f} |"
+        f"{result['python_peak_mib']:,.2f} | {result['anon_mib']:,.1f} | "
+        f"{result['file_mib']:,.1f} |"
     )
 
 
@@ -112,9 +125,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(measure(args.measure)))
         return
     print(
-        "| documents | open s (CPU s) | first batch s (CPU s) | peak RSS MiB | bytes a document |"
+        "| documents | open s (CPU s) | first batch s (CPU s) | Python peak MiB | "
+        "anonymous RSS MiB | file-backed RSS MiB |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for num_docs in args.docs or [1_000_000]:
         directory = args.dir / f"docs_{num_docs}"
         write_corpus(directory, num_docs)
