@@ -2,6 +2,7 @@
 position."""
 
 import json
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -666,6 +667,130 @@ def test_opening_a_directory_reads_no_token(tmp_path, monkeypatch):
     assert checked == []
     loader.row(4)
     assert 0 < sum(checked) <= 9  # the row's 8 tokens and the next one, its last target
+
+
+# ------------------------------------------------------------ memory per rank O(rows read)
+
+
+def written_out_split(num_docs: int, fraction: float, groups: int) -> tuple[list, list]:
+    """The split's rule written out: documents in groups of ceil(N / groups) consecutive ones, and
+    round(fraction * group count) groups (at least one) held out, the first of a permutation of the
+    groups seeded 1234: for N <= groups, the permutation of the documents the split always used."""
+    size = -(-num_docs // groups)
+    count = -(-num_docs // size)
+    held = set(np.random.default_rng(1234).permutation(count)[: max(1, round(fraction * count))])
+    val = [d for d in range(num_docs) if d // size in held]
+    return [d for d in range(num_docs) if d // size not in held], val
+
+
+@pytest.mark.parametrize("groups", [1 << 16, 8], ids=["a document a group", "groups of 7"])
+def test_the_split_holds_out_whole_groups_seeded_as_before(monkeypatch, groups):
+    """Up to SPLIT_GROUPS documents the held-out documents are those of the old stored permutation
+    (the same rows as before); above, whole groups of consecutive documents."""
+    monkeypatch.setattr(data, "SPLIT_GROUPS", groups)
+    train, val = split_documents(50, 0.25, "corpus")
+    want_train, want_val = written_out_split(50, 0.25, groups)
+    assert val.indices().tolist() == want_val and train.indices().tolist() == want_train
+    assert len(train) == len(want_train) and train.select(3, 9).tolist() == want_train[3:9]
+    assert groups == 8 or len(want_val) == round(0.25 * 50)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.75])
+def test_a_splits_token_counts_are_the_sums_of_its_documents(tmp_path, monkeypatch, fraction):
+    """tokens_before(j) = the tokens of the split's first j documents, over shards of several
+    documents, from whichever side of the split has fewer groups (0.25 and 0.75 take each)."""
+    monkeypatch.setattr(data, "SPLIT_GROUPS", 8)
+    lengths = np.random.default_rng(0).integers(1, 30, size=50)
+    shards = unique_token_shards(tmp_path, lengths.tolist(), shard_tokens=100)
+    assert len(shards.meta["shards"]) > 5
+    for split, want in zip(split_documents(50, fraction, "c"), written_out_split(50, fraction, 8)):
+        expected = np.concatenate([[0], np.cumsum(lengths[want])])
+        assert split.tokens_before(shards, np.arange(len(want) + 1)).tolist() == expected.tolist()
+
+
+def block_wise_rows(lengths, members, seed, seq_len, block_docs, epoch) -> list[list[int]]:
+    """An epoch's rows written out from the loader's contract, for shards whose token ids are the
+    stream index: blocks of block_docs consecutive members permuted by (seed, 0, epoch, 0), each
+    block's members by (seed, 0, epoch, 1, block), the documents back to back cut into rows."""
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    blocks = [members[b : b + block_docs] for b in range(0, len(members), block_docs)]
+    stream = []
+    for block in np.random.default_rng([seed, 0, epoch, 0]).permutation(len(blocks)):
+        docs = blocks[block]
+        for k in np.random.default_rng([seed, 0, epoch, 1, block]).permutation(len(docs)):
+            stream += range(starts[docs[k]], starts[docs[k] + 1])
+    return [stream[i : i + seq_len] for i in range(0, len(stream), seq_len)]
+
+
+@pytest.mark.parametrize("groups", [1 << 16, 8], ids=["a document a group", "groups of 7"])
+def test_rows_are_the_block_wise_order_of_the_split_written_out(tmp_path, monkeypatch, groups):
+    """Two epochs of the training split's rows, on one rank and on two (B = 2 each), equal the
+    order written out: the same rows as before the split stopped being a stored list (one
+    document a group), and, with groups, the same rule over the groups' documents."""
+    monkeypatch.setattr(data, "SPLIT_GROUPS", groups)
+    lengths = np.random.default_rng(1).integers(1, 12, size=50)
+    shards = unique_token_shards(tmp_path, lengths.tolist(), shard_tokens=64)
+    train, _ = split_documents(50, 0.25, "c")
+    members = written_out_split(50, 0.25, groups)[0]
+    setting = dict(seq_len=8, seed=3, block_docs=6)
+    one = PackedLoader(shards, train, batch_size=4, **setting)
+    two = [
+        PackedLoader(shards, train, batch_size=2, rank=r, world_size=2, **setting) for r in (0, 1)
+    ]
+    want = [r for e in (0, 1) for r in block_wise_rows(lengths, members, 3, 8, 6, e)]
+    assert one.rows_per_epoch * 2 == len(want)
+    for m in range(len(want) // 4):
+        batch = one.next_batch()["input_ids"]
+        halves = torch.cat([loader.next_batch()["input_ids"] for loader in two])
+        assert torch.equal(batch, halves)
+        for i, row in enumerate(want[4 * m : 4 * m + 4]):
+            assert batch[i, : len(row)].tolist() == row
+
+
+def test_whole_rows_are_shuffled_block_wise(tmp_path):
+    """Conversations: each epoch reads every row of the packing once, in an order that depends on
+    the epoch, and what the loader keeps is the blocks' order (ceil(R / 3) entries) and at most 4
+    blocks of 3 rows, not an order of every row."""
+    shards = prepared_conversations(tmp_path, conversations(30, seed=2))
+    setting = dict(seq_len=96, batch_size=1, seed=5, block_docs=3)
+    plain = PackedLoader(shards, Split.whole(30), shuffle=False, **setting)
+    loader = PackedLoader(shards, Split.whole(30), **setting)
+    rows = loader.rows_per_epoch
+    packing = [plain.row(r)["input_ids"].tolist() for r in range(rows)]
+    orders = []
+    for epoch in range(2):
+        read = [loader.row(epoch * rows + r)["input_ids"].tolist() for r in range(rows)]
+        assert sorted(read) == sorted(packing)
+        orders.append([packing.index(r) for r in read])
+    assert orders[0] != orders[1] and orders[0] != list(range(rows))
+    assert all(len(order) == -(-rows // 3) for order, _ in loader._epoch_cache.values())
+    assert len(loader._block_cache) <= 4
+    assert all(len(members) <= 3 for members, _ in loader._block_cache.values())
+
+
+def opening_peak(directory: Path) -> int:
+    """Bytes of Python-side allocations (numpy's arrays included) at their peak while opening a
+    directory as train.py does, splitting it and reading a first batch."""
+    tracemalloc.start()
+    shards = TokenShards(directory)
+    train, _ = split_documents(shards.num_docs, 0.05, "corpus")
+    PackedLoader(shards, train, seq_len=64, batch_size=2, seed=0).next_batch()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
+def test_opening_a_corpus_holds_no_memory_per_document(tmp_path):
+    """10k, 100k and 1M documents: the peak grows by the split's groups (at most 65,536) and the
+    blocks' counts (one a 4,096 documents), under 1 MiB from 100k to 1M documents, where a stored
+    index and split (28 bytes a document) would add 24 MiB."""
+    from tools.loader_bench import write_corpus
+
+    peaks = []
+    for num_docs in (10_000, 100_000, 1_000_000):
+        write_corpus(tmp_path / str(num_docs), num_docs)
+        peaks.append(opening_peak(tmp_path / str(num_docs)))
+    assert peaks[2] - peaks[1] < 1 << 20 and peaks[2] < 4 << 20, peaks
 
 
 def source_shards(directory: Path, doc_lengths: list[int], first_id: int) -> TokenShards:
