@@ -748,8 +748,9 @@ def test_rows_are_the_block_wise_order_of_the_split_written_out(tmp_path, monkey
 
 
 def test_whole_rows_are_shuffled_block_wise(tmp_path):
-    """Conversations: each epoch reads every row of the packing once, in an order that depends on
-    the epoch, and what the loader keeps is the blocks' order (ceil(R / 3) entries) and at most 4
+    """Conversations: each epoch reads every row of the packing once, in the block-wise order
+    written out (blocks of 3 rows permuted by (seed, 0, epoch, 0), each block's rows by (seed, 0,
+    epoch, 1, block)), and what the loader keeps is the blocks' order (ceil(R / 3) entries) and at most 4
     blocks of 3 rows, not an order of every row."""
     shards = prepared_conversations(tmp_path, conversations(30, seed=2))
     setting = dict(seq_len=96, batch_size=1, seed=5, block_docs=3)
@@ -763,6 +764,13 @@ def test_whole_rows_are_shuffled_block_wise(tmp_path):
         assert sorted(read) == sorted(packing)
         orders.append([packing.index(r) for r in read])
     assert orders[0] != orders[1] and orders[0] != list(range(rows))
+    for epoch, order in enumerate(orders):  # blocks of 3 rows, permuted, then within each
+        blocks = [list(range(b, min(b + 3, rows))) for b in range(0, rows, 3)]
+        want = []
+        for b in np.random.default_rng([5, 0, epoch, 0]).permutation(len(blocks)):
+            rng = np.random.default_rng([5, 0, epoch, 1, b])
+            want += [blocks[b][k] for k in rng.permutation(len(blocks[b]))]
+        assert order == want
     assert all(len(order) == -(-rows // 3) for order, _ in loader._epoch_cache.values())
     assert len(loader._block_cache) <= 4
     assert all(len(members) <= 3 for members, _ in loader._block_cache.values())
