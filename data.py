@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -780,6 +781,38 @@ class MixedLoader:
             )
         self.next_row = int(state["next_row"])
         self.positions = [int(state[f"source_{s}_position"]) for s in range(count)]
+
+
+def check_saved_sources(
+    saved_keys: Iterable[str], data: PackedLoader | MixedLoader, checkpoint: Path
+) -> None:
+    """A checkpoint's data position (its "train.data.*" entries) must be that of this run's
+    sources: one source (data.path) or a mixture of as many as [data] sources lists now. Checked
+    before the position is loaded, so that another number of sources is one line naming
+    data.sources rather than a key missing inside torch.distributed.checkpoint."""
+    saved = {key.removeprefix("train.data.") for key in saved_keys if key.startswith("train.data.")}
+    if not saved or saved == set(data.state_dict()):
+        return
+    then = saved_stream_settings(checkpoint)
+    now = (data.sources[0] if isinstance(data, MixedLoader) else data).settings
+    changed = [
+        f"{key} {then.get(key)!r} -> {now.get(key)!r}"
+        for key in ("data.path", "data.sources")
+        if key in then and then.get(key) != now.get(key)
+    ]
+    raise DataError(
+        f"{checkpoint} saved the data position of {sources_read(saved)}, but this run reads "
+        f"{sources_read(set(data.state_dict()))}"
+        + (f" ({'; '.join(changed)})" if changed else "")
+        + ": a resume continues the checkpoint's [data] sources (the same list, in the same "
+        "order); resume with them, or start a fresh run from its weights (model.init_from)"
+    )
+
+
+def sources_read(keys: set[str]) -> str:
+    """A loader's state keys -> "one source (data.path)" or "a mixture of 3 [data] sources"."""
+    count = sum(key.endswith("_rows") and key.startswith("source_") for key in keys)
+    return f"a mixture of {count} [data] sources" if count else "one source (data.path)"
 
 
 def stream_settings(config: dict) -> dict[str, object]:

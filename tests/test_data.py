@@ -750,8 +750,8 @@ def test_rows_are_the_block_wise_order_of_the_split_written_out(tmp_path, monkey
 def test_whole_rows_are_shuffled_block_wise(tmp_path):
     """Conversations: each epoch reads every row of the packing once, in the block-wise order
     written out (blocks of 3 rows permuted by (seed, 0, epoch, 0), each block's rows by (seed, 0,
-    epoch, 1, block)), and what the loader keeps is the blocks' order (ceil(R / 3) entries) and at most 4
-    blocks of 3 rows, not an order of every row."""
+    epoch, 1, block)), and what the loader keeps is the blocks' order (ceil(R / 3) entries) and at
+    most 4 blocks of 3 rows, not an order of every row."""
     shards = prepared_conversations(tmp_path, conversations(30, seed=2))
     setting = dict(seq_len=96, batch_size=1, seed=5, block_docs=3)
     plain = PackedLoader(shards, Split.whole(30), shuffle=False, **setting)
@@ -928,6 +928,67 @@ def test_a_mixture_position_from_other_sources_is_refused(tmp_path):
         loader.load_state_dict(state)
     loader.load_state_dict({**state, "source_1_rows": rows[1], "source_1_position": 3})
     assert loader.positions == [0, 3, 0]
+
+
+def test_a_checkpoint_of_another_number_of_sources_is_refused_in_one_line(tmp_path):
+    """The saved position's keys (as torch.distributed.checkpoint names them) of two sources, of
+    data.path alone, or of the same three: refused naming [data] sources and the change, or let
+    through, before the position is loaded."""
+    three = mixture(tmp_path, [0.5, 0.3, 0.2])
+    saved = {f"train.data.{key}" for key in three.state_dict()} | {"train.step", "model.w"}
+    data.check_saved_sources(saved, three, tmp_path)
+    two = saved - {"train.data.source_2_position", "train.data.source_2_rows"}
+    checkpoint = saved_run(tmp_path / "ckpt", sources=[{"path": "web", "weight": 1}])
+    three.sources[0].settings["data.sources"] = [{"path": "web", "weight": 1}, "code", "math"]
+    stops_with_one_line(
+        lambda: data.check_saved_sources(two, three, checkpoint),
+        DataError,
+        str(checkpoint),
+        r"saved the data position of a mixture of 2 \[data\] sources, but this run reads a "
+        r"mixture of 3 \[data\] sources \(data.sources \[\{'path': 'web', 'weight': 1\}\] -> "
+        r".*'code', 'math'\]\): a resume continues the checkpoint's \[data\] sources",
+    )
+    plain = {"train.data.next_row", "train.data.rows_per_epoch", "train.data.seq_len"}
+    with pytest.raises(DataError, match=r"position of one source \(data.path\), but this run"):
+        data.check_saved_sources(plain, three, tmp_path)
+
+
+@pytest.mark.slow
+def test_resuming_with_a_third_source_stops_with_one_line(tmp_path):
+    """train.py: two steps on a mixture of two sources, checkpointed; the resume with three stops
+    before loading anything, in one line naming [data] sources, where
+    torch.distributed.checkpoint would fail on a key the checkpoint lacks."""
+    import train
+    from helpers import debug_configs
+
+    for name in "abc":
+        (tmp_path / name).mkdir()
+        for k in range(40):
+            (tmp_path / name / f"{k}.txt").write_text(f"{name} {k} " * 40)
+    debug = debug_configs()[DEFAULT_FAMILY].read_text()
+    settings = [
+        f"--data.cache_dir={tmp_path / 'cache'}",
+        f"--checkpoint.dir={tmp_path / 'ckpt'}",
+        f"--logging.jsonl={tmp_path / 'metrics.jsonl'}",
+        "--logging.peak_tflops=0.1",
+        "--training.steps=2",
+        "--training.sample_tokens=0",
+    ]
+    for count in (2, 3):
+        listed = ", ".join(f'{{path = "{tmp_path / n}", weight = 1}}' for n in "abc"[:count])
+        toml = debug.replace('path = "data/python_reference.jsonl"', f"sources = [{listed}]")
+        (tmp_path / f"{count}.toml").write_text(toml)
+    train.main(["--config", str(tmp_path / "2.toml"), *settings])
+    checkpoint = tmp_path / "ckpt" / "run_0001" / "step_00000002"
+    stops_with_one_line(
+        lambda: train.main(
+            ["--config", str(tmp_path / "3.toml"), *settings, f"--checkpoint.resume={checkpoint}"]
+        ),
+        DataError,
+        str(checkpoint),
+        r"saved the data position of a mixture of 2 \[data\] sources, but this run reads a "
+        r"mixture of 3 \[data\] sources \(data.sources .*\): a resume continues",
+    )
 
 
 def test_train_reads_the_sources_of_the_config_as_a_mixture(tmp_path):
