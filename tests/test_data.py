@@ -991,6 +991,35 @@ def test_resuming_with_a_third_source_stops_with_one_line(tmp_path):
     )
 
 
+@pytest.mark.slow
+def test_train_prepares_raw_text_with_a_worker_process_per_core(tmp_path, monkeypatch):
+    """Raw text as data.path: rank 0 prepares it with as many worker processes as the host gives
+    it cores (3 here, units of 2 KiB so that there are several), the same bytes as one process."""
+    import train
+    from helpers import tiny_model_toml
+
+    (tmp_path / "corpus").mkdir()
+    for k in range(12):
+        (tmp_path / "corpus" / f"{k}.txt").write_text(f"word {k} " * 120)
+    monkeypatch.setattr(preparation, "UNIT_BYTES", 2048)
+    monkeypatch.setattr(train.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    used = []
+    original = preparation.run_units
+    monkeypatch.setattr(preparation, "run_units", lambda *a: used.append(a[2]) or original(*a))
+    (tmp_path / "run.toml").write_text(
+        tiny_model_toml()
+        + f'[data]\npath = "{tmp_path}/corpus"\nseq_len = 32\ncache_dir = "{tmp_path}/cache"\n'
+    )
+    cfg = train.load_config(tmp_path / "run.toml", ["--model.vocab_size=512", "--training.steps=2"])
+    train.setup_data(cfg, train.Process(0, 1, 0, 1, torch.device("cpu")))
+    assert used == [3]
+    (prepared,) = (tmp_path / "cache").iterdir()
+    one = prepare(tmp_path / "corpus", load_tokenizer("byte"), tmp_path / "one")
+    assert len(json.loads((one / "meta.json").read_text())["shards"]) > 3
+    for file in one.iterdir():
+        assert (prepared / file.name).read_bytes() == file.read_bytes(), file.name
+
+
 def test_train_reads_the_sources_of_the_config_as_a_mixture(tmp_path):
     """[data].sources of two text corpora reach train.setup_data: a MixedLoader of both, with the
     config's weights and exhausted rule, each source prepared; data.path alone stays one loader."""
