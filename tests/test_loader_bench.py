@@ -34,3 +34,19 @@ def test_a_measurement_reads_a_batch_and_counts_per_document(tmp_path, monkeypat
     assert 0 <= result["open_s"] <= result["first_batch_s"]
     assert 0 < result["python_peak_mib"] < 64
     assert loader_bench.row(result).startswith("| 2,000 | ")
+
+
+def test_drawing_the_documents_in_chunks_writes_the_same_directory(tmp_path, monkeypatch):
+    """1B documents are drawn 16M at a time; chunks of 64 and of 1 (shards of 4,000 tokens: a shard
+    takes documents of several chunks, and a chunk can start a shard) write the same files as one
+    draw of all 1,000."""
+    monkeypatch.setattr(loader_bench, "SHARD_TOKENS", 4000)
+    tokens = loader_bench.write_corpus(tmp_path / "whole", 1000)
+    whole = sorted(path.name for path in (tmp_path / "whole").iterdir())
+    for chunk in (64, 1):
+        monkeypatch.setattr(loader_bench, "CHUNK_DOCS", chunk)
+        assert loader_bench.write_corpus(tmp_path / f"{chunk}", 1000) == tokens
+        assert whole == sorted(path.name for path in (tmp_path / f"{chunk}").iterdir())
+        for name in whole:
+            want = (tmp_path / "whole" / name).read_bytes()
+            assert (tmp_path / f"{chunk}" / name).read_bytes() == want, (chunk, name)

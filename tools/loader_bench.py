@@ -29,6 +29,9 @@ SHARD_TOKENS = 1 << 28  # as data.prepare's default
 SEQ_LEN, BATCH = 2048, 8
 
 
+CHUNK_DOCS = 1 << 24  # documents drawn at a time: writing 1B documents holds 16M lengths, not 1B
+
+
 def write_corpus(directory: Path, num_docs: int, seed: int = 0) -> int:
     """A prepared directory of `num_docs` documents (lengths 8..23, seeded) -> its token count.
     Kept when it exists with this many documents (meta.json is written last)."""
@@ -36,24 +39,29 @@ def write_corpus(directory: Path, num_docs: int, seed: int = 0) -> int:
     if meta_file.is_file() and json.loads(meta_file.read_text())["num_docs"] == num_docs:
         return json.loads(meta_file.read_text())["num_tokens"]
     directory.mkdir(parents=True, exist_ok=True)
-    lengths = np.random.default_rng(seed).integers(8, 24, size=num_docs, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    shards, first = [], 0
-    while first < num_docs:  # a shard takes whole documents up to SHARD_TOKENS tokens
-        base = ends[first - 1] if first else 0
-        last = max(first + 1, int(np.searchsorted(ends, base + SHARD_TOKENS, side="right")))
-        name = f"{len(shards):05d}"
-        bounds = np.concatenate([[0], ends[first:last] - base])
-        np.save(directory / f"docs_{name}.npy", bounds)
-        with open(directory / f"tokens_{name}.bin", "wb") as file:
-            file.truncate(int(bounds[-1]) * 2)  # uint16 zeros, sparse on disk
-        shards.append(name)
-        first = last
+    rng = np.random.default_rng(seed)
+    shards: list[str] = []
+    open_ends: list[np.ndarray] = []  # the open shard's document ends, from its first token
+    filled = drawn = num_tokens = 0
+    while drawn < num_docs:
+        lengths = rng.integers(8, 24, size=min(CHUNK_DOCS, num_docs - drawn), dtype=np.int64)
+        drawn, num_tokens = drawn + len(lengths), num_tokens + int(lengths.sum())
+        ends = filled + np.cumsum(lengths)
+        while len(ends):  # a shard takes whole documents up to SHARD_TOKENS tokens, at least one
+            fits = int(np.searchsorted(ends, SHARD_TOKENS, side="right")) or int(not open_ends)
+            open_ends.append(ends[:fits])
+            if fits == len(ends):  # the open shard may take more of the next chunk
+                filled = int(ends[-1])
+                break
+            shards.append(write_shard(directory, len(shards), open_ends))
+            cut = int(ends[fits - 1]) if fits else filled
+            open_ends, filled, ends = [], 0, ends[fits:] - cut
+    shards.append(write_shard(directory, len(shards), open_ends))
     meta = {
         "format": "flint-token-shards-v1",
         "dtype": "uint16",
         "num_docs": num_docs,
-        "num_tokens": int(ends[-1]),
+        "num_tokens": num_tokens,
         "shards": shards,
         "tokenizer": "synthetic",
         "vocab_size": 257,
@@ -63,7 +71,17 @@ def write_corpus(directory: Path, num_docs: int, seed: int = 0) -> int:
         "skipped_by_extension": 0,
     }
     meta_file.write_text(json.dumps(meta))
-    return int(ends[-1])
+    return num_tokens
+
+
+def write_shard(directory: Path, index: int, ends: list[np.ndarray]) -> str:
+    """A shard's document index (0, then each document's end) and its token file, sparse (all id
+    0, no block written) -> its name."""
+    name, bounds = f"{index:05d}", np.concatenate([[0], *ends]).astype(np.int64)
+    np.save(directory / f"docs_{name}.npy", bounds)
+    with open(directory / f"tokens_{name}.bin", "wb") as file:
+        file.truncate(int(bounds[-1]) * 2)  # uint16
+    return name
 
 
 def resident_mib() -> dict[str, float]:
