@@ -15,7 +15,7 @@ Conversations and prompt/completion pairs (JSONL lines with "messages", or "prom
 tokens are targets (-100 elsewhere, so they are neither trained on nor counted). Data with
 conversations is packed whole: each row holds whole documents (best-fit, chat.pack_rows, fixed for
 the data), a document longer than seq_len is truncated or dropped (data.overlong), and each epoch
-shuffles the rows."""
+shuffles the rows block-wise (PackedLoader)."""
 
 from __future__ import annotations
 

@@ -50,3 +50,27 @@ def test_drawing_the_documents_in_chunks_writes_the_same_directory(tmp_path, mon
         for name in whole:
             want = (tmp_path / "whole" / name).read_bytes()
             assert (tmp_path / f"{chunk}" / name).read_bytes() == want, (chunk, name)
+
+
+def test_cold_evicts_each_directorys_files_before_measuring(tmp_path, monkeypatch, capsys):
+    """--cold: every file of the size's directory is advised out of the page cache, before the
+    measuring process starts; without it, none is."""
+    advised, order = [], []
+    monkeypatch.setattr(loader_bench.os, "posix_fadvise", lambda fd, *a: advised.append(a))
+    measured = {"docs": 100, "open_s": 0, "open_cpu_s": 0, "first_batch_s": 0}
+    measured |= {"first_batch_cpu_s": 0, "python_peak_mib": 0, "anon_mib": 0, "file_mib": 0}
+
+    class Child:
+        stdout = json.dumps(measured)
+
+    def run(*args, **kwargs):
+        order.append(len(advised))
+        return Child
+
+    monkeypatch.setattr(loader_bench.subprocess, "run", run)
+    loader_bench.main(["--docs", "100", "--dir", str(tmp_path)])
+    loader_bench.main(["--cold", "--docs", "100", "--dir", str(tmp_path)])
+    files = len(list((tmp_path / "docs_100").iterdir()))
+    assert order == [0, files] and len(advised) == files == 3  # tokens, index, meta.json
+    assert all(a[2] == loader_bench.os.POSIX_FADV_DONTNEED for a in advised)
+    assert "| 100 | " in capsys.readouterr().out

@@ -2,6 +2,7 @@ r"""The loader's start-up cost and memory against the number of documents (issue
 
     python -m tools.loader_bench --docs 10000000            # from the repository root
     python -m tools.loader_bench --docs 1000000 --docs 10000000 --dir /tmp/loader_bench
+    python -m tools.loader_bench --cold --docs 1000000000  # the index read from the disk
 
 Each size gets a synthetic prepared directory, written directly with numpy (no tokenizing):
 documents of 8 to 23 tokens (15.5 on average) in shards of 2**28 tokens, a docs_NNNNN.npy per
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -84,6 +86,15 @@ def write_shard(directory: Path, index: int, ends: list[np.ndarray]) -> str:
     return name
 
 
+def evict(directory: Path) -> None:
+    """The directory's files out of the page cache (posix_fadvise DONTNEED: these files only), so
+    that opening reads the index from the disk, as a first start on a fresh host does."""
+    for file in directory.iterdir():
+        with open(file, "rb") as handle:
+            os.fsync(handle.fileno())
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def resident_mib() -> dict[str, float]:
     """This process's resident memory now, from /proc/self/status (Linux): anonymous (its own
     allocations) and file-backed (pages of mapped files it touched, the page cache's to drop)."""
@@ -137,6 +148,11 @@ def main(argv: list[str] | None = None) -> None:
         default=Path("/tmp/loader_bench"),
         help="where the synthetic directories are written (kept for reruns)",
     )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="evict each directory's files from the page cache before measuring",
+    )
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
     if args.measure:
@@ -150,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     for num_docs in args.docs or [1_000_000]:
         directory = args.dir / f"docs_{num_docs}"
         write_corpus(directory, num_docs)
+        if args.cold:
+            evict(directory)
         command = [sys.executable, "-m", "tools.loader_bench", "--measure", str(directory)]
         child = subprocess.run(command, capture_output=True, text=True, check=True)
         print(row(json.loads(child.stdout.splitlines()[-1])), flush=True)
