@@ -61,7 +61,11 @@ STREAM_KEYS = (
 
 # meta.json's "format_version" (absent: 1). Version 2 adds each shard's largest token id and the
 # sha256 of its tokens file ("shard_max_token", "shard_sha256"), checked once at prepare time.
-FORMAT_VERSION = 2
+# Version 3 adds COARSE_FILE: where every COARSE_DOCS-th document starts, so that opening reads
+# 8 bytes per 4,096 documents in one file instead of touching the whole document index.
+FORMAT_VERSION = 3
+COARSE_DOCS = 1 << 12  # as BLOCK_DOCS: a block of the shuffled order starts on this grid
+COARSE_FILE = "coarse_starts.npy"
 
 
 class DataError(ValueError):
@@ -115,6 +119,7 @@ class TokenShards:
         self._first_doc = first_doc[:-1]
         self.first_doc, self.token_offset = np.array(first_doc[:-1]), np.array(token_offset[:-1])
         self.num_docs, self.num_tokens = first_doc[-1], token_offset[-1]
+        self.coarse = read_coarse(directory, self.meta, self.num_docs, self.num_tokens)
         self.vocab_size = int(self.meta["vocab_size"])
         self.files = [directory / f"tokens_{name}.bin" for name in self.meta["shards"]]
         self.index_files = [directory / f"docs_{name}.npy" for name in self.meta["shards"]]
@@ -151,6 +156,17 @@ class TokenShards:
         """Where each document starts in the corpus's tokens back to back; num_docs -> the end.
         [n] int in [0, num_docs] -> [n] int64, reading n entries of the memory-mapped index."""
         docs = np.asarray(docs, dtype=np.int64)
+        if self.coarse is not None:  # those on the grid from the coarse starts, without the index
+            on_grid = (docs % COARSE_DOCS == 0) | (docs == self.num_docs)
+            if on_grid.any():
+                result = np.empty(len(docs), dtype=np.int64)
+                coarse = np.where(docs == self.num_docs, len(self.coarse) - 1, docs // COARSE_DOCS)
+                result[on_grid] = self.coarse[coarse[on_grid]]
+                result[~on_grid] = self._indexed_starts(docs[~on_grid])
+                return result
+        return self._indexed_starts(docs)
+
+    def _indexed_starts(self, docs: np.ndarray) -> np.ndarray:
         shard = np.searchsorted(self.first_doc, docs, side="right") - 1
         order = np.argsort(shard, kind="stable")  # one gather per shard
         cuts = np.searchsorted(shard[order], np.arange(len(self.bounds) + 1))
@@ -282,6 +298,40 @@ def read_mask(file: Path, num_tokens: int) -> np.ndarray:
     return np.memmap(file, dtype=np.uint8, mode="r")
 
 
+def coarse_starts(directory: Path, names: list[str]) -> np.ndarray:
+    """Where every COARSE_DOCS-th document of the shards `names` starts in their tokens back to
+    back, then the end [ceil(docs / COARSE_DOCS) + 1]: written at prepare time (COARSE_FILE)."""
+    starts, first_doc, offset = [], 0, 0
+    for name in names:
+        bounds = np.load(directory / f"docs_{name}.npy", mmap_mode="r")
+        count = len(bounds) - 1
+        starts.append(offset + bounds[np.arange(-first_doc % COARSE_DOCS, count, COARSE_DOCS)])
+        first_doc, offset = first_doc + count, offset + int(bounds[-1])
+    return np.concatenate([*starts, [offset]]).astype(np.int64)
+
+
+def read_coarse(directory: Path, meta: dict, num_docs: int, num_tokens: int) -> np.ndarray | None:
+    """A directory's COARSE_FILE, checked against its shards; None before format version 3 (then
+    opening reads the document index where the coarse starts would have been)."""
+    if meta.get("format_version", 1) < 3:
+        return None
+    file = directory / COARSE_FILE
+    try:
+        coarse = np.load(file)
+    except (OSError, ValueError, EOFError) as error:
+        raise DataError(
+            f"{file}: not the coarse document starts ({one_line(error)}); prepare the data again"
+        ) from None
+    expected = (-(-num_docs // COARSE_DOCS) + 1,)
+    if coarse.shape != expected or coarse.dtype.kind not in "iu" or coarse[-1] != num_tokens:
+        raise DataError(
+            f"{file}: expected {expected[0]} integer starts ending at the shards' {num_tokens} "
+            f"tokens, got {coarse.dtype} {list(coarse.shape)}: the directory is damaged, prepare "
+            "the data again"
+        )
+    return coarse
+
+
 def check_recorded_ranges(path: Path, meta: dict, vocab_size: int) -> bool:
     """meta.json's largest token id of each shard ("shard_max_token", written at prepare time)
     against the vocabulary; False when the directory records none (then each document is checked as
@@ -388,6 +438,8 @@ def split_documents(num_docs: int, val_fraction: float, where: str) -> tuple[Spl
     if val_fraction == 0:
         return Split.whole(num_docs), Split(num_docs, max(num_docs, 1), np.arange(0))
     group_docs = math.ceil(num_docs / SPLIT_GROUPS)
+    if group_docs > COARSE_DOCS:  # whole blocks, so that the blocks' ends stay on the coarse grid
+        group_docs = math.ceil(group_docs / COARSE_DOCS) * COARSE_DOCS
     num_groups = math.ceil(num_docs / group_docs)
     num_val = max(1, round(val_fraction * num_groups))
     if num_val >= num_groups:
@@ -409,7 +461,7 @@ def split_documents(num_docs: int, val_fraction: float, where: str) -> tuple[Spl
 # Documents per block of the shuffled order: an epoch permutes the blocks, then the documents within
 # each block it reaches, so a rank holds one block's order, not the epoch's (O(rows read)). Packed
 # whole (conversations), the blocks are of rows of the packing, shuffled the same way.
-BLOCK_DOCS = 1 << 12
+BLOCK_DOCS = COARSE_DOCS
 
 
 class PackedLoader:

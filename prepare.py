@@ -43,6 +43,7 @@ from chat import (
     template_of,
 )
 from data import (
+    COARSE_FILE,
     FORMAT_VERSION,
     MASKED_FORMAT,
     OVERLONG,
@@ -51,6 +52,7 @@ from data import (
     PackedLoader,
     Split,
     TokenShards,
+    coarse_starts,
 )
 from files import remove_stale_temporaries, sync_rename
 from flags import OneLineParser, positive
@@ -618,6 +620,7 @@ def assemble(plan: dict, units: list[Path], out: Path, what: str) -> None:
         if masked
         else {}
     )
+    np.save(out / COARSE_FILE, coarse_starts(out, shards))
     write_json(
         out / "meta.json",
         {
@@ -868,6 +871,7 @@ class ShardWriter:
             "shard_max_token": self.largest,
             "shard_sha256": self.checksums,
         }
+        np.save(self.directory / COARSE_FILE, coarse_starts(self.directory, self.shards))
         (self.directory / "meta.json").write_text(json.dumps(meta, indent=1))
 
     def _write_tokens(self, ids: list[int]) -> None:

@@ -268,6 +268,16 @@ PREPARED_CASES = {
         "{dir}/docs_00000.npy",
         r"rise from 0, got \[5, 670\]",
     ),
+    "coarse starts missing": (
+        lambda d: (d / "coarse_starts.npy").unlink(),
+        "{dir}/coarse_starts.npy",
+        r"not the coarse document starts \(.*No such file.*\); prepare the data again",
+    ),
+    "coarse starts of another corpus": (
+        lambda d: np.save(d / "coarse_starts.npy", np.array([0, 5, 9])),
+        "{dir}/coarse_starts.npy",
+        r"expected \d+ integer starts ending at the shards' 670 tokens, got int64 \[3\]",
+    ),
     "document index of floats": (
         lambda d: index(d, [0.0, 670.0]),
         "{dir}/docs_00000.npy",

@@ -776,6 +776,40 @@ def test_whole_rows_are_shuffled_block_wise(tmp_path):
     assert all(len(members) <= 3 for members, _ in loader._block_cache.values())
 
 
+class Untouchable:
+    """A shard's document index that may not be read."""
+
+    def __getitem__(self, key):
+        raise AssertionError(f"the document index was read at {key}")
+
+
+def test_opening_reads_the_coarse_starts_and_no_entry_of_the_index(tmp_path, monkeypatch):
+    """A grid of 4 documents (COARSE_DOCS), 58 documents in 8 shards split into groups of 16, not
+    ceil(58 / 4) = 15 (whole multiples of the grid): the training and validation loaders open
+    without reading the document index, and read the same rows, in both epochs, as from the index
+    (a version 2 directory)."""
+    monkeypatch.setattr(data, "COARSE_DOCS", 4)
+    monkeypatch.setattr(data, "SPLIT_GROUPS", 4)
+    lengths = np.random.default_rng(2).integers(1, 12, size=58)
+    shards = unique_token_shards(tmp_path, lengths.tolist(), shard_tokens=50)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    assert shards.coarse.tolist() == starts[:-1:4].tolist() + [starts[-1]]
+    assert len(shards.meta["shards"]) >= 8
+    train, val = split_documents(58, 0.25, "c")
+    assert train.group_docs == 16 and len(train) + len(val) == 58
+    index, shards.bounds = shards.bounds, [Untouchable()] * len(shards.bounds)
+    setting = dict(seq_len=8, batch_size=1, seed=3, block_docs=4)
+    loaders = [PackedLoader(shards, split, **setting) for split in (train, val)]
+    shards.bounds = index
+    from_index = TokenShards(tmp_path)
+    from_index.coarse = None
+    for loader, split in zip(loaders, (train, val)):
+        reference = PackedLoader(from_index, split, **setting)
+        assert loader.block_sizes.tolist() == reference.block_sizes.tolist()
+        for g in range(2 * loader.rows_per_epoch):
+            assert loader.row(g)["input_ids"].tolist() == reference.row(g)["input_ids"].tolist()
+
+
 def opening_peak(directory: Path) -> int:
     """Bytes of Python-side allocations (numpy's arrays included) at their peak while opening a
     directory as train.py does, splitting it and reading a first batch."""

@@ -71,6 +71,6 @@ def test_cold_evicts_each_directorys_files_before_measuring(tmp_path, monkeypatc
     loader_bench.main(["--docs", "100", "--dir", str(tmp_path)])
     loader_bench.main(["--cold", "--docs", "100", "--dir", str(tmp_path)])
     files = len(list((tmp_path / "docs_100").iterdir()))
-    assert order == [0, files] and len(advised) == files == 3  # tokens, index, meta.json
+    assert order == [0, files] and len(advised) == files == 4  # tokens, index, coarse, meta
     assert all(a[2] == loader_bench.os.POSIX_FADV_DONTNEED for a in advised)
     assert "| 100 | " in capsys.readouterr().out

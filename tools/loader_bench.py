@@ -6,12 +6,13 @@ r"""The loader's start-up cost and memory against the number of documents (issue
 
 Each size gets a synthetic prepared directory, written directly with numpy (no tokenizing):
 documents of 8 to 23 tokens (15.5 on average) in shards of 2**28 tokens, a docs_NNNNN.npy per
-shard and meta.json. The token files are sparse (all id 0): opening must not read them, and a row
-reads only its own tokens. Each size is then measured in a fresh process: the seconds (wall and
-CPU) to open the directory (TokenShards), split it (split_documents) and build the training loader,
-the seconds to its first batch, the peak of Python-side allocations meanwhile (tracemalloc: numpy's
-arrays included, mapped files not), and how much the process's resident memory grew: anonymous (its
-own) and file-backed (the pages of the memory-mapped index it touched, which the kernel can drop).
+shard, the coarse starts and meta.json (format version 3, as prepare writes). The token files are
+sparse (all id 0): opening must not read them, and a row reads only its own tokens. Each size is
+then measured in a fresh process: the seconds (wall and CPU) to open the directory (TokenShards),
+split it (split_documents) and build the training loader, the seconds to its first batch, the peak
+of Python-side allocations meanwhile (tracemalloc: numpy's arrays included, mapped files not), and
+how much the process's resident memory grew: anonymous (its own) and file-backed (the pages of the
+memory-mapped index it touched, which the kernel can drop).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
+
+import data
 
 SHARD_TOKENS = 1 << 28  # as data.prepare's default
 SEQ_LEN, BATCH = 2048, 8
@@ -71,7 +74,10 @@ def write_corpus(directory: Path, num_docs: int, seed: int = 0) -> int:
         "sources": [],
         "skipped_binary": [],
         "skipped_by_extension": 0,
+        "format_version": 3,  # as prepare writes: the coarse starts, each shard's largest id (0)
+        "shard_max_token": [0] * len(shards),
     }
+    np.save(directory / data.COARSE_FILE, data.coarse_starts(directory, shards))
     meta_file.write_text(json.dumps(meta))
     return num_tokens
 
@@ -104,8 +110,7 @@ def resident_mib() -> dict[str, float]:
 
 def measure(directory: Path) -> dict[str, float]:
     """Open `directory` as train.py does and read the first batch, in this process."""
-    import data  # imported before the baseline: its import (torch) is no part of the loader's cost
-
+    # data (and torch) imported at the top, before the baseline: no part of the loader's cost
     before = resident_mib()
     tracemalloc.start()
     wall, cpu = time.perf_counter(), time.process_time()
