@@ -406,6 +406,8 @@ def prepare(
                                the end
     out_dir/mask_00000.bin     with conversations or pairs only: uint8 per token, 1 where it is a
                                target
+    out_dir/coarse_starts.npy  int64: where every 4,096th document starts (data.COARSE_DOCS), then
+                               the end, so that opening need not read the document index
     out_dir/meta.json          written last: format, tokenizer fingerprint, counts, shard names,
                                each shard's largest token id and checksum
 
