@@ -466,7 +466,7 @@ class Checkpointer:
             raise CheckpointError(f"{self.cfg.where('checkpoint.resume')}: {refusal}")
         saved_keys = read_metadata(path).state_dict_metadata
         check_optimizer(path, saved_keys, self.cfg)
-        check_saved_sources(saved_keys, data, path)
+        sources_changed = check_saved_sources(saved_keys, data, path)
         state = self.state(model, optimizer, data, 0)
         if "train.cuda_rng" not in saved_keys:
             state["train"].pop("cuda_rng", None)
@@ -493,6 +493,7 @@ class Checkpointer:
             f"resumed from {path} at step {step} of {self.cfg.training.steps}; "
             "checkpoints go to "
             f"{self.run_dir}"
+            + (f"; the data changed: {sources_changed}" if sources_changed else "")
             + (
                 ": nothing left to train (raise training.steps, or set "
                 'checkpoint.resume = "never" for a fresh run)'

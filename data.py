@@ -837,21 +837,29 @@ class MixedLoader:
 
 def check_saved_sources(
     saved_keys: Iterable[str], data: PackedLoader | MixedLoader, checkpoint: Path
-) -> None:
+) -> str | None:
     """A checkpoint's data position (its "train.data.*" entries) must be that of this run's
     sources: one source (data.path) or a mixture of as many as [data] sources lists now. Checked
     before the position is loaded, so that another number of sources is one line naming
-    data.sources rather than a key missing inside torch.distributed.checkpoint."""
+    data.sources rather than a key missing inside torch.distributed.checkpoint. The same number
+    with other weights (or paths) resumes: each source goes on from its saved position and the rows
+    from here on are drawn with this run's weights, as deterministic as any other position. ->
+    what the resume changed, for its line (None: nothing)."""
     saved = {key.removeprefix("train.data.") for key in saved_keys if key.startswith("train.data.")}
-    if not saved or saved == set(data.state_dict()):
-        return
     then = saved_stream_settings(checkpoint)
     now = (data.sources[0] if isinstance(data, MixedLoader) else data).settings
     changed = [
         f"{key} {then.get(key)!r} -> {now.get(key)!r}"
         for key in ("data.path", "data.sources")
-        if key in then and then.get(key) != now.get(key)
+        if key in then and key in now and then.get(key) != now.get(key)
     ]
+    if not saved or saved == set(data.state_dict()):
+        return (
+            f"{'; '.join(changed)}: each source goes on from its position, the rows from here on "
+            "drawn with these weights"
+            if changed and isinstance(data, MixedLoader)
+            else None
+        )
     raise DataError(
         f"{checkpoint} saved the data position of {sources_read(saved)}, but this run reads "
         f"{sources_read(set(data.state_dict()))}"

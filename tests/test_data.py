@@ -2,6 +2,7 @@
 position."""
 
 import json
+import re
 import tracemalloc
 from pathlib import Path
 
@@ -967,10 +968,10 @@ def test_a_mixture_position_from_other_sources_is_refused(tmp_path):
 def test_a_checkpoint_of_another_number_of_sources_is_refused_in_one_line(tmp_path):
     """The saved position's keys (as torch.distributed.checkpoint names them) of two sources, of
     data.path alone, or of the same three: refused naming [data] sources and the change, or let
-    through, before the position is loaded."""
+    through, before the position is loaded (saying what changed when the weights did)."""
     three = mixture(tmp_path, [0.5, 0.3, 0.2])
     saved = {f"train.data.{key}" for key in three.state_dict()} | {"train.step", "model.w"}
-    data.check_saved_sources(saved, three, tmp_path)
+    assert data.check_saved_sources(saved, three, tmp_path) is None
     two = saved - {"train.data.source_2_position", "train.data.source_2_rows"}
     checkpoint = saved_run(tmp_path / "ckpt", sources=[{"path": "web", "weight": 1}])
     three.sources[0].settings["data.sources"] = [{"path": "web", "weight": 1}, "code", "math"]
@@ -982,16 +983,22 @@ def test_a_checkpoint_of_another_number_of_sources_is_refused_in_one_line(tmp_pa
         r"mixture of 3 \[data\] sources \(data.sources \[\{'path': 'web', 'weight': 1\}\] -> "
         r".*'code', 'math'\]\): a resume continues the checkpoint's \[data\] sources",
     )
+    reweighted = saved_run(tmp_path / "reweighted", sources=["web", "code", "math"])
+    assert data.check_saved_sources(saved, three, reweighted) == (
+        "data.sources ['web', 'code', 'math'] -> [{'path': 'web', 'weight': 1}, 'code', 'math']: "
+        "each source goes on from its position, the rows from here on drawn with these weights"
+    )
     plain = {"train.data.next_row", "train.data.rows_per_epoch", "train.data.seq_len"}
     with pytest.raises(DataError, match=r"position of one source \(data.path\), but this run"):
         data.check_saved_sources(plain, three, tmp_path)
 
 
 @pytest.mark.slow
-def test_resuming_with_a_third_source_stops_with_one_line(tmp_path):
+def test_resuming_with_a_third_source_stops_with_one_line(tmp_path, capsys):
     """train.py: two steps on a mixture of two sources, checkpointed; the resume with three stops
     before loading anything, in one line naming [data] sources, where
-    torch.distributed.checkpoint would fail on a key the checkpoint lacks."""
+    torch.distributed.checkpoint would fail on a key the checkpoint lacks; the resume with the two
+    reweighted goes on and says so."""
     import train
     from helpers import debug_configs
 
@@ -1022,6 +1029,17 @@ def test_resuming_with_a_third_source_stops_with_one_line(tmp_path):
         str(checkpoint),
         r"saved the data position of a mixture of 2 \[data\] sources, but this run reads a "
         r"mixture of 3 \[data\] sources \(data.sources .*\): a resume continues",
+    )
+    reweighted = (tmp_path / "2.toml").read_text().replace("weight = 1}]", "weight = 3}]")
+    (tmp_path / "reweighted.toml").write_text(reweighted)
+    capsys.readouterr()
+    resumed = ["--config", str(tmp_path / "reweighted.toml"), *settings[:-2], "--training.steps=3"]
+    train.main([*resumed, "--training.sample_tokens=0", f"--checkpoint.resume={checkpoint}"])
+    assert re.search(
+        rf"resumed from {checkpoint} at step 2 of 3; checkpoints go to \S+; the data changed: "
+        r"data.sources .*'weight': 1\}\] -> .*'weight': 3\}\]: each source goes on from its "
+        r"position, the rows from here on drawn with these weights",
+        capsys.readouterr().out,
     )
 
 
