@@ -43,6 +43,7 @@ from checkpoint_files import (
     write_checksums,
 )
 from config import INIT_FROM_SETTINGS
+from data import check_saved_sources
 from files import sync_rename
 from lora import RUN_FILE, adapter_state, resume_refusal, run_record
 from parallel import ParallelModel, Process, barrier, waiting_for_main_rank
@@ -465,6 +466,7 @@ class Checkpointer:
             raise CheckpointError(f"{self.cfg.where('checkpoint.resume')}: {refusal}")
         saved_keys = read_metadata(path).state_dict_metadata
         check_optimizer(path, saved_keys, self.cfg)
+        sources_changed = check_saved_sources(saved_keys, data, path)
         state = self.state(model, optimizer, data, 0)
         if "train.cuda_rng" not in saved_keys:
             state["train"].pop("cuda_rng", None)
@@ -491,6 +493,7 @@ class Checkpointer:
             f"resumed from {path} at step {step} of {self.cfg.training.steps}; "
             "checkpoints go to "
             f"{self.run_dir}"
+            + (f"; the data changed: {sources_changed}" if sources_changed else "")
             + (
                 ": nothing left to train (raise training.steps, or set "
                 'checkpoint.resume = "never" for a fresh run)'

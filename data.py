@@ -15,11 +15,13 @@ Conversations and prompt/completion pairs (JSONL lines with "messages", or "prom
 tokens are targets (-100 elsewhere, so they are neither trained on nor counted). Data with
 conversations is packed whole: each row holds whole documents (best-fit, chat.pack_rows, fixed for
 the data), a document longer than seq_len is truncated or dropped (data.overlong), and each epoch
-shuffles the rows."""
+shuffles the rows block-wise (PackedLoader)."""
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +61,11 @@ STREAM_KEYS = (
 
 # meta.json's "format_version" (absent: 1). Version 2 adds each shard's largest token id and the
 # sha256 of its tokens file ("shard_max_token", "shard_sha256"), checked once at prepare time.
-FORMAT_VERSION = 2
+# Version 3 adds COARSE_FILE: where every COARSE_DOCS-th document starts, so that opening reads
+# 8 bytes per 4,096 documents in one file instead of touching the whole document index.
+FORMAT_VERSION = 3
+COARSE_DOCS = 1 << 12  # as BLOCK_DOCS: a block of the shuffled order starts on this grid
+COARSE_FILE = "coarse_starts.npy"
 
 
 class DataError(ValueError):
@@ -71,7 +77,10 @@ class DataError(ValueError):
 
 class TokenShards:
     """Prepared shards as one list of documents: document(i) is a memmap view, no copy; with
-    conversations (`masked`), loss_mask(i) is its mask the same way."""
+    conversations (`masked`), loss_mask(i) is its mask the same way.
+
+    Each shard's document index (docs_NNNNN.npy) is memory-mapped too, so opening costs O(shards)
+    whatever the number of documents, and only the index pages of documents read are touched."""
 
     def __init__(self, directory: Path, tokenizer: Tokenizer | None = None):
         self.meta = read_meta(directory / "meta.json")
@@ -94,42 +103,96 @@ class TokenShards:
                 "another one "
                 f"({template_of(tokenizer).origin}); prepare the data again"
             )
-        self.tokens, self.masks, shard_of, starts, ends = [], [], [], [], []
-        for index, name in enumerate(self.meta["shards"]):
+        self.tokens, self.masks, self.bounds = [], [], []
+        first_doc, token_offset = [0], [0]
+        for name in self.meta["shards"]:
             tokens, bounds = read_shard(directory, name, self.meta["dtype"])
-            self.tokens.append(tokens)
+            # plain views of the maps: a memmap's slices cost a Python object each, these do not
+            self.tokens.append(tokens.view(np.ndarray))
+            self.bounds.append(bounds.view(np.ndarray))
             if self.masked:
-                self.masks.append(read_mask(directory / f"mask_{name}.bin", len(tokens)))
-            shard_of.append(np.full(len(bounds) - 1, index, dtype=np.int32))
-            starts.append(bounds[:-1])
-            ends.append(bounds[1:])
-        self.doc_shard, self.doc_start = np.concatenate(shard_of), np.concatenate(starts)
-        self.doc_len = np.concatenate(ends) - self.doc_start
+                mask = read_mask(directory / f"mask_{name}.bin", len(tokens))
+                self.masks.append(mask.view(np.ndarray))
+            first_doc.append(first_doc[-1] + len(bounds) - 1)
+            token_offset.append(token_offset[-1] + len(tokens))
+        # [shards]: each shard's first document and first token in the corpus's order
+        self._first_doc = first_doc[:-1]
+        self.first_doc, self.token_offset = np.array(first_doc[:-1]), np.array(token_offset[:-1])
+        self.num_docs, self.num_tokens = first_doc[-1], token_offset[-1]
+        self.coarse = read_coarse(directory, self.meta, self.num_docs, self.num_tokens)
         self.vocab_size = int(self.meta["vocab_size"])
         self.files = [directory / f"tokens_{name}.bin" for name in self.meta["shards"]]
+        self.index_files = [directory / f"docs_{name}.npy" for name in self.meta["shards"]]
         self.vocab_limit = tokenizer.vocab_size if tokenizer else self.vocab_size
         # Ranges recorded at prepare time are checked now; without them each document read is.
         self.checked_at_open = check_recorded_ranges(
             directory / "meta.json", self.meta, self.vocab_limit
         )
 
-    @property
-    def num_docs(self) -> int:
-        return len(self.doc_start)
+    def _span(self, i: int) -> tuple[int, int, int]:
+        """Document i -> (its shard, its first token and its end in that shard)."""
+        shard = bisect.bisect_right(self._first_doc, i) - 1
+        local = i - self._first_doc[shard]
+        start, end = int(self.bounds[shard][local]), int(self.bounds[shard][local + 1])
+        if end <= start:
+            raise self._disorder(shard, local)
+        return shard, start, end
 
     def document(self, i: int, part: slice = slice(None)) -> np.ndarray:
         """Document i's tokens (a memmap view), or `part` of them: only those are read."""
-        start, shard = self.doc_start[i], self.doc_shard[i]
-        tokens = self.tokens[shard][start : start + self.doc_len[i]][part]
+        shard, start, end = self._span(i)
+        tokens = self.tokens[shard][start:end][part]
         if not self.checked_at_open:
             check_token_range(self.files[shard], tokens, self.vocab_limit)
         return tokens
 
     def loss_mask(self, i: int) -> np.ndarray:
-        """uint8 [doc_len[i]]: 1 where the token is a target (the assistant's); masked shards
+        """uint8 [document length]: 1 where the token is a target (the assistant's); masked shards
         only."""
-        start = self.doc_start[i]
-        return self.masks[self.doc_shard[i]][start : start + self.doc_len[i]]
+        shard, start, end = self._span(i)
+        return self.masks[shard][start:end]
+
+    def starts(self, docs: np.ndarray) -> np.ndarray:
+        """Where each document starts in the corpus's tokens back to back; num_docs -> the end.
+        [n] int in [0, num_docs] -> [n] int64, reading n entries of the memory-mapped index."""
+        docs = np.asarray(docs, dtype=np.int64)
+        if self.coarse is not None:  # those on the grid from the coarse starts, without the index
+            on_grid = (docs % COARSE_DOCS == 0) | (docs == self.num_docs)
+            if on_grid.any():
+                result = np.empty(len(docs), dtype=np.int64)
+                coarse = np.where(docs == self.num_docs, len(self.coarse) - 1, docs // COARSE_DOCS)
+                result[on_grid] = self.coarse[coarse[on_grid]]
+                result[~on_grid] = self._indexed_starts(docs[~on_grid])
+                return result
+        return self._indexed_starts(docs)
+
+    def _indexed_starts(self, docs: np.ndarray) -> np.ndarray:
+        shard = np.searchsorted(self.first_doc, docs, side="right") - 1
+        order = np.argsort(shard, kind="stable")  # one gather per shard
+        cuts = np.searchsorted(shard[order], np.arange(len(self.bounds) + 1))
+        result = np.empty(len(docs), dtype=np.int64)
+        for s in np.flatnonzero(np.diff(cuts)):
+            take = order[cuts[s] : cuts[s + 1]]
+            local = docs[take] - self.first_doc[s]
+            result[take] = self.token_offset[s] + self.bounds[s][local]
+        return result
+
+    def lengths(self, docs: np.ndarray) -> np.ndarray:
+        """[n] document indices -> [n] int64 token counts, each checked to be positive."""
+        docs = np.asarray(docs, dtype=np.int64)
+        lengths = self.starts(docs + 1) - self.starts(docs)
+        bad = np.flatnonzero(lengths <= 0)
+        if len(bad):
+            shard = bisect.bisect_right(self._first_doc, int(docs[bad[0]])) - 1
+            raise self._disorder(shard, int(docs[bad[0]]) - self._first_doc[shard])
+        return lengths
+
+    def _disorder(self, shard: int, local: int) -> DataError:
+        window = self.bounds[shard][max(local - 1, 0) : local + 3].tolist()
+        return DataError(
+            f"{self.index_files[shard]}: document starts must rise from 0, got "
+            f"{window}... (document {local}): the shard is damaged, prepare again"
+        )
 
 
 # meta.json's keys that reading shards needs, with the type each must have.
@@ -198,7 +261,7 @@ def read_shard(directory: Path, name: str, dtype: str) -> tuple[np.ndarray, np.n
             f"prepare the data again"
         ) from error
     try:
-        bounds = np.load(docs_file)
+        bounds = np.load(docs_file, mmap_mode="r")  # read where documents are read, not here
     except (OSError, ValueError, EOFError) as error:
         raise DataError(
             f"{docs_file}: not a document index ({one_line(error)}); prepare the data again"
@@ -209,7 +272,9 @@ def read_shard(directory: Path, name: str, dtype: str) -> tuple[np.ndarray, np.n
             f"got an array of {bounds.dtype} {list(bounds.shape)}: the shard is "
             f"damaged, prepare again"
         )
-    if bounds[0] != 0 or not (np.diff(bounds) > 0).all():  # a document holds its end-of-text
+    # Only the ends here (O(1)): each document's own bounds are checked as it is read, since a
+    # document holds at least its end-of-text token.
+    if bounds[0] != 0:
         raise DataError(
             f"{docs_file}: document starts must rise from 0, got "
             f"{bounds[:4].tolist()}...: the shard is damaged, prepare again"
@@ -231,6 +296,40 @@ def read_mask(file: Path, num_tokens: int) -> np.ndarray:
             f"{file}: {found}; the prepared directory is damaged, prepare the data again"
         )
     return np.memmap(file, dtype=np.uint8, mode="r")
+
+
+def coarse_starts(directory: Path, names: list[str]) -> np.ndarray:
+    """Where every COARSE_DOCS-th document of the shards `names` starts in their tokens back to
+    back, then the end [ceil(docs / COARSE_DOCS) + 1]: written at prepare time (COARSE_FILE)."""
+    starts, first_doc, offset = [], 0, 0
+    for name in names:
+        bounds = np.load(directory / f"docs_{name}.npy", mmap_mode="r")
+        count = len(bounds) - 1
+        starts.append(offset + bounds[np.arange(-first_doc % COARSE_DOCS, count, COARSE_DOCS)])
+        first_doc, offset = first_doc + count, offset + int(bounds[-1])
+    return np.concatenate([*starts, [offset]]).astype(np.int64)
+
+
+def read_coarse(directory: Path, meta: dict, num_docs: int, num_tokens: int) -> np.ndarray | None:
+    """A directory's COARSE_FILE, checked against its shards; None before format version 3 (then
+    opening reads the document index where the coarse starts would have been)."""
+    if meta.get("format_version", 1) < 3:
+        return None
+    file = directory / COARSE_FILE
+    try:
+        coarse = np.load(file)
+    except (OSError, ValueError, EOFError) as error:
+        raise DataError(
+            f"{file}: not the coarse document starts ({one_line(error)}); prepare the data again"
+        ) from None
+    expected = (-(-num_docs // COARSE_DOCS) + 1,)
+    if coarse.shape != expected or coarse.dtype.kind not in "iu" or coarse[-1] != num_tokens:
+        raise DataError(
+            f"{file}: expected {expected[0]} integer starts ending at the shards' {num_tokens} "
+            f"tokens, got {coarse.dtype} {list(coarse.shape)}: the directory is damaged, prepare "
+            "the data again"
+        )
+    return coarse
 
 
 def check_recorded_ranges(path: Path, meta: dict, vocab_size: int) -> bool:
@@ -272,30 +371,97 @@ def check_token_range(file: Path, tokens: np.ndarray, vocab_size: int) -> None:
         )
 
 
-def split_documents(
-    num_docs: int, val_fraction: float, where: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """Hold out round(val_fraction * docs) whole documents (at least one), chosen by a fixed
-    seed."""
+# The split holds out whole groups of consecutive documents, at most SPLIT_GROUPS of them: one
+# document a group up to 65,536 documents (the split of every smaller corpus is the one a
+# permutation of its documents gives), 15,259 a group at 1B. A rank keeps the groups of its split
+# (at most 512 KiB), never a list of documents, and finds member j in O(log groups).
+SPLIT_GROUPS = 1 << 16
+
+
+class Split:
+    """Some of a corpus's documents [0, num_docs), as whole groups of `group_docs` consecutive
+    documents (the last group may be shorter), in index order: member j is select(j, j + 1)."""
+
+    def __init__(self, num_docs: int, group_docs: int, groups: np.ndarray):
+        self.num_docs, self.group_docs = num_docs, group_docs
+        self.groups = np.asarray(groups, dtype=np.int64)  # [g], sorted
+        sizes = np.minimum(num_docs - self.groups * group_docs, group_docs)
+        self.before = np.concatenate([[0], np.cumsum(sizes)])  # [g + 1]: members before each group
+
+    @classmethod
+    def whole(cls, num_docs: int) -> Split:
+        """Every document of a corpus of num_docs (one group)."""
+        return cls(num_docs, max(num_docs, 1), np.arange(1 if num_docs else 0))
+
+    def __len__(self) -> int:
+        return int(self.before[-1])
+
+    def select(self, first: int, stop: int) -> np.ndarray:
+        """Members first, ..., stop - 1 -> their document indices [stop - first], rising."""
+        ranks = np.arange(first, stop, dtype=np.int64)
+        group = np.searchsorted(self.before, ranks, side="right") - 1
+        return self.groups[group] * self.group_docs + ranks - self.before[group]
+
+    def indices(self) -> np.ndarray:
+        """Every member's document index [len]: O(members), for what packs all of them at once."""
+        return self.select(0, len(self))
+
+    def tokens_before(self, shards: TokenShards, ranks: np.ndarray) -> np.ndarray:
+        """Tokens of members [0, j) for each j of `ranks` [n] (0 <= j <= len) -> [n] int64: where
+        member j starts in the corpus, less the tokens of the groups left out before it, or plus
+        those of the member groups before it, whichever groups are fewer (the training split's:
+        the few held out). Reads n + 2 * min(groups, others) entries of the index."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        group = np.minimum(
+            np.searchsorted(self.before, ranks, side="right") - 1, len(self.groups) - 1
+        )
+        firsts = self.groups[group] * self.group_docs
+        starts = shards.starts(firsts + ranks - self.before[group])  # the end of the last for len
+        num_groups = math.ceil(self.num_docs / self.group_docs)
+        if 2 * len(self.groups) <= num_groups:
+            return self._prefix(shards, self.groups)[group] + starts - shards.starts(firsts)
+        left_out = np.ones(num_groups, dtype=bool)
+        left_out[self.groups] = False
+        others = np.flatnonzero(left_out)
+        return starts - self._prefix(shards, others)[np.searchsorted(others, self.groups[group])]
+
+    def _prefix(self, shards: TokenShards, groups: np.ndarray) -> np.ndarray:
+        """[g] groups -> the tokens of the groups before each, then of all [g + 1]."""
+        firsts = groups * self.group_docs
+        ends = np.minimum(firsts + self.group_docs, self.num_docs)
+        return np.concatenate([[0], np.cumsum(shards.starts(ends) - shards.starts(firsts))])
+
+
+def split_documents(num_docs: int, val_fraction: float, where: str) -> tuple[Split, Split]:
+    """Hold out round(val_fraction * groups) whole groups of documents (at least one), chosen by a
+    fixed seed; the groups are single documents up to SPLIT_GROUPS documents. -> (train, val)."""
     if val_fraction == 0:
-        return np.arange(num_docs), np.arange(0)
-    num_val = max(1, round(val_fraction * num_docs))
-    if num_val >= num_docs:
+        return Split.whole(num_docs), Split(num_docs, max(num_docs, 1), np.arange(0))
+    group_docs = math.ceil(num_docs / SPLIT_GROUPS)
+    if group_docs > COARSE_DOCS:  # whole blocks, so that the blocks' ends stay on the coarse grid
+        group_docs = math.ceil(group_docs / COARSE_DOCS) * COARSE_DOCS
+    num_groups = math.ceil(num_docs / group_docs)
+    num_val = max(1, round(val_fraction * num_groups))
+    if num_val >= num_groups:
         raise DataError(
             f"{where} has {num_docs} document(s): too few to hold out "
             f"{val_fraction:.0%} for "
             "validation and keep some for training; add documents or set "
             "data.val_fraction = 0"
         )
-    order = np.random.default_rng(SPLIT_SEED).permutation(num_docs)
-    return np.sort(order[num_val:]), np.sort(order[:num_val])
+    order = np.random.default_rng(SPLIT_SEED).permutation(num_groups)
+    return (
+        Split(num_docs, group_docs, np.sort(order[num_val:])),
+        Split(num_docs, group_docs, np.sort(order[:num_val])),
+    )
 
 
 # ============================================================================= the packed loader
 
 # Documents per block of the shuffled order: an epoch permutes the blocks, then the documents within
-# each block it reaches, so a rank holds one block's order, not the epoch's (O(rows read)).
-BLOCK_DOCS = 1 << 12
+# each block it reaches, so a rank holds one block's order, not the epoch's (O(rows read)). Packed
+# whole (conversations), the blocks are of rows of the packing, shuffled the same way.
+BLOCK_DOCS = COARSE_DOCS
 
 
 class PackedLoader:
@@ -306,20 +472,23 @@ class PackedLoader:
     and rank r takes the B rows starting at m*W*B + r*B, so the data order does not depend on the
     layout and a position saved by one world size is valid for another. Row g is row g % R of
     epoch g // R (R = rows_per_epoch). An epoch's document order is computed block-wise from
-    (seed, stream, epoch): the blocks of `block_docs` documents are permuted, then the documents
-    within each block, so no rank stores or recomputes a permutation of every document.
+    (seed, stream, epoch): the blocks of `block_docs` consecutive members of the split are permuted,
+    then the documents within each block, so no rank stores or recomputes a permutation of every
+    document; a block's token count comes from the index at its two ends. What a rank keeps is
+    O(documents / block_docs): each block's token count and an epoch's order of the blocks.
     The state is one integer, the next global row, so a restart resumes at the exact token.
 
     Shards with conversations (masked) are packed whole instead (chat.WholeRows: rows packed once, a
     document longer than seq_len truncated or dropped by `overlong`), and an epoch shuffles the rows
-    with (seed, stream, epoch); a target is -100 where the loss mask says the token is not one.
+    block-wise the same way: blocks of `block_docs` rows of the packing, then the rows within each.
+    A target is -100 where the loss mask says the token is not one.
     `stream` tells the sources of a mixture apart (MixedLoader): each shuffles its own way.
     """
 
     def __init__(
         self,
         shards: TokenShards,
-        doc_indices: np.ndarray,
+        split: Split,
         seq_len: int,
         batch_size: int,
         seed: int,
@@ -333,14 +502,9 @@ class PackedLoader:
         stream: int = 0,
         block_docs: int = BLOCK_DOCS,
     ):
-        if len(doc_indices) == 0:
+        if len(split) == 0:
             raise DataError(f"the {name} split has no documents")
-        self.shards, self.docs, self.seq_len, self.batch_size = (
-            shards,
-            doc_indices,
-            seq_len,
-            batch_size,
-        )
+        self.shards, self.split, self.seq_len, self.batch_size = shards, split, seq_len, batch_size
         self.seed, self.shuffle, self.epochs, self.name = seed, shuffle, epochs, name
         self.rank, self.world_size, self.stream = rank, world_size, stream
         # The run's STREAM_KEYS (train.py passes them all): a refused resume names the changed.
@@ -350,28 +514,37 @@ class PackedLoader:
             "training.seed": seed,
         }
         self.block_docs = block_docs
-        block_starts = np.arange(0, len(doc_indices), block_docs)
-        self.block_tokens = np.add.reduceat(shards.doc_len[doc_indices], block_starts)  # [blocks]
-        self.num_tokens = int(self.block_tokens.sum())
-        self.rows_per_epoch = math.ceil(self.num_tokens / seq_len)
         self.whole = None
         if shards.masked:
-            self.whole = WholeRows(
-                shards.doc_len[doc_indices],
-                seq_len,
-                overlong,
-                lambda i: bool(shards.loss_mask(doc_indices[i])[1:seq_len].any()),
-            )
-            if self.whole.num_tokens == 0:
-                raise DataError(
-                    f"the {name} split keeps no document: all {len(doc_indices)} are "
-                    "longer than "
-                    f"data.seq_len = {seq_len} and data.overlong = {overlong!r}"
-                )
-            self.num_tokens, self.rows_per_epoch = self.whole.num_tokens, self.whole.num_rows
+            self._pack_whole(overlong)
+        else:
+            edges = np.append(np.arange(0, len(split), block_docs), len(split))  # [blocks + 1]
+            self.block_sizes = np.diff(split.tokens_before(shards, edges))  # [blocks]: tokens
+            self.num_tokens = int(self.block_sizes.sum())
+            self.rows_per_epoch = math.ceil(self.num_tokens / seq_len)
         self.next_row = 0
         self._epoch_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._block_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def _pack_whole(self, overlong: str) -> None:
+        """Conversations: the split's documents packed into rows once (O(documents), as packing
+        whole needs every length); the epochs' orders are block-wise, as the documents' are."""
+        self.docs = self.split.indices()  # document i of the packing is self.docs[i]
+        self.whole = WholeRows(
+            self.shards.lengths(self.docs),
+            self.seq_len,
+            overlong,
+            lambda i: bool(self.shards.loss_mask(self.docs[i])[1 : self.seq_len].any()),
+        )
+        if self.whole.num_tokens == 0:
+            raise DataError(
+                f"the {self.name} split keeps no document: all {len(self.docs)} are "
+                "longer than "
+                f"data.seq_len = {self.seq_len} and data.overlong = {overlong!r}"
+            )
+        self.num_tokens, self.rows_per_epoch = self.whole.num_tokens, self.whole.num_rows
+        rows = self.rows_per_epoch
+        self.block_sizes = np.diff(np.append(np.arange(0, rows, self.block_docs), rows))  # rows
 
     def describe(self) -> str:
         """The split in a few words, for the run's log."""
@@ -410,13 +583,12 @@ class PackedLoader:
 
     def row(self, g: int) -> dict[str, np.ndarray]:
         """Global row g: tokens at stream positions [s, s + T] of its epoch (s = (g % R) * T); the
-        extra token only serves as the last target. Packed whole: row order[g % R] of the
-        packing."""
+        extra token only serves as the last target. Packed whole: the packing's row that the
+        epoch's block-wise order puts at g % R."""
         epoch, start = divmod(g, self.rows_per_epoch)
         if self.whole is not None:  # document i of the row is self.docs[i]
-            order = self._row_order(epoch)
             tokens, docs, mask = self.whole.fill(
-                int(order[start]),
+                self._packed_row(epoch, start),
                 lambda i: self.shards.document(self.docs[i]),
                 lambda i: self.shards.loss_mask(self.docs[i]),
             )
@@ -427,18 +599,18 @@ class PackedLoader:
         position = start * self.seq_len
         _, block_ends = self._blocks(epoch)
         slot = int(np.searchsorted(block_ends, position, side="right"))  # the block of `position`
-        order, ends = self._block(epoch, slot)
+        order, bounds = self._block(epoch, slot)
         # first document ending after `position`
-        k = int(np.searchsorted(ends, position, side="right"))
+        k = int(np.searchsorted(bounds[1:], position, side="right"))
         while position < stop:
             if k == len(order):  # the row goes on in the next block, or the epoch ends (padding)
                 slot, k = slot + 1, 0
                 if slot == len(block_ends):
                     break
-                order, ends = self._block(epoch, slot)
+                order, bounds = self._block(epoch, slot)
+                continue  # a block of the validation split may hold no document
             doc = int(order[k])
-            doc_start = ends[k] - self.shards.doc_len[doc]
-            take = slice(position - doc_start, min(ends[k], stop) - doc_start)
+            take = slice(position - bounds[k], min(bounds[k + 1], stop) - bounds[k])
             n = take.stop - take.start
             offset = position - start * self.seq_len
             tokens[offset : offset + n] = self.shards.document(doc, take)
@@ -450,39 +622,41 @@ class PackedLoader:
         return np.random.default_rng([self.seed, self.stream, *key])
 
     def _blocks(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(block order [blocks], cumulative end of each in the epoch's stream [blocks]), two epochs
-        cached: O(documents / block_docs) each."""
+        """(block order [blocks], cumulative end of each in the epoch's stream [blocks]: tokens, or
+        rows packed whole), two epochs cached: O(documents / block_docs) each."""
         if epoch not in self._epoch_cache:
-            count = len(self.block_tokens)
+            count = len(self.block_sizes)
             order = self._rng(epoch, 0).permutation(count) if self.shuffle else np.arange(count)
             self._epoch_cache = {e: v for e, v in self._epoch_cache.items() if e == epoch - 1}
-            self._epoch_cache[epoch] = (order, np.cumsum(self.block_tokens[order]))
+            self._epoch_cache[epoch] = (order, np.cumsum(self.block_sizes[order]))
         return self._epoch_cache[epoch]
 
     def _block(self, epoch: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """The documents of the epoch's `slot`-th block in their order, and where each ends in the
-        epoch's stream; the last few blocks read are cached."""
+        """The members of the epoch's `slot`-th block in their order [n] (documents, or rows packed
+        whole), and where each starts in the epoch's stream, then where the last ends [n + 1]; the
+        last few blocks read are cached."""
         if (epoch, slot) not in self._block_cache:
             order, block_ends = self._blocks(epoch)
             block = int(order[slot])
-            members = self.docs[block * self.block_docs : (block + 1) * self.block_docs]
+            first = block * self.block_docs
+            whole = self.whole is not None
+            stop = min(first + self.block_docs, self.rows_per_epoch if whole else len(self.split))
+            members = np.arange(first, stop) if whole else self.split.select(first, stop)
             if self.shuffle:
                 members = members[self._rng(epoch, 1, block).permutation(len(members))]
-            first = block_ends[slot] - self.block_tokens[block]
+            sizes = np.ones(len(members), np.int64) if whole else self.shards.lengths(members)
+            start = block_ends[slot] - self.block_sizes[block]
             if len(self._block_cache) >= 4:
                 self._block_cache.pop(next(iter(self._block_cache)))
-            ends = first + np.cumsum(self.shards.doc_len[members])
-            self._block_cache[epoch, slot] = (members, ends)
+            self._block_cache[epoch, slot] = (members, start + np.cumsum(np.append(0, sizes)))
         return self._block_cache[epoch, slot]
 
-    def _row_order(self, epoch: int) -> np.ndarray:
-        """Packed whole: the epoch's order of the packing's rows [R], two epochs cached."""
-        if epoch not in self._epoch_cache:
-            rows = np.arange(self.rows_per_epoch)
-            order = self._rng(epoch).permutation(rows) if self.shuffle else rows
-            self._epoch_cache = {e: v for e, v in self._epoch_cache.items() if e == epoch - 1}
-            self._epoch_cache[epoch] = (order, order)
-        return self._epoch_cache[epoch][0]
+    def _packed_row(self, epoch: int, position: int) -> int:
+        """Packed whole: the row of the packing at `position` of the epoch's order."""
+        _, block_ends = self._blocks(epoch)
+        slot = int(np.searchsorted(block_ends, position, side="right"))
+        members, starts = self._block(epoch, slot)
+        return int(members[position - starts[0]])
 
     def state_dict(self) -> dict[str, int]:
         return {
@@ -659,6 +833,46 @@ class MixedLoader:
             )
         self.next_row = int(state["next_row"])
         self.positions = [int(state[f"source_{s}_position"]) for s in range(count)]
+
+
+def check_saved_sources(
+    saved_keys: Iterable[str], data: PackedLoader | MixedLoader, checkpoint: Path
+) -> str | None:
+    """A checkpoint's data position (its "train.data.*" entries) must be that of this run's
+    sources: one source (data.path) or a mixture of as many as [data] sources lists now. Checked
+    before the position is loaded, so that another number of sources is one line naming
+    data.sources rather than a key missing inside torch.distributed.checkpoint. The same number
+    with other weights (or paths) resumes: each source goes on from its saved position and the rows
+    from here on are drawn with this run's weights, as deterministic as any other position. ->
+    what the resume changed, for its line (None: nothing)."""
+    saved = {key.removeprefix("train.data.") for key in saved_keys if key.startswith("train.data.")}
+    then = saved_stream_settings(checkpoint)
+    now = (data.sources[0] if isinstance(data, MixedLoader) else data).settings
+    changed = [
+        f"{key} {then.get(key)!r} -> {now.get(key)!r}"
+        for key in ("data.path", "data.sources")
+        if key in then and key in now and then.get(key) != now.get(key)
+    ]
+    if not saved or saved == set(data.state_dict()):
+        return (
+            f"{'; '.join(changed)}: each source goes on from its position, the rows from here on "
+            "drawn with these weights"
+            if changed and isinstance(data, MixedLoader)
+            else None
+        )
+    raise DataError(
+        f"{checkpoint} saved the data position of {sources_read(saved)}, but this run reads "
+        f"{sources_read(set(data.state_dict()))}"
+        + (f" ({'; '.join(changed)})" if changed else "")
+        + ": a resume continues the checkpoint's [data] sources (the same list, in the same "
+        "order); resume with them, or start a fresh run from its weights (model.init_from)"
+    )
+
+
+def sources_read(keys: set[str]) -> str:
+    """A loader's state keys -> "one source (data.path)" or "a mixture of 3 [data] sources"."""
+    count = sum(key.endswith("_rows") and key.startswith("source_") for key in keys)
+    return f"a mixture of {count} [data] sources" if count else "one source (data.path)"
 
 
 def stream_settings(config: dict) -> dict[str, object]:

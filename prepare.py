@@ -43,13 +43,16 @@ from chat import (
     template_of,
 )
 from data import (
+    COARSE_FILE,
     FORMAT_VERSION,
     MASKED_FORMAT,
     OVERLONG,
     SHARDS_FORMAT,
     DataError,
     PackedLoader,
+    Split,
     TokenShards,
+    coarse_starts,
 )
 from files import remove_stale_temporaries, sync_rename
 from flags import OneLineParser, positive
@@ -403,6 +406,8 @@ def prepare(
                                the end
     out_dir/mask_00000.bin     with conversations or pairs only: uint8 per token, 1 where it is a
                                target
+    out_dir/coarse_starts.npy  int64: where every 4,096th document starts (data.COARSE_DOCS), then
+                               the end, so that opening need not read the document index
     out_dir/meta.json          written last: format, tokenizer fingerprint, counts, shard names,
                                each shard's largest token id and checksum
 
@@ -617,6 +622,7 @@ def assemble(plan: dict, units: list[Path], out: Path, what: str) -> None:
         if masked
         else {}
     )
+    np.save(out / COARSE_FILE, coarse_starts(out, shards))
     write_json(
         out / "meta.json",
         {
@@ -867,6 +873,7 @@ class ShardWriter:
             "shard_max_token": self.largest,
             "shard_sha256": self.checksums,
         }
+        np.save(self.directory / COARSE_FILE, coarse_starts(self.directory, self.shards))
         (self.directory / "meta.json").write_text(json.dumps(meta, indent=1))
 
     def _write_tokens(self, ids: list[int]) -> None:
@@ -1100,7 +1107,7 @@ def summarize(
     meta, binary = shards.meta, shards.meta["skipped_binary"]
     named = f" ({', '.join(binary[:3])}{', ...' if len(binary) > 3 else ''})" if binary else ""
     print(
-        f"{out}: {shards.num_docs} documents, {int(shards.doc_len.sum()):,} tokens from "
+        f"{out}: {shards.num_docs} documents, {shards.num_tokens:,} tokens from "
         f"{len(meta['sources'])} file(s) ({tokenizer_name} tokenizer, vocabulary "
         f"{shards.vocab_size}); skipped "
         f"{len(binary)} binary file(s){named} and {meta['skipped_by_extension']} file(s) by "
@@ -1123,7 +1130,10 @@ def summarize(
 def rows_report(shards: TokenShards, seq_len: int, overlong: str) -> str:
     """How rows of seq_len tokens would hold the prepared documents (what a run would print)."""
     whole = WholeRows(
-        shards.doc_len, seq_len, overlong, lambda i: bool(shards.loss_mask(i)[1:seq_len].any())
+        shards.lengths(np.arange(shards.num_docs)),
+        seq_len,
+        overlong,
+        lambda i: bool(shards.loss_mask(i)[1:seq_len].any()),
     )
     if whole.num_tokens == 0:
         return (
@@ -1131,7 +1141,7 @@ def rows_report(shards: TokenShards, seq_len: int, overlong: str) -> str:
             f"--overlong {overlong} leaves none (or none keeps a target)"
         )
     rows = PackedLoader(
-        shards, np.arange(shards.num_docs), seq_len, 1, 0, name="all", overlong=overlong
+        shards, Split.whole(shards.num_docs), seq_len, 1, 0, name="all", overlong=overlong
     )
     return rows.describe()
 

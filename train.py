@@ -448,8 +448,10 @@ def open_source(cfg: TrainConfig, source: Path, tokenizer: Tokenizer, run: Proce
     d = cfg.data
     directory = prepared_dir(source, tokenizer, Path(d.cache_dir), d.text_key)
     if run.is_main and not (directory / "meta.json").is_file():
-        run.print(f"preparing {source} -> {directory}")
-        prepare(source, tokenizer, directory, d.text_key)
+        # every core of the host (the other ranks only wait), with progress lines on stderr
+        workers = len(os.sched_getaffinity(0))
+        run.print(f"preparing {source} -> {directory} with {workers} worker processes")
+        prepare(source, tokenizer, directory, d.text_key, workers=workers, progress_every=30.0)
     with waiting_for_main_rank(
         f"prepare {source} in {directory}",
         cfg.parallel.collective_timeout_minutes,

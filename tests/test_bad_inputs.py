@@ -268,6 +268,16 @@ PREPARED_CASES = {
         "{dir}/docs_00000.npy",
         r"rise from 0, got \[5, 670\]",
     ),
+    "coarse starts missing": (
+        lambda d: (d / "coarse_starts.npy").unlink(),
+        "{dir}/coarse_starts.npy",
+        r"not the coarse document starts \(.*No such file.*\); prepare the data again",
+    ),
+    "coarse starts of another corpus": (
+        lambda d: np.save(d / "coarse_starts.npy", np.array([0, 5, 9])),
+        "{dir}/coarse_starts.npy",
+        r"expected \d+ integer starts ending at the shards' 670 tokens, got int64 \[3\]",
+    ),
     "document index of floats": (
         lambda d: index(d, [0.0, 670.0]),
         "{dir}/docs_00000.npy",
@@ -292,11 +302,17 @@ def test_damaged_prepared_directories_stop_with_one_line(
     directory = shutil.copytree(prepared, tmp_path / "shards")
     damage(directory)
     stops_with_one_line(
-        lambda: TokenShards(directory, load_tokenizer("byte")),
+        lambda: read_every_document(TokenShards(directory, load_tokenizer("byte"))),
         DataError,
         named.format(dir=directory),
         pattern,
     )
+
+
+def read_every_document(shards: TokenShards) -> None:
+    """Opening checks what it can in O(shards); a document's own bounds are checked when read."""
+    for i in range(shards.num_docs):
+        shards.document(i)
 
 
 def test_a_deeply_nested_jsonl_line_stops_with_one_line(tmp_path):

@@ -2,6 +2,8 @@
 position."""
 
 import json
+import re
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +12,7 @@ import torch
 
 import data
 import prepare as preparation
-from data import DataError, PackedLoader, TokenShards, split_documents
+from data import DataError, PackedLoader, Split, TokenShards, split_documents
 from helpers import DEFAULT_FAMILY, FAMILY_NAMES, build, stops_with_one_line, tiny_config
 from prepare import prepare
 from tokenizer import Tokenizer, byte_encoding, load_tokenizer
@@ -66,7 +68,7 @@ def test_ids_outside_the_vocabulary_are_refused_when_read_or_at_open_when_record
     tokens[1] = 300  # the byte vocabulary has 257 ids
     tokens.flush()
     loader = PackedLoader(
-        TokenShards(out, tokenizer), np.arange(1), seq_len=2, batch_size=1, seed=0
+        TokenShards(out, tokenizer), Split.whole(1), seq_len=2, batch_size=1, seed=0
     )
     refusal = r"tokens_00000.bin holds token id 300, outside the vocabulary of 257"
     with pytest.raises(DataError, match=refusal):
@@ -81,10 +83,10 @@ def test_ids_outside_the_vocabulary_are_refused_when_read_or_at_open_when_record
 def test_embedded_corpus_is_present_and_splits():
     lines = data.EMBEDDED_CORPUS.read_text(encoding="utf-8").splitlines()
     assert len(lines) == 79 and all(json.loads(line)["text"] for line in lines)
-    train, val = split_documents(79, 0.05, "corpus")
+    train, val = (split.indices() for split in split_documents(79, 0.05, "corpus"))
     assert len(val) == 4 and not set(train) & set(val) and len(train) + len(val) == 79
     # fixed, whatever the seed
-    assert split_documents(79, 0.05, "corpus")[1].tolist() == val.tolist()
+    assert split_documents(79, 0.05, "corpus")[1].indices().tolist() == val.tolist()
     with pytest.raises(DataError, match="too few"):
         split_documents(1, 0.05, "one.txt")
 
@@ -95,7 +97,7 @@ def test_embedded_corpus_is_present_and_splits():
 def test_packing_covers_every_token_once_per_epoch(tmp_path):
     lengths = [17, 3, 40, 1, 25, 9, 64, 2]
     shards = unique_token_shards(tmp_path, lengths)
-    loader = PackedLoader(shards, np.arange(len(lengths)), seq_len=16, batch_size=1, seed=3)
+    loader = PackedLoader(shards, Split.whole(len(lengths)), seq_len=16, batch_size=1, seed=3)
     rows = epoch_rows(loader, loader.rows_per_epoch)
     inputs = np.concatenate([r["input_ids"][r["doc_ids"] >= 0] for r in rows])
     assert sorted(inputs.tolist()) == list(range(sum(lengths)))  # every token exactly once
@@ -124,7 +126,7 @@ PACKING_MODELS = {"flint": {"num_hidden_layers": 3, "sliding_window": None}, "la
 def test_packed_rows_never_attend_across_documents(tmp_path, family):
     """Changing one document's tokens leaves every other document's logits in the row unchanged."""
     shards = unique_token_shards(tmp_path, [7, 12, 5, 20])
-    loader = PackedLoader(shards, np.arange(4), seq_len=32, batch_size=1, seed=0, shuffle=False)
+    loader = PackedLoader(shards, Split.whole(4), seq_len=32, batch_size=1, seed=0, shuffle=False)
     batch = loader.next_batch()
     config = tiny_config(family, **PACKING_MODELS[family])
     vocab = min(200, config.vocab_size)
@@ -147,9 +149,9 @@ def test_packed_rows_never_attend_across_documents(tmp_path, family):
 
 def test_rows_are_sharded_by_rank_and_independent_of_world_size(tmp_path):
     shards = unique_token_shards(tmp_path, [30, 11, 50, 7, 19])
-    single = PackedLoader(shards, np.arange(5), seq_len=8, batch_size=4, seed=1)
+    single = PackedLoader(shards, Split.whole(5), seq_len=8, batch_size=4, seed=1)
     ranks = [
-        PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=1, rank=r, world_size=2)
+        PackedLoader(shards, Split.whole(5), seq_len=8, batch_size=2, seed=1, rank=r, world_size=2)
         for r in range(2)
     ]
     for _ in range(3):
@@ -163,7 +165,7 @@ def test_order_depends_on_seed_and_epoch(tmp_path):
     shards = unique_token_shards(tmp_path, [10] * 12)
 
     def first_tokens(seed, epoch):
-        loader = PackedLoader(shards, np.arange(12), seq_len=10, batch_size=1, seed=seed)
+        loader = PackedLoader(shards, Split.whole(12), seq_len=10, batch_size=1, seed=seed)
         return [
             int(loader.row(epoch * loader.rows_per_epoch + k)["input_ids"][0]) for k in range(12)
         ]
@@ -178,7 +180,7 @@ def test_loader_position_survives_a_restart(tmp_path):
     shards = unique_token_shards(tmp_path, [13, 29, 8, 41, 6])
 
     def make() -> PackedLoader:
-        return PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=3)
+        return PackedLoader(shards, Split.whole(5), seq_len=8, batch_size=2, seed=5, epochs=3)
 
     loader = make()
     for _ in range(4):
@@ -191,7 +193,7 @@ def test_loader_position_survives_a_restart(tmp_path):
     for want in expected:
         got = restarted.next_batch()
         assert all(torch.equal(got[k], want[k]) for k in want)
-    other = PackedLoader(shards, np.arange(5), seq_len=4, batch_size=2, seed=5)
+    other = PackedLoader(shards, Split.whole(5), seq_len=4, batch_size=2, seed=5)
     with pytest.raises(DataError, match=r"since the checkpoint: data.seq_len 8 -> 4; resume"):
         other.load_state_dict(state)
 
@@ -224,7 +226,9 @@ def test_a_refused_position_names_each_data_setting_that_changed(tmp_path):
         "rows_per_epoch": 12,
         "seq_len": 8,
     }  # 12 rows: another data set than these 13
-    loader = PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, settings=settings)
+    loader = PackedLoader(
+        shards, Split.whole(5), seq_len=8, batch_size=2, seed=5, settings=settings
+    )
     changed = saved_run(tmp_path / "changed", path="old.jsonl", seq_len=8, overlong="truncate")
     with pytest.raises(
         DataError,
@@ -249,7 +253,7 @@ def test_a_refused_position_names_each_data_setting_that_changed(tmp_path):
 
 def test_running_out_of_data_says_how_much_there_was(tmp_path):
     shards = unique_token_shards(tmp_path, [16, 16])
-    loader = PackedLoader(shards, np.arange(2), seq_len=8, batch_size=2, seed=0, epochs=1)
+    loader = PackedLoader(shards, Split.whole(2), seq_len=8, batch_size=2, seed=0, epochs=1)
     loader.next_batch()
     loader.next_batch()
     with pytest.raises(
@@ -443,7 +447,7 @@ def test_conversations_are_packed_whole_and_only_answers_are_targets(tmp_path, o
     chats, seq_len = conversations(40, seed=1), 64
     shards = prepared_conversations(tmp_path, chats)
     loader = PackedLoader(
-        shards, np.arange(40), seq_len=seq_len, batch_size=1, seed=3, overlong=overlong
+        shards, Split.whole(40), seq_len=seq_len, batch_size=1, seed=3, overlong=overlong
     )
     rendered = [plain_rendering(m) for m in chats]
     longer = [i for i, (ids, _) in enumerate(rendered) if len(ids) > seq_len]
@@ -479,7 +483,7 @@ def test_packed_conversations_resume_at_the_exact_row(tmp_path):
     shards = prepared_conversations(tmp_path, conversations(30, seed=2))
 
     def make() -> PackedLoader:
-        return PackedLoader(shards, np.arange(30), seq_len=96, batch_size=2, seed=5, epochs=4)
+        return PackedLoader(shards, Split.whole(30), seq_len=96, batch_size=2, seed=5, epochs=4)
 
     loader = make()
     for _ in range(3):
@@ -532,7 +536,7 @@ def test_the_sft_loss_is_the_cross_entropy_of_the_answers_alone(tmp_path):
     chats = conversations(10, seed=4)
     shards = prepared_conversations(tmp_path, chats)
     batch = PackedLoader(
-        shards, np.arange(10), seq_len=160, batch_size=3, seed=0, shuffle=False
+        shards, Split.whole(10), seq_len=160, batch_size=3, seed=0, shuffle=False
     ).next_batch()
     model = build(tiny_config(DEFAULT_FAMILY, vocab_size=264), plain=True)
     loss = model(batch["input_ids"], batch["targets"], batch["doc_ids"])
@@ -556,7 +560,7 @@ def check_answer_tokens_weigh_the_same(directory: Path, chats: list[list[dict]])
     torch.manual_seed(0)
     shards, config = TokenShards(directory), tiny_config(DEFAULT_FAMILY, vocab_size=264)
     loader = dict(seq_len=96, batch_size=1, seed=0)
-    everything = PackedLoader(shards, np.arange(len(chats)), **loader)
+    everything = PackedLoader(shards, Split.whole(len(chats)), **loader)
     rows = [everything.row(g) for g in range(4)]  # micro-batch m, rank r: global row 2 m + r
     assert len({int((r["targets"] != -100).sum()) for r in rows}) == 4  # the rows weigh differently
     reference = build(config, plain=True)
@@ -568,7 +572,7 @@ def check_answer_tokens_weigh_the_same(directory: Path, chats: list[list[dict]])
     cfg = ParallelConfig(dp_shard=2, param_dtype="float32")
     pm = parallelize(build(config, plain=True), cfg, build_mesh(cfg, "cpu", config.num_experts))
     mine = PackedLoader(
-        shards, np.arange(len(chats)), rank=torch.distributed.get_rank(), world_size=2, **loader
+        shards, Split.whole(len(chats)), rank=torch.distributed.get_rank(), world_size=2, **loader
     )
     batches = [mine.next_batch() for _ in range(2)]
     num_tokens = pm.global_tokens(torch.stack([b["targets"] for b in batches]))
@@ -615,7 +619,7 @@ def test_unshuffled_rows_are_the_documents_in_order(tmp_path):
     lengths = [5, 9, 3, 12, 7, 4, 11]
     shards = unique_token_shards(tmp_path, lengths)  # token id = stream index
     loader = PackedLoader(
-        shards, np.arange(7), seq_len=8, batch_size=1, seed=0, shuffle=False, block_docs=2
+        shards, Split.whole(7), seq_len=8, batch_size=1, seed=0, shuffle=False, block_docs=2
     )
     total = sum(lengths)
     for g in range(loader.rows_per_epoch):
@@ -631,7 +635,7 @@ def test_block_wise_order_covers_every_token_and_holds_one_block(tmp_path):
     blocks of 3 documents, not an order of every document."""
     lengths = [6, 1, 14, 3, 9, 2, 8, 5, 11, 4]
     shards = unique_token_shards(tmp_path, lengths)
-    loader = PackedLoader(shards, np.arange(10), seq_len=5, batch_size=1, seed=2, block_docs=3)
+    loader = PackedLoader(shards, Split.whole(10), seq_len=5, batch_size=1, seed=2, block_docs=3)
     orders = []
     for epoch in range(2):
         rows = [loader.row(epoch * loader.rows_per_epoch + k) for k in range(loader.rows_per_epoch)]
@@ -660,10 +664,176 @@ def test_opening_a_directory_reads_no_token(tmp_path, monkeypatch):
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     shards = TokenShards(tmp_path)
     assert checked == []
-    loader = PackedLoader(shards, np.arange(3), seq_len=8, batch_size=1, seed=0)
+    loader = PackedLoader(shards, Split.whole(3), seq_len=8, batch_size=1, seed=0)
     assert checked == []
     loader.row(4)
     assert 0 < sum(checked) <= 9  # the row's 8 tokens and the next one, its last target
+
+
+# ------------------------------------------------------------ memory per rank O(rows read)
+
+
+def written_out_split(num_docs: int, fraction: float, groups: int) -> tuple[list, list]:
+    """The split's rule written out: documents in groups of ceil(N / groups) consecutive ones, and
+    round(fraction * group count) groups (at least one) held out, the first of a permutation of the
+    groups seeded 1234: for N <= groups, the permutation of the documents the split always used."""
+    size = -(-num_docs // groups)
+    count = -(-num_docs // size)
+    held = set(np.random.default_rng(1234).permutation(count)[: max(1, round(fraction * count))])
+    val = [d for d in range(num_docs) if d // size in held]
+    return [d for d in range(num_docs) if d // size not in held], val
+
+
+@pytest.mark.parametrize("groups", [1 << 16, 8], ids=["a document a group", "groups of 7"])
+def test_the_split_holds_out_whole_groups_seeded_as_before(monkeypatch, groups):
+    """Up to SPLIT_GROUPS documents the held-out documents are those of the old stored permutation
+    (the same rows as before); above, whole groups of consecutive documents."""
+    monkeypatch.setattr(data, "SPLIT_GROUPS", groups)
+    train, val = split_documents(50, 0.25, "corpus")
+    want_train, want_val = written_out_split(50, 0.25, groups)
+    assert val.indices().tolist() == want_val and train.indices().tolist() == want_train
+    assert len(train) == len(want_train) and train.select(3, 9).tolist() == want_train[3:9]
+    assert groups == 8 or len(want_val) == round(0.25 * 50)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.75])
+def test_a_splits_token_counts_are_the_sums_of_its_documents(tmp_path, monkeypatch, fraction):
+    """tokens_before(j) = the tokens of the split's first j documents, over shards of several
+    documents, from whichever side of the split has fewer groups (0.25 and 0.75 take each)."""
+    monkeypatch.setattr(data, "SPLIT_GROUPS", 8)
+    lengths = np.random.default_rng(0).integers(1, 30, size=50)
+    shards = unique_token_shards(tmp_path, lengths.tolist(), shard_tokens=100)
+    assert len(shards.meta["shards"]) > 5
+    for split, want in zip(split_documents(50, fraction, "c"), written_out_split(50, fraction, 8)):
+        expected = np.concatenate([[0], np.cumsum(lengths[want])])
+        assert split.tokens_before(shards, np.arange(len(want) + 1)).tolist() == expected.tolist()
+
+
+def block_wise_rows(lengths, members, seed, seq_len, block_docs, epoch) -> list[list[int]]:
+    """An epoch's rows written out from the loader's contract, for shards whose token ids are the
+    stream index: blocks of block_docs consecutive members permuted by (seed, 0, epoch, 0), each
+    block's members by (seed, 0, epoch, 1, block), the documents back to back cut into rows."""
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    blocks = [members[b : b + block_docs] for b in range(0, len(members), block_docs)]
+    stream = []
+    for block in np.random.default_rng([seed, 0, epoch, 0]).permutation(len(blocks)):
+        docs = blocks[block]
+        for k in np.random.default_rng([seed, 0, epoch, 1, block]).permutation(len(docs)):
+            stream += range(starts[docs[k]], starts[docs[k] + 1])
+    return [stream[i : i + seq_len] for i in range(0, len(stream), seq_len)]
+
+
+@pytest.mark.parametrize("groups", [1 << 16, 8], ids=["a document a group", "groups of 7"])
+def test_rows_are_the_block_wise_order_of_the_split_written_out(tmp_path, monkeypatch, groups):
+    """Two epochs of the training split's rows, on one rank and on two (B = 2 each), equal the
+    order written out: the same rows as before the split stopped being a stored list (one
+    document a group), and, with groups, the same rule over the groups' documents."""
+    monkeypatch.setattr(data, "SPLIT_GROUPS", groups)
+    lengths = np.random.default_rng(1).integers(1, 12, size=50)
+    shards = unique_token_shards(tmp_path, lengths.tolist(), shard_tokens=64)
+    train, _ = split_documents(50, 0.25, "c")
+    members = written_out_split(50, 0.25, groups)[0]
+    setting = dict(seq_len=8, seed=3, block_docs=6)
+    one = PackedLoader(shards, train, batch_size=4, **setting)
+    two = [
+        PackedLoader(shards, train, batch_size=2, rank=r, world_size=2, **setting) for r in (0, 1)
+    ]
+    want = [r for e in (0, 1) for r in block_wise_rows(lengths, members, 3, 8, 6, e)]
+    assert one.rows_per_epoch * 2 == len(want)
+    for m in range(len(want) // 4):
+        batch = one.next_batch()["input_ids"]
+        halves = torch.cat([loader.next_batch()["input_ids"] for loader in two])
+        assert torch.equal(batch, halves)
+        for i, row in enumerate(want[4 * m : 4 * m + 4]):
+            assert batch[i, : len(row)].tolist() == row
+
+
+def test_whole_rows_are_shuffled_block_wise(tmp_path):
+    """Conversations: each epoch reads every row of the packing once, in the block-wise order
+    written out (blocks of 3 rows permuted by (seed, 0, epoch, 0), each block's rows by (seed, 0,
+    epoch, 1, block)), and what the loader keeps is the blocks' order (ceil(R / 3) entries) and at
+    most 4 blocks of 3 rows, not an order of every row."""
+    shards = prepared_conversations(tmp_path, conversations(30, seed=2))
+    setting = dict(seq_len=96, batch_size=1, seed=5, block_docs=3)
+    plain = PackedLoader(shards, Split.whole(30), shuffle=False, **setting)
+    loader = PackedLoader(shards, Split.whole(30), **setting)
+    rows = loader.rows_per_epoch
+    packing = [plain.row(r)["input_ids"].tolist() for r in range(rows)]
+    orders = []
+    for epoch in range(2):
+        read = [loader.row(epoch * rows + r)["input_ids"].tolist() for r in range(rows)]
+        assert sorted(read) == sorted(packing)
+        orders.append([packing.index(r) for r in read])
+    assert orders[0] != orders[1] and orders[0] != list(range(rows))
+    for epoch, order in enumerate(orders):  # blocks of 3 rows, permuted, then within each
+        blocks = [list(range(b, min(b + 3, rows))) for b in range(0, rows, 3)]
+        want = []
+        for b in np.random.default_rng([5, 0, epoch, 0]).permutation(len(blocks)):
+            rng = np.random.default_rng([5, 0, epoch, 1, b])
+            want += [blocks[b][k] for k in rng.permutation(len(blocks[b]))]
+        assert order == want
+    assert all(len(order) == -(-rows // 3) for order, _ in loader._epoch_cache.values())
+    assert len(loader._block_cache) <= 4
+    assert all(len(members) <= 3 for members, _ in loader._block_cache.values())
+
+
+class Untouchable:
+    """A shard's document index that may not be read."""
+
+    def __getitem__(self, key):
+        raise AssertionError(f"the document index was read at {key}")
+
+
+def test_opening_reads_the_coarse_starts_and_no_entry_of_the_index(tmp_path, monkeypatch):
+    """A grid of 4 documents (COARSE_DOCS), 58 documents in 8 shards split into groups of 16, not
+    ceil(58 / 4) = 15 (whole multiples of the grid): the training and validation loaders open
+    without reading the document index, and read the same rows, in both epochs, as from the index
+    (a version 2 directory)."""
+    monkeypatch.setattr(data, "COARSE_DOCS", 4)
+    monkeypatch.setattr(data, "SPLIT_GROUPS", 4)
+    lengths = np.random.default_rng(2).integers(1, 12, size=58)
+    shards = unique_token_shards(tmp_path, lengths.tolist(), shard_tokens=50)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    assert shards.coarse.tolist() == starts[:-1:4].tolist() + [starts[-1]]
+    assert len(shards.meta["shards"]) >= 8
+    train, val = split_documents(58, 0.25, "c")
+    assert train.group_docs == 16 and len(train) + len(val) == 58
+    index, shards.bounds = shards.bounds, [Untouchable()] * len(shards.bounds)
+    setting = dict(seq_len=8, batch_size=1, seed=3, block_docs=4)
+    loaders = [PackedLoader(shards, split, **setting) for split in (train, val)]
+    shards.bounds = index
+    from_index = TokenShards(tmp_path)
+    from_index.coarse = None
+    for loader, split in zip(loaders, (train, val)):
+        reference = PackedLoader(from_index, split, **setting)
+        assert loader.block_sizes.tolist() == reference.block_sizes.tolist()
+        for g in range(2 * loader.rows_per_epoch):
+            assert loader.row(g)["input_ids"].tolist() == reference.row(g)["input_ids"].tolist()
+
+
+def opening_peak(directory: Path) -> int:
+    """Bytes of Python-side allocations (numpy's arrays included) at their peak while opening a
+    directory as train.py does, splitting it and reading a first batch."""
+    tracemalloc.start()
+    shards = TokenShards(directory)
+    train, _ = split_documents(shards.num_docs, 0.05, "corpus")
+    PackedLoader(shards, train, seq_len=64, batch_size=2, seed=0).next_batch()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
+def test_opening_a_corpus_holds_no_memory_per_document(tmp_path):
+    """10k, 100k and 1M documents: the peak grows by the split's groups (at most 65,536) and the
+    blocks' counts (one a 4,096 documents), under 1 MiB from 100k to 1M documents, where a stored
+    index and split (28 bytes a document) would add 24 MiB."""
+    from tools.loader_bench import write_corpus
+
+    peaks = []
+    for num_docs in (10_000, 100_000, 1_000_000):
+        write_corpus(tmp_path / str(num_docs), num_docs)
+        peaks.append(opening_peak(tmp_path / str(num_docs)))
+    assert peaks[2] - peaks[1] < 1 << 20 and peaks[2] < 4 << 20, peaks
 
 
 def source_shards(directory: Path, doc_lengths: list[int], first_id: int) -> TokenShards:
@@ -693,7 +863,7 @@ def mixture(
         loaders.append(
             PackedLoader(
                 shards,
-                np.arange(shards.num_docs),
+                Split.whole(shards.num_docs),
                 seq_len=8,
                 batch_size=batch_size,
                 seed=seed,
@@ -745,9 +915,9 @@ def test_a_mixture_resumes_at_the_exact_row_on_another_world_size(tmp_path):
 def test_a_one_source_mixture_reads_the_rows_of_data_path(tmp_path):
     """Weight 1 on one source: the rows of the plain loader of that source, in the same order."""
     shards = unique_token_shards(tmp_path, [13, 29, 8, 41, 6])
-    plain = PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=2)
+    plain = PackedLoader(shards, Split.whole(5), seq_len=8, batch_size=2, seed=5, epochs=2)
     mixed = data.MixedLoader(
-        [PackedLoader(shards, np.arange(5), seq_len=8, batch_size=2, seed=5, epochs=2)],
+        [PackedLoader(shards, Split.whole(5), seq_len=8, batch_size=2, seed=5, epochs=2)],
         ["only"],
         [1.0],
         seed=5,
@@ -793,6 +963,113 @@ def test_a_mixture_position_from_other_sources_is_refused(tmp_path):
         loader.load_state_dict(state)
     loader.load_state_dict({**state, "source_1_rows": rows[1], "source_1_position": 3})
     assert loader.positions == [0, 3, 0]
+
+
+def test_a_checkpoint_of_another_number_of_sources_is_refused_in_one_line(tmp_path):
+    """The saved position's keys (as torch.distributed.checkpoint names them) of two sources, of
+    data.path alone, or of the same three: refused naming [data] sources and the change, or let
+    through, before the position is loaded (saying what changed when the weights did)."""
+    three = mixture(tmp_path, [0.5, 0.3, 0.2])
+    saved = {f"train.data.{key}" for key in three.state_dict()} | {"train.step", "model.w"}
+    assert data.check_saved_sources(saved, three, tmp_path) is None
+    two = saved - {"train.data.source_2_position", "train.data.source_2_rows"}
+    checkpoint = saved_run(tmp_path / "ckpt", sources=[{"path": "web", "weight": 1}])
+    three.sources[0].settings["data.sources"] = [{"path": "web", "weight": 1}, "code", "math"]
+    stops_with_one_line(
+        lambda: data.check_saved_sources(two, three, checkpoint),
+        DataError,
+        str(checkpoint),
+        r"saved the data position of a mixture of 2 \[data\] sources, but this run reads a "
+        r"mixture of 3 \[data\] sources \(data.sources \[\{'path': 'web', 'weight': 1\}\] -> "
+        r".*'code', 'math'\]\): a resume continues the checkpoint's \[data\] sources",
+    )
+    reweighted = saved_run(tmp_path / "reweighted", sources=["web", "code", "math"])
+    assert data.check_saved_sources(saved, three, reweighted) == (
+        "data.sources ['web', 'code', 'math'] -> [{'path': 'web', 'weight': 1}, 'code', 'math']: "
+        "each source goes on from its position, the rows from here on drawn with these weights"
+    )
+    plain = {"train.data.next_row", "train.data.rows_per_epoch", "train.data.seq_len"}
+    with pytest.raises(DataError, match=r"position of one source \(data.path\), but this run"):
+        data.check_saved_sources(plain, three, tmp_path)
+
+
+@pytest.mark.slow
+def test_resuming_with_a_third_source_stops_with_one_line(tmp_path, capsys):
+    """train.py: two steps on a mixture of two sources, checkpointed; the resume with three stops
+    before loading anything, in one line naming [data] sources, where
+    torch.distributed.checkpoint would fail on a key the checkpoint lacks; the resume with the two
+    reweighted goes on and says so."""
+    import train
+    from helpers import debug_configs
+
+    for name in "abc":
+        (tmp_path / name).mkdir()
+        for k in range(40):
+            (tmp_path / name / f"{k}.txt").write_text(f"{name} {k} " * 40)
+    debug = debug_configs()[DEFAULT_FAMILY].read_text()
+    settings = [
+        f"--data.cache_dir={tmp_path / 'cache'}",
+        f"--checkpoint.dir={tmp_path / 'ckpt'}",
+        f"--logging.jsonl={tmp_path / 'metrics.jsonl'}",
+        "--logging.peak_tflops=0.1",
+        "--training.steps=2",
+        "--training.sample_tokens=0",
+    ]
+    for count in (2, 3):
+        listed = ", ".join(f'{{path = "{tmp_path / n}", weight = 1}}' for n in "abc"[:count])
+        toml = debug.replace('path = "data/python_reference.jsonl"', f"sources = [{listed}]")
+        (tmp_path / f"{count}.toml").write_text(toml)
+    train.main(["--config", str(tmp_path / "2.toml"), *settings])
+    checkpoint = tmp_path / "ckpt" / "run_0001" / "step_00000002"
+    stops_with_one_line(
+        lambda: train.main(
+            ["--config", str(tmp_path / "3.toml"), *settings, f"--checkpoint.resume={checkpoint}"]
+        ),
+        DataError,
+        str(checkpoint),
+        r"saved the data position of a mixture of 2 \[data\] sources, but this run reads a "
+        r"mixture of 3 \[data\] sources \(data.sources .*\): a resume continues",
+    )
+    reweighted = (tmp_path / "2.toml").read_text().replace("weight = 1}]", "weight = 3}]")
+    (tmp_path / "reweighted.toml").write_text(reweighted)
+    capsys.readouterr()
+    resumed = ["--config", str(tmp_path / "reweighted.toml"), *settings[:-2], "--training.steps=3"]
+    train.main([*resumed, "--training.sample_tokens=0", f"--checkpoint.resume={checkpoint}"])
+    assert re.search(
+        rf"resumed from {checkpoint} at step 2 of 3; checkpoints go to \S+; the data changed: "
+        r"data.sources .*'weight': 1\}\] -> .*'weight': 3\}\]: each source goes on from its "
+        r"position, the rows from here on drawn with these weights",
+        capsys.readouterr().out,
+    )
+
+
+@pytest.mark.slow
+def test_train_prepares_raw_text_with_a_worker_process_per_core(tmp_path, monkeypatch):
+    """Raw text as data.path: rank 0 prepares it with as many worker processes as the host gives
+    it cores (3 here, units of 2 KiB so that there are several), the same bytes as one process."""
+    import train
+    from helpers import tiny_model_toml
+
+    (tmp_path / "corpus").mkdir()
+    for k in range(12):
+        (tmp_path / "corpus" / f"{k}.txt").write_text(f"word {k} " * 120)
+    monkeypatch.setattr(preparation, "UNIT_BYTES", 2048)
+    monkeypatch.setattr(train.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    used = []
+    original = preparation.run_units
+    monkeypatch.setattr(preparation, "run_units", lambda *a: used.append(a[2]) or original(*a))
+    (tmp_path / "run.toml").write_text(
+        tiny_model_toml()
+        + f'[data]\npath = "{tmp_path}/corpus"\nseq_len = 32\ncache_dir = "{tmp_path}/cache"\n'
+    )
+    cfg = train.load_config(tmp_path / "run.toml", ["--model.vocab_size=512", "--training.steps=2"])
+    train.setup_data(cfg, train.Process(0, 1, 0, 1, torch.device("cpu")))
+    assert used == [3]
+    (prepared,) = (tmp_path / "cache").iterdir()
+    one = prepare(tmp_path / "corpus", load_tokenizer("byte"), tmp_path / "one")
+    assert len(json.loads((one / "meta.json").read_text())["shards"]) > 3
+    for file in one.iterdir():
+        assert (prepared / file.name).read_bytes() == file.read_bytes(), file.name
 
 
 def test_train_reads_the_sources_of_the_config_as_a_mixture(tmp_path):

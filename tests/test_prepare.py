@@ -321,28 +321,31 @@ def test_meta_records_each_shards_largest_id_and_checksum(tmp_path):
         shard_tokens=3,
     )
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["format_version"] == 2 and meta["shard_max_token"] == [256, 256]
+    assert meta["format_version"] == 3 and meta["shard_max_token"] == [256, 256]
     assert meta["shard_sha256"] == [
         hashlib.sha256(np.array(ids, np.uint16).tobytes()).hexdigest()
         for ids in ([97, 98, 256], [122, 122, 256])
     ]
 
 
-def test_the_loader_reads_format_versions_1_and_2_and_refuses_a_later_one(tmp_path):
+def test_the_loader_reads_format_versions_1_to_3_and_refuses_a_later_one(tmp_path):
     (tmp_path / "a.txt").write_text("ab")
     out = prepare(tmp_path / "a.txt", load_tokenizer("byte"), tmp_path / "out")
     meta = json.loads((out / "meta.json").read_text())
-    assert TokenShards(out).num_docs == 1  # version 2, the boundary
+    assert TokenShards(out).coarse.tolist() == [0, 3]  # version 3, the boundary: "ab" and its end
+    (out / "coarse_starts.npy").unlink()
+    (out / "meta.json").write_text(json.dumps({**meta, "format_version": 2}))
+    assert TokenShards(out).num_docs == 1 and TokenShards(out).coarse is None  # version 2
     for key in ("format_version", "shard_max_token", "shard_sha256"):
         del meta[key]
     (out / "meta.json").write_text(json.dumps(meta))
     assert TokenShards(out).num_docs == 1  # version 1: written before the ranges were recorded
-    (out / "meta.json").write_text(json.dumps({**meta, "format_version": 3}))
+    (out / "meta.json").write_text(json.dumps({**meta, "format_version": 4}))
     stops_with_one_line(
         lambda: TokenShards(out),
         DataError,
-        "meta.json: format_version 3",
-        "expected 1 to 2: prepared by a newer version",
+        "meta.json: format_version 4",
+        "expected 1 to 3: prepared by a newer version",
     )
 
 
