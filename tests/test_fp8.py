@@ -310,8 +310,8 @@ def scales_of_each_fp8_call(monkeypatch) -> dict[str, list[list[tuple]]]:
 
     calls = {
         "scaled_matmul": [],
-        "grouped_loop": [],
-        "weight_grad_loop": [],
+        "grouped_scaled_mm": [],
+        "grouped_weight_grad": [],
         "weight_grad_high_precision": [],
         "grouped_weight_grad_high_precision": [],
     }
@@ -372,8 +372,8 @@ def test_the_recipe_reaches_every_projection_mlp_and_expert_op(recipe, monkeypat
     fp8_grads, plain_grads = (0, 1) if high_precision else (1, 0)  # weight gradients per map
     assert counts == {
         "scaled_matmul": (2 + fp8_grads) * linears,
-        "grouped_loop": 4 * expert_groups,
-        "weight_grad_loop": fp8_grads * 2 * expert_groups,
+        "grouped_scaled_mm": 4 * expert_groups,
+        "grouped_weight_grad": fp8_grads * 2 * expert_groups,
         "weight_grad_high_precision": plain_grads * linears,
         "grouped_weight_grad_high_precision": plain_grads * 2 * expert_groups,
     }, counts
@@ -390,7 +390,7 @@ def test_the_recipe_reaches_every_projection_mlp_and_expert_op(recipe, monkeypat
     assert formats == Counter([forward, grad_x] * linears + [grad_w] * fp8_grads * linears), formats
     grouped_formats = {
         dtype
-        for name in ("grouped_loop", "weight_grad_loop")
+        for name in ("grouped_scaled_mm", "grouped_weight_grad")
         for scales in calls[name]
         for _, dtype in scales
     }
@@ -486,14 +486,33 @@ def test_fp8_blocks_compile_to_one_graph(layer, recipe, one_thread):
 
 
 @pytest.mark.slow
-def test_ops_pass_opcheck():
-    """Fake functions, autograd registration and schemas as torch.library checks them."""
-    x, w = torch.randn(32, 16, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+def test_the_gemm_ops_pass_opcheck():
+    """The opaque FP8 GEMMs' fake functions and schemas as torch.library checks them, on operands
+    quantised and laid out as fp8.py passes them (rowwise and tensorwise scales)."""
+    import fp8
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(32, 16, generator=g), torch.randn(16, 48, generator=g)
+    experts, grad = torch.randn(3, 16, 48, generator=g), torch.randn(32, 48, generator=g)
     ends = torch.tensor([16, 16, 32], dtype=torch.int32)
-    for recipe in RECIPES:
-        torch.library.opcheck(fp8_matmul, (x, w, recipe, FORWARD))
-        experts = torch.randn(3, 16, 32, requires_grad=True)
-        torch.library.opcheck(fp8_grouped_mm, (x, experts, ends, recipe))
+    for rowwise in (True, False):
+        x8, x_inverse = fp8.quantize(x, 1, rowwise)
+        w8, w_inverse = fp8.quantize(w, 0, rowwise)
+        torch.library.opcheck(
+            fp8.scaled_mm_kernel, (x8, fp8.column_major(w8), x_inverse, w_inverse, torch.float32)
+        )
+    x8, x_inverse = fp8.quantize(x, 1, True)
+    e8, e_inverse = fp8.quantize(experts, 1, True)
+    torch.library.opcheck(
+        fp8.scaled_grouped_mm_kernel,
+        (x8, fp8.column_major(e8), ends, x_inverse.view(32), e_inverse.view(3, 48), torch.float32),
+    )
+    x8, x_inverse = fp8.quantize_per_group_column(x, ends, True)
+    g8, g_inverse = fp8.quantize_per_group_column(grad, ends, True)
+    torch.library.opcheck(
+        fp8.scaled_grouped_weight_grad_kernel,
+        (x8.T.contiguous(), fp8.column_major(g8), ends, x_inverse, g_inverse, torch.float32),
+    )
 
 
 def cuda_kernels_on_fake_tensors(width: int, recipe: str = "rowwise") -> torch.Tensor:
