@@ -54,10 +54,18 @@ class BandMask(NamedTuple):
     seq_len: int
 
 
+# `auto`'s choice where FLASH runs: FLASH for BF16 and FP16 attention, flex for FP32, which
+# flash-attn-4 does not take (the dtype is the attention's, known only at the call)
+FLASH_OR_FLEX = "flash_or_flex"
+
+
 class FlashMask(NamedTuple):
-    """A BlockMask whose attention runs on FlexAttention's FLASH backend (the flash backend)."""
+    """A BlockMask whose attention runs on FlexAttention's FLASH backend (the flash backend).
+    required: asked for by name, so FP32 attention is refused rather than run on flex (auto's
+    choice runs FP32 on flex)."""
 
     block_mask: BlockMask
+    required: bool
 
 
 Mask = BlockMask | FlashMask | BandMask | torch.Tensor  # flex | flash | banded | dense bool sdpa
@@ -191,10 +199,10 @@ def flash_refusal(device: torch.device) -> str | None:
 
 
 def resolve_backend(backend: str, device: torch.device, flash: bool = True) -> str:
-    """`auto` picks flash where it can run (flash_refusal), else flex on GPUs (fused, compiled), and
-    sdpa on the CPU (flex has no CPU backward). `flash` asked for where it cannot run, or by a model
-    whose attention does not run it (flash=False: Large 4's), is refused in one line: never a
-    silent fallback."""
+    """`auto` picks flash where it can run (flash_refusal; FLASH_OR_FLEX: FP32 attention on flex),
+    else flex on GPUs (fused, compiled), and sdpa on the CPU (flex has no CPU backward). `flash`
+    asked for where it cannot run, or by a model whose attention does not run it (flash=False:
+    Large 4's), is refused in one line: never a silent fallback."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "flash":
@@ -207,7 +215,7 @@ def resolve_backend(backend: str, device: torch.device, flash: bool = True) -> s
     if backend == "auto":
         if kernel_device_type(device) != "cuda":
             return "sdpa"
-        return "flash" if flash and flash_refusal(device) is None else "flex"
+        return FLASH_OR_FLEX if flash and flash_refusal(device) is None else "flex"
     return backend
 
 
@@ -231,17 +239,18 @@ def build_masks(
             mod, rows = at_queries(mod, queries), queries.numel()
             masks[layer_type] = (
                 new_block_mask(mod, batch, rows, seq_len, device)
-                if backend in ("flex", "flash")
+                if backend in ("flex", "flash", FLASH_OR_FLEX)
                 else dense_mask(mod, batch, rows, seq_len, device)
             )
-        elif backend in ("flex", "flash"):
+        elif backend in ("flex", "flash", FLASH_OR_FLEX):
             masks[layer_type] = block_mask(layer_type, window, doc_ids, batch, seq_len, device)
         elif layer_type == SLIDING and window is not None and seq_len > 2 * (window - 1) > 0:
             masks[layer_type] = band_mask(mod, window - 1, batch, seq_len, device)
         else:
             masks[layer_type] = dense_mask(mod, batch, seq_len, seq_len, device)
-    if backend == "flash":
-        return {layer_type: FlashMask(mask) for layer_type, mask in masks.items()}
+    if backend in ("flash", FLASH_OR_FLEX):
+        required = backend == "flash"
+        return {layer_type: FlashMask(mask, required) for layer_type, mask in masks.items()}
     return masks
 
 
@@ -446,7 +455,10 @@ def banded_sink_attention(q, k, v, sinks: torch.Tensor, mask: BandMask) -> torch
 
 
 def flash_sink_attention_flex(q, k, v, sinks: torch.Tensor, mask: FlashMask) -> torch.Tensor:
-    """flex_sink_attention on FlexAttention's FLASH backend: BF16 or FP16 inputs only."""
+    """flex_sink_attention on FlexAttention's FLASH backend: BF16 or FP16 inputs only (FP32 on
+    flex when auto chose it, refused when asked for by name)."""
+    if q.dtype not in FLASH_DTYPES and not mask.required:
+        return flex_sink_attention(q, k, v, sinks, mask.block_mask)
     if q.dtype not in FLASH_DTYPES:
         raise ValueError(
             f'attention_backend = "flash" runs BF16 or FP16 attention (flash-attn-4), got '

@@ -174,16 +174,16 @@ def a_gpu(monkeypatch, capability: tuple[int, int], package: bool) -> None:
 @pytest.mark.parametrize(
     "capability, package, chosen",
     [
-        ((9, 0), True, "flash"),
-        ((10, 0), True, "flash"),
+        ((9, 0), True, A.FLASH_OR_FLEX),
+        ((10, 0), True, A.FLASH_OR_FLEX),
         ((9, 0), False, "flex"),
         ((8, 0), True, "flex"),
         ((12, 0), True, "flex"),
     ],
 )
 def test_auto_picks_flash_only_where_it_runs(monkeypatch, capability, package, chosen):
-    """Hopper and Blackwell with flash-attn-4 installed: flash; otherwise flex on GPUs, sdpa on the
-    CPU; explicit flex and sdpa stay what they are."""
+    """Hopper and Blackwell with flash-attn-4 installed: flash (for BF16 and FP16 attention);
+    otherwise flex on GPUs, sdpa on the CPU; explicit flex and sdpa stay what they are."""
     a_gpu(monkeypatch, capability, package)
     cuda = torch.device("cuda")
     assert A.resolve_backend("auto", cuda) == chosen
@@ -253,6 +253,18 @@ def test_the_flash_backend_reaches_flex_attention_as_its_kernel_options(monkeypa
     assert torch.equal(outs["flash"], outs["flex"])
 
 
+def test_auto_runs_fp32_attention_on_flex_and_bf16_on_flash(monkeypatch):
+    """auto's choice where FLASH runs (FLASH_OR_FLEX): BF16 to FLASH, FP32 (which flash-attn-4
+    does not take) to flex, not refused: the user asked for no backend by name."""
+    calls = flex_calls(monkeypatch)
+    mask = A.build_masks([A.FULL], None, None, 1, 128, "cpu", A.FLASH_OR_FLEX)[A.FULL]
+    assert mask == A.FlashMask(mask.block_mask, required=False)
+    q = torch.randn(1, 2, 128, 16)
+    A.sink_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), torch.zeros(2), mask)
+    A.sink_attention(q, q, q, torch.zeros(2), mask)
+    assert calls == [{"BACKEND": "FLASH"}, None]
+
+
 def test_flash_refuses_fp32_attention_in_one_line(monkeypatch):
     """flash-attn-4 runs BF16 and FP16 only: FP32 q, k, v are refused, never run on flex."""
     calls = flex_calls(monkeypatch)
@@ -275,7 +287,9 @@ def test_a_flint_model_with_the_flash_backend_builds_flash_masks(monkeypatch):
     model = build(tiny_config("flint", attention_backend="flash"))
     with targeting("cuda"):
         _, masks = model.block_inputs(None, None, 1, 128, torch.device("cpu"))
-    assert masks and all(isinstance(mask, A.FlashMask) for mask in masks.values()), masks
+    assert masks and all(
+        isinstance(mask, A.FlashMask) and mask.required for mask in masks.values()
+    ), masks
 
 
 def test_kv_cache_keeps_window_minus_one_keys():
@@ -307,3 +321,16 @@ def test_sdpa_sink_logit_stays_fp32_with_bf16_inputs():
     expected = keep * v.float().cumsum(2) / seen  # [B, 1, T, D] -> broadcasts over the heads
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected.expand_as(out), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.slow
+def test_flash_on_the_cpu_stops_train_py_before_the_run(tmp_path):
+    from config import ConfigError
+    from helpers import debug_args, stops_with_one_line
+    from train import main
+
+    args = debug_args(tmp_path, "--model.attention_backend=flash", "--training.device=cpu")
+    stops_with_one_line(
+        lambda: main(args), ConfigError, "model.attention_backend", r'"flash" needs a CUDA GPU'
+    )
+    assert not (tmp_path / "ckpt").exists()
