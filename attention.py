@@ -2,7 +2,8 @@
 the decoding cache.
 
 Masks are written once, as FlexAttention `mask_mod` functions, and realised two ways:
-  * a FlexAttention `BlockMask` for the `flex` backend (the GPU path, compiled), and
+  * a FlexAttention `BlockMask` for the `flex` backend (the GPU path, compiled) and the `flash`
+    backend (the same FlexAttention call on flash-attn-4's CuTe DSL kernel: FlashMask), and
   * a dense boolean mask for the `sdpa` backend (the CPU path, and decoding).
 Both backends implement learned sinks: one extra softmax column per query head whose logit is the
 sink `s_h` and whose value is zero, so  p_j = exp(a_j) / (exp(s_h) + sum_j exp(a_j)).
@@ -12,6 +13,7 @@ Mistral Large 4's sparse selection, built on these masks, is in large4.py.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from functools import lru_cache
 from typing import NamedTuple
@@ -30,7 +32,13 @@ from devices import kernel_device_type
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
-BACKENDS = ("auto", "flex", "sdpa")
+BACKENDS = ("auto", "flex", "flash", "sdpa")
+# FlexAttention's FLASH backend (torch 2.13, experimental): the flash-attn-4 package's CuTe DSL
+# kernels, built for Hopper (SM90) and Blackwell (SM100) (https://pypi.org/project/flash-attn-4/),
+# BF16 or FP16 only. Inductor runs it for a compiled flex_attention given these kernel_options.
+FLASH_KERNEL_OPTIONS = {"BACKEND": "FLASH"}
+FLASH_CAPABILITY_MAJORS = (9, 10)
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -46,7 +54,21 @@ class BandMask(NamedTuple):
     seq_len: int
 
 
-Mask = BlockMask | BandMask | torch.Tensor  # flex | banded sdpa | dense bool [B, 1, T, S] sdpa
+# `auto`'s choice where FLASH runs: FLASH for BF16 and FP16 attention, flex for FP32, which
+# flash-attn-4 does not take (the dtype is the attention's, known only at the call)
+FLASH_OR_FLEX = "flash_or_flex"
+
+
+class FlashMask(NamedTuple):
+    """A BlockMask whose attention runs on FlexAttention's FLASH backend (the flash backend).
+    required: asked for by name, so FP32 attention is refused rather than run on flex (auto's
+    choice runs FP32 on flex)."""
+
+    block_mask: BlockMask
+    required: bool
+
+
+Mask = BlockMask | FlashMask | BandMask | torch.Tensor  # flex | flash | banded | dense bool sdpa
 
 
 # ----------------------------------------------------------------------------- mask functions
@@ -148,13 +170,52 @@ def new_block_mask(
     return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device, _compile=compiled)
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """`auto` picks flex on GPUs (fused, compiled) and sdpa on the CPU (flex has no CPU
-    backward)."""
+def flash_package_available() -> bool:
+    """Whether flash-attn-4's CuTe DSL kernels import: what Inductor's FLASH backend calls."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:  # no flash_attn at all
+        return False
+
+
+def flash_refusal(device: torch.device) -> str | None:
+    """Why FlexAttention's FLASH backend cannot run on `device`, or None. A rehearsal (kernels
+    chosen for CUDA on fake CPU tensors) runs no kernel: nothing to refuse."""
+    if kernel_device_type(device) != "cuda":
+        return "needs a CUDA GPU (Hopper or Blackwell), and this run is on the CPU"
+    if torch.device(device).type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in FLASH_CAPABILITY_MAJORS:
+        return (
+            f"needs a Hopper or Blackwell GPU (compute capability 9.x or 10.x), but "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}"
+        )
+    if not flash_package_available():
+        return "needs the flash-attn-4 package (flash_attn.cute), which is not installed"
+    if torch.are_deterministic_algorithms_enabled() and major < 10:
+        return "has no deterministic backward with a block mask before Blackwell (torch 2.13)"
+    return None
+
+
+def resolve_backend(backend: str, device: torch.device, flash: bool = True) -> str:
+    """`auto` picks flash where it can run (flash_refusal; FLASH_OR_FLEX: FP32 attention on flex),
+    else flex on GPUs (fused, compiled), and sdpa on the CPU (flex has no CPU backward). `flash`
+    asked for where it cannot run, or by a model whose attention does not run it (flash=False:
+    Large 4's), is refused in one line: never a silent fallback."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "flash":
+        refusal = flash_refusal(device) if flash else "runs Flint's sink attention only"
+        if refusal:
+            raise ValueError(
+                f'attention_backend = "flash" (FlexAttention\'s FLASH) {refusal}; '
+                'use "flex" or "auto"'
+            )
     if backend == "auto":
-        return "flex" if kernel_device_type(device) == "cuda" else "sdpa"
+        if kernel_device_type(device) != "cuda":
+            return "sdpa"
+        return FLASH_OR_FLEX if flash and flash_refusal(device) is None else "flex"
     return backend
 
 
@@ -178,15 +239,18 @@ def build_masks(
             mod, rows = at_queries(mod, queries), queries.numel()
             masks[layer_type] = (
                 new_block_mask(mod, batch, rows, seq_len, device)
-                if backend == "flex"
+                if backend in ("flex", "flash", FLASH_OR_FLEX)
                 else dense_mask(mod, batch, rows, seq_len, device)
             )
-        elif backend == "flex":
+        elif backend in ("flex", "flash", FLASH_OR_FLEX):
             masks[layer_type] = block_mask(layer_type, window, doc_ids, batch, seq_len, device)
         elif layer_type == SLIDING and window is not None and seq_len > 2 * (window - 1) > 0:
             masks[layer_type] = band_mask(mod, window - 1, batch, seq_len, device)
         else:
             masks[layer_type] = dense_mask(mod, batch, seq_len, seq_len, device)
+    if backend in ("flash", FLASH_OR_FLEX):
+        required = backend == "flash"
+        return {layer_type: FlashMask(mask, required) for layer_type, mask in masks.items()}
     return masks
 
 
@@ -221,23 +285,32 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def fused_flex_attention(q, k, v, mask: BlockMask, scale: float):
+def fused_flex_attention(q, k, v, mask: BlockMask, scale: float, kernel_options=None):
     """FlexAttention is fused only when compiled: inside a compiled block it is traced into the
     block's graph; called eagerly on a GPU it goes through a compiled flex_attention of its own; on
-    the CPU, outside a compiled block, it runs eagerly. -> (out [B, H, T, Dv], aux with lse [B, H,
-    T])."""
+    the CPU, outside a compiled block, it runs eagerly. kernel_options: Inductor's (FLASH's).
+    -> (out [B, H, T, Dv], aux with lse [B, H, T])."""
     eager = torch.compiler.is_compiling() or q.device.type == "cpu"
     call = flex_attention if eager else _compiled_flex_attention()
     return call(
-        q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True)
+        q,
+        k,
+        v,
+        block_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+        return_aux=AuxRequest(lse=True),
+        kernel_options=kernel_options,
     )
 
 
-def flex_sink_attention(q, k, v, sinks: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+def flex_sink_attention(
+    q, k, v, sinks: torch.Tensor, mask: BlockMask, kernel_options=None
+) -> torch.Tensor:
     """Plain attention, then the sink: out * sigmoid(lse - s_h), in FP32 so lse carries
-    gradients."""
+    gradients. The sink needs only the lse, which FLASH returns too: no score_mod."""
     # out [B, Hq, T, D], lse [B, Hq, T]
-    out, aux = fused_flex_attention(q, k, v, mask, q.shape[-1] ** -0.5)
+    out, aux = fused_flex_attention(q, k, v, mask, q.shape[-1] ** -0.5, kernel_options)
     keep = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1))
     return (out.float() * keep.unsqueeze(-1)).to(q.dtype)
 
@@ -381,9 +454,24 @@ def banded_sink_attention(q, k, v, sinks: torch.Tensor, mask: BandMask) -> torch
     return out[:, :, :seq_len]
 
 
+def flash_sink_attention_flex(q, k, v, sinks: torch.Tensor, mask: FlashMask) -> torch.Tensor:
+    """flex_sink_attention on FlexAttention's FLASH backend: BF16 or FP16 inputs only (FP32 on
+    flex when auto chose it, refused when asked for by name)."""
+    if q.dtype not in FLASH_DTYPES and not mask.required:
+        return flex_sink_attention(q, k, v, sinks, mask.block_mask)
+    if q.dtype not in FLASH_DTYPES:
+        raise ValueError(
+            f'attention_backend = "flash" runs BF16 or FP16 attention (flash-attn-4), got '
+            f'{str(q.dtype).removeprefix("torch.")}: use param_dtype = "bfloat16" or "flex"'
+        )
+    return flex_sink_attention(q, k, v, sinks, mask.block_mask, FLASH_KERNEL_OPTIONS)
+
+
 def sink_attention(q, k, v, sinks: torch.Tensor, mask: Mask) -> torch.Tensor:
-    """The backend follows the mask's realisation: BlockMask -> flex, BandMask or dense bool ->
-    sdpa."""
+    """The backend follows the mask's realisation: BlockMask -> flex, FlashMask -> flash, BandMask
+    or dense bool -> sdpa."""
+    if isinstance(mask, FlashMask):
+        return flash_sink_attention_flex(q, k, v, sinks, mask)
     if isinstance(mask, BlockMask):
         return flex_sink_attention(q, k, v, sinks, mask)
     if isinstance(mask, BandMask):

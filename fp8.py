@@ -37,9 +37,12 @@ expert x_e^T @ grad_e, scales both per column within each expert's rows.
 Kernels: on CUDA torch._scaled_mm (dense) and, on Hopper, torch._scaled_grouped_mm (experts:
 operands on 16-byte boundaries, which config checks and the experts' 16-row groups give; BF16
 output); on the CPU the same quantisation and torch._scaled_mm, expert by expert, as on the GPUs
-whose grouped FP8 kernel torch 2.13 does not build (grouped_fp8_kernel). Each matmul is a
-torch.library custom op, opaque to the compiler (blocks compile whole, fullgraph=True); its fake
-function runs the CUDA kernels on fake tensors whenever kernels are chosen for CUDA
+whose grouped FP8 kernel torch 2.13 does not build (grouped_fp8_kernel). Only the GEMMs are
+torch.library custom ops, opaque to the compiler; the quantisation around them (amax, scale, cast,
+the kernels' layouts) is plain torch ops inside traceable autograd.Functions, so that a compiled
+block (fullgraph=True) fuses it into the kernels that produce and consume the operands
+(BENCHMARKS.md, "FP8 quantisation fused"). The GEMMs' fake functions run the CUDA kernels on fake
+tensors whenever kernels are chosen for CUDA
 (devices.targeting), so a rehearsal checks their shapes, strides and dtypes."""
 
 from __future__ import annotations
@@ -121,86 +124,51 @@ def column_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
-# ============================================================================= dense: y = a @ b
+# ========================================================================= the FP8 GEMMs, opaque
+# The only ops a compiler cannot see into: the GEMMs, on operands already quantised and laid out as
+# CUDA's kernels take them. Everything before them (amax, scale, cast, layout) is plain torch ops in
+# the graph, so that a compiled block fuses it into the kernels that produce the operands, as
+# torchao's float8 training does (https://github.com/pytorch/ao/tree/main/torchao/float8: the
+# scaled matmul is its only opaque op). The ops keep the names tools/op_trace.py prices at the FP8
+# peak.
 
 
 def uses_cuda_kernels(t: torch.Tensor) -> bool:
     return kernel_device_type(t.device) == "cuda"
 
 
-def operand_formats(recipe: str, gradient: int) -> tuple[torch.dtype, torch.dtype]:
-    """The FP8 formats of a dense matmul's operands: E4M3, but tensor-wise the output gradient
-    (operand `gradient`: 0 or 1, FORWARD for none) in E5M2, as torchao's tensor-wise recipe keeps
-    it. CUDA's torch._scaled_mm takes E4M3 x E5M2 and E5M2 x E4M3 (not E5M2 x E5M2, never asked)."""
-    formats = [E4M3, E4M3]
-    if recipe == "tensorwise" and gradient != FORWARD:
-        formats[gradient] = E5M2
-    return formats[0], formats[1]
-
-
-def scaled_matmul(a: torch.Tensor, b: torch.Tensor, recipe: str, gradient: int) -> torch.Tensor:
-    """a [M, K] @ b [K, N] on FP8 operands scaled along K -> [M, N] in a's dtype (BF16 out of CUDA's
-    kernel)."""
-    rowwise = recipe != "tensorwise"
-    a_format, b_format = operand_formats(recipe, gradient)
-    a8, a_inverse = quantize(a, 1, rowwise, a_format)  # [M, 1] or []
-    b8, b_inverse = quantize(b, 0, rowwise, b_format)  # [1, N] or []
-    out_dtype = torch.bfloat16 if uses_cuda_kernels(a) else a.dtype
-    y = torch._scaled_mm(
-        a8.contiguous(), column_major(b8), scale_a=a_inverse, scale_b=b_inverse, out_dtype=out_dtype
-    )
-    return y.to(a.dtype)
+def fp8_gemm(
+    a8: torch.Tensor,
+    b8: torch.Tensor,
+    a_inverse: torch.Tensor,
+    b_inverse: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """a8 [M, K] row-major @ b8 [K, N] column-major, times the inverse scales ([M, 1] and [1, N],
+    or scalars) -> [M, N] in out_dtype (through BF16 out of CUDA's kernel)."""
+    kernel_dtype = torch.bfloat16 if uses_cuda_kernels(a8) else out_dtype
+    y = torch._scaled_mm(a8, b8, scale_a=a_inverse, scale_b=b_inverse, out_dtype=kernel_dtype)
+    return y.to(out_dtype)
 
 
 @torch.library.custom_op("flint::fp8_matmul", mutates_args=())
-def fp8_matmul(a: torch.Tensor, b: torch.Tensor, recipe: str, gradient: int) -> torch.Tensor:
-    """a [M, K] @ b [K, N] -> [M, N]: FP8 operands, each scaled along K (the module docstring);
-    `gradient`: which operand is an output gradient (0, 1, or FORWARD), for operand_formats."""
-    return scaled_matmul(a, b, recipe, gradient)
+def scaled_mm_kernel(
+    a8: torch.Tensor,
+    b8: torch.Tensor,
+    a_inverse: torch.Tensor,
+    b_inverse: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """fp8_gemm as one opaque op."""
+    return fp8_gemm(a8, b8, a_inverse, b_inverse, out_dtype)
 
 
-@fp8_matmul.register_fake
-def _(a, b, recipe, gradient):
+@scaled_mm_kernel.register_fake
+def _(a8, b8, a_inverse, b_inverse, out_dtype):
     # a rehearsal or a CUDA compile: the kernel's own checks on fake tensors
-    if uses_cuda_kernels(a):
-        return scaled_matmul(a, b, recipe, gradient)
-    return a.new_empty(a.shape[0], b.shape[1])
-
-
-def weight_grad_high_precision(a: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """rowwise_gw_hp's weight gradient a^T [K, M] @ grad [M, N], unquantised: the compute dtype."""
-    return a.T @ grad
-
-
-def _matmul_setup(ctx, inputs, output):
-    a, b, ctx.recipe, _ = inputs
-    ctx.save_for_backward(a, b)
-
-
-def _matmul_backward(ctx, grad):
-    """b is the weight (fp8_linear): its gradient unquantised in rowwise_gw_hp."""
-    a, b = ctx.saved_tensors
-    grad_a = fp8_matmul(grad, b.T, ctx.recipe, 0) if ctx.needs_input_grad[0] else None  # reduces N
-    grad_b = None
-    if ctx.needs_input_grad[1]:  # reduces M
-        if ctx.recipe == HIGH_PRECISION_WEIGHT_GRAD:
-            grad_b = weight_grad_high_precision(a, grad)
-        else:
-            grad_b = fp8_matmul(a.T, grad, ctx.recipe, 1)
-    return grad_a, grad_b, None, None
-
-
-fp8_matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup)
-
-
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
-    """F.linear without bias in FP8: x [..., K], weight [N, K] -> [..., N] in x's dtype."""
-    rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    y = fp8_matmul(rows, weight.to(x.dtype).T, recipe, FORWARD)  # [M, N]
-    return y.view(*x.shape[:-1], weight.shape[0])
-
-
-# ====================================================================== grouped: the routed experts
+    if uses_cuda_kernels(a8):
+        return fp8_gemm(a8, b8, a_inverse, b_inverse, out_dtype)
+    return a8.new_empty(a8.shape[0], b8.shape[1], dtype=out_dtype)
 
 
 def grouped_fp8_kernel(device: torch.device) -> bool:
@@ -214,132 +182,239 @@ def grouped_fp8_kernel(device: torch.device) -> bool:
 
 
 def grouped_cuda(
-    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rowwise: bool
+    x8: torch.Tensor,
+    w8: torch.Tensor,
+    offsets: torch.Tensor,
+    x_inverse: torch.Tensor,
+    w_inverse: torch.Tensor,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """x [M, K] @ the groups of w [G, K, N] with torch._scaled_grouped_mm -> [M, N] in BF16."""
-    x8, x_inverse = quantize(x, 1, rowwise)  # [M, 1] or []
-    w8, w_inverse = quantize(w, 1, rowwise)  # [G, 1, N] or []
-    rows, groups, n = x.shape[0], w.shape[0], w.shape[2]
-    # the kernel takes contiguous scales: a tensor-wise scalar expanded is not
-    x_scales = x_inverse.expand(rows, 1).reshape(rows).contiguous()
-    w_scales = w_inverse.expand(groups, 1, n).reshape(groups, n).contiguous()
+    """scaled_grouped_mm_kernel on Hopper: torch._scaled_grouped_mm, BF16 out."""
     return torch._scaled_grouped_mm(
-        x8.contiguous(),
-        column_major(w8),
-        x_scales,
-        w_scales,
-        offs=offsets,
-        out_dtype=torch.bfloat16,
-    )
+        x8, w8, x_inverse, w_inverse, offs=offsets, out_dtype=torch.bfloat16
+    ).to(out_dtype)
+
+
+@torch.library.custom_op("flint::fp8_grouped_mm", mutates_args=())
+def scaled_grouped_mm_kernel(
+    x8: torch.Tensor,
+    w8: torch.Tensor,
+    offsets: torch.Tensor,
+    x_inverse: torch.Tensor,
+    w_inverse: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """x8 [M, K] rows sorted by group @ the groups of w8 [G, K, N] (each column-major), offsets
+    int32 [G] cumulative ends, inverse scales x [M] and w [G, N] -> [M, N] in out_dtype."""
+    if grouped_fp8_kernel(x8.device):
+        return grouped_cuda(x8, w8, offsets, x_inverse, w_inverse, out_dtype)
+    return grouped_loop(x8, w8, offsets, x_inverse, w_inverse, out_dtype)
+
+
+@scaled_grouped_mm_kernel.register_fake
+def _(x8, w8, offsets, x_inverse, w_inverse, out_dtype):
+    if grouped_fp8_kernel(x8.device):  # a rehearsal or a compile on Hopper: the kernel's checks
+        return grouped_cuda(x8, w8, offsets, x_inverse, w_inverse, out_dtype)
+    return x8.new_empty(x8.shape[0], w8.shape[2], dtype=out_dtype)
 
 
 def grouped_loop(
-    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rowwise: bool
+    x8: torch.Tensor,
+    w8: torch.Tensor,
+    offsets: torch.Tensor,
+    x_inverse: torch.Tensor,
+    w_inverse: torch.Tensor,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The same quantisation as grouped_cuda, then torch._scaled_mm expert by expert where there is
-    no grouped FP8 kernel (the CPU; GPUs but Hopper: one host sync for the group ends) -> [M, N] in
-    x's dtype; rows past the last group stay zero."""
-    x8, x_inverse = quantize(x, 1, rowwise)
-    w8, w_inverse = quantize(w, 1, rowwise)
-    # [M, 1]: the kernel takes contiguous scales
-    x_inverse = x_inverse.expand(x.shape[0], 1).contiguous()
-    w_inverse = w_inverse.expand(w.shape[0], 1, w.shape[2]).contiguous()  # [G, 1, N]
-    out = x.new_zeros(x.shape[0], w.shape[2])
+    """scaled_grouped_mm_kernel with torch._scaled_mm expert by expert, where there is no grouped
+    FP8 kernel (the CPU; GPUs but Hopper: one host sync for the group ends); rows past the last
+    group stay zero."""
+    out = torch.zeros(x8.shape[0], w8.shape[2], dtype=out_dtype, device=x8.device)
     start = 0
     for group, end in enumerate(offsets.tolist()):
         if end > start:
             out[start:end] = torch._scaled_mm(
                 x8[start:end],
-                column_major(w8[group]),
-                scale_a=x_inverse[start:end],
-                scale_b=w_inverse[group],
-                out_dtype=x.dtype,
+                w8[group],
+                scale_a=x_inverse[start:end].unsqueeze(1),
+                scale_b=w_inverse[group].unsqueeze(0),
+                out_dtype=out_dtype,
             )
         start = end
     return out
 
 
-@torch.library.custom_op("flint::fp8_grouped_mm", mutates_args=())
-def fp8_grouped_mm(
-    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, recipe: str
-) -> torch.Tensor:
-    """x [M, K] rows sorted by group, w [G, K, N], offsets int32 [G] cumulative ends -> [M, N]:
-    moe.grouped_mm on E4M3 operands, rows scaled per row, each group's weight per output column
-    (tensorwise: each operand as a whole)."""
-    rowwise = recipe != "tensorwise"
-    if grouped_fp8_kernel(x.device):
-        return grouped_cuda(x, w, offsets, rowwise).to(x.dtype)
-    return grouped_loop(x.contiguous(), w, offsets, rowwise)
-
-
-@fp8_grouped_mm.register_fake
-def _(x, w, offsets, recipe):
-    if grouped_fp8_kernel(x.device):  # a rehearsal or a compile on Hopper: the kernel's checks
-        return grouped_cuda(x, w, offsets, recipe != "tensorwise").to(x.dtype)
-    return x.new_empty(x.shape[0], w.shape[2])
-
-
 def weight_grad_cuda(
-    x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, rowwise: bool
+    x8_t: torch.Tensor,
+    g8: torch.Tensor,
+    offsets: torch.Tensor,
+    x_inverse: torch.Tensor,
+    g_inverse: torch.Tensor,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Per group x_g^T [K, M_g] @ grad_g [M_g, N] with torch._scaled_grouped_mm -> [G, K, N] in
-    BF16. The rows are padded with zeros (in no group) to a multiple of 16: the transposed operands'
-    rows must start on 16-byte boundaries, and a padded expert buffer's M need not be one."""
-    pad = -x.shape[0] % ALIGNMENT
-    x, grad = (
-        torch.cat([x, x.new_zeros(pad, x.shape[1])]),
-        torch.cat([grad, grad.new_zeros(pad, grad.shape[1])]),
-    )
-    x8, x_inverse = quantize_per_group_column(x, offsets, rowwise)  # [M, K], [G, K]
-    g8, g_inverse = quantize_per_group_column(grad, offsets, rowwise)  # [M, N], [G, N]
+    """scaled_grouped_weight_grad_kernel on Hopper: torch._scaled_grouped_mm, BF16 out."""
     return torch._scaled_grouped_mm(
-        x8.T.contiguous(),
-        column_major(g8),
+        x8_t,
+        g8,
         x_inverse.reshape(-1),
         g_inverse.reshape(-1),
         offs=offsets,
         out_dtype=torch.bfloat16,
-    )
+    ).to(out_dtype)
+
+
+@torch.library.custom_op("flint::fp8_grouped_mm_weight_grad", mutates_args=())
+def scaled_grouped_weight_grad_kernel(
+    x8_t: torch.Tensor,
+    g8: torch.Tensor,
+    offsets: torch.Tensor,
+    x_inverse: torch.Tensor,
+    g_inverse: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Per group x_g^T [K, M_g] @ grad_g [M_g, N]: x8_t [K, M] row-major (x's FP8 values
+    transposed), g8 [M, N] column-major, inverse scales x [G, K] and grad [G, N] -> [G, K, N] in
+    out_dtype; an empty group's is zero."""
+    if grouped_fp8_kernel(x8_t.device):
+        return weight_grad_cuda(x8_t, g8, offsets, x_inverse, g_inverse, out_dtype)
+    return weight_grad_loop(x8_t, g8, offsets, x_inverse, g_inverse, out_dtype)
+
+
+@scaled_grouped_weight_grad_kernel.register_fake
+def _(x8_t, g8, offsets, x_inverse, g_inverse, out_dtype):
+    if grouped_fp8_kernel(x8_t.device):
+        return weight_grad_cuda(x8_t, g8, offsets, x_inverse, g_inverse, out_dtype)
+    return x8_t.new_empty(offsets.shape[0], x8_t.shape[0], g8.shape[1], dtype=out_dtype)
 
 
 def weight_grad_loop(
-    x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, rowwise: bool
+    x8_t: torch.Tensor,
+    g8: torch.Tensor,
+    offsets: torch.Tensor,
+    x_inverse: torch.Tensor,
+    g_inverse: torch.Tensor,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """weight_grad_cuda's quantisation, then torch._scaled_mm per group -> [G, K, N]; an empty
-    group's is zero."""
-    x8, x_inverse = quantize_per_group_column(x, offsets, rowwise)
-    g8, g_inverse = quantize_per_group_column(grad, offsets, rowwise)
-    out = x.new_zeros(offsets.shape[0], x.shape[1], grad.shape[1])
+    """scaled_grouped_weight_grad_kernel with torch._scaled_mm group by group (the CPU's strided
+    FP8 GEMM takes the slices as they are)."""
+    out = torch.zeros(
+        offsets.shape[0], x8_t.shape[0], g8.shape[1], dtype=out_dtype, device=x8_t.device
+    )
     start = 0
     for group, end in enumerate(offsets.tolist()):
         if end > start:
             out[group] = torch._scaled_mm(
-                x8[start:end].T.contiguous(),
-                column_major(g8[start:end]),
+                x8_t[:, start:end],
+                g8[start:end],
                 scale_a=x_inverse[group].unsqueeze(1),
                 scale_b=g_inverse[group].unsqueeze(0),
-                out_dtype=x.dtype,
+                out_dtype=out_dtype,
             )
         start = end
     return out
 
 
-@torch.library.custom_op("flint::fp8_grouped_mm_weight_grad", mutates_args=())
-def fp8_grouped_mm_weight_grad(
+# ================================================================= dense: y = a @ b, traced
+
+
+def operand_formats(recipe: str, gradient: int) -> tuple[torch.dtype, torch.dtype]:
+    """The FP8 formats of a dense matmul's operands: E4M3, but tensor-wise the output gradient
+    (operand `gradient`: 0 or 1, FORWARD for none) in E5M2, as torchao's tensor-wise recipe keeps
+    it. CUDA's torch._scaled_mm takes E4M3 x E5M2 and E5M2 x E4M3 (not E5M2 x E5M2, never asked)."""
+    formats = [E4M3, E4M3]
+    if recipe == "tensorwise" and gradient != FORWARD:
+        formats[gradient] = E5M2
+    return formats[0], formats[1]
+
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, recipe: str, gradient: int) -> torch.Tensor:
+    """a [M, K] @ b [K, N] on FP8 operands scaled along K -> [M, N] in a's dtype: the quantisation
+    traced, the GEMM opaque."""
+    rowwise = recipe != "tensorwise"
+    a_format, b_format = operand_formats(recipe, gradient)
+    a8, a_inverse = quantize(a, 1, rowwise, a_format)  # [M, 1] or []
+    b8, b_inverse = quantize(b, 0, rowwise, b_format)  # [1, N] or []
+    return scaled_mm_kernel(a8.contiguous(), column_major(b8), a_inverse, b_inverse, a.dtype)
+
+
+def weight_grad_high_precision(a: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """rowwise_gw_hp's weight gradient a^T [K, M] @ grad [M, N], unquantised: the compute dtype."""
+    return a.T @ grad
+
+
+class FP8Matmul(torch.autograd.Function):
+    """A traceable autograd.Function, not a custom op: torch.compile sees its forward and backward
+    whole, quantisation included. b is the weight (fp8_linear): its gradient unquantised in
+    rowwise_gw_hp."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, recipe: str, gradient: int) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.recipe = recipe
+        return scaled_matmul(a, b, recipe, gradient)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:  # reduces N
+            grad_a = scaled_matmul(grad, b.T, ctx.recipe, 0)
+        if ctx.needs_input_grad[1]:  # reduces M
+            if ctx.recipe == HIGH_PRECISION_WEIGHT_GRAD:
+                grad_b = weight_grad_high_precision(a, grad)
+            else:
+                grad_b = scaled_matmul(a.T, grad, ctx.recipe, 1)
+        return grad_a, grad_b, None, None
+
+
+def fp8_matmul(a: torch.Tensor, b: torch.Tensor, recipe: str, gradient: int) -> torch.Tensor:
+    """a [M, K] @ b [K, N] -> [M, N]: FP8 operands, each scaled along K (the module docstring);
+    `gradient`: which operand is an output gradient (0, 1, or FORWARD), for operand_formats."""
+    return FP8Matmul.apply(a, b, recipe, gradient)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+    """F.linear without bias in FP8: x [..., K], weight [N, K] -> [..., N] in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    y = fp8_matmul(rows, weight.to(x.dtype).T, recipe, FORWARD)  # [M, N]
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+# ============================================================ grouped: the routed experts, traced
+
+
+def grouped_scaled_mm(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, rowwise: bool
+) -> torch.Tensor:
+    """x [M, K] @ the groups of w [G, K, N] -> [M, N] in x's dtype: x's rows scaled per row, each
+    group's weight per output column (or each tensor as a whole), all E4M3."""
+    x8, x_inverse = quantize(x, 1, rowwise)  # [M, 1] or []
+    w8, w_inverse = quantize(w, 1, rowwise)  # [G, 1, N] or []
+    rows, groups, n = x.shape[0], w.shape[0], w.shape[2]
+    # the kernels take contiguous scales: a tensor-wise scalar expanded is not
+    x_scales = x_inverse.expand(rows, 1).reshape(rows).contiguous()
+    w_scales = w_inverse.expand(groups, 1, n).reshape(groups, n).contiguous()
+    return scaled_grouped_mm_kernel(
+        x8.contiguous(), column_major(w8), offsets, x_scales, w_scales, x.dtype
+    )
+
+
+def grouped_weight_grad(
     x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, rowwise: bool
 ) -> torch.Tensor:
-    """x [M, K], grad [M, N] -> [G, K, N]: per group x_g^T @ grad_g, both scaled along the group's
-    rows."""
+    """Per group x_g^T @ grad_g -> [G, K, N] in x's dtype, both scaled per column within the
+    group's rows. For CUDA's grouped kernel the rows are padded with zeros (in no group) to a
+    multiple of 16: the transposed operands' rows must start on 16-byte boundaries, and a padded
+    expert buffer's M need not be one."""
     if grouped_fp8_kernel(x.device):
-        return weight_grad_cuda(x, grad, offsets, rowwise).to(x.dtype)
-    return weight_grad_loop(x, grad, offsets, rowwise)
-
-
-@fp8_grouped_mm_weight_grad.register_fake
-def _(x, grad, offsets, rowwise):
-    if grouped_fp8_kernel(x.device):
-        return weight_grad_cuda(x, grad, offsets, rowwise).to(x.dtype)
-    return x.new_empty(offsets.shape[0], x.shape[1], grad.shape[1])
+        pad = -x.shape[0] % ALIGNMENT
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        grad = torch.cat([grad, grad.new_zeros(pad, grad.shape[1])])
+    x8, x_inverse = quantize_per_group_column(x, offsets, rowwise)  # [M, K], [G, K]
+    g8, g_inverse = quantize_per_group_column(grad, offsets, rowwise)  # [M, N], [G, N]
+    return scaled_grouped_weight_grad_kernel(
+        x8.T.contiguous(), column_major(g8), offsets, x_inverse, g_inverse, x.dtype
+    )
 
 
 def grouped_weight_grad_high_precision(
@@ -350,28 +425,40 @@ def grouped_weight_grad_high_precision(
     return torch.ops.flint.grouped_mm_weight_grad(x, grad, offsets)
 
 
-def _grouped_setup(ctx, inputs, output):
-    x, w, offsets, ctx.recipe = inputs
-    ctx.save_for_backward(x, w, offsets)
+class FP8GroupedMM(torch.autograd.Function):
+    """As FP8Matmul, for the experts; the weight gradient unquantised in rowwise_gw_hp."""
+
+    @staticmethod
+    def forward(
+        ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, recipe: str
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offsets)
+        ctx.recipe = recipe
+        return grouped_scaled_mm(x, w, offsets, recipe != "tensorwise")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, offsets = ctx.saved_tensors
+        grad = grad.contiguous()  # may arrive strided (an expanded gradient)
+        rowwise = ctx.recipe != "tensorwise"
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grouped_scaled_mm(grad, w.transpose(1, 2), offsets, rowwise)
+        if ctx.needs_input_grad[1]:
+            if ctx.recipe == HIGH_PRECISION_WEIGHT_GRAD:
+                grad_w = grouped_weight_grad_high_precision(x, grad, offsets)
+            else:
+                grad_w = grouped_weight_grad(x, grad, offsets, rowwise)
+        return grad_x, grad_w, None, None
 
 
-def _grouped_backward(ctx, grad):
-    """The weight gradient unquantised in rowwise_gw_hp."""
-    x, w, offsets = ctx.saved_tensors
-    grad = grad.contiguous()  # may arrive strided (an expanded gradient)
-    grad_x = None
-    if ctx.needs_input_grad[0]:
-        grad_x = fp8_grouped_mm(grad, w.transpose(1, 2), offsets, ctx.recipe)
-    grad_w = None
-    if ctx.needs_input_grad[1]:
-        if ctx.recipe == HIGH_PRECISION_WEIGHT_GRAD:
-            grad_w = grouped_weight_grad_high_precision(x, grad, offsets)
-        else:
-            grad_w = fp8_grouped_mm_weight_grad(x, grad, offsets, ctx.recipe != "tensorwise")
-    return grad_x, grad_w, None, None
-
-
-fp8_grouped_mm.register_autograd(_grouped_backward, setup_context=_grouped_setup)
+def fp8_grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, recipe: str
+) -> torch.Tensor:
+    """x [M, K] rows sorted by group, w [G, K, N], offsets int32 [G] cumulative ends -> [M, N]:
+    moe.grouped_mm on E4M3 operands, rows scaled per row, each group's weight per output column
+    (tensorwise: each operand as a whole)."""
+    return FP8GroupedMM.apply(x, w, offsets, recipe)
 
 
 # ============================================================================ which maps run in FP8

@@ -740,7 +740,7 @@ class MistralLarge4(nn.Module):
         backend = (
             "sdpa"
             if caches is not None
-            else resolve_backend(self.config.attention_backend, h.device)
+            else resolve_backend(self.config.attention_backend, h.device, flash=False)
         )
         log_positions = torch.log(positions.float() + 1)  # SSMax, FP32
         shared = dict(shared or {})

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from attention import flash_refusal
 from balance import COEFFICIENTS, RoutingMonitor
 from checkpoint import Checkpointer, CheckpointError, check_architecture
 from checkpoint_files import is_native_checkpoint, load_dcp
@@ -361,6 +362,13 @@ def check_device_choices(cfg: TrainConfig, on_gpu: bool) -> None:
             "cannot train on the "
             f'CPU (FlexAttention has no CPU backward); use "auto" or "sdpa"'
         )
+    if cfg.model_config.attention_backend == "flash":
+        refusal = flash_refusal(torch.device("cuda" if on_gpu else "cpu"))
+        if refusal:
+            raise ConfigError(
+                f'{cfg.where("model.attention_backend")}: attention_backend = "flash" {refusal}; '
+                'use "flex" or "auto"'
+            )
 
 
 # ============================================================================= data and model

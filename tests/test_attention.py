@@ -4,6 +4,8 @@ FlexAttention refuses to run backward on the CPU (`_validate_device` raises befo
 although its eager implementation is differentiable. The `flex_cpu_backward` fixture lifts that one
 check for the duration of a test, so flex gradients are checked here against the reference too."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
@@ -162,11 +164,132 @@ def test_block_masks_without_documents_are_cached():
     assert first is second
 
 
-def test_backend_resolution():
+def a_gpu(monkeypatch, capability: tuple[int, int], package: bool) -> None:
+    """A CUDA device of `capability` (named "GPU") with or without the flash-attn-4 package."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
+    monkeypatch.setattr(A, "flash_package_available", lambda: package)
+
+
+@pytest.mark.parametrize(
+    "capability, package, chosen",
+    [
+        ((9, 0), True, A.FLASH_OR_FLEX),
+        ((10, 0), True, A.FLASH_OR_FLEX),
+        ((9, 0), False, "flex"),
+        ((8, 0), True, "flex"),
+        ((12, 0), True, "flex"),
+    ],
+)
+def test_auto_picks_flash_only_where_it_runs(monkeypatch, capability, package, chosen):
+    """Hopper and Blackwell with flash-attn-4 installed: flash (for BF16 and FP16 attention);
+    otherwise flex on GPUs, sdpa on the CPU; explicit flex and sdpa stay what they are."""
+    a_gpu(monkeypatch, capability, package)
+    cuda = torch.device("cuda")
+    assert A.resolve_backend("auto", cuda) == chosen
     assert A.resolve_backend("auto", torch.device("cpu")) == "sdpa"
-    assert A.resolve_backend("auto", torch.device("cuda")) == "flex"
+    assert A.resolve_backend("flex", cuda) == "flex" and A.resolve_backend("sdpa", cuda) == "sdpa"
+    assert A.resolve_backend("auto", cuda, flash=False) == "flex"  # Large 4's attention
     with pytest.raises(ValueError, match="attention_backend"):
         A.resolve_backend("xformers", torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "device, capability, package, flash, reason",
+    [
+        ("cpu", (9, 0), True, True, "needs a CUDA GPU .* on the CPU"),
+        ("cuda", (8, 0), True, True, "Hopper or Blackwell .* GPU has 8.0"),
+        ("cuda", (9, 0), False, True, "flash-attn-4 package .* not installed"),
+        ("cuda", (9, 0), True, False, "Flint's sink attention only"),
+    ],
+)
+def test_flash_where_it_cannot_run_is_refused_in_one_line(
+    monkeypatch, device, capability, package, flash, reason
+):
+    a_gpu(monkeypatch, capability, package)
+    with pytest.raises(ValueError) as caught:
+        A.resolve_backend("flash", torch.device(device), flash=flash)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith('attention_backend = "flash"'), message
+    assert re.search(reason, message), message
+
+
+def test_flash_is_refused_with_deterministic_algorithms_on_hopper(monkeypatch):
+    """torch 2.13's FLASH backward with a block mask is deterministic on SM100+ only."""
+    a_gpu(monkeypatch, (9, 0), True)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    with pytest.raises(ValueError, match="deterministic backward"):
+        A.resolve_backend("flash", torch.device("cuda"))
+    assert A.resolve_backend("auto", torch.device("cuda")) == "flex"
+    a_gpu(monkeypatch, (10, 0), True)
+    assert A.resolve_backend("flash", torch.device("cuda")) == "flash"
+
+
+def flex_calls(monkeypatch) -> list[dict | None]:
+    """The kernel_options of each flex_attention call, which then runs as plain flex on the CPU."""
+    calls, real = [], A.flex_attention
+
+    def recording(*args, kernel_options=None, **kwargs):
+        calls.append(kernel_options)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(A, "flex_attention", recording)
+    return calls
+
+
+def test_the_flash_backend_reaches_flex_attention_as_its_kernel_options(monkeypatch):
+    """flash masks (FlashMask) send {"BACKEND": "FLASH"} to flex_attention, flex masks send none;
+    the values are flex's (the FLASH kernel itself runs on GPUs only: tools/gpu_check.sh)."""
+    calls = flex_calls(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 128, 16, generator=g).bfloat16() for _ in range(3))
+    sinks = torch.tensor([0.5, -1.0])
+    outs = {}
+    for backend in ("flex", "flash"):
+        masks = A.build_masks([A.FULL], None, None, 1, 128, "cpu", backend)
+        assert isinstance(masks[A.FULL], A.FlashMask) == (backend == "flash")
+        outs[backend] = A.sink_attention(q, k, v, sinks, masks[A.FULL])
+    assert calls == [None, {"BACKEND": "FLASH"}]
+    assert torch.equal(outs["flash"], outs["flex"])
+
+
+def test_auto_runs_fp32_attention_on_flex_and_bf16_on_flash(monkeypatch):
+    """auto's choice where FLASH runs (FLASH_OR_FLEX): BF16 to FLASH, FP32 (which flash-attn-4
+    does not take) to flex, not refused: the user asked for no backend by name."""
+    calls = flex_calls(monkeypatch)
+    mask = A.build_masks([A.FULL], None, None, 1, 128, "cpu", A.FLASH_OR_FLEX)[A.FULL]
+    assert mask == A.FlashMask(mask.block_mask, required=False)
+    q = torch.randn(1, 2, 128, 16)
+    A.sink_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), torch.zeros(2), mask)
+    A.sink_attention(q, q, q, torch.zeros(2), mask)
+    assert calls == [{"BACKEND": "FLASH"}, None]
+
+
+def test_flash_refuses_fp32_attention_in_one_line(monkeypatch):
+    """flash-attn-4 runs BF16 and FP16 only: FP32 q, k, v are refused, never run on flex."""
+    calls = flex_calls(monkeypatch)
+    q = torch.randn(1, 2, 128, 16)
+    mask = A.build_masks([A.FULL], None, None, 1, 128, "cpu", "flash")[A.FULL]
+    with pytest.raises(
+        ValueError, match=r'^attention_backend = "flash" runs BF16 or FP16 .*float32'
+    ):
+        A.sink_attention(q, q, q, torch.zeros(2), mask)
+    assert calls == []
+
+
+def test_a_flint_model_with_the_flash_backend_builds_flash_masks(monkeypatch):
+    """[model] attention_backend = "flash" through the model's own mask building (what every
+    block reads), in a rehearsal's CUDA choices: FlashMasks for every layer type."""
+    from devices import targeting
+    from helpers import build, tiny_config
+
+    monkeypatch.setattr(A, "flash_package_available", lambda: True)
+    model = build(tiny_config("flint", attention_backend="flash"))
+    with targeting("cuda"):
+        _, masks = model.block_inputs(None, None, 1, 128, torch.device("cpu"))
+    assert masks and all(
+        isinstance(mask, A.FlashMask) and mask.required for mask in masks.values()
+    ), masks
 
 
 def test_kv_cache_keeps_window_minus_one_keys():
@@ -198,3 +321,16 @@ def test_sdpa_sink_logit_stays_fp32_with_bf16_inputs():
     expected = keep * v.float().cumsum(2) / seen  # [B, 1, T, D] -> broadcasts over the heads
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected.expand_as(out), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.slow
+def test_flash_on_the_cpu_stops_train_py_before_the_run(tmp_path):
+    from config import ConfigError
+    from helpers import debug_args, stops_with_one_line
+    from train import main
+
+    args = debug_args(tmp_path, "--model.attention_backend=flash", "--training.device=cpu")
+    stops_with_one_line(
+        lambda: main(args), ConfigError, "model.attention_backend", r'"flash" needs a CUDA GPU'
+    )
+    assert not (tmp_path / "ckpt").exists()

@@ -125,6 +125,8 @@ def test_gpu_check_script_parses():
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
     pieces = re.findall(r"<<'PY'[^\n]*\n(.*?)\nPY\n", text, re.DOTALL)
-    assert len(pieces) == text.count("<<'PY'") == 6  # parity, graphs, train, bench, fp8, two GPUs
+    assert (
+        len(pieces) == text.count("<<'PY'") == 7
+    )  # parity, graphs, train, bench, fp8, flash, two GPUs
     for number, piece in enumerate(pieces):
         compile(piece, f"gpu_check.sh, Python piece {number + 1}", "exec")

@@ -23,7 +23,12 @@
 #    both gradients on the GPU's kernels against the same ops on the CPU (the same quantisation
 #    through the CPU's torch._scaled_mm): within 1 % of each one's scale (BF16 outputs, sums in
 #    another order).
-# 6. two GPUs (skipped with one): 2 processes of the debug model, ep 2, full checkpointing, compile, 8
+# 6. flash (skipped where attention.flash_refusal names a reason: not Hopper/Blackwell, no
+#    flash-attn-4): the tiny model's compiled blocks on FlexAttention's FLASH backend against the
+#    same compiled blocks on flex (Triton), BF16 bulk, a packed batch with padding and sinks away from
+#    0: loss within 0.5 %, each gradient's cosine similarity at least 0.999 (two BF16 kernels, sums
+#    in other orders); and the generated code must call flash-attn-4 (no silent flex).
+# 7. two GPUs (skipped with one): 2 processes of the debug model, ep 2, full checkpointing, compile, 8
 #    steps saving at 4 and 8; a second run resumes from step 4: steps 5 to 8 have the same losses.
 # Outputs land in ${OUT:-runs/gpu_check}. A check that fails prints FAIL and its log's tail; the
 # script goes on to the next and exits non-zero at the end.
@@ -229,6 +234,49 @@ for recipe in FP8_RECIPES[1:]:
           f"outputs and both gradients within {worst:.1e} of each one's scale (BF16 outputs)")
 PY
 verdict "fp8.py's matmuls on the GPU against the CPU's" $? "$OUT/fp8.log"
+
+if python3 -c 'import sys, torch; from attention import flash_refusal; sys.exit(flash_refusal(torch.device("cuda")) is not None)'; then
+    timeout 150 python3 - > "$OUT/flash.log" 2>&1 <<'PY'
+import dataclasses, torch
+from torch._inductor.utils import run_and_get_code
+from flint_model import FlintConfig, build_model
+from parallel import apply_compile
+from tools.profiling import cosine_parity
+
+base = FlintConfig.from_name("tiny", num_hidden_layers=4, sliding_window=65)
+g = torch.Generator().manual_seed(0)
+ids = torch.randint(0, base.vocab_size, (2, 512), generator=g).cuda()
+doc_ids = torch.tensor([0] * 200 + [1] * 280 + [-1] * 32).expand(2, 512).clone().cuda()
+targets = ids.roll(-1, 1).masked_fill(doc_ids < 0, -100)
+
+def run(backend):
+    model = build_model(dataclasses.replace(base, attention_backend=backend), "cuda", torch.bfloat16, seed=0)
+    with torch.no_grad():  # sinks away from their initial ~0, so that they matter
+        for name, param in model.named_parameters():
+            if name.endswith("sinks.weight"):
+                param.add_(torch.linspace(-1.0, 2.0, param.numel(), device="cuda"))
+    apply_compile(model)  # fullgraph: a graph break fails the check
+    def step():
+        loss = model(ids, targets, doc_ids=doc_ids)
+        loss.backward()
+        return loss
+    loss, code = run_and_get_code(step)
+    return loss.float(), {n: p.grad.float() for n, p in model.named_parameters()}, "\n".join(code)
+
+flex_loss, flex_grads, _ = run("flex")
+flash_loss, flash_grads, code = run("flash")
+assert "flash_attn" in code, "the compiled blocks do not call flash-attn-4: FLASH did not run"
+gap = ((flash_loss - flex_loss).abs() / flex_loss.abs()).item()
+ok, line = cosine_parity(flex_grads, flash_grads, 0.999)
+print(f"loss relative gap {gap:.1e} (at most 5e-3); {line}")
+assert ok and gap <= 5e-3, "compiled flash disagrees with compiled flex"
+print(f"flash (FlexAttention FLASH, flash-attn-4) matches flex on {torch.cuda.get_device_name()}: BF16 loss gap {gap:.1e}, "
+      f"{line.split(', ', 1)[1].split(' (')[0]}")
+PY
+    verdict "flash: FlexAttention's FLASH backend vs flex (BF16)" $? "$OUT/flash.log"
+else
+    echo "SKIP flash: $(python3 -c 'import torch; from attention import flash_refusal; print(flash_refusal(torch.device("cuda")))')"
+fi
 
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
     two_gpus() {  # jsonl, then train.py flags

@@ -50,7 +50,7 @@ def _fp8_grouped_mm_flop(x_shape, w_shape, offsets_shape, *args, out_shape=None,
 
 
 def _fp8_grouped_mm_weight_grad_flop(
-    x_shape, grad_shape, offsets_shape, rowwise=None, out_shape=None, **kwargs
+    x_shape, grad_shape, offsets_shape, *args, out_shape=None, **kwargs
 ) -> int:
     return _grouped_mm_weight_grad_flop(x_shape, grad_shape, offsets_shape)
 
