@@ -149,10 +149,10 @@ BLACKWELL = Efficiency(
     host_sync=HOST_SYNC_SECONDS,
     fitted=("grouped_gemm", "all_to_all_nccl"),
 )
-# By Device name. The H200 is the H100's GH100 die at the same 700 W with faster HBM3e (NVIDIA H200
+# By the first word of a Device's name (a GPU kind). The H200 is the H100's GH100 die at the same 700 W with faster HBM3e (NVIDIA H200
 # data sheet): Hopper's fractions; no published H200 copy-bandwidth measurement was found, so its
 # HBM fraction is the H100's too.
-EFFICIENCIES = {"H100 SXM": HOPPER, "H200 SXM": HOPPER, "B200": BLACKWELL}
+EFFICIENCIES = {"H100": HOPPER, "H200": HOPPER, "B200": BLACKWELL}
 # A measured CPU (planner --gpu cpu): its rates are measured now, so every fraction is 1.
 MEASURED = Efficiency(
     gemm=1.0,
@@ -169,5 +169,6 @@ ATTENTION_BACKENDS = tuple(HOPPER_ATTENTION)
 
 
 def efficiency_of(device: Device) -> Efficiency:
-    """The calibrated fractions of `device`'s generation (a measured CPU: all 1)."""
-    return EFFICIENCIES.get(device.name, MEASURED)
+    """The calibrated fractions of `device`'s generation, by the first word of its name (a measured
+    CPU: all 1)."""
+    return EFFICIENCIES.get(device.name.split()[0], MEASURED)
