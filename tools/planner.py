@@ -637,9 +637,8 @@ def host_sync_item(config: ModelConfig, layout: ParallelConfig, pricing: Pricing
     sync_free and DeepEP's exchange copy nothing to the host."""
     if layout.ep == 1 or pricing.exchange != "sized" or not pricing.gpu:
         return None
-    seconds = moe_layers_per_stage(config, layout) * pricing.efficiency(pricing.rates.host_sync)
-    if not pricing.calibrated:
-        seconds = 0.0  # the bound: no stall
+    stall = pricing.rates.host_sync if pricing.calibrated else 0.0  # the bound: no stall
+    seconds = moe_layers_per_stage(config, layout) * stall
     return Item("host syncs (split sizes to the host, one per MoE layer)", seconds, seconds, "link")
 
 
