@@ -757,9 +757,9 @@ def test_attention_backends_by_hand():
 def test_host_syncs_and_the_exchanges_by_hand():
     """tiny (6 layers, 2 dense: 4 MoE layers) on ep 2: the sized exchange copies its split sizes
     to the host once per MoE layer and micro-batch, 100 us each: 4e-4 s (at 100 % of peak, the
-    bound, no stall); sync_free and DeepEP none, nor a layout without expert parallelism. The sized and sync_free exchanges move their
-    rows at NCCL's fitted 24 % of NVLink, DeepEP at 77 %; sync_free's static buffers of 2 x the
-    balanced rows move twice the bytes."""
+    bound, no stall); sync_free and DeepEP none, nor a layout without expert parallelism. The sized
+    and sync_free exchanges move their rows at NCCL's fitted 24 % of NVLink, DeepEP at 77 %;
+    sync_free's static buffers of 2 x the balanced rows move twice the bytes."""
     c, h100, tokens = tiny(), GPUS["H100"], 8 * 64
     layout = ParallelConfig(dp_shard=2, ep=2, ep_overlap=1).resolve(4, c.num_experts)
     sync = planner.host_sync_item(c, layout, Pricing(h100))

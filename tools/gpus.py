@@ -149,9 +149,9 @@ BLACKWELL = Efficiency(
     host_sync=HOST_SYNC_SECONDS,
     fitted=("grouped_gemm", "all_to_all_nccl"),
 )
-# By the first word of a Device's name (a GPU kind). The H200 is the H100's GH100 die at the same 700 W with faster HBM3e (NVIDIA H200
-# data sheet): Hopper's fractions; no published H200 copy-bandwidth measurement was found, so its
-# HBM fraction is the H100's too.
+# By the first word of a Device's name (a GPU kind). The H200 is the H100's GH100 die at the same
+# 700 W with faster HBM3e (NVIDIA H200 data sheet): Hopper's fractions; no published H200
+# copy-bandwidth measurement was found, so its HBM fraction is the H100's too.
 EFFICIENCIES = {"H100": HOPPER, "H200": HOPPER, "B200": BLACKWELL}
 # A measured CPU (planner --gpu cpu): its rates are measured now, so every fraction is 1.
 MEASURED = Efficiency(
