@@ -68,8 +68,8 @@ FP8_PEAKS = {"H100 SXM": 1979 * TFLOPS, "H200 SXM": 1979 * TFLOPS, "B200": 4500 
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
     """What real kernels and collectives reach on one GPU kind, as fractions of its Device peaks
-    (host_sync: seconds). `fitted` names the fields fitted to a published run (the planner's
-    --validate marks those runs) rather than measured by a kernel or collective benchmark."""
+    (host_sync: seconds). The comments above each generation say which were fitted to a published
+    run (planner.py --validate marks those runs) rather than measured by a benchmark."""
 
     gemm: float  # dense BF16 GEMMs at a transformer layer's shapes (TF32, FP32, FP8 alike)
     grouped_gemm: float  # torch._grouped_mm over the dense rate, before its part-filled tiles
@@ -82,7 +82,6 @@ class Efficiency:
     # one device-to-host copy (moe.py's split sizes, once per MoE layer): the GPU idles while the
     # queue behind it drains and the host launches the next kernels
     host_sync: float
-    fitted: tuple[str, ...] = ()
 
 
 # Hopper. Dense BF16 GEMMs: about 650-750 TFLOP/s of the H100 SXM's 989 under its 700 W cap (NVIDIA
@@ -92,12 +91,13 @@ class Efficiency:
 # long sequences), FlashAttention-3 (and cuDNN's Hopper kernels, the same class) about 600 TFLOP/s
 # forward and 450 backward, causal, 4k tokens (0.60, 0.45). flex (Triton): the FlexAttention post
 # (https://pytorch.org/blog/flexattention/) measures 90 % of FlashAttention-2 forward and 85 %
-# backward. flash, flex's FLASH backend (https://pytorch.org/blog/flexattention-flashattention-4/:
-# flash-attn-4's CuTeDSL kernels, 1.2-3.2 x over the Triton backend): FlashAttention-3's rates, the
-# class FA4 reaches on Hopper. HBM: STREAM-like copies reach about 2.9 of the H100's 3.35 TB/s
-# (nvbandwidth, BabelStream). NCCL rings: nccl-tests on 8 x H100 SXM, about 360 of 450 GB/s bus
-# bandwidth. Network: DeepEP's README (https://github.com/deepseek-ai/DeepEP) measures 43-47 GB/s
-# RDMA per GPU of 50. The all-to-all: DeepEP's 153-158 GB/s on H800's 200 GB/s NVLink (0.77).
+# backward. flash, flex's FLASH backend (PyTorch's "FlexAttention + FlashAttention-4" post,
+# https://pytorch.org/?p=46919: flash-attn-4's CuTeDSL kernels, 1.2-3.2 x the Triton backend):
+# FlashAttention-3's rates, the class FA4 reaches on Hopper. HBM: STREAM-like copies reach about 2.9
+# of the H100's 3.35 TB/s (nvbandwidth, BabelStream). NCCL rings: nccl-tests on 8 x H100 SXM, about
+# 360 of 450 GB/s bus bandwidth. Network: DeepEP's README (https://github.com/deepseek-ai/DeepEP)
+# measures 43-47 GB/s RDMA per GPU of 50. The all-to-all: DeepEP's 153-158 GB/s on H800's 200 GB/s
+# NVLink (0.77).
 HOPPER_ATTENTION = {
     "flex": (0.90 * 0.35, 0.85 * 0.30),
     "fused": (0.60, 0.45),
@@ -123,7 +123,6 @@ HOPPER = Efficiency(
     all_to_all=0.77,
     all_to_all_nccl=ALL_TO_ALL_NCCL,
     host_sync=HOST_SYNC_SECONDS,
-    fitted=("all_to_all_nccl",),
 )
 # Blackwell (B200, 1,000 W). GEMMs: a B200 runs mixed-precision GPT-1.3B training 1.55 x an H200
 # (Jarmusch and Chandrasekaran, "Microbenchmarking NVIDIA's Blackwell Architecture",
@@ -131,8 +130,9 @@ HOPPER = Efficiency(
 # torch._grouped_mm's SM100 kernels (https://github.com/pytorch/pytorch/pull/156203, SM90's
 # CUTLASS schedules ported) reach less again: fitted to torchtitan's 8 x B200 DeepEP run (14,796
 # tokens/s, above). Attention: FlashAttention-4 reaches 1,613 TFLOP/s forward, 71 % of the B200's
-# peak, 2.1-2.7 x Triton and up to 1.3 x cuDNN 9.13 (https://github.com/Dao-AILab/flash-attention,
-# FA4 release);
+# peak, 2.1-2.7 x Triton and up to 1.3 x cuDNN 9.13 (FA4's release,
+# https://github.com/Dao-AILab/flash-attention, as summarised at https://theneuralfeed.com/article/
+# flashattention-4-1613-tflops-s-2-7x-faster-than-triton-written-in-python-what-it/brUJfEuc);
 # backward at FlashAttention-3's backward / forward ratio (0.75): flash (0.71, 0.53), cuDNN (0.55,
 # 0.41), flex's Triton kernels at FA4 / 2.4 (0.30, 0.22). HBM: over 6,000 GB/s device-to-device of
 # 8,000 on 8 x B200 HGX (https://www.newmind.ai/journal/18, TogetherAI B200 benchmark): 0.75.
@@ -147,7 +147,6 @@ BLACKWELL = Efficiency(
     all_to_all=0.77,
     all_to_all_nccl=ALL_TO_ALL_NCCL,
     host_sync=HOST_SYNC_SECONDS,
-    fitted=("grouped_gemm", "all_to_all_nccl"),
 )
 # By the first word of a Device's name (a GPU kind). The H200 is the H100's GH100 die at the same
 # 700 W with faster HBM3e (NVIDIA H200 data sheet): Hopper's fractions; no published H200
