@@ -18,11 +18,7 @@ from parallel import ParallelConfig
 from registry import family
 from tools.op_trace import OpCost, trace_step
 from tools.planner import (
-    ALL_TO_ALL_NVLINK_EFFICIENCY,
-    GEMM_EFFICIENCY,
     GPUS,
-    NETWORK_EFFICIENCY,
-    NVLINK_RING_EFFICIENCY,
     Pass,
     Pricing,
     all_to_all_seconds,
@@ -115,7 +111,7 @@ def test_collectives_of_a_stated_layout_equal_the_hand_count():
     experts over its dp_shard group of 2; gradients are FP32, reduce-scattered once per micro-batch.
     The all-to-all sends each token's k rows of H BF16 values, half of them to the other rank, 6
     times per MoE layer with full recompute. Rings at NCCL's measured 80 % of NVLink, the all-to-all
-    at DeepEP's 77 %."""
+    (moe.py's NCCL all_to_all_single) at its 24 %."""
     c = tiny()
     layout = ParallelConfig(
         dp_shard=2, ep=2, activation_checkpointing="full", ep_overlap=1
@@ -128,7 +124,7 @@ def test_collectives_of_a_stated_layout_equal_the_hand_count():
     block = unit_bytes(c, layout, bulk_bytes=2)[2]  # layer 2: the first MoE block
     assert block == (2 * bulk + 4 * fp32, 2 * experts, 4 * (bulk + fp32), 4 * experts)
     h100 = GPUS["H100"]
-    ring = h100.nvlink * NVLINK_RING_EFFICIENCY
+    ring = h100.nvlink * 0.80
     # no compute: nothing overlaps
     items = fsdp_items(c, layout, Pricing(h100), 2, layer_compute=0.0)
     units = unit_bytes(c, layout, 2)
@@ -146,9 +142,7 @@ def test_collectives_of_a_stated_layout_equal_the_hand_count():
     tokens = 8 * 64
     a2a = expert_parallel_item(c, layout, Pricing(h100), tokens, 2, recomputed=1.0)
     moe_layers = c.num_hidden_layers - len(c.mlp_only_layers)
-    one_way = (
-        tokens * c.num_experts_per_tok * h * 2 / 2 / (h100.nvlink * ALL_TO_ALL_NVLINK_EFFICIENCY)
-    )
+    one_way = tokens * c.num_experts_per_tok * h * 2 / 2 / (h100.nvlink * 0.24)
     # nothing to hide behind
     assert a2a.seconds == pytest.approx(moe_layers * 6 * one_way) == pytest.approx(a2a.exposed)
 
@@ -166,7 +160,7 @@ def test_groups_across_nodes_ride_the_network():
     assert group_span(layout, ("ep",), h100) == (8, 8)
     assert group_span(layout, ("dp_shard", "cp"), h100) == (4, 1)
     assert group_span(layout, ("dp_shard", "ep", "cp"), h100) == (32, 8)
-    nic, ring = h100.network * NETWORK_EFFICIENCY, h100.nvlink * NVLINK_RING_EFFICIENCY
+    nic, ring = h100.network * 0.90, h100.nvlink * 0.80
     items = fsdp_items(c, layout, Pricing(h100), 2, layer_compute=0.0)
     units = unit_bytes(c, layout, 2)
     times = [2] * (len(units) - 1) + [1]
@@ -178,7 +172,7 @@ def test_groups_across_nodes_ride_the_network():
     sent = 1e9
     assert all_to_all_seconds(sent, 16, 8, Pricing(h100)) == pytest.approx(sent * 8 / 16 / nic)
     assert all_to_all_seconds(sent, 8, 8, Pricing(h100)) == pytest.approx(
-        sent * 7 / 8 / (h100.nvlink * ALL_TO_ALL_NVLINK_EFFICIENCY)
+        sent * 7 / 8 / (h100.nvlink * 0.24)
     )
 
 
@@ -193,7 +187,7 @@ def test_fsdp_collectives_per_accumulation_mode(mode):
     c, h100 = tiny(), GPUS["H100"]
     layout = ParallelConfig(dp_shard=4, accumulation=mode).resolve(4, c.num_experts)
     units = unit_bytes(c, layout, 2)
-    ring = h100.nvlink * NVLINK_RING_EFFICIENCY
+    ring = h100.nvlink * 0.80
     block = sum(o + e for o, e, _, _ in units[:-1]) * 3 / 4 / ring
     root = (units[-1][0] + units[-1][1]) * 3 / 4 / ring
     scatter = sum(o + e for _, _, o, e in units) * 3 / 4 / ring
@@ -249,9 +243,7 @@ def test_head_matmuls_run_at_the_head_precision():
     assert Pricing(h100, "tf32", calibrated=False).seconds(router)[0] == pytest.approx(
         1e12 / h100.fp32
     )
-    assert Pricing(h100, "bf16").seconds(head)[0] == pytest.approx(
-        1e12 / h100.bf16 / GEMM_EFFICIENCY
-    )
+    assert Pricing(h100, "bf16").seconds(head)[0] == pytest.approx(1e12 / h100.bf16 / 0.70)
     with pytest.raises(ConfigError, match=r"\[parallel\] head_precision = 'fp64'"):
         planner.head_precision(SimpleNamespace(head_precision="fp64"))
 
@@ -276,7 +268,7 @@ def test_plan_prices_the_head_at_the_layouts_head_precision():
         )
         return planner.plan_step(cfg, layout, free).step_seconds
 
-    head = 6 * c.vocab_size * c.hidden_size * 64 / GEMM_EFFICIENCY
+    head = 6 * c.vocab_size * c.hidden_size * 64 / 0.70
     assert step("float32") - step("bf16") == pytest.approx(
         head / free.fp32 - head / free.bf16, rel=1e-6
     )
@@ -401,17 +393,6 @@ def test_large4_dense_scores_are_the_attention_core_a_gpu_replaces():
     assert attention_flops_per_token(c, seq_len) == pytest.approx(expected)
 
 
-@pytest.mark.slow(beyond_ci=True)  # three published runs' traces at full size: minutes on 2 cores
-@FLINT
-def test_published_runs_within_15_percent():
-    """The published runs (flint_baselines.PUBLISHED_RUNS, NeMo AutoModel on H100s): measured /
-    predicted tokens/s within 0.85-1.15 each."""
-    rows = [line.split(" | ") for line in planner.validation_table().splitlines()[2:]]
-    assert len(rows) == len(planner.published_runs()) == 3
-    for row in rows:
-        assert 0.85 <= float(row[4]) <= 1.15, row
-
-
 @only("large4")
 def test_large4_context_parallel_gathers_its_latent():
     """Mistral Large 4 under cp 2 on one node: each layer all-gathers the whole sequence's latent
@@ -422,7 +403,7 @@ def test_large4_context_parallel_gathers_its_latent():
     h100, tokens = GPUS["H100"], 64  # this rank's
     item = planner.context_parallel_item(c, layout, Pricing(h100), tokens, 2, recomputed=1.0)
     gathered = tokens * 2 * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
-    ring = gathered / 2 / (h100.nvlink * NVLINK_RING_EFFICIENCY)
+    ring = gathered / 2 / (h100.nvlink * 0.80)
     assert item.seconds == pytest.approx(c.num_hidden_layers * 3 * ring)
 
 
@@ -717,3 +698,164 @@ def test_the_memory_line_says_when_the_layout_does_not_fit(monkeypatch):
     real = planner.memory_line(cfg, layout, GPUS["H100"])  # tools.search: no layout fits 8 x H100
     assert real.startswith("memory: DOES NOT FIT") and "tools.search" in real
     assert planner.memory_line(cfg, layout, GPUS["H200"]).startswith("memory: fits")
+
+
+# ============================================================ the options other changes add
+
+
+def matmul(op: str = "mm", flops: float = 1e12, **fields) -> OpCost:
+    return OpCost(
+        "forward", "layers.*.mlp.experts", op, "bfloat16", "", False, flops=flops, **fields
+    )
+
+
+@FLINT
+def test_host_syncs_and_the_exchanges_by_hand():
+    """tiny (6 layers, 2 dense: 4 MoE layers) on ep 2: the sized exchange copies its split sizes
+    to the host once per MoE layer and micro-batch, 100 us each: 4e-4 s (at 100 % of peak, the
+    bound, no stall); sync_free and DeepEP none, nor a layout without expert parallelism. The sized
+    and sync_free exchanges move their rows at NCCL's fitted 24 % of NVLink, DeepEP at 77 %;
+    sync_free's static buffers of 2 x the balanced rows move twice the bytes."""
+    c, h100, tokens = tiny(), GPUS["H100"], 8 * 64
+    layout = ParallelConfig(dp_shard=2, ep=2, ep_overlap=1).resolve(4, c.num_experts)
+    sync = planner.host_sync_item(c, layout, Pricing(h100))
+    assert sync.seconds == sync.exposed == pytest.approx(4 * 1e-4)
+    assert planner.host_sync_item(c, layout, Pricing(h100, calibrated=False)).seconds == 0.0
+    assert planner.host_sync_item(c, layout, Pricing(h100, exchange="sync_free")) is None
+    assert planner.host_sync_item(c, layout, Pricing(h100, exchange="deepep")) is None
+    no_ep = ParallelConfig(dp_shard=4).resolve(4, c.num_experts)
+    assert planner.host_sync_item(c, no_ep, Pricing(h100)) is None
+    one_way = tokens * c.num_experts_per_tok * c.hidden_size * 2 / 2 / h100.nvlink
+    for pricing, fraction, buffers in (
+        (Pricing(h100), 0.24, 1),
+        (Pricing(h100, exchange="deepep"), 0.77, 1),
+        (Pricing(h100, exchange="sync_free", ep_buffer_factor=2.0), 0.24, 2),
+    ):
+        a2a = expert_parallel_item(c, layout, pricing, tokens, 2, recomputed=0.0)
+        assert a2a.seconds == pytest.approx(4 * 4 * buffers * one_way / fraction)
+
+
+def test_optimizer_states_by_hand():
+    """AdamW over 1e9 FP32 parameters on an H100: 32 bytes each with FP32 moments (weight and
+    gradient read, 2 moments read, weight and 2 moments written, the norm's read), 24 with BF16
+    moments, at 87 % of 3.35 TB/s."""
+    h100 = Pricing(GPUS["H100"])
+    assert planner.optimizer_seconds(1e9, "float32", h100) == pytest.approx(
+        (4 + 4 + 8 + 4 + 8 + 4) * 1e9 / (3.35e12 * 0.87)
+    )
+    assert planner.optimizer_seconds(1e9, "bfloat16", h100) == pytest.approx(
+        (4 + 4 + 4 + 4 + 4 + 4) * 1e9 / (3.35e12 * 0.87)
+    )
+
+
+def test_fused_fp8_quantisation_by_hand():
+    """An FP8 matmul of BF16 x [64, 32] and W [16, 32], called 3 times: unfused, each operand read
+    twice and written once in FP8 (2 + 2 + 1 bytes an element); fused into its producers, only the
+    FP8 copy written (1 byte)."""
+    cost = OpCost(
+        "forward", "layers.*.q_proj", "flint.fp8_matmul", "bfloat16", "[64, 32]x[16, 32]", False
+    )
+    cost = dataclasses.replace(cost, calls=3)
+    elements = 64 * 32 + 16 * 32
+    assert planner.fp8_quantisation_bytes(cost, ep=1) == 3 * elements * 5
+    assert planner.fp8_quantisation_bytes(cost, ep=1, fused=True) == 3 * elements * 1
+
+
+def test_op_level_recompute_by_hand():
+    """Op-level checkpointing runs again each block's forward op that FlopCounterMode counts no
+    FLOPs for (norms, activations, routing, gathers): here the 1 GB norm of a layer, at 87 % of an
+    H100's HBM; not its matmul, nor the attention core, nor a backward op, nor the head."""
+    h100 = Pricing(GPUS["H100"])
+    norm = OpCost("forward", "layers.*.input_layernorm", "mul", "bfloat16", "", False, bytes=1e9)
+    costs = [
+        norm,
+        matmul(bytes=1e9),
+        dataclasses.replace(norm, attention_core=True),
+        dataclasses.replace(norm, phase="backward"),
+        dataclasses.replace(norm, module="norm"),
+    ]
+    item = planner.op_recompute_item(costs, h100)
+    assert item.seconds == item.exposed == pytest.approx(1e9 / (3.35e12 * 0.87))
+    assert planner.op_recompute_item(costs[1:], h100) is None
+    assert planner.recomputed_share(tiny(), "op") == 0.0
+
+
+def test_the_options_are_read_where_the_config_has_them():
+    """Without the new keys the planner prices today's code (flex, sized exchange, FP32 moments,
+    unfused FP8); each key it finds reaches the Options; a value it cannot price is one line naming
+    its key."""
+    today = SimpleNamespace(
+        model_config=SimpleNamespace(attention_backend="auto"),
+        parallel=SimpleNamespace(),
+        optim=SimpleNamespace(),
+    )
+    assert planner.read_options(today) == planner.Options("flex", "sized", 1.0, "float32", False)
+    new = SimpleNamespace(
+        model_config=SimpleNamespace(attention_backend="flash"),
+        parallel=SimpleNamespace(ep_exchange="sync_free", ep_buffer_factor=1.5, fp8_fused=True),
+        optim=SimpleNamespace(state_dtype="bfloat16"),
+    )
+    assert planner.read_options(new) == planner.Options("flash", "sync_free", 1.5, "bfloat16", True)
+    new.parallel.ep_exchange = "nvshmem"
+    with pytest.raises(ConfigError, match=r"^\[parallel\] ep_exchange = 'nvshmem': the planner"):
+        planner.read_options(new)
+    new.parallel.ep_exchange, new.optim.state_dtype = "sized", "int8"
+    with pytest.raises(ConfigError, match=r"^\[optim\] state_dtype = 'int8'"):
+        planner.read_options(new)
+    new.optim.state_dtype, new.parallel.ep_buffer_factor = "float32", 0.5
+    with pytest.raises(ConfigError, match=r"^\[parallel\] ep_buffer_factor = 0.5: expected >= 1"):
+        planner.read_options(new)
+
+
+@pytest.mark.slow
+@FLINT
+def test_the_options_reach_the_step():
+    """tiny on 4 H100s, ep 2: the sized exchange's host syncs are an item of the step and
+    sync_free's are not; BF16 moments cost 24 / 32 of the FP32 ones' AdamW; op-level checkpointing
+    adds its recompute item, which no checkpointing lacks."""
+    cfg = load_config(
+        ROOT / "configs" / "flint-8gpu.toml", ["--model.preset=tiny", "--data.seq_len=64"]
+    )
+    layout = dataclasses.replace(cfg.parallel, ep=2, dp_shard=2).resolve(4, 8)
+    h100 = GPUS["H100"]
+
+    def plan(layout=layout, **options):
+        return planner.plan_step(cfg, layout, h100, options=planner.Options(**options))
+
+    def labels(p):
+        return [item.label for item in p.items]
+
+    sized, sync_free = plan(), plan(exchange="sync_free")
+    assert any(label.startswith("host syncs") for label in labels(sized))
+    assert not any(label.startswith("host syncs") for label in labels(sync_free))
+
+    def adam(p):
+        return next(item.seconds for item in p.items if item.label.startswith("AdamW"))
+
+    assert adam(plan(state_dtype="bfloat16")) == pytest.approx(adam(sized) * 24 / 32)
+    op = plan(dataclasses.replace(layout, activation_checkpointing="op"))
+    assert any(label.startswith("op-level recompute") for label in labels(op))
+    none = plan(dataclasses.replace(layout, activation_checkpointing="none"))
+    assert not any(label.startswith("op-level recompute") for label in labels(none))
+
+
+def test_peak_prints_the_bound_table(capsys, monkeypatch):
+    """--peak prices the table at 100 % of peak and prints no second bound line; --validate refuses
+    it (the validation prints both)."""
+    calls = []
+
+    def fake_plan(cfg, layout, device, calibrated=True, options=None):
+        calls.append(calibrated)
+        return planner.Plan(device, layout, 1.0, 1000.0, 1e9, [], "sync_each", calibrated)
+
+    monkeypatch.setattr(planner, "plan_step", fake_plan)
+    monkeypatch.setattr(planner, "memory_line", lambda *args: "memory: (test)")
+    monkeypatch.chdir(ROOT)
+    planner.main(["--config", "configs/flint-8gpu.toml", "--peak"])
+    out = capsys.readouterr().out
+    assert calls == [False] and "100 % of peak: step 1.000 s" in out
+    assert "(the bound)" not in out
+    planner.main(["--config", "configs/flint-8gpu.toml"])
+    assert calls == [False, True, False] and "(the bound)" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="drop --peak"):
+        planner.main(["--validate", "--peak"])

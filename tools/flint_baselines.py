@@ -1,8 +1,7 @@
 """What bench.py measures Flint against, on the same weights: the plain eager formulation of its
 architecture, the published implementation in transformers (FlintForCausalLM), when present, and one
-attention layer by itself (the sweep); and the published runs of this architecture that planner.py's
-predictions are checked against. bench.py and planner.py find it by its name,
-tools/<family>_baselines.py.
+attention layer by itself (the sweep). bench.py finds it by its name, tools/<family>_baselines.py;
+the published runs planner.py is checked against are tools/published_runs.py.
 
 transformers is not a dependency of this repository. The reference row runs when it can be
 imported, for example from another environment's site-packages:
@@ -181,104 +180,3 @@ def attention_layer_step(
     positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
     rope = rope_tables(positions, one_layer.head_dim, one_layer.rope_theta)
     return lambda: attention(x, rope, mask).sum().backward()
-
-
-# =========================================================== published runs (planner.py --validate)
-
-GPT_OSS = [
-    "--model.hidden_size=2880",
-    "--model.num_attention_heads=64",
-    "--model.num_key_value_heads=8",
-    "--model.head_dim=64",
-    "--model.vocab_size=201088",
-    "--model.sliding_window=128",
-    "--model.moe_intermediate_size=2880",
-    "--model.num_experts_per_tok=4",
-    "--model.mlp_only_layers=[]",
-    # no shared expert: one channel, no FLOPs to speak of
-    "--model.shared_expert_intermediate_size=1",
-]
-
-
-def published_layout(ep: int) -> list[str]:
-    """A published run's layout in full: FSDP over every GPU, the experts over `ep`, full
-    checkpointing, compiled, Flint's default 2 overlapped chunks (the runs do not say how DeepEP
-    overlapped)."""
-    return [
-        "--parallel.dp_shard=-1",
-        f"--parallel.ep={ep}",
-        "--parallel.ep_overlap=2",
-        "--parallel.activation_checkpointing=full",
-        "--parallel.compile=true",
-    ]
-
-
-def gpt_oss_layers(layers: int) -> list[str]:
-    """GPT-OSS's attention: sliding (128 keys) and full layers alternating."""
-    kinds = ", ".join(['"sliding_attention", "full_attention"'] * (layers // 2))
-    return [f"--model.num_hidden_layers={layers}", f"--model.layer_types=[{kinds}]"]
-
-
-# Published BF16 runs on H100 SXM the Flint family expresses: (name, setup, GPUs, measured tokens/s
-# per GPU, attention kernel, the config they override, the overrides), from NeMo AutoModel's
-# docs/performance-summary.md (DGX-H100, TE + DeepEP, full checkpointing). Its EP column is blank
-# for GPT-OSS: 8 (one node) for the 20B, 64 for the 120B (sharding its experts over nodes would move
-# 29 GB per GPU per gather, more than its step).
-PUBLISHED_RUNS = [
-    (
-        "GPT-OSS-20B",
-        "NeMo AutoModel performance summary: 8 x H100, GBS 256, MBS 2, GA 16, seq "
-        "4,096, FSDP 8, "
-        "TE + DeepEP + FlexAttn, 10.04 s per step",
-        8,
-        13_058,
-        "flex",
-        "configs/flint-8gpu.toml",
-        GPT_OSS
-        + gpt_oss_layers(24)
-        + published_layout(8)
-        + ["--model.num_experts=32", "--training.batch_size=2", "--training.grad_accum=16"],
-    ),
-    (
-        "Qwen3-30B-A3B",
-        "NeMo AutoModel performance summary: 8 x H100, GBS 512, MBS 4, GA 16, seq "
-        "4,096, EP 8, FSDP 8, "
-        "TE + DeepEP, 21.773 s per step",
-        8,
-        12_040,
-        "fused",
-        "configs/flint-8gpu.toml",
-        [
-            "--model.hidden_size=2048",
-            "--model.num_hidden_layers=48",
-            "--model.num_attention_heads=32",
-            "--model.num_key_value_heads=4",
-            "--model.head_dim=128",
-            "--model.vocab_size=151936",
-            "--model.sliding_window=4096",
-            "--model.layer_types=[" + ", ".join(['"full_attention"'] * 48) + "]",
-            "--model.moe_intermediate_size=768",
-            "--model.num_experts=128",
-            "--model.num_experts_per_tok=8",
-            "--model.mlp_only_layers=[]",
-            "--model.shared_expert_intermediate_size=1",
-            "--training.batch_size=4",
-            "--training.grad_accum=16",
-            *published_layout(8),
-        ],
-    ),
-    (
-        "GPT-OSS-120B",
-        "NeMo AutoModel performance summary: 64 x H100, GBS 512, MBS 2, GA 4, seq "
-        "4,096, FSDP 64, "
-        "TE + DeepEP + FlexAttn, 4.30 s per step; EP 64",
-        64,
-        7_626,
-        "flex",
-        "configs/flint-8gpu.toml",
-        GPT_OSS
-        + gpt_oss_layers(36)
-        + published_layout(64)
-        + ["--model.num_experts=128", "--training.batch_size=2", "--training.grad_accum=4"],
-    ),
-]
