@@ -748,19 +748,6 @@ def test_optimizer_states_by_hand():
     )
 
 
-def test_fused_fp8_quantisation_by_hand():
-    """An FP8 matmul of BF16 x [64, 32] and W [16, 32], called 3 times: unfused, each operand read
-    twice and written once in FP8 (2 + 2 + 1 bytes an element); fused into its producers, only the
-    FP8 copy written (1 byte)."""
-    cost = OpCost(
-        "forward", "layers.*.q_proj", "flint.fp8_matmul", "bfloat16", "[64, 32]x[16, 32]", False
-    )
-    cost = dataclasses.replace(cost, calls=3)
-    elements = 64 * 32 + 16 * 32
-    assert planner.fp8_quantisation_bytes(cost, ep=1) == 3 * elements * 5
-    assert planner.fp8_quantisation_bytes(cost, ep=1, fused=True) == 3 * elements * 1
-
-
 def test_op_level_recompute_by_hand():
     """Op-level checkpointing runs again each block's forward op that FlopCounterMode counts no
     FLOPs for (norms, activations, routing, gathers): here the 1 GB norm of a layer, at 87 % of an

@@ -20,9 +20,9 @@ same step at 100 % of every peak (the bound); --peak prints the table of that bo
    dtype, bytes / HBM bandwidth), each rate the calibrated fraction of its peak that a published
    measurement found on that GPU generation (tools/gpus.py's EFFICIENCIES; grouped GEMMs lose their
    part-filled 128-row tiles); at 100 %, the bound. Compiled, the bytes left once elementwise chains
-   fuse within each graph (op_trace.fuse_chains). With [parallel] fp8, fp8.py's matmuls run at the
-   FP8 peak (FP8_PEAKS), plus their quantisation: separate amax and cast passes, or with
-   [parallel] fp8_fused only the FP8 copy's write (fp8_quantisation_bytes). [parallel]
+   fuse within each graph (op_trace.fuse_chains). With [parallel] fp8, fp8.py's GEMMs run at the
+   FP8 peak (FP8_PEAKS); their quantisation (amax, scale, cast) is plain torch ops in the trace,
+   priced as the other ops (eager: a pass each; compiled: fused into its chain). [parallel]
    activation_checkpointing = "op" (matmul and attention outputs kept) traces no recompute and adds
    the blocks' FLOP-free forward ops once more (op_recompute_item).
 2. The trace runs the CPU's code path (fake CUDA tensors cannot take gradients on a CPU build of
@@ -194,8 +194,7 @@ class Item:
 class Pricing:
     """What an op costs depends on: the device (and its generation's calibrated fractions), the
     head's FP32 matmul precision, the expert-parallel degree (each rank reads 1/ep of the expert
-    weights), whether the blocks are compiled, the attention backend, the expert exchange and where
-    FP8's quantisation runs."""
+    weights), whether the blocks are compiled, the attention backend and the expert exchange."""
 
     device: Device
     head_precision: str = "tf32"
@@ -210,8 +209,6 @@ class Pricing:
     attention: str = "flex"
     exchange: str = "sized"  # EXCHANGES
     ep_buffer_factor: float = 1.0  # sync_free: static buffer rows over the balanced rows
-    # FP8's amax and cast fused into the kernels that produce each operand (compiled), else separate
-    fp8_fused: bool = False
 
     @property
     def gpu(self) -> bool:
@@ -351,43 +348,11 @@ def compute_items(
         if where and not item.label.endswith(")"):
             item.label += where
     items = list(groups.values())
-    quantisation = (
-        sum(fp8_quantisation_bytes(cost, pricing.ep, pricing.fp8_fused) for cost in costs)
-        / pricing.hbm
-    )
-    if quantisation:
-        how = "fused into the producers" if pricing.fp8_fused else "amax, scale and cast passes"
-        items.append(
-            Item(
-                f"FP8 quantisation of every operand ({how})",
-                quantisation,
-                quantisation,
-                "memory",
-            )
-        )
     if pricing.gpu:
         seconds = attention_seconds(config, pricing, seq_len, tokens, checkpointing)
         label = f"attention core ({pricing.attention} kernel, BF16)"
         items.append(Item(label, seconds, seconds, "compute"))
     return items
-
-
-def fp8_quantisation_bytes(cost: OpCost, ep: int, fused: bool = False) -> float:
-    """What the quantisation of an FP8 op's two operands moves. Unfused (fp8.py's own kernels):
-    each operand read twice (its absolute maximum, then scaled) and written once in FP8. Fused under
-    compile into the kernel that produces the operand (amax and cast where its values already are,
-    as torchao's float8 training does): only the FP8 copy's write, 1 byte an element. An
-    expert-parallel rank quantises 1/ep of the expert weights (a grouped GEMM's second operand)."""
-    if not cost.op.startswith("flint.fp8"):
-        return 0.0
-    element_bytes = torch.empty((), dtype=getattr(torch, cost.dtype)).element_size()
-    sizes = [
-        math.prod(int(n) for n in dims.split(", "))
-        for dims in re.findall(r"\[([\d, ]+)\]", cost.shapes)
-    ]
-    if cost.op == "flint.fp8_grouped_mm":
-        sizes[1] /= ep
-    return cost.calls * sum(sizes) * (1 if fused else 2 * element_bytes + 1)
 
 
 # ======================================================================= the layout's communication
