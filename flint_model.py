@@ -867,10 +867,8 @@ class Flint(nn.Module):
             + 4 * c.num_attention_heads  # attention's output and FP32 log-sum-exp
             + 2 * q  # o_proj's input (the heads made contiguous)
         )
-        router = (
-            4 * c.hidden_size + 4 * c.num_experts + 4 * k + 4 + 3 * 8 * k
-        )  # FP32 input, scores,
-        # weights and their sum; int64 expert choices, row map and its inverse
+        # the router's FP32 input, scores, weights and their sum; int64 choices, row map, inverse
+        router = 4 * c.hidden_size + 4 * c.num_experts + 4 * k + 4 + 3 * 8 * k
         routed = 2 * k * c.hidden_size + 2 * k  # the dispatched rows and their routing weights
         routed += 2 * 5 * k * width  # gate_up, silu(gate), silu(gate) * up, times the weight
         moe = (
