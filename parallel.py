@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._higher_order_ops.flex_attention import flex_attention
+from torch._higher_order_ops.utils import redirect_to_mode
 from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -702,6 +704,12 @@ class _Kept:
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor, self.version = tensor.detach(), tensor._version
+
+
+# Higher-order operators reach a dispatch mode only through an implementation registered for its
+# class: FlexAttention's, as for torch's own selective checkpointing.
+for _mode in (_KeepOpOutputs, _ReuseOpOutputs):
+    redirect_to_mode(flex_attention, _mode)
 
 
 def _shapes(args) -> list:

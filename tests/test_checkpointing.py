@@ -227,3 +227,21 @@ def test_op_level_compiles_only_whole_blocks():
     """Under a BF16 policy (the nested FP32 units break the block's graph) the checkpoint would
     run the block eagerly: refused in one line naming the key."""
     in_process_group(refused_compile, {"param_dtype": "bfloat16"})
+
+
+@pytest.mark.slow
+def test_op_level_keeps_flex_attention_and_reuses_it():
+    """FlexAttention (the GPUs' attention, a higher-order operator) reaches op-level
+    checkpointing's modes: its forward's output is kept, and the recompute returns that very
+    storage instead of running the kernel again (1.5 s: flex compiles a wrapper of its own)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from parallel import op_level_contexts
+
+    q = torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(0))
+    keep, reuse = op_level_contexts()
+    with keep:
+        out = flex_attention(q, q, q)
+    with reuse:
+        again = flex_attention(q, q, q)
+    assert again.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
