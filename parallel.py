@@ -614,9 +614,10 @@ KEPT_ATEN_OPS = frozenset(
         "_scaled_dot_product_cudnn_attention",
     }
 )
-# An all-to-all kept is one the recompute does not run again (nor wait for): no rank exchanges rows
-# in backward but for the gradients.
-KEPT_COLLECTIVES = frozenset({"all_to_all_single", "wait_tensor"})
+# An all-to-all kept is one the recompute does not run again: no rank exchanges rows in backward but
+# for the gradients. Its wait then finds no collective in flight and returns the kept rows as they
+# are (the same storage: kept once).
+KEPT_COLLECTIVES = frozenset({"all_to_all_single"})
 # flint's own custom operators (moe.py, attention.py, fp8.py): matmuls and attention by their name.
 KEPT_FLINT_WORDS = ("mm", "matmul", "attention")
 
