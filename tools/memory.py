@@ -180,15 +180,6 @@ def op_block_bytes(model: torch.nn.Module, seq_len: int, ep: int = 1) -> float:
     return model.op_block_activation_bytes(seq_len, ep)
 
 
-def recomputed_flops_share(checkpointing: str) -> float:
-    """The share of a block's forward FLOPs that its backward runs again: none 0, full 1 (but the
-    last matmul of each block, which the recompute's early stop skips), selective half the blocks;
-    op none of its matmuls and attention, only the pointwise work (norms, activations, routing:
-    under 1 % of a block's FLOPs), counted as 0. The planner prices the traced recompute itself
-    (tools/op_trace.py); this is the share for a first look."""
-    return {"none": 0.0, "op": 0.0, "selective": 0.5, "full": 1.0}[checkpointing]
-
-
 def microbatches_in_flight(cfg: ParallelConfig, grad_accum: int = 1, calls: int = 1) -> int:
     """Pipeline micro-batches whose activations a stage holds at its peak: GPipe all of them (of a
     schedule call: grad_accum / calls training micro-batches of pp_microbatches each), 1F1B and
