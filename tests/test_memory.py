@@ -567,3 +567,14 @@ def test_flint_block_activations_are_what_autograd_keeps():
         kept = in_process_group(kept_per_token_per_block, {"activation_checkpointing": mode})
         assert kept == pytest.approx(expected, abs=1), mode
     spawn(2, check_kept_bytes_under_expert_parallelism)
+
+
+@LARGE4
+def test_large4_op_level_bytes_are_refused_in_one_line():
+    """Large 4 does not count what its op-level checkpointed blocks keep: memory.py says so, naming
+    the setting, rather than price the mode with another mode's bytes."""
+    from tools.memory import activation_bytes_per_token
+
+    config = tiny_config("large4")
+    with pytest.raises(ValueError, match=r"^\[parallel\] activation_checkpointing = 'op': MistralLarge4 does not"):
+        activation_bytes_per_token(config, 2, "op", 128)
