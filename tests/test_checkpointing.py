@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import (
+    FIRST_FAMILY_THEN_SECOND_TIER,
     build,
     check_layouts,
     full,
@@ -79,7 +80,12 @@ def counted_step(mode: str, compiled: bool = False) -> dict:
 def assert_equal_steps(actual: dict, expected: dict, what: str) -> None:
     assert torch.equal(actual["loss"], expected["loss"]), f"{what}: loss"
     for name, grad in expected["grads"].items():
-        assert torch.equal(actual["grads"][name], grad), f"{what}: gradient of {name}"
+        same = (
+            actual["grads"][name] is None
+            if grad is None
+            else torch.equal(actual["grads"][name], grad)
+        )
+        assert same, f"{what}: gradient of {name}"
 
 
 @only("flint")
@@ -102,30 +108,36 @@ def test_op_level_recomputes_the_pointwise_work_and_keeps_the_matmuls():
     assert_equal_steps(op, none, "op")
 
 
-def step_in_layout(layout: dict, model_overrides: dict | None = None) -> dict:
+def step_in_layout(
+    layout: dict, model_overrides: dict | None = None, family: str = "flint"
+) -> dict:
     """parallelize's model in this process group: one forward and backward of this rank's rows ->
-    the loss and every full gradient."""
+    the loss and every full gradient (None for a frozen parameter)."""
     from helpers import rows_of_this_rank
 
-    config = tiny_config("flint", **(model_overrides or {}))
+    config = tiny_config(family, **(model_overrides or {}))
     cfg = ParallelConfig.from_dict(layout)
     pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
-    loss = pm.forward_backward(*rows_of_this_rank(pm.mesh, make_batch()))
+    batch = make_batch(vocab=min(256, config.vocab_size))
+    loss = pm.forward_backward(*rows_of_this_rank(pm.mesh, batch))
     return {
         "loss": loss,
-        "grads": {name: full(param.grad) for name, param in pm.module.named_parameters()},
+        "grads": {
+            name: None if param.grad is None else full(param.grad)
+            for name, param in pm.module.named_parameters()
+        },
     }
 
 
-@only("flint")
-def test_op_level_runs_with_the_nested_fp32_units_of_a_bf16_policy():
-    """Under a BF16 policy each block holds a nested FSDP unit of its FP32 modules (sinks, router),
-    whose hooks run other ops in the recompute than in the forward: torch's own selective
-    checkpointing refused the recompute there. Op-level checkpointing gives none's loss and
-    gradients bit for bit."""
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
+def test_op_level_runs_with_the_nested_fp32_units_of_a_bf16_policy(family):
+    """Under a BF16 policy each block holds a nested FSDP unit of its FP32 modules (Flint's sinks
+    and router; Large 4's router and indexer), whose hooks run other ops in the recompute than in
+    the forward: torch's own selective checkpointing refused the recompute there. Op-level
+    checkpointing gives none's loss and gradients bit for bit."""
     bf16 = {"param_dtype": "bfloat16"}
-    none = in_process_group(step_in_layout, bf16)
-    op = in_process_group(step_in_layout, {**bf16, "activation_checkpointing": "op"})
+    none = in_process_group(step_in_layout, bf16, None, family)
+    op = in_process_group(step_in_layout, {**bf16, "activation_checkpointing": "op"}, None, family)
     assert_equal_steps(op, none, "op under BF16")
 
 
