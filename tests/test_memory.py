@@ -576,5 +576,7 @@ def test_large4_op_level_bytes_are_refused_in_one_line():
     from tools.memory import activation_bytes_per_token
 
     config = tiny_config("large4")
-    with pytest.raises(ValueError, match=r"^\[parallel\] activation_checkpointing = 'op': MistralLarge4 does not"):
+    with pytest.raises(
+        ValueError, match=r"^\[parallel\] activation_checkpointing = 'op': MistralLarge4 does not"
+    ):
         activation_bytes_per_token(config, 2, "op", 128)
