@@ -464,6 +464,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos + rotated * sin).to(x.dtype)
 
 
+def rms_norm_bytes(width: int, rows: int) -> int:
+    """What an RMSNorm over `width` channels of one token (in `rows` normalised rows) saves for
+    backward, BF16 bulk: its FP32 input and normalised FP32 input, each row's FP32 rsqrt, and its
+    BF16 output (saved by what reads it) (layers.RMSNorm)."""
+    return 4 * width + 4 * width + 4 * rows + 2 * width
+
+
 class Sinks(nn.Module):
     """The learned sink logits [Hq] in FP32, and the attention core that uses them.
 
@@ -840,24 +847,56 @@ class Flint(nn.Module):
         return 2 * self.config.hidden_size
 
     def block_activation_bytes(self, seq_len: int) -> float:
-        """Activations one block saves for backward per token, in BF16 (FP32 router scores and
-        lse); flash attention keeps no score matrix, so seq_len does not enter (tools/memory.py)."""
+        """Activations one MoE block saves for backward per token, eager, BF16 bulk (FP32 norms,
+        router and softmax statistics), term by term as autograd saves them (measured on the CPU:
+        tests/test_memory.py); flash attention keeps no score matrix, so seq_len does not enter
+        (tools/memory.py)."""
         c = self.config
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        attention = 2 * (4 * c.hidden_size + 2 * q + 2 * kv) + 4 * c.num_attention_heads
-        k = c.num_experts_per_tok
-        # per routed choice (moe.grouped_swiglu): its dispatched row, gate_up, silu, their product,
-        # weighted
+        k, width, shared = (
+            c.num_experts_per_tok,
+            c.moe_intermediate_size,
+            c.shared_expert_intermediate_size,
+        )
+        attention = (
+            rms_norm_bytes(c.hidden_size, 1)  # input_layernorm, its output the q/k/v input
+            + rms_norm_bytes(q, c.num_attention_heads)  # q_norm: its output is attention's q
+            + rms_norm_bytes(kv, c.num_key_value_heads)  # k_norm
+            + 2 * kv  # v
+            + 2 * q
+            + 4 * c.num_attention_heads  # attention's output and FP32 log-sum-exp
+            + 2 * q  # o_proj's input (the heads made contiguous)
+        )
+        # the router's FP32 input, scores, weights and their sum; int64 choices, row map, inverse
+        router = 4 * c.hidden_size + 4 * c.num_experts + 4 * k + 4 + 3 * 8 * k
+        routed = 2 * k * c.hidden_size + 2 * k  # the dispatched rows and their routing weights
+        routed += 2 * 5 * k * width  # gate_up, silu(gate), silu(gate) * up, times the weight
         moe = (
-            2
-            * (
-                k * c.hidden_size
-                + 5 * k * c.moe_intermediate_size
-                + 3 * c.shared_expert_intermediate_size
-            )
-            + 4 * c.num_experts
+            rms_norm_bytes(c.hidden_size, 1)  # post_attention_layernorm
+            + router
+            + routed
+            + 2 * 4 * shared  # the shared expert's gate, up, silu(gate), silu(gate) * up
         )
         return attention + moe
+
+    def op_block_activation_bytes(self, seq_len: int, ep: int = 1) -> float:
+        """What an op-level checkpointed MoE block keeps per token (parallel.kept_by_op_level): its
+        BF16 input and the outputs of its matmuls (q, k, v, o; the router's FP32 logits; the shared
+        expert's gate, up, down; the grouped gate_up and down), attention's output and log-sum-exp,
+        and under expert parallelism (ep > 1) the rows, weights and outputs its all-to-alls
+        received (as many as it sent, under balanced routing)."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        k, width, shared = (
+            c.num_experts_per_tok,
+            c.moe_intermediate_size,
+            c.shared_expert_intermediate_size,
+        )
+        matmuls = 2 * (q + 2 * kv + c.hidden_size) + 4 * c.num_experts
+        matmuls += 2 * (2 * shared + c.hidden_size) + 2 * (2 * k * width + k * c.hidden_size)
+        attention = 2 * q + 4 * c.num_attention_heads
+        exchanged = 2 * (2 * k * c.hidden_size + k) if ep > 1 else 0
+        return 2 * c.hidden_size + matmuls + attention + exchanged
 
     def _norm_and_sink_params(self) -> int:
         return sum(m.weight.numel() for m in self.modules() if isinstance(m, (RMSNorm, Sinks)))

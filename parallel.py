@@ -21,6 +21,8 @@ import dataclasses
 import gc
 import os
 import warnings
+import weakref
+from collections import defaultdict, deque
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._higher_order_ops.flex_attention import flex_attention
+from torch._higher_order_ops.utils import redirect_to_mode
 from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -42,6 +46,14 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
+    _is_compiling,
+)
 
 from fp8 import FP8_RECIPES, apply_fp8
 from head import HEAD_PRECISIONS
@@ -63,7 +75,7 @@ warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mes
 FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(FSDPSinks\) returned a view tensor"
 warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp")
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "op")
 ACCUMULATION_MODES = ("auto", "sync_each", "sync_last", "gathered")  # [parallel] accumulation
 # The share of the device's memory that "auto" lets the accumulation hold (choose_accumulation): the
 # rest is for the sharded states, the activations and what the estimate leaves out.
@@ -100,8 +112,8 @@ class ParallelConfig:
     # 0: 1, or 2 for Interleaved1F1B and the V schedules (ZBVZeroBubble, DualPipeV)
     pp_stages_per_rank: int = 0
     pp_microbatches: int = 0  # 0: as many as pipeline stages
-    # none | full (every block) | selective (every 2nd block)
-    activation_checkpointing: str = "none"
+    # none | full (every block) | selective (every 2nd block) | op (every block, keeping the
+    activation_checkpointing: str = "none"  # matmul, attention and all-to-all outputs)
     compile: bool = False  # torch.compile each block
     # true: a compiler failure at the first step warns and trains eager;
     compile_fallback: bool = False
@@ -561,17 +573,157 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, chunks: int) ->
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """In place, names unchanged (composable API: hooks on the block, no wrapper module). `full`
     recomputes every block in backward, `selective` every second block (half the recompute for
-    about half the saving). Masks and RoPE tables are block inputs built once per batch, so a
-    recomputed block sees the same values. The hooks run eagerly around a compiled block's forward
-    (apply_compile), which the recompute calls again.
+    about half the saving), `op` every block's pointwise work only (op_level_contexts: the outputs
+    of matmuls, attention and all-to-alls are kept). Masks and RoPE tables are block inputs built
+    once per batch, so a recomputed block sees the same values. The hooks run eagerly around a
+    compiled block's forward (apply_compile), which the recompute calls again; under `op` the
+    compiled forward holds the checkpoint itself (apply_compile), so that the compiler partitions
+    each block by the same policy.
 
-    Not torch.utils.checkpoint inside the compiled graph (checkpoint_wrapper's higher-order op):
-    under a BF16 policy, the nested FP32 units' FSDP hooks cannot run inside the op's body, and
-    dynamo then runs the whole block eagerly. Op-level selective checkpointing is not offered
-    either: its replay check fails on those nested hooks."""
+    Full and selective do not put torch.utils.checkpoint inside the compiled graph (its higher-order
+    op): under a BF16 policy, the nested FP32 units' FSDP hooks cannot run inside the op's body,
+    and dynamo then runs the whole block eagerly. For the same reason `op` compiles only where the
+    blocks compile whole (parallelize refuses the rest): FP32, no expert or context parallelism."""
     for index, layer in enumerate(model.layers.values()):
-        if mode == "full" or (mode == "selective" and index % 2 == 0):
+        if mode == "op":
+            checkpoint_module(layer, context_fn=op_level_contexts)
+            OP_LEVEL_BLOCKS.add(layer)
+        elif mode == "full" or (mode == "selective" and index % 2 == 0):
             checkpoint_module(layer)
+
+
+# ------------------------------------------------------------------------ op-level checkpointing
+OP_LEVEL_BLOCKS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # apply_compile moves their hooks
+# What `op` keeps of a block's forward: the outputs of its matmuls (dense, grouped, FP8), of its
+# attention kernels and of its all-to-alls. Everything else (norms, RoPE, activations, the router's
+# top-k, row sorting, residual adds) is recomputed in backward from the block's input and those
+# outputs: the FLOPs are the matmuls' and attention's, the bytes mostly the pointwise work's
+# (torchtitan's op-level policy keeps the same kinds of ops:
+# https://github.com/pytorch/torchtitan/blob/main/torchtitan/distributed/activation_checkpoint.py).
+KEPT_ATEN_OPS = frozenset(
+    {
+        "mm",
+        "addmm",
+        "bmm",
+        "_grouped_mm",
+        "_scaled_mm",
+        "_scaled_grouped_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    }
+)
+# An all-to-all kept is one the recompute does not run again: no rank exchanges rows in backward but
+# for the gradients. Its wait then finds no collective in flight and returns the kept rows as they
+# are (the same storage: kept once).
+KEPT_COLLECTIVES = frozenset({"all_to_all_single"})
+# flint's own custom operators (moe.py, attention.py, fp8.py): matmuls and attention by their name.
+KEPT_FLINT_WORDS = ("mm", "matmul", "attention")
+
+
+def kept_by_op_level(func) -> bool:
+    """Whether op-level checkpointing keeps the output of operator `func` (an OpOverload, or
+    flex_attention's higher-order operator) rather than recompute it."""
+    if isinstance(func, torch._ops.HigherOrderOperator):
+        return func.name() == "flex_attention"
+    namespace, name = func.namespace, func._opname
+    if namespace == "aten":
+        return name in KEPT_ATEN_OPS
+    if namespace == "_c10d_functional":
+        return name in KEPT_COLLECTIVES
+    return namespace == "flint" and any(word in name for word in KEPT_FLINT_WORDS)
+
+
+def op_level_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """torch's selective-checkpoint policy of `op`: what the compiler's partitioner follows."""
+    return (
+        CheckpointPolicy.MUST_SAVE if kept_by_op_level(func) else CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+
+class _KeepOpOutputs(_CachingTorchDispatchMode):
+    """The forward of an op-level checkpointed block: keeps each kept op's outputs, in call order
+    per op. Compiled, torch's own selective checkpointing tags the graph instead (the parent).
+
+    torch's eager version also numbers every other op, and its recompute refuses an op the forward
+    did not run: a nested FSDP unit's hooks (each block's FP32 unit under a BF16 policy) run other
+    ops in the recompute than in the forward (their unshard in backward), which it rejects. Here
+    the ops recomputed are not numbered at all, so only the kept ones must come in the same order,
+    and FSDP's hooks never run them."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _is_compiling(func, args, kwargs):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        out = func(*args, **(kwargs or {}))
+        if kept_by_op_level(func):
+            kept = tree_map(lambda x: _Kept(x) if torch.is_tensor(x) else x, out)
+            self.kept.setdefault(func, deque()).append((_shapes(args), kept))
+        return out
+
+
+class _ReuseOpOutputs(_CachedTorchDispatchMode):
+    """The recompute of an op-level checkpointed block: a kept op returns what its forward call
+    returned (checked to have had inputs of the same shapes, and not to have been changed in place
+    since); every other op runs again."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _is_compiling(func, args, kwargs):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        if not kept_by_op_level(func):
+            return func(*args, **(kwargs or {}))
+        queue = self.kept.get(func)
+        if not queue:
+            raise RuntimeError(
+                f"activation_checkpointing 'op': the recompute ran {func} more often than the "
+                "forward (a forward that depends on state changed since?)"
+            )
+        shapes, kept = queue.popleft()
+        if shapes != _shapes(args):
+            raise RuntimeError(
+                f"activation_checkpointing 'op': the recompute's {func} has inputs {_shapes(args)},"
+                f" the forward's had {shapes}: they ran different ops"
+            )
+
+        def reuse(entry):
+            if not isinstance(entry, _Kept):
+                return entry
+            if entry.tensor._version != entry.version:
+                raise RuntimeError(
+                    f"activation_checkpointing 'op': the output of {func} that the forward kept "
+                    "was changed in place before the backward"
+                )
+            return entry.tensor
+
+        return tree_map(reuse, kept)
+
+
+class _Kept:
+    """A kept output, detached, with its version counter at the time (in-place changes count)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.version = tensor.detach(), tensor._version
+
+
+# Higher-order operators reach a dispatch mode only through an implementation registered for its
+# class: FlexAttention's, as for torch's own selective checkpointing.
+for _mode in (_KeepOpOutputs, _ReuseOpOutputs):
+    redirect_to_mode(flex_attention, _mode)
+
+
+def _shapes(args) -> list:
+    return [tuple(x.shape) for x in tree_flatten(args)[0] if torch.is_tensor(x)]
+
+
+def op_level_contexts() -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """The forward and recompute contexts of op-level checkpointing (torch.utils.checkpoint's
+    context_fn), sharing one store of the kept outputs."""
+    keep = _KeepOpOutputs(op_level_policy, defaultdict(dict))  # torch's store, when compiling
+    reuse = _ReuseOpOutputs(op_level_policy, keep.storage)
+    keep.kept = reuse.kept = {}  # op -> (input shapes, outputs) of each call, in call order
+    return keep, reuse
 
 
 def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
@@ -612,8 +764,26 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     dynamo.recompile_limit = max(dynamo.recompile_limit, limit)
     # the head is None on all but the last stage
     for module in [*model.layers.values(), model.lm_head]:
-        if module is not None:
+        if module in OP_LEVEL_BLOCKS:
+            module.forward = torch.compile(op_level_forward(module), fullgraph=fullgraph)
+        elif module is not None:
             module.forward = torch.compile(module.forward, fullgraph=fullgraph)
+
+
+def op_level_forward(block: nn.Module) -> Callable:
+    """A block's forward under op-level checkpointing, for the compiler: torch.utils.checkpoint
+    inside the graph, so that the partitioner keeps and recomputes by op_level_policy (the
+    composable hooks, which would recompute the compiled forward whole, are turned off; uncompile
+    turns them on again)."""
+    checkpoint_module.state(block).enable_hook = False
+    forward = block.forward
+
+    def checkpointed(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(
+            forward, *args, use_reentrant=False, context_fn=op_level_contexts, **kwargs
+        )
+
+    return checkpointed
 
 
 def least_padding(shards: int) -> Callable[[nn.Parameter], Shard | None]:
@@ -751,6 +921,16 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
     reshard = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else cfg.pp == 1
     param_dtype = cfg.compute_dtype(mesh.device_type)
     fsdp = mesh["dp_cp"].size() > 1 or param_dtype != torch.float32 or cfg.offload
+    whole = param_dtype == torch.float32 and cfg.ep == 1 and cfg.cp == 1  # blocks compile whole
+    if cfg.compile and cfg.activation_checkpointing == "op" and not whole:
+        raise LayoutError(
+            "activation_checkpointing",
+            "[parallel] activation_checkpointing = 'op' with compile = true needs blocks that "
+            f"compile whole (param_dtype float32, ep = 1, cp = 1; here {param_dtype}, ep = "
+            f"{cfg.ep}, cp = {cfg.cp}): a graph break inside the checkpoint runs the block eagerly;"
+            " use 'full' or 'selective', or compile = false",
+            also=("compile",),
+        )
     units: list[FSDPUnit] = []
     for part in parts:
         if part.lm_head is not None:  # None on pipeline stages other than the last
@@ -763,9 +943,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
             apply_expert_parallel(part, mesh["ep"], cfg.ep_overlap)
         apply_activation_checkpointing(part, cfg.activation_checkpointing)
         if cfg.compile:
-            apply_compile(
-                part, fullgraph=param_dtype == torch.float32 and cfg.ep == 1 and cfg.cp == 1
-            )
+            apply_compile(part, fullgraph=whole)
         if fsdp:
             units += apply_fsdp(part, mesh, param_dtype, reshard, cfg.offload)
     pm = ParallelModel(parts, mesh, config, units)
@@ -827,6 +1005,8 @@ def uncompile(pm: ParallelModel) -> None:
         for module in [*part.layers.values(), part.lm_head]:
             if module is not None and "forward" in vars(module):
                 del module.forward
+            if module in OP_LEVEL_BLOCKS:  # back to the eager hooks (op_level_forward)
+                checkpoint_module.state(module).enable_hook = True
 
 
 # ============================================================================= the training surface

@@ -33,10 +33,10 @@ def tiny_config():
 
 
 def test_fits_leaves_the_slack_and_the_margin():
-    """total x (1 + 6 %) + 10 GiB <= the GPU's usable memory with full checkpointing; 27 %
-    without."""
+    """total x (1 + 6 %) + 10 GiB <= the GPU's usable memory with full checkpointing; 7 %
+    without (memory.py's measured misses)."""
     h100 = planner.GPUS["H100"]
-    for checkpointing, margin in (("full", 0.06), ("none", 0.27)):
+    for checkpointing, margin in (("full", 0.06), ("none", 0.07), ("op", 0.06)):
         limit = (h100.memory_gib - OVERHEAD_GIB) / (1 + margin)
         assert search.fits(limit * 0.999, h100, checkpointing) and not search.fits(
             limit * 1.001, h100, checkpointing

@@ -32,11 +32,15 @@ GIB = 2**30
 GPU_GIB = {"141GB": 140.4, "80GB": 79.6}
 OVERHEAD_GIB = 10.0
 # This estimate's largest miss against a rehearsal's measured peak (BENCHMARKS.md), by activation
-# checkpointing: within 6 % for every fully checkpointed GPU config; flint-8gpu's layout without
-# checkpointing (dp_shard 2 x ep 4) measured 101.6 GiB against its 80.3: un-checkpointed blocks
-# under expert parallelism save more than the models' block_activation_bytes counts. Selective keeps
-# half its blocks whole: the same margin.
-MEMORY_MARGIN = {"full": 0.06, "selective": 0.27, "none": 0.27}
+# checkpointing: within 6 % for every fully checkpointed GPU config. Without checkpointing it missed
+# by 27 % (flint-8gpu's layout, dp_shard 2 x ep 4: rehearsed 101.6 GiB against 80.3) while
+# block_activation_bytes counted the saved tensors in BF16 alone: autograd saves each RMSNorm's
+# input and normalised input in FP32, the router's FP32 input, every step of the SwiGLUs. Counted
+# term by term now (flint_model.py, pinned in tests/test_memory.py against a measurement of what
+# autograd saves), the same layout misses by 6 % (95.3 GiB); with `op`, which keeps only what
+# parallel.kept_by_op_level names, by 2 % (85.6 against 87.1). Selective keeps half its blocks
+# whole: none's margin.
+MEMORY_MARGIN = {"full": 0.06, "selective": 0.07, "none": 0.07, "op": 0.06}
 
 
 def gib_needed(estimate_gib: float, checkpointing: str) -> float:
@@ -147,18 +151,33 @@ def accumulation_of(
 
 
 def activation_bytes_per_token(
-    config: ModelConfig, layers: int, checkpointing: str, seq_len: int
+    config: ModelConfig, layers: int, checkpointing: str, seq_len: int, ep: int = 1
 ) -> float:
     """Bytes of saved activations per token of `layers` blocks under `checkpointing` (none,
-    selective, full), from the model's own per-block estimates."""
+    selective, op, full), from the model's own per-block estimates; `ep`: the expert-parallel
+    degree (op keeps what the all-to-alls received)."""
     model = meta_model(config)
     block, checkpointed = (
         model.block_activation_bytes(seq_len),
         model.checkpointed_block_bytes(seq_len),
     )
+    if checkpointing == "op":
+        return layers * op_block_bytes(model, seq_len, ep) + block  # one block recomputed at a time
     kept = {"none": layers, "full": 0, "selective": layers // 2}[checkpointing]
     # Checkpointed blocks keep their inputs only; one block at a time is recomputed in full.
     return kept * block + (layers - kept) * checkpointed + (block if kept < layers else 0)
+
+
+def op_block_bytes(model: torch.nn.Module, seq_len: int, ep: int = 1) -> float:
+    """What one op-level checkpointed block keeps per token (the model's op_block_activation_bytes),
+    or a ValueError naming the setting for a model that does not count it."""
+    if not hasattr(model, "op_block_activation_bytes"):
+        raise ValueError(
+            "[parallel] activation_checkpointing = 'op': "
+            f"{type(model).__name__} does not count what its op-level checkpointed blocks keep "
+            "(op_block_activation_bytes); use 'none', 'selective' or 'full'"
+        )
+    return model.op_block_activation_bytes(seq_len, ep)
 
 
 def microbatches_in_flight(cfg: ParallelConfig, grad_accum: int = 1, calls: int = 1) -> int:
@@ -226,7 +245,7 @@ def memory_per_gpu(
     in_flight = microbatches_in_flight(cfg, grad_accum, calls)
     tokens = batch_size * seq_len / cfg.cp / (microbatches if cfg.pp > 1 else 1)
     per_token = activation_bytes_per_token(
-        config, layers_per_stage, cfg.activation_checkpointing, seq_len
+        config, layers_per_stage, cfg.activation_checkpointing, seq_len, cfg.ep
     )
     activations = tokens * in_flight * per_token
     # Two FP32 chunks of logits at once, and the unsharded FP32 head gradient [V, H] before its
