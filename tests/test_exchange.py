@@ -198,3 +198,52 @@ def check_unequal_token_counts_are_refused() -> None:
 @pytest.mark.slow
 def test_sync_free_refuses_unequal_token_counts():
     spawn(2, check_unequal_token_counts_are_refused)
+
+
+# ----------------------------------------------------------------------------- the setting itself
+
+
+def test_ep_exchange_is_checked_and_named_on_the_command_line():
+    from config import ConfigError, load_config
+
+    assert (
+        load_config("configs/debug.toml", ["--parallel.ep_exchange=sync_free"]).parallel.ep_exchange
+        == "sync_free"
+    )
+    with pytest.raises(
+        ConfigError, match=r"--parallel.ep_exchange: .*must be one of \['sized', 'sync_free'\]"
+    ):
+        load_config("configs/debug.toml", ["--parallel.ep_exchange=fast"])
+
+
+def check_parallelize_passes_ep_exchange() -> None:
+    """[parallel] ep_exchange through parallelize: an evaluation forward of the layout model copies
+    split sizes to the host once per MoE layer when sized, never when sync_free, whose all-to-alls
+    all take equal splits."""
+    from helpers import (
+        DEFAULT_FAMILY,
+        make_batch,
+        moe_layers,
+        parallel_block_model,
+        rows_of_this_rank,
+    )
+    from parallel import ParallelConfig, build_mesh, parallelize
+    from tools.profiling import HostSyncs
+
+    for exchange in ("sized", "sync_free"):
+        model = parallel_block_model(DEFAULT_FAMILY)
+        layers = len(moe_layers(model.config))
+        cfg = ParallelConfig(ep=2, ep_exchange=exchange, param_dtype="float32")
+        pm = parallelize(model, cfg, build_mesh(cfg, "cpu", model.config.num_experts))
+        batch = rows_of_this_rank(pm.mesh, make_batch(vocab=model.config.vocab_size))
+        with HostSyncs() as syncs, Exchanges() as exchanges:
+            pm.loss(*batch)
+        copies = syncs.reads.count("tolist")
+        assert layers and copies == (layers if exchange == "sized" else 0), (exchange, syncs.reads)
+        if exchange == "sync_free":
+            assert all(len(set(s + r)) == 1 for s, r in exchanges.splits), exchanges.splits
+
+
+@pytest.mark.slow
+def test_parallelize_passes_ep_exchange_to_every_moe_layer():
+    spawn(2, check_parallelize_passes_ep_exchange)
