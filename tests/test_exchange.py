@@ -58,9 +58,9 @@ def test_a_block_holds_the_most_rows_a_chunk_can_send_one_rank():
 
 
 def test_the_send_plan_puts_each_rank_s_rows_first_in_its_block():
-    """2 chunks, 4 experts over 2 ranks (El 2), blocks of 3 and 2 rows. Keys (chunk * 4 + expert)
-    worked by hand: chunk 0 sends rank 0 assignments 1 (expert 1) and 0... in sorted order, rank 1
-    assignment 2; chunk 1 sends rank 1 assignment 3 (expert 2 of chunk 1 is key 6)."""
+    """2 chunks, 4 experts over 2 ranks (El 2), blocks of 3 and 2 rows; keys (chunk * 4 + expert)
+    worked by hand: assignments 0 and 1 go to rank 0 in chunk 0 (experts 1 and 0: sorted, 1 first),
+    2 to rank 1 in chunk 0 (expert 3), 3 to rank 1 in chunk 1 (expert 2)."""
     keys = torch.tensor([1, 0, 3, 6])  # assignments 0..3
     plan = padded_send_plan(keys, [3, 2], ep=2, local_experts=2)
     # sorted: key 0 (a1), 1 (a0), 3 (a2), 6 (a3)
