@@ -78,7 +78,12 @@ class BF16StatesAdamW(torch.optim.Optimizer):
     def __init__(
         self, groups: list[dict], lr: float, betas: tuple[float, float], eps: float, seed: int = 0
     ):
-        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
+        # torch.optim.AdamW's group keys, though this step reads only the first four: a
+        # checkpoint's param groups then load into either optimizer, so a run resumes under the
+        # other state_dtype (its moments cast on load)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0, amsgrad=False)
+        defaults.update(maximize=False, foreach=None, capturable=False, differentiable=False)
+        super().__init__(groups, dict(defaults, fused=False, decoupled_weight_decay=True))
         self.seed = seed
         self.generators: dict[torch.device, torch.Generator] = {}
         self.register_load_state_dict_post_hook(keep_bfloat16_states)

@@ -177,3 +177,22 @@ def test_bf16_states_resume_exactly_and_are_saved_in_bf16(tmp_path):
     assert [r["step"] for r in records(tmp_path) if "loss" in r] == [3, 4, 5]
     resumed = train_losses(tmp_path)
     assert resumed == {step: uninterrupted[step] for step in (3, 4, 5)}, (resumed, uninterrupted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved, resumed", [("bfloat16", "float32"), ("float32", "bfloat16")])
+def test_a_checkpoint_resumes_under_the_other_state_dtype(tmp_path, saved, resumed):
+    """Both optimizers' param groups hold torch AdamW's keys, and load_state_dict casts the moments:
+    a run saved with one state_dtype resumes with the other and trains on."""
+    from helpers import records, run_debug
+
+    common = ["--logging.every=1", "--training.sample_tokens=0"]
+    run_debug(tmp_path, *common, "--training.steps=2", f"--optim.state_dtype={saved}")
+    run_debug(
+        tmp_path,
+        *common,
+        "--training.steps=3",
+        "--checkpoint.resume=auto",
+        f"--optim.state_dtype={resumed}",
+    )
+    assert [r["step"] for r in records(tmp_path) if "loss" in r] == [1, 2, 3]
