@@ -196,3 +196,55 @@ def test_a_checkpoint_resumes_under_the_other_state_dtype(tmp_path, saved, resum
         f"--optim.state_dtype={resumed}",
     )
     assert [r["step"] for r in records(tmp_path) if "loss" in r] == [1, 2, 3]
+
+
+# ------------------------------------------------------------------------------------- on shards
+
+
+def check_bf16_states_on_shards(layouts: list[dict]) -> None:
+    """BF16StatesAdamW through train.build_optimizer on FSDP / expert-parallel DTensors against
+    torch's plain AdamW on full tensors: the first step's update comes from exact FP32 moments, so
+    the weights agree to FP32 rounding; the moments it stores are BF16 DTensors of the parameters'
+    placements, within one BF16 unit of (1 - beta1) g and (1 - beta2) g^2."""
+    from torch.distributed.tensor import DTensor
+
+    import train
+    from helpers import assert_weights_match, build, give_same_gradients, tiny_config
+    from parallel import ParallelConfig, build_mesh, parallelize
+
+    config = tiny_config("flint")
+    o = OptimSection(lr=1e-2, weight_decay=0.1, beta1=0.8, beta2=0.9, eps=1e-6)
+    for layout in layouts:
+        cfg = ParallelConfig.from_dict({"param_dtype": "float32", **layout})
+        pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
+        reference = build(config)
+        lean = train.build_optimizer(
+            pm.module, OptimSection(**{**vars(o), "state_dtype": "bfloat16"})
+        )
+        plain = train.build_optimizer(reference, o)
+        references = dict(reference.named_parameters())
+        give_same_gradients(pm.module, references, torch.Generator().manual_seed(0))
+        lean.step()
+        plain.step()
+        assert_weights_match(pm.module, references, rtol=1e-6)
+        for name, param in pm.module.named_parameters():
+            state, grad = lean.state[param], references[name].grad
+            for key, want in (("exp_avg", 0.2 * grad), ("exp_avg_sq", 0.1 * grad**2)):
+                moment = state[key]
+                assert isinstance(moment, DTensor) and moment.placements == param.placements
+                assert moment.dtype == torch.bfloat16, (name, key)
+                error = (moment.full_tensor().float() - want).abs()
+                assert (error <= BF16_UNIT * want.abs() + 1e-30).all(), (layout, name, key)
+
+
+def test_bf16_states_step_fsdp_shards():
+    from helpers import in_process_group
+
+    in_process_group(check_bf16_states_on_shards, [{"param_dtype": "bfloat16"}])
+
+
+@pytest.mark.slow
+def test_bf16_states_step_fsdp_and_expert_parallel_shards_of_two_ranks():
+    from helpers import spawn
+
+    spawn(2, check_bf16_states_on_shards, [{"dp_shard": 2}, {"ep": 2, "dp_shard": 1}])
