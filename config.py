@@ -122,6 +122,9 @@ class OptimSection:
     # muon: the block matrices' peak learning rate (the schedule scales it as lr)
     muon_lr: float = 0.02
     muon_momentum: float = 0.95  # muon: the momentum of the orthogonalised update (Nesterov)
+    # AdamW's moments: float32 | bfloat16 (stochastically rounded, 4 bytes per parameter less;
+    state_dtype: str = "float32"
+    # lean_adamw.py)
 
 
 @dataclass
@@ -585,6 +588,11 @@ def validate(cfg: TrainConfig) -> None:
         ("optim.lr", 0 < o.lr < math.inf, "be a finite number > 0"),
         ("optim.muon_lr", 0 < o.muon_lr < math.inf, "be a finite number > 0"),
         ("optim.muon_momentum", 0 <= o.muon_momentum < 1, "be in [0, 1)"),
+        (
+            "optim.state_dtype",
+            o.state_dtype in ("float32", "bfloat16"),
+            "be float32 or bfloat16",
+        ),
         ("optim.min_lr", 0 <= o.min_lr <= o.lr, f"be in [0, optim.lr = {o.lr}]"),
         (
             "optim.schedule",

@@ -28,6 +28,8 @@ from capacity import batched_swiglu, capacity_ratio, expert_capacity, plan_capac
 from devices import kernel_device_type
 
 EXPERT_BACKENDS = ("grouped", "loop")
+# [parallel] ep_exchange: how a dropless expert-parallel layer sizes its all-to-alls
+EP_EXCHANGES = ("sized", "sync_free")
 # CUDA's grouped GEMM starts every expert's rows on a 16-byte boundary: 8 BF16 values, so each width
 # it multiplies (the model's hidden and expert sizes, a LoRA rank on the experts) is a multiple of
 # 8.
@@ -567,15 +569,20 @@ def local_experts_forward(
     down_proj: torch.Tensor,
     align: int,
     swiglu: Callable = grouped_swiglu,
+    padding: bool = False,
 ) -> torch.Tensor:
     """xs [R, H] in any order, their routing weights [R] and local expert ids expert_of_row [R] ->
-    each row's weighted SwiGLU [R, H], same order (`swiglu`: GroupedExperts.swiglu's signature)."""
-    plan = sort_by_expert(expert_of_row.unsqueeze(1), gate_up_proj.shape[0], align)
+    each row's weighted SwiGLU [R, H], same order (`swiglu`: GroupedExperts.swiglu's signature).
+    padding: expert_of_row may also be El, a row that holds no token (sync_free's padded blocks):
+    sorted after every group, outside the grouped GEMM's offsets, so no expert computes it and its
+    output row is undefined (whoever receives it never reads it)."""
+    local = gate_up_proj.shape[0]
+    plan = sort_by_expert(expert_of_row.unsqueeze(1), local + padding, align)
     rows = expert_rows(plan, 1)  # each received row a token with one choice
     out = swiglu(
         dispatch(xs, rows),
         dispatch_weights(weights.unsqueeze(1), rows, xs.dtype),
-        plan.offsets,
+        plan.offsets[:local],
         gate_up_proj,
         down_proj,
     )
@@ -651,6 +658,55 @@ def start_exchange(
 
 
 Sizes = tuple[list[int], list[int]]  # one chunk's rows sent to and received from each expert rank
+
+
+# --------------------------------------------------------- the sync-free exchange's static blocks
+# [parallel] ep_exchange = "sync_free": every chunk sends each expert rank one block of a size known
+# from the shapes, its rows first and empty rows after, so the all-to-alls take equal splits and no
+# split size is copied to the host. The block is the worst case, so no routing can overflow it.
+
+
+def peer_block_rows(tokens: int, top_k: int, local_experts: int) -> int:
+    """The most rows `tokens` tokens can send one expert rank: each token's k choices are distinct
+    experts (the router's top-k), at most El of them on one rank."""
+    return tokens * min(top_k, local_experts)
+
+
+def padded_send_plan(
+    keys: torch.Tensor, blocks: list[int], ep: int, local_experts: int
+) -> ExpertPlan:
+    """Where each assignment sits in the send buffer of the sync-free exchange, no host sync: keys
+    [N*k] are chunk * E + expert; chunk c sends every expert rank a block of blocks[c] rows (that
+    rank's rows in expert order, then empty rows), the chunks' ep blocks one after another. offsets:
+    each (chunk, rank) block's end. More rows for a rank than its block is an error raised on the
+    device (distinct top-k choices cannot make one), never a dropped row."""
+    order = torch.argsort(keys, stable=True)
+    group = keys // local_experts  # [N*k]: chunk * ep + expert rank
+    counts = expert_counts(group, len(blocks) * ep)  # [n * ep]
+    sizes = [block for block in blocks for _ in range(ep)]
+    block_rows = torch.tensor(sizes, device=keys.device)  # [n * ep]
+    torch._assert_async(
+        (counts <= block_rows).all(),
+        "expert parallel sync_free: a rank routed more rows to one expert rank than its block "
+        "holds (repeated expert choices?)",
+    )
+    block_ends = torch.cumsum(block_rows, 0)
+    group_of_sorted = group[order]
+    rank_in_group = (
+        torch.arange(keys.numel(), device=keys.device)
+        - (torch.cumsum(counts, 0) - counts)[group_of_sorted]
+    )
+    slots = (block_ends - block_rows)[group_of_sorted] + rank_in_group
+    return ExpertPlan(order, slots, block_ends.to(torch.int32), sum(sizes))
+
+
+def received_experts(counts: torch.Tensor, block: int) -> torch.Tensor:
+    """counts [ep, El]: the rows each source rank sent for each local expert, in blocks of `block`
+    rows (expert order, then empty rows) -> the local expert of each received row [ep * block]; El
+    for an empty row."""
+    ends = counts.cumsum(1)  # [ep, El]
+    position = torch.arange(block, device=counts.device).expand(counts.shape[0], block)
+    return torch.searchsorted(ends, position.contiguous(), right=True).flatten()
 
 
 class ExpertSplits:
@@ -772,12 +828,26 @@ class ExpertParallelExperts(nn.Module):
     (SplitsForRecompute). Under forced balance (`balanced`, see set_balanced_routing) they follow
     from the shapes and nothing is read from the device. Under expert capacity (capacity.py) every
     split is C rows per expert, the exchanges pass no split sizes at all, and the layer compiles
-    whole. Compiled, the count exchange is a graph break of its own (exchange_counts: host values,
+    whole. With [parallel] ep_exchange = "sync_free" (forward_sync_free), dropless, nothing is
+    copied either: each chunk sends every rank a worst-case block, the counts stay on the device,
+    and the layer compiles whole; the price is ep blocks per chunk on the wire and in memory.
+    Compiled, the sized count exchange is a graph break of its own (exchange_counts: host values,
     the recompute's bookkeeping); the chunks' exchanges and experts trace into the graph after it,
     the split sizes as unbacked integers (ExpertSplits.sizes)."""
 
-    def __init__(self, experts: GroupedExperts, group, num_experts: int, chunks: int = 2):
+    def __init__(
+        self,
+        experts: GroupedExperts,
+        group,
+        num_experts: int,
+        chunks: int = 2,
+        exchange: str = "sized",
+    ):
         super().__init__()
+        if exchange not in EP_EXCHANGES:
+            raise ValueError(
+                f"[parallel] ep_exchange must be one of {EP_EXCHANGES}, got {exchange!r}"
+            )
         if experts.backend != "grouped":
             raise ValueError(
                 f"expert parallelism needs experts_backend 'grouped', got {experts.backend!r}"
@@ -788,6 +858,7 @@ class ExpertParallelExperts(nn.Module):
             )
         self.group, self.group_name, self.num_experts = group, group.group_name, num_experts
         self.chunks = chunks  # [parallel] ep_overlap
+        self.sync_free = exchange == "sync_free"  # [parallel] ep_exchange
         self.group_align, self.capacity_ratio = experts.group_align, experts.capacity_ratio
         self.balanced = False
         self.recompute_splits = SplitsForRecompute()
@@ -820,6 +891,8 @@ class ExpertParallelExperts(nn.Module):
         chunk_of_token = torch.arange(num_tokens, device=x.device) * self.chunks // num_tokens
         # [N, k]: by chunk, then expert
         keys = chunk_of_token.unsqueeze(1) * self.num_experts + indices
+        if self.sync_free:
+            return self.forward_sync_free(x, weights, keys, gate_up, down, meanwhile)
         # so by chunk, then rank
         rows = expert_rows(sort_by_expert(keys, self.chunks * self.num_experts, 1), top_k)
         # [N*k, H], [N*k]
@@ -844,6 +917,43 @@ class ExpertParallelExperts(nn.Module):
 
         returned, shared = self.exchange(
             [(sent[piece], sent_weights[piece]) for piece in pieces], sizes, experts, meanwhile
+        )
+        return combine(joined(returned), rows), shared
+
+    def forward_sync_free(self, x, weights, keys, gate_up, down, meanwhile):
+        """Dropless with no host sync ([parallel] ep_exchange = "sync_free"): chunk c sends every
+        expert rank a static block (padded_send_plan), so each all-to-all has equal splits known
+        from the shapes; the counts travel on the device (exchange_counts_on_device), and each
+        chunk's experts use them to find each received row's expert (received_experts) and leave
+        the empty rows out of the grouped GEMM. Costs: ep blocks per chunk on the wire and in the
+        buffers (peer_block_rows: ep * min(k, El) / k times the rows the sized exchange moves)."""
+        num_tokens, top_k = keys.shape
+        local = gate_up.shape[0]
+        ep, flat = self.num_experts // local, keys.flatten()
+        bounds = chunk_bounds(num_tokens, self.chunks)
+        blocks = [
+            peer_block_rows(end - start, top_k, local) for start, end in zip(bounds, bounds[1:])
+        ]
+        counts = self.exchange_counts_on_device(flat, num_tokens, local)  # [n, ep, El]
+        rows = expert_rows(padded_send_plan(flat, blocks, ep, local), top_k)
+        # [n * ep * block, H], [n * ep * block]
+        sent, sent_weights = dispatch(x, rows), dispatch_weights(weights, rows, x.dtype)
+        starts = [ep * sum(blocks[:chunk]) for chunk in range(len(blocks))]
+        pieces = [slice(start, start + ep * block) for start, block in zip(starts, blocks)]
+        align = self.group_align or group_alignment(x.device)
+
+        # rows ordered by source rank, then local expert, then empty rows: [ep * block, H]
+        def experts(chunk, received, received_weights):
+            expert_of_row = received_experts(counts[chunk], blocks[chunk])
+            return local_experts_forward(
+                received, received_weights, expert_of_row, gate_up, down, align, self.swiglu, True
+            )
+
+        returned, shared = self.exchange(
+            [(sent[piece], sent_weights[piece]) for piece in pieces],
+            [([block] * ep, [block] * ep) for block in blocks],
+            experts,
+            meanwhile,
         )
         return combine(joined(returned), rows), shared
 
@@ -924,6 +1034,33 @@ class ExpertParallelExperts(nn.Module):
         rows."""
         send, receive = sizes
         return start_exchange(out, send, receive, self.group_name)
+
+    def exchange_counts_on_device(
+        self, keys: torch.Tensor, num_tokens: int, local_experts: int
+    ) -> torch.Tensor:
+        """sync_free's count exchange, device to device: keys [N*k] are chunk * E + expert ->
+        [n, ep (source), El] the rows each source sends each local expert per chunk. Each rank's
+        token count travels too, and a mismatch stops the layer (an error raised on the device)
+        before any row is sent: every rank must size its blocks alike."""
+        ep = self.num_experts // local_experts
+        counts = expert_counts(keys, self.chunks * self.num_experts)  # [n * E]
+        # [ep, n * El + 1]: per destination rank, its experts' counts and this rank's token count
+        to_ranks = torch.cat(
+            [
+                counts.view(self.chunks, ep, local_experts).transpose(0, 1).flatten(1),
+                counts.new_full((ep, 1), num_tokens),
+            ],
+            dim=1,
+        )
+        from_ranks = _c10d.wait_tensor(
+            _c10d.all_to_all_single(to_ranks, [1] * ep, [1] * ep, self.group_name)
+        )
+        torch._assert_async(
+            (from_ranks[:, -1] == num_tokens).all(),
+            "[parallel] ep_exchange = 'sync_free' needs every expert rank to route the same "
+            "number of tokens per micro-batch (its blocks are sized from them); use 'sized'",
+        )
+        return from_ranks[:, :-1].view(ep, self.chunks, local_experts).transpose(0, 1)
 
     @torch.compiler.disable
     def exchange_counts(

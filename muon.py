@@ -31,6 +31,8 @@ import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim.adamw import adamw
 
+from lean_adamw import keep_bfloat16_states, step_group
+
 NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
 
 
@@ -102,7 +104,13 @@ class Muon(torch.optim.Optimizer):
     `lr_scale`."""
 
     def __init__(
-        self, groups: list[dict], lr: float, momentum: float, betas: tuple[float, float], eps: float
+        self,
+        groups: list[dict],
+        lr: float,
+        momentum: float,
+        betas: tuple[float, float],
+        eps: float,
+        state_dtype: str = "float32",
     ):
         super().__init__(
             groups,
@@ -116,14 +124,24 @@ class Muon(torch.optim.Optimizer):
                 lr_scale=1.0,
             ),
         )
+        # [optim] state_dtype: the AdamW groups' moments (lean_adamw.py); momentum stays FP32
+        self.bfloat16_states, self.seed, self.generators = state_dtype == "bfloat16", 0, {}
+        if self.bfloat16_states:
+            self.register_load_state_dict_post_hook(keep_bfloat16_states)
 
     @torch.no_grad()
     def step(self, closure=None):
+        place = 0  # each parameter's index in the optimizer: with the step, its seed
         for group in self.param_groups:
             if group["muon"]:
                 self._muon_step(group)
+            elif self.bfloat16_states:
+                for index, param in enumerate(group["params"], start=place + 1):
+                    if param.grad is not None:
+                        step_group(self, param, group, index)
             else:
                 self._adamw_step(group)
+            place += len(group["params"])
 
     def _muon_step(self, group: dict) -> None:
         for param in group["params"]:

@@ -57,7 +57,7 @@ from torch.utils.checkpoint import (
 
 from fp8 import FP8_RECIPES, apply_fp8
 from head import HEAD_PRECISIONS
-from moe import ExpertParallelExperts, MoE
+from moe import EP_EXCHANGES, ExpertParallelExperts, MoE
 from pipeline import SCHEDULES, V_SCHEDULES, merged_view, pipeline_schedule, pipeline_stage
 from stage import StageContext
 
@@ -106,6 +106,9 @@ class ParallelConfig:
     # chunks of each micro-batch's tokens exchanged apart, one chunk's all-to-all while
     ep_overlap: int = 2
     # another's experts (or the shared expert) compute (moe.ExpertParallelExperts); 1: one exchange
+    # dropless all-to-alls: sized (split sizes copied to the host, one sync per MoE layer) |
+    ep_exchange: str = "sized"
+    # sync_free (a worst-case static block per rank: no sync, ep times the rows; CONFIG.md)
     pp: int = 1  # pipeline parallel: stages
     cp: int = 1  # context parallel: the sequence length must divide by 2 * cp
     pp_schedule: str = "1F1B"  # GPipe | 1F1B | Interleaved1F1B | ZBVZeroBubble | DualPipeV
@@ -231,6 +234,7 @@ class ParallelConfig:
             ("head_precision", list(HEAD_PRECISIONS)),
             ("accumulation", list(ACCUMULATION_MODES)),
             ("fp8", list(FP8_RECIPES)),
+            ("ep_exchange", list(EP_EXCHANGES)),
         ):
             if getattr(self, key) not in allowed:
                 raise LayoutError(
@@ -547,9 +551,12 @@ def context_parallel(group: dist.ProcessGroup) -> StageContext:
 # =============================================================== expert parallel, AC, compile, FSDP
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, chunks: int) -> None:
+def apply_expert_parallel(
+    model: nn.Module, ep_mesh: DeviceMesh, chunks: int, exchange: str = "sized"
+) -> None:
     """Shard every MoE layer's experts over the ep mesh (DTensor Shard(0) on the expert dim), their
-    exchange in `chunks` overlapped pieces ([parallel] ep_overlap)."""
+    exchange in `chunks` overlapped pieces ([parallel] ep_overlap), sized or sync-free
+    ([parallel] ep_exchange)."""
     for layer in model.layers.values():
         if isinstance(layer.mlp, MoE):
             experts = layer.mlp.experts
@@ -566,7 +573,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, chunks: int) ->
                     nn.Parameter(local, requires_grad=param.requires_grad),
                 )
             layer.mlp.experts = ExpertParallelExperts(
-                experts, ep_mesh.get_group(), num_experts, chunks
+                experts, ep_mesh.get_group(), num_experts, chunks, exchange
             )
 
 
@@ -940,7 +947,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
         if cfg.fp8 != "none":
             apply_fp8(part, cfg.fp8)
         if cfg.ep > 1:
-            apply_expert_parallel(part, mesh["ep"], cfg.ep_overlap)
+            apply_expert_parallel(part, mesh["ep"], cfg.ep_overlap, cfg.ep_exchange)
         apply_activation_checkpointing(part, cfg.activation_checkpointing)
         if cfg.compile:
             apply_compile(part, fullgraph=whole)

@@ -69,6 +69,7 @@ from data import (
 from files import read_json_object
 from fp8 import fp8_device_refusal
 from layers import token_ids_checked_at_load
+from lean_adamw import BF16StatesAdamW
 from lora import apply_lora, is_adapter_key, without_adapters
 from metrics import MetricsLogger
 from moe import set_balanced_routing
@@ -679,7 +680,9 @@ def build_optimizer(model: torch.nn.Module, o: OptimSection) -> torch.optim.Opti
     matrices), not on norms or sinks; the fused kernel on every device, eager: faster than the
     multi-tensor one and than a compiled step, which would also compile for seconds (BENCHMARKS.md,
     Compiled code). Or Muon (muon.py) for the block matrices and experts, at muon_lr, and AdamW for
-    the embedding, head, routers (decayed) and 1-D parameters."""
+    the embedding, head, routers (decayed) and 1-D parameters. state_dtype bfloat16: AdamW's
+    moments in BF16 (lean_adamw.py's own step: the fused kernel takes FP32 moments only), in Muon's
+    AdamW groups too."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if o.name == "muon":
         matrices = [p for n, p in named if takes_muon(n, p)]
@@ -694,12 +697,21 @@ def build_optimizer(model: torch.nn.Module, o: OptimSection) -> torch.optim.Opti
             {"params": [p for _, p in others if p.dim() >= 2], "weight_decay": o.weight_decay},
             {"params": [p for _, p in others if p.dim() < 2], "weight_decay": 0.0},
         ]
-        return Muon(groups, lr=o.lr, momentum=o.muon_momentum, betas=(o.beta1, o.beta2), eps=o.eps)
+        return Muon(
+            groups,
+            lr=o.lr,
+            momentum=o.muon_momentum,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            state_dtype=o.state_dtype,
+        )
     params = [p for _, p in named]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+    if o.state_dtype == "bfloat16":
+        return BF16StatesAdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
 
 

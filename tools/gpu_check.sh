@@ -29,7 +29,11 @@
 #    0: loss within 0.5 %, each gradient's cosine similarity at least 0.999 (two BF16 kernels, sums
 #    in other orders); and the generated code must call flash-attn-4 (no silent flex).
 # 7. two GPUs (skipped with one): 2 processes of the debug model, ep 2, full checkpointing, compile, 8
-#    steps saving at 4 and 8; a second run resumes from step 4: steps 5 to 8 have the same losses.
+#    steps saving at 4 and 8; a second run resumes from step 4: steps 5 to 8 have the same losses. A
+#    third run with [parallel] ep_exchange = "sync_free" has the first run's losses at every step.
+# 8. sync_free: the sync-free exchange's MoE layer (an NCCL group of one, BF16, padded CUDA groups)
+#    compiled by inductor with fullgraph=True: 0 graph breaks, output and gradients within BF16
+#    rounding of eager's (cosine similarity at least 0.999), no host copy in eager.
 # Outputs land in ${OUT:-runs/gpu_check}. A check that fails prints FAIL and its log's tail; the
 # script goes on to the next and exits non-zero at the end.
 set -u
@@ -305,7 +309,67 @@ print(f"2 GPUs, ep 2, full checkpointing, compile: resumed at step 4, steps 5-8 
 PY
     fi
     verdict "2 processes: save, resume, equal losses" $status "$OUT/two_gpus.log"
+    rm -f "$OUT/two_gpus_sync_free.jsonl"
+    two_gpus "$OUT/two_gpus_sync_free.jsonl" --checkpoint.resume=never --parallel.ep_exchange=sync_free \
+        --checkpoint.dir="$OUT/ckpt3" > "$OUT/two_gpus_sync_free.log" 2>&1
+    status=$?
+    if [ $status -eq 0 ]; then
+        python3 - "$OUT/two_gpus.jsonl" "$OUT/two_gpus_sync_free.jsonl" >> "$OUT/two_gpus_sync_free.log" 2>&1 <<'PY' || status=1
+import json, sys
+sized, free = ({r["step"]: r["loss"] for r in map(json.loads, open(path)) if "loss" in r} for path in sys.argv[1:])
+assert sorted(free) == sorted(sized) == list(range(1, 9)), (sorted(sized), sorted(free))
+gap = max(abs(free[s] - sized[s]) / abs(sized[s]) for s in sized)
+assert gap <= 2e-3, {s: (sized[s], free[s]) for s in sized}
+print(f"2 GPUs, ep 2: ep_exchange sync_free's 8 losses within {gap:.1e} of sized's")
+PY
+    fi
+    verdict "2 processes: sync_free exchange, sized's losses" $status "$OUT/two_gpus_sync_free.log"
 else
     echo "SKIP 2 processes: one GPU"
 fi
+timeout 240 python3 - > "$OUT/sync_free.log" 2>&1 <<'PY'
+import os, sys
+sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests")]
+import torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
+dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+from helpers import shard_experts
+from moe import MoE
+from tools.profiling import HostSyncs
+dynamo = torch._dynamo.config
+dynamo.capture_scalar_outputs = dynamo.capture_dynamic_output_shape_ops = True
+
+def layer():
+    torch.manual_seed(0)
+    moe = MoE(256, 128, 256, 16, 4, True, dtype=torch.bfloat16)
+    for param in moe.parameters():  # MoE leaves its weights uninitialised
+        torch.nn.init.normal_(param, std=0.1)
+    moe = shard_experts(moe, 0, 1, 2, dtype=torch.bfloat16).cuda()
+    moe.experts.sync_free = True
+    return moe
+
+def run(moe, x):
+    x = x.clone().requires_grad_()
+    y = moe(x)
+    y.float().square().mean().backward()
+    return [y.float(), x.grad.float(), *(p.grad.float() for p in moe.parameters())]
+
+x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16)
+with HostSyncs() as syncs:
+    eager = run(layer(), x)
+assert "tolist" not in syncs.reads, syncs.reads
+compiled = layer()
+compiled.compile(fullgraph=True)
+torch._dynamo.utils.counters.clear()
+got = run(compiled, x)
+breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+assert breaks == 0, dict(torch._dynamo.utils.counters["graph_break"])
+worst = min(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0).item() for a, b in zip(got, eager))
+assert worst >= 0.999, worst
+print(f"sync_free MoE layer, inductor fullgraph: 0 graph breaks, cosine >= {worst:.5f} against eager, "
+      f"eager host copies {syncs.reads.count('tolist')}")
+dist.destroy_process_group()
+PY
+verdict "sync_free exchange compiled whole on the GPU" $? "$OUT/sync_free.log"
+
 exit $failed
