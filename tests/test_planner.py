@@ -767,31 +767,41 @@ def test_op_level_recompute_by_hand():
     assert planner.recomputed_share(tiny(), "op") == 0.0
 
 
-def test_the_options_are_read_where_the_config_has_them():
-    """Without the new keys the planner prices today's code (flex, sized exchange, FP32 moments,
-    unfused FP8); each key it finds reaches the Options; a value it cannot price is one line naming
-    its key."""
-    today = SimpleNamespace(
+def test_the_options_are_read_from_the_config():
+    """Each key reaches the Options (auto attention priced as flex); a value the planner cannot
+    price is one line naming its key."""
+    cfg = load_config(ROOT / "configs" / "flint-8gpu.toml", [])
+    assert planner.read_options(cfg) == planner.Options("flex", "sized", "float32")
+    new = load_config(
+        ROOT / "configs" / "flint-8gpu.toml",
+        [
+            "--model.attention_backend=flash",
+            "--parallel.ep_exchange=sync_free",
+            "--optim.state_dtype=bfloat16",
+        ],
+    )
+    assert planner.read_options(new) == planner.Options("flash", "sync_free", "bfloat16")
+    wrong = SimpleNamespace(
         model_config=SimpleNamespace(attention_backend="auto"),
-        parallel=SimpleNamespace(),
-        optim=SimpleNamespace(),
+        parallel=SimpleNamespace(ep_exchange="nvshmem"),
+        optim=SimpleNamespace(state_dtype="float32"),
     )
-    assert planner.read_options(today) == planner.Options("flex", "sized", 1.0, "float32", False)
-    new = SimpleNamespace(
-        model_config=SimpleNamespace(attention_backend="flash"),
-        parallel=SimpleNamespace(ep_exchange="sync_free", ep_buffer_factor=1.5, fp8_fused=True),
-        optim=SimpleNamespace(state_dtype="bfloat16"),
-    )
-    assert planner.read_options(new) == planner.Options("flash", "sync_free", 1.5, "bfloat16", True)
-    new.parallel.ep_exchange = "nvshmem"
     with pytest.raises(ConfigError, match=r"^\[parallel\] ep_exchange = 'nvshmem': the planner"):
-        planner.read_options(new)
-    new.parallel.ep_exchange, new.optim.state_dtype = "sized", "int8"
+        planner.read_options(wrong)
+    wrong.parallel.ep_exchange, wrong.optim.state_dtype = "sized", "int8"
     with pytest.raises(ConfigError, match=r"^\[optim\] state_dtype = 'int8'"):
-        planner.read_options(new)
-    new.optim.state_dtype, new.parallel.ep_buffer_factor = "float32", 0.5
-    with pytest.raises(ConfigError, match=r"^\[parallel\] ep_buffer_factor = 0.5: expected >= 1"):
-        planner.read_options(new)
+        planner.read_options(wrong)
+
+
+def test_the_sync_free_buffers_by_hand():
+    """Released Flint (256 experts, top 8) on ep 8: every rank gets tokens x min(8, 32) rows, 8x
+    the balanced tokens x 8 / 8; the tiny model (8 experts, top 2) on ep 8: min(2, 1) = 1 row a
+    token per rank, 8 / 2 = 4x; no expert parallelism: 1."""
+    released = SimpleNamespace(num_experts=256, num_experts_per_tok=8)
+    small = SimpleNamespace(num_experts=8, num_experts_per_tok=2)
+    assert planner.sync_free_buffer_factor(released, 8) == 8.0
+    assert planner.sync_free_buffer_factor(small, 8) == 4.0
+    assert planner.sync_free_buffer_factor(released, 1) == 1.0
 
 
 @pytest.mark.slow

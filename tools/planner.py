@@ -55,7 +55,7 @@ same step at 100 % of every peak (the bound); --peak prints the table of that bo
      transfers outlasts the experts' compute on a chunk), at NCCL all_to_all_single's rate. Expert
      loads are assumed balanced. [parallel] ep_exchange: sized (today) adds one host sync per MoE
      layer and micro-batch (host_sync_item); sync_free none, its static buffers sent whole
-     (ep_buffer_factor x the balanced rows).
+     (sync_free_buffer_factor: ep x min(k, E / ep) / k times the balanced rows).
    - Pipeline: each stage computes 1/pp of the rank's trace, sends [B, T, H] BF16 activations
      forward and gradients back per micro-batch (exposed), and idles a bubble of (pp - 1) / (m x v)
      of its compute (m micro-batches of a schedule call, v stages per rank; sync_last and gathered
@@ -68,8 +68,9 @@ same step at 100 % of every peak (the bound); --peak prints the table of that bo
 5. `--validate`: published MoE runs (tools/published_runs.py), measured / predicted beside the
    bound, each marked fitted (a tools/gpus.py constant was fitted to it) or held out.
 
-Options that are not config keys yet are read where the config has them (read_options) and
-otherwise priced as today's code runs.
+The design choices beyond the mesh come from the config (read_options): [model]
+attention_backend ("flash": flex's FLASH backend; "auto" is priced as flex, which it resolves to
+wherever flash-attn-4 is not installed), [parallel] ep_exchange and [optim] state_dtype.
 
 MFU divides the model's FLOPs (model.flops_per_token, as train.py counts them) by the step time and
 the dense BF16 peak, with FP8 too. --gpu cpu measures this machine's FP32 matmul rate and copy
@@ -80,7 +81,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -126,7 +126,7 @@ GROUPED_GEMM_TILE_ROWS = 128
 ATTENTION_TILE = 128
 # [parallel] ep_exchange: sized (moe.py today: NCCL all_to_all_single of exactly the routed rows,
 # their split sizes copied to the host once per MoE layer), sync_free (no host copy: static buffers
-# of ep_buffer_factor x the balanced rows), deepep (DeepEP's kernels: the published runs only).
+# of sync_free_buffer_factor x the balanced rows), deepep (DeepEP's kernels: published runs only).
 EXCHANGES = ("sized", "sync_free", "deepep")
 # AdamW's traffic per trainable parameter and step, by [optim] state_dtype: read the FP32 weight and
 # gradient, the two moments, write the weight and the moments, and the gradient norm's read: 4 + 4 +
@@ -208,7 +208,8 @@ class Pricing:
     # or fused (cuDNN: published runs only)
     attention: str = "flex"
     exchange: str = "sized"  # EXCHANGES
-    ep_buffer_factor: float = 1.0  # sync_free: static buffer rows over the balanced rows
+    # sync_free: static buffer rows over the balanced rows (sync_free_buffer_factor)
+    ep_buffer_factor: float = 1.0
 
     @property
     def gpu(self) -> bool:
@@ -778,31 +779,20 @@ def expert_rows(config: ModelConfig, layout: ParallelConfig, tokens: float) -> f
 @dataclasses.dataclass(frozen=True)
 class Options:
     """The design choices beyond the mesh that the planner prices: the attention backend (flex,
-    flash, or fused for published runs), the expert exchange (EXCHANGES), the static buffers of a
-    sync_free exchange over the balanced rows, AdamW's moment dtype, and whether FP8's quantisation
-    is fused into its producers."""
+    flash, or fused for published runs), the expert exchange (EXCHANGES) and AdamW's moment
+    dtype."""
 
     attention: str = "flex"
     exchange: str = "sized"
-    ep_buffer_factor: float = 1.0
     state_dtype: str = "float32"
-    fp8_fused: bool = False
 
 
 def read_options(cfg: TrainConfig) -> Options:
-    """The config's Options, each key read where the config has it (else today's behaviour):
-    [model] attention_backend (flash: flex's FLASH backend; auto, flex and sdpa: the flex kernel
-    that auto resolves to on a GPU today), [parallel] ep_exchange and ep_buffer_factor, [optim]
-    state_dtype, [parallel] fp8_fused (FP8's amax and cast in the producing kernels)."""
-    backend = getattr(cfg.model_config, "attention_backend", "auto")
-    attention = "flash" if backend == "flash" else "flex"
-    options = Options(
-        attention,
-        getattr(cfg.parallel, "ep_exchange", "sized"),
-        float(getattr(cfg.parallel, "ep_buffer_factor", 1.0)),
-        getattr(cfg.optim, "state_dtype", "float32"),
-        bool(getattr(cfg.parallel, "fp8_fused", False)),
-    )
+    """The config's Options: [model] attention_backend (flash: flex's FLASH backend; auto, flex and
+    sdpa: the flex kernel, which auto resolves to on a GPU without flash-attn-4), [parallel]
+    ep_exchange, [optim] state_dtype."""
+    attention = "flash" if cfg.model_config.attention_backend == "flash" else "flex"
+    options = Options(attention, cfg.parallel.ep_exchange, cfg.optim.state_dtype)
     check_options(options)
     return options
 
@@ -817,11 +807,18 @@ def check_options(options: Options) -> None:
     for key, value, choices in known:
         if value not in choices:
             raise ConfigError(f"{key} = {value!r}: the planner prices {', '.join(choices)}")
-    if options.ep_buffer_factor < 1:
-        raise ConfigError(
-            f"[parallel] ep_buffer_factor = {options.ep_buffer_factor}: expected >= 1 (static "
-            "buffers hold at least the balanced rows)"
-        )
+
+
+def sync_free_buffer_factor(config: ModelConfig, ep: int) -> float:
+    """A sync_free exchange's rows over the balanced ones: each chunk sends every expert rank a
+    static block of tokens x min(k, E / ep) rows (the most a rank's distinct top-k choices can put
+    on one rank's experts, moe.ExpertParallelExperts.forward_sync_free), where balanced loads send
+    tokens x k / ep."""
+    experts = getattr(config, "num_experts", 0)
+    if not experts or ep == 1:
+        return 1.0
+    k = config.num_experts_per_tok
+    return ep * min(k, experts / ep) / k
 
 
 def plan_step(
@@ -847,8 +844,7 @@ def plan_step(
         expert_rows(config, layout, tokens),
         options.attention,
         options.exchange,
-        options.ep_buffer_factor,
-        options.fp8_fused,
+        sync_free_buffer_factor(config, layout.ep),
     )
     gpu = pricing.gpu
     dtype = layout.compute_dtype("cuda" if gpu else "cpu")
