@@ -751,9 +751,10 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
         a unit in that unit's param_dtype and reduce-scatters only one gradient dtype per unit.
         Left out of FSDP (ignored_params, replicated), they would need a gradient all-reduce of
         their own, and the fused AdamW refuses a mix of tensors and DTensors.
-      - Under expert parallelism, dropless, the count exchange
+      - Under expert parallelism, dropless with ep_exchange "sized", the count exchange
         (moe.ExpertParallelExperts.exchange_counts: host split sizes), eager between the graph that
         sorts the rows and the one that exchanges them, which reads the sizes as unbacked integers.
+        ep_exchange "sync_free" keeps its counts on the device: no break there.
       - Context parallelism (a key/value all-gather in each block) is not asked to be whole.
     Two settings keep those breaks to the ones named: nested_graph_breaks resumes tracing inside
     the module that broke (by default dynamo breaks at every call on the way down to it, each
