@@ -126,7 +126,7 @@ def test_gpu_check_script_parses():
     text = script.read_text()
     pieces = re.findall(r"<<'PY'[^\n]*\n(.*?)\nPY\n", text, re.DOTALL)
     assert (
-        len(pieces) == text.count("<<'PY'") == 7
-    )  # parity, graphs, train, bench, fp8, flash, two GPUs
+        len(pieces) == text.count("<<'PY'") == 9
+    )  # parity, graphs, train, bench, fp8, flash, two GPUs (sized, sync_free), sync_free's layer
     for number, piece in enumerate(pieces):
         compile(piece, f"gpu_check.sh, Python piece {number + 1}", "exec")

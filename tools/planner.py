@@ -851,7 +851,8 @@ def plan_step(
     bulk_bytes = torch.empty((), dtype=dtype).element_size()
     checkpointing = layout.activation_checkpointing
     costs = trace_step(
-        config,
+        # on the CPU's kernels, whatever the GPU's backend: the attention core is priced apart
+        dataclasses.replace(config, attention_backend="auto"),
         batch,
         seq_len,
         dtype,
