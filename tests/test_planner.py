@@ -834,6 +834,12 @@ def test_the_options_reach_the_step():
     assert any(label.startswith("op-level recompute") for label in labels(op))
     none = plan(dataclasses.replace(layout, activation_checkpointing="none"))
     assert not any(label.startswith("op-level recompute") for label in labels(none))
+    # a config asking for flash (which the CPU refuses to run) is traced on the CPU's kernels
+    flash = load_config(
+        ROOT / "configs" / "flint-8gpu.toml",
+        ["--model.preset=tiny", "--data.seq_len=64", "--model.attention_backend=flash"],
+    )
+    assert "attention core (flash kernel, BF16)" in labels(planner.plan_step(flash, layout, h100))
 
 
 def test_peak_prints_the_bound_table(capsys, monkeypatch):
