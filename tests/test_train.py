@@ -542,7 +542,7 @@ def _rank_0_prepares_slowly(argv: list[str]) -> None:
     """train.main, with rank 0's data preparation taking a minute longer."""
     if os.environ["RANK"] == "0":
         real_prepare = train.prepare
-        train.prepare = lambda *args: (time.sleep(60), real_prepare(*args))
+        train.prepare = lambda *args, **kwargs: (time.sleep(60), real_prepare(*args, **kwargs))
     train.main(argv)
 
 

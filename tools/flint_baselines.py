@@ -1,7 +1,7 @@
 """What bench.py measures Flint against, on the same weights: the plain eager formulation of its
 architecture, the published implementation in transformers (FlintForCausalLM), when present, and one
 attention layer by itself (the sweep). bench.py finds it by its name, tools/<family>_baselines.py;
-the published runs planner.py is checked against are tools/published_runs.py.
+the published runs planner.py is checked against are tools/flint_published_runs.py.
 
 transformers is not a dependency of this repository. The reference row runs when it can be
 imported, for example from another environment's site-packages:

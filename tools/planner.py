@@ -65,8 +65,8 @@ same step at 100 % of every peak (the bound); --peak prints the table of that bo
 4. Per step: grad_accum micro-batches, then AdamW over the FP32 shards: 32 bytes per trainable
    parameter (read weight, gradient, 2 moments, write weight, 2 moments, and the norm's read), 24
    with [optim] state_dtype = "bfloat16" moments.
-5. `--validate`: published MoE runs (tools/published_runs.py), measured / predicted beside the
-   bound, each marked fitted (a tools/gpus.py constant was fitted to it) or held out.
+5. `--validate`: published MoE runs (tools/<family>_published_runs.py), measured / predicted beside
+   the bound, each marked fitted (a tools/gpus.py constant was fitted to it) or held out.
 
 The design choices beyond the mesh come from the config (read_options): [model]
 attention_backend ("flash": flex's FLASH backend; "auto" is priced as flex, which it resolves to
@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import time
 from collections import defaultdict
@@ -90,7 +91,7 @@ import torch
 from config import ConfigError, TrainConfig, load_config
 from flags import OneLineParser, positive
 from parallel import MESH_DIMS, ParallelConfig
-from registry import ModelConfig
+from registry import FAMILIES, ModelConfig
 from tools.gpus import (
     ATTENTION_BACKENDS,
     FP8_PEAKS,
@@ -975,10 +976,15 @@ def plan_table(plan: Plan, top: int = 10) -> str:
 
 
 def published_runs() -> list:
-    """The published MoE runs --validate predicts (tools/published_runs.py's RUNS)."""
-    from tools.published_runs import RUNS
-
-    return RUNS
+    """The published MoE runs --validate predicts: every registered family's, from its
+    tools/<family>_published_runs.py (Flint's: NeMo AutoModel, torchtitan and Megatron-Bridge runs
+    expressed as Flint configs), so that a fork without the family keeps a working planner."""
+    runs = []
+    for family in FAMILIES:
+        module = f"tools.{family}_published_runs"
+        if importlib.util.find_spec(module) is not None:
+            runs += importlib.import_module(module).RUNS
+    return runs
 
 
 def predict_run(run) -> tuple[Plan, Plan]:

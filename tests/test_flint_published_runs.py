@@ -1,4 +1,4 @@
-"""tools/published_runs.py and planner.py --validate: the runs, their marks, and measured over
+"""tools/flint_published_runs.py and planner.py --validate: the runs, their marks, and measured over
 predicted within 0.85-1.15, the measured numbers typed here from the sources."""
 
 import pytest
@@ -6,10 +6,10 @@ import pytest
 import tools.planner as planner
 from helpers import only
 from parallel import ParallelConfig
+from tools.flint_published_runs import RUNS
 from tools.planner import GPUS
-from tools.published_runs import RUNS
 
-# Published tokens/s per GPU, typed from the sources (tools/published_runs.py cites each).
+# Published tokens/s per GPU, typed from the sources (tools/flint_published_runs.py cites each).
 PUBLISHED = {
     "GPT-OSS-20B (NeMo AutoModel)": 13_058,
     "Qwen3-30B-A3B (NeMo AutoModel)": 12_040,
