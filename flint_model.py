@@ -846,18 +846,25 @@ class Flint(nn.Module):
         (tools/memory.py)."""
         return 2 * self.config.hidden_size
 
+    def block_widths(self) -> tuple[int, int, int, int, int]:
+        """A block's widths that its saved activations scale with: the query and key/value
+        projections', the routed choices per token, an expert's and the shared expert's."""
+        c = self.config
+        return (
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+            c.num_experts_per_tok,
+            c.moe_intermediate_size,
+            c.shared_expert_intermediate_size,
+        )
+
     def block_activation_bytes(self, seq_len: int) -> float:
         """Activations one MoE block saves for backward per token, eager, BF16 bulk (FP32 norms,
         router and softmax statistics), term by term as autograd saves them (measured on the CPU:
         tests/test_memory.py); flash attention keeps no score matrix, so seq_len does not enter
         (tools/memory.py)."""
         c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        k, width, shared = (
-            c.num_experts_per_tok,
-            c.moe_intermediate_size,
-            c.shared_expert_intermediate_size,
-        )
+        q, kv, k, width, shared = self.block_widths()
         attention = (
             rms_norm_bytes(c.hidden_size, 1)  # input_layernorm, its output the q/k/v input
             + rms_norm_bytes(q, c.num_attention_heads)  # q_norm: its output is attention's q
@@ -886,12 +893,7 @@ class Flint(nn.Module):
         and under expert parallelism (ep > 1) the rows, weights and outputs its all-to-alls
         received (as many as it sent, under balanced routing)."""
         c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        k, width, shared = (
-            c.num_experts_per_tok,
-            c.moe_intermediate_size,
-            c.shared_expert_intermediate_size,
-        )
+        q, kv, k, width, shared = self.block_widths()
         matmuls = 2 * (q + 2 * kv + c.hidden_size) + 4 * c.num_experts
         matmuls += 2 * (2 * shared + c.hidden_size) + 2 * (2 * k * width + k * c.hidden_size)
         attention = 2 * q + 4 * c.num_attention_heads

@@ -82,10 +82,9 @@ def fp8_moe_block(recipe: str) -> tuple[torch.nn.Module, tuple]:
     return model.layers["2"], block_inputs(model.config)
 
 
-def passes_of_compiled_step(block, inputs, monkeypatch) -> dict:
-    """Compile `block` (Inductor, fullgraph=True), run forward and backward twice: the kernels and
-    bytes Inductor generated, the eager passes the second run made inside the opaque ops, and the
-    values and gradients."""
+def count_eager_passes_inside_the_opaque_ops(monkeypatch) -> list[tuple[str, int]]:
+    """The FP8 custom ops' bodies (OPAQUE_BODIES) wrapped so that each eager pass they make is
+    appended to the returned list (EagerPasses)."""
     seen: list[tuple[str, int]] = []
     for name in OPAQUE_BODIES:
         body = getattr(fp8, name)
@@ -95,6 +94,14 @@ def passes_of_compiled_step(block, inputs, monkeypatch) -> dict:
                 return _body(*args, **kwargs)
 
         monkeypatch.setattr(fp8, name, counted)
+    return seen
+
+
+def passes_of_compiled_step(block, inputs, monkeypatch) -> dict:
+    """Compile `block` (Inductor, fullgraph=True), run forward and backward twice: the kernels and
+    bytes Inductor generated, the eager passes the second run made inside the opaque ops, and the
+    values and gradients."""
+    seen = count_eager_passes_inside_the_opaque_ops(monkeypatch)
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True, backend="inductor")
     with inductor_metrics() as counts:
@@ -175,15 +182,7 @@ def test_compiled_fp8_ops_equal_the_eager_ones_bit_for_bit(recipe, one_thread):
 def test_the_fp8_gemm_is_the_only_opaque_op(monkeypatch):
     """Eagerly, the quantisation runs outside the custom ops (in the traced autograd.Function), not
     inside them: what runs inside an FP8 GEMM op is the GEMM (and the CPU loop's output buffer)."""
-    seen: list[tuple[str, int]] = []
-    for name in OPAQUE_BODIES:
-        body = getattr(fp8, name)
-
-        def counted(*args, _body=body, **kwargs):
-            with EagerPasses(seen):
-                return _body(*args, **kwargs)
-
-        monkeypatch.setattr(fp8, name, counted)
+    seen = count_eager_passes_inside_the_opaque_ops(monkeypatch)
     x = torch.randn(32, 16, requires_grad=True)
     experts = torch.randn(2, 16, 16, requires_grad=True)
     y = fp8.fp8_matmul(x, torch.randn(16, 16), "rowwise", FORWARD)
