@@ -67,13 +67,6 @@ if TYPE_CHECKING:
 # build_mesh's flattened views (dp, dp_cp, fsdp, efsdp) are sliced from the root mesh, which
 # torch 2.13 supports and announces it will deprecate, once per slice: keep the logs readable.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
-# FSDP2 warns when a unit returns a view, since an in-place op on it would skip the unit's backward
-# all-gather. A dense block's FP32 unit, Sinks alone (FSDP2 renames a class it wraps FSDP<name>),
-# returns banded attention's output, a view, which Attention only reads (transpose, reshape,
-# o_proj): nothing for a user to act on. (An MoE block's unit ends with the router, whose output is
-# no view.)
-FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(FSDPSinks\) returned a view tensor"
-warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp")
 AC_MODES = ("none", "full", "selective", "op")
 ACCUMULATION_MODES = ("auto", "sync_each", "sync_last", "gathered")  # [parallel] accumulation
@@ -157,6 +150,13 @@ class ParallelConfig:
         return self.pp_stages_per_rank or (
             2 if self.pp_schedule in ("Interleaved1F1B", *V_SCHEDULES) else 1
         )
+
+    @property
+    def blocks_compile_whole(self) -> bool:
+        """Whether each block compiles to one graph (apply_compile's fullgraph): nothing in it but
+        the model's own code, which expert parallelism (the experts' nested FSDP unit, the count
+        exchange) and context parallelism (its key/value all-gather) are not."""
+        return self.ep == 1 and self.cp == 1
 
     def stage_ids(self, pp_rank: int) -> list[int]:
         """The pipeline stages this pp rank holds: looped (r, r + pp, ...), or a V for
@@ -280,6 +280,15 @@ class ParallelConfig:
             )
         if self.pp > 1 and self.pp_schedule in V_SCHEDULES:
             self.check_v_schedule()
+        if self.compile and self.activation_checkpointing == "op" and not self.blocks_compile_whole:
+            raise LayoutError(
+                "activation_checkpointing",
+                f"{where} activation_checkpointing = 'op' with compile = true needs blocks that "
+                f"compile whole (ep = 1, cp = 1; here ep = {self.ep}, cp = {self.cp}): a graph "
+                "break inside the checkpoint runs the block eagerly; use 'full' or 'selective', "
+                "or compile = false",
+                also=("compile",),
+            )
 
     def check_v_schedule(self) -> None:
         """What torch 2.13 cannot run under a V schedule: activation checkpointing (the composable
@@ -588,9 +597,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     each block by the same policy.
 
     Full and selective do not put torch.utils.checkpoint inside the compiled graph (its higher-order
-    op): under a BF16 policy, the nested FP32 units' FSDP hooks cannot run inside the op's body,
-    and dynamo then runs the whole block eagerly. For the same reason `op` compiles only where the
-    blocks compile whole (parallelize refuses the rest): FP32, no expert or context parallelism."""
+    op): under expert parallelism the experts' nested FSDP unit's hooks cannot run inside the op's
+    body, and dynamo then runs the whole block eagerly. For the same reason `op` compiles only where
+    the blocks compile whole (parallelize refuses the rest): no expert or context parallelism."""
     for index, layer in enumerate(model.layers.values()):
         if mode == "op":
             checkpoint_module(layer, context_fn=op_level_contexts)
@@ -654,8 +663,9 @@ class _KeepOpOutputs(_CachingTorchDispatchMode):
     per op. Compiled, torch's own selective checkpointing tags the graph instead (the parent).
 
     torch's eager version also numbers every other op, and its recompute refuses an op the forward
-    did not run: a nested FSDP unit's hooks (each block's FP32 unit under a BF16 policy) run other
-    ops in the recompute than in the forward (their unshard in backward), which it rejects. Here
+    did not run: FSDP's gathers in backward (each block's FP32 unit under a BF16 policy, the
+    experts' unit under expert parallelism) run other ops in the recompute than in the forward,
+    which it rejects. Here
     the ops recomputed are not numbered at all, so only the kept ones must come in the same order,
     and FSDP's hooks never run them."""
 
@@ -741,16 +751,14 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     trace. Errors are raised, never hidden by eager.
 
     fullgraph=True makes any graph break an error: each block is one graph. parallelize asks for
-    it whenever the block holds no other distributed code: one process, or FSDP with every unit
-    in FP32. What breaks a block's graph otherwise, which train.check_compiled counts:
-      - A nested FSDP unit (under a BF16 policy, each block's FP32 unit of sinks, router or
-        indexer; under expert parallelism, the experts' own unit): torch 2.13's FSDP2 wraps each of
-        its hooks in torch._dynamo.disable (fsdp/_fully_shard/_fsdp_common.py, with no setting to
-        trace them), so each call of a module of such a unit ends a graph at its pre- and its
-        post-forward hook. The FP32 units cannot join the block's: FSDP2 gathers every parameter of
-        a unit in that unit's param_dtype and reduce-scatters only one gradient dtype per unit.
-        Left out of FSDP (ignored_params, replicated), they would need a gradient all-reduce of
-        their own, and the fused AdamW refuses a mix of tensors and DTensors.
+    it whenever the block holds no other distributed code: one process or FSDP, in any dtype,
+    without expert or context parallelism. What breaks a block's graph otherwise, which
+    train.check_compiled counts:
+      - Under expert parallelism, the experts' own FSDP unit: torch 2.13's FSDP2 wraps each of its
+        hooks in torch._dynamo.disable (fsdp/_fully_shard/_fsdp_common.py, with no setting to
+        trace them), so the experts' call ends a graph at its pre- and its post-forward hook. (The
+        FP32 units of a BF16 policy, nested the same way, gather from the block's hooks instead:
+        gather_with_block.)
       - Under expert parallelism, dropless with ep_exchange "sized", the count exchange
         (moe.ExpertParallelExperts.exchange_counts: host split sizes), eager between the graph that
         sorts the rows and the one that exchanges them, which reads the sizes as unbacked integers.
@@ -886,6 +894,7 @@ def apply_fsdp(
         fp32_modules = model.fp32_modules(layer)
         if fp32_modules and param_dtype != torch.float32:  # in FP32 the block's own unit serves
             shard(fp32_modules, mesh=fsdp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
+            gather_with_block(layer, fp32_modules[0], reshard)
         if isinstance(layer.mlp, MoE):
             if isinstance(layer.mlp.experts, ExpertParallelExperts):
                 shard(
@@ -909,6 +918,39 @@ def apply_fsdp(
     return units
 
 
+def gather_with_block(block: nn.Module, unit: FSDPModule, reshard: bool) -> None:
+    """Make the block's FP32 unit (its own FSDP unit of sinks, router or indexer under a BF16
+    policy) gather and free its parameters from the block's hooks instead of its own, so that no
+    FSDP hook runs inside the block's compiled forward: torch 2.13 wraps FSDP2's hooks in
+    torch._dynamo.disable, and each call of such a module would end a graph (apply_compile). The
+    block's hooks run eagerly around its compiled forward, as its own unit's do.
+
+    What the unit's hooks did, the block's now do: gather before the block's forward, free after
+    it (reshard), gather again before the block's backward (its first output gradient; a
+    recompute runs inside that backward), and free after a forward without autograd. The unit's
+    gradient is reduce-scattered where FSDP2 finishes any unit whose post-backward did not run (its
+    root's end-of-backward callback; a pipeline stage's explicit post-backward): a few FP32
+    matrices a block, so the collective is small and waiting for the end costs little."""
+    state = unit._get_fsdp_state()
+    # torch 2.13 keeps the handles of the hooks fully_shard registered (one for a list unit)
+    state._pre_forward_hook_handle.remove()
+    state._post_forward_hook_handle.remove()
+
+    def gather(*_) -> None:
+        unit.unshard()
+
+    def free_or_wait_for_backward(module, args, output) -> None:
+        needing = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+        backward_follows = torch.is_grad_enabled() and bool(needing)
+        if reshard or not backward_follows:
+            unit.reshard()
+        if backward_follows:
+            torch.autograd.graph.register_multi_grad_hook(needing, gather, mode="any")
+
+    block.register_forward_pre_hook(gather)
+    block.register_forward_hook(free_or_wait_for_backward)
+
+
 def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) -> ParallelModel:
     """Lay `model` (FP32 master weights, on its device or on meta) across `mesh`; see the module
     docstring. With pp > 1 this rank keeps only its stages' layers. FSDP applies whenever there is
@@ -929,16 +971,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig | dict, mesh: DeviceMesh) 
     reshard = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else cfg.pp == 1
     param_dtype = cfg.compute_dtype(mesh.device_type)
     fsdp = mesh["dp_cp"].size() > 1 or param_dtype != torch.float32 or cfg.offload
-    whole = param_dtype == torch.float32 and cfg.ep == 1 and cfg.cp == 1  # blocks compile whole
-    if cfg.compile and cfg.activation_checkpointing == "op" and not whole:
-        raise LayoutError(
-            "activation_checkpointing",
-            "[parallel] activation_checkpointing = 'op' with compile = true needs blocks that "
-            f"compile whole (param_dtype float32, ep = 1, cp = 1; here {param_dtype}, ep = "
-            f"{cfg.ep}, cp = {cfg.cp}): a graph break inside the checkpoint runs the block eagerly;"
-            " use 'full' or 'selective', or compile = false",
-            also=("compile",),
-        )
+    whole = cfg.blocks_compile_whole
     units: list[FSDPUnit] = []
     for part in parts:
         if part.lm_head is not None:  # None on pipeline stages other than the last

@@ -607,11 +607,12 @@ BLOCK_MODELS = {
         "indexer_types": ["full", "full", "shared"],
     },
 }
-# Graphs a block runs per forward under a BF16 policy: 1 + 2 per call of a nested FP32 unit's module
-# (its FSDP pre- and post-forward hooks), less the empty segments between two adjacent hooks. Flint:
-# sinks in every block, the router in MoE blocks. Large 4: the full indexer's weights_proj and
-# k_norm (adjacent: 3 graphs, not 5) and the router; a shared indexer has no FP32 module.
-BF16_GRAPHS = {"flint": {"0": 3, "1": 5}, "large4": {"0": 4, "1": 6, "2": 3}}
+
+
+def one_graph_per_block(family: str) -> dict[str, int]:
+    """The graphs each block of parallel_block_model runs per forward where blocks compile whole
+    (FP32 or a BF16 policy, without expert or context parallelism): one."""
+    return {str(i): 1 for i in range(BLOCK_MODELS[family]["num_hidden_layers"])}
 
 
 def counting_backend(graph, example_inputs, inner: str = "aot_eager"):

@@ -2,6 +2,7 @@
 it keeps, counted op by op, and op-level checkpointing exact against none in every layout it
 serves (values and gradients, FP32), eager and compiled."""
 
+import dataclasses
 from collections import Counter
 from functools import partial
 
@@ -130,15 +131,68 @@ def step_in_layout(
 
 
 @pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
-def test_op_level_runs_with_the_nested_fp32_units_of_a_bf16_policy(family):
-    """Under a BF16 policy each block holds a nested FSDP unit of its FP32 modules (Flint's sinks
-    and router; Large 4's router and indexer), whose hooks run other ops in the recompute than in
-    the forward: torch's own selective checkpointing refused the recompute there. Op-level
-    checkpointing gives none's loss and gradients bit for bit."""
+def test_op_level_runs_with_the_fp32_units_of_a_bf16_policy(family):
+    """Under a BF16 policy each block holds an FSDP unit of its FP32 modules (Flint's sinks and
+    router; Large 4's router and indexer), gathered again before the block's backward: torch's own
+    selective checkpointing refused the recompute there (it numbers every op, and the gather runs
+    ops the forward did not). Op-level checkpointing gives none's loss and gradients bit for bit."""
     bf16 = {"param_dtype": "bfloat16"}
     none = in_process_group(step_in_layout, bf16, None, family)
     op = in_process_group(step_in_layout, {**bf16, "activation_checkpointing": "op"}, None, family)
     assert_equal_steps(op, none, "op under BF16")
+
+
+def compiled_bf16_steps(family: str) -> None:
+    """FSDP over this group (2 ranks) under a BF16 policy: none eager against op compiled whole
+    (fullgraph=True, AOT autograd's graphs run as traced), each over two steps of two micro-batches
+    (the FP32 units gathered and freed from the blocks' hooks every time), bit for bit."""
+    from helpers import rows_of_this_rank
+
+    config = tiny_config(family)
+    steps = []
+    for checkpointing, compile in (("none", False), ("op", True)):
+        torch._dynamo.reset()
+        cfg = ParallelConfig.from_dict(
+            {
+                "dp_shard": 2,
+                "param_dtype": "bfloat16",
+                "activation_checkpointing": checkpointing,
+                "compile": compile,
+            }
+        )
+        pm = parallelize(build(config), cfg, build_mesh(cfg, "cpu", config.num_experts))
+        losses, grads = [], []
+        for step in range(2):
+            for micro in range(2):
+                batch = make_batch(2 * step + micro, vocab=min(256, config.vocab_size))
+                losses.append(pm.forward_backward(*rows_of_this_rank(pm.mesh, batch)))
+            grads.append(
+                {n: full(p.grad) for n, p in pm.module.named_parameters() if p.grad is not None}
+            )
+            pm.module.zero_grad(set_to_none=True)
+        losses.append(
+            pm.loss(*rows_of_this_rank(pm.mesh, make_batch(9, vocab=min(256, config.vocab_size))))
+        )
+        steps.append((losses, grads, sum(torch._dynamo.utils.counters["graph_break"].values())))
+    (eager_losses, eager_grads, _), (losses, grads, breaks) = steps
+    assert breaks == 0
+    assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses)), (losses, eager_losses)
+    for step, (actual, expected) in enumerate(zip(grads, eager_grads)):
+        assert actual.keys() == expected.keys()
+        for name, grad in expected.items():
+            assert torch.equal(actual[name], grad), f"step {step}: gradient of {name}"
+
+
+@pytest.mark.parametrize("family", FIRST_FAMILY_THEN_SECOND_TIER)
+def test_op_level_compiles_whole_under_a_bf16_policy_and_matches_none(family):
+    spawn(2, spawned_with_backend, compiled_bf16_steps, family)
+
+
+def spawned_with_backend(check, *args) -> None:
+    """check(*args) in a spawned rank whose torch.compile traces through AOT autograd and runs the
+    traced graphs (no code generation: seconds, and bit for bit against eager)."""
+    torch.compile = partial(torch.compile, backend="aot_eager")  # this spawned process only
+    check(*args)
 
 
 def check_op_level_layouts() -> None:
@@ -229,16 +283,15 @@ def test_compiled_op_level_keeps_the_matmuls_and_matches_eager():
         torch.testing.assert_close(op["grads"][name], grad, rtol=1e-5, atol=1e-6)
 
 
-def refused_compile(layout: dict) -> None:
+@pytest.mark.parametrize("layout", [{"ep": 2}, {"cp": 2}])
+def test_op_level_compiles_only_whole_blocks(layout):
+    """Under expert parallelism (the experts' own FSDP unit and the count exchange break the
+    block's graph) or context parallelism the checkpoint would run the block eagerly: refused in
+    one line naming the key, before any work; the same layout without compile runs."""
+    op = ParallelConfig(**layout, activation_checkpointing="op")
     with pytest.raises(LayoutError, match=r"activation_checkpointing = 'op' with compile = true"):
-        step_in_layout({**layout, "activation_checkpointing": "op", "compile": True})
-
-
-@only("flint")
-def test_op_level_compiles_only_whole_blocks():
-    """Under a BF16 policy (the nested FP32 units break the block's graph) the checkpoint would
-    run the block eagerly: refused in one line naming the key."""
-    in_process_group(refused_compile, {"param_dtype": "bfloat16"})
+        dataclasses.replace(op, compile=True).validate()
+    op.validate()
 
 
 @pytest.mark.slow

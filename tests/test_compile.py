@@ -17,7 +17,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from attention import FULL, SLIDING, flash_sink_attention
 from helpers import (
-    BF16_GRAPHS,
     FAMILY_NAMES,
     FIRST_FAMILY_THEN_SECOND_TIER,
     assert_close_to_scale,
@@ -26,6 +25,7 @@ from helpers import (
     counting_backend,
     in_process_group,
     make_batch,
+    one_graph_per_block,
     only,
     parallel_block_model,
     parallel_step,
@@ -410,14 +410,15 @@ def test_checkpointed_blocks_compile_whole_and_match_eager(family, monkeypatch):
     [name if name == FAMILY_NAMES[0] else pytest.param(name, marks=slow) for name in FAMILY_NAMES],
 )
 def test_checkpointed_blocks_under_a_bf16_policy(family, monkeypatch):
-    """A BF16 FSDP policy in a group of one, every block checkpointed: the graphs per block kind are
-    pinned (BF16_GRAPHS), each break is at an FSDP hook, and the values are the eager blocks'."""
+    """A BF16 FSDP policy in a group of one, every block checkpointed: each block compiles to one
+    graph (fullgraph=True: the FP32 units gather from the block's hooks, parallel.gather_with_block,
+    not from hooks of their own inside it), and the values are the eager blocks'."""
     monkeypatch.setattr(torch, "compile", partial(torch.compile, backend=counting_backend))
     in_process_group(
         check_checkpointed_compiled_matches_eager,
         family,
         {"param_dtype": "bfloat16", "activation_checkpointing": "full"},
-        BF16_GRAPHS[family],
+        one_graph_per_block(family),
         1e-2,
         1e-3,
     )
@@ -426,20 +427,20 @@ def test_checkpointed_blocks_under_a_bf16_policy(family, monkeypatch):
 @pytest.mark.slow
 @FLINT
 def test_checkpointed_blocks_under_bf16_expert_parallel():
-    """ep = 2 over 2 gloo ranks, BF16 policy, every block checkpointed: an MoE block runs 7 graphs:
-    its nested units' FSDP hooks (sinks, router, and the experts' own unit on the efsdp mesh) less
-    one empty segment make 6, and the count exchange (moe.ExpertParallelExperts.exchange_counts)
-    runs eager between two graphs, so that its host split sizes are read once per forward and reused
-    by the recompute. The graph after it exchanges the chunks' rows, runs the experts and the
-    shared expert, and reads the split sizes as unbacked integers, so a second batch, routed
-    otherwise, runs the same graphs."""
+    """ep = 2 over 2 gloo ranks, BF16 policy, every block checkpointed: a dense block is one graph
+    (its FP32 unit gathers from the block's hooks), an MoE block runs 4: the experts' own unit on
+    the efsdp mesh ends a graph at its FSDP pre- and post-forward hooks, and the count exchange
+    (moe.ExpertParallelExperts.exchange_counts) runs eager between two graphs, so that its host
+    split sizes are read once per forward and reused by the recompute. The graph after it exchanges
+    the chunks' rows, runs the experts and the shared expert, and reads the split sizes as unbacked
+    integers, so a second batch, routed otherwise, runs the same graphs."""
     spawn(
         2,
         spawned,
         check_checkpointed_compiled_matches_eager,
         "flint",
         {"param_dtype": "bfloat16", "ep": 2, "activation_checkpointing": "full"},
-        {"0": 3, "1": 7},
+        {"0": 1, "1": 4},
         1e-2,
         1e-3,
         2,
@@ -457,7 +458,7 @@ def test_checkpointed_blocks_under_bf16_pipeline_stages():
         check_checkpointed_compiled_matches_eager,
         "flint",
         {"param_dtype": "bfloat16", "pp": 2, "activation_checkpointing": "full"},
-        BF16_GRAPHS["flint"],
+        one_graph_per_block("flint"),
         1e-2,
         1e-3,
     )

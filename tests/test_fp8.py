@@ -750,26 +750,21 @@ def check_compiled_matches_eager(
 @pytest.mark.slow
 @only("flint")
 @pytest.mark.parametrize(
-    "layout, bf16, tolerance",
+    "layout, tolerance",
     [
-        ({"activation_checkpointing": "selective"}, False, (1e-5, 1e-6)),
-        ({"param_dtype": "bfloat16", "activation_checkpointing": "full"}, True, (1e-2, 1e-3)),
+        ({"activation_checkpointing": "selective"}, (1e-5, 1e-6)),
+        ({"param_dtype": "bfloat16", "activation_checkpointing": "full"}, (1e-2, 1e-3)),
     ],
 )
 def test_fp8_blocks_compiled_through_parallelize_keep_the_graph_pins(
-    layout, bf16, tolerance, monkeypatch
+    layout, tolerance, monkeypatch
 ):
-    """FP32 in a group of one (fullgraph=True, one graph per block) and a BF16 FSDP policy (the
-    graphs pinned in helpers.BF16_GRAPHS, every break at an FSDP hook): with fp8 the compiled step
-    equals the eager one and runs the same graphs as without."""
-    from helpers import BF16_GRAPHS, counting_backend, parallel_block_model
+    """FP32 in a group of one and a BF16 FSDP policy, both whole (fullgraph=True, one graph per
+    block): with fp8 the compiled step equals the eager one and runs the same graphs as without."""
+    from helpers import counting_backend, one_graph_per_block
 
     monkeypatch.setattr(torch, "compile", partial(torch.compile, backend=counting_backend))
-    expected = (
-        BF16_GRAPHS["flint"]
-        if bf16
-        else {str(i): 1 for i in range(parallel_block_model("flint").config.num_hidden_layers)}
-    )
+    expected = one_graph_per_block("flint")
     in_process_group(
         check_compiled_matches_eager, {**layout, "fp8": "rowwise"}, expected, *tolerance
     )

@@ -112,3 +112,34 @@ def test_search_refuses_a_step_of_no_tokens(small_space):
         with pytest.raises(ValueError, match=f"tokens per step must be >= 1, got {tokens}"):
             search.search(cfg, 8, h100, tokens)
     assert search.search(cfg, 8, h100, 1) == []
+
+
+@pytest.mark.slow
+@FLINT
+def test_op_level_is_tried_where_the_blocks_compile_whole(monkeypatch):
+    """flint-8gpu compiles its blocks: the search lays out op-level checkpointing on 2 GPUs only
+    without expert or context parallelism (parallel.py refuses it compiled there), and full
+    checkpointing on every mesh."""
+    monkeypatch.setattr(search, "ROWS", (1,))
+    monkeypatch.setattr(search, "CHECKPOINTING", ("op", "full"))
+    monkeypatch.setattr(search, "OVERLAPS", (1,))
+    found = search.search(tiny_config(), 2, planner.GPUS["H100"], 2 * 64)
+
+    def meshes(mode):
+        return {
+            (c.layout.dp_shard, c.layout.ep, c.layout.cp)
+            for c in found
+            if c.layout.activation_checkpointing == mode
+        }
+
+    assert meshes("op") == {(2, 1, 1)}
+    assert meshes("full") >= {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+
+
+def test_op_level_is_tried_for_the_models_that_count_it(monkeypatch):
+    """memory.py counts op-level blocks only for models with op_block_activation_bytes: the
+    search leaves op out for the others."""
+    cfg = tiny_config()
+    assert search.counted_modes(cfg) == ("none", "selective", "op", "full")
+    monkeypatch.delattr(type(planner.meta_model(cfg.model_config)), "op_block_activation_bytes")
+    assert search.counted_modes(cfg) == ("none", "selective", "full")

@@ -10,7 +10,9 @@ grad_accum x the data-parallel ranks) stay fixed: each layout takes the micro-ba
 sequences per rank that make it up. Enumerated: pp (1, 2, 4, 8 where the model has stages) with its
 schedule, dp_replicate (HSDP, one node a replica), ep (dividing the experts), cp (1, 2 where the
 model has it), dp_shard the rest; rows per micro-batch 1, 2, 4, 8; the accumulation modes;
-activation checkpointing none, selective, full; ep_overlap 1, 2, 4. A layout fits when memory.py's
+activation checkpointing none, selective, op, full (op where parallel.py runs it, compiled only on
+blocks that compile whole, and where the model counts what it keeps for memory.py); ep_overlap 1, 2,
+4. A layout fits when memory.py's
 total, plus its 10 GiB of slack and buffers, plus memory.MEMORY_MARGIN of the total (memory.py's
 largest miss against the rehearsals of its checkpointing mode), stays under the GPU's usable memory.
 Ranked by calibrated tokens/s per GPU; each trace (per rows and checkpointing) is made once."""
@@ -31,7 +33,7 @@ from tools.memory import gib_needed, memory_per_gpu
 from tools.planner import Device, Plan, add_shape_arguments, describe_layout, plan_step, read_shape
 
 ROWS = (1, 2, 4, 8)
-CHECKPOINTING = ("none", "selective", "full")
+CHECKPOINTING = ("none", "selective", "op", "full")
 OVERLAPS = (1, 2, 4)
 SCHEDULES = {"1F1B": 1, "Interleaved1F1B": 2, "DualPipeV": 2}  # pp_schedule: stages per rank
 
@@ -132,6 +134,13 @@ def candidates(
                 continue
 
 
+def counted_modes(cfg: TrainConfig) -> tuple[str, ...]:
+    """The checkpointing modes memory.py counts for this model: op only where the model says what
+    its op-level blocks keep (op_block_activation_bytes)."""
+    counts_op = hasattr(model_class(cfg.model_config), "op_block_activation_bytes")
+    return tuple(mode for mode in CHECKPOINTING if mode != "op" or counts_op)
+
+
 def fits(memory_gib: float, device: Device, checkpointing: str) -> bool:
     return gib_needed(memory_gib, checkpointing) <= device.memory_gib
 
@@ -144,15 +153,14 @@ def search(
     checkpointing_modes: tuple[str, ...] | None = None,
 ) -> list[Candidate]:
     """The layouts that fit, best calibrated tokens/s per GPU first; `checkpointing_modes` narrows
-    the modes tried (default: all)."""
+    the modes tried (default: counted_modes)."""
     tokens = tokens_per_step(cfg, gpus) if tokens is None else tokens
+    checkpointing_modes = checkpointing_modes or counted_modes(cfg)
     if tokens < 1:  # 0 would be every layout's step of no micro-batches
         raise ValueError(f"tokens per step must be >= 1, got {tokens}")
     config, seq_len = cfg.model_config, cfg.data.seq_len
     found = []
-    for layout, rows, accum in candidates(
-        cfg, gpus, device, tokens, checkpointing_modes or CHECKPOINTING
-    ):
+    for layout, rows, accum in candidates(cfg, gpus, device, tokens, checkpointing_modes):
         memory = memory_per_gpu(config, layout, seq_len, rows, accum, device.memory_gib)["total"]
         if not fits(memory, device, layout.activation_checkpointing):
             continue
@@ -200,7 +208,7 @@ def main(argv: list[str] | None = None) -> Plan | None:
         "--checkpointing",
         type=names_from(AC_MODES),
         help="the activation checkpointing modes to try, comma-separated "
-        f"(default: all: {','.join(AC_MODES)})",
+        f"(default: {','.join(CHECKPOINTING)}, op where the model counts it)",
     )
     args, overrides = parser.parse_known_args(argv)
     cfg, device, gpus, _ = read_shape(args, overrides)
