@@ -283,7 +283,7 @@ def test_command_prints_the_released_layouts_labelled(capsys, monkeypatch):
     memory.main(["--config", "configs/flint-8gpu.toml", "--gpus", "8"])
     out = capsys.readouterr().out
     assert (
-        "| config flint-8gpu.toml: dp_shard=2 ep=4 ac=full |" in out
+        "| config flint-8gpu.toml: dp_shard=2 ep=4 ac=none |" in out
         and "| candidate: dp_shard=8 ac=none |" in out
     )
     memory.main(
@@ -296,7 +296,7 @@ def test_command_prints_the_released_layouts_labelled(capsys, monkeypatch):
         ]
     )
     out = capsys.readouterr().out
-    assert "seq_len 8192" in out and "| config flint-8gpu.toml: dp_shard=2 ep=4 ac=full |" in out
+    assert "seq_len 8192" in out and "| config flint-8gpu.toml: dp_shard=2 ep=4 ac=none |" in out
 
 
 @pytest.mark.slow
@@ -457,7 +457,7 @@ def test_one_gpu_is_the_smallest_layout_it_sizes(monkeypatch, capsys):
         ]
     )
     out = capsys.readouterr().out
-    assert "| config flint-8gpu.toml: one GPU ac=full |" in out
+    assert "| config flint-8gpu.toml: one GPU ac=none |" in out
     assert "| candidate: one GPU ac=none |" in out
 
 
