@@ -36,7 +36,7 @@ import torch.nn as nn
 from torch._higher_order_ops.flex_attention import flex_attention
 from torch._higher_order_ops.utils import redirect_to_mode
 from torch.distributed._composable import checkpoint as checkpoint_module
-from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -537,7 +537,7 @@ def gather_sequence(t: torch.Tensor, cp_group, dim: int) -> torch.Tensor:
     cp = dist.get_world_size(cp_group)
     seq_len = t.shape[dim] * cp
     gathered_order = torch.cat([cp_token_index(seq_len, cp, r, t.device) for r in range(cp)])
-    return all_gather_tensor_autograd(t.contiguous(), dim, cp_group).index_select(
+    return all_gather_single_autograd(t.contiguous(), dim, cp_group).index_select(
         dim, torch.argsort(gathered_order)
     )
 
