@@ -663,11 +663,10 @@ class _KeepOpOutputs(_CachingTorchDispatchMode):
     per op. Compiled, torch's own selective checkpointing tags the graph instead (the parent).
 
     torch's eager version also numbers every other op, and its recompute refuses an op the forward
-    did not run: FSDP's gathers in backward (each block's FP32 unit under a BF16 policy, the
-    experts' unit under expert parallelism) run other ops in the recompute than in the forward,
-    which it rejects. Here
-    the ops recomputed are not numbered at all, so only the kept ones must come in the same order,
-    and FSDP's hooks never run them."""
+    did not run: a nested FSDP unit's hooks (the experts' own unit under expert parallelism) run
+    other ops in the recompute than in the forward (their gather in backward), which it rejects.
+    Here the ops recomputed are not numbered at all, so only the kept ones must come in the same
+    order, and FSDP's hooks never run them."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _is_compiling(func, args, kwargs):
