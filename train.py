@@ -273,7 +273,11 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
     rehearsal.add_argument(
         "--world-size", type=int, help="the job's GPUs (default: what [parallel] needs)"
     )
-    rehearsal.add_argument("--rank", type=int, default=0, help="the rank to rehearse (default 0)")
+    rehearsal.add_argument(
+        "--rank",
+        type=int,
+        help="the rank to rehearse (default: rank 0, and under a pipeline also the last rank)",
+    )
     rehearsal.add_argument(
         "--gpu", default="H200", help="H100 | H200 | B200: the capacity to check against"
     )
@@ -284,9 +288,10 @@ def parse_args(argv: list[str] | None) -> TrainConfig:
         raise SystemExit(0)
     if args.dry_run:
         # fake tensors and a fake world: only a rehearsal needs them
-        from tools.rehearsal import rehearse
+        from tools.rehearsal import ranks_to_rehearse, rehearse
 
-        rehearse(cfg, args.world_size, args.rank, args.gpu)
+        for rank in ranks_to_rehearse(cfg, args.world_size, args.rank):
+            rehearse(cfg, args.world_size, rank, args.gpu)
         raise SystemExit(0)
     return cfg
 

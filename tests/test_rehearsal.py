@@ -163,6 +163,25 @@ def test_train_py_dry_run_exits_zero(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_train_py_dry_run_rehearses_a_pipelines_first_and_last_rank(tmp_path, capsys):
+    """Under a pipeline the last rank (the head's stage) usually holds the most: --dry-run rehearses
+    rank 0 and it; --rank picks one."""
+    args = [
+        "--config",
+        str(debug_configs()[DEFAULT_FAMILY]),
+        "--dry-run",
+        "--parallel.pp=2",
+        f"--checkpoint.dir={tmp_path}/ck",
+        f"--logging.jsonl={tmp_path}/m.jsonl",
+    ]
+    for extra, ranks in (([], [0, 1]), (["--rank=1"], [1])):
+        with pytest.raises(SystemExit):
+            train.main(args + extra)
+        out = capsys.readouterr().out
+        assert re.findall(r"rehearsal rank (\d) of 2: peak", out) == [str(r) for r in ranks]
+
+
+@pytest.mark.slow
 @FLINT
 def test_a_layout_whose_weights_exceed_the_gpu_fails_before_its_first_step(capsys):
     cfg = load_config(
@@ -247,7 +266,7 @@ def rehearse_config(tmp_path, capsys, name: str, world: int, *overrides: str) ->
         [f"--checkpoint.dir={tmp_path}/ck", f"--logging.jsonl={tmp_path}/m.jsonl", *overrides],
     )
     results = []
-    for rank in [0, world - 1] if cfg.parallel.pp > 1 else [0]:
+    for rank in rehearsal.ranks_to_rehearse(cfg, world, None):
         results.append(rehearsal.rehearse(cfg, world, rank, gpu="H200"))
         printed = capsys.readouterr().out
         assert (

@@ -200,6 +200,16 @@ def world_size_of(cfg: TrainConfig, world_size: int | None) -> int:
     return cfg.parallel.named_world_size
 
 
+def ranks_to_rehearse(cfg: TrainConfig, world_size: int | None, rank: int | None) -> list[int]:
+    """--rank, or rank 0 and, under a pipeline, also the last rank: its stages end with the head
+    and usually hold the most (memory.py sizes the busiest stage; rank 0 of flint-multinode needs
+    a quarter less than its last rank)."""
+    if rank is not None:
+        return [rank]
+    world = world_size_of(cfg, world_size)
+    return [0, world - 1] if cfg.parallel.pp > 1 and world > 1 else [0]
+
+
 @contextmanager
 def fake_world(world_size: int, rank: int) -> Iterator[None]:
     """This process as rank `rank` of a fake process group of `world_size`."""
